@@ -1,0 +1,28 @@
+# Dockerfile: builds sublinear (LibTorch from the PyPI torch wheel) on the CUDA 13.0 devel image
+# and, by default, trains configs/tiny.yaml (CPU recipe; GPU recipes need `docker run --gpus all`).
+# Cost: ~4.6 GB torch wheel download plus the C++ build; the image is well over 10 GB.
+# NOTE: not built or tested: the development machines have no Docker engine.
+#   docker build -t sublinear . && docker run --rm sublinear
+FROM nvidia/cuda:13.0.0-devel-ubuntu24.04
+
+ARG TORCH_VERSION=2.11.0
+ENV DEBIAN_FRONTEND=noninteractive \
+    SUBLINEAR_HOME=/opt/sublinear \
+    TORCH_CUDA_ARCH_LIST=9.0 \
+    PATH=/usr/local/cuda/bin:$PATH
+
+# The same packages scripts/setup.sh checks for (it skips apt when they are present).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends cmake ninja-build g++ ccache libyaml-cpp-dev \
+      libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev catch2 python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+
+# Its own layer, so code changes do not re-download torch. Keep in step with setup.sh's pin.
+RUN python3 -m venv "$SUBLINEAR_HOME/venv" \
+ && "$SUBLINEAR_HOME/venv/bin/python" -m pip install --quiet --no-cache-dir "torch==$TORCH_VERSION"
+
+WORKDIR /src/sublinear
+COPY . .
+RUN scripts/setup.sh
+
+CMD ["build/trainer", "--config", "configs/tiny.yaml"]

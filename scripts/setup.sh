@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# setup.sh: install what sublinear needs and build it into build/ (idempotent).
+#   1. Debian packages (apt-get, only when some are missing),
+#   2. LibTorch from the PyPI torch wheel in a venv at ${SUBLINEAR_HOME:-~/.cache/sublinear}/venv,
+#   3. CMake configure (Ninja, Release; -DSUBLINEAR_WERROR=ON when CI=true) and build.
+# Cost: first run downloads the CUDA torch wheel with its nvidia-* deps (~4.6 GB, ~70 s on a
+# fast link) and compiles the project (minutes on 2 cores); a re-run only rebuilds what changed.
+set -euo pipefail
+
+TORCH_VERSION=2.11.0   # the one place the LibTorch version is pinned
+PACKAGES=(cmake ninja-build g++ ccache libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
+          nlohmann-json3-dev catch2 python3-venv)
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SUBLINEAR_HOME="${SUBLINEAR_HOME:-$HOME/.cache/sublinear}"
+VENV="$SUBLINEAR_HOME/venv"
+say() { echo "setup: $*"; }
+
+# 1. Debian packages.
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=()
+  if [[ $(id -u) -ne 0 ]]; then
+    command -v sudo >/dev/null || { echo "setup: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+    SUDO=(sudo)
+  fi
+  say "apt-get install ${missing[*]}"
+  "${SUDO[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  say "Debian packages present"
+fi
+
+# 2. torch wheel in the venv (outside the repo).
+PY="$VENV/bin/python"
+[[ -x "$PY" ]] || { say "creating venv $VENV"; python3 -m venv "$VENV"; }
+# One interpreter start: prints the CMake prefix path when the pinned torch imports.
+torch_prefix() {
+  "$PY" -W ignore -c "import sys, torch, torch.utils
+sys.exit(1) if not torch.__version__.startswith('$TORCH_VERSION') else print(torch.utils.cmake_prefix_path)" 2>/dev/null
+}
+if PREFIX="$(torch_prefix)"; then
+  say "torch $TORCH_VERSION present in $VENV"
+else
+  say "pip install torch==$TORCH_VERSION (CUDA wheel, ~4.6 GB)"
+  "$PY" -m pip install --quiet "torch==$TORCH_VERSION"
+  PREFIX="$(torch_prefix)" || { echo "setup: torch $TORCH_VERSION does not import from $VENV" >&2; exit 1; }
+fi
+
+# The wheel's CMake config looks for a CUDA toolkit and an architecture list.
+[[ -x /usr/local/cuda/bin/nvcc ]] && [[ ":$PATH:" != *":/usr/local/cuda/bin:"* ]] && export PATH="/usr/local/cuda/bin:$PATH"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+
+# 3. Configure (fast when cached) and build.
+CMAKE_ARGS=(-S "$ROOT" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIX")
+[[ "${CI:-}" == true ]] && CMAKE_ARGS+=(-DSUBLINEAR_WERROR=ON)
+say "cmake configure -> build/"
+cmake "${CMAKE_ARGS[@]}" >/dev/null
+say "cmake --build build -j 2"
+cmake --build "$ROOT/build" -j 2
+say "done: $ROOT/build/trainer"

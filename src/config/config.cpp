@@ -1,0 +1,438 @@
+// Recipe loading: a table of every key (type, doc, accessors), YAML walking with line numbers,
+// presets, --set overrides, validation and JSON output.
+#include "config/config.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
+
+#include "errors.h"
+
+namespace sl::config {
+namespace {
+
+using Json = nlohmann::json;
+
+// One recipe key: where it lives, what it means, and how to read/write it.
+struct Field {
+  std::string section, key, type, doc;
+  std::function<void(RunConfig&, const YAML::Node&)> set;
+  std::function<Json(const RunConfig&)> get;
+  std::string name() const { return section + "." + key; }
+};
+
+std::string where(const YAML::Node& node) {
+  if (node.Mark().is_null()) return "";
+  return fmt::format(" (line {})", node.Mark().line + 1);
+}
+
+template <class T> const char* type_name() {
+  if constexpr (std::is_same_v<T, bool>) return "bool";
+  else if constexpr (std::is_integral_v<T>) return "integer";
+  else if constexpr (std::is_floating_point_v<T>) return "number";
+  else if constexpr (std::is_same_v<T, std::string>) return "string";
+  else return "list of strings";
+}
+
+template <class T> T convert(const YAML::Node& node, const std::string& name) {
+  auto fail = [&]() -> T {
+    std::string got = node.IsScalar() ? "'" + node.Scalar() + "'"
+                      : node.IsSequence() ? "a list"
+                      : node.IsMap()      ? "a map"
+                                          : "nothing";
+    throw ConfigError(fmt::format("{}: expected {}, got {}{}", name, type_name<T>(), got, where(node)));
+  };
+  if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    if (!node.IsSequence()) return fail();
+    T out;
+    for (const auto& item : node) {
+      if (!item.IsScalar()) return fail();
+      out.push_back(item.Scalar());
+    }
+    return out;
+  } else {
+    if (!node.IsScalar()) return fail();
+    try {
+      return node.as<T>();
+    } catch (const YAML::Exception&) {
+      return fail();
+    }
+  }
+}
+
+template <class S, class T>
+Field field(S RunConfig::*sec, T S::*mem, const char* section, const char* key, const char* doc) {
+  Field f{section, key, type_name<T>(), doc, {}, {}};
+  std::string name = f.name();
+  f.set = [sec, mem, name](RunConfig& c, const YAML::Node& n) { (c.*sec).*mem = convert<T>(n, name); };
+  f.get = [sec, mem](const RunConfig& c) { return Json((c.*sec).*mem); };
+  return f;
+}
+
+const std::vector<Field>& fields() {
+  using R = RunConfig;
+  using M = ModelConfig;
+  using D = DataConfig;
+  using T = TrainConfig;
+  using C = CheckpointingConfig;
+  static const std::vector<Field> table = {
+      field(&R::model, &M::preset, "model", "preset", "named shape: tiny | gpt2-124m | gpt2-350m | 1.3b | 7b (\"\" = none); keys given next to it override it"),
+      field(&R::model, &M::arch, "model", "arch", "gpt2 (LayerNorm, GELU, learned positions) | llama (RMSNorm, SwiGLU, RoPE)"),
+      field(&R::model, &M::n_layer, "model", "n_layer", "transformer blocks L"),
+      field(&R::model, &M::n_head, "model", "n_head", "attention heads; n_embd must divide by it"),
+      field(&R::model, &M::n_embd, "model", "n_embd", "hidden size d"),
+      field(&R::model, &M::vocab_size, "model", "vocab_size", "vocabulary size; every token id must be below it"),
+      field(&R::model, &M::max_seq_len, "model", "max_seq_len", "context length (position table / RoPE table)"),
+      field(&R::model, &M::mlp_hidden, "model", "mlp_hidden", "MLP inner size; 0 = 4d (gpt2) or 2/3*4d rounded up to 256 (llama)"),
+      field(&R::model, &M::dropout, "model", "dropout", "dropout on embeddings, attention probabilities and residual branches"),
+      field(&R::model, &M::bias, "model", "bias", "biases in linear layers and LayerNorm"),
+      field(&R::model, &M::tie_embeddings, "model", "tie_embeddings", "LM head shares the token embedding matrix"),
+      field(&R::model, &M::norm_eps, "model", "norm_eps", "epsilon of LayerNorm / RMSNorm"),
+      field(&R::model, &M::rope_theta, "model", "rope_theta", "RoPE base frequency (llama)"),
+      field(&R::model, &M::init_std, "model", "init_std", "init std of weights; residual projections use init_std/sqrt(2L)"),
+
+      field(&R::data, &D::source, "data", "source", "bin (llm.c/nanoGPT uint16 token shard) | text (UTF-8, one token per byte) | synthetic"),
+      field(&R::data, &D::path, "data", "path", "training file (bin or text), relative to the working directory"),
+      field(&R::data, &D::val_path, "data", "val_path", "held-out file of the same kind; \"\" = hold out the last val_fraction of path"),
+      field(&R::data, &D::val_fraction, "data", "val_fraction", "share of path held out for eval when val_path is \"\""),
+      field(&R::data, &D::synthetic_tokens, "data", "synthetic_tokens", "corpus length in tokens for source: synthetic"),
+
+      field(&R::train, &T::seq_len, "train", "seq_len", "tokens per sequence T (<= model.max_seq_len)"),
+      field(&R::train, &T::micro_batch, "train", "micro_batch", "sequences per forward/backward B"),
+      field(&R::train, &T::grad_accum, "train", "grad_accum", "micro-batches per optimizer step (loss is normalized so one step equals one big batch)"),
+      field(&R::train, &T::steps, "train", "steps", "optimizer steps"),
+      field(&R::train, &T::lr, "train", "lr", "peak learning rate"),
+      field(&R::train, &T::min_lr, "train", "min_lr", "learning rate at the end of the cosine decay"),
+      field(&R::train, &T::warmup_steps, "train", "warmup_steps", "linear learning-rate warm-up steps"),
+      field(&R::train, &T::weight_decay, "train", "weight_decay", "AdamW weight decay, applied to matrices (dim >= 2) only"),
+      field(&R::train, &T::beta1, "train", "beta1", "AdamW beta1"),
+      field(&R::train, &T::beta2, "train", "beta2", "AdamW beta2"),
+      field(&R::train, &T::grad_clip, "train", "grad_clip", "global gradient-norm clip; 0 = off"),
+      field(&R::train, &T::eval_interval, "train", "eval_interval", "eval loss on the held-out split every N steps and at the end; 0 = never"),
+      field(&R::train, &T::eval_batches, "train", "eval_batches", "micro-batches per eval"),
+      field(&R::train, &T::seed, "train", "seed", "seeds initialization, dropout and batch sampling"),
+      field(&R::train, &T::device, "train", "device", "auto | cpu | cuda (auto = cuda when available)"),
+      field(&R::train, &T::threads, "train", "threads", "CPU intra-op threads; 0 = all cores"),
+
+      field(&R::checkpointing, &C::mode, "checkpointing", "mode", "none | full | interval | sqrt | selective"),
+      field(&R::checkpointing, &C::interval, "checkpointing", "interval", "interval mode: k consecutive blocks per segment"),
+      field(&R::checkpointing, &C::segments, "checkpointing", "segments", "interval mode alternative: number of segments (give interval or segments, not both)"),
+      field(&R::checkpointing, &C::recompute, "checkpointing", "recompute", "selective mode: parts to recompute, any of [attention, mlp, norm]"),
+      field(&R::checkpointing, &C::skip_last, "checkpointing", "skip_last", "keep the last segment's activations (recomputing them saves nothing at peak)"),
+      field(&R::checkpointing, &C::preserve_rng, "checkpointing", "preserve_rng", "replay the forward's RNG state during recompute (exact dropout)"),
+      field(&R::checkpointing, &C::check_recompute, "checkpointing", "check_recompute", "verify recomputed outputs match the forward's shapes and dtypes"),
+
+      field(&R::precision, &PrecisionConfig::dtype, "precision", "dtype", "fp32 (bf16 and fp16 autocast are not built yet)"),
+      field(&R::parallel, &ParallelConfig::backend, "parallel", "backend", "auto | gloo | nccl (multi-process training is not built yet)"),
+      field(&R::parallel, &ParallelConfig::timeout_s, "parallel", "timeout_s", "collective timeout in seconds"),
+      field(&R::memory, &MemoryConfig::track_cpu, "memory", "track_cpu", "install the tracking CPU allocator so CPU peak bytes are exact"),
+
+      field(&R::logging, &LoggingConfig::dir, "logging", "dir", "run directory; \"\" = runs/<recipe name>-<timestamp>"),
+      field(&R::logging, &LoggingConfig::interval, "logging", "interval", "console line every N steps"),
+      field(&R::logging, &LoggingConfig::skip_first, "logging", "skip_first", "warm-up steps excluded from the medians in summary.json"),
+      field(&R::logging, &LoggingConfig::peak_tflops, "logging", "peak_tflops", "device peak TFLOP/s for MFU; 0 = measure a GEMM rate at start"),
+      field(&R::logging, &LoggingConfig::progress, "logging", "progress", "progress bar when stdout is a terminal"),
+  };
+  return table;
+}
+
+const Field* find_field(const std::string& section, const std::string& key) {
+  for (const auto& f : fields())
+    if (f.section == section && f.key == key) return &f;
+  return nullptr;
+}
+
+bool is_section(const std::string& s) {
+  for (const auto& f : fields())
+    if (f.section == s) return true;
+  return false;
+}
+
+std::string keys_of(const std::string& section) {
+  std::string out;
+  for (const auto& f : fields())
+    if (f.section == section) out += (out.empty() ? "" : ", ") + f.key;
+  return out;
+}
+
+std::string section_names() {
+  std::string out;
+  for (const auto& f : fields())
+    if (out.find(f.section) == std::string::npos) out += (out.empty() ? "" : ", ") + f.section;
+  return out;
+}
+
+struct Override {
+  std::string section, key;
+  YAML::Node value;
+};
+
+Override parse_override(const std::string& text) {
+  auto eq = text.find('=');
+  auto dot = text.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq)
+    throw ConfigError(fmt::format("--set '{}': expected section.key=value, e.g. --set train.steps=50", text));
+  Override o{text.substr(0, dot), text.substr(dot + 1, eq - dot - 1), {}};
+  if (!is_section(o.section))
+    throw ConfigError(fmt::format("--set {}.{}: unknown section '{}' (sections: {})", o.section, o.key,
+                                  o.section, section_names()));
+  if (!find_field(o.section, o.key))
+    throw ConfigError(fmt::format("--set {}.{}: unknown key '{}' in section {} (keys: {})", o.section,
+                                  o.key, o.key, o.section, keys_of(o.section)));
+  std::string value = text.substr(eq + 1);
+  try {
+    o.value.reset(value.empty() ? YAML::Node(std::string()) : YAML::Load(value));
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("--set {}.{}: cannot parse value '{}': {}", o.section, o.key, value, e.msg));
+  }
+  if (o.value.IsNull()) o.value.reset(YAML::Node(std::string()));
+  return o;
+}
+
+// Checks the YAML tree's shape (known sections, known keys) before anything is applied.
+void check_tree(const YAML::Node& root, const std::string& origin) {
+  if (!root.IsMap())
+    throw ConfigError(fmt::format("{}: the recipe must be a map of sections ({})", origin, section_names()));
+  for (const auto& sec : root) {
+    std::string s = sec.first.as<std::string>();
+    if (!is_section(s))
+      throw ConfigError(fmt::format("{}: unknown section '{}'{} (sections: {})", origin, s, where(sec.first),
+                                    section_names()));
+    if (sec.second.IsNull()) continue;
+    if (!sec.second.IsMap())
+      throw ConfigError(fmt::format("{}: section '{}'{} must be a map of key: value", origin, s, where(sec.first)));
+    for (const auto& kv : sec.second) {
+      std::string k = kv.first.as<std::string>();
+      if (!find_field(s, k))
+        throw ConfigError(fmt::format("{}: unknown key '{}.{}'{} (keys of {}: {})", origin, s, k,
+                                      where(kv.first), s, keys_of(s)));
+    }
+  }
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace
+
+std::vector<std::string> preset_names() { return {"tiny", "gpt2-124m", "gpt2-350m", "1.3b", "7b"}; }
+
+void apply_preset(ModelConfig& m, const std::string& name) {
+  auto gpt2 = [&](int64_t L, int64_t h, int64_t d, int64_t ctx) {
+    m.arch = "gpt2", m.n_layer = L, m.n_head = h, m.n_embd = d, m.vocab_size = 50257, m.max_seq_len = ctx;
+    m.mlp_hidden = 0, m.bias = true, m.tie_embeddings = true;
+  };
+  if (name.empty()) return;
+  if (name == "tiny") {
+    m.arch = "gpt2", m.n_layer = 4, m.n_head = 4, m.n_embd = 128, m.vocab_size = 256, m.max_seq_len = 256;
+    m.mlp_hidden = 0, m.bias = true, m.tie_embeddings = true;
+  } else if (name == "gpt2-124m") {
+    gpt2(12, 12, 768, 1024);
+  } else if (name == "gpt2-350m") {
+    gpt2(24, 16, 1024, 1024);
+  } else if (name == "1.3b") {
+    gpt2(24, 16, 2048, 2048);  // GPT-3 XL shape
+  } else if (name == "7b") {
+    m.arch = "llama", m.n_layer = 32, m.n_head = 32, m.n_embd = 4096, m.vocab_size = 32000;
+    m.max_seq_len = 4096, m.mlp_hidden = 11008, m.bias = false, m.tie_embeddings = false;
+    m.norm_eps = 1e-6;
+  } else {
+    std::string names;
+    for (auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+    throw ConfigError(fmt::format("model.preset: unknown preset '{}' (presets: {})", name, names));
+  }
+}
+
+int64_t mlp_hidden(const ModelConfig& m) {
+  if (m.mlp_hidden > 0) return m.mlp_hidden;
+  if (m.arch == "llama") return round_up(2 * 4 * m.n_embd / 3, 256);
+  return 4 * m.n_embd;
+}
+
+RunConfig load_string(const std::string& text, const std::vector<std::string>& overrides,
+                      const std::string& origin) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("{}: YAML syntax error at line {}: {}", origin, e.mark.line + 1, e.msg));
+  }
+  if (root.IsNull()) root.reset(YAML::Node(YAML::NodeType::Map));
+  check_tree(root, origin);
+
+  std::vector<Override> sets;
+  for (const auto& o : overrides) sets.push_back(parse_override(o));
+
+  RunConfig cfg;
+  // Preset first (from --set if given, else from the file), then the file's keys, then --set.
+  std::string preset;
+  // yaml-cpp's operator= on a Node aliases, and non-const operator[] inserts: look up through a
+  // const reference and rebind with reset().
+  const YAML::Node& croot = root;
+  YAML::Node preset_node;
+  if (croot["model"] && croot["model"].IsMap() && croot["model"]["preset"]) preset_node.reset(croot["model"]["preset"]);
+  for (const auto& o : sets)
+    if (o.section == "model" && o.key == "preset") preset_node.reset(o.value);
+  if (preset_node.IsDefined() && !preset_node.IsNull()) preset = convert<std::string>(preset_node, "model.preset");
+  try {
+    apply_preset(cfg.model, preset);
+  } catch (const ConfigError& e) {
+    throw ConfigError(std::string(e.what()) + where(preset_node));
+  }
+  for (const auto& sec : root) {
+    if (sec.second.IsNull()) continue;
+    std::string s = sec.first.as<std::string>();
+    for (const auto& kv : sec.second) find_field(s, kv.first.as<std::string>())->set(cfg, kv.second);
+  }
+  for (const auto& o : sets) {
+    if (o.value.IsScalar() && o.value.Scalar().empty() && find_field(o.section, o.key)->type != "string")
+      throw ConfigError(fmt::format("--set {}.{}: missing value", o.section, o.key));
+    find_field(o.section, o.key)->set(cfg, o.value);
+  }
+  cfg.model.preset = preset;
+  validate(cfg);
+  return cfg;
+}
+
+RunConfig load(const std::string& path, const std::vector<std::string>& overrides) {
+  std::string text;
+  std::string name = "run";
+  if (!path.empty()) {
+    std::ifstream in(path);
+    if (!in)
+      throw ConfigError(fmt::format("--config {}: cannot open the recipe file (check the path; recipes live in configs/)", path));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+    name = std::filesystem::path(path).stem().string();
+  }
+  RunConfig cfg = load_string(text, overrides, path.empty() ? "<defaults>" : path);
+  cfg.recipe_name = name;
+  return cfg;
+}
+
+void validate(const RunConfig& c) {
+  auto fail = [](const std::string& key, const std::string& msg) {
+    throw ConfigError(fmt::format("{}: {}", key, msg));
+  };
+  auto positive = [&](const std::string& key, int64_t v) {
+    if (v <= 0) fail(key, fmt::format("must be > 0, got {}", v));
+  };
+  auto one_of = [&](const std::string& key, const std::string& v, std::initializer_list<const char*> allowed) {
+    std::string list;
+    for (auto a : allowed) {
+      if (v == a) return;
+      list += (list.empty() ? "" : " | ") + std::string(a);
+    }
+    fail(key, fmt::format("'{}' is not one of {}", v, list));
+  };
+  const auto& m = c.model;
+  one_of("model.arch", m.arch, {"gpt2", "llama"});
+  positive("model.n_layer", m.n_layer);
+  positive("model.n_head", m.n_head);
+  positive("model.n_embd", m.n_embd);
+  positive("model.vocab_size", m.vocab_size);
+  positive("model.max_seq_len", m.max_seq_len);
+  if (m.mlp_hidden < 0) fail("model.mlp_hidden", fmt::format("must be >= 0, got {}", m.mlp_hidden));
+  if (m.n_embd % m.n_head != 0)
+    fail("model.n_embd", fmt::format("{} is not divisible by model.n_head = {}", m.n_embd, m.n_head));
+  if (m.arch == "llama" && (m.n_embd / m.n_head) % 2 != 0)
+    fail("model.n_head", "RoPE needs an even head size (n_embd / n_head)");
+  if (!(m.dropout >= 0.0 && m.dropout < 1.0)) fail("model.dropout", fmt::format("must be in [0, 1), got {}", m.dropout));
+  if (!(m.norm_eps > 0.0)) fail("model.norm_eps", "must be > 0");
+  if (!(m.init_std > 0.0)) fail("model.init_std", "must be > 0");
+  if (!(m.rope_theta > 0.0)) fail("model.rope_theta", "must be > 0");
+
+  const auto& d = c.data;
+  one_of("data.source", d.source, {"bin", "text", "synthetic"});
+  if (d.source != "synthetic" && d.path.empty()) fail("data.path", "is empty; give a .bin shard or a text file");
+  if (!(d.val_fraction > 0.0 && d.val_fraction < 1.0))
+    fail("data.val_fraction", fmt::format("must be in (0, 1), got {}", d.val_fraction));
+  positive("data.synthetic_tokens", d.synthetic_tokens);
+  if (d.source == "text" && m.vocab_size < 256)
+    fail("model.vocab_size", fmt::format("text data uses one token per byte, so it must be >= 256, got {}", m.vocab_size));
+  if (d.source == "bin" && m.vocab_size > 65536)
+    fail("model.vocab_size", fmt::format("bin shards store uint16 tokens, so it must be <= 65536, got {}", m.vocab_size));
+
+  const auto& t = c.train;
+  positive("train.seq_len", t.seq_len);
+  positive("train.micro_batch", t.micro_batch);
+  positive("train.grad_accum", t.grad_accum);
+  positive("train.steps", t.steps);
+  if (t.seq_len > m.max_seq_len)
+    fail("train.seq_len", fmt::format("{} is longer than the model's context model.max_seq_len = {}", t.seq_len, m.max_seq_len));
+  if (!(t.lr > 0.0)) fail("train.lr", fmt::format("must be > 0, got {}", t.lr));
+  if (!(t.min_lr >= 0.0 && t.min_lr <= t.lr)) fail("train.min_lr", fmt::format("must be in [0, train.lr = {}], got {}", t.lr, t.min_lr));
+  if (t.warmup_steps < 0) fail("train.warmup_steps", "must be >= 0");
+  if (!(t.weight_decay >= 0.0)) fail("train.weight_decay", "must be >= 0");
+  if (!(t.beta1 >= 0.0 && t.beta1 < 1.0)) fail("train.beta1", "must be in [0, 1)");
+  if (!(t.beta2 >= 0.0 && t.beta2 < 1.0)) fail("train.beta2", "must be in [0, 1)");
+  if (!(t.grad_clip >= 0.0)) fail("train.grad_clip", "must be >= 0 (0 = off)");
+  if (t.eval_interval < 0) fail("train.eval_interval", "must be >= 0 (0 = never)");
+  positive("train.eval_batches", t.eval_batches);
+  one_of("train.device", t.device, {"auto", "cpu", "cuda"});
+  if (t.threads < 0) fail("train.threads", "must be >= 0 (0 = all cores)");
+
+  const auto& k = c.checkpointing;
+  one_of("checkpointing.mode", k.mode, {"none", "full", "interval", "sqrt", "selective"});
+  if (k.interval < 0) fail("checkpointing.interval", "must be >= 0");
+  if (k.segments < 0) fail("checkpointing.segments", "must be >= 0");
+  if (k.mode == "interval") {
+    if ((k.interval > 0) == (k.segments > 0))
+      fail("checkpointing.interval", "interval mode needs exactly one of checkpointing.interval or checkpointing.segments");
+    if (k.interval > m.n_layer)
+      fail("checkpointing.interval", fmt::format("{} is more than model.n_layer = {}", k.interval, m.n_layer));
+    if (k.segments > m.n_layer)
+      fail("checkpointing.segments", fmt::format("{} is more than model.n_layer = {}", k.segments, m.n_layer));
+  } else if (k.interval > 0 || k.segments > 0) {
+    fail(k.interval > 0 ? "checkpointing.interval" : "checkpointing.segments",
+         fmt::format("is only used with checkpointing.mode: interval (mode is '{}')", k.mode));
+  }
+  for (const auto& part : k.recompute)
+    if (part != "attention" && part != "mlp" && part != "norm")
+      fail("checkpointing.recompute", fmt::format("'{}' is not one of attention | mlp | norm", part));
+  if (k.mode == "selective" && k.recompute.empty())
+    fail("checkpointing.recompute", "selective mode needs a list, e.g. [attention, mlp, norm]");
+  if (k.mode != "selective" && !k.recompute.empty())
+    fail("checkpointing.recompute", fmt::format("is only used with checkpointing.mode: selective (mode is '{}')", k.mode));
+
+  one_of("precision.dtype", c.precision.dtype, {"fp32"});
+  one_of("parallel.backend", c.parallel.backend, {"auto", "gloo", "nccl"});
+  positive("parallel.timeout_s", c.parallel.timeout_s);
+
+  positive("logging.interval", c.logging.interval);
+  if (c.logging.skip_first < 0) fail("logging.skip_first", "must be >= 0");
+  if (!(c.logging.peak_tflops >= 0.0)) fail("logging.peak_tflops", "must be >= 0 (0 = measure)");
+}
+
+nlohmann::json to_json(const RunConfig& cfg) {
+  Json j = Json::object();
+  for (const auto& f : fields()) j[f.section][f.key] = f.get(cfg);
+  return j;
+}
+
+std::vector<std::pair<std::string, std::string>> to_rows(const RunConfig& cfg) {
+  std::vector<std::pair<std::string, std::string>> rows;
+  for (const auto& f : fields()) {
+    Json v = f.get(cfg);
+    rows.emplace_back(f.name(), v.is_string() ? v.get<std::string>() : v.dump());
+  }
+  return rows;
+}
+
+std::string help_text() {
+  RunConfig defaults;
+  std::string out = "Recipe keys (YAML section: key, or --set section.key=value). Precedence: --set > YAML > model.preset > defaults.\n";
+  std::string section;
+  for (const auto& f : fields()) {
+    if (f.section != section) out += fmt::format("\n{}:\n", section = f.section);
+    out += fmt::format("  {:<18} {:<8} default {:<22} {}\n", f.key, f.type, f.get(defaults).dump(), f.doc);
+  }
+  return out;
+}
+
+}  // namespace sl::config

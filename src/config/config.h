@@ -1,0 +1,125 @@
+// The recipe: typed config sections with defaults and docs, presets, YAML + --set merging, validation.
+// Precedence: --set section.key=value > YAML > model.preset > defaults. Everything is validated once,
+// after merging, before any tensor exists; every failure is a ConfigError naming the key.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace sl::config {
+
+// Field docs live in the key table in config.cpp (printed by `trainer --help-config`).
+struct ModelConfig {
+  std::string preset = "";
+  std::string arch = "gpt2";
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_embd = 128;
+  int64_t vocab_size = 256;
+  int64_t max_seq_len = 256;
+  int64_t mlp_hidden = 0;
+  double dropout = 0.0;
+  bool bias = true;
+  bool tie_embeddings = true;
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  double init_std = 0.02;
+};
+
+struct DataConfig {
+  std::string source = "bin";
+  std::string path = "data/corpus_train.bin";
+  std::string val_path = "data/corpus_val.bin";
+  double val_fraction = 0.1;
+  int64_t synthetic_tokens = 1 << 20;
+};
+
+struct TrainConfig {
+  int64_t seq_len = 128;
+  int64_t micro_batch = 8;
+  int64_t grad_accum = 1;
+  int64_t steps = 100;
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup_steps = 10;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double grad_clip = 1.0;
+  int64_t eval_interval = 50;
+  int64_t eval_batches = 8;
+  int64_t seed = 1337;
+  std::string device = "auto";
+  int64_t threads = 0;
+};
+
+struct CheckpointingConfig {
+  std::string mode = "none";
+  int64_t interval = 0;
+  int64_t segments = 0;
+  std::vector<std::string> recompute = {};
+  bool skip_last = true;
+  bool preserve_rng = true;
+  bool check_recompute = false;
+};
+
+struct PrecisionConfig {
+  std::string dtype = "fp32";
+};
+
+struct ParallelConfig {
+  std::string backend = "auto";
+  int64_t timeout_s = 600;
+};
+
+struct MemoryConfig {
+  bool track_cpu = true;
+};
+
+struct LoggingConfig {
+  std::string dir = "";
+  int64_t interval = 10;
+  int64_t skip_first = 3;
+  double peak_tflops = 0.0;
+  bool progress = true;
+};
+
+struct RunConfig {
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  CheckpointingConfig checkpointing;
+  PrecisionConfig precision;
+  ParallelConfig parallel;
+  MemoryConfig memory;
+  LoggingConfig logging;
+  std::string recipe_name = "run";
+};
+
+// Loads a YAML recipe (path may be empty: defaults only), applies overrides ("section.key=value"),
+// validates. Throws ConfigError naming the key (and the YAML line when it came from the file).
+RunConfig load(const std::string& path, const std::vector<std::string>& overrides);
+
+// Same, from YAML text (tests use this).
+RunConfig load_string(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                      const std::string& origin = "<string>");
+
+// Checks ranges and combinations; throws ConfigError naming the key.
+void validate(const RunConfig& cfg);
+
+// Applies a named preset to the model section; throws ConfigError for an unknown name.
+void apply_preset(ModelConfig& model, const std::string& name);
+std::vector<std::string> preset_names();
+
+// The MLP inner size after defaults (4*d for gpt2, LLaMA's 2/3*4d rounded up to 256 for llama).
+int64_t mlp_hidden(const ModelConfig& model);
+
+nlohmann::json to_json(const RunConfig& cfg);
+// Rows "section.key | value" for the start-up table.
+std::vector<std::pair<std::string, std::string>> to_rows(const RunConfig& cfg);
+// Every key with type, default and doc, for `trainer --help-config`.
+std::string help_text();
+
+}  // namespace sl::config

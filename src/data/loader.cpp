@@ -1,0 +1,256 @@
+// Token sources (mmap'd .bin shards, byte-level text, synthetic), splits and batch sampling.
+#include "data/loader.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "errors.h"
+
+namespace sl::data {
+namespace {
+
+// A read-only memory map of a whole file; unmapped on destruction.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) : path_(path) {
+    int fd = ::open(path.c_str(), O_RDONLY);
+    if (fd < 0)
+      throw DataError(fmt::format("{}: cannot open ({}); check data.path / data.val_path, or run "
+                                  "scripts/make_corpus.py to rebuild the shipped corpus", path, std::strerror(errno)));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      ::close(fd);
+      throw DataError(fmt::format("{}: cannot stat ({})", path, std::strerror(errno)));
+    }
+    size_ = static_cast<size_t>(st.st_size);
+    if (size_ > 0) {
+      void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+      if (p == MAP_FAILED) {
+        ::close(fd);
+        throw DataError(fmt::format("{}: mmap failed ({})", path, std::strerror(errno)));
+      }
+      data_ = static_cast<const uint8_t*>(p);
+    }
+    ::close(fd);
+  }
+  ~MappedFile() {
+    if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  std::string path_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+class BinSource final : public TokenSource {
+ public:
+  BinSource(const std::string& path, int64_t vocab_size) : path_(path), file_(path) {
+    const size_t header_bytes = kShardHeaderWords * sizeof(int32_t);
+    if (file_.size() < header_bytes)
+      throw DataError(fmt::format("{}: truncated: {} bytes is shorter than the {}-byte shard header "
+                                  "(is this a .bin token shard? convert text with scripts/txt_to_bin.py)",
+                                  path, file_.size(), header_bytes));
+    int32_t header[3];
+    std::memcpy(header, file_.data(), sizeof(header));
+    if (header[0] != kShardMagic)
+      throw DataError(fmt::format("{}: wrong magic number {} (expected {}): not an llm.c/nanoGPT token shard; "
+                                  "convert text with scripts/txt_to_bin.py", path, header[0], kShardMagic));
+    if (header[1] != kShardVersion)
+      throw DataError(fmt::format("{}: unsupported shard version {} (expected {}: uint16 tokens)", path,
+                                  header[1], kShardVersion));
+    if (header[2] < 0)
+      throw DataError(fmt::format("{}: negative token count {} in the header", path, header[2]));
+    n_ = header[2];
+    const size_t expected = header_bytes + static_cast<size_t>(n_) * sizeof(uint16_t);
+    if (file_.size() != expected)
+      throw DataError(fmt::format("{}: {} ({} bytes, the header promises {} tokens = {} bytes); "
+                                  "re-create the shard", path, file_.size() < expected ? "truncated" : "has trailing bytes",
+                                  file_.size(), n_, expected));
+    tokens_ = reinterpret_cast<const uint16_t*>(file_.data() + header_bytes);
+    for (int64_t i = 0; i < n_; ++i)
+      if (tokens_[i] >= vocab_size)
+        throw DataError(fmt::format("{}: token {} at position {} is >= model.vocab_size = {}; raise "
+                                    "model.vocab_size or re-tokenize", path, tokens_[i], i, vocab_size));
+  }
+  int64_t size() const override { return n_; }
+  void read(int64_t begin, int64_t n, int64_t* out) const override {
+    for (int64_t i = 0; i < n; ++i) out[i] = tokens_[begin + i];
+  }
+  std::string describe() const override { return fmt::format("{} (bin, {} tokens)", path_, n_); }
+
+ private:
+  std::string path_;
+  MappedFile file_;
+  const uint16_t* tokens_ = nullptr;
+  int64_t n_ = 0;
+};
+
+class VectorSource final : public TokenSource {
+ public:
+  VectorSource(std::vector<uint16_t> tokens, std::string what) : tokens_(std::move(tokens)), what_(std::move(what)) {}
+  int64_t size() const override { return static_cast<int64_t>(tokens_.size()); }
+  void read(int64_t begin, int64_t n, int64_t* out) const override {
+    for (int64_t i = 0; i < n; ++i) out[i] = tokens_[begin + i];
+  }
+  std::string describe() const override { return fmt::format("{}, {} tokens)", what_, tokens_.size()); }
+
+ private:
+  std::vector<uint16_t> tokens_;
+  std::string what_;
+};
+
+class SliceSource final : public TokenSource {
+ public:
+  SliceSource(std::shared_ptr<TokenSource> base, int64_t begin, int64_t n) : base_(std::move(base)), begin_(begin), n_(n) {}
+  int64_t size() const override { return n_; }
+  void read(int64_t begin, int64_t n, int64_t* out) const override { base_->read(begin_ + begin, n, out); }
+  std::string describe() const override {
+    return fmt::format("{} [tokens {}..{})", base_->describe(), begin_, begin_ + n_);
+  }
+
+ private:
+  std::shared_ptr<TokenSource> base_;
+  int64_t begin_, n_;
+};
+
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+std::shared_ptr<TokenSource> open_file(const config::RunConfig& cfg, const std::string& path) {
+  if (cfg.data.source == "text") return open_text(path, cfg.model.vocab_size);
+  return open_bin(path, cfg.model.vocab_size);
+}
+
+}  // namespace
+
+std::unique_ptr<TokenSource> open_bin(const std::string& path, int64_t vocab_size) {
+  return std::make_unique<BinSource>(path, vocab_size);
+}
+
+std::unique_ptr<TokenSource> open_text(const std::string& path, int64_t vocab_size) {
+  if (vocab_size < 256)
+    throw DataError(fmt::format("{}: text data needs model.vocab_size >= 256 (one token per byte), got {}", path, vocab_size));
+  MappedFile file(path);
+  std::vector<uint16_t> tokens(file.data(), file.data() + file.size());
+  return std::make_unique<VectorSource>(std::move(tokens), fmt::format("{} (text, bytes", path));
+}
+
+std::unique_ptr<TokenSource> make_synthetic(int64_t n, int64_t vocab_size, uint64_t seed) {
+  // Motifs of 8..23 tokens drawn from a small alphabet, repeated in a random order: the next token
+  // is predictable inside a motif, so the loss can fall far below log(vocab).
+  uint64_t state = seed;
+  const int64_t n_motifs = 64;
+  std::vector<std::vector<uint16_t>> motifs(n_motifs);
+  const uint64_t alphabet = static_cast<uint64_t>(std::min<int64_t>(vocab_size, 512));
+  for (auto& m : motifs) {
+    m.resize(8 + splitmix64(state) % 16);
+    for (auto& t : m) t = static_cast<uint16_t>(splitmix64(state) % alphabet);
+  }
+  std::vector<uint16_t> tokens;
+  tokens.reserve(static_cast<size_t>(n));
+  while (static_cast<int64_t>(tokens.size()) < n) {
+    const auto& m = motifs[splitmix64(state) % n_motifs];
+    for (auto t : m) {
+      if (static_cast<int64_t>(tokens.size()) == n) break;
+      tokens.push_back(t);
+    }
+  }
+  return std::make_unique<VectorSource>(std::move(tokens), "synthetic (motifs");
+}
+
+std::unique_ptr<TokenSource> slice(std::shared_ptr<TokenSource> base, int64_t begin, int64_t n) {
+  return std::make_unique<SliceSource>(std::move(base), begin, n);
+}
+
+void write_bin(const std::string& path, const std::vector<int64_t>& tokens) {
+  std::vector<int32_t> header(kShardHeaderWords, 0);
+  header[0] = kShardMagic;
+  header[1] = kShardVersion;
+  header[2] = static_cast<int32_t>(tokens.size());
+  std::vector<uint16_t> body(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] > 65535)
+      throw DataError(fmt::format("{}: token {} at position {} does not fit in uint16", path, tokens[i], i));
+    body[i] = static_cast<uint16_t>(tokens[i]);
+  }
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(header.data()), static_cast<std::streamsize>(header.size() * sizeof(int32_t)));
+    out.write(reinterpret_cast<const char*>(body.data()), static_cast<std::streamsize>(body.size() * sizeof(uint16_t)));
+    if (!out) {
+      std::filesystem::remove(tmp);
+      throw DataError(fmt::format("{}: write failed (disk full or no permission?)", path));
+    }
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+Loader::Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t seq_len, uint64_t seed,
+               int64_t rank, int64_t world_size)
+    : source_(std::move(source)), B_(micro_batch), T_(seq_len), rank_(rank), world_(world_size), state_(seed) {
+  if (source_->size() < T_ + 1)
+    throw DataError(fmt::format("{}: only {} tokens, fewer than one sequence of train.seq_len + 1 = {}; "
+                                "use more data or a shorter train.seq_len", source_->describe(), source_->size(), T_ + 1));
+}
+
+Batch Loader::next() {
+  const int64_t span = source_->size() - T_;  // valid window starts: [0, span)
+  auto buf = torch::empty({B_, T_ + 1}, torch::kInt64);
+  int64_t* p = buf.data_ptr<int64_t>();
+  for (int64_t g = 0; g < B_ * world_; ++g) {
+    const int64_t start = static_cast<int64_t>(splitmix64(state_) % static_cast<uint64_t>(span));
+    if (g / B_ != rank_) continue;  // another rank's row
+    source_->read(start, T_ + 1, p + (g % B_) * (T_ + 1));
+  }
+  return {buf.narrow(1, 0, T_).contiguous(), buf.narrow(1, 1, T_).contiguous()};
+}
+
+Splits open_splits(const config::RunConfig& cfg) {
+  const auto& d = cfg.data;
+  Splits s;
+  if (d.source == "synthetic") {
+    std::shared_ptr<TokenSource> all = make_synthetic(d.synthetic_tokens, cfg.model.vocab_size,
+                                                      static_cast<uint64_t>(cfg.train.seed));
+    const int64_t n_val = static_cast<int64_t>(static_cast<double>(all->size()) * d.val_fraction);
+    s.train = slice(all, 0, all->size() - n_val);
+    s.val = slice(all, all->size() - n_val, n_val);
+  } else if (d.val_path.empty()) {
+    std::shared_ptr<TokenSource> all = open_file(cfg, d.path);
+    const int64_t n_val = static_cast<int64_t>(static_cast<double>(all->size()) * d.val_fraction);
+    s.train = slice(all, 0, all->size() - n_val);
+    s.val = slice(all, all->size() - n_val, n_val);
+  } else {
+    s.train = open_file(cfg, d.path);
+    s.val = open_file(cfg, d.val_path);
+  }
+  const int64_t need = cfg.train.seq_len + 1;
+  for (const auto* split : {&s.train, &s.val})
+    if ((*split)->size() < need)
+      throw DataError(fmt::format("{}: only {} tokens, fewer than one sequence of train.seq_len + 1 = {}; "
+                                  "use more data or a shorter train.seq_len", (*split)->describe(),
+                                  (*split)->size(), need));
+  return s;
+}
+
+}  // namespace sl::data

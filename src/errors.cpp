@@ -1,0 +1,20 @@
+// Names of the exit codes, as written into summary.json.
+#include "errors.h"
+
+namespace sl {
+
+const char* exit_code_name(int code) {
+  switch (code) {
+    case kExitOk: return "ok";
+    case kExitConfig: return "config_error";
+    case kExitData: return "data_error";
+    case kExitOom: return "out_of_memory";
+    case kExitDistributed: return "distributed_failure";
+    case kExitNonFinite: return "non_finite_loss";
+    case kExitSigint: return "interrupted_sigint";
+    case kExitSigterm: return "interrupted_sigterm";
+    default: return "error";
+  }
+}
+
+}  // namespace sl

@@ -1,0 +1,65 @@
+// trainer: command line (CLI11) and the mapping from errors to exit codes. Nothing else.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "config/config.h"
+#include "errors.h"
+#include "memory/tracking_allocator.h"
+#include "train/trainer.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"sublinear trainer: trains a GPT-style model from a YAML recipe (see README)"};
+  app.require_subcommand(0, 1);
+  std::string config_path;
+  std::vector<std::string> overrides;
+  bool help_config = false;
+  app.add_flag("--help-config", help_config, "print every recipe key with its type, default and meaning");
+  auto add_run_options = [&](CLI::App* cmd) {
+    cmd->add_option("-c,--config", config_path, "YAML recipe, e.g. configs/tiny.yaml");
+    cmd->add_option("-s,--set", overrides, "override a recipe key: --set section.key=value (repeatable)");
+  };
+  add_run_options(&app);
+  auto* train_cmd = app.add_subcommand("train", "train (the default when no subcommand is given)");
+  add_run_options(train_cmd);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return sl::kExitConfig;
+  }
+  if (help_config) {
+    fmt::print("{}", sl::config::help_text());
+    return sl::kExitOk;
+  }
+
+  spdlog::set_pattern("[%H:%M:%S] %v");
+  try {
+    if (config_path.empty())
+      throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
+    const auto cfg = sl::config::load(config_path, overrides);
+    // Install before any tensor exists so every CPU tensor is counted.
+    if (cfg.memory.track_cpu) sl::memory::TrackingCPUAllocator::install();
+    return sl::train::run(cfg);
+  } catch (const sl::Error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return e.code;
+  } catch (const c10::OutOfMemoryError& e) {
+    fmt::print(stderr, "error: out of memory before training started: {}\n", e.what_without_backtrace());
+    return sl::kExitOom;
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "error: LibTorch: {}\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+}

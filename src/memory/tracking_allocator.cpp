@@ -1,0 +1,62 @@
+// Tracking CPU allocator: c10::alloc_cpu/free_cpu plus a size table and current/peak counters.
+#include "memory/tracking_allocator.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+namespace sl::memory {
+
+namespace {
+std::atomic<bool> g_installed{false};
+}
+
+TrackingCPUAllocator& TrackingCPUAllocator::instance() {
+  static TrackingCPUAllocator* alloc = new TrackingCPUAllocator();  // never destroyed: tensors may outlive main
+  return *alloc;
+}
+
+void TrackingCPUAllocator::install() {
+  if (g_installed.exchange(true)) return;
+  c10::SetCPUAllocator(&instance(), /*priority=*/1);
+}
+
+bool TrackingCPUAllocator::installed() { return g_installed.load(); }
+
+c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
+  if (nbytes == 0) return {nullptr, nullptr, &free_block, c10::Device(c10::DeviceType::CPU)};
+  void* ptr = c10::alloc_cpu(nbytes);  // throws c10 error on failure
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sizes_[ptr] = nbytes;
+  }
+  int64_t now = current_.fetch_add(static_cast<int64_t>(nbytes)) + static_cast<int64_t>(nbytes);
+  int64_t peak = peak_.load();
+  while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+  }
+  allocs_.fetch_add(1);
+  return {ptr, ptr, &free_block, c10::Device(c10::DeviceType::CPU)};
+}
+
+void TrackingCPUAllocator::free_block(void* ptr) {
+  if (ptr == nullptr) return;
+  auto& self = instance();
+  size_t n = 0;
+  {
+    std::lock_guard<std::mutex> lock(self.mu_);
+    auto it = self.sizes_.find(ptr);
+    if (it != self.sizes_.end()) {
+      n = it->second;
+      self.sizes_.erase(it);
+    }
+  }
+  self.current_.fetch_sub(static_cast<int64_t>(n));
+  c10::free_cpu(ptr);
+}
+
+c10::DeleterFnPtr TrackingCPUAllocator::raw_deleter() const { return &free_block; }
+
+void TrackingCPUAllocator::copy_data(void* dest, const void* src, std::size_t count) const {
+  default_copy_data(dest, src, count);
+}
+
+}  // namespace sl::memory

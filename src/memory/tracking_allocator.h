@@ -1,0 +1,40 @@
+// Tracking CPU allocator: replaces LibTorch's CPU allocator so that current and peak tensor bytes
+// on CPU are exact, the way CUDA's caching-allocator stats are on a GPU.
+// It cannot see memory that bypasses c10's CPU allocator: oneDNN/BLAS scratch buffers, tensors made
+// with from_blob, pinned host memory, communication buffers, and tensors allocated before install().
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+
+#include <c10/core/Allocator.h>
+
+namespace sl::memory {
+
+class TrackingCPUAllocator final : public c10::Allocator {
+ public:
+  // The process-wide instance (static lifetime, as c10 requires).
+  static TrackingCPUAllocator& instance();
+  // Makes it LibTorch's CPU allocator (priority 1 beats the default). Idempotent.
+  static void install();
+  static bool installed();
+
+  c10::DataPtr allocate(size_t nbytes) override;
+  c10::DeleterFnPtr raw_deleter() const override;
+  void copy_data(void* dest, const void* src, std::size_t count) const override;
+
+  int64_t current_bytes() const { return current_.load(); }
+  int64_t peak_bytes() const { return peak_.load(); }
+  int64_t num_allocs() const { return allocs_.load(); }
+  void reset_peak() { peak_.store(current_.load()); }
+
+ private:
+  static void free_block(void* ptr);
+  std::mutex mu_;
+  std::unordered_map<void*, size_t> sizes_;
+  std::atomic<int64_t> current_{0}, peak_{0}, allocs_{0};
+};
+
+}  // namespace sl::memory

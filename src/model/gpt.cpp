@@ -1,0 +1,168 @@
+// GPT model: parameters, GPT-2 style init, and the forward pass built from named block parts.
+#include "model/gpt.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/dropout.h>
+
+namespace sl::model {
+namespace {
+
+torch::Tensor normal(std::vector<int64_t> shape, double std, const torch::TensorOptions& opts) {
+  torch::NoGradGuard no_grad;
+  return torch::empty(shape, opts).normal_(0.0, std);
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  return at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+}
+
+torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, bool rms, double eps) {
+  if (rms) return at::rms_norm(x, {x.size(-1)}, w, eps);
+  return at::layer_norm(x, {x.size(-1)}, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, eps);
+}
+
+// Rotates pairs (x[i], x[i + hd/2]) of x (B, nh, T, hd) by the angles in cos/sin (T, hd/2).
+torch::Tensor apply_rope(const torch::Tensor& x, const Rope& rope) {
+  auto halves = x.chunk(2, /*dim=*/-1);
+  const auto& x1 = halves[0];
+  const auto& x2 = halves[1];
+  return torch::cat({x1 * rope.cos - x2 * rope.sin, x1 * rope.sin + x2 * rope.cos}, /*dim=*/-1);
+}
+
+}  // namespace
+
+BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch::Device device)
+    : layer(layer_index),
+      n_head(cfg.n_head),
+      n_embd(cfg.n_embd),
+      hidden(config::mlp_hidden(cfg)),
+      llama(cfg.arch == "llama"),
+      dropout(cfg.dropout),
+      eps(cfg.norm_eps) {
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  const int64_t C = n_embd, H = hidden;
+  const double proj_std = cfg.init_std / std::sqrt(2.0 * cfg.n_layer);
+  const bool with_bias = cfg.bias && !llama;
+  ln1_w = register_parameter("ln1_w", torch::ones({C}, opts));
+  ln2_w = register_parameter("ln2_w", torch::ones({C}, opts));
+  w_qkv = register_parameter("w_qkv", normal({3 * C, C}, cfg.init_std, opts));
+  w_proj = register_parameter("w_proj", normal({C, C}, proj_std, opts));
+  w_fc = register_parameter("w_fc", normal({llama ? 2 * H : H, C}, cfg.init_std, opts));
+  w_out = register_parameter("w_out", normal({C, H}, proj_std, opts));
+  if (with_bias) {
+    ln1_b = register_parameter("ln1_b", torch::zeros({C}, opts));
+    ln2_b = register_parameter("ln2_b", torch::zeros({C}, opts));
+    b_qkv = register_parameter("b_qkv", torch::zeros({3 * C}, opts));
+    b_proj = register_parameter("b_proj", torch::zeros({C}, opts));
+    b_fc = register_parameter("b_fc", torch::zeros({H}, opts));
+    b_out = register_parameter("b_out", torch::zeros({C}, opts));
+  }
+}
+
+torch::Tensor BlockImpl::norm1(const torch::Tensor& x) const { return norm(x, ln1_w, ln1_b, llama, eps); }
+torch::Tensor BlockImpl::norm2(const torch::Tensor& x) const { return norm(x, ln2_w, ln2_b, llama, eps); }
+
+std::array<torch::Tensor, 3> BlockImpl::qkv(const torch::Tensor& h, const Rope& rope) const {
+  const int64_t B = h.size(0), T = h.size(1), hd = n_embd / n_head;
+  auto parts = linear(h, w_qkv, b_qkv).split(n_embd, /*dim=*/2);  // 3 x (B, T, C)
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hd}).transpose(1, 2); };
+  auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);  // (B, nh, T, hd)
+  if (llama) {
+    q = apply_rope(q, rope);
+    k = apply_rope(k, rope);
+  }
+  return {q, k, v};
+}
+
+torch::Tensor BlockImpl::attention_core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const {
+  const int64_t B = q.size(0), T = q.size(2);
+  auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt,
+                                            /*dropout_p=*/is_training() ? dropout : 0.0, /*is_causal=*/true);
+  return y.transpose(1, 2).contiguous().view({B, T, n_embd});  // (B, T, C)
+}
+
+torch::Tensor BlockImpl::attn_proj(const torch::Tensor& y) const {
+  return torch::dropout(linear(y, w_proj, b_proj), dropout, is_training());
+}
+
+torch::Tensor BlockImpl::mlp_in(const torch::Tensor& h) const { return linear(h, w_fc, b_fc); }
+
+torch::Tensor BlockImpl::mlp_act(const torch::Tensor& u) const {
+  if (!llama) return at::gelu(u, "tanh");
+  auto gu = u.chunk(2, /*dim=*/-1);  // [gate; up]
+  return at::silu(gu[0]) * gu[1];
+}
+
+torch::Tensor BlockImpl::mlp_out(const torch::Tensor& a) const {
+  return torch::dropout(linear(a, w_out, b_out), dropout, is_training());
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {
+  auto [q, k, v] = qkv(norm1(x), rope);
+  auto h = x + attn_proj(attention_core(q, k, v));
+  return h + mlp_out(mlp_act(mlp_in(norm2(h))));
+}
+
+GPTImpl::GPTImpl(const config::ModelConfig& c, torch::Device device) : cfg(c) {
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  const int64_t C = cfg.n_embd;
+  const bool llama = cfg.arch == "llama";
+  wte = register_parameter("wte", normal({cfg.vocab_size, C}, cfg.init_std, opts));
+  if (!llama) wpe = register_parameter("wpe", normal({cfg.max_seq_len, C}, cfg.init_std, opts));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t l = 0; l < cfg.n_layer; ++l) blocks->push_back(Block(cfg, l, device));
+  lnf_w = register_parameter("lnf_w", torch::ones({C}, opts));
+  if (cfg.bias && !llama) lnf_b = register_parameter("lnf_b", torch::zeros({C}, opts));
+  if (!cfg.tie_embeddings) lm_head = register_parameter("lm_head", normal({cfg.vocab_size, C}, cfg.init_std, opts));
+  if (llama) {
+    const int64_t half = C / cfg.n_head / 2;
+    auto inv_freq = torch::pow(cfg.rope_theta, -torch::arange(half, opts) / static_cast<double>(half));  // (hd/2)
+    auto angles = torch::outer(torch::arange(cfg.max_seq_len, opts), inv_freq);  // (max_seq_len, hd/2)
+    rope_cos = register_buffer("rope_cos", angles.cos());
+    rope_sin = register_buffer("rope_sin", angles.sin());
+  }
+}
+
+Rope GPTImpl::rope(int64_t T) const {
+  if (!rope_cos.defined()) return {};
+  return {rope_cos.narrow(0, 0, T), rope_sin.narrow(0, 0, T)};
+}
+
+torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
+  auto x = at::embedding(wte, idx);  // (B, T, C)
+  if (wpe.defined()) x = x + wpe.narrow(0, 0, idx.size(1));
+  return torch::dropout(x, cfg.dropout, is_training());
+}
+
+torch::Tensor GPTImpl::head(const torch::Tensor& x) {
+  auto h = norm(x, lnf_w, lnf_b, cfg.arch == "llama", cfg.norm_eps);
+  return at::linear(h, cfg.tie_embeddings ? wte : lm_head);  // (B, T, V)
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+  auto x = embed(idx);
+  auto r = rope(idx.size(1));
+  for (const auto& b : *blocks) x = b->as<BlockImpl>()->forward(x, r);
+  return head(x);
+}
+
+torch::Tensor GPTImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+int64_t GPTImpl::num_params() const {
+  int64_t n = 0;
+  for (const auto& p : parameters()) n += p.numel();
+  return n;
+}
+
+int64_t GPTImpl::num_matmul_params() const {
+  int64_t n = num_params();
+  if (wpe.defined()) n -= wpe.numel();
+  if (!cfg.tie_embeddings) n -= wte.numel();
+  return n;
+}
+
+}  // namespace sl::model

@@ -1,0 +1,74 @@
+// GPT-style decoder: token embedding, learned positions (gpt2) or RoPE (llama), pre-norm Blocks
+// (norm -> attention -> norm -> MLP) in a ModuleList, final norm, LM head (tied or not).
+// The model holds the model and nothing else: no loss scaling, no loop, no recompute policy.
+#pragma once
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/pimpl.h>
+
+#include "config/config.h"
+
+namespace sl::model {
+
+// RoPE rotation tables, (T, head_dim / 2) each; undefined for learned positions.
+struct Rope {
+  torch::Tensor cos, sin;
+};
+
+// One transformer block. Its forward is split into named parts so recompute policies can pick
+// them: norm1/norm2 (LayerNorm or RMSNorm), attention_core (SDPA incl. softmax and dropout),
+// mlp_act (GELU or SwiGLU gate).
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(const config::ModelConfig& cfg, int64_t layer, torch::Device device);
+
+  torch::Tensor forward(const torch::Tensor& x, const Rope& rope);  // (B, T, C) -> (B, T, C)
+
+  torch::Tensor norm1(const torch::Tensor& x) const;
+  torch::Tensor norm2(const torch::Tensor& x) const;
+  // (B, T, C) normed input -> q, k, v as (B, nh, T, hd), rotated when RoPE is on.
+  std::array<torch::Tensor, 3> qkv(const torch::Tensor& h, const Rope& rope) const;
+  // (B, nh, T, hd) x3 -> (B, T, C) attention output before the projection.
+  torch::Tensor attention_core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const;
+  torch::Tensor attn_proj(const torch::Tensor& y) const;  // (B, T, C) -> (B, T, C), with residual dropout
+  torch::Tensor mlp_in(const torch::Tensor& h) const;     // (B, T, C) -> (B, T, H) [or (B, T, 2H) for SwiGLU]
+  torch::Tensor mlp_act(const torch::Tensor& u) const;    // -> (B, T, H)
+  torch::Tensor mlp_out(const torch::Tensor& a) const;    // (B, T, H) -> (B, T, C), with residual dropout
+
+  int64_t layer, n_head, n_embd, hidden;
+  bool llama;
+  double dropout, eps;
+  torch::Tensor ln1_w, ln1_b, ln2_w, ln2_b;  // (C) each; biases only for gpt2 with bias
+  torch::Tensor w_qkv, b_qkv;                // (3C, C), (3C)
+  torch::Tensor w_proj, b_proj;              // (C, C), (C)
+  torch::Tensor w_fc, b_fc;                  // (H, C) or (2H, C) [gate; up] for SwiGLU, (H)
+  torch::Tensor w_out, b_out;                // (C, H), (C)
+};
+TORCH_MODULE(Block);
+
+struct GPTImpl : torch::nn::Module {
+  // Builds the model on `device` (use torch::kMeta to count parameters without memory).
+  GPTImpl(const config::ModelConfig& cfg, torch::Device device);
+
+  torch::Tensor embed(const torch::Tensor& idx);  // (B, T) int64 -> (B, T, C)
+  torch::Tensor head(const torch::Tensor& x);     // (B, T, C) -> (B, T, V) logits after final norm
+  Rope rope(int64_t T) const;                     // tables for the first T positions
+  torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> (B, T, V)
+  // Mean cross-entropy of logits (B, T, V) against targets (B, T).
+  static torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets);
+
+  int64_t num_params() const;  // every parameter counted once (tied weights once)
+  // Parameters that the matmuls touch per token (excludes the position table and, when untied,
+  // the input embedding lookup): N in the 6N FLOPs-per-token rule.
+  int64_t num_matmul_params() const;
+
+  config::ModelConfig cfg;
+  torch::Tensor wte;                 // (V, C)
+  torch::Tensor wpe;                 // (max_seq_len, C), gpt2 only
+  torch::Tensor lnf_w, lnf_b;        // (C)
+  torch::Tensor lm_head;             // (V, C), only when untied
+  torch::Tensor rope_cos, rope_sin;  // (max_seq_len, hd/2) buffers, llama only
+  torch::nn::ModuleList blocks;
+};
+TORCH_MODULE(GPT);
+
+}  // namespace sl::model

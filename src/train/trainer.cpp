@@ -1,0 +1,329 @@
+// Training step and loop.
+#include "train/trainer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cmath>
+#include <cstdlib>
+#include <ctime>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include "errors.h"
+#include "log/metrics.h"
+#include "memory/tracker.h"
+#include "train/schedule.h"
+
+namespace sl::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::json;
+
+std::atomic<int> g_signal{0};
+extern "C" void on_signal(int sig) { g_signal.store(sig); }
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+void sync(torch::Device device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::atoll(v) : fallback;
+}
+
+std::string default_run_dir(const config::RunConfig& cfg) {
+  std::time_t now = std::time(nullptr);
+  char stamp[32];
+  std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", std::localtime(&now));
+  return fmt::format("runs/{}-{}", cfg.recipe_name, stamp);
+}
+
+}  // namespace
+
+torch::Device resolve_device(const config::TrainConfig& t) {
+  const bool has_cuda = torch::cuda::is_available();
+  if (t.device == "cuda" && !has_cuda)
+    throw ConfigError("train.device: 'cuda' was asked for but no CUDA device is available; use cpu or auto");
+  if (t.device == "cuda" || (t.device == "auto" && has_cuda))
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env_int("LOCAL_RANK", 0)));
+  return torch::Device(torch::kCPU);
+}
+
+std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t) {
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  auto opts = [&](double wd) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(1e-8).weight_decay(wd));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, opts(t.weight_decay));
+  groups.emplace_back(no_decay, opts(0.0));
+  return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(t.lr));
+}
+
+double forward_backward(model::GPT& model, const std::vector<data::Batch>& micro, torch::Device device) {
+  const double n = static_cast<double>(micro.size());
+  double total = 0.0;
+  for (const auto& b : micro) {
+    auto x = b.x.to(device), y = b.y.to(device);
+    auto loss = model::GPTImpl::loss(model->forward(x), y);
+    (loss / n).backward();
+    total += loss.item<double>();
+  }
+  return total / n;
+}
+
+double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  double total = 0.0;
+  for (int64_t i = 0; i < batches; ++i) {
+    auto b = loader.next();
+    total += model::GPTImpl::loss(model->forward(b.x.to(device)), b.y.to(device)).item<double>();
+  }
+  model->train();
+  return total / static_cast<double>(batches);
+}
+
+ModelStateBytes model_state_bytes(model::GPT& model, const torch::optim::AdamW& opt) {
+  ModelStateBytes s;
+  for (const auto& p : model->parameters()) {
+    s.params += static_cast<int64_t>(p.nbytes());
+    if (p.grad().defined()) s.grads += static_cast<int64_t>(p.grad().nbytes());
+  }
+  for (const auto& [key, state] : opt.state()) {
+    const auto& st = static_cast<const torch::optim::AdamWParamState&>(*state);
+    for (const auto* t : {&st.exp_avg(), &st.exp_avg_sq(), &st.max_exp_avg_sq()})
+      if (t->defined()) s.optimizer += static_cast<int64_t>(t->nbytes());
+  }
+  return s;
+}
+
+double flops_per_token(const model::GPTImpl& model, int64_t seq_len) {
+  const auto& c = model.cfg;
+  return 6.0 * static_cast<double>(model.num_matmul_params()) +
+         12.0 * static_cast<double>(c.n_layer) * static_cast<double>(seq_len) * static_cast<double>(c.n_embd);
+}
+
+double measure_gemm_flops(torch::Device device) {
+  torch::NoGradGuard no_grad;
+  const int64_t n = 1024;
+  auto a = torch::randn({n, n}, torch::TensorOptions().device(device));
+  auto b = torch::randn({n, n}, torch::TensorOptions().device(device));
+  auto c = torch::mm(a, b);  // warm-up
+  sync(device);
+  double best_ms = 1e30;
+  for (int i = 0; i < 5; ++i) {
+    auto t0 = Clock::now();
+    c = torch::mm(a, b);
+    sync(device);
+    best_ms = std::min(best_ms, ms_since(t0));
+  }
+  return 2.0 * static_cast<double>(n * n * n) / (best_ms * 1e-3);
+}
+
+int run(const config::RunConfig& cfg) {
+  const auto& t = cfg.train;
+  const int64_t world = env_int("WORLD_SIZE", 1), rank = env_int("RANK", 0);
+  if (world > 1)
+    throw ConfigError(fmt::format("WORLD_SIZE={}: multi-process training is not built yet; run one process", world));
+  const bool rank0 = rank == 0;
+  const torch::Device device = resolve_device(t);
+  if (t.threads > 0) at::set_num_threads(static_cast<int>(t.threads));
+  torch::manual_seed(static_cast<uint64_t>(t.seed));
+
+  // Data first: a bad file fails here, before a run directory or a model exists.
+  data::Splits splits = data::open_splits(cfg);
+  data::Loader train_loader(splits.train, t.micro_batch, t.seq_len, static_cast<uint64_t>(t.seed), rank, world);
+  data::Loader val_loader(splits.val, t.micro_batch, t.seq_len, static_cast<uint64_t>(t.seed) + 1, rank, world);
+
+  memory::Tracker tracker(device);
+  model::GPT model(cfg.model, device);
+  model->train();
+  auto opt = make_optimizer(model, t);
+  const double fpt = flops_per_token(*model, t.seq_len);
+  const bool peak_measured = cfg.logging.peak_tflops <= 0.0;
+  const double peak_flops = peak_measured ? measure_gemm_flops(device) : cfg.logging.peak_tflops * 1e12;
+
+  const std::string run_dir = cfg.logging.dir.empty() ? default_run_dir(cfg) : cfg.logging.dir;
+  log::RunLog runlog(run_dir, rank0);
+  Json resolved = config::to_json(cfg);
+  runlog.write_json("config.json", resolved);
+
+  Json env = {{"torch_version", TORCH_VERSION},
+              {"device", device.str()},
+              {"cuda_available", torch::cuda::is_available()},
+              {"threads", at::get_num_threads()},
+              {"world_size", world},
+              {"rank", rank},
+              {"memory_source", tracker.source()}};
+  Json model_info = {{"params", model->num_params()},
+                     {"matmul_params", model->num_matmul_params()},
+                     {"flops_per_token", fpt},
+                     {"peak_flops", peak_flops},
+                     {"peak_flops_source", peak_measured ? "measured_fp32_gemm" : "logging.peak_tflops"}};
+  if (rank0) {
+    auto rows = config::to_rows(cfg);
+    rows.emplace_back("run directory", run_dir);
+    rows.emplace_back("device", device.str());
+    rows.emplace_back("threads", std::to_string(at::get_num_threads()));
+    rows.emplace_back("parameters", fmt::format("{} ({:.2f} M)", model->num_params(), model->num_params() / 1e6));
+    rows.emplace_back("train data", splits.train->describe());
+    rows.emplace_back("val data", splits.val->describe());
+    rows.emplace_back("peak FLOP/s for MFU", fmt::format("{:.3g} ({})", peak_flops, model_info["peak_flops_source"].get<std::string>()));
+    fmt::print("{}", log::format_table(rows));
+    std::fflush(stdout);
+  }
+
+  g_signal.store(0);
+  auto old_int = std::signal(SIGINT, on_signal);
+  auto old_term = std::signal(SIGTERM, on_signal);
+
+  const int64_t tokens_per_step = t.micro_batch * t.grad_accum * t.seq_len * world;
+  std::vector<double> step_ms, tok_s, samp_s, mfus;
+  int64_t peak_bytes = 0, steps_done = 0;
+  ModelStateBytes states_at_peak;
+  double last_loss = NAN, last_val = NAN;
+  int exit_code = kExitOk;
+  std::string exit_message;
+  log::ProgressBar bar(t.steps, cfg.logging.progress && rank0);
+  const auto run_t0 = Clock::now();
+
+  try {
+    for (int64_t step = 0; step < t.steps; ++step) {
+      const double lr = lr_at(t, step);
+      for (auto& g : opt->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+      std::vector<data::Batch> micro;
+      for (int64_t m = 0; m < t.grad_accum; ++m) micro.push_back(train_loader.next());
+
+      sync(device);
+      tracker.reset_peak();
+      const auto t0 = Clock::now();
+      opt->zero_grad(/*set_to_none=*/true);
+      const double loss = forward_backward(model, micro, device);
+      if (!std::isfinite(loss)) {
+        runlog.event("non_finite_loss", {{"step", step + 1}, {"loss", loss}});
+        throw NonFiniteError(fmt::format("step {}: loss is {}; lower train.lr or raise train.warmup_steps", step + 1, loss));
+      }
+      double grad_norm = 0.0;
+      if (t.grad_clip > 0.0) {
+        grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), t.grad_clip);
+      } else {
+        torch::NoGradGuard no_grad;
+        std::vector<torch::Tensor> norms;
+        for (const auto& p : model->parameters())
+          if (p.grad().defined()) norms.push_back(p.grad().norm());
+        grad_norm = torch::stack(norms).norm().item<double>();
+      }
+      opt->step();
+      sync(device);
+      const double ms = ms_since(t0);
+      const memory::Snapshot mem = tracker.read();
+      const ModelStateBytes states = model_state_bytes(model, *opt);
+      if (mem.peak_allocated_bytes >= peak_bytes) peak_bytes = mem.peak_allocated_bytes, states_at_peak = states;
+
+      const double tps = static_cast<double>(tokens_per_step) / (ms * 1e-3);
+      const double mfu = fpt * tps / peak_flops;
+      Json rec = {{"step", step + 1},
+                  {"loss", loss},
+                  {"lr", lr},
+                  {"grad_norm", grad_norm},
+                  {"step_ms", ms},
+                  {"tokens", tokens_per_step},
+                  {"tokens_per_s", tps},
+                  {"samples_per_s", static_cast<double>(t.micro_batch * t.grad_accum * world) / (ms * 1e-3)},
+                  {"mfu", mfu},
+                  {"peak_allocated_bytes", mem.peak_allocated_bytes},
+                  {"allocated_bytes", mem.allocated_bytes},
+                  {"reserved_bytes", mem.reserved_bytes}};
+      runlog.step(rec);
+      steps_done = step + 1;
+      last_loss = loss;
+      if (step >= cfg.logging.skip_first || t.steps <= cfg.logging.skip_first) {
+        step_ms.push_back(ms), tok_s.push_back(tps), mfus.push_back(mfu);
+        samp_s.push_back(rec["samples_per_s"].get<double>());
+      }
+      bar.update(steps_done, loss);
+      if (rank0 && (steps_done % cfg.logging.interval == 0 || steps_done == 1 || steps_done == t.steps)) {
+        bar.clear();
+        spdlog::info("{}", log::format_step_line(rec, t.steps));
+      }
+      if (t.eval_interval > 0 && (steps_done % t.eval_interval == 0 || steps_done == t.steps)) {
+        last_val = evaluate(model, val_loader, t.eval_batches, device);
+        runlog.event("eval", {{"step", steps_done}, {"val_loss", last_val}});
+        if (rank0) {
+          bar.clear();
+          spdlog::info("step {:>5}/{} | val loss {:.4f}", steps_done, t.steps, last_val);
+        }
+      }
+      if (int sig = g_signal.load()) {
+        exit_code = sig == SIGINT ? kExitSigint : kExitSigterm;
+        exit_message = fmt::format("interrupted by signal {} after step {}", sig, steps_done);
+        runlog.event("interrupted", {{"step", steps_done}, {"signal", sig}});
+        break;
+      }
+    }
+  } catch (const c10::OutOfMemoryError& e) {
+    exit_code = kExitOom;
+    exit_message = fmt::format("out of memory at step {}: {}", steps_done + 1, std::string(e.what_without_backtrace()));
+    runlog.event("oom", {{"step", steps_done + 1}, {"message", exit_message}});
+  } catch (const Error& e) {
+    exit_code = e.code;
+    exit_message = e.what();
+  }
+  bar.finish();
+  std::signal(SIGINT, old_int);
+  std::signal(SIGTERM, old_term);
+
+  Json summary = {
+      {"config", resolved},
+      {"environment", env},
+      {"model", model_info},
+      {"run_dir", run_dir},
+      {"steps", steps_done},
+      {"tokens", steps_done * tokens_per_step},
+      {"final_loss", std::isfinite(last_loss) ? Json(last_loss) : Json(nullptr)},
+      {"final_val_loss", std::isfinite(last_val) ? Json(last_val) : Json(nullptr)},
+      {"warmup_steps_excluded", std::min<int64_t>(cfg.logging.skip_first, steps_done)},
+      {"median_step_ms", median(step_ms)},
+      {"median_tokens_per_s", median(tok_s)},
+      {"median_samples_per_s", median(samp_s)},
+      {"median_mfu", median(mfus)},
+      {"wall_s", ms_since(run_t0) * 1e-3},
+      {"peak_allocated_bytes", peak_bytes},
+      {"memory_breakdown",
+       {{"params_bytes", states_at_peak.params},
+        {"grads_bytes", states_at_peak.grads},
+        {"optimizer_state_bytes", states_at_peak.optimizer},
+        {"activations_and_other_bytes", std::max<int64_t>(0, peak_bytes - states_at_peak.total())}}},
+      {"exit_status", {{"code", exit_code}, {"name", exit_code_name(exit_code)}, {"message", exit_message}}}};
+  runlog.write_json("summary.json", summary);
+  if (rank0) {
+    if (exit_code == kExitOk)
+      spdlog::info("done: {} steps, median {:.1f} ms/step, {:.0f} tok/s, peak {} -> {}", steps_done, median(step_ms),
+                   median(tok_s), log::format_bytes(peak_bytes), (runlog.dir() / "summary.json").string());
+    else
+      spdlog::error("{} (summary: {})", exit_message, (runlog.dir() / "summary.json").string());
+  }
+  return exit_code;
+}
+
+}  // namespace sl::train

@@ -1,0 +1,50 @@
+// The training step and loop: device and thread set-up, AdamW with decay on matrices only,
+// warm-up + cosine LR, micro-batch accumulation normalized to one big batch, global-norm clipping,
+// periodic eval, throughput/MFU/memory records, and the exit status written into summary.json.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <torch/optim/adamw.h>
+
+#include "config/config.h"
+#include "data/loader.h"
+#include "model/gpt.h"
+
+namespace sl::train {
+
+// Resolves train.device ("auto" = CUDA when available). Throws ConfigError when cuda is asked for
+// and none is present.
+torch::Device resolve_device(const config::TrainConfig& t);
+
+// AdamW with two groups: matrices (dim >= 2) decay with train.weight_decay, vectors do not.
+std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t);
+
+// Forward + backward over the micro-batches of one optimizer step. Each micro-batch's mean loss is
+// divided by the number of micro-batches, so the accumulated gradient equals the gradient of the
+// mean loss over all of them (one big batch). Returns that mean loss.
+double forward_backward(model::GPT& model, const std::vector<data::Batch>& micro, torch::Device device);
+
+// Mean loss over `batches` batches from `loader`, in eval mode without autograd.
+double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device);
+
+struct ModelStateBytes {
+  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t total() const { return params + grads + optimizer; }
+};
+ModelStateBytes model_state_bytes(model::GPT& model, const torch::optim::AdamW& opt);
+
+// Model FLOPs per trained token: 6 N (N = matmul parameters) + 12 L T d (attention scores and
+// weighted sum, forward + backward, PaLM's convention). Recompute FLOPs are not included.
+double flops_per_token(const model::GPTImpl& model, int64_t seq_len);
+
+// fp32 GEMM rate of this device in FLOP/s (best of a few 1024^3 matmuls): the MFU denominator
+// when logging.peak_tflops is 0.
+double measure_gemm_flops(torch::Device device);
+
+// Runs a whole training job as configured. Returns the process exit code (0, or the code of the
+// failure after summary.json was written). Throws for failures before the run directory exists.
+int run(const config::RunConfig& cfg);
+
+}  // namespace sl::train

@@ -1,0 +1,139 @@
+// Recipe loading: good recipes, precedence, and bad recipes each failing with exit code 2 and a
+// message that names the key (and the YAML line where there is one).
+#include <filesystem>
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include "config/config.h"
+#include "errors.h"
+#include "test_util.h"
+
+using namespace sl;
+
+TEST_CASE("every shipped recipe loads and validates") {
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(test::kSourceDir + "/configs")) {
+    if (entry.path().extension() != ".yaml") continue;
+    INFO(entry.path().string());
+    auto cfg = config::load(entry.path().string(), {});
+    CHECK(cfg.recipe_name == entry.path().stem().string());
+    ++n;
+  }
+  CHECK(n >= 3);
+}
+
+TEST_CASE("tiny recipe resolves to the tiny preset") {
+  auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {});
+  CHECK(cfg.model.preset == "tiny");
+  CHECK(cfg.model.n_layer == 4);
+  CHECK(cfg.model.vocab_size == 256);
+  CHECK(cfg.data.source == "bin");
+}
+
+TEST_CASE("precedence: --set beats YAML beats preset beats defaults") {
+  const std::string yaml = "model:\n  preset: gpt2-124m\n  n_layer: 2\n";
+  auto from_yaml = config::load_string(yaml, {});
+  CHECK(from_yaml.model.n_layer == 2);             // YAML over preset
+  CHECK(from_yaml.model.n_embd == 768);            // preset over defaults
+  CHECK(from_yaml.train.lr == config::TrainConfig{}.lr);  // defaults where nobody spoke
+  auto from_set = config::load_string(yaml, {"model.n_layer=3", "train.lr=0.01"});
+  CHECK(from_set.model.n_layer == 3);
+  CHECK(from_set.train.lr == 0.01);
+  // A preset given by --set replaces the file's preset, but the file's explicit keys still win.
+  auto preset_set = config::load_string(yaml, {"model.preset=gpt2-350m"});
+  CHECK(preset_set.model.preset == "gpt2-350m");
+  CHECK(preset_set.model.n_embd == 1024);
+  CHECK(preset_set.model.n_layer == 2);
+}
+
+TEST_CASE("lists and booleans parse from YAML and --set") {
+  auto cfg = config::load_string("checkpointing:\n  mode: selective\n  recompute: [attention, norm]\n",
+                                 {"checkpointing.skip_last=false"});
+  CHECK(cfg.checkpointing.recompute == std::vector<std::string>{"attention", "norm"});
+  CHECK_FALSE(cfg.checkpointing.skip_last);
+}
+
+TEST_CASE("resolved config serializes every section and key") {
+  auto j = config::to_json(config::load_string("", {}));
+  for (const char* s : {"model", "data", "train", "checkpointing", "precision", "parallel", "memory", "logging"})
+    CHECK(j.contains(s));
+  CHECK(j["model"]["n_layer"] == 4);
+  CHECK(j["checkpointing"]["mode"] == "none");
+  // The JSON form loads back to the same config.
+  std::string yaml;
+  for (auto& [sec, keys] : j.items()) {
+    yaml += sec + ":\n";
+    for (auto& [k, v] : keys.items()) yaml += "  " + k + ": " + v.dump() + "\n";
+  }
+  CHECK(config::to_json(config::load_string(yaml, {})) == j);
+}
+
+TEST_CASE("--help-config lists every key with its doc") {
+  auto r = test::trainer("--help-config");
+  CHECK(r.code == 0);
+  for (const char* key : {"preset", "n_layer", "max_seq_len", "micro_batch", "grad_accum", "seed", "interval",
+                          "skip_last", "dir", "peak_tflops"})
+    CHECK(r.output.find(key) != std::string::npos);
+  CHECK(r.output.find("transformer blocks L") != std::string::npos);
+}
+
+namespace {
+struct BadCase {
+  const char* name;
+  const char* yaml;  // nullptr: no --config file given through yaml
+  const char* extra;
+  std::vector<const char*> expect;  // substrings of the message
+};
+}  // namespace
+
+TEST_CASE("bad recipes exit 2 with a message naming the key, before any output is written") {
+  const std::vector<BadCase> cases = {
+      {"unknown section", "modle:\n  n_layer: 2\n", "", {"unknown section 'modle'", "line 1"}},
+      {"unknown key", "model:\n  n_layers: 2\n", "", {"unknown key 'model.n_layers'", "line 2", "n_layer"}},
+      {"string for integer", "train:\n  steps: ten\n", "", {"train.steps: expected integer, got 'ten'", "line 2"}},
+      {"float for integer", "train:\n  micro_batch: 2.5\n", "", {"train.micro_batch: expected integer"}},
+      {"bad bool", "model:\n  bias: maybe\n", "", {"model.bias: expected bool, got 'maybe'"}},
+      {"list for number", "train:\n  lr: [1, 2]\n", "", {"train.lr: expected number, got a list"}},
+      {"heads do not divide width", "model:\n  n_embd: 130\n  n_head: 4\n", "", {"model.n_embd", "not divisible by model.n_head"}},
+      {"sequence longer than context", "train:\n  seq_len: 512\n", "", {"train.seq_len", "model.max_seq_len = 256"}},
+      {"non-positive steps", "train:\n  steps: -1\n", "", {"train.steps: must be > 0"}},
+      {"dropout out of range", "model:\n  dropout: 1.5\n", "", {"model.dropout: must be in [0, 1)"}},
+      {"unknown preset", "model:\n  preset: gpt5\n", "", {"model.preset: unknown preset 'gpt5'", "line 2"}},
+      {"bad enum", "checkpointing:\n  mode: everything\n", "", {"checkpointing.mode: 'everything' is not one of"}},
+      {"interval mode without k", "checkpointing:\n  mode: interval\n", "", {"checkpointing.interval", "exactly one of"}},
+      {"interval and segments", "checkpointing:\n  mode: interval\n  interval: 2\n  segments: 2\n", "", {"exactly one of"}},
+      {"interval longer than the model", "checkpointing:\n  mode: interval\n  interval: 9\n", "", {"checkpointing.interval", "model.n_layer = 4"}},
+      {"bad selective part", "checkpointing:\n  mode: selective\n  recompute: [softmax]\n", "", {"checkpointing.recompute: 'softmax'"}},
+      {"recompute list outside selective", "checkpointing:\n  recompute: [mlp]\n", "", {"checkpointing.recompute", "only used with"}},
+      {"YAML syntax error", "model: [1, 2\n", "", {"YAML syntax error at line"}},
+      {"section is not a map", "train: 5\n", "", {"section 'train'", "must be a map"}},
+      {"min_lr above lr", "train:\n  lr: 0.001\n  min_lr: 0.01\n", "", {"train.min_lr"}},
+      {"unknown device", "train:\n  device: gpu\n", "", {"train.device: 'gpu' is not one of"}},
+      {"text data with a small vocab", "data:\n  source: text\n  path: data/corpus.txt\nmodel:\n  vocab_size: 100\n", "", {"model.vocab_size", ">= 256"}},
+      {"unsupported precision", "precision:\n  dtype: bf16\n", "", {"precision.dtype: 'bf16'"}},
+      {"--set unknown key", "", "--set train.stepz=3", {"unknown key 'stepz'", "steps"}},
+      {"--set unknown section", "", "--set trian.steps=3", {"unknown section 'trian'"}},
+      {"--set without =", "", "--set train.steps", {"expected section.key=value"}},
+      {"--set wrong type", "", "--set train.lr=abc", {"train.lr: expected number, got 'abc'"}},
+      {"--set missing value", "", "--set train.steps=", {"train.steps", "missing value"}},
+      {"missing recipe file", nullptr, "--config /nonexistent/recipe.yaml", {"cannot open the recipe file"}},
+      {"no recipe at all", nullptr, "", {"--config: no recipe given"}},
+      {"unknown flag", nullptr, "--config configs/tiny.yaml --bogus", {"bogus"}},
+  };
+  REQUIRE(cases.size() >= 15);
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.name) {
+      test::TempDir dir("badcfg");
+      const auto run_dir = dir.path / "run";
+      std::string args;
+      if (c.yaml) args = "--config " + dir.file("bad.yaml", c.yaml) + " ";
+      args += std::string(c.extra) + " --set logging.dir=" + run_dir.string();
+      auto r = test::trainer(args);
+      INFO(r.output);
+      CHECK(r.code == kExitConfig);
+      for (const char* e : c.expect) CHECK(r.output.find(e) != std::string::npos);
+      CHECK_FALSE(std::filesystem::exists(run_dir));
+    }
+  }
+}

@@ -1,0 +1,103 @@
+// End to end: the trainer binary on configs/tiny.yaml lowers the loss and writes metrics.jsonl and
+// summary.json with every documented field; a diverging run exits 6 and a SIGTERM'd run exits 143,
+// each with its summary written.
+#include <filesystem>
+#include <fstream>
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include "errors.h"
+#include "test_util.h"
+
+using namespace sl;
+using nlohmann::json;
+
+namespace {
+std::vector<json> read_jsonl(const std::filesystem::path& p) {
+  std::vector<json> out;
+  std::ifstream in(p);
+  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+  return out;
+}
+}  // namespace
+
+TEST_CASE("tiny recipe trains, lowers the loss and writes both JSON logs") {
+  test::TempDir dir("e2e");
+  const auto run_dir = dir.path / "run";
+  auto r = test::trainer("--config configs/tiny.yaml --set train.steps=40 --set train.eval_interval=20 "
+                         "--set logging.interval=10 --set logging.dir=" + run_dir.string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("| model.n_layer") != std::string::npos);  // the resolved-settings table
+  CHECK(r.output.find("step    40/40") != std::string::npos);     // console line
+
+  auto records = read_jsonl(run_dir / "metrics.jsonl");
+  std::vector<json> steps, evals;
+  for (auto& rec : records) (rec.contains("event") ? evals : steps).push_back(rec);
+  REQUIRE(steps.size() == 40);
+  for (const char* key : {"step", "loss", "lr", "grad_norm", "step_ms", "tokens", "tokens_per_s", "samples_per_s",
+                          "mfu", "peak_allocated_bytes", "allocated_bytes", "reserved_bytes"})
+    for (auto& s : steps) REQUIRE(s.contains(key));
+  CHECK(steps.front()["step"] == 1);
+  CHECK(steps.back()["step"] == 40);
+  CHECK(steps.back()["tokens"] == 16 * 2 * 128);
+  CHECK(steps.back()["peak_allocated_bytes"].get<int64_t>() > 0);
+  CHECK(steps.back()["mfu"].get<double>() > 0.0);
+  double first = 0, last = 0;
+  for (int i = 0; i < 5; ++i) first += steps[i]["loss"].get<double>(), last += steps[35 + i]["loss"].get<double>();
+  CHECK(last / 5 < first / 5 - 1.0);  // at least one nat lower
+  REQUIRE(evals.size() == 2);
+  CHECK(evals[0]["event"] == "eval");
+  CHECK(evals[1]["val_loss"].get<double>() < evals[0]["val_loss"].get<double>() + 0.5);
+
+  auto summary = json::parse(test::read_text(run_dir / "summary.json"));
+  for (const char* key : {"config", "environment", "model", "steps", "tokens", "final_loss", "final_val_loss",
+                          "median_step_ms", "median_tokens_per_s", "median_samples_per_s", "median_mfu",
+                          "peak_allocated_bytes", "memory_breakdown", "exit_status", "wall_s"})
+    CHECK(summary.contains(key));
+  for (const char* key : {"torch_version", "device", "threads", "world_size", "memory_source"})
+    CHECK(summary["environment"].contains(key));
+  CHECK(summary["environment"]["memory_source"] == "cpu_tracking_allocator");
+  CHECK(summary["config"]["train"]["steps"] == 40);
+  CHECK(summary["steps"] == 40);
+  CHECK(summary["exit_status"]["code"] == 0);
+  const auto& mb = summary["memory_breakdown"];
+  const int64_t params = mb["params_bytes"];
+  CHECK(params == summary["model"]["params"].get<int64_t>() * 4);
+  CHECK(mb["grads_bytes"] == params);
+  CHECK(mb["optimizer_state_bytes"] == 2 * params);
+  CHECK(mb["activations_and_other_bytes"].get<int64_t>() > 0);
+  CHECK(mb["params_bytes"].get<int64_t>() + mb["grads_bytes"].get<int64_t>() + mb["optimizer_state_bytes"].get<int64_t>() +
+            mb["activations_and_other_bytes"].get<int64_t>() == summary["peak_allocated_bytes"].get<int64_t>());
+  CHECK(std::filesystem::exists(run_dir / "config.json"));
+}
+
+TEST_CASE("a diverging run stops with exit code 6 and says so in summary.json") {
+  test::TempDir dir("nan");
+  const auto run_dir = dir.path / "run";
+  auto r = test::trainer("--config configs/tiny.yaml --set train.steps=30 --set train.lr=1e30 --set train.min_lr=0 "
+                         "--set train.warmup_steps=0 --set train.grad_clip=0 --set logging.dir=" + run_dir.string());
+  INFO(r.output);
+  CHECK(r.code == kExitNonFinite);
+  auto summary = json::parse(test::read_text(run_dir / "summary.json"));
+  CHECK(summary["exit_status"]["code"] == kExitNonFinite);
+  CHECK(summary["exit_status"]["name"] == "non_finite_loss");
+  CHECK(test::read_text(run_dir / "metrics.jsonl").find("\"event\":\"non_finite_loss\"") != std::string::npos);
+}
+
+TEST_CASE("SIGTERM stops after the current step with exit code 143 and a summary") {
+  test::TempDir dir("term");
+  const auto run_dir = dir.path / "run";
+  const std::string cmd =
+      "cd " + test::kSourceDir + " && (OMP_NUM_THREADS=1 " + test::kTrainer +
+      " --config configs/tiny.yaml --set train.steps=100000 --set logging.dir=" + run_dir.string() +
+      " > /dev/null & pid=$!; for i in $(seq 600); do [ -s " + (run_dir / "metrics.jsonl").string() +
+      " ] && break; sleep 0.1; done; kill -TERM $pid; wait $pid; echo rc=$?)";
+  auto r = test::run(cmd);
+  INFO(r.output);
+  CHECK(r.output.find("rc=143") != std::string::npos);
+  auto summary = json::parse(test::read_text(run_dir / "summary.json"));
+  CHECK(summary["exit_status"]["code"] == 143);
+  CHECK(summary["steps"].get<int64_t>() >= 1);
+}

@@ -1,0 +1,108 @@
+// Model: preset parameter counts (built on the meta device, no memory), shapes, causality, init.
+#include <cmath>
+
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include "config/config.h"
+#include "model/gpt.h"
+
+using namespace sl;
+
+namespace {
+config::ModelConfig preset(const std::string& name) {
+  config::ModelConfig m;
+  config::apply_preset(m, name);
+  return m;
+}
+
+// Closed-form count for the gpt2 architecture with biases and tied embeddings.
+int64_t gpt2_count(int64_t L, int64_t d, int64_t V, int64_t ctx) {
+  const int64_t block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+  return V * d + ctx * d + L * block + 2 * d;
+}
+}  // namespace
+
+TEST_CASE("preset parameter counts") {
+  torch::NoGradGuard no_grad;
+  const torch::Device meta(torch::kMeta);
+  SECTION("gpt2-124m is exactly GPT-2 small") {
+    model::GPT m(preset("gpt2-124m"), meta);
+    CHECK(m->num_params() == 124'439'808);
+  }
+  SECTION("7b is exactly LLaMA-7B") {
+    model::GPT m(preset("7b"), meta);
+    CHECK(m->num_params() == 6'738'415'616);
+    CHECK(m->blocks->size() == 32);
+  }
+  SECTION("gpt2-350m, 1.3b and tiny match the closed form") {
+    CHECK(model::GPT(preset("gpt2-350m"), meta)->num_params() == gpt2_count(24, 1024, 50257, 1024));
+    CHECK(model::GPT(preset("1.3b"), meta)->num_params() == gpt2_count(24, 2048, 50257, 2048));
+    CHECK(model::GPT(preset("tiny"), meta)->num_params() == gpt2_count(4, 128, 256, 256));
+  }
+  SECTION("matmul parameters drop the position table (tied) or the input embedding (untied)") {
+    model::GPT g(preset("gpt2-124m"), meta);
+    CHECK(g->num_matmul_params() == 124'439'808 - 1024 * 768);
+    model::GPT l(preset("7b"), meta);
+    CHECK(l->num_matmul_params() == 6'738'415'616 - 32000LL * 4096);
+  }
+}
+
+TEST_CASE("forward shapes and causality, both architectures") {
+  for (const std::string arch : {"gpt2", "llama"}) {
+    DYNAMIC_SECTION(arch) {
+      torch::manual_seed(0);
+      config::ModelConfig c;
+      c.arch = arch, c.n_layer = 2, c.n_head = 2, c.n_embd = 32, c.vocab_size = 50, c.max_seq_len = 16;
+      c.bias = arch == "gpt2", c.tie_embeddings = arch == "gpt2";
+      model::GPT m(c, torch::kCPU);
+      m->eval();
+      torch::NoGradGuard no_grad;
+      auto idx = torch::randint(0, 50, {3, 12}, torch::kInt64);
+      auto logits = m->forward(idx);
+      CHECK(logits.sizes() == torch::IntArrayRef({3, 12, 50}));
+      // Changing token 7 must leave positions 0..6 untouched and change position 7.
+      auto idx2 = idx.clone();
+      idx2.index_put_({torch::indexing::Slice(), 7}, (idx.index({torch::indexing::Slice(), 7}) + 1) % 50);
+      auto logits2 = m->forward(idx2);
+      using torch::indexing::Slice;
+      CHECK(torch::equal(logits.index({Slice(), Slice(0, 7)}), logits2.index({Slice(), Slice(0, 7)})));
+      CHECK_FALSE(torch::allclose(logits.index({Slice(), 7}), logits2.index({Slice(), 7})));
+    }
+  }
+}
+
+TEST_CASE("GPT-2 init: std 0.02, residual projections 0.02/sqrt(2L), norms at one") {
+  torch::manual_seed(0);
+  auto c = preset("tiny");
+  c.n_layer = 8, c.n_embd = 256, c.n_head = 4;
+  model::GPT m(c, torch::kCPU);
+  auto* b = m->blocks[0]->as<model::BlockImpl>();
+  CHECK(b->w_qkv.std().item<double>() == Approx(0.02).epsilon(0.02));
+  CHECK(b->w_out.std().item<double>() == Approx(0.02 / std::sqrt(16.0)).epsilon(0.02));
+  CHECK(b->w_proj.std().item<double>() == Approx(0.02 / std::sqrt(16.0)).epsilon(0.03));
+  CHECK(torch::equal(b->ln1_w, torch::ones_like(b->ln1_w)));
+  CHECK(torch::equal(b->b_qkv, torch::zeros_like(b->b_qkv)));
+}
+
+TEST_CASE("tied embeddings share one tensor; untied adds an LM head") {
+  auto c = preset("tiny");
+  model::GPT tied(c, torch::kMeta);
+  CHECK_FALSE(tied->lm_head.defined());
+  c.tie_embeddings = false;
+  model::GPT untied(c, torch::kMeta);
+  CHECK(untied->num_params() == tied->num_params() + 256 * 128);
+}
+
+TEST_CASE("dropout is active in training and off in eval") {
+  torch::manual_seed(0);
+  auto c = preset("tiny");
+  c.dropout = 0.2;
+  model::GPT m(c, torch::kCPU);
+  auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
+  torch::NoGradGuard no_grad;
+  m->train();
+  CHECK_FALSE(torch::equal(m->forward(idx), m->forward(idx)));
+  m->eval();
+  CHECK(torch::equal(m->forward(idx), m->forward(idx)));
+}

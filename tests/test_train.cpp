@@ -1,0 +1,104 @@
+// Training step pieces: accumulation equals one big batch, LR schedule, optimizer groups,
+// model-state bytes, FLOPs formula.
+#include <cmath>
+
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include "config/config.h"
+#include "data/loader.h"
+#include "model/gpt.h"
+#include "train/schedule.h"
+#include "train/trainer.h"
+
+using namespace sl;
+
+namespace {
+config::RunConfig small_config() {
+  auto cfg = config::load_string("", {"model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=32"});
+  return cfg;
+}
+
+std::vector<torch::Tensor> grads_of(model::GPT& m) {
+  std::vector<torch::Tensor> g;
+  for (const auto& p : m->parameters()) g.push_back(p.grad().clone());
+  return g;
+}
+}  // namespace
+
+TEST_CASE("accumulation 4 x micro-batch 2 gives the gradients of micro-batch 8") {
+  auto cfg = small_config();
+  torch::manual_seed(0);
+  model::GPT m(cfg.model, torch::kCPU);
+  std::shared_ptr<data::TokenSource> src = data::make_synthetic(20000, 256, 3);
+  data::Loader loader(src, 8, 32, 11);
+  auto big = loader.next();
+
+  std::vector<data::Batch> micro;
+  for (int i = 0; i < 4; ++i) micro.push_back({big.x.narrow(0, 2 * i, 2), big.y.narrow(0, 2 * i, 2)});
+  m->zero_grad();
+  const double loss_acc = train::forward_backward(m, micro, torch::kCPU);
+  auto g_acc = grads_of(m);
+
+  m->zero_grad();
+  const double loss_big = train::forward_backward(m, {big}, torch::kCPU);
+  auto g_big = grads_of(m);
+
+  CHECK(loss_acc == Approx(loss_big).epsilon(1e-6));
+  REQUIRE(g_acc.size() == g_big.size());
+  double worst = 0.0;
+  for (size_t i = 0; i < g_acc.size(); ++i) worst = std::max(worst, (g_acc[i] - g_big[i]).abs().max().item<double>());
+  CHECK(worst < 1e-6);
+  // And the comparison can fail: without the 1/n normalization the gradients are 4x larger.
+  CHECK((g_acc[1] * 4 - g_big[1]).abs().max().item<double>() > 1e-6);
+}
+
+TEST_CASE("LR: linear warm-up, cosine to min_lr at the last step") {
+  config::TrainConfig t;
+  t.lr = 1e-3, t.min_lr = 1e-4, t.warmup_steps = 10, t.steps = 110;
+  CHECK(train::lr_at(t, 0) == Approx(1e-4));
+  CHECK(train::lr_at(t, 9) == Approx(1e-3));
+  CHECK(train::lr_at(t, 10) == Approx(1e-3));
+  CHECK(train::lr_at(t, 109) == Approx(1e-4));
+  CHECK(train::lr_at(t, 60) == Approx(1e-4 + 0.5 * 9e-4 * (1 + std::cos(M_PI * 50.0 / 99.0))));
+  for (int64_t s = 10; s < 109; ++s) CHECK(train::lr_at(t, s + 1) <= train::lr_at(t, s));
+}
+
+TEST_CASE("AdamW decays matrices only, and its state is two moments per parameter") {
+  auto cfg = small_config();
+  model::GPT m(cfg.model, torch::kCPU);
+  auto opt = train::make_optimizer(m, cfg.train);
+  REQUIRE(opt->param_groups().size() == 2);
+  for (const auto& p : opt->param_groups()[0].params()) CHECK(p.dim() >= 2);
+  for (const auto& p : opt->param_groups()[1].params()) CHECK(p.dim() < 2);
+  auto wd = [&](int g) { return static_cast<torch::optim::AdamWOptions&>(opt->param_groups()[g].options()).weight_decay(); };
+  CHECK(wd(0) == cfg.train.weight_decay);
+  CHECK(wd(1) == 0.0);
+
+  std::shared_ptr<data::TokenSource> src = data::make_synthetic(5000, 256, 3);
+  data::Loader loader(src, 2, 32, 1);
+  train::forward_backward(m, {loader.next()}, torch::kCPU);
+  opt->step();
+  auto bytes = train::model_state_bytes(m, *opt);
+  CHECK(bytes.params == m->num_params() * 4);
+  CHECK(bytes.grads == bytes.params);
+  CHECK(bytes.optimizer == 2 * bytes.params);
+}
+
+TEST_CASE("model FLOPs per token: 6N + 12 L T d") {
+  config::ModelConfig c;
+  config::apply_preset(c, "gpt2-124m");
+  model::GPT m(c, torch::kMeta);
+  const double N = 124'439'808.0 - 1024 * 768;
+  CHECK(train::flops_per_token(*m, 1024) == Approx(6 * N + 12.0 * 12 * 1024 * 768));
+}
+
+TEST_CASE("eval loss of an untrained model is near log(vocab)") {
+  auto cfg = small_config();
+  torch::manual_seed(0);
+  model::GPT m(cfg.model, torch::kCPU);
+  std::shared_ptr<data::TokenSource> src = data::make_synthetic(5000, 256, 3);
+  data::Loader loader(src, 4, 32, 1);
+  CHECK(train::evaluate(m, loader, 2, torch::kCPU) == Approx(std::log(256.0)).epsilon(0.05));
+  CHECK(m->is_training());
+}
