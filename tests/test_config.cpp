@@ -137,3 +137,13 @@ TEST_CASE("bad recipes exit 2 with a message naming the key, before any output i
     }
   }
 }
+
+TEST_CASE("the README's recipe reference names every key") {
+  const std::string readme = test::read_text(test::kSourceDir + "/README.md");
+  auto j = config::to_json(config::load_string("", {}));
+  for (auto& [sec, keys] : j.items())
+    for (auto& [k, v] : keys.items()) {
+      INFO(sec + "." + k);
+      CHECK(readme.find("`" + sec + "." + k + "`") != std::string::npos);
+    }
+}

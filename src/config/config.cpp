@@ -36,7 +36,7 @@ template <class T> const char* type_name() {
   else if constexpr (std::is_integral_v<T>) return "integer";
   else if constexpr (std::is_floating_point_v<T>) return "number";
   else if constexpr (std::is_same_v<T, std::string>) return "string";
-  else return "list of strings";
+  else return "list";
 }
 
 template <class T> T convert(const YAML::Node& node, const std::string& name) {
