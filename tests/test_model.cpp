@@ -106,3 +106,24 @@ TEST_CASE("dropout is active in training and off in eval") {
   m->eval();
   CHECK(torch::equal(m->forward(idx), m->forward(idx)));
 }
+
+TEST_CASE("RMSNorm's own backward matches autograd through at::rms_norm") {
+  torch::manual_seed(0);
+  auto c = preset("tiny");
+  c.arch = "llama", c.bias = false, c.n_layer = 1;
+  model::GPT m(c, torch::kCPU);
+  auto* b = m->blocks[0]->as<model::BlockImpl>();
+  {
+    torch::NoGradGuard g;
+    b->ln1_w.uniform_(0.5, 1.5);
+  }
+  auto x = torch::randn({2, 5, 128}, torch::requires_grad());
+  auto dy = torch::randn({2, 5, 128});
+  auto y = b->norm1(x);
+  auto ref = at::rms_norm(x, {128}, b->ln1_w, c.norm_eps);
+  CHECK(torch::allclose(y, ref, 1e-5, 1e-6));
+  auto g = torch::autograd::grad({y}, {x, b->ln1_w}, {dy});
+  auto gr = torch::autograd::grad({ref}, {x, b->ln1_w}, {dy});
+  CHECK(torch::allclose(g[0], gr[0], 1e-4, 1e-5));
+  CHECK(torch::allclose(g[1], gr[1], 1e-4, 1e-5));
+}

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/dropout.h>
 
 namespace sl::model {
@@ -18,8 +19,32 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch
   return at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
 }
 
+// RMSNorm as one autograd node: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps). A composite of
+// several ops would hand its input two gradient pieces that autograd sums in an order that depends
+// on the graph around it; one node gives one piece, so gradients are identical whether or not the
+// norm is recomputed.
+struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               double eps) {
+    auto rstd = torch::rsqrt(x.pow(2).mean(/*dim=*/-1, /*keepdim=*/true) + eps);  // (..., 1)
+    ctx->save_for_backward({x, w, rstd});
+    return x * rstd * w;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w = saved[1], &rstd = saved[2];
+    const auto& dy = grads[0];
+    auto xhat = x * rstd;
+    auto gw = dy * w;  // gradient w.r.t. xhat
+    auto dx = rstd * (gw - xhat * (gw * xhat).mean(/*dim=*/-1, /*keepdim=*/true));
+    auto dw = (dy * xhat).reshape({-1, x.size(-1)}).sum(0);
+    return {dx, dw, torch::Tensor()};
+  }
+};
+
 torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, bool rms, double eps) {
-  if (rms) return at::rms_norm(x, {x.size(-1)}, w, eps);
+  if (rms) return RmsNormFunction::apply(x, w, eps);
   return at::layer_norm(x, {x.size(-1)}, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, eps);
 }
 
@@ -64,11 +89,11 @@ BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch:
 torch::Tensor BlockImpl::norm1(const torch::Tensor& x) const { return norm(x, ln1_w, ln1_b, llama, eps); }
 torch::Tensor BlockImpl::norm2(const torch::Tensor& x) const { return norm(x, ln2_w, ln2_b, llama, eps); }
 
-std::array<torch::Tensor, 3> BlockImpl::qkv(const torch::Tensor& h, const Rope& rope) const {
-  const int64_t B = h.size(0), T = h.size(1), hd = n_embd / n_head;
-  auto parts = linear(h, w_qkv, b_qkv).split(n_embd, /*dim=*/2);  // 3 x (B, T, C)
-  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hd}).transpose(1, 2); };
-  auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);  // (B, nh, T, hd)
+std::array<torch::Tensor, 3> BlockImpl::heads(const torch::Tensor& qkv, const Rope& rope) const {
+  const int64_t B = qkv.size(0), T = qkv.size(1), hd = n_embd / n_head;
+  auto parts = qkv.split(n_embd, /*dim=*/2);  // 3 x (B, T, C)
+  auto split = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hd}).transpose(1, 2); };
+  auto q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);  // (B, nh, T, hd)
   if (llama) {
     q = apply_rope(q, rope);
     k = apply_rope(k, rope);
@@ -83,26 +108,31 @@ torch::Tensor BlockImpl::attention_core(const torch::Tensor& q, const torch::Ten
   return y.transpose(1, 2).contiguous().view({B, T, n_embd});  // (B, T, C)
 }
 
-torch::Tensor BlockImpl::attn_proj(const torch::Tensor& y) const {
-  return torch::dropout(linear(y, w_proj, b_proj), dropout, is_training());
-}
-
-torch::Tensor BlockImpl::mlp_in(const torch::Tensor& h) const { return linear(h, w_fc, b_fc); }
-
 torch::Tensor BlockImpl::mlp_act(const torch::Tensor& u) const {
   if (!llama) return at::gelu(u, "tanh");
   auto gu = u.chunk(2, /*dim=*/-1);  // [gate; up]
   return at::silu(gu[0]) * gu[1];
 }
 
-torch::Tensor BlockImpl::mlp_out(const torch::Tensor& a) const {
-  return torch::dropout(linear(a, w_out, b_out), dropout, is_training());
+torch::Tensor BlockImpl::residual_dropout(const torch::Tensor& y) const { return torch::dropout(y, dropout, is_training()); }
+
+torch::Tensor BlockImpl::forward_with(const torch::Tensor& x, const Rope& rope, const LinearAfter& linear_after) {
+  auto qkv = linear_after(Part::norm1_qkv, [this](const auto& in) { return norm1(in[0]); }, {x}, {ln1_w, ln1_b}, w_qkv, b_qkv);
+  auto [q, k, v] = heads(qkv, rope);
+  auto y = linear_after(Part::attention_proj, [this](const auto& in) { return attention_core(in[0], in[1], in[2]); },
+                        {q, k, v}, {}, w_proj, b_proj);
+  auto h = x + residual_dropout(y);
+  auto u = linear_after(Part::norm2_fc, [this](const auto& in) { return norm2(in[0]); }, {h}, {ln2_w, ln2_b}, w_fc, b_fc);
+  auto o = linear_after(Part::act_out, [this](const auto& in) { return mlp_act(in[0]); }, {u}, {}, w_out, b_out);
+  return h + residual_dropout(o);
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {
-  auto [q, k, v] = qkv(norm1(x), rope);
-  auto h = x + attn_proj(attention_core(q, k, v));
-  return h + mlp_out(mlp_act(mlp_in(norm2(h))));
+  static const LinearAfter plain = [](Part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
+                                      const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b) {
+    return linear(cheap(inputs), W, b);
+  };
+  return forward_with(x, rope, plain);
 }
 
 GPTImpl::GPTImpl(const config::ModelConfig& c, torch::Device device) : cfg(c) {

@@ -6,6 +6,10 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include <array>
+#include <functional>
+#include <vector>
+
 #include "config/config.h"
 
 namespace sl::model {
@@ -15,24 +19,34 @@ struct Rope {
   torch::Tensor cos, sin;
 };
 
-// One transformer block. Its forward is split into named parts so recompute policies can pick
-// them: norm1/norm2 (LayerNorm or RMSNorm), attention_core (SDPA incl. softmax and dropout),
-// mlp_act (GELU or SwiGLU gate).
+// The four places in a block where a cheap op feeds a linear layer. Selective recompute works on
+// exactly these pairs: the cheap op's output is saved by nobody but the linear, so not keeping it
+// (and recomputing it in backward) is what saves memory.
+enum class Part { norm1_qkv, attention_proj, norm2_fc, act_out };
+
+// cheap(inputs) followed by linear(W, b). The block calls it once per Part; the default runs both
+// plainly, a recompute policy passes one that keeps only the cheap op's inputs.
+using CheapFn = std::function<torch::Tensor(const std::vector<torch::Tensor>&)>;
+using LinearAfter = std::function<torch::Tensor(Part part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
+                                                const std::vector<torch::Tensor>& cheap_params,
+                                                const torch::Tensor& W, const torch::Tensor& b)>;
+
+// One transformer block, written as the four cheap-op -> linear pairs above:
+//   h = x + drop(proj(attention_core(heads(qkv(norm1(x))))));  out = h + drop(fc_out(act(fc(norm2(h)))))
 struct BlockImpl : torch::nn::Module {
   BlockImpl(const config::ModelConfig& cfg, int64_t layer, torch::Device device);
 
   torch::Tensor forward(const torch::Tensor& x, const Rope& rope);  // (B, T, C) -> (B, T, C)
+  torch::Tensor forward_with(const torch::Tensor& x, const Rope& rope, const LinearAfter& linear_after);
 
   torch::Tensor norm1(const torch::Tensor& x) const;
   torch::Tensor norm2(const torch::Tensor& x) const;
-  // (B, T, C) normed input -> q, k, v as (B, nh, T, hd), rotated when RoPE is on.
-  std::array<torch::Tensor, 3> qkv(const torch::Tensor& h, const Rope& rope) const;
-  // (B, nh, T, hd) x3 -> (B, T, C) attention output before the projection.
+  // (B, T, 3C) qkv projection -> q, k, v as (B, nh, T, hd), rotated when RoPE is on.
+  std::array<torch::Tensor, 3> heads(const torch::Tensor& qkv, const Rope& rope) const;
+  // (B, nh, T, hd) x3 -> (B, T, C): SDPA (softmax, attention dropout) before the projection.
   torch::Tensor attention_core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const;
-  torch::Tensor attn_proj(const torch::Tensor& y) const;  // (B, T, C) -> (B, T, C), with residual dropout
-  torch::Tensor mlp_in(const torch::Tensor& h) const;     // (B, T, C) -> (B, T, H) [or (B, T, 2H) for SwiGLU]
-  torch::Tensor mlp_act(const torch::Tensor& u) const;    // -> (B, T, H)
-  torch::Tensor mlp_out(const torch::Tensor& a) const;    // (B, T, H) -> (B, T, C), with residual dropout
+  torch::Tensor mlp_act(const torch::Tensor& u) const;  // (B, T, H) GELU, or (B, T, 2H) -> (B, T, H) SwiGLU
+  torch::Tensor residual_dropout(const torch::Tensor& y) const;
 
   int64_t layer, n_head, n_embd, hidden;
   bool llama;

@@ -17,6 +17,7 @@
 #include "errors.h"
 #include "log/metrics.h"
 #include "memory/tracker.h"
+#include "recompute/policy.h"
 #include "train/schedule.h"
 
 namespace sl::train {
@@ -79,12 +80,12 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const con
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(t.lr));
 }
 
-double forward_backward(model::GPT& model, const std::vector<data::Batch>& micro, torch::Device device) {
+double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device) {
   const double n = static_cast<double>(micro.size());
   double total = 0.0;
   for (const auto& b : micro) {
     auto x = b.x.to(device), y = b.y.to(device);
-    auto loss = model::GPTImpl::loss(model->forward(x), y);
+    auto loss = model::GPTImpl::loss(forward(x), y);
     (loss / n).backward();
     total += loss.item<double>();
   }
@@ -159,7 +160,10 @@ int run(const config::RunConfig& cfg) {
   model::GPT model(cfg.model, device);
   model->train();
   auto opt = make_optimizer(model, t);
+  recompute::Policy policy(cfg.checkpointing, model);
+  const ForwardFn forward = [&policy](const torch::Tensor& idx) { return policy.forward(idx); };
   const double fpt = flops_per_token(*model, t.seq_len);
+  const double recompute_fpt = policy.recompute_flops_per_token(t.seq_len);
   const bool peak_measured = cfg.logging.peak_tflops <= 0.0;
   const double peak_flops = peak_measured ? measure_gemm_flops(device) : cfg.logging.peak_tflops * 1e12;
 
@@ -178,6 +182,7 @@ int run(const config::RunConfig& cfg) {
   Json model_info = {{"params", model->num_params()},
                      {"matmul_params", model->num_matmul_params()},
                      {"flops_per_token", fpt},
+                     {"recompute_flops_per_token", recompute_fpt},
                      {"peak_flops", peak_flops},
                      {"peak_flops_source", peak_measured ? "measured_fp32_gemm" : "logging.peak_tflops"}};
   if (rank0) {
@@ -185,6 +190,7 @@ int run(const config::RunConfig& cfg) {
     rows.emplace_back("run directory", run_dir);
     rows.emplace_back("device", device.str());
     rows.emplace_back("threads", std::to_string(at::get_num_threads()));
+    rows.emplace_back("checkpointing plan", policy.plan().describe());
     rows.emplace_back("parameters", fmt::format("{} ({:.2f} M)", model->num_params(), model->num_params() / 1e6));
     rows.emplace_back("train data", splits.train->describe());
     rows.emplace_back("val data", splits.val->describe());
@@ -198,7 +204,7 @@ int run(const config::RunConfig& cfg) {
   auto old_term = std::signal(SIGTERM, on_signal);
 
   const int64_t tokens_per_step = t.micro_batch * t.grad_accum * t.seq_len * world;
-  std::vector<double> step_ms, tok_s, samp_s, mfus;
+  std::vector<double> step_ms, tok_s, samp_s, mfus, recompute_ms, act_peaks;
   int64_t peak_bytes = 0, steps_done = 0;
   ModelStateBytes states_at_peak;
   double last_loss = NAN, last_val = NAN;
@@ -217,8 +223,9 @@ int run(const config::RunConfig& cfg) {
       sync(device);
       tracker.reset_peak();
       const auto t0 = Clock::now();
-      opt->zero_grad(/*set_to_none=*/true);
-      const double loss = forward_backward(model, micro, device);
+      // Gradients stay allocated (zeroed, not freed) so that peak - model states is the activation peak.
+      opt->zero_grad(/*set_to_none=*/false);
+      const double loss = forward_backward(forward, micro, device);
       if (!std::isfinite(loss)) {
         runlog.event("non_finite_loss", {{"step", step + 1}, {"loss", loss}});
         throw NonFiniteError(fmt::format("step {}: loss is {}; lower train.lr or raise train.warmup_steps", step + 1, loss));
@@ -242,6 +249,7 @@ int run(const config::RunConfig& cfg) {
 
       const double tps = static_cast<double>(tokens_per_step) / (ms * 1e-3);
       const double mfu = fpt * tps / peak_flops;
+      const recompute::Stats rs = policy.take_stats();
       Json rec = {{"step", step + 1},
                   {"loss", loss},
                   {"lr", lr},
@@ -251,7 +259,10 @@ int run(const config::RunConfig& cfg) {
                   {"tokens_per_s", tps},
                   {"samples_per_s", static_cast<double>(t.micro_batch * t.grad_accum * world) / (ms * 1e-3)},
                   {"mfu", mfu},
+                  {"hfu", (fpt + recompute_fpt) * tps / peak_flops},
+                  {"recompute_ms", rs.recompute_ms},
                   {"peak_allocated_bytes", mem.peak_allocated_bytes},
+                  {"activation_peak_bytes", std::max<int64_t>(0, mem.peak_allocated_bytes - states.total())},
                   {"allocated_bytes", mem.allocated_bytes},
                   {"reserved_bytes", mem.reserved_bytes}};
       runlog.step(rec);
@@ -260,6 +271,8 @@ int run(const config::RunConfig& cfg) {
       if (step >= cfg.logging.skip_first || t.steps <= cfg.logging.skip_first) {
         step_ms.push_back(ms), tok_s.push_back(tps), mfus.push_back(mfu);
         samp_s.push_back(rec["samples_per_s"].get<double>());
+        recompute_ms.push_back(rs.recompute_ms);
+        act_peaks.push_back(static_cast<double>(rec["activation_peak_bytes"].get<int64_t>()));
       }
       bar.update(steps_done, loss);
       if (rank0 && (steps_done % cfg.logging.interval == 0 || steps_done == 1 || steps_done == t.steps)) {
@@ -297,6 +310,7 @@ int run(const config::RunConfig& cfg) {
       {"config", resolved},
       {"environment", env},
       {"model", model_info},
+      {"checkpointing", policy.plan().to_json()},
       {"run_dir", run_dir},
       {"steps", steps_done},
       {"tokens", steps_done * tokens_per_step},
@@ -307,6 +321,8 @@ int run(const config::RunConfig& cfg) {
       {"median_tokens_per_s", median(tok_s)},
       {"median_samples_per_s", median(samp_s)},
       {"median_mfu", median(mfus)},
+      {"median_recompute_ms", median(recompute_ms)},
+      {"median_activation_peak_bytes", static_cast<int64_t>(median(act_peaks))},
       {"wall_s", ms_since(run_t0) * 1e-3},
       {"peak_allocated_bytes", peak_bytes},
       {"memory_breakdown",

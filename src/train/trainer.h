@@ -3,6 +3,7 @@
 // periodic eval, throughput/MFU/memory records, and the exit status written into summary.json.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -21,10 +22,13 @@ torch::Device resolve_device(const config::TrainConfig& t);
 // AdamW with two groups: matrices (dim >= 2) decay with train.weight_decay, vectors do not.
 std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t);
 
+// idx (B, T) -> logits (B, T, V): the model's forward, or a recompute policy's.
+using ForwardFn = std::function<torch::Tensor(const torch::Tensor&)>;
+
 // Forward + backward over the micro-batches of one optimizer step. Each micro-batch's mean loss is
 // divided by the number of micro-batches, so the accumulated gradient equals the gradient of the
 // mean loss over all of them (one big batch). Returns that mean loss.
-double forward_backward(model::GPT& model, const std::vector<data::Batch>& micro, torch::Device device);
+double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device);
 
 // Mean loss over `batches` batches from `loader`, in eval mode without autograd.
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device);

@@ -1,0 +1,355 @@
+// Checkpoint engine: forward-state capture (RNG, autocast), the segment Function and the
+// recompute-then-linear Function.
+#include "recompute/checkpoint.h"
+
+#include <chrono>
+#include <cmath>
+
+#include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include "errors.h"
+
+namespace sl::recompute {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// RNG and autocast state at the moment a piece ran forward.
+struct ForwardState {
+  bool rng = false;
+  at::Tensor cpu_rng, cuda_rng;
+  c10::DeviceIndex cuda_device = -1;
+  bool autocast_cpu = false, autocast_cuda = false;
+  at::ScalarType autocast_cpu_dtype = at::kBFloat16, autocast_cuda_dtype = at::kHalf;
+
+  static ForwardState capture(bool preserve_rng, const std::vector<at::Tensor>& inputs) {
+    ForwardState s;
+    s.autocast_cpu = at::autocast::is_autocast_enabled(at::kCPU);
+    s.autocast_cuda = at::autocast::is_autocast_enabled(at::kCUDA);
+    s.autocast_cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    s.autocast_cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+    s.rng = preserve_rng;
+    if (!preserve_rng) return s;
+    {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      s.cpu_rng = gen.get_state();
+    }
+    for (const auto& t : inputs)
+      if (t.defined() && t.is_cuda()) {
+        s.cuda_device = t.device().index();
+        auto gen = at::cuda::detail::getDefaultCUDAGenerator(s.cuda_device);
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        s.cuda_rng = gen.get_state();
+        break;
+      }
+    return s;
+  }
+};
+
+// While alive: grad mode on, the forward's autocast state applied, the forward's RNG state set.
+// Restores the caller's RNG and autocast state on destruction.
+class Replay {
+ public:
+  explicit Replay(const ForwardState& s) : grad_(true) {
+    prev_autocast_cpu_ = at::autocast::is_autocast_enabled(at::kCPU);
+    prev_autocast_cuda_ = at::autocast::is_autocast_enabled(at::kCUDA);
+    prev_cpu_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
+    prev_cuda_dtype_ = at::autocast::get_autocast_dtype(at::kCUDA);
+    at::autocast::set_autocast_enabled(at::kCPU, s.autocast_cpu);
+    at::autocast::set_autocast_enabled(at::kCUDA, s.autocast_cuda);
+    at::autocast::set_autocast_dtype(at::kCPU, s.autocast_cpu_dtype);
+    at::autocast::set_autocast_dtype(at::kCUDA, s.autocast_cuda_dtype);
+    if (s.autocast_cpu || s.autocast_cuda) {
+      at::autocast::increment_nesting();
+      nested_ = true;
+    }
+    if (!s.rng) return;
+    swap_rng(s.cpu_rng, s.cuda_rng, s.cuda_device, /*save=*/true);
+    cuda_device_ = s.cuda_device;
+    rng_ = true;
+  }
+  ~Replay() {
+    if (rng_) swap_rng(prev_cpu_rng_, prev_cuda_rng_, cuda_device_, /*save=*/false);
+    if (nested_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCPU, prev_autocast_cpu_);
+    at::autocast::set_autocast_enabled(at::kCUDA, prev_autocast_cuda_);
+    at::autocast::set_autocast_dtype(at::kCPU, prev_cpu_dtype_);
+    at::autocast::set_autocast_dtype(at::kCUDA, prev_cuda_dtype_);
+  }
+  Replay(const Replay&) = delete;
+  Replay& operator=(const Replay&) = delete;
+
+ private:
+  // Sets the generators to the given states; with save, first keeps the current ones to restore.
+  void swap_rng(const at::Tensor& cpu, const at::Tensor& cuda, c10::DeviceIndex dev, bool save) {
+    {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      if (save) prev_cpu_rng_ = gen.get_state();
+      gen.set_state(cpu);
+    }
+    if (dev >= 0 && cuda.defined()) {
+      auto gen = at::cuda::detail::getDefaultCUDAGenerator(dev);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      if (save) prev_cuda_rng_ = gen.get_state();
+      gen.set_state(cuda);
+    }
+  }
+  torch::AutoGradMode grad_;
+  bool rng_ = false, nested_ = false;
+  at::Tensor prev_cpu_rng_, prev_cuda_rng_;
+  c10::DeviceIndex cuda_device_ = -1;
+  bool prev_autocast_cpu_ = false, prev_autocast_cuda_ = false;
+  at::ScalarType prev_cpu_dtype_ = at::kBFloat16, prev_cuda_dtype_ = at::kHalf;
+};
+
+// What a piece's forward leaves for its backward besides the saved input tensors. Held in an
+// IValue capsule in ctx->saved_data, so it is freed with the graph node: after backward, or when
+// the graph is dropped without one.
+struct Saved : torch::CustomClassHolder {
+  std::string name;
+  SegmentFn fn;          // checkpoint(): the segment
+  CheapFn cheap;         // recompute_then_linear(): the cheap op
+  Options opts;
+  ForwardState state;
+  size_t n_inputs = 0;
+  std::vector<at::Tensor> params;  // the module's own parameters the piece uses (handles, not copies)
+  size_t n_linear = 0;             // recompute_then_linear(): 1 (W) or 2 (W, b) at the end of params
+  struct Meta {
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype;
+    double checksum;
+  };
+  std::vector<Meta> out_meta;  // only with check_recompute
+};
+
+using SavedPtr = c10::intrusive_ptr<Saved>;
+
+// Index conventions in the Functions below: graph inputs are [state, tensors...]. backward returns
+// one slot per forward argument (slot 0, the state, stays undefined), while needs_input_grad()
+// counts tensor inputs only: tensor i is slot 1 + i and needs_input_grad(i).
+
+SavedPtr take_saved(AutogradContext* ctx) {
+  auto saved = c10::static_intrusive_pointer_cast<Saved>(ctx->saved_data.at("state").toCapsule());
+  ctx->saved_data.erase("state");
+  return saved;
+}
+
+Saved::Meta meta_of(const at::Tensor& t) {
+  return {t.sizes().vec(), t.scalar_type(), t.is_floating_point() ? t.to(at::kDouble).sum().item<double>() : 0.0};
+}
+
+void check_outputs(const Saved& s, const std::vector<at::Tensor>& outs) {
+  if (!s.opts.check_recompute) return;
+  auto fail = [&](const std::string& what) {
+    throw Error(1, fmt::format("recompute check failed in {}: {} (is the piece non-deterministic, or does it "
+                               "use randomness with checkpointing.preserve_rng: false?)", s.name, what));
+  };
+  if (outs.size() != s.out_meta.size())
+    fail(fmt::format("{} outputs in recompute, {} in forward", outs.size(), s.out_meta.size()));
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto m = meta_of(outs[i].detach());
+    const auto& f = s.out_meta[i];
+    if (m.sizes != f.sizes)
+      fail(fmt::format("output {} has shape {} in recompute, {} in forward", i, fmt::join(m.sizes, "x"),
+                       fmt::join(f.sizes, "x")));
+    if (m.dtype != f.dtype)
+      fail(fmt::format("output {} has dtype {} in recompute, {} in forward", i, c10::toString(m.dtype),
+                       c10::toString(f.dtype)));
+    if (std::abs(m.checksum - f.checksum) > 1e-6 * (1.0 + std::abs(f.checksum)))
+      fail(fmt::format("output {} values differ (sum {} in recompute, {} in forward)", i, m.checksum, f.checksum));
+  }
+}
+
+// Detached copies of the saved inputs, requiring grad where the originals did.
+std::vector<at::Tensor> detached_inputs(const variable_list& saved, size_t n, const std::vector<bool>& needs) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < n; ++i) {
+    auto t = saved[i].detach();
+    t.requires_grad_(needs[i]);
+    out.push_back(t);
+  }
+  return out;
+}
+
+// Times the recompute (device-synchronized on CUDA so the number is real GPU time).
+template <class F>
+auto timed(const Saved& s, bool cuda, F&& f) {
+  if (s.opts.pre_recompute_hook) s.opts.pre_recompute_hook(s.name);
+  if (cuda) torch::cuda::synchronize();
+  auto t0 = std::chrono::steady_clock::now();
+  auto out = f();
+  if (cuda) torch::cuda::synchronize();
+  s.opts.stats->recompute_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  s.opts.stats->recomputes += 1;
+  return out;
+}
+
+bool any_cuda(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts)
+    if (t.defined() && t.is_cuda()) return true;
+  return false;
+}
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static variable_list forward(AutogradContext* ctx, SavedPtr saved, at::TensorList inputs, at::TensorList params) {
+    std::vector<at::Tensor> in(inputs.begin(), inputs.end());
+    saved->state = ForwardState::capture(saved->opts.preserve_rng, in);
+    auto outs = saved->fn(in);
+    if (saved->opts.check_recompute)
+      for (const auto& o : outs) saved->out_meta.push_back(meta_of(o));
+    saved->n_inputs = in.size();
+    saved->params.assign(params.begin(), params.end());
+    ctx->save_for_backward(in);
+    ctx->saved_data["state"] = at::IValue::make_capsule(saved);
+    ctx->set_materialize_grads(false);
+    return outs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto saved = take_saved(ctx);
+    const size_t n_params = saved->params.size();
+    auto stored = ctx->get_saved_variables();
+    const size_t n_in = saved->n_inputs;
+    std::vector<bool> needs(n_in);
+    for (size_t i = 0; i < n_in; ++i) needs[i] = ctx->needs_input_grad(i);
+    auto inputs = detached_inputs(stored, n_in, needs);
+    std::vector<at::Tensor> outs;
+    {
+      Replay replay(saved->state);
+      outs = timed(*saved, any_cuda(inputs), [&] { return saved->fn(inputs); });
+    }
+    check_outputs(*saved, outs);
+
+    std::vector<at::Tensor> roots, root_grads;
+    for (size_t i = 0; i < outs.size() && i < grad_outputs.size(); ++i)
+      if (grad_outputs[i].defined() && outs[i].requires_grad()) roots.push_back(outs[i]), root_grads.push_back(grad_outputs[i]);
+    std::vector<at::Tensor> wrt;
+    std::vector<size_t> slot;  // position in the result list
+    for (size_t i = 0; i < n_in; ++i)
+      if (needs[i]) wrt.push_back(inputs[i]), slot.push_back(1 + i);
+    const auto& params = saved->params;
+    for (size_t j = 0; j < n_params; ++j)
+      if (ctx->needs_input_grad(n_in + j)) wrt.push_back(params[j]), slot.push_back(1 + n_in + j);
+
+    variable_list result(1 + n_in + n_params);
+    if (!roots.empty() && !wrt.empty()) {
+      auto grads = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false, /*create_graph=*/false,
+                                         /*allow_unused=*/true);
+      for (size_t i = 0; i < grads.size(); ++i) result[slot[i]] = grads[i];
+    }
+    return result;
+  }
+
+};
+
+// linear(cheap(inputs), W, b). Graph inputs: [state, inputs..., cheap_params..., W, b?].
+struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, SavedPtr saved, at::TensorList inputs, at::TensorList cheap_params,
+                            at::TensorList linear_params) {
+    std::vector<at::Tensor> in(inputs.begin(), inputs.end());
+    saved->state = ForwardState::capture(saved->opts.preserve_rng, in);
+    auto a = saved->cheap(in);
+    if (saved->opts.check_recompute) saved->out_meta.push_back(meta_of(a));
+    const auto& W = linear_params[0];
+    auto y = at::linear(a, W, linear_params.size() > 1 ? std::optional<at::Tensor>(linear_params[1]) : std::nullopt);
+    saved->n_inputs = in.size();
+    saved->params.assign(cheap_params.begin(), cheap_params.end());
+    saved->params.insert(saved->params.end(), linear_params.begin(), linear_params.end());
+    saved->n_linear = linear_params.size();
+    ctx->save_for_backward(in);
+    ctx->saved_data["state"] = at::IValue::make_capsule(saved);
+    ctx->set_materialize_grads(false);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto saved = take_saved(ctx);
+    const size_t n_in = saved->n_inputs, n_params = saved->params.size();
+    const bool has_bias = saved->n_linear == 2;
+    const size_t n_cheap = n_params - saved->n_linear;
+    const at::Tensor& W = saved->params[n_cheap];
+    variable_list result(1 + n_in + n_params);
+    const auto& gy = grad_outputs[0];
+    if (!gy.defined()) return result;
+
+    std::vector<bool> needs(n_in);
+    for (size_t i = 0; i < n_in; ++i) needs[i] = ctx->needs_input_grad(i);
+    auto inputs = detached_inputs(ctx->get_saved_variables(), n_in, needs);
+    at::Tensor a;
+    {
+      Replay replay(saved->state);
+      a = timed(*saved, any_cuda(inputs), [&] { return saved->cheap(inputs); });
+    }
+    check_outputs(*saved, {a});
+
+    // The linear's backward from the recomputed input, with the same kernels autograd uses for
+    // addmm(b, a2d, W^T) / mm(a2d, W^T): dW = gy^T a, db = sum_rows(gy), da = gy W.
+    const int64_t N = W.size(0), K = W.size(1);
+    const auto cdt = gy.scalar_type();  // compute dtype (differs from W's under autocast)
+    auto gy2 = gy.reshape({-1, N});
+    auto a2 = a.detach().to(cdt).reshape({-1, K});
+    auto Wc = W.to(cdt);
+    if (ctx->needs_input_grad(n_in + n_cheap)) result[1 + n_in + n_cheap] = gy2.t().mm(a2).to(W.scalar_type());
+    if (has_bias && ctx->needs_input_grad(n_in + n_cheap + 1))
+      result[1 + n_in + n_cheap + 1] = gy2.sum(0).to(saved->params.back().scalar_type());
+    auto da = gy2.mm(Wc).view(a.sizes()).to(a.scalar_type());
+
+    // Then the cheap op's backward through autograd.
+    std::vector<at::Tensor> wrt;
+    std::vector<size_t> slot;
+    for (size_t i = 0; i < n_in; ++i)
+      if (needs[i]) wrt.push_back(inputs[i]), slot.push_back(1 + i);
+    for (size_t j = 0; j < n_cheap; ++j)
+      if (ctx->needs_input_grad(n_in + j)) wrt.push_back(saved->params[j]), slot.push_back(1 + n_in + j);
+    if (!wrt.empty() && a.requires_grad()) {
+      auto grads = torch::autograd::grad({a}, wrt, {da}, /*retain_graph=*/false, /*create_graph=*/false,
+                                         /*allow_unused=*/true);
+      for (size_t i = 0; i < grads.size(); ++i) result[slot[i]] = grads[i];
+    }
+    return result;
+  }
+};
+
+std::vector<at::Tensor> defined_only(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts)
+    if (t.defined()) out.push_back(t);
+  return out;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> checkpoint(const std::string& name, const SegmentFn& fn, const std::vector<at::Tensor>& inputs,
+                                   const std::vector<at::Tensor>& params, const Options& opts) {
+  if (!torch::GradMode::is_enabled()) return fn(inputs);  // eval: nothing to save, nothing to recompute
+  auto saved = c10::make_intrusive<Saved>();
+  saved->name = name;
+  saved->fn = fn;
+  saved->opts = opts;
+  return CheckpointFunction::apply(saved, at::TensorList(inputs), at::TensorList(defined_only(params)));
+}
+
+at::Tensor recompute_then_linear(const std::string& name, const CheapFn& cheap, const std::vector<at::Tensor>& inputs,
+                                 const std::vector<at::Tensor>& cheap_params, const at::Tensor& W, const at::Tensor& b,
+                                 const Options& opts) {
+  if (!torch::GradMode::is_enabled())
+    return at::linear(cheap(inputs), W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+  auto saved = c10::make_intrusive<Saved>();
+  saved->name = name;
+  saved->cheap = cheap;
+  saved->opts = opts;
+  std::vector<at::Tensor> linear_params = {W};
+  if (b.defined()) linear_params.push_back(b);
+  return RecomputeLinearFunction::apply(saved, at::TensorList(inputs), at::TensorList(defined_only(cheap_params)),
+                                        at::TensorList(linear_params));
+}
+
+}  // namespace sl::recompute

@@ -1,0 +1,50 @@
+// The checkpoint engine: autograd Functions that run a piece of the forward without keeping its
+// internals, keep only its inputs (plus the RNG and autocast state of that moment), and recompute it
+// in backward with grad enabled. Two shapes:
+//  - checkpoint(): a segment (any callable over tensors, e.g. k consecutive blocks);
+//  - recompute_then_linear(): a cheap op feeding a linear layer (norm -> linear, activation ->
+//    linear, attention core -> projection): only the cheap op is re-run; the linear's backward is
+//    computed directly from the recomputed value, so the matmul is not repeated.
+// Gradients equal the non-checkpointed ones bitwise on CPU fp32, dropout included.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace sl::recompute {
+
+using SegmentFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+using CheapFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+
+// Accumulated by every recompute of a run (reset by the trainer per step).
+struct Stats {
+  double recompute_ms = 0.0;  // wall time spent re-running forwards inside backward
+  int64_t recomputes = 0;     // how many pieces were recomputed
+};
+
+// Shared by all pieces that one policy checkpoints.
+struct Options {
+  bool preserve_rng = true;     // replay the forward's RNG state (exact dropout)
+  bool check_recompute = false; // compare recomputed outputs' shapes, dtypes and value checksums
+  std::function<void(const std::string& name)> pre_recompute_hook;  // runs before each recompute
+  std::shared_ptr<Stats> stats = std::make_shared<Stats>();
+};
+
+// Runs fn(inputs) and returns its outputs. With grad mode on, only `inputs` (and RNG/autocast state)
+// are kept; backward re-runs fn and back-propagates into `inputs` and `params` (the parameters fn
+// uses: passing them keeps the graph alive when no input requires grad). With grad mode off it
+// simply calls fn. `name` identifies the piece in errors and hooks (e.g. "segment 2 (blocks 4..5)").
+std::vector<at::Tensor> checkpoint(const std::string& name, const SegmentFn& fn, const std::vector<at::Tensor>& inputs,
+                                   const std::vector<at::Tensor>& params, const Options& opts);
+
+// linear(cheap(inputs), W, b) keeping only `inputs`: backward recomputes cheap(inputs) and derives
+// the linear's gradients from it. `cheap_params` are parameters the cheap op uses (norm weights).
+// The inputs to the linear must be contiguous after cheap(), as they are for every Part.
+at::Tensor recompute_then_linear(const std::string& name, const CheapFn& cheap, const std::vector<at::Tensor>& inputs,
+                                 const std::vector<at::Tensor>& cheap_params, const at::Tensor& W, const at::Tensor& b,
+                                 const Options& opts);
+
+}  // namespace sl::recompute

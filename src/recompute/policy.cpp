@@ -1,0 +1,138 @@
+// Recompute policies: segment plans and the model forward under them.
+#include "recompute/policy.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+namespace sl::recompute {
+
+int64_t Plan::checkpointed_blocks() const {
+  int64_t n = 0;
+  for (const auto& s : segments)
+    if (s.checkpointed) n += s.end - s.begin;
+  return n;
+}
+
+std::string Plan::describe() const {
+  if (mode == "none") return "none";
+  if (mode == "selective") {
+    std::string parts;
+    for (auto [on, name] : {std::pair{attention, "attention"}, {mlp, "mlp"}, {norm, "norm"}})
+      if (on) parts += (parts.empty() ? "" : ", ") + std::string(name);
+    return fmt::format("selective [{}] in every block", parts);
+  }
+  std::string segs;
+  for (const auto& s : segments)
+    segs += fmt::format("{}[{}..{}){}", segs.empty() ? "" : " ", s.begin, s.end, s.checkpointed ? "" : " kept");
+  return fmt::format("{} k={}: {} of {} segments checkpointed: {}", mode, k,
+                     std::count_if(segments.begin(), segments.end(), [](const Segment& s) { return s.checkpointed; }),
+                     segments.size(), segs);
+}
+
+nlohmann::json Plan::to_json() const {
+  nlohmann::json segs = nlohmann::json::array();
+  for (const auto& s : segments) segs.push_back({{"blocks", {s.begin, s.end}}, {"checkpointed", s.checkpointed}});
+  return {{"mode", mode},
+          {"k", k},
+          {"segments", segs},
+          {"checkpointed_blocks", checkpointed_blocks()},
+          {"selective", {{"attention", attention}, {"mlp", mlp}, {"norm", norm}}}};
+}
+
+Plan make_plan(const config::CheckpointingConfig& cfg, int64_t L) {
+  Plan p;
+  p.mode = cfg.mode;
+  auto split = [&](int64_t k) {
+    p.k = k;
+    for (int64_t b = 0; b < L; b += k) p.segments.push_back({b, std::min(b + k, L), true});
+  };
+  if (cfg.mode == "full") {
+    split(1);
+  } else if (cfg.mode == "sqrt") {
+    split(std::max<int64_t>(1, std::llround(std::sqrt(static_cast<double>(L)))));
+  } else if (cfg.mode == "interval" && cfg.interval > 0) {
+    split(cfg.interval);
+  } else if (cfg.mode == "interval") {
+    // checkpoint_sequential style: n segments of L / n blocks, the last one takes the remainder.
+    const int64_t n = cfg.segments, size = L / n;
+    p.k = size;
+    for (int64_t i = 0; i < n; ++i) p.segments.push_back({i * size, i == n - 1 ? L : (i + 1) * size, true});
+  } else {
+    p.segments.push_back({0, L, false});
+    p.attention = p.mlp = p.norm = false;
+    for (const auto& part : cfg.recompute) {
+      p.attention |= part == "attention";
+      p.mlp |= part == "mlp";
+      p.norm |= part == "norm";
+    }
+    return p;
+  }
+  if (cfg.skip_last) p.segments.back().checkpointed = false;
+  return p;
+}
+
+Policy::Policy(const config::CheckpointingConfig& cfg, model::GPT model)
+    : cfg_(cfg), model_(std::move(model)), plan_(make_plan(cfg, model_->cfg.n_layer)) {
+  opts_.preserve_rng = cfg.preserve_rng;
+  opts_.check_recompute = cfg.check_recompute;
+}
+
+Stats Policy::take_stats() {
+  Stats s = *opts_.stats;
+  *opts_.stats = Stats{};
+  return s;
+}
+
+torch::Tensor Policy::block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope) {
+  if (plan_.mode != "selective") return block.forward(x, rope);
+  static const char* kPartNames[] = {"norm1->qkv", "attention->proj", "norm2->fc", "act->out"};
+  const bool recompute[] = {plan_.norm, plan_.attention, plan_.norm, plan_.mlp};
+  auto linear_after = [&](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
+                          const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W, const torch::Tensor& b) {
+    const auto i = static_cast<size_t>(part);
+    if (!recompute[i]) return at::linear(cheap(inputs), W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+    return recompute_then_linear(fmt::format("block {} {}", block.layer, kPartNames[i]), cheap, inputs, cheap_params, W,
+                                 b, opts_);
+  };
+  return block.forward_with(x, rope, linear_after);
+}
+
+torch::Tensor Policy::forward(const torch::Tensor& idx) {
+  auto x = model_->embed(idx);
+  const auto rope = model_->rope(idx.size(1));
+  auto& blocks = *model_->blocks;
+  for (size_t si = 0; si < plan_.segments.size(); ++si) {
+    const auto seg = plan_.segments[si];
+    if (!seg.checkpointed) {
+      for (int64_t b = seg.begin; b < seg.end; ++b) x = block_forward(*blocks[b]->as<model::BlockImpl>(), x, rope);
+      continue;
+    }
+    std::vector<torch::Tensor> params;
+    for (int64_t b = seg.begin; b < seg.end; ++b)
+      for (const auto& p : blocks[b]->parameters()) params.push_back(p);
+    auto model = model_;
+    auto fn = [this, model, seg, rope](const std::vector<torch::Tensor>& in) {
+      auto h = in[0];
+      for (int64_t b = seg.begin; b < seg.end; ++b) h = block_forward(*(*model->blocks)[b]->as<model::BlockImpl>(), h, rope);
+      return std::vector<torch::Tensor>{h};
+    };
+    x = checkpoint(fmt::format("segment {} (blocks {}..{})", si, seg.begin, seg.end - 1), fn, {x}, params, opts_)[0];
+  }
+  return model_->head(x);
+}
+
+double Policy::recompute_flops_per_token(int64_t seq_len) const {
+  const auto& c = model_->cfg;
+  const double attn_fwd = 4.0 * static_cast<double>(seq_len) * static_cast<double>(c.n_embd);
+  double block_matmul = 0.0;
+  const auto* b = (*model_->blocks)[0]->as<model::BlockImpl>();
+  for (const auto* w : {&b->w_qkv, &b->w_proj, &b->w_fc, &b->w_out}) block_matmul += static_cast<double>(w->numel());
+  double flops = static_cast<double>(plan_.checkpointed_blocks()) * (2.0 * block_matmul + attn_fwd);
+  if (plan_.attention) flops += static_cast<double>(c.n_layer) * attn_fwd;
+  return flops;
+}
+
+}  // namespace sl::recompute

@@ -1,0 +1,57 @@
+// Recompute policies over a GPT: none, full (every block a segment), interval (k blocks per
+// segment, or n segments), sqrt (k = round(sqrt(L))), selective (inside every block, recompute
+// only the named cheap parts: attention core, MLP activation, norms). The plan says which segments
+// are checkpointed; Policy::forward runs the model under it.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "config/config.h"
+#include "model/gpt.h"
+#include "recompute/checkpoint.h"
+
+namespace sl::recompute {
+
+struct Segment {
+  int64_t begin = 0, end = 0;  // blocks [begin, end)
+  bool checkpointed = false;
+};
+
+struct Plan {
+  std::string mode = "none";
+  int64_t k = 0;  // blocks per segment (full: 1; interval/sqrt: k; none/selective: 0)
+  std::vector<Segment> segments;
+  bool attention = false, mlp = false, norm = false;  // selective parts
+  int64_t checkpointed_blocks() const;
+  std::string describe() const;  // one line for the start-up table
+  nlohmann::json to_json() const;
+};
+
+// Segments for a config and a block count. skip_last keeps the last segment's activations.
+Plan make_plan(const config::CheckpointingConfig& cfg, int64_t n_layer);
+
+class Policy {
+ public:
+  Policy(const config::CheckpointingConfig& cfg, model::GPT model);
+
+  torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> logits (B, T, V)
+  const Plan& plan() const { return plan_; }
+  // Runs before each recompute with the piece's name (sharding re-gathers parameters here).
+  void set_pre_recompute_hook(std::function<void(const std::string&)> hook) { opts_.pre_recompute_hook = std::move(hook); }
+  Stats take_stats();  // since the last call
+  // Forward FLOPs per token that backward re-runs (for HFU): each checkpointed block's
+  // 2*P_block + 4*T*d, plus 4*T*d per block when the attention core is recomputed.
+  double recompute_flops_per_token(int64_t seq_len) const;
+
+ private:
+  torch::Tensor block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope);
+  config::CheckpointingConfig cfg_;
+  model::GPT model_;
+  Plan plan_;
+  Options opts_;
+};
+
+}  // namespace sl::recompute
