@@ -8,6 +8,8 @@
 #include "config/config.h"
 #include "data/loader.h"
 #include "errors.h"
+#include "memory/activations.h"
+#include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
 #include "recompute/policy.h"
@@ -230,4 +232,59 @@ TEST_CASE("segment plans") {
   CHECK(full.checkpointed_blocks() == 3);
   c.mode = "none";
   CHECK(recompute::make_plan(c, 4).checkpointed_blocks() == 0);
+}
+
+namespace {
+// activation_peak_bytes of the second optimizer step (the first one creates the optimizer state),
+// measured with the tracking allocator through the trainer's own step.
+int64_t measured_activation_peak(const config::RunConfig& cfg) {
+  memory::TrackingCPUAllocator::install();
+  torch::manual_seed(0);
+  model::GPT m(cfg.model, torch::kCPU);
+  recompute::Policy policy(cfg.checkpointing, m);
+  auto opt = train::make_optimizer(m, cfg.train);
+  memory::Tracker tracker(torch::kCPU);
+  std::shared_ptr<data::TokenSource> src = data::make_synthetic(20000, cfg.model.vocab_size, 5);
+  data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
+  const train::ForwardFn fwd = [&](const torch::Tensor& idx) { return policy.forward(idx); };
+  train::StepResult r;
+  for (int i = 0; i < 2; ++i) r = train::train_step(fwd, m, *opt, {loader.next()}, 1.0, torch::kCPU, tracker);
+  return r.activation_peak_bytes();
+}
+
+config::RunConfig twelve_layers(std::vector<std::string> extra) {
+  std::vector<std::string> sets = {"model.n_layer=12", "model.n_embd=128", "model.n_head=4", "model.dropout=0",
+                                   "train.seq_len=128", "train.micro_batch=4"};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return config::load_string("", sets);
+}
+}  // namespace
+
+TEST_CASE("activation memory, 12 layers, fp32, dropout 0: the seeds' claims and the analytic model") {
+  const auto none_cfg = twelve_layers({});
+  const double none = static_cast<double>(measured_activation_peak(none_cfg));
+  auto check_mode = [&](const std::vector<std::string>& mode, double max_ratio) {
+    auto cfg = twelve_layers(mode);
+    const double got = static_cast<double>(measured_activation_peak(cfg));
+    const auto predicted = memory::estimate_activation_peak(cfg, recompute::make_plan(cfg.checkpointing, 12));
+    INFO(join(mode) << ": measured " << got << " bytes, predicted " << predicted.peak_bytes << ", none " << none);
+    CHECK(got <= max_ratio * none);
+    CHECK(std::abs(got - static_cast<double>(predicted.peak_bytes)) <= 0.10 * got);
+    return got;
+  };
+  {
+    const auto predicted = memory::estimate_activation_peak(none_cfg, recompute::make_plan(none_cfg.checkpointing, 12));
+    CHECK(std::abs(none - static_cast<double>(predicted.peak_bytes)) <= 0.05 * none);
+  }
+  // full keeps L block inputs + one block's internals: <= 20% of none.
+  check_mode({"checkpointing.mode=full"}, 0.20);
+  check_mode({"checkpointing.mode=full", "checkpointing.skip_last=false"}, 0.20);
+  // selective with every part saves >= 40%.
+  check_mode({"checkpointing.mode=selective", "checkpointing.recompute=[attention, mlp, norm]"}, 0.60);
+  // interval and sqrt land on the formula (and save memory).
+  for (const char* k : {"2", "3", "4", "6"}) check_mode({"checkpointing.mode=interval", std::string("checkpointing.interval=") + k}, 0.70);
+  check_mode({"checkpointing.mode=interval", "checkpointing.segments=5"}, 0.60);
+  check_mode({"checkpointing.mode=sqrt"}, 0.40);
+  for (const char* part : {"attention", "mlp", "norm"})
+    check_mode({"checkpointing.mode=selective", std::string("checkpointing.recompute=[") + part + "]"}, 0.99);
 }

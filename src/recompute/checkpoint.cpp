@@ -9,6 +9,7 @@
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -295,23 +296,34 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     const int64_t N = W.size(0), K = W.size(1);
     const auto cdt = gy.scalar_type();  // compute dtype (differs from W's under autocast)
     auto gy2 = gy.reshape({-1, N});
-    auto a2 = a.detach().to(cdt).reshape({-1, K});
-    auto Wc = W.to(cdt);
-    if (ctx->needs_input_grad(n_in + n_cheap)) result[1 + n_in + n_cheap] = gy2.t().mm(a2).to(W.scalar_type());
+    {
+      auto a2 = a.detach().to(cdt).reshape({-1, K});
+      if (ctx->needs_input_grad(n_in + n_cheap)) result[1 + n_in + n_cheap] = gy2.t().mm(a2).to(W.scalar_type());
+    }
     if (has_bias && ctx->needs_input_grad(n_in + n_cheap + 1))
       result[1 + n_in + n_cheap + 1] = gy2.sum(0).to(saved->params.back().scalar_type());
-    auto da = gy2.mm(Wc).view(a.sizes()).to(a.scalar_type());
 
-    // Then the cheap op's backward through autograd.
+    // Then the cheap op's backward. Its output's values are not needed any more, only its graph:
+    // keep the graph edge and drop the tensor, so the recomputed output is freed before da and the
+    // cheap op's input gradients are allocated (unless the cheap op's own backward saved it, as
+    // SDPA does). Same engine call as torch::autograd::grad.
     std::vector<at::Tensor> wrt;
     std::vector<size_t> slot;
     for (size_t i = 0; i < n_in; ++i)
       if (needs[i]) wrt.push_back(inputs[i]), slot.push_back(1 + i);
     for (size_t j = 0; j < n_cheap; ++j)
       if (ctx->needs_input_grad(n_in + j)) wrt.push_back(saved->params[j]), slot.push_back(1 + n_in + j);
-    if (!wrt.empty() && a.requires_grad()) {
-      auto grads = torch::autograd::grad({a}, wrt, {da}, /*retain_graph=*/false, /*create_graph=*/false,
-                                         /*allow_unused=*/true);
+    const bool differentiable = a.requires_grad() && !wrt.empty();
+    const auto root = differentiable ? torch::autograd::impl::gradient_edge(a) : torch::autograd::Edge();
+    const auto a_sizes = a.sizes().vec();
+    const auto a_dtype = a.scalar_type();
+    a.reset();
+    if (differentiable) {
+      auto da = gy2.mm(W.to(cdt)).view(a_sizes).to(a_dtype);
+      torch::autograd::edge_list outputs;
+      for (const auto& w : wrt) outputs.push_back(torch::autograd::impl::gradient_edge(w));
+      auto grads = torch::autograd::Engine::get_default_engine().execute(
+          {root}, {da}, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
       for (size_t i = 0; i < grads.size(); ++i) result[slot[i]] = grads[i];
     }
     return result;

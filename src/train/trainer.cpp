@@ -16,6 +16,7 @@
 
 #include "errors.h"
 #include "log/metrics.h"
+#include "memory/activations.h"
 #include "memory/tracker.h"
 #include "recompute/policy.h"
 #include "train/schedule.h"
@@ -141,6 +142,34 @@ double measure_gemm_flops(torch::Device device) {
   return 2.0 * static_cast<double>(n * n * n) / (best_ms * 1e-3);
 }
 
+StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
+                      const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
+                      memory::Tracker& tracker) {
+  StepResult r;
+  sync(device);
+  tracker.reset_peak();
+  const auto t0 = Clock::now();
+  // Gradients stay allocated (zeroed, not freed) so that peak - model states is the activation peak.
+  opt.zero_grad(/*set_to_none=*/false);
+  r.loss = forward_backward(forward, micro, device);
+  if (!std::isfinite(r.loss)) return r;
+  if (grad_clip > 0.0) {
+    r.grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), grad_clip);
+  } else {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> norms;
+    for (const auto& p : model->parameters())
+      if (p.grad().defined()) norms.push_back(p.grad().norm());
+    r.grad_norm = torch::stack(norms).norm().item<double>();
+  }
+  opt.step();
+  sync(device);
+  r.ms = ms_since(t0);
+  r.mem = tracker.read();
+  r.states = model_state_bytes(model, opt);
+  return r;
+}
+
 int run(const config::RunConfig& cfg) {
   const auto& t = cfg.train;
   const int64_t world = env_int("WORLD_SIZE", 1), rank = env_int("RANK", 0);
@@ -164,6 +193,7 @@ int run(const config::RunConfig& cfg) {
   const ForwardFn forward = [&policy](const torch::Tensor& idx) { return policy.forward(idx); };
   const double fpt = flops_per_token(*model, t.seq_len);
   const double recompute_fpt = policy.recompute_flops_per_token(t.seq_len);
+  const auto predicted = memory::estimate_activation_peak(cfg, policy.plan());
   const bool peak_measured = cfg.logging.peak_tflops <= 0.0;
   const double peak_flops = peak_measured ? measure_gemm_flops(device) : cfg.logging.peak_tflops * 1e12;
 
@@ -191,6 +221,8 @@ int run(const config::RunConfig& cfg) {
     rows.emplace_back("device", device.str());
     rows.emplace_back("threads", std::to_string(at::get_num_threads()));
     rows.emplace_back("checkpointing plan", policy.plan().describe());
+    rows.emplace_back("predicted activation peak", fmt::format("{} per micro-batch (fp32 flash-path model)",
+                                                               log::format_bytes(predicted.peak_bytes)));
     rows.emplace_back("parameters", fmt::format("{} ({:.2f} M)", model->num_params(), model->num_params() / 1e6));
     rows.emplace_back("train data", splits.train->describe());
     rows.emplace_back("val data", splits.val->describe());
@@ -220,31 +252,14 @@ int run(const config::RunConfig& cfg) {
       std::vector<data::Batch> micro;
       for (int64_t m = 0; m < t.grad_accum; ++m) micro.push_back(train_loader.next());
 
-      sync(device);
-      tracker.reset_peak();
-      const auto t0 = Clock::now();
-      // Gradients stay allocated (zeroed, not freed) so that peak - model states is the activation peak.
-      opt->zero_grad(/*set_to_none=*/false);
-      const double loss = forward_backward(forward, micro, device);
-      if (!std::isfinite(loss)) {
-        runlog.event("non_finite_loss", {{"step", step + 1}, {"loss", loss}});
-        throw NonFiniteError(fmt::format("step {}: loss is {}; lower train.lr or raise train.warmup_steps", step + 1, loss));
+      const StepResult r = train_step(forward, model, *opt, micro, t.grad_clip, device, tracker);
+      if (!std::isfinite(r.loss)) {
+        runlog.event("non_finite_loss", {{"step", step + 1}, {"loss", r.loss}});
+        throw NonFiniteError(fmt::format("step {}: loss is {}; lower train.lr or raise train.warmup_steps", step + 1, r.loss));
       }
-      double grad_norm = 0.0;
-      if (t.grad_clip > 0.0) {
-        grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), t.grad_clip);
-      } else {
-        torch::NoGradGuard no_grad;
-        std::vector<torch::Tensor> norms;
-        for (const auto& p : model->parameters())
-          if (p.grad().defined()) norms.push_back(p.grad().norm());
-        grad_norm = torch::stack(norms).norm().item<double>();
-      }
-      opt->step();
-      sync(device);
-      const double ms = ms_since(t0);
-      const memory::Snapshot mem = tracker.read();
-      const ModelStateBytes states = model_state_bytes(model, *opt);
+      const double loss = r.loss, grad_norm = r.grad_norm, ms = r.ms;
+      const memory::Snapshot& mem = r.mem;
+      const ModelStateBytes& states = r.states;
       if (mem.peak_allocated_bytes >= peak_bytes) peak_bytes = mem.peak_allocated_bytes, states_at_peak = states;
 
       const double tps = static_cast<double>(tokens_per_step) / (ms * 1e-3);
@@ -262,7 +277,7 @@ int run(const config::RunConfig& cfg) {
                   {"hfu", (fpt + recompute_fpt) * tps / peak_flops},
                   {"recompute_ms", rs.recompute_ms},
                   {"peak_allocated_bytes", mem.peak_allocated_bytes},
-                  {"activation_peak_bytes", std::max<int64_t>(0, mem.peak_allocated_bytes - states.total())},
+                  {"activation_peak_bytes", r.activation_peak_bytes()},
                   {"allocated_bytes", mem.allocated_bytes},
                   {"reserved_bytes", mem.reserved_bytes}};
       runlog.step(rec);
@@ -323,6 +338,7 @@ int run(const config::RunConfig& cfg) {
       {"median_mfu", median(mfus)},
       {"median_recompute_ms", median(recompute_ms)},
       {"median_activation_peak_bytes", static_cast<int64_t>(median(act_peaks))},
+      {"predicted_activation_peak_bytes", predicted.peak_bytes},
       {"wall_s", ms_since(run_t0) * 1e-3},
       {"peak_allocated_bytes", peak_bytes},
       {"memory_breakdown",

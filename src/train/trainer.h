@@ -2,6 +2,7 @@
 // warm-up + cosine LR, micro-batch accumulation normalized to one big batch, global-norm clipping,
 // periodic eval, throughput/MFU/memory records, and the exit status written into summary.json.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -11,6 +12,7 @@
 
 #include "config/config.h"
 #include "data/loader.h"
+#include "memory/tracker.h"
 #include "model/gpt.h"
 
 namespace sl::train {
@@ -38,6 +40,21 @@ struct ModelStateBytes {
   int64_t total() const { return params + grads + optimizer; }
 };
 ModelStateBytes model_state_bytes(model::GPT& model, const torch::optim::AdamW& opt);
+
+struct StepResult {
+  double loss = 0.0, grad_norm = 0.0, ms = 0.0;
+  memory::Snapshot mem;    // readings over this step (peak reset at its start)
+  ModelStateBytes states;  // after the optimizer step
+  // Peak minus model states: what activations (and temporaries) took at the step's peak.
+  int64_t activation_peak_bytes() const { return std::max<int64_t>(0, mem.peak_allocated_bytes - states.total()); }
+};
+
+// One optimizer step: zero the (kept) gradients, forward/backward over the micro-batches, clip
+// (grad_clip 0 = off, norm still measured), AdamW step. The caller sets the learning rate. A
+// non-finite loss returns early, before the optimizer step.
+StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
+                      const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
+                      memory::Tracker& tracker);
 
 // Model FLOPs per trained token: 6 N (N = matmul parameters) + 12 L T d (attention scores and
 // weighted sum, forward + backward, PaLM's convention). Recompute FLOPs are not included.
