@@ -6,6 +6,7 @@ namespace sl {
 const char* exit_code_name(int code) {
   switch (code) {
     case kExitOk: return "ok";
+    case kExitInternal: return "internal_error";
     case kExitConfig: return "config_error";
     case kExitData: return "data_error";
     case kExitOom: return "out_of_memory";

@@ -7,6 +7,7 @@ namespace sl {
 
 enum ExitCode : int {
   kExitOk = 0,
+  kExitInternal = 1,     // a consistency check failed (e.g. a recompute differs from its forward)
   kExitConfig = 2,       // usage or recipe error
   kExitData = 3,         // data file missing, malformed or incompatible
   kExitOom = 4,          // out of memory (real or simulated)

@@ -101,3 +101,60 @@ TEST_CASE("SIGTERM stops after the current step with exit code 143 and a summary
   CHECK(summary["exit_status"]["code"] == 143);
   CHECK(summary["steps"].get<int64_t>() >= 1);
 }
+
+TEST_CASE("every checkpointing mode trains the same 20-step loss sequence and logs its recompute") {
+  const std::string common =
+      "--config configs/tiny.yaml --set train.steps=20 --set train.micro_batch=4 --set train.seq_len=64 "
+      "--set train.grad_accum=2 --set model.dropout=0.1 --set train.eval_interval=0 --set logging.skip_first=0 ";
+  auto losses_of = [&](const std::string& mode, json* summary, std::vector<json>* steps) {
+    test::TempDir dir("modes");
+    auto r = test::trainer(common + mode + " --set logging.dir=" + (dir.path / "run").string());
+    INFO(mode << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    std::vector<double> losses;
+    for (auto& rec : read_jsonl(dir.path / "run" / "metrics.jsonl")) {
+      losses.push_back(rec["loss"].get<double>());
+      steps->push_back(rec);
+    }
+    *summary = json::parse(test::read_text(dir.path / "run" / "summary.json"));
+    return losses;
+  };
+  json none_summary;
+  std::vector<json> none_steps;
+  const auto reference = losses_of("", &none_summary, &none_steps);
+  REQUIRE(reference.size() == 20);
+  CHECK(none_summary["checkpointing"]["checkpointed_blocks"] == 0);
+  for (auto& s : none_steps) CHECK(s["recompute_ms"] == 0.0);
+
+  const std::vector<std::string> modes = {
+      "--set checkpointing.mode=full",
+      "--set checkpointing.mode=interval --set checkpointing.interval=3",
+      "--set checkpointing.mode=sqrt --set checkpointing.skip_last=false",
+      "--set checkpointing.mode=selective --set checkpointing.recompute=[attention,mlp,norm]"};
+  for (const auto& mode : modes) {
+    DYNAMIC_SECTION(mode) {
+      json summary;
+      std::vector<json> steps;
+      CHECK(losses_of(mode, &summary, &steps) == reference);
+      for (auto& s : steps) {
+        CHECK(s["recompute_ms"].get<double>() > 0.0);
+        CHECK(s["hfu"].get<double>() > s["mfu"].get<double>());
+        CHECK(s["activation_peak_bytes"].get<int64_t>() > 0);
+      }
+      CHECK(summary["median_activation_peak_bytes"].get<int64_t>() <
+            none_summary["median_activation_peak_bytes"].get<int64_t>());
+      CHECK(summary["checkpointing"].contains("segments"));
+      CHECK(summary.contains("predicted_activation_peak_bytes"));
+    }
+  }
+  // The plan in summary.json says which segments were checkpointed.
+  json summary;
+  std::vector<json> steps;
+  losses_of("--set checkpointing.mode=interval --set checkpointing.interval=3", &summary, &steps);
+  const auto& segs = summary["checkpointing"]["segments"];
+  REQUIRE(segs.size() == 2);  // tiny has 4 blocks: [0,3) checkpointed, [3,4) kept (skip_last)
+  CHECK(segs[0]["blocks"] == json::array({0, 3}));
+  CHECK(segs[0]["checkpointed"] == true);
+  CHECK(segs[1]["checkpointed"] == false);
+  CHECK(summary["checkpointing"]["k"] == 3);
+}

@@ -150,7 +150,7 @@ Saved::Meta meta_of(const at::Tensor& t) {
 void check_outputs(const Saved& s, const std::vector<at::Tensor>& outs) {
   if (!s.opts.check_recompute) return;
   auto fail = [&](const std::string& what) {
-    throw Error(1, fmt::format("recompute check failed in {}: {} (is the piece non-deterministic, or does it "
+    throw Error(kExitInternal, fmt::format("recompute check failed in {}: {} (is the piece non-deterministic, or does it "
                                "use randomness with checkpointing.preserve_rng: false?)", s.name, what));
   };
   if (outs.size() != s.out_meta.size())
