@@ -2,6 +2,7 @@
 // by k), eval without recompute, accumulation, inputs without grad, several outputs, no leaks,
 // the pre-recompute hook, the recompute check, and the segment plans.
 #include <catch2/catch.hpp>
+#include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -287,4 +288,27 @@ TEST_CASE("activation memory, 12 layers, fp32, dropout 0: the seeds' claims and 
   check_mode({"checkpointing.mode=sqrt"}, 0.40);
   for (const char* part : {"attention", "mlp", "norm"})
     check_mode({"checkpointing.mode=selective", std::string("checkpointing.recompute=[") + part + "]"}, 0.99);
+}
+
+TEST_CASE("the forward's autocast state is re-applied during recompute, and the caller's restored") {
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  std::vector<bool> seen;
+  auto fn = [&](const std::vector<torch::Tensor>& in) {
+    seen.push_back(at::autocast::is_autocast_enabled(at::kCPU));
+    return std::vector<torch::Tensor>{in[0].mm(w).relu()};
+  };
+  recompute::Options opts;
+  torch::Tensor out;
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  out = recompute::checkpoint("amp", fn, {torch::randn({4, 8})}, {w}, opts)[0];
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  at::autocast::clear_cache();
+  CHECK(out.scalar_type() == at::kBFloat16);
+  out.sum().backward();  // backward runs with autocast off
+  REQUIRE(seen.size() == 2);
+  CHECK(seen[0]);
+  CHECK(seen[1]);  // recompute saw the forward's autocast state
+  CHECK_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
+  CHECK(w.grad().defined());
 }
