@@ -169,15 +169,40 @@ void check_outputs(const Saved& s, const std::vector<at::Tensor>& outs) {
   }
 }
 
-// Detached copies of the saved inputs, requiring grad where the originals did.
-std::vector<at::Tensor> detached_inputs(const variable_list& saved, size_t n, const std::vector<bool>& needs) {
+// Forward's bookkeeping, common to both Functions: the inputs as saved variables (autograd checks
+// they were not modified in place), the parameters as handles, the capsule on the node.
+void keep_for_backward(AutogradContext* ctx, const SavedPtr& saved, const std::vector<at::Tensor>& inputs) {
+  saved->n_inputs = inputs.size();
+  ctx->save_for_backward(inputs);
+  ctx->saved_data["state"] = at::IValue::make_capsule(saved);
+  ctx->set_materialize_grads(false);
+}
+
+// The saved inputs, detached, requiring grad where this backward needs their gradient.
+std::vector<at::Tensor> restore_inputs(AutogradContext* ctx, const Saved& s) {
+  auto saved = ctx->get_saved_variables();
   std::vector<at::Tensor> out;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < s.n_inputs; ++i) {
     auto t = saved[i].detach();
-    t.requires_grad_(needs[i]);
+    t.requires_grad_(ctx->needs_input_grad(i));
     out.push_back(t);
   }
   return out;
+}
+
+// What to differentiate: the inputs that need a gradient, then those of the first n_params
+// parameters that do, each with its slot in backward's result.
+struct Targets {
+  std::vector<at::Tensor> wrt;
+  std::vector<size_t> slot;
+};
+Targets targets(AutogradContext* ctx, const Saved& s, const std::vector<at::Tensor>& inputs, size_t n_params) {
+  Targets t;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (inputs[i].requires_grad()) t.wrt.push_back(inputs[i]), t.slot.push_back(1 + i);
+  for (size_t j = 0; j < n_params; ++j)
+    if (ctx->needs_input_grad(s.n_inputs + j)) t.wrt.push_back(s.params[j]), t.slot.push_back(1 + s.n_inputs + j);
+  return t;
 }
 
 // Times the recompute (device-synchronized on CUDA so the number is real GPU time).
@@ -206,22 +231,15 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     auto outs = saved->fn(in);
     if (saved->opts.check_recompute)
       for (const auto& o : outs) saved->out_meta.push_back(meta_of(o));
-    saved->n_inputs = in.size();
     saved->params.assign(params.begin(), params.end());
-    ctx->save_for_backward(in);
-    ctx->saved_data["state"] = at::IValue::make_capsule(saved);
-    ctx->set_materialize_grads(false);
+    keep_for_backward(ctx, saved, in);
     return outs;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto saved = take_saved(ctx);
-    const size_t n_params = saved->params.size();
-    auto stored = ctx->get_saved_variables();
-    const size_t n_in = saved->n_inputs;
-    std::vector<bool> needs(n_in);
-    for (size_t i = 0; i < n_in; ++i) needs[i] = ctx->needs_input_grad(i);
-    auto inputs = detached_inputs(stored, n_in, needs);
+    const size_t n_in = saved->n_inputs, n_params = saved->params.size();
+    auto inputs = restore_inputs(ctx, *saved);
     std::vector<at::Tensor> outs;
     {
       Replay replay(saved->state);
@@ -232,13 +250,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> roots, root_grads;
     for (size_t i = 0; i < outs.size() && i < grad_outputs.size(); ++i)
       if (grad_outputs[i].defined() && outs[i].requires_grad()) roots.push_back(outs[i]), root_grads.push_back(grad_outputs[i]);
-    std::vector<at::Tensor> wrt;
-    std::vector<size_t> slot;  // position in the result list
-    for (size_t i = 0; i < n_in; ++i)
-      if (needs[i]) wrt.push_back(inputs[i]), slot.push_back(1 + i);
-    const auto& params = saved->params;
-    for (size_t j = 0; j < n_params; ++j)
-      if (ctx->needs_input_grad(n_in + j)) wrt.push_back(params[j]), slot.push_back(1 + n_in + j);
+    const auto [wrt, slot] = targets(ctx, *saved, inputs, n_params);
 
     variable_list result(1 + n_in + n_params);
     if (!roots.empty() && !wrt.empty()) {
@@ -261,13 +273,10 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     if (saved->opts.check_recompute) saved->out_meta.push_back(meta_of(a));
     const auto& W = linear_params[0];
     auto y = at::linear(a, W, linear_params.size() > 1 ? std::optional<at::Tensor>(linear_params[1]) : std::nullopt);
-    saved->n_inputs = in.size();
     saved->params.assign(cheap_params.begin(), cheap_params.end());
     saved->params.insert(saved->params.end(), linear_params.begin(), linear_params.end());
     saved->n_linear = linear_params.size();
-    ctx->save_for_backward(in);
-    ctx->saved_data["state"] = at::IValue::make_capsule(saved);
-    ctx->set_materialize_grads(false);
+    keep_for_backward(ctx, saved, in);
     return y;
   }
 
@@ -281,9 +290,7 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     const auto& gy = grad_outputs[0];
     if (!gy.defined()) return result;
 
-    std::vector<bool> needs(n_in);
-    for (size_t i = 0; i < n_in; ++i) needs[i] = ctx->needs_input_grad(i);
-    auto inputs = detached_inputs(ctx->get_saved_variables(), n_in, needs);
+    auto inputs = restore_inputs(ctx, *saved);
     at::Tensor a;
     {
       Replay replay(saved->state);
@@ -307,12 +314,7 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     // keep the graph edge and drop the tensor, so the recomputed output is freed before da and the
     // cheap op's input gradients are allocated (unless the cheap op's own backward saved it, as
     // SDPA does). Same engine call as torch::autograd::grad.
-    std::vector<at::Tensor> wrt;
-    std::vector<size_t> slot;
-    for (size_t i = 0; i < n_in; ++i)
-      if (needs[i]) wrt.push_back(inputs[i]), slot.push_back(1 + i);
-    for (size_t j = 0; j < n_cheap; ++j)
-      if (ctx->needs_input_grad(n_in + j)) wrt.push_back(saved->params[j]), slot.push_back(1 + n_in + j);
+    const auto [wrt, slot] = targets(ctx, *saved, inputs, n_cheap);
     const bool differentiable = a.requires_grad() && !wrt.empty();
     const auto root = differentiable ? torch::autograd::impl::gradient_edge(a) : torch::autograd::Edge();
     const auto a_sizes = a.sizes().vec();
