@@ -2,6 +2,7 @@
 #include <malloc.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,8 @@
 
 #include "config/config.h"
 #include "errors.h"
+#include "log/metrics.h"
+#include "memory/planner.h"
 #include "memory/tracking_allocator.h"
 #include "train/trainer.h"
 
@@ -29,6 +32,11 @@ int main(int argc, char** argv) {
   add_run_options(&app);
   auto* train_cmd = app.add_subcommand("train", "train (the default when no subcommand is given)");
   add_run_options(train_cmd);
+  auto* plan_cmd = app.add_subcommand("plan", "predict memory without making tensors; writes plan.json");
+  add_run_options(plan_cmd);
+  std::string plan_memory, plan_out;
+  plan_cmd->add_option("--memory", plan_memory, "device memory to fit, e.g. 80GiB (default: memory.limit)");
+  plan_cmd->add_option("--out", plan_out, "where to write plan.json (default: runs/<recipe>-plan.json)");
 
   try {
     app.parse(argc, argv);
@@ -52,6 +60,17 @@ int main(int argc, char** argv) {
     if (config_path.empty())
       throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
     const auto cfg = sl::config::load(config_path, overrides);
+    if (plan_cmd->parsed()) {
+      const int64_t memory = plan_memory.empty() ? sl::config::memory_limit_bytes(cfg)
+                                                 : sl::config::parse_bytes(plan_memory, "--memory");
+      const auto report = sl::memory::plan(cfg, memory);
+      fmt::print("{}", sl::memory::format_plan(report));
+      const std::filesystem::path out = plan_out.empty() ? "runs/" + cfg.recipe_name + "-plan.json" : plan_out;
+      if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
+      sl::log::write_json_file(out, report);
+      fmt::print("wrote {}\n", out.string());
+      return sl::kExitOk;
+    }
     // Install before any tensor exists so every CPU tensor is counted.
     if (cfg.memory.track_cpu) sl::memory::TrackingCPUAllocator::install();
     return sl::train::run(cfg);

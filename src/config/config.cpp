@@ -131,6 +131,7 @@ const std::vector<Field>& fields() {
       field(&R::parallel, &ParallelConfig::backend, "parallel", "backend", "auto | gloo | nccl (multi-process training is not built yet)"),
       field(&R::parallel, &ParallelConfig::timeout_s, "parallel", "timeout_s", "collective timeout in seconds"),
       field(&R::memory, &MemoryConfig::track_cpu, "memory", "track_cpu", "install the tracking CPU allocator so CPU peak bytes are exact"),
+      field(&R::memory, &MemoryConfig::limit, "memory", "limit", "device-memory limit for tensors, e.g. 8GiB (units B, KiB, MiB, GiB, KB, MB, GB); 0 = none. CPU: the tracking allocator refuses past it; CUDA: caps the caching allocator"),
 
       field(&R::logging, &LoggingConfig::dir, "logging", "dir", "run directory; \"\" = runs/<recipe name>-<timestamp>"),
       field(&R::logging, &LoggingConfig::interval, "logging", "interval", "console line every N steps"),
@@ -246,6 +247,29 @@ void apply_preset(ModelConfig& m, const std::string& name) {
     throw ConfigError(fmt::format("model.preset: unknown preset '{}' (presets: {})", name, names));
   }
 }
+
+int64_t parse_bytes(const std::string& text, const std::string& key) {
+  static const std::pair<const char*, double> units[] = {
+      {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0}, {"TB", 1e12},
+      {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"kB", 1e3}, {"B", 1.0}};
+  size_t pos = 0;
+  double value = 0.0;
+  try {
+    value = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    throw ConfigError(fmt::format("{}: '{}' is not a size; write e.g. 8GiB, 512MiB or 2GB", key, text));
+  }
+  std::string unit = text.substr(pos);
+  unit.erase(0, unit.find_first_not_of(' '));
+  double scale = unit.empty() ? 1.0 : 0.0;
+  for (const auto& [name, factor] : units)
+    if (unit == name) scale = factor;
+  if (scale == 0.0 || !(value >= 0.0))
+    throw ConfigError(fmt::format("{}: '{}' is not a size; write e.g. 8GiB, 512MiB or 2GB (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)", key, text));
+  return static_cast<int64_t>(value * scale);
+}
+
+int64_t memory_limit_bytes(const RunConfig& cfg) { return parse_bytes(cfg.memory.limit, "memory.limit"); }
 
 int64_t mlp_hidden(const ModelConfig& m) {
   if (m.mlp_hidden > 0) return m.mlp_hidden;
@@ -404,6 +428,8 @@ void validate(const RunConfig& c) {
   one_of("parallel.backend", c.parallel.backend, {"auto", "gloo", "nccl"});
   positive("parallel.timeout_s", c.parallel.timeout_s);
 
+  if (parse_bytes(c.memory.limit, "memory.limit") > 0 && !c.memory.track_cpu && t.device == "cpu")
+    fail("memory.limit", "on CPU the limit is enforced by the tracking allocator: keep memory.track_cpu: true");
   positive("logging.interval", c.logging.interval);
   if (c.logging.skip_first < 0) fail("logging.skip_first", "must be >= 0");
   if (!(c.logging.peak_tflops >= 0.0)) fail("logging.peak_tflops", "must be >= 0 (0 = measure)");

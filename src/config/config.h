@@ -76,6 +76,7 @@ struct ParallelConfig {
 
 struct MemoryConfig {
   bool track_cpu = true;
+  std::string limit = "0";
 };
 
 struct LoggingConfig {
@@ -112,6 +113,11 @@ void validate(const RunConfig& cfg);
 // Applies a named preset to the model section; throws ConfigError for an unknown name.
 void apply_preset(ModelConfig& model, const std::string& name);
 std::vector<std::string> preset_names();
+
+// Parses a size such as "8GiB", "512 MiB", "2GB", "1048576" (bytes); throws ConfigError naming `key`.
+int64_t parse_bytes(const std::string& text, const std::string& key);
+// memory.limit in bytes; 0 = no limit.
+int64_t memory_limit_bytes(const RunConfig& cfg);
 
 // The MLP inner size after defaults (4*d for gpt2, LLaMA's 2/3*4d rounded up to 256 for llama).
 int64_t mlp_hidden(const ModelConfig& model);

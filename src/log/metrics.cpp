@@ -38,17 +38,20 @@ void RunLog::event(const std::string& kind, nlohmann::json fields) {
 }
 
 void RunLog::write_json(const std::string& name, const nlohmann::json& j) {
-  if (!rank0_) return;
-  auto path = dir_ / name;
-  auto tmp = dir_ / (name + ".tmp");
+  if (rank0_) write_json_file(dir_ / name, j);
+}
+
+void write_json_file(const std::filesystem::path& path, const nlohmann::json& j) {
+  auto tmp = path;
+  tmp += ".tmp";
   std::FILE* f = std::fopen(tmp.c_str(), "w");
-  if (!f) throw ConfigError(fmt::format("logging.dir: cannot write {}", tmp.string()));
+  if (!f) throw ConfigError(fmt::format("cannot write {} (check the directory and permissions)", tmp.string()));
   std::string text = j.dump(2) + "\n";
   bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   ok = (std::fclose(f) == 0) && ok;
   if (!ok) {
     std::filesystem::remove(tmp);
-    throw ConfigError(fmt::format("logging.dir: writing {} failed (disk full?)", path.string()));
+    throw ConfigError(fmt::format("writing {} failed (disk full?)", path.string()));
   }
   std::filesystem::rename(tmp, path);
 }

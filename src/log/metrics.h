@@ -31,6 +31,9 @@ class RunLog {
   std::FILE* metrics_ = nullptr;
 };
 
+// Writes JSON to path atomically (tmp + rename); throws ConfigError naming the path on failure.
+void write_json_file(const std::filesystem::path& path, const nlohmann::json& j);
+
 // "| key | value |" table in the llm.c style.
 std::string format_table(const std::vector<std::pair<std::string, std::string>>& rows);
 // One fixed-format console line from a step record.

@@ -2,6 +2,11 @@
 #include "memory/tracker.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
 
 #include "memory/tracking_allocator.h"
 
@@ -32,6 +37,20 @@ Snapshot Tracker::read() const {
     s.reserved_bytes = s.allocated_bytes;
   }
   return s;
+}
+
+void Tracker::set_limit(int64_t bytes) {
+  limit_ = bytes;
+  if (device_.is_cuda()) {
+    if (bytes <= 0) return;
+    c10::cuda::CUDAGuard guard(device_.index());
+    size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(std::min(1.0, static_cast<double>(bytes) / static_cast<double>(total)),
+                                                       device_.index());
+  } else {
+    TrackingCPUAllocator::instance().set_limit(bytes);
+  }
 }
 
 std::string Tracker::source() const {

@@ -21,9 +21,14 @@ class Tracker {
   Snapshot read() const;
   // "cpu_tracking_allocator", "cuda_caching_allocator", or "untracked" (CPU without the allocator).
   std::string source() const;
+  // Applies memory.limit: the tracking allocator's limit on CPU, the caching allocator's memory
+  // fraction on CUDA. 0 = none.
+  void set_limit(int64_t bytes);
+  int64_t limit() const { return limit_; }
 
  private:
   c10::Device device_;
+  int64_t limit_ = 0;
 };
 
 }  // namespace sl::memory

@@ -3,6 +3,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
 
 namespace sl::memory {
 
@@ -24,6 +25,12 @@ bool TrackingCPUAllocator::installed() { return g_installed.load(); }
 
 c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
   if (nbytes == 0) return {nullptr, nullptr, &free_block, c10::Device(c10::DeviceType::CPU)};
+  const int64_t limit = limit_.load();
+  if (limit > 0 && current_.load() + static_cast<int64_t>(nbytes) > limit) {
+    refused_.store(static_cast<int64_t>(nbytes));
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU out of memory (simulated limit): tried to allocate ", nbytes,
+                     " bytes with ", current_.load(), " of the ", limit, "-byte memory.limit in use");
+  }
   void* ptr = c10::alloc_cpu(nbytes);  // throws c10 error on failure
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -29,12 +29,17 @@ class TrackingCPUAllocator final : public c10::Allocator {
   int64_t peak_bytes() const { return peak_.load(); }
   int64_t num_allocs() const { return allocs_.load(); }
   void reset_peak() { peak_.store(current_.load()); }
+  // A simulated device-memory limit: an allocation that would take current bytes past it throws
+  // c10::OutOfMemoryError, as CUDA does. 0 = none.
+  void set_limit(int64_t bytes) { limit_.store(bytes); }
+  int64_t limit() const { return limit_.load(); }
+  int64_t last_refused_bytes() const { return refused_.load(); }  // size of the last refused request
 
  private:
   static void free_block(void* ptr);
   std::mutex mu_;
   std::unordered_map<void*, size_t> sizes_;
-  std::atomic<int64_t> current_{0}, peak_{0}, allocs_{0};
+  std::atomic<int64_t> current_{0}, peak_{0}, allocs_{0}, limit_{0}, refused_{0};
 };
 
 }  // namespace sl::memory

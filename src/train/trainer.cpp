@@ -17,7 +17,9 @@
 #include "errors.h"
 #include "log/metrics.h"
 #include "memory/activations.h"
+#include "memory/planner.h"
 #include "memory/tracker.h"
+#include "memory/tracking_allocator.h"
 #include "recompute/policy.h"
 #include "train/schedule.h"
 
@@ -28,6 +30,7 @@ using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;
 
 std::atomic<int> g_signal{0};
+thread_local const char* t_phase = "setup";
 extern "C" void on_signal(int sig) { g_signal.store(sig); }
 
 double ms_since(Clock::time_point t0) {
@@ -59,6 +62,8 @@ std::string default_run_dir(const config::RunConfig& cfg) {
 
 }  // namespace
 
+const char* current_phase() { return t_phase; }
+
 torch::Device resolve_device(const config::TrainConfig& t) {
   const bool has_cuda = torch::cuda::is_available();
   if (t.device == "cuda" && !has_cuda)
@@ -86,7 +91,9 @@ double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>
   double total = 0.0;
   for (const auto& b : micro) {
     auto x = b.x.to(device), y = b.y.to(device);
+    t_phase = "forward";
     auto loss = model::GPTImpl::loss(forward(x), y);
+    t_phase = "backward";
     (loss / n).backward();
     total += loss.item<double>();
   }
@@ -95,6 +102,7 @@ double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>
 
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device) {
   torch::NoGradGuard no_grad;
+  t_phase = "eval";
   model->eval();
   double total = 0.0;
   for (int64_t i = 0; i < batches; ++i) {
@@ -153,6 +161,7 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   opt.zero_grad(/*set_to_none=*/false);
   r.loss = forward_backward(forward, micro, device);
   if (!std::isfinite(r.loss)) return r;
+  t_phase = "optimizer";
   if (grad_clip > 0.0) {
     r.grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), grad_clip);
   } else {
@@ -186,6 +195,8 @@ int run(const config::RunConfig& cfg) {
   data::Loader val_loader(splits.val, t.micro_batch, t.seq_len, static_cast<uint64_t>(t.seed) + 1, rank, world);
 
   memory::Tracker tracker(device);
+  const int64_t limit = config::memory_limit_bytes(cfg);
+  tracker.set_limit(limit);  // before the model exists: the limit covers everything, as on a GPU
   model::GPT model(cfg.model, device);
   model->train();
   auto opt = make_optimizer(model, t);
@@ -242,6 +253,7 @@ int run(const config::RunConfig& cfg) {
   double last_loss = NAN, last_val = NAN;
   int exit_code = kExitOk;
   std::string exit_message;
+  Json oom = nullptr;
   log::ProgressBar bar(t.steps, cfg.logging.progress && rank0);
   const auto run_t0 = Clock::now();
 
@@ -311,8 +323,17 @@ int run(const config::RunConfig& cfg) {
     }
   } catch (const c10::OutOfMemoryError& e) {
     exit_code = kExitOom;
-    exit_message = fmt::format("out of memory at step {}: {}", steps_done + 1, std::string(e.what_without_backtrace()));
-    runlog.event("oom", {{"step", steps_done + 1}, {"message", exit_message}});
+    const memory::Snapshot snap = tracker.read();
+    const int64_t requested = device.is_cpu() ? memory::TrackingCPUAllocator::instance().last_refused_bytes() : -1;
+    exit_message = fmt::format("out of memory in {} at step {} ({}). To fit, {}", current_phase(), steps_done + 1,
+                               std::string(e.what_without_backtrace()).substr(0, 300), memory::oom_advice(cfg, limit));
+    oom = {{"step", steps_done + 1},
+           {"phase", current_phase()},
+           {"requested_bytes", requested >= 0 ? Json(requested) : Json(nullptr)},
+           {"peak_bytes", snap.peak_allocated_bytes},
+           {"limit_bytes", limit > 0 ? Json(limit) : Json(nullptr)},
+           {"message", exit_message}};
+    runlog.event("oom", oom);
   } catch (const Error& e) {
     exit_code = e.code;
     exit_message = e.what();
@@ -346,6 +367,8 @@ int run(const config::RunConfig& cfg) {
         {"grads_bytes", states_at_peak.grads},
         {"optimizer_state_bytes", states_at_peak.optimizer},
         {"activations_and_other_bytes", std::max<int64_t>(0, peak_bytes - states_at_peak.total())}}},
+      {"memory_limit_bytes", limit > 0 ? Json(limit) : Json(nullptr)},
+      {"oom", oom},
       {"exit_status", {{"code", exit_code}, {"name", exit_code_name(exit_code)}, {"message", exit_message}}}};
   runlog.write_json("summary.json", summary);
   if (rank0) {

@@ -17,6 +17,10 @@
 
 namespace sl::train {
 
+// What the current thread's step is doing: "forward", "backward", "optimizer", "eval" or "setup"
+// (reported with an out-of-memory failure).
+const char* current_phase();
+
 // Resolves train.device ("auto" = CUDA when available). Throws ConfigError when cuda is asked for
 // and none is present.
 torch::Device resolve_device(const config::TrainConfig& t);

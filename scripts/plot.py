@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""plot.py: draw the results of scripts/sweep_batch.sh or scripts/sweep_interval.sh.
+
+    scripts/plot.py RESULTS.json [--out DIR]
+
+kind "batch" (sweep_batch.sh):
+  memory_vs_batch.png      peak tracked memory vs micro-batch, one line per checkpointing mode; sizes
+                           that did not fit are marked with x (at the memory limit), and the limit is
+                           drawn as a horizontal line when there is one;
+  throughput_vs_batch.png  tokens/s vs micro-batch, one line per mode.
+kind "interval" (sweep_interval.sh):
+  activation_vs_k.png      measured and predicted activation peak vs interval k (mode none as a
+                           reference line);
+  step_time_vs_k.png       median step time vs k (mode none as a reference line).
+
+Writes the PNG files into DIR (default: the directory of RESULTS.json) and prints their paths.
+Needs matplotlib (Agg backend, no display). Cost: about a second.
+"""
+import argparse
+import json
+import os
+import sys
+
+MIB = 2 ** 20
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        sys.exit(f"plot.py: cannot read {path}: {e.strerror}")
+    except ValueError as e:
+        sys.exit(f"plot.py: {path} is not valid JSON: {e}")
+    if not isinstance(doc, dict) or doc.get("kind") not in ("batch", "interval") or not isinstance(doc.get("rows"), list):
+        sys.exit(f"plot.py: {path} is not a sweep result (needs \"kind\": \"batch\" or \"interval\" and \"rows\")")
+    return doc
+
+
+def subtitle(doc):
+    parts = [f"recipe {doc.get('config', '?')}"]
+    if doc.get("seq_len"):
+        parts.append(f"seq len {doc['seq_len']}")
+    if doc.get("micro_batch"):
+        parts.append(f"micro-batch {doc['micro_batch']}")
+    return ", ".join(parts)
+
+
+def plot_batch(doc, out, plt):
+    rows = doc["rows"]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    limit = doc.get("limit_bytes")
+    batches = sorted({r["micro_batch"] for r in rows})
+    paths = []
+
+    # Peak memory vs micro-batch.
+    fig, ax = plt.subplots(figsize=(8, 5))
+    failed_labelled = False
+    top = max([r["peak_bytes"] for r in rows if r.get("peak_bytes")] + [limit or 0]) / MIB
+    for i, m in enumerate(modes):
+        color = f"C{i}"
+        ok = sorted((r["micro_batch"], r["peak_bytes"]) for r in rows
+                    if r["mode"] == m and r["fits"] and r.get("peak_bytes") is not None)
+        if ok:
+            ax.plot([b for b, _ in ok], [p / MIB for _, p in ok], "o-", color=color, label=m)
+        bad = sorted(r["micro_batch"] for r in rows if r["mode"] == m and not r["fits"])
+        if bad:
+            y = (limit / MIB) if limit else top
+            ax.plot(bad, [y] * len(bad), "x", color=color, markersize=10, markeredgewidth=2,
+                    label=None if failed_labelled else "did not fit (OOM)", linestyle="none")
+            failed_labelled = True
+    if limit:
+        ax.axhline(limit / MIB, color="black", linestyle="--", linewidth=1,
+                   label=f"limit {limit / MIB:,.0f} MiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches)
+    ax.set_xticklabels([str(b) for b in batches])
+    ax.set_xlabel("micro-batch (sequences)")
+    ax.set_ylabel("peak allocated memory (MiB)")
+    ax.set_title(f"Peak memory vs micro-batch per checkpointing mode\n{subtitle(doc)}", fontsize=11)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(out, "memory_vs_batch.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    # Throughput vs micro-batch.
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, m in enumerate(modes):
+        ok = sorted((r["micro_batch"], r["tokens_per_s"]) for r in rows
+                    if r["mode"] == m and r["fits"] and r.get("tokens_per_s") is not None)
+        if ok:
+            ax.plot([b for b, _ in ok], [t for _, t in ok], "o-", color=f"C{i}", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches)
+    ax.set_xticklabels([str(b) for b in batches])
+    ax.set_xlabel("micro-batch (sequences)")
+    ax.set_ylabel("throughput (tokens/s, median step)")
+    ax.set_title(f"Training throughput vs micro-batch per checkpointing mode\n{subtitle(doc)}", fontsize=11)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(out, "throughput_vs_batch.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def plot_interval(doc, out, plt):
+    rows = doc["rows"]
+    ks = sorted((r for r in rows if r.get("k") is not None and r.get("fits", True)), key=lambda r: r["k"])
+    ref = next((r for r in rows if r.get("k") is None and r.get("fits", True)), None)
+    x = [r["k"] for r in ks]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    meas = [(r["k"], r["activation_peak_bytes"]) for r in ks if r.get("activation_peak_bytes") is not None]
+    pred = [(r["k"], r["predicted_activation_peak_bytes"]) for r in ks
+            if r.get("predicted_activation_peak_bytes") is not None]
+    if meas:
+        ax.plot([k for k, _ in meas], [v / MIB for _, v in meas], "o-", color="C0", label="measured (interval k)")
+    if pred:
+        ax.plot([k for k, _ in pred], [v / MIB for _, v in pred], "s--", color="C1", label="predicted (analytic model)")
+    if ref and ref.get("activation_peak_bytes") is not None:
+        ax.axhline(ref["activation_peak_bytes"] / MIB, color="gray", linestyle=":",
+                   label=f"no checkpointing, measured ({ref['activation_peak_bytes'] / MIB:,.1f} MiB)")
+    ax.set_xticks(x)
+    ax.set_xlabel("interval k (blocks per checkpointed segment)")
+    ax.set_ylabel("activation peak per step (MiB)")
+    ax.set_title(f"Activation memory vs checkpoint interval k\n{subtitle(doc)}", fontsize=11)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(out, "activation_vs_k.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    st = [(r["k"], r["step_ms"]) for r in ks if r.get("step_ms") is not None]
+    if st:
+        ax.plot([k for k, _ in st], [v for _, v in st], "o-", color="C2", label="interval k")
+    if ref and ref.get("step_ms") is not None:
+        ax.axhline(ref["step_ms"], color="gray", linestyle=":",
+                   label=f"no checkpointing ({ref['step_ms']:,.1f} ms)")
+    ax.set_xticks(x)
+    ax.set_xlabel("interval k (blocks per checkpointed segment)")
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"Step time vs checkpoint interval k\n{subtitle(doc)}", fontsize=11)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(out, "step_time_vs_k.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Plot a sweep_batch.sh / sweep_interval.sh results.json.")
+    ap.add_argument("results", metavar="RESULTS.json")
+    ap.add_argument("--out", metavar="DIR", help="output directory (default: next to RESULTS.json)")
+    args = ap.parse_args()
+    doc = load(args.results)
+    out = args.out or os.path.dirname(os.path.abspath(args.results))
+    os.makedirs(out, exist_ok=True)
+    if not doc["rows"]:
+        sys.exit(f"plot.py: {args.results} has no rows")
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("plot.py: matplotlib is missing; install it into the venv: "
+                 "${SUBLINEAR_HOME:-~/.cache/sublinear}/venv/bin/python -m pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = (plot_batch if doc["kind"] == "batch" else plot_interval)(doc, out, plt)
+    for p in paths:
+        print(p)
+
+
+if __name__ == "__main__":
+    main()

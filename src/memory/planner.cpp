@@ -1,0 +1,159 @@
+// Memory planner: model states + activation model + batch, largest micro-batch, the plan report.
+#include "memory/planner.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "log/metrics.h"
+#include "model/gpt.h"
+#include "recompute/policy.h"
+
+namespace sl::memory {
+namespace {
+
+using Json = nlohmann::json;
+
+int64_t count_params(const config::ModelConfig& m) {
+  torch::NoGradGuard no_grad;
+  return model::GPT(m, torch::kMeta)->num_params();
+}
+
+// The modes `trainer plan` compares (the recipe's own first).
+std::vector<std::pair<std::string, config::CheckpointingConfig>> plan_modes(const config::RunConfig& cfg) {
+  std::vector<std::pair<std::string, config::CheckpointingConfig>> out;
+  auto add = [&](const std::string& name, config::CheckpointingConfig c) { out.emplace_back(name, std::move(c)); };
+  add("recipe (" + cfg.checkpointing.mode + ")", cfg.checkpointing);
+  config::CheckpointingConfig c;
+  c.skip_last = cfg.checkpointing.skip_last;
+  c.mode = "none";
+  add("none", c);
+  c.mode = "full";
+  add("full", c);
+  c.mode = "sqrt";
+  add("sqrt", c);
+  c.mode = "selective";
+  c.recompute = {"attention", "mlp", "norm"};
+  add("selective [attention, mlp, norm]", c);
+  return out;
+}
+
+}  // namespace
+
+PeakPrediction predict_peak(const config::RunConfig& cfg) {
+  PeakPrediction p;
+  const int64_t n = count_params(cfg.model);
+  p.params_bytes = 4 * n;
+  p.grads_bytes = 4 * n;
+  p.optimizer_bytes = 8 * n;
+  p.batch_bytes = 2 * 8 * cfg.train.micro_batch * cfg.train.seq_len;
+  p.activations = estimate_activation_peak(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer));
+  return p;
+}
+
+int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, int64_t cap) {
+  auto fits = [&](int64_t b) {
+    auto c = cfg;
+    c.train.micro_batch = b;
+    return predict_peak(c).peak_bytes() <= memory_bytes;
+  };
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi = cap;  // fits(lo); find the largest
+  if (fits(hi)) return hi;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+Json plan(const config::RunConfig& cfg, int64_t memory_bytes) {
+  const auto base = predict_peak(cfg);
+  const int64_t global = cfg.train.micro_batch * cfg.train.grad_accum;
+  Json j = {{"recipe", cfg.recipe_name},
+            {"params", base.params_bytes / 4},
+            {"micro_batch", cfg.train.micro_batch},
+            {"grad_accum", cfg.train.grad_accum},
+            {"global_batch", global},
+            {"seq_len", cfg.train.seq_len},
+            {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)},
+            {"params_bytes", base.params_bytes},
+            {"grads_bytes", base.grads_bytes},
+            {"optimizer_state_bytes", base.optimizer_bytes},
+            {"model_states_bytes", base.model_states_bytes()},
+            {"batch_bytes", base.batch_bytes},
+            {"logits_and_loss_bytes", static_cast<int64_t>(base.activations.tokens * 4 * 3 * cfg.model.vocab_size)},
+            {"precision", cfg.precision.dtype},
+            {"modes", Json::array()}};
+  for (const auto& [name, ck] : plan_modes(cfg)) {
+    auto c = cfg;
+    c.checkpointing = ck;
+    const auto p = predict_peak(c);
+    Json row = {{"mode", name},
+                {"activation_peak_bytes", p.activations.peak_bytes},
+                {"peak_bytes", p.peak_bytes()}};
+    if (memory_bytes > 0) {
+      const int64_t mb = largest_micro_batch(c, memory_bytes);
+      row["largest_micro_batch"] = mb;
+      row["grad_accum_for_global_batch"] = mb > 0 ? Json((global + mb - 1) / mb) : Json(nullptr);
+      row["fits_recipe_micro_batch"] = p.peak_bytes() <= memory_bytes;
+    }
+    j["modes"].push_back(row);
+  }
+  return j;
+}
+
+std::string format_plan(const Json& j) {
+  auto bytes = [](const Json& v) { return log::format_bytes(v.get<int64_t>()); };
+  std::vector<std::pair<std::string, std::string>> rows = {
+      {"parameters", fmt::format("{} ({:.3g} B)", j["params"].get<int64_t>(), j["params"].get<double>() / 1e9)},
+      {"weights (fp32)", bytes(j["params_bytes"])},
+      {"gradients (fp32)", bytes(j["grads_bytes"])},
+      {"AdamW moments (fp32)", bytes(j["optimizer_state_bytes"])},
+      {"model states", bytes(j["model_states_bytes"])},
+      {"input batch", bytes(j["batch_bytes"])},
+      {"logits and loss buffers (in activations)", bytes(j["logits_and_loss_bytes"])},
+      {"micro-batch x seq_len", fmt::format("{} x {} (global batch {})", j["micro_batch"].get<int64_t>(),
+                                            j["seq_len"].get<int64_t>(), j["global_batch"].get<int64_t>())},
+  };
+  std::string out = log::format_table(rows);
+  const bool with_memory = !j["memory_bytes"].is_null();
+  out += with_memory ? fmt::format("\nPer checkpointing mode, against {}:\n", bytes(j["memory_bytes"]))
+                     : std::string("\nPer checkpointing mode (give --memory SIZE for the largest micro-batch):\n");
+  std::vector<std::pair<std::string, std::string>> modes;
+  for (const auto& m : j["modes"]) {
+    std::string v = fmt::format("activations {:>10} | peak {:>10}", bytes(m["activation_peak_bytes"]), bytes(m["peak_bytes"]));
+    if (with_memory) {
+      const int64_t mb = m["largest_micro_batch"].get<int64_t>();
+      v += mb > 0 ? fmt::format(" | largest micro-batch {} (grad_accum {})", mb, m["grad_accum_for_global_batch"].get<int64_t>())
+                  : std::string(" | does not fit at micro-batch 1");
+    }
+    modes.emplace_back(m["mode"].get<std::string>(), v);
+  }
+  out += log::format_table(modes);
+  if (with_memory && j["model_states_bytes"].get<int64_t>() > j["memory_bytes"].get<int64_t>())
+    out += fmt::format("Model states alone ({}) exceed {}: no checkpointing mode can fit; this needs sharded "
+                       "optimizer states / parameters across GPUs or lower precision.\n",
+                       bytes(j["model_states_bytes"]), bytes(j["memory_bytes"]));
+  return out;
+}
+
+std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
+  if (limit_bytes <= 0) return "lower train.micro_batch (raise train.grad_accum to keep the global batch) or enable checkpointing.mode: full";
+  const int64_t global = cfg.train.micro_batch * cfg.train.grad_accum;
+  std::string out;
+  for (const auto& [name, ck] : plan_modes(cfg)) {
+    auto c = cfg;
+    c.checkpointing = ck;
+    const int64_t mb = largest_micro_batch(c, limit_bytes);
+    if (mb == 0) continue;
+    out += fmt::format("{}{}: micro_batch {} with grad_accum {}", out.empty() ? "" : "; ", name, mb, (global + mb - 1) / mb);
+  }
+  if (out.empty())
+    return fmt::format("the planner predicts nothing fits {} (model states alone: {}); shard or lower precision",
+                       log::format_bytes(limit_bytes), log::format_bytes(predict_peak(cfg).model_states_bytes()));
+  return "the planner predicts these fit " + log::format_bytes(limit_bytes) + ": " + out +
+         " (set train.micro_batch / train.grad_accum / checkpointing.mode accordingly)";
+}
+
+}  // namespace sl::memory
