@@ -116,6 +116,8 @@ TEST_CASE("bad recipes exit 2 with a message naming the key, before any output i
       {"--set unknown section", "", "--set trian.steps=3", {"unknown section 'trian'"}},
       {"--set without =", "", "--set train.steps", {"expected section.key=value"}},
       {"--set wrong type", "", "--set train.lr=abc", {"train.lr: expected number, got 'abc'"}},
+      {"bad memory size", "", "--set memory.limit=lots", {"memory.limit: 'lots' is not a size"}},
+      {"global batch disagrees", "", "--set train.global_batch=7", {"train.global_batch: 7 is not"}},
       {"--set missing value", "", "--set train.steps=", {"train.steps", "missing value"}},
       {"missing recipe file", nullptr, "--config /nonexistent/recipe.yaml", {"cannot open the recipe file"}},
       {"no recipe at all", nullptr, "", {"--config: no recipe given"}},

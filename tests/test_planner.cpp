@@ -167,3 +167,33 @@ TEST_CASE("trainer plan writes plan.json with the breakdown and the largest micr
   // Bad --memory is a usage error.
   CHECK(test::trainer("plan --config configs/tiny.yaml --memory lots").code == kExitConfig);
 }
+
+TEST_CASE("micro_batch: auto finds what a brute-force search finds, keeping the global batch") {
+  memory::TrackingCPUAllocator::install();
+  auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml",
+                          {"memory.limit=60MiB", "train.micro_batch=auto", "train.global_batch=32"});
+  memory::TrackingCPUAllocator::instance().set_limit(60LL << 20);
+  int64_t brute = 0;
+  for (int64_t b : {1, 2, 4, 8, 16, 32})
+    if (train::micro_batch_fits(cfg, b, torch::kCPU)) brute = b;
+  memory::TrackingCPUAllocator::instance().set_limit(0);
+  REQUIRE(brute > 0);
+  REQUIRE(brute < 32);  // the limit binds
+
+  test::TempDir dir("auto");
+  auto r = test::trainer("--config configs/tiny.yaml --set memory.limit=60MiB --set train.micro_batch=auto "
+                         "--set train.global_batch=32 --set train.steps=2 --set logging.dir=" + (dir.path / "run").string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("micro_batch auto: planner predicted") != std::string::npos);
+  auto summary = json::parse(test::read_text(dir.path / "run" / "summary.json"));
+  const auto& search = summary["micro_batch_search"];
+  CHECK(search["micro_batch"] == brute);
+  CHECK(search["grad_accum"] == 32 / brute);
+  CHECK(search["trials"].size() <= 4);  // bisection from the planner's guess, not a walk
+  CHECK(summary["config"]["train"]["micro_batch"] == brute);
+  CHECK(summary["tokens"] == 2 * 32 * 128);  // the global batch is kept
+
+  CHECK(test::trainer("--config configs/tiny.yaml --set train.micro_batch=auto --set memory.limit=1GiB").code == kExitConfig);
+  CHECK(test::trainer("--config configs/tiny.yaml --set train.micro_batch=auto --set train.global_batch=32").code == kExitConfig);
+}

@@ -74,6 +74,18 @@ Field field(S RunConfig::*sec, T S::*mem, const char* section, const char* key, 
   return f;
 }
 
+// train.micro_batch is an integer or "auto" (stored as 0): the largest that fits memory.limit.
+Field micro_batch_field() {
+  Field f{"train", "micro_batch", "integer|auto",
+          "sequences per forward/backward B; auto = the largest that fits memory.limit, keeping train.global_batch",
+          {}, {}};
+  f.set = [](RunConfig& c, const YAML::Node& n) {
+    c.train.micro_batch = n.IsScalar() && n.Scalar() == "auto" ? 0 : convert<int64_t>(n, "train.micro_batch");
+  };
+  f.get = [](const RunConfig& c) { return c.train.micro_batch == 0 ? Json("auto") : Json(c.train.micro_batch); };
+  return f;
+}
+
 const std::vector<Field>& fields() {
   using R = RunConfig;
   using M = ModelConfig;
@@ -103,7 +115,8 @@ const std::vector<Field>& fields() {
       field(&R::data, &D::synthetic_tokens, "data", "synthetic_tokens", "corpus length in tokens for source: synthetic"),
 
       field(&R::train, &T::seq_len, "train", "seq_len", "tokens per sequence T (<= model.max_seq_len)"),
-      field(&R::train, &T::micro_batch, "train", "micro_batch", "sequences per forward/backward B"),
+      micro_batch_field(),
+      field(&R::train, &T::global_batch, "train", "global_batch", "sequences per optimizer step, kept by micro_batch: auto; 0 = micro_batch * grad_accum"),
       field(&R::train, &T::grad_accum, "train", "grad_accum", "micro-batches per optimizer step (loss is normalized so one step equals one big batch)"),
       field(&R::train, &T::steps, "train", "steps", "optimizer steps"),
       field(&R::train, &T::lr, "train", "lr", "peak learning rate"),
@@ -384,8 +397,18 @@ void validate(const RunConfig& c) {
 
   const auto& t = c.train;
   positive("train.seq_len", t.seq_len);
-  positive("train.micro_batch", t.micro_batch);
+  if (t.micro_batch < 0) fail("train.micro_batch", fmt::format("must be > 0 or auto, got {}", t.micro_batch));
   positive("train.grad_accum", t.grad_accum);
+  if (t.global_batch < 0) fail("train.global_batch", "must be >= 0 (0 = micro_batch * grad_accum)");
+  if (t.micro_batch == 0) {
+    if (t.global_batch == 0)
+      fail("train.micro_batch", "auto needs train.global_batch: the sequences per optimizer step to keep");
+    if (parse_bytes(c.memory.limit, "memory.limit") == 0 && t.device != "cuda")
+      fail("train.micro_batch", "auto needs memory.limit on CPU (what has to fit), e.g. memory.limit: 4GiB");
+  } else if (t.global_batch > 0 && t.global_batch != t.micro_batch * t.grad_accum) {
+    fail("train.global_batch", fmt::format("{} is not train.micro_batch * train.grad_accum = {}; drop one of them",
+                                           t.global_batch, t.micro_batch * t.grad_accum));
+  }
   positive("train.steps", t.steps);
   if (t.seq_len > m.max_seq_len)
     fail("train.seq_len", fmt::format("{} is longer than the model's context model.max_seq_len = {}", t.seq_len, m.max_seq_len));

@@ -38,8 +38,9 @@ struct DataConfig {
 
 struct TrainConfig {
   int64_t seq_len = 128;
-  int64_t micro_batch = 8;
+  int64_t micro_batch = 8;  // 0 = auto
   int64_t grad_accum = 1;
+  int64_t global_batch = 0;
   int64_t steps = 100;
   double lr = 1e-3;
   double min_lr = 1e-4;

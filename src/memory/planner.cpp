@@ -67,12 +67,20 @@ int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, 
   return lo;
 }
 
-Json plan(const config::RunConfig& cfg, int64_t memory_bytes) {
+Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
+  auto cfg = recipe;
+  const bool auto_batch = cfg.train.micro_batch == 0;  // train.micro_batch: auto
+  const int64_t global = auto_batch ? cfg.train.global_batch : cfg.train.micro_batch * cfg.train.grad_accum;
+  if (auto_batch) {
+    cfg.train.micro_batch = 1;
+    cfg.train.micro_batch = std::max<int64_t>(1, memory_bytes > 0 ? largest_micro_batch(cfg, memory_bytes, global) : 1);
+    cfg.train.grad_accum = (global + cfg.train.micro_batch - 1) / cfg.train.micro_batch;
+  }
   const auto base = predict_peak(cfg);
-  const int64_t global = cfg.train.micro_batch * cfg.train.grad_accum;
   Json j = {{"recipe", cfg.recipe_name},
             {"params", base.params_bytes / 4},
             {"micro_batch", cfg.train.micro_batch},
+            {"micro_batch_auto", auto_batch},
             {"grad_accum", cfg.train.grad_accum},
             {"global_batch", global},
             {"seq_len", cfg.train.seq_len},

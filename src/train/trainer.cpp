@@ -179,7 +179,55 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   return r;
 }
 
-int run(const config::RunConfig& cfg) {
+bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::Device device) {
+  auto c = cfg;
+  c.train.micro_batch = micro_batch;
+  try {
+    torch::manual_seed(static_cast<uint64_t>(c.train.seed));
+    model::GPT m(c.model, device);
+    recompute::Policy policy(c.checkpointing, m);
+    auto opt = make_optimizer(m, c.train);
+    memory::Tracker tracker(device);
+    const ForwardFn fwd = [&policy](const torch::Tensor& idx) { return policy.forward(idx); };
+    auto x = torch::randint(0, c.model.vocab_size, {micro_batch, c.train.seq_len}, torch::kInt64);
+    for (int i = 0; i < 2; ++i) train_step(fwd, m, *opt, {{x, x}}, c.train.grad_clip, device, tracker);
+    return true;
+  } catch (const c10::OutOfMemoryError&) {
+    return false;
+  }
+}
+
+BatchSearch find_micro_batch(const config::RunConfig& cfg, torch::Device device) {
+  const int64_t global = cfg.train.global_batch;
+  std::vector<int64_t> divisors;
+  for (int64_t d = 1; d <= global; ++d)
+    if (global % d == 0) divisors.push_back(d);
+  BatchSearch r;
+  const int64_t limit = config::memory_limit_bytes(cfg);
+  auto planned = cfg;
+  planned.train.micro_batch = 1;
+  r.predicted = limit > 0 ? memory::largest_micro_batch(planned, limit, global) : global;
+  auto fits = [&](size_t i) {
+    const bool ok = micro_batch_fits(cfg, divisors[i], device);
+    r.trials.emplace_back(divisors[i], ok);
+    return ok;
+  };
+  // Bisection over the divisors: lo fits (-1: none known), hi does not (n: none known). The first
+  // probe is the largest divisor at or below the planner's prediction.
+  int64_t lo = -1, hi = static_cast<int64_t>(divisors.size());
+  int64_t guess = 0;
+  while (guess + 1 < hi && divisors[guess + 1] <= r.predicted) ++guess;
+  (fits(guess) ? lo : hi) = guess;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;  // truncates toward zero: with lo = -1 it probes the lower half
+    (fits(mid) ? lo : hi) = mid;
+  }
+  if (lo >= 0) r.micro_batch = divisors[lo], r.grad_accum = global / r.micro_batch;
+  return r;
+}
+
+int run(const config::RunConfig& recipe) {
+  config::RunConfig cfg = recipe;  // train.micro_batch: auto is resolved below
   const auto& t = cfg.train;
   const int64_t world = env_int("WORLD_SIZE", 1), rank = env_int("RANK", 0);
   if (world > 1)
@@ -187,16 +235,33 @@ int run(const config::RunConfig& cfg) {
   const bool rank0 = rank == 0;
   const torch::Device device = resolve_device(t);
   if (t.threads > 0) at::set_num_threads(static_cast<int>(t.threads));
-  torch::manual_seed(static_cast<uint64_t>(t.seed));
 
   // Data first: a bad file fails here, before a run directory or a model exists.
   data::Splits splits = data::open_splits(cfg);
-  data::Loader train_loader(splits.train, t.micro_batch, t.seq_len, static_cast<uint64_t>(t.seed), rank, world);
-  data::Loader val_loader(splits.val, t.micro_batch, t.seq_len, static_cast<uint64_t>(t.seed) + 1, rank, world);
 
   memory::Tracker tracker(device);
   const int64_t limit = config::memory_limit_bytes(cfg);
   tracker.set_limit(limit);  // before the model exists: the limit covers everything, as on a GPU
+  Json batch_search = nullptr;
+  if (cfg.train.micro_batch == 0) {
+    const BatchSearch found = find_micro_batch(cfg, device);
+    Json trials = Json::array();
+    for (const auto& [b, ok] : found.trials) trials.push_back({{"micro_batch", b}, {"fits", ok}});
+    batch_search = {{"planner_prediction", found.predicted}, {"trials", trials}, {"micro_batch", found.micro_batch},
+                    {"grad_accum", found.grad_accum}, {"global_batch", cfg.train.global_batch}};
+    if (found.micro_batch == 0)
+      throw Error(kExitOom, fmt::format("train.micro_batch: auto: not even micro-batch 1 fits memory.limit {}; {}",
+                                        cfg.memory.limit, memory::oom_advice(cfg, limit)));
+    cfg.train.micro_batch = found.micro_batch;
+    cfg.train.grad_accum = found.grad_accum;
+    if (rank0)
+      spdlog::info("micro_batch auto: planner predicted {}, tried {}, chose {} x grad_accum {} (global batch {})",
+                   found.predicted, trials.dump(), found.micro_batch, found.grad_accum, cfg.train.global_batch);
+  }
+  data::Loader train_loader(splits.train, t.micro_batch, t.seq_len, static_cast<uint64_t>(t.seed), rank, world);
+  data::Loader val_loader(splits.val, t.micro_batch, t.seq_len, static_cast<uint64_t>(t.seed) + 1, rank, world);
+
+  torch::manual_seed(static_cast<uint64_t>(t.seed));
   model::GPT model(cfg.model, device);
   model->train();
   auto opt = make_optimizer(model, t);
@@ -368,6 +433,7 @@ int run(const config::RunConfig& cfg) {
         {"optimizer_state_bytes", states_at_peak.optimizer},
         {"activations_and_other_bytes", std::max<int64_t>(0, peak_bytes - states_at_peak.total())}}},
       {"memory_limit_bytes", limit > 0 ? Json(limit) : Json(nullptr)},
+      {"micro_batch_search", batch_search},
       {"oom", oom},
       {"exit_status", {{"code", exit_code}, {"name", exit_code_name(exit_code)}, {"message", exit_message}}}};
   runlog.write_json("summary.json", summary);

@@ -60,6 +60,19 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
                       memory::Tracker& tracker);
 
+// Does one micro-batch of `micro_batch` sequences train (two real optimizer steps of a fresh model,
+// random tokens) without running out of memory? Everything it allocates is freed on return.
+bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::Device device);
+
+// train.micro_batch: auto. Among the divisors of train.global_batch (so the global batch is kept
+// exactly, grad_accum = global / micro), the largest that fits, found by bisection with real steps,
+// starting from the planner's prediction. micro_batch 0 in the result: not even 1 fits.
+struct BatchSearch {
+  int64_t micro_batch = 0, grad_accum = 0, predicted = 0;
+  std::vector<std::pair<int64_t, bool>> trials;  // (micro_batch, fits) in the order tried
+};
+BatchSearch find_micro_batch(const config::RunConfig& cfg, torch::Device device);
+
 // Model FLOPs per trained token: 6 N (N = matmul parameters) + 12 L T d (attention scores and
 // weighted sum, forward + backward, PaLM's convention). Recompute FLOPs are not included.
 double flops_per_token(const model::GPTImpl& model, int64_t seq_len);
