@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # setup.sh: install what sublinear needs and build it into build/ (idempotent).
 #   1. Debian packages (apt-get, only when some are missing),
-#   2. LibTorch from the PyPI torch wheel in a venv at ${SUBLINEAR_HOME:-~/.cache/sublinear}/venv,
+#   2. LibTorch from the PyPI torch wheel (and matplotlib, for scripts/plot.py) in a venv at
+#      ${SUBLINEAR_HOME:-~/.cache/sublinear}/venv,
 #   3. CMake configure (Ninja, Release; -DSUBLINEAR_WERROR=ON when CI=true) and build.
 # Cost: first run downloads the CUDA torch wheel with its nvidia-* deps (~4.6 GB, ~70 s on a
 # fast link) and compiles the project (minutes on 2 cores); a re-run only rebuilds what changed.
 set -euo pipefail
 
 TORCH_VERSION=2.11.0   # the one place the LibTorch version is pinned
+MATPLOTLIB_VERSION=3.11.2  # scripts/plot.py draws the sweep figures with it
 PACKAGES=(cmake ninja-build g++ ccache libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
           nlohmann-json3-dev catch2 python3-venv)
 
@@ -48,6 +50,12 @@ else
   say "pip install torch==$TORCH_VERSION (CUDA wheel, ~4.6 GB)"
   "$PY" -m pip install --quiet "torch==$TORCH_VERSION"
   PREFIX="$(torch_prefix)" || { echo "setup: torch $TORCH_VERSION does not import from $VENV" >&2; exit 1; }
+fi
+if "$PY" -c "import matplotlib, sys; sys.exit(matplotlib.__version__ != '$MATPLOTLIB_VERSION')" 2>/dev/null; then
+  say "matplotlib $MATPLOTLIB_VERSION present"
+else
+  say "pip install matplotlib==$MATPLOTLIB_VERSION"
+  "$PY" -m pip install --quiet "matplotlib==$MATPLOTLIB_VERSION"
 fi
 
 # The wheel's CMake config looks for a CUDA toolkit and an architecture list.

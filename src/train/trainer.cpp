@@ -262,7 +262,14 @@ int run(const config::RunConfig& recipe) {
   data::Loader val_loader(splits.val, t.micro_batch, t.seq_len, static_cast<uint64_t>(t.seed) + 1, rank, world);
 
   torch::manual_seed(static_cast<uint64_t>(t.seed));
-  model::GPT model(cfg.model, device);
+  model::GPT model = [&] {
+    try {
+      return model::GPT(cfg.model, device);
+    } catch (const c10::OutOfMemoryError& e) {  // before the run directory exists: nothing to clean up
+      throw Error(kExitOom, fmt::format("out of memory while building the model ({}). To fit, {}",
+                                        std::string(e.what_without_backtrace()).substr(0, 200), memory::oom_advice(cfg, limit)));
+    }
+  }();
   model->train();
   auto opt = make_optimizer(model, t);
   recompute::Policy policy(cfg.checkpointing, model);
