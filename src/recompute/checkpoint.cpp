@@ -260,7 +260,6 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     return result;
   }
-
 };
 
 // linear(cheap(inputs), W, b). Graph inputs: [state, inputs..., cheap_params..., W, b?].
