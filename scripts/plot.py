@@ -46,6 +46,26 @@ def subtitle(doc):
     return ", ".join(parts)
 
 
+def finish(fig, ax, path, xlabel, ylabel, title, plt):
+    """Labels, grid, legend, layout; saves the figure to path and returns path."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=11)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def log2_batches(ax, batches):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches)
+    ax.set_xticklabels([str(b) for b in batches])
+
+
 def plot_batch(doc, out, plt):
     rows = doc["rows"]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
@@ -72,19 +92,10 @@ def plot_batch(doc, out, plt):
     if limit:
         ax.axhline(limit / MIB, color="black", linestyle="--", linewidth=1,
                    label=f"limit {limit / MIB:,.0f} MiB")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(batches)
-    ax.set_xticklabels([str(b) for b in batches])
-    ax.set_xlabel("micro-batch (sequences)")
-    ax.set_ylabel("peak allocated memory (MiB)")
-    ax.set_title(f"Peak memory vs micro-batch per checkpointing mode\n{subtitle(doc)}", fontsize=11)
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(os.path.join(out, "memory_vs_batch.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    log2_batches(ax, batches)
+    paths.append(finish(fig, ax, os.path.join(out, "memory_vs_batch.png"), "micro-batch (sequences)",
+                        "peak allocated memory (MiB)",
+                        f"Peak memory vs micro-batch per checkpointing mode\n{subtitle(doc)}", plt))
 
     # Throughput vs micro-batch.
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -93,19 +104,10 @@ def plot_batch(doc, out, plt):
                     if r["mode"] == m and r["fits"] and r.get("tokens_per_s") is not None)
         if ok:
             ax.plot([b for b, _ in ok], [t for _, t in ok], "o-", color=f"C{i}", label=m)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(batches)
-    ax.set_xticklabels([str(b) for b in batches])
-    ax.set_xlabel("micro-batch (sequences)")
-    ax.set_ylabel("throughput (tokens/s, median step)")
-    ax.set_title(f"Training throughput vs micro-batch per checkpointing mode\n{subtitle(doc)}", fontsize=11)
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(os.path.join(out, "throughput_vs_batch.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    log2_batches(ax, batches)
+    paths.append(finish(fig, ax, os.path.join(out, "throughput_vs_batch.png"), "micro-batch (sequences)",
+                        "throughput (tokens/s, median step)",
+                        f"Training throughput vs micro-batch per checkpointing mode\n{subtitle(doc)}", plt))
     return paths
 
 
@@ -128,16 +130,9 @@ def plot_interval(doc, out, plt):
         ax.axhline(ref["activation_peak_bytes"] / MIB, color="gray", linestyle=":",
                    label=f"no checkpointing, measured ({ref['activation_peak_bytes'] / MIB:,.1f} MiB)")
     ax.set_xticks(x)
-    ax.set_xlabel("interval k (blocks per checkpointed segment)")
-    ax.set_ylabel("activation peak per step (MiB)")
-    ax.set_title(f"Activation memory vs checkpoint interval k\n{subtitle(doc)}", fontsize=11)
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(os.path.join(out, "activation_vs_k.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(finish(fig, ax, os.path.join(out, "activation_vs_k.png"),
+                        "interval k (blocks per checkpointed segment)", "activation peak per step (MiB)",
+                        f"Activation memory vs checkpoint interval k\n{subtitle(doc)}", plt))
 
     fig, ax = plt.subplots(figsize=(8, 5))
     st = [(r["k"], r["step_ms"]) for r in ks if r.get("step_ms") is not None]
@@ -147,16 +142,9 @@ def plot_interval(doc, out, plt):
         ax.axhline(ref["step_ms"], color="gray", linestyle=":",
                    label=f"no checkpointing ({ref['step_ms']:,.1f} ms)")
     ax.set_xticks(x)
-    ax.set_xlabel("interval k (blocks per checkpointed segment)")
-    ax.set_ylabel("median step time (ms)")
-    ax.set_title(f"Step time vs checkpoint interval k\n{subtitle(doc)}", fontsize=11)
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(os.path.join(out, "step_time_vs_k.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(finish(fig, ax, os.path.join(out, "step_time_vs_k.png"),
+                        "interval k (blocks per checkpointed segment)", "median step time (ms)",
+                        f"Step time vs checkpoint interval k\n{subtitle(doc)}", plt))
     return paths
 
 
