@@ -158,3 +158,44 @@ TEST_CASE("every checkpointing mode trains the same 20-step loss sequence and lo
   CHECK(segs[1]["checkpointed"] == false);
   CHECK(summary["checkpointing"]["k"] == 3);
 }
+
+TEST_CASE("bf16 autocast trains the tiny recipe like fp32; fp16 logs its loss scale and skipped steps") {
+  auto last5 = [](const std::vector<json>& steps) {
+    double s = 0;
+    for (size_t i = steps.size() - 5; i < steps.size(); ++i) s += steps[i]["loss"].get<double>();
+    return s / 5;
+  };
+  auto run = [&](const std::string& compute, json* summary) {
+    test::TempDir dir("prec");
+    auto r = test::trainer("--config configs/tiny.yaml --set train.steps=30 --set train.micro_batch=8 "
+                           "--set train.eval_interval=0 --set precision.compute=" + compute +
+                           " --set logging.dir=" + (dir.path / "run").string());
+    INFO(compute << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    std::vector<json> steps;
+    int64_t skip_events = 0;
+    for (auto& rec : read_jsonl(dir.path / "run" / "metrics.jsonl")) {
+      if (rec.contains("event")) {
+        skip_events += rec["event"] == "skip";
+        continue;
+      }
+      CHECK(rec.contains("loss_scale"));
+      CHECK(rec.contains("skipped"));
+      steps.push_back(rec);
+    }
+    *summary = json::parse(test::read_text(dir.path / "run" / "summary.json"));
+    CHECK((*summary)["skipped_steps"] == skip_events);
+    return steps;
+  };
+  json s32, s16b, s16;
+  const auto fp32 = run("fp32", &s32), bf16 = run("bf16", &s16b), fp16 = run("fp16", &s16);
+  // Tolerance: the mean of the last 5 losses within 0.05 nats of fp32's (both fall ~3 nats from 5.5).
+  CHECK(std::abs(last5(bf16) - last5(fp32)) < 0.05);
+  CHECK(last5(bf16) < bf16.front()["loss"].get<double>() - 2.0);
+  CHECK(s16b["skipped_steps"] == 0);
+  CHECK(bf16.front()["loss_scale"] == 1.0);
+  CHECK(fp16.front()["loss_scale"] == 65536.0);
+  CHECK(std::abs(last5(fp16) - last5(fp32)) < 0.1);
+  // bf16 keeps activations in half the bytes where autocast computes in it.
+  CHECK(s16b["median_activation_peak_bytes"].get<int64_t>() < 0.8 * s32["median_activation_peak_bytes"].get<int64_t>());
+}

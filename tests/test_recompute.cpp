@@ -13,6 +13,7 @@
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
+#include "precision/autocast.h"
 #include "recompute/policy.h"
 #include "train/trainer.h"
 
@@ -33,7 +34,8 @@ struct Result {
   std::vector<torch::Tensor> grads;
 };
 
-// One forward/backward of a fresh model (same init, same batch, same dropout stream) under a policy.
+// One forward/backward of a fresh model (same init, same batch, same dropout stream) under a policy,
+// with the forward under the recipe's precision.compute autocast.
 Result run_once(const config::RunConfig& cfg, int64_t micro_batches = 1) {
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
@@ -45,7 +47,9 @@ Result run_once(const config::RunConfig& cfg, int64_t micro_batches = 1) {
   for (int64_t i = 0; i < micro_batches; ++i) batches.push_back(loader.next());
   torch::manual_seed(1234);  // the dropout stream
   Result r;
-  r.loss = train::forward_backward([&](const torch::Tensor& idx) { return policy.forward(idx); }, batches, torch::kCPU);
+  const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), nullptr};
+  r.loss = train::forward_backward([&](const torch::Tensor& idx) { return policy.forward(idx); }, batches, torch::kCPU,
+                                   prec);
   for (const auto& p : m->parameters()) r.grads.push_back(p.grad().clone());
   return r;
 }
@@ -94,6 +98,25 @@ TEST_CASE("gradients are bitwise equal to mode none for every mode, dropout on, 
       }
     }
   }
+}
+
+TEST_CASE("with bf16 autocast every mode gives the gradients of none, bitwise (recompute re-applies autocast)") {
+  for (double dropout : {0.1, 0.0}) {
+    const auto reference = run_once(small("gpt2", dropout, {"precision.compute=bf16"}));
+    REQUIRE(reference.grads[0].scalar_type() == torch::kFloat32);  // master weights stay fp32
+    for (const auto& mode : kModes) {
+      DYNAMIC_SECTION("dropout " << dropout << " " << join(mode)) {
+        auto cfg_mode = mode;
+        cfg_mode.push_back("precision.compute=bf16");
+        require_bitwise_equal(run_once(small("gpt2", dropout, cfg_mode)), reference);
+      }
+    }
+  }
+  // And bf16 really is in effect: its gradients differ from fp32's.
+  const auto fp32 = run_once(small("gpt2", 0.0));
+  const auto bf16 = run_once(small("gpt2", 0.0, {"precision.compute=bf16"}));
+  CHECK_FALSE(torch::equal(fp32.grads[2], bf16.grads[2]));
+  CHECK(torch::allclose(fp32.grads[2], bf16.grads[2], 0.1, 1e-2));
 }
 
 TEST_CASE("checkpointing composes with accumulation (4 micro-batches), bitwise") {

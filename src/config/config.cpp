@@ -140,7 +140,12 @@ const std::vector<Field>& fields() {
       field(&R::checkpointing, &C::preserve_rng, "checkpointing", "preserve_rng", "replay the forward's RNG state during recompute (exact dropout)"),
       field(&R::checkpointing, &C::check_recompute, "checkpointing", "check_recompute", "verify recomputed outputs match the forward's shapes and dtypes"),
 
-      field(&R::precision, &PrecisionConfig::dtype, "precision", "dtype", "fp32 (bf16 and fp16 autocast are not built yet)"),
+      field(&R::precision, &PrecisionConfig::compute, "precision", "compute", "fp32 | bf16 | fp16: autocast's compute dtype on the run's device; weights and optimizer states stay fp32"),
+      field(&R::precision, &PrecisionConfig::loss_scale, "precision", "loss_scale", "fp16 only: dynamic, or a fixed number to multiply the loss by"),
+      field(&R::precision, &PrecisionConfig::init_scale, "precision", "init_scale", "fp16 dynamic scaling: starting scale"),
+      field(&R::precision, &PrecisionConfig::growth_factor, "precision", "growth_factor", "fp16 dynamic scaling: scale multiplier after growth_interval clean steps"),
+      field(&R::precision, &PrecisionConfig::backoff_factor, "precision", "backoff_factor", "fp16 dynamic scaling: scale multiplier after a step with non-finite gradients"),
+      field(&R::precision, &PrecisionConfig::growth_interval, "precision", "growth_interval", "fp16 dynamic scaling: clean steps between growths"),
       field(&R::parallel, &ParallelConfig::backend, "parallel", "backend", "auto | gloo | nccl (multi-process training is not built yet)"),
       field(&R::parallel, &ParallelConfig::timeout_s, "parallel", "timeout_s", "collective timeout in seconds"),
       field(&R::memory, &MemoryConfig::track_cpu, "memory", "track_cpu", "install the tracking CPU allocator so CPU peak bytes are exact"),
@@ -447,7 +452,21 @@ void validate(const RunConfig& c) {
   if (k.mode != "selective" && !k.recompute.empty())
     fail("checkpointing.recompute", fmt::format("is only used with checkpointing.mode: selective (mode is '{}')", k.mode));
 
-  one_of("precision.dtype", c.precision.dtype, {"fp32"});
+  const auto& pr = c.precision;
+  one_of("precision.compute", pr.compute, {"fp32", "bf16", "fp16"});
+  if (pr.loss_scale != "dynamic") {
+    double fixed = 0.0;
+    try {
+      fixed = std::stod(pr.loss_scale);
+    } catch (const std::exception&) {
+      fail("precision.loss_scale", fmt::format("'{}' is neither dynamic nor a number", pr.loss_scale));
+    }
+    if (!(fixed > 0.0)) fail("precision.loss_scale", "a fixed scale must be > 0");
+  }
+  if (!(pr.init_scale > 0.0)) fail("precision.init_scale", "must be > 0");
+  if (!(pr.growth_factor > 1.0)) fail("precision.growth_factor", "must be > 1");
+  if (!(pr.backoff_factor > 0.0 && pr.backoff_factor < 1.0)) fail("precision.backoff_factor", "must be in (0, 1)");
+  positive("precision.growth_interval", pr.growth_interval);
   one_of("parallel.backend", c.parallel.backend, {"auto", "gloo", "nccl"});
   positive("parallel.timeout_s", c.parallel.timeout_s);
 

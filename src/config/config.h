@@ -67,7 +67,12 @@ struct CheckpointingConfig {
 };
 
 struct PrecisionConfig {
-  std::string dtype = "fp32";
+  std::string compute = "fp32";
+  std::string loss_scale = "dynamic";
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
 };
 
 struct ParallelConfig {

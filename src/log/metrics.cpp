@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <cmath>
+
 #include <fmt/format.h>
 
 #include "errors.h"
@@ -76,7 +78,7 @@ std::string format_bytes(int64_t bytes) {
 std::string format_step_line(const nlohmann::json& r, int64_t total_steps) {
   return fmt::format("step {:>5}/{} | loss {:.4f} | gnorm {:.3f} | lr {:.2e} | {:.1f} ms | {:.0f} tok/s | mfu {:.1f}% | mem {}",
                      r.at("step").get<int64_t>(), total_steps, r.at("loss").get<double>(),
-                     r.at("grad_norm").get<double>(), r.at("lr").get<double>(), r.at("step_ms").get<double>(),
+                     r.at("grad_norm").is_null() ? std::nan("") : r.at("grad_norm").get<double>(), r.at("lr").get<double>(), r.at("step_ms").get<double>(),
                      r.at("tokens_per_s").get<double>(), 100.0 * r.at("mfu").get<double>(),
                      format_bytes(r.at("peak_allocated_bytes").get<int64_t>()));
 }

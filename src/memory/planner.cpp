@@ -91,7 +91,7 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
             {"model_states_bytes", base.model_states_bytes()},
             {"batch_bytes", base.batch_bytes},
             {"logits_and_loss_bytes", static_cast<int64_t>(base.activations.tokens * 4 * 3 * cfg.model.vocab_size)},
-            {"precision", cfg.precision.dtype},
+            {"precision", cfg.precision.compute},
             {"modes", Json::array()}};
   for (const auto& [name, ck] : plan_modes(cfg)) {
     auto c = cfg;

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <ctime>
+#include <limits>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -20,6 +21,7 @@
 #include "memory/planner.h"
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
+#include "precision/autocast.h"
 #include "recompute/policy.h"
 #include "train/schedule.h"
 
@@ -86,27 +88,34 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const con
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(t.lr));
 }
 
-double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device) {
+double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
+                        const StepPrecision& precision) {
   const double n = static_cast<double>(micro.size());
   double total = 0.0;
   for (const auto& b : micro) {
     auto x = b.x.to(device), y = b.y.to(device);
     t_phase = "forward";
-    auto loss = model::GPTImpl::loss(forward(x), y);
+    torch::Tensor loss;
+    {
+      precision::AutocastGuard autocast(device.type(), precision.autocast);
+      loss = model::GPTImpl::loss(forward(x), y);
+    }
     t_phase = "backward";
-    (loss / n).backward();
+    ((precision.scaler ? precision.scaler->scale_loss(loss) : loss) / n).backward();
     total += loss.item<double>();
   }
   return total / n;
 }
 
-double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device) {
+double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
+                std::optional<c10::ScalarType> autocast) {
   torch::NoGradGuard no_grad;
   t_phase = "eval";
   model->eval();
   double total = 0.0;
   for (int64_t i = 0; i < batches; ++i) {
     auto b = loader.next();
+    precision::AutocastGuard guard(device.type(), autocast);
     total += model::GPTImpl::loss(model->forward(b.x.to(device)), b.y.to(device)).item<double>();
   }
   model->train();
@@ -152,26 +161,34 @@ double measure_gemm_flops(torch::Device device) {
 
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
-                      memory::Tracker& tracker) {
+                      memory::Tracker& tracker, const StepPrecision& precision) {
   StepResult r;
+  auto* scaler = precision.scaler && precision.scaler->enabled() ? precision.scaler : nullptr;
   sync(device);
   tracker.reset_peak();
   const auto t0 = Clock::now();
   // Gradients stay allocated (zeroed, not freed) so that peak - model states is the activation peak.
   opt.zero_grad(/*set_to_none=*/false);
-  r.loss = forward_backward(forward, micro, device);
-  if (!std::isfinite(r.loss)) return r;
+  r.loss_scale = scaler ? scaler->scale() : 1.0;
+  r.loss = forward_backward(forward, micro, device, precision);
+  if (!std::isfinite(r.loss) && !scaler) return r;
   t_phase = "optimizer";
-  if (grad_clip > 0.0) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : model->parameters())
+    if (p.grad().defined()) grads.push_back(p.grad());
+  r.skipped = scaler && !scaler->unscale(grads);  // unscale before clipping
+  if (r.skipped) {
+    r.grad_norm = std::numeric_limits<double>::quiet_NaN();
+  } else if (grad_clip > 0.0) {
     r.grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), grad_clip);
   } else {
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> norms;
-    for (const auto& p : model->parameters())
-      if (p.grad().defined()) norms.push_back(p.grad().norm());
+    for (const auto& g : grads) norms.push_back(g.norm());
     r.grad_norm = torch::stack(norms).norm().item<double>();
   }
-  opt.step();
+  if (!r.skipped) opt.step();
+  if (scaler) scaler->update();
   sync(device);
   r.ms = ms_since(t0);
   r.mem = tracker.read();
@@ -188,9 +205,11 @@ bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::
     recompute::Policy policy(c.checkpointing, m);
     auto opt = make_optimizer(m, c.train);
     memory::Tracker tracker(device);
+    precision::LossScaler scaler(c.precision, device);
+    const StepPrecision prec{precision::compute_dtype(c.precision.compute), &scaler};
     const ForwardFn fwd = [&policy](const torch::Tensor& idx) { return policy.forward(idx); };
     auto x = torch::randint(0, c.model.vocab_size, {micro_batch, c.train.seq_len}, torch::kInt64);
-    for (int i = 0; i < 2; ++i) train_step(fwd, m, *opt, {{x, x}}, c.train.grad_clip, device, tracker);
+    for (int i = 0; i < 2; ++i) train_step(fwd, m, *opt, {{x, x}}, c.train.grad_clip, device, tracker, prec);
     return true;
   } catch (const c10::OutOfMemoryError&) {
     return false;
@@ -273,6 +292,8 @@ int run(const config::RunConfig& recipe) {
   model->train();
   auto opt = make_optimizer(model, t);
   recompute::Policy policy(cfg.checkpointing, model);
+  precision::LossScaler scaler(cfg.precision, device);
+  const StepPrecision step_precision{precision::compute_dtype(cfg.precision.compute), &scaler};
   const ForwardFn forward = [&policy](const torch::Tensor& idx) { return policy.forward(idx); };
   const double fpt = flops_per_token(*model, t.seq_len);
   const double recompute_fpt = policy.recompute_flops_per_token(t.seq_len);
@@ -320,7 +341,7 @@ int run(const config::RunConfig& recipe) {
 
   const int64_t tokens_per_step = t.micro_batch * t.grad_accum * t.seq_len * world;
   std::vector<double> step_ms, tok_s, samp_s, mfus, recompute_ms, act_peaks;
-  int64_t peak_bytes = 0, steps_done = 0;
+  int64_t peak_bytes = 0, steps_done = 0, skipped_steps = 0;
   ModelStateBytes states_at_peak;
   double last_loss = NAN, last_val = NAN;
   int exit_code = kExitOk;
@@ -336,8 +357,16 @@ int run(const config::RunConfig& recipe) {
       std::vector<data::Batch> micro;
       for (int64_t m = 0; m < t.grad_accum; ++m) micro.push_back(train_loader.next());
 
-      const StepResult r = train_step(forward, model, *opt, micro, t.grad_clip, device, tracker);
-      if (!std::isfinite(r.loss)) {
+      const StepResult r = train_step(forward, model, *opt, micro, t.grad_clip, device, tracker, step_precision);
+      if (r.skipped) {
+        ++skipped_steps;
+        runlog.event("skip", {{"step", step + 1}, {"loss_scale", r.loss_scale}, {"new_loss_scale", scaler.scale()}});
+        if (rank0) {
+          bar.clear();
+          spdlog::warn("step {:>5}/{} | non-finite gradients at loss scale {:g}: step skipped, scale now {:g}", step + 1,
+                       t.steps, r.loss_scale, scaler.scale());
+        }
+      } else if (!std::isfinite(r.loss)) {
         runlog.event("non_finite_loss", {{"step", step + 1}, {"loss", r.loss}});
         throw NonFiniteError(fmt::format("step {}: loss is {}; lower train.lr or raise train.warmup_steps", step + 1, r.loss));
       }
@@ -352,7 +381,9 @@ int run(const config::RunConfig& recipe) {
       Json rec = {{"step", step + 1},
                   {"loss", loss},
                   {"lr", lr},
-                  {"grad_norm", grad_norm},
+                  {"grad_norm", std::isfinite(grad_norm) ? Json(grad_norm) : Json(nullptr)},
+                  {"loss_scale", r.loss_scale},
+                  {"skipped", r.skipped},
                   {"step_ms", ms},
                   {"tokens", tokens_per_step},
                   {"tokens_per_s", tps},
@@ -379,7 +410,7 @@ int run(const config::RunConfig& recipe) {
         spdlog::info("{}", log::format_step_line(rec, t.steps));
       }
       if (t.eval_interval > 0 && (steps_done % t.eval_interval == 0 || steps_done == t.steps)) {
-        last_val = evaluate(model, val_loader, t.eval_batches, device);
+        last_val = evaluate(model, val_loader, t.eval_batches, device, step_precision.autocast);
         runlog.event("eval", {{"step", steps_done}, {"val_loss", last_val}});
         if (rank0) {
           bar.clear();
@@ -421,6 +452,7 @@ int run(const config::RunConfig& recipe) {
       {"checkpointing", policy.plan().to_json()},
       {"run_dir", run_dir},
       {"steps", steps_done},
+      {"skipped_steps", skipped_steps},
       {"tokens", steps_done * tokens_per_step},
       {"final_loss", std::isfinite(last_loss) ? Json(last_loss) : Json(nullptr)},
       {"final_val_loss", std::isfinite(last_val) ? Json(last_val) : Json(nullptr)},

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <torch/optim/adamw.h>
@@ -14,6 +15,7 @@
 #include "data/loader.h"
 #include "memory/tracker.h"
 #include "model/gpt.h"
+#include "precision/loss_scaler.h"
 
 namespace sl::train {
 
@@ -31,13 +33,23 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const con
 // idx (B, T) -> logits (B, T, V): the model's forward, or a recompute policy's.
 using ForwardFn = std::function<torch::Tensor(const torch::Tensor&)>;
 
+// How a step computes: the forward's autocast dtype (nullopt = fp32) and, for fp16, the loss scaler.
+struct StepPrecision {
+  std::optional<c10::ScalarType> autocast;
+  precision::LossScaler* scaler = nullptr;
+};
+
 // Forward + backward over the micro-batches of one optimizer step. Each micro-batch's mean loss is
 // divided by the number of micro-batches, so the accumulated gradient equals the gradient of the
 // mean loss over all of them (one big batch). Returns that mean loss.
-double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device);
+// The forward runs under autocast; each micro-batch's loss is multiplied by the loss scale before its
+// backward (the same scale for every micro-batch of the step).
+double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
+                        const StepPrecision& precision = {});
 
 // Mean loss over `batches` batches from `loader`, in eval mode without autograd.
-double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device);
+double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
+                std::optional<c10::ScalarType> autocast = std::nullopt);
 
 struct ModelStateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
@@ -47,18 +59,21 @@ ModelStateBytes model_state_bytes(model::GPT& model, const torch::optim::AdamW& 
 
 struct StepResult {
   double loss = 0.0, grad_norm = 0.0, ms = 0.0;
+  double loss_scale = 1.0;  // the scale this step's backward used (1 without a scaler)
+  bool skipped = false;     // non-finite gradients under fp16: no optimizer step, the scale backed off
   memory::Snapshot mem;    // readings over this step (peak reset at its start)
   ModelStateBytes states;  // after the optimizer step
   // Peak minus model states: what activations (and temporaries) took at the step's peak.
   int64_t activation_peak_bytes() const { return std::max<int64_t>(0, mem.peak_allocated_bytes - states.total()); }
 };
 
-// One optimizer step: zero the (kept) gradients, forward/backward over the micro-batches, clip
-// (grad_clip 0 = off, norm still measured), AdamW step. The caller sets the learning rate. A
-// non-finite loss returns early, before the optimizer step.
+// One optimizer step: zero the (kept) gradients, forward/backward over the micro-batches, unscale
+// and check the gradients (fp16), clip (grad_clip 0 = off, norm still measured), AdamW step. The
+// caller sets the learning rate. Without a scaler a non-finite loss returns early, before the
+// optimizer step; with one, non-finite gradients skip the step (skipped = true) and back off the scale.
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
-                      memory::Tracker& tracker);
+                      memory::Tracker& tracker, const StepPrecision& precision = {});
 
 // Does one micro-batch of `micro_batch` sequences train (two real optimizer steps of a fresh model,
 // random tokens) without running out of memory? Everything it allocates is freed on return.
