@@ -14,7 +14,9 @@ kind "interval" (sweep_interval.sh):
   step_time_vs_k.png       median step time vs k (mode none as a reference line).
 
 Writes the PNG files into DIR (default: the directory of RESULTS.json) and prints their paths.
-Needs matplotlib (Agg backend, no display). Cost: about a second.
+Needs matplotlib (Agg backend, no display): run it with the project venv's interpreter,
+${SUBLINEAR_HOME:-~/.cache/sublinear}/venv/bin/python scripts/plot.py ..., as the sweep scripts do.
+Cost: about a second.
 """
 import argparse
 import json
@@ -85,13 +87,16 @@ def plot_batch(doc, out, plt):
             ax.plot([b for b, _ in ok], [p / MIB for _, p in ok], "o-", color=color, label=m)
         bad = sorted(r["micro_batch"] for r in rows if r["mode"] == m and not r["fits"])
         if bad:
-            y = (limit / MIB) if limit else top
-            ax.plot(bad, [y] * len(bad), "x", color=color, markersize=10, markeredgewidth=2,
-                    label=None if failed_labelled else "did not fit (OOM)", linestyle="none")
+            # At the limit line, stacked a little per mode so coinciding sizes stay visible.
+            y = ((limit / MIB) if limit else top) * (1 + 0.025 * i)
+            ax.plot(bad, [y] * len(bad), "x", color=color, markersize=10, markeredgewidth=2, linestyle="none")
             failed_labelled = True
+    if failed_labelled:
+        ax.plot([], [], "x", color="black", markersize=10, markeredgewidth=2, linestyle="none",
+                label="did not fit (out of memory)")
     if limit:
         ax.axhline(limit / MIB, color="black", linestyle="--", linewidth=1,
-                   label=f"limit {limit / MIB:,.0f} MiB")
+                   label=f"memory limit {limit / MIB:,.4g} MiB")
     log2_batches(ax, batches)
     paths.append(finish(fig, ax, os.path.join(out, "memory_vs_batch.png"), "micro-batch (sequences)",
                         "peak allocated memory (MiB)",
@@ -155,7 +160,6 @@ def main():
     args = ap.parse_args()
     doc = load(args.results)
     out = args.out or os.path.dirname(os.path.abspath(args.results))
-    os.makedirs(out, exist_ok=True)
     if not doc["rows"]:
         sys.exit(f"plot.py: {args.results} has no rows")
     try:
@@ -165,6 +169,7 @@ def main():
                  "${SUBLINEAR_HOME:-~/.cache/sublinear}/venv/bin/python -m pip install matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    os.makedirs(out, exist_ok=True)
     paths = (plot_batch if doc["kind"] == "batch" else plot_interval)(doc, out, plt)
     for p in paths:
         print(p)

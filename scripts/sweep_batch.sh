@@ -17,12 +17,13 @@
 # on 2 cores, one thread: a few seconds for --max-batch 4; minutes for the default --max-batch 1024,
 # whose biggest trials (mode none) hold several GB of tracked CPU memory. Use --limit to cap it.
 #
-# --limit SIZE is passed to the trainer as --set memory.limit=SIZE (units B, KiB, MiB, GiB, GB; 0 = no
+# --limit SIZE is passed to the trainer as --set memory.limit=SIZE (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB; 0 = no
 #   limit). Without it only real out-of-memory failures stop the doubling, so --max-batch bounds it.
 # --modes: comma-separated; each is none, full, sqrt, selective (recomputes attention, mlp and norm),
 #   selective:PART+PART (PART in attention, mlp, norm) or interval:K (K blocks per segment).
-# Trials run from the repository root (recipes name data files relative to it). CONFIG and --out are
-# taken relative to the current directory when they exist there, else relative to the repository root.
+# Trials run from the repository root (recipes name data files relative to it). CONFIG is taken
+# relative to the current directory when it exists there, else relative to the repository root;
+# --out relative to the current directory.
 # Environment: TRAINER (default <repo>/build/trainer); LAUNCHER, a command prefix put in front of the
 # trainer (e.g. LAUNCHER="torchrun --no-python --nproc-per-node 2"); PYTHON (default the project venv's
 # interpreter, ${SUBLINEAR_HOME:-~/.cache/sublinear}/venv/bin/python, which has matplotlib).
@@ -41,7 +42,8 @@ usage: scripts/$PROG CONFIG [--limit SIZE] [--modes none,full,sqrt,selective] [-
   --limit SIZE  memory limit per run (memory.limit), e.g. 512MiB, 4GiB; 0 = none (default none)
   --modes LIST  checkpointing modes to sweep (default none,full,sqrt,selective); also
                 selective:attention+mlp+norm (any of the parts) and interval:K
-  --steps N     training steps per trial (default 3; the first is excluded from the medians)
+  --steps N     training steps per trial (default 3; the first is excluded from the medians; use
+                at least 2: the optimizer states are allocated during step 1)
   --max-batch N largest micro-batch to try (default 1024)
   --out DIR     output directory, must be new or empty (default runs/sweep_batch-<timestamp>)
   --no-plot     do not run scripts/plot.py
@@ -53,7 +55,7 @@ die_usage() { echo "$PROG: $*" >&2; usage >&2; exit 2; }
 die() { echo "$PROG: $*" >&2; exit 1; }
 is_posint() { [[ "$1" =~ ^[1-9][0-9]*$ ]] && (( ${#1} <= 9 )); }
 
-# Resolve a user path: as given when absolute or existing relative to the current directory,
+# Resolve CONFIG: as given when absolute or existing relative to the current directory,
 # else relative to the repository root.
 resolve_path() {
   local p="$1"
@@ -62,6 +64,7 @@ resolve_path() {
   else printf '%s\n' "$ROOT/$p"
   fi
 }
+abs_path() { if [[ "$1" == /* ]]; then printf '%s\n' "$1"; else printf '%s\n' "$PWD/$1"; fi; }
 
 # ---- arguments ----
 CONFIG="" LIMIT="" MODES="none,full,sqrt,selective" STEPS=3 MAX_BATCH=1024 OUT="" PLOT=1
@@ -149,7 +152,7 @@ if [[ -n "$LIMIT" ]] && ! "$TRAINER" --help-config 2>/dev/null | grep -Eq '^[[:s
   die_usage "--limit needs the trainer's memory.limit key, which $TRAINER does not have (rebuild it)"
 fi
 
-if [[ -z "$OUT" ]]; then OUT="$ROOT/runs/sweep_batch-$(date +%Y%m%d-%H%M%S)"; else OUT="$(resolve_path "$OUT")"; fi
+if [[ -z "$OUT" ]]; then OUT="$ROOT/runs/sweep_batch-$(date +%Y%m%d-%H%M%S)"; else OUT="$(abs_path "$OUT")"; fi
 if [[ -e "$OUT" ]]; then
   [[ -d "$OUT" ]] || die_usage "--out exists and is not a directory: $OUT"
   [[ -z "$(ls -A "$OUT")" ]] || die_usage "--out must be new or empty: $OUT"
@@ -180,6 +183,12 @@ def mib(b):
 def num(v, fmt):
     return "—" if v is None else format(v, fmt)
 
+def oom_text(r):
+    where = r.get("oom_phase")
+    if where and r.get("oom_step"):
+        where += f", step {r['oom_step']}"
+    return "out of memory" + (f" in {where}" if where else "")
+
 def cmd_row(rows_path, mode, batch, rc, run_dir, trial):
     rc = int(rc)
     s = {}
@@ -189,6 +198,8 @@ def cmd_row(rows_path, mode, batch, rc, run_dir, trial):
     except (OSError, ValueError):
         pass
     ok = rc == 0
+    if ok and "median_step_ms" not in s:
+        sys.exit(f"exit code 0 but no summary.json with medians in {run_dir}")
     row = {
         "trial": int(trial), "mode": mode, "micro_batch": int(batch), "fits": ok, "exit_code": rc,
         "step_ms": s.get("median_step_ms") if ok else None,
@@ -197,25 +208,34 @@ def cmd_row(rows_path, mode, batch, rc, run_dir, trial):
         "peak_bytes": s.get("peak_allocated_bytes") if ok else None,
         "activation_peak_bytes": s.get("median_activation_peak_bytes") if ok else None,
         "predicted_activation_peak_bytes": s.get("predicted_activation_peak_bytes"),
+        "oom_phase": None, "oom_step": None,
+        "limit_bytes": s.get("memory_limit_bytes"),
         "run_dir": os.path.basename(run_dir),
     }
+    oom = s.get("oom") or {}
+    if not ok:
+        # No summary when the model states alone do not fit (the trainer stops before the run dir).
+        row["oom_phase"] = oom.get("phase") or ("model build" if not s else None)
+        row["oom_step"] = oom.get("step")
     with open(rows_path, "a") as f:
         f.write(json.dumps(row) + "\n")
     if ok:
         print(f"[{mode}] micro_batch {batch}: fits, {num(row['step_ms'], '.1f')} ms/step, "
               f"{num(row['tokens_per_s'], '.0f')} tok/s, peak {mib(row['peak_bytes'])} MiB", flush=True)
     else:
-        print(f"[{mode}] micro_batch {batch}: does not fit (exit {rc}, out of memory)", flush=True)
+        print(f"[{mode}] micro_batch {batch}: does not fit (exit {rc}, {oom_text(row)})", flush=True)
 
 FIELDS = ["mode", "micro_batch", "fits", "step_ms", "tokens_per_s", "samples_per_s", "peak_bytes",
-          "predicted_activation_peak_bytes", "activation_peak_bytes", "exit_code", "trial", "run_dir"]
+          "predicted_activation_peak_bytes", "activation_peak_bytes", "exit_code", "oom_phase", "oom_step",
+          "trial", "run_dir"]
 
 def cmd_finish(out, config, limit, modes, steps, max_batch, launcher, *extra):
     modes = modes.split(",")
     with open(os.path.join(out, "rows.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows.sort(key=lambda r: (modes.index(r["mode"]), r["micro_batch"]))
-    limit_bytes = size_bytes(limit)
+    # The trainer's own reading of the limit wins over ours (they use the same units).
+    limit_bytes = next((r["limit_bytes"] for r in rows if r.get("limit_bytes")), None) or size_bytes(limit)
     largest = {}
     for m in modes:
         fit = [r["micro_batch"] for r in rows if r["mode"] == m and r["fits"]]
@@ -250,7 +270,7 @@ def cmd_finish(out, config, limit, modes, steps, max_batch, launcher, *extra):
              "| mode | micro-batch | fits | throughput (tokens/s) | effective throughput (samples/s) | peak memory (MiB) |",
              "|---|---:|---|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['micro_batch']} | {'yes' if r['fits'] else 'no (OOM)'} | "
+        lines.append(f"| {r['mode']} | {r['micro_batch']} | {'yes' if r['fits'] else 'no (' + oom_text(r) + ')'} | "
                      f"{num(r['tokens_per_s'], ',.0f')} | {num(r['samples_per_s'], ',.1f')} | {mib(r['peak_bytes'])} |")
     lines.append("")
     for m in modes:
@@ -262,7 +282,7 @@ def cmd_finish(out, config, limit, modes, steps, max_batch, launcher, *extra):
             continue
         best = next(r for r in tried if r["micro_batch"] == b)
         note = (f"; {min(failed)} does not" if failed else
-                f"; reached --max-batch {max_batch}, the limit may allow more")
+                f"; reached --max-batch {max_batch}, larger sizes were not tried")
         lines.append(f"- **{m}**: largest micro-batch that fits: **{b}** "
                      f"({num(best['samples_per_s'], ',.1f')} samples/s, peak {mib(best['peak_bytes'])} MiB{note})")
     text = "\n".join(lines) + "\n"
@@ -300,7 +320,9 @@ run_trial() {
   TRIAL=$((TRIAL + 1))
   (cd "$ROOT" && "${cmd[@]}") > "$log" 2>&1 || rc=$?
   case "$rc" in
-    0|4) py row "$ROWS" "$m" "$b" "$rc" "$run_dir" "$TRIAL"; return $(( rc == 0 ? 0 : 1 )) ;;
+    0|4) py row "$ROWS" "$m" "$b" "$rc" "$run_dir" "$TRIAL" ||
+           die "trial $m micro_batch $b: exit $rc but no usable $run_dir/summary.json; log: $log"
+         return $(( rc == 0 ? 0 : 1 )) ;;
     130|143) echo "$PROG: interrupted (trainer exit $rc); log: $log" >&2; exit "$rc" ;;
     *) echo "$PROG: trial $m micro_batch $b failed with exit code $rc; log: $log" >&2
        tail -n 5 "$log" >&2 || true

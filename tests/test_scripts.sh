@@ -1,37 +1,125 @@
 #!/usr/bin/env bash
-# test_scripts.sh: the sweep scripts end to end on configs/tiny.yaml (short runs, one thread):
-# sweep_batch.sh with a memory limit that some sizes exceed, and sweep_interval.sh; each must write
-# results.csv, results.json (parsable, with rows) and PNG figures. Registered with ctest; ~30 s.
-# Usage: tests/test_scripts.sh [REPO_ROOT]   (env TRAINER may name the trainer binary)
+# test_scripts.sh: the sweep scripts end to end on configs/tiny.yaml (short real runs, one thread):
+#   - sweep_batch.sh --modes none,full --steps 2 --max-batch 4 without a limit (every size fits),
+#   - the same with --limit 28MiB, where mode none stops fitting below 4 and full does not
+#     (skipped, and said so, when the trainer has no memory.limit key),
+#   - sweep_interval.sh --steps 2 (L + 1 runs),
+#   - argument errors exit 2, a failing trainer run exits 1 naming its log.
+# Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
+# at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
+# Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
+# Env: TRAINER (trainer binary, default REPO_ROOT/build/trainer), PYTHON (interpreter with matplotlib).
+# Prints "N passed, M failed" last; exits 0 only when nothing failed.
 set -uo pipefail
-ROOT="${1:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+ROOT="$(cd "${1:-$(dirname "${BASH_SOURCE[0]}")/..}" && pwd)" || { echo "no such directory: $1"; exit 1; }
 PYTHON="${PYTHON:-${SUBLINEAR_HOME:-$HOME/.cache/sublinear}/venv/bin/python}"
-export OMP_NUM_THREADS=1
+[[ -x "$PYTHON" ]] || PYTHON=python3
+export PYTHON OMP_NUM_THREADS=1
+TRAINER="${TRAINER:-$ROOT/build/trainer}"
+BATCH="$ROOT/scripts/sweep_batch.sh"
+INTERVAL="$ROOT/scripts/sweep_interval.sh"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 passed=0 failed=0
-check() {  # check NAME COMMAND...
-  if "${@:2}" > "$TMP/check.log" 2>&1; then passed=$((passed + 1)); else
-    failed=$((failed + 1)); echo "FAILED: $1"; tail -n 20 "$TMP/check.log"; fi
+
+check() {  # check NAME COMMAND...: runs COMMAND, counts it, shows its output's tail on failure
+  if "${@:2}" > "$TMP/check.log" 2>&1; then
+    passed=$((passed + 1)); echo "ok: $1"
+  else
+    failed=$((failed + 1)); echo "FAILED: $1"; tail -n 20 "$TMP/check.log" | sed 's/^/  | /'
+  fi
 }
-outputs_ok() {  # outputs_ok DIR KIND: CSV, JSON of that kind with rows, and at least one PNG
-  [[ -s "$1/results.csv" && -s "$1/results.md" ]] && compgen -G "$1/*.png" > /dev/null &&
-    "$PYTHON" -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["kind"]==sys.argv[2] and d["rows"], d' \
-      "$1/results.json" "$2"
+outputs_ok() {  # outputs_ok DIR KIND: results.csv/.md, results.json of KIND with rows, a PNG
+  [[ -s "$1/results.csv" ]] || { echo "no $1/results.csv"; return 1; }
+  [[ -s "$1/results.md" ]] || { echo "no $1/results.md"; return 1; }
+  compgen -G "$1/*.png" > /dev/null || { echo "no PNG in $1"; return 1; }
+  "$PYTHON" -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["kind"] == sys.argv[2], d["kind"]
+assert isinstance(d["rows"], list) and d["rows"], "no rows"
+print(len(d["rows"]), "rows")' "$1/results.json" "$2"
+}
+pycheck() {  # pycheck JSON CODE: runs CODE with d = the parsed JSON
+  "$PYTHON" -c "import json, sys
+d = json.load(open(sys.argv[1]))
+$2" "$1"
 }
 
-check "sweep_batch.sh runs" "$ROOT/scripts/sweep_batch.sh" configs/tiny.yaml --modes none,full --steps 2 \
-  --max-batch 16 --limit 60MiB --out "$TMP/batch"
-check "sweep_batch.sh outputs" outputs_ok "$TMP/batch" batch
-# Under 60 MiB full checkpointing fits a larger micro-batch than none, and some size does not fit.
-check "sweep_batch.sh finds the limit" "$PYTHON" -c '
-import json, sys
-d = json.load(open(sys.argv[1]))
-assert any(not r["fits"] for r in d["rows"]), "no size failed"
-assert d["largest"]["full"] > d["largest"]["none"] >= 1, d["largest"]' "$TMP/batch/results.json"
-check "sweep_interval.sh runs" "$ROOT/scripts/sweep_interval.sh" configs/tiny.yaml --steps 2 --out "$TMP/interval"
-check "sweep_interval.sh outputs" outputs_ok "$TMP/interval" interval
-check "bad arguments exit 2" bash -c '"$1" configs/tiny.yaml --steps zero; [[ $? == 2 ]] && "$2" --bogus; [[ $? == 2 ]]' \
-  _ "$ROOT/scripts/sweep_batch.sh" "$ROOT/scripts/sweep_interval.sh"
+[[ -x "$TRAINER" ]] || { echo "trainer not found: $TRAINER"; echo "0 passed, 1 failed"; exit 1; }
+
+# 1. No limit: doubling up to --max-batch, every size fits.
+check "sweep_batch.sh without a limit runs" "$BATCH" configs/tiny.yaml --modes none,full --steps 2 \
+  --max-batch 4 --out "$TMP/batch"
+check "sweep_batch.sh without a limit: outputs" outputs_ok "$TMP/batch" batch
+check "sweep_batch.sh without a limit: sizes 1, 2, 4 fit in both modes" pycheck "$TMP/batch/results.json" '
+got = sorted((r["mode"], r["micro_batch"], r["fits"]) for r in d["rows"])
+assert got == sorted((m, b, True) for m in ("none", "full") for b in (1, 2, 4)), got
+assert d["largest"] == {"none": 4, "full": 4}, d["largest"]
+assert d["limit_bytes"] is None
+assert all(r["peak_bytes"] > 0 and r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and r["step_ms"] > 0
+           and r["predicted_activation_peak_bytes"] > 0 for r in d["rows"]), d["rows"]'
+
+# 2. With a limit (needs the trainer's memory.limit). On tiny (steps 2) the peaks are about
+#    none: 18, 22, 27, 31 MiB and full: 15, 17, 20 MiB at micro-batch 1, 2, 3, 4: under 28 MiB none
+#    fails at 4 (then bisects to 3) and full fits up to 4.
+if "$TRAINER" --help-config 2>/dev/null | grep -Eq '^[[:space:]]+limit[[:space:]]'; then
+  check "sweep_batch.sh --limit 28MiB runs" "$BATCH" configs/tiny.yaml --modes none,full --steps 2 \
+    --max-batch 4 --limit 28MiB --out "$TMP/limit"
+  check "sweep_batch.sh --limit 28MiB: outputs" outputs_ok "$TMP/limit" batch
+  check "sweep_batch.sh --limit 28MiB: some size fails, full fits more than none" pycheck "$TMP/limit/results.json" '
+lim = 28 * 2**20
+assert d["limit_bytes"] == lim, d["limit_bytes"]
+bad = [r for r in d["rows"] if not r["fits"]]
+assert bad and all(r["exit_code"] == 4 for r in bad), bad
+assert all(r["peak_bytes"] <= lim for r in d["rows"] if r["fits"])
+n, f = d["largest"]["none"], d["largest"]["full"]
+assert n is not None and 1 <= n < 4 and f == 4, d["largest"]
+assert any(r["mode"] == "none" and r["micro_batch"] == n + 1 and not r["fits"] for r in d["rows"])'
+else
+  echo "SKIPPED: the --limit sweep ($TRAINER has no memory.limit key)"
+fi
+
+# 3. Interval sweep: none plus k = 1..L.
+check "sweep_interval.sh runs" "$INTERVAL" configs/tiny.yaml --steps 2 --out "$TMP/interval"
+check "sweep_interval.sh: outputs" outputs_ok "$TMP/interval" interval
+check "sweep_interval.sh: none and k = 1..L, k = 1 below none" pycheck "$TMP/interval/results.json" '
+L = d["n_layer"]
+assert sorted((r["k"] or 0) for r in d["rows"]) == list(range(L + 1)), d["rows"]
+assert all(r["fits"] and r["activation_peak_bytes"] > 0 and r["predicted_activation_peak_bytes"] > 0
+           and r["step_ms"] > 0 for r in d["rows"])
+none = next(r for r in d["rows"] if r["k"] is None)
+k1 = next(r for r in d["rows"] if r["k"] == 1)
+assert k1["activation_peak_bytes"] < none["activation_peak_bytes"], (k1, none)'
+
+# 4. Errors.
+exits() {  # exits CODE COMMAND...: COMMAND must exit with CODE
+  local want="$1" rc=0
+  shift
+  "$@" || rc=$?
+  [[ "$rc" == "$want" ]] || { echo "exit $rc, wanted $want: $*"; return 1; }
+}
+usage_errors() {
+  local s
+  mkdir -p "$TMP/nonempty" && touch "$TMP/nonempty/file"
+  for s in "$BATCH" "$INTERVAL"; do
+    exits 2 "$s" || return 1                                      # missing CONFIG
+    exits 2 "$s" configs/no_such.yaml || return 1                 # nonexistent CONFIG
+    exits 2 "$s" configs/tiny.yaml --steps zero || return 1       # bad number
+    exits 2 "$s" configs/tiny.yaml --bogus || return 1            # unknown flag
+    exits 2 "$s" configs/tiny.yaml --out "$TMP/nonempty" || return 1 # non-empty --out
+  done
+  exits 2 "$BATCH" configs/tiny.yaml --max-batch -3 || return 1
+  exits 2 "$BATCH" configs/tiny.yaml --modes none,sideways || return 1
+  exits 2 "$BATCH" configs/tiny.yaml --limit 12parsecs || return 1
+}
+check "argument errors exit 2 with usage" usage_errors
+trial_fails() {  # a trainer error other than OOM stops the sweep with exit 1 and names the log
+  exits 1 "$BATCH" configs/tiny.yaml --modes full --max-batch 1 --no-plot --out "$TMP/fail" \
+    -- --set train.no_such_key=1 2> "$TMP/fail.err" || return 1
+  grep -q "log: $TMP/fail/runs/full-b1.log" "$TMP/fail.err" || { cat "$TMP/fail.err"; return 1; }
+  grep -q "no_such_key" "$TMP/fail/runs/full-b1.log"
+}
+check "a failing trial exits 1 and names its log" trial_fails
+
 echo "$passed passed, $failed failed"
 ((failed == 0))
