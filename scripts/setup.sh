@@ -10,7 +10,7 @@ set -euo pipefail
 
 TORCH_VERSION=2.11.0   # the one place the LibTorch version is pinned
 MATPLOTLIB_VERSION=3.11.2  # scripts/plot.py draws the sweep figures with it
-PACKAGES=(cmake ninja-build g++ ccache libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
+PACKAGES=(cmake ninja-build g++ ccache libgloo-dev libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
           nlohmann-json3-dev catch2 python3-venv)
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

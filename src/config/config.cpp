@@ -146,8 +146,10 @@ const std::vector<Field>& fields() {
       field(&R::precision, &PrecisionConfig::growth_factor, "precision", "growth_factor", "fp16 dynamic scaling: scale multiplier after growth_interval clean steps"),
       field(&R::precision, &PrecisionConfig::backoff_factor, "precision", "backoff_factor", "fp16 dynamic scaling: scale multiplier after a step with non-finite gradients"),
       field(&R::precision, &PrecisionConfig::growth_interval, "precision", "growth_interval", "fp16 dynamic scaling: clean steps between growths"),
-      field(&R::parallel, &ParallelConfig::backend, "parallel", "backend", "auto | gloo | nccl (multi-process training is not built yet)"),
-      field(&R::parallel, &ParallelConfig::timeout_s, "parallel", "timeout_s", "collective timeout in seconds"),
+      field(&R::parallel, &ParallelConfig::backend, "parallel", "backend", "auto | gloo | nccl (auto: NCCL on CUDA, Gloo on CPU); used when WORLD_SIZE > 1"),
+      field(&R::parallel, &ParallelConfig::sharding, "parallel", "sharding", "none (DDP) | zero1 (optimizer states) | zero2 (+ gradients) | zero3 (+ parameters, per block)"),
+      field(&R::parallel, &ParallelConfig::bucket_mb, "parallel", "bucket_mb", "sharding none: gradient all-reduce bucket size in MiB (buckets launch from gradient hooks during backward)"),
+      field(&R::parallel, &ParallelConfig::timeout_s, "parallel", "timeout_s", "rendezvous and collective timeout in seconds: a dead or hung rank makes the others exit 5 within it"),
       field(&R::memory, &MemoryConfig::track_cpu, "memory", "track_cpu", "install the tracking CPU allocator so CPU peak bytes are exact"),
       field(&R::memory, &MemoryConfig::limit, "memory", "limit", "device-memory limit for tensors, e.g. 8GiB (units B, KiB, MiB, GiB, KB, MB, GB); 0 = none. CPU: the tracking allocator refuses past it; CUDA: caps the caching allocator"),
 
@@ -156,6 +158,7 @@ const std::vector<Field>& fields() {
       field(&R::logging, &LoggingConfig::skip_first, "logging", "skip_first", "warm-up steps excluded from the medians in summary.json"),
       field(&R::logging, &LoggingConfig::peak_tflops, "logging", "peak_tflops", "device peak TFLOP/s for MFU; 0 = measure a GEMM rate at start"),
       field(&R::logging, &LoggingConfig::progress, "logging", "progress", "progress bar when stdout is a terminal"),
+      field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final parameters to <run dir>/model.pt (torch::save archive, names as in the model; sharded runs gather them first)"),
   };
   return table;
 }
@@ -468,6 +471,10 @@ void validate(const RunConfig& c) {
   if (!(pr.backoff_factor > 0.0 && pr.backoff_factor < 1.0)) fail("precision.backoff_factor", "must be in (0, 1)");
   positive("precision.growth_interval", pr.growth_interval);
   one_of("parallel.backend", c.parallel.backend, {"auto", "gloo", "nccl"});
+  one_of("parallel.sharding", c.parallel.sharding, {"none", "zero1", "zero2", "zero3"});
+  if (!(c.parallel.bucket_mb > 0.0)) fail("parallel.bucket_mb", "must be > 0");
+  if (c.parallel.backend == "nccl" && t.device == "cpu")
+    fail("parallel.backend", "nccl needs CUDA tensors; use gloo (or auto) with train.device: cpu");
   positive("parallel.timeout_s", c.parallel.timeout_s);
 
   if (parse_bytes(c.memory.limit, "memory.limit") > 0 && !c.memory.track_cpu && t.device == "cpu")

@@ -76,7 +76,9 @@ struct PrecisionConfig {
 };
 
 struct ParallelConfig {
-  std::string backend = "auto";
+  std::string backend = "auto";   // auto | gloo | nccl
+  std::string sharding = "none";  // none (DDP) | zero1 | zero2 | zero3
+  double bucket_mb = 25.0;        // DDP gradient bucket size (MiB)
   int64_t timeout_s = 600;
 };
 
@@ -91,6 +93,7 @@ struct LoggingConfig {
   int64_t skip_first = 3;
   double peak_tflops = 0.0;
   bool progress = true;
+  bool save_model = false;
 };
 
 struct RunConfig {

@@ -22,10 +22,11 @@ double LossScaler::scale() const { return enabled_ ? scale_.item<double>() : 1.0
 
 at::Tensor LossScaler::scale_loss(const at::Tensor& loss) const { return enabled_ ? loss * scale_ : loss; }
 
-bool LossScaler::unscale(const std::vector<at::Tensor>& grads) {
+bool LossScaler::unscale(const std::vector<at::Tensor>& grads, const std::function<double(double)>& agree) {
   if (!enabled_) return true;
   found_inf_.zero_();
   at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf_, scale_.reciprocal());
+  if (agree) found_inf_.fill_(agree(found_inf_.item<double>()));
   return found_inf_.item<float>() == 0.0f;
 }
 

@@ -4,6 +4,7 @@
 // growth_interval clean steps. Uses LibTorch's AMP kernels (_amp_foreach_non_finite_check_and_unscale_,
 // _amp_update_scale_). Disabled (scale 1, nothing checked) unless precision.compute is fp16.
 #pragma once
+#include <functional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -19,7 +20,9 @@ class LossScaler {
   double scale() const;                                // current scale (1 when disabled)
   at::Tensor scale_loss(const at::Tensor& loss) const;  // loss * scale
   // Divides the gradients by the scale in place; true when all are finite. Disabled: true.
-  bool unscale(const std::vector<at::Tensor>& grads);
+  // `agree` (sharded gradients) turns this rank's found-inf flag (0 or 1) into every rank's maximum,
+  // so all ranks skip or step together.
+  bool unscale(const std::vector<at::Tensor>& grads, const std::function<double(double)>& agree = {});
   // After a step: dynamic scaling backs off on found_inf, grows after growth_interval clean steps.
   void update();
 

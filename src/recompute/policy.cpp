@@ -86,7 +86,19 @@ Stats Policy::take_stats() {
   return s;
 }
 
+template <class F>
+torch::Tensor Policy::unit(int64_t u, const torch::Tensor& in, bool needs_params_in_backward, F&& f) {
+  if (hooks_.before) hooks_.before(u);
+  torch::Tensor out = f();
+  if (hooks_.after) hooks_.after(u, in, out, needs_params_in_backward);
+  return out;
+}
+
 torch::Tensor Policy::block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope) {
+  return unit(block.layer + 1, x, true, [&] { return block_forward_unhooked(block, x, rope); });
+}
+
+torch::Tensor Policy::block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope) {
   if (plan_.mode != "selective") return block.forward(x, rope);
   static const char* kPartNames[] = {"norm1->qkv", "attention->proj", "norm2->fc", "act->out"};
   const bool recompute[] = {plan_.norm, plan_.attention, plan_.norm, plan_.mlp};
@@ -101,7 +113,8 @@ torch::Tensor Policy::block_forward(model::BlockImpl& block, const torch::Tensor
 }
 
 torch::Tensor Policy::forward(const torch::Tensor& idx) {
-  auto x = model_->embed(idx);
+  // The embedding backward needs the indices only, not the table: its parameters need no re-gather.
+  auto x = unit(0, torch::Tensor(), false, [&] { return model_->embed(idx); });
   const auto rope = model_->rope(idx.size(1));
   auto& blocks = *model_->blocks;
   for (size_t si = 0; si < plan_.segments.size(); ++si) {
@@ -117,11 +130,14 @@ torch::Tensor Policy::forward(const torch::Tensor& idx) {
     auto fn = [this, model, seg, rope](const std::vector<torch::Tensor>& in) {
       auto h = in[0];
       for (int64_t b = seg.begin; b < seg.end; ++b) h = block_forward(*(*model->blocks)[b]->as<model::BlockImpl>(), h, rope);
+      flush();  // a recompute's last block: its backward starts right after this returns
       return std::vector<torch::Tensor>{h};
     };
     x = checkpoint(fmt::format("segment {} (blocks {}..{})", si, seg.begin, seg.end - 1), fn, {x}, params, opts_)[0];
   }
-  return model_->head(x);
+  auto logits = unit(model_->cfg.n_layer + 1, x, true, [&] { return model_->head(x); });
+  flush();
+  return logits;
 }
 
 double Policy::recompute_flops_per_token(int64_t seq_len) const {

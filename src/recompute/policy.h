@@ -33,6 +33,16 @@ struct Plan {
 // Segments for a config and a block count. skip_last keeps the last segment's activations.
 Plan make_plan(const config::CheckpointingConfig& cfg, int64_t n_layer);
 
+// Called around each unit of the forward (unit 0 the embeddings, 1..L the blocks, L+1 the final
+// norm and head), in the first forward and again when a block is recomputed. ZeRO-3 gathers a unit's
+// parameters in `before` and frees them in `after`; `in` is the unit's input (undefined for the
+// embeddings), `out` its output. `flush` ends a chain of units (end of a forward or of a recompute).
+struct UnitHooks {
+  std::function<void(int64_t unit)> before;
+  std::function<void(int64_t unit, const torch::Tensor& in, const torch::Tensor& out, bool needs_params_in_backward)> after;
+  std::function<void()> flush;
+};
+
 class Policy {
  public:
   Policy(const config::CheckpointingConfig& cfg, model::GPT model);
@@ -41,6 +51,7 @@ class Policy {
   const Plan& plan() const { return plan_; }
   // Runs before each recompute with the piece's name (sharding re-gathers parameters here).
   void set_pre_recompute_hook(std::function<void(const std::string&)> hook) { opts_.pre_recompute_hook = std::move(hook); }
+  void set_unit_hooks(UnitHooks hooks) { hooks_ = std::move(hooks); }
   Stats take_stats();  // since the last call
   // Forward FLOPs per token that backward re-runs (for HFU): each checkpointed block's
   // 2*P_block + 4*T*d, plus 4*T*d per block when the attention core is recomputed.
@@ -48,10 +59,17 @@ class Policy {
 
  private:
   torch::Tensor block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope);
+  torch::Tensor block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope);
   config::CheckpointingConfig cfg_;
   model::GPT model_;
+  template <class F>
+  torch::Tensor unit(int64_t u, const torch::Tensor& in, bool needs_params_in_backward, F&& f);
+  void flush() {
+    if (hooks_.flush) hooks_.flush();
+  }
   Plan plan_;
   Options opts_;
+  UnitHooks hooks_;
 };
 
 }  // namespace sl::recompute

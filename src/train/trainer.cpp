@@ -14,7 +14,10 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 #include <torch/version.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "dist/comm.h"
+#include "dist/engine.h"
 #include "errors.h"
 #include "log/metrics.h"
 #include "memory/activations.h"
@@ -89,7 +92,7 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const con
 }
 
 double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
-                        const StepPrecision& precision) {
+                        const StepPrecision& precision, dist::Engine* engine) {
   const double n = static_cast<double>(micro.size());
   double total = 0.0;
   for (const auto& b : micro) {
@@ -101,14 +104,16 @@ double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>
       loss = model::GPTImpl::loss(forward(x), y);
     }
     t_phase = "backward";
+    if (engine) engine->begin_backward(&b == &micro.back());
     ((precision.scaler ? precision.scaler->scale_loss(loss) : loss) / n).backward();
+    if (engine) engine->end_backward();
     total += loss.item<double>();
   }
   return total / n;
 }
 
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
-                std::optional<c10::ScalarType> autocast) {
+                std::optional<c10::ScalarType> autocast, const ForwardFn& forward) {
   torch::NoGradGuard no_grad;
   t_phase = "eval";
   model->eval();
@@ -116,7 +121,8 @@ double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch:
   for (int64_t i = 0; i < batches; ++i) {
     auto b = loader.next();
     precision::AutocastGuard guard(device.type(), autocast);
-    total += model::GPTImpl::loss(model->forward(b.x.to(device)), b.y.to(device)).item<double>();
+    auto x = b.x.to(device);
+    total += model::GPTImpl::loss(forward ? forward(x) : model->forward(x), b.y.to(device)).item<double>();
   }
   model->train();
   return total / static_cast<double>(batches);
@@ -128,12 +134,18 @@ ModelStateBytes model_state_bytes(model::GPT& model, const torch::optim::AdamW& 
     s.params += static_cast<int64_t>(p.nbytes());
     if (p.grad().defined()) s.grads += static_cast<int64_t>(p.grad().nbytes());
   }
+  s.optimizer = optimizer_state_bytes(opt);
+  return s;
+}
+
+int64_t optimizer_state_bytes(const torch::optim::AdamW& opt) {
+  int64_t bytes = 0;
   for (const auto& [key, state] : opt.state()) {
     const auto& st = static_cast<const torch::optim::AdamWParamState&>(*state);
     for (const auto* t : {&st.exp_avg(), &st.exp_avg_sq(), &st.max_exp_avg_sq()})
-      if (t->defined()) s.optimizer += static_cast<int64_t>(t->nbytes());
+      if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
   }
-  return s;
+  return bytes;
 }
 
 double flops_per_token(const model::GPTImpl& model, int64_t seq_len) {
@@ -161,24 +173,39 @@ double measure_gemm_flops(torch::Device device) {
 
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
-                      memory::Tracker& tracker, const StepPrecision& precision) {
+                      memory::Tracker& tracker, const StepPrecision& precision, dist::Engine* engine) {
   StepResult r;
   auto* scaler = precision.scaler && precision.scaler->enabled() ? precision.scaler : nullptr;
   sync(device);
   tracker.reset_peak();
   const auto t0 = Clock::now();
   // Gradients stay allocated (zeroed, not freed) so that peak - model states is the activation peak.
-  opt.zero_grad(/*set_to_none=*/false);
+  if (engine)
+    engine->zero_grad();
+  else
+    opt.zero_grad(/*set_to_none=*/false);
   r.loss_scale = scaler ? scaler->scale() : 1.0;
-  r.loss = forward_backward(forward, micro, device, precision);
+  r.loss = forward_backward(forward, micro, device, precision, engine);
+  const int64_t world = engine ? engine->comm().world() : 1;
+  if (world > 1) r.loss = engine->comm().all_reduce_sum(r.loss, "loss average") / static_cast<double>(world);
   if (!std::isfinite(r.loss) && !scaler) return r;
   t_phase = "optimizer";
   std::vector<torch::Tensor> grads;
-  for (const auto& p : model->parameters())
-    if (p.grad().defined()) grads.push_back(p.grad());
-  r.skipped = scaler && !scaler->unscale(grads);  // unscale before clipping
+  if (engine) {
+    grads = engine->grads();
+  } else {
+    for (const auto& p : model->parameters())
+      if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  std::function<double(double)> agree;
+  if (engine && world > 1 && engine->sharding() != "none")
+    agree = [engine](double v) { return engine->comm().all_reduce_max(v, "fp16 found-inf flag"); };
+  r.skipped = scaler && !scaler->unscale(grads, agree);  // unscale before clipping
   if (r.skipped) {
     r.grad_norm = std::numeric_limits<double>::quiet_NaN();
+  } else if (engine) {
+    r.grad_norm = engine->grad_norm();
+    if (grad_clip > 0.0) engine->clip(grad_clip, r.grad_norm);
   } else if (grad_clip > 0.0) {
     r.grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), grad_clip);
   } else {
@@ -187,12 +214,20 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
     for (const auto& g : grads) norms.push_back(g.norm());
     r.grad_norm = torch::stack(norms).norm().item<double>();
   }
-  if (!r.skipped) opt.step();
+  if (!r.skipped) {
+    opt.step();
+    if (engine) engine->after_step();
+  }
   if (scaler) scaler->update();
   sync(device);
   r.ms = ms_since(t0);
   r.mem = tracker.read();
-  r.states = model_state_bytes(model, opt);
+  if (engine) {
+    const auto sb = engine->state_bytes();
+    r.states = {sb.params, sb.grads, optimizer_state_bytes(opt)};
+  } else {
+    r.states = model_state_bytes(model, opt);
+  }
   return r;
 }
 
@@ -245,15 +280,37 @@ BatchSearch find_micro_batch(const config::RunConfig& cfg, torch::Device device)
   return r;
 }
 
+void save_model(model::GPT& model, const std::filesystem::path& path) {
+  torch::serialize::OutputArchive archive;
+  for (const auto& item : model->named_parameters()) archive.write(item.key(), item.value().detach().cpu());
+  auto tmp = path;
+  tmp += ".tmp";
+  try {
+    archive.save_to(tmp.string());
+  } catch (const c10::Error& e) {
+    std::filesystem::remove(tmp);
+    throw ConfigError(fmt::format("writing {} failed ({}); check the run directory and free disk space", path.string(),
+                                  std::string(e.what_without_backtrace()).substr(0, 200)));
+  }
+  std::filesystem::rename(tmp, path);
+}
+
 int run(const config::RunConfig& recipe) {
   config::RunConfig cfg = recipe;  // train.micro_batch: auto is resolved below
   const auto& t = cfg.train;
-  const int64_t world = env_int("WORLD_SIZE", 1), rank = env_int("RANK", 0);
-  if (world > 1)
-    throw ConfigError(fmt::format("WORLD_SIZE={}: multi-process training is not built yet; run one process", world));
+  const dist::LaunchEnv launch = dist::LaunchEnv::from_env();
+  const int64_t world = launch.world, rank = launch.rank;
   const bool rank0 = rank == 0;
   const torch::Device device = resolve_device(t);
+  if (device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);  // one GPU per local rank
   if (t.threads > 0) at::set_num_threads(static_cast<int>(t.threads));
+  if (world > 1 && cfg.train.micro_batch == 0 && cfg.train.global_batch % world != 0)
+    throw ConfigError(fmt::format("train.global_batch {} is not divisible by WORLD_SIZE {}: micro_batch: auto keeps the "
+                                  "global batch exactly; pick a multiple of the world size",
+                                  cfg.train.global_batch, world));
+  // Rendezvous before reading data or building the model: a missing peer fails fast (exit 5).
+  auto comm = std::make_shared<dist::Comm>(launch, cfg.parallel, device);
+  const bool use_engine = world > 1 || cfg.parallel.sharding != "none";
 
   // Data first: a bad file fails here, before a run directory or a model exists.
   data::Splits splits = data::open_splits(cfg);
@@ -263,7 +320,14 @@ int run(const config::RunConfig& recipe) {
   tracker.set_limit(limit);  // before the model exists: the limit covers everything, as on a GPU
   Json batch_search = nullptr;
   if (cfg.train.micro_batch == 0) {
-    const BatchSearch found = find_micro_batch(cfg, device);
+    auto per_rank = cfg;  // each rank holds global_batch / world of every step
+    per_rank.train.global_batch /= world;
+    BatchSearch found = find_micro_batch(per_rank, device);
+    if (world > 1) {  // every rank must train the same micro-batch: take the smallest that fits everywhere
+      const auto agreed = static_cast<int64_t>(-comm->all_reduce_max(-static_cast<double>(found.micro_batch), "micro_batch auto"));
+      if (agreed != found.micro_batch && agreed > 0) found.micro_batch = agreed, found.grad_accum = per_rank.train.global_batch / agreed;
+      if (agreed == 0) found.micro_batch = 0;
+    }
     Json trials = Json::array();
     for (const auto& [b, ok] : found.trials) trials.push_back({{"micro_batch", b}, {"fits", ok}});
     batch_search = {{"planner_prediction", found.predicted}, {"trials", trials}, {"micro_batch", found.micro_batch},
@@ -290,8 +354,13 @@ int run(const config::RunConfig& recipe) {
     }
   }();
   model->train();
-  auto opt = make_optimizer(model, t);
   recompute::Policy policy(cfg.checkpointing, model);
+  std::unique_ptr<dist::Engine> engine;
+  if (use_engine) {
+    engine = std::make_unique<dist::Engine>(model, cfg, comm);
+    engine->attach(policy);
+  }
+  auto opt = engine ? engine->make_optimizer(t) : make_optimizer(model, t);
   precision::LossScaler scaler(cfg.precision, device);
   const StepPrecision step_precision{precision::compute_dtype(cfg.precision.compute), &scaler};
   const ForwardFn forward = [&policy](const torch::Tensor& idx) { return policy.forward(idx); };
@@ -312,6 +381,7 @@ int run(const config::RunConfig& recipe) {
               {"threads", at::get_num_threads()},
               {"world_size", world},
               {"rank", rank},
+              {"backend", comm->backend()},
               {"memory_source", tracker.source()}};
   Json model_info = {{"params", model->num_params()},
                      {"matmul_params", model->num_matmul_params()},
@@ -324,6 +394,9 @@ int run(const config::RunConfig& recipe) {
     rows.emplace_back("run directory", run_dir);
     rows.emplace_back("device", device.str());
     rows.emplace_back("threads", std::to_string(at::get_num_threads()));
+    if (use_engine)
+      rows.emplace_back("data parallel", fmt::format("{} rank(s), backend {}, sharding {}", world, comm->backend(),
+                                                     cfg.parallel.sharding));
     rows.emplace_back("checkpointing plan", policy.plan().describe());
     rows.emplace_back("predicted activation peak", fmt::format("{} per micro-batch (fp32 flash-path model)",
                                                                log::format_bytes(predicted.peak_bytes)));
@@ -341,7 +414,7 @@ int run(const config::RunConfig& recipe) {
 
   const int64_t tokens_per_step = t.micro_batch * t.grad_accum * t.seq_len * world;
   std::vector<double> step_ms, tok_s, samp_s, mfus, recompute_ms, act_peaks;
-  int64_t peak_bytes = 0, steps_done = 0, skipped_steps = 0;
+  int64_t peak_bytes = 0, steps_done = 0, skipped_steps = 0, transient_peak = 0, rest_bytes = 0;
   ModelStateBytes states_at_peak;
   double last_loss = NAN, last_val = NAN;
   int exit_code = kExitOk;
@@ -357,7 +430,10 @@ int run(const config::RunConfig& recipe) {
       std::vector<data::Batch> micro;
       for (int64_t m = 0; m < t.grad_accum; ++m) micro.push_back(train_loader.next());
 
-      const StepResult r = train_step(forward, model, *opt, micro, t.grad_clip, device, tracker, step_precision);
+      const StepResult r =
+          train_step(forward, model, *opt, micro, t.grad_clip, device, tracker, step_precision, engine.get());
+      if (engine) transient_peak = std::max(transient_peak, engine->take_transient_peak());
+      rest_bytes = r.mem.allocated_bytes;
       if (r.skipped) {
         ++skipped_steps;
         runlog.event("skip", {{"step", step + 1}, {"loss_scale", r.loss_scale}, {"new_loss_scale", scaler.scale()}});
@@ -376,7 +452,7 @@ int run(const config::RunConfig& recipe) {
       if (mem.peak_allocated_bytes >= peak_bytes) peak_bytes = mem.peak_allocated_bytes, states_at_peak = states;
 
       const double tps = static_cast<double>(tokens_per_step) / (ms * 1e-3);
-      const double mfu = fpt * tps / peak_flops;
+      const double mfu = fpt * tps / (peak_flops * static_cast<double>(world));  // per-device peak
       const recompute::Stats rs = policy.take_stats();
       Json rec = {{"step", step + 1},
                   {"loss", loss},
@@ -389,7 +465,7 @@ int run(const config::RunConfig& recipe) {
                   {"tokens_per_s", tps},
                   {"samples_per_s", static_cast<double>(t.micro_batch * t.grad_accum * world) / (ms * 1e-3)},
                   {"mfu", mfu},
-                  {"hfu", (fpt + recompute_fpt) * tps / peak_flops},
+                  {"hfu", (fpt + recompute_fpt) * tps / (peak_flops * static_cast<double>(world))},
                   {"recompute_ms", rs.recompute_ms},
                   {"peak_allocated_bytes", mem.peak_allocated_bytes},
                   {"activation_peak_bytes", r.activation_peak_bytes()},
@@ -410,7 +486,8 @@ int run(const config::RunConfig& recipe) {
         spdlog::info("{}", log::format_step_line(rec, t.steps));
       }
       if (t.eval_interval > 0 && (steps_done % t.eval_interval == 0 || steps_done == t.steps)) {
-        last_val = evaluate(model, val_loader, t.eval_batches, device, step_precision.autocast);
+        last_val = evaluate(model, val_loader, t.eval_batches, device, step_precision.autocast, forward);
+        if (world > 1) last_val = comm->all_reduce_sum(last_val, "eval loss average") / static_cast<double>(world);
         runlog.event("eval", {{"step", steps_done}, {"val_loss", last_val}});
         if (rank0) {
           bar.clear();
@@ -440,11 +517,64 @@ int run(const config::RunConfig& recipe) {
   } catch (const Error& e) {
     exit_code = e.code;
     exit_message = e.what();
+  } catch (const std::exception& e) {
+    // A collective that failed inside a gradient hook surfaces here wrapped by autograd.
+    if (comm->failure().empty()) throw;
+    exit_code = kExitDistributed;
+    exit_message = comm->failure();
   }
+  if (exit_code == kExitDistributed) runlog.event("distributed_failure", {{"step", steps_done + 1}, {"message", exit_message}});
   bar.finish();
   std::signal(SIGINT, old_int);
   std::signal(SIGTERM, old_term);
 
+  if (cfg.logging.save_model && exit_code != kExitDistributed && exit_code != kExitOom) {
+    try {
+      if (engine) engine->gather_all();
+      if (rank0) save_model(model, runlog.dir() / "model.pt");
+      if (engine) engine->release_all();
+    } catch (const dist::DistError& e) {
+      exit_code = kExitDistributed;
+      exit_message = e.what();
+    }
+  }
+  // Per-rank memory, gathered to rank 0 (skipped when a peer failed: the collective could not pair).
+  Json parallel = nullptr;
+  if (use_engine) {
+    const auto sb = engine->state_bytes();
+    const int64_t opt_bytes = optimizer_state_bytes(*opt);
+    std::vector<double> mine{static_cast<double>(rank),       static_cast<double>(rest_bytes),
+                             static_cast<double>(sb.params), static_cast<double>(sb.grads),
+                             static_cast<double>(opt_bytes), static_cast<double>(transient_peak),
+                             static_cast<double>(peak_bytes)};
+    std::vector<double> all = mine;
+    if (exit_code != kExitDistributed && world > 1) {
+      try {
+        all = comm->all_gather(mine, "per-rank memory report");
+      } catch (const dist::DistError& e) {
+        exit_code = kExitDistributed;
+        exit_message = e.what();
+      }
+    }
+    Json ranks = Json::array();
+    for (size_t i = 0; i + mine.size() <= all.size(); i += mine.size()) {
+      auto at = [&](size_t k) { return static_cast<int64_t>(all[i + k]); };
+      ranks.push_back({{"rank", at(0)},
+                       {"model_state_bytes_measured", at(1)},
+                       {"params_bytes", at(2)},
+                       {"grads_bytes", at(3)},
+                       {"optimizer_state_bytes", at(4)},
+                       {"model_state_bytes", at(2) + at(3) + at(4)},
+                       {"transient_peak_bytes", at(5)},
+                       {"peak_allocated_bytes", at(6)}});
+    }
+    parallel = {{"world_size", world},
+                {"backend", comm->backend()},
+                {"sharding", cfg.parallel.sharding},
+                {"params_bytes_unsharded", 4 * model->num_params()},
+                {"largest_group_bytes", engine->largest_unit_bytes()},
+                {"ranks", ranks}};
+  }
   Json summary = {
       {"config", resolved},
       {"environment", env},
@@ -473,9 +603,11 @@ int run(const config::RunConfig& recipe) {
         {"activations_and_other_bytes", std::max<int64_t>(0, peak_bytes - states_at_peak.total())}}},
       {"memory_limit_bytes", limit > 0 ? Json(limit) : Json(nullptr)},
       {"micro_batch_search", batch_search},
+      {"parallel", parallel},
       {"oom", oom},
       {"exit_status", {{"code", exit_code}, {"name", exit_code_name(exit_code)}, {"message", exit_message}}}};
   runlog.write_json("summary.json", summary);
+  if (!rank0 && exit_code != kExitOk) spdlog::error("rank {}: {}", rank, exit_message);
   if (rank0) {
     if (exit_code == kExitOk)
       spdlog::info("done: {} steps, median {:.1f} ms/step, {:.0f} tok/s, peak {} -> {}", steps_done, median(step_ms),

@@ -4,6 +4,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -16,6 +17,10 @@
 #include "memory/tracker.h"
 #include "model/gpt.h"
 #include "precision/loss_scaler.h"
+
+namespace sl::dist {
+class Engine;
+}
 
 namespace sl::train {
 
@@ -44,18 +49,22 @@ struct StepPrecision {
 // mean loss over all of them (one big batch). Returns that mean loss.
 // The forward runs under autocast; each micro-batch's loss is multiplied by the loss scale before its
 // backward (the same scale for every micro-batch of the step).
+// With a data-parallel engine, gradients are reduced across ranks during the backward of the last
+// micro-batch (zero2/3: of every micro-batch) and the returned loss is still this rank's.
 double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
-                        const StepPrecision& precision = {});
+                        const StepPrecision& precision = {}, dist::Engine* engine = nullptr);
 
-// Mean loss over `batches` batches from `loader`, in eval mode without autograd.
+// Mean loss over `batches` batches from `loader`, in eval mode without autograd, through `forward`
+// (default: the model's own forward; ZeRO-3 needs the policy's, which gathers parameters).
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
-                std::optional<c10::ScalarType> autocast = std::nullopt);
+                std::optional<c10::ScalarType> autocast = std::nullopt, const ForwardFn& forward = {});
 
 struct ModelStateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
   int64_t total() const { return params + grads + optimizer; }
 };
 ModelStateBytes model_state_bytes(model::GPT& model, const torch::optim::AdamW& opt);
+int64_t optimizer_state_bytes(const torch::optim::AdamW& opt);  // AdamW's moments, as allocated
 
 struct StepResult {
   double loss = 0.0, grad_norm = 0.0, ms = 0.0;
@@ -71,9 +80,11 @@ struct StepResult {
 // and check the gradients (fp16), clip (grad_clip 0 = off, norm still measured), AdamW step. The
 // caller sets the learning rate. Without a scaler a non-finite loss returns early, before the
 // optimizer step; with one, non-finite gradients skip the step (skipped = true) and back off the scale.
+// With an engine: gradients are averaged across ranks, the norm is global, the optimizer updates this
+// rank's shard and the parameters are gathered after; the loss is the mean over ranks.
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
-                      memory::Tracker& tracker, const StepPrecision& precision = {});
+                      memory::Tracker& tracker, const StepPrecision& precision = {}, dist::Engine* engine = nullptr);
 
 // Does one micro-batch of `micro_batch` sequences train (two real optimizer steps of a fresh model,
 // random tokens) without running out of memory? Everything it allocates is freed on return.
@@ -95,6 +106,9 @@ double flops_per_token(const model::GPTImpl& model, int64_t seq_len);
 // fp32 GEMM rate of this device in FLOP/s (best of a few 1024^3 matmuls): the MFU denominator
 // when logging.peak_tflops is 0.
 double measure_gemm_flops(torch::Device device);
+
+// Writes the model's named parameters to `path` (torch::save archive; tmp + rename).
+void save_model(model::GPT& model, const std::filesystem::path& path);
 
 // Runs a whole training job as configured. Returns the process exit code (0, or the code of the
 // failure after summary.json was written). Throws for failures before the run directory exists.

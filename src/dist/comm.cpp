@@ -1,0 +1,234 @@
+// c10d rendezvous and process group (Gloo on CPU, NCCL on CUDA when the build has it).
+#include "dist/comm.h"
+
+#include <chrono>
+#include <cstdlib>
+
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/torch.h>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace sl::dist {
+namespace {
+
+std::string env_str(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::string(v) : fallback;
+}
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  if (*end != '\0')
+    throw ConfigError(fmt::format("environment variable {}='{}' is not an integer (set by the launcher; unset it for "
+                                  "one process)", name, v));
+  return x;
+}
+
+std::string short_what(const std::exception& e) {
+  std::string s = e.what();
+  if (auto nl = s.find("\nException raised from"); nl != std::string::npos) s.resize(nl);
+  if (s.size() > 400) s.resize(400);
+  return s;
+}
+
+}  // namespace
+
+LaunchEnv LaunchEnv::from_env() {
+  LaunchEnv e;
+  e.world = env_int("WORLD_SIZE", 1);
+  e.rank = env_int("RANK", 0);
+  e.local_rank = env_int("LOCAL_RANK", e.rank);
+  e.local_world = env_int("LOCAL_WORLD_SIZE", e.world);
+  e.master_addr = env_str("MASTER_ADDR", "127.0.0.1");
+  e.master_port = env_int("MASTER_PORT", 29500);
+  e.agent_store = env_str("TORCHELASTIC_USE_AGENT_STORE", "") == "True";
+  e.restart_count = env_int("TORCHELASTIC_RESTART_COUNT", 0);
+  if (e.world < 1) throw ConfigError(fmt::format("WORLD_SIZE={} must be >= 1", e.world));
+  if (e.rank < 0 || e.rank >= e.world)
+    throw ConfigError(fmt::format("RANK={} is outside [0, WORLD_SIZE={})", e.rank, e.world));
+  if (e.local_rank < 0 || e.local_rank >= e.local_world)
+    throw ConfigError(fmt::format("LOCAL_RANK={} is outside [0, LOCAL_WORLD_SIZE={})", e.local_rank, e.local_world));
+  if (e.master_port <= 0 || e.master_port > 65535)
+    throw ConfigError(fmt::format("MASTER_PORT={} is not a TCP port", e.master_port));
+  return e;
+}
+
+std::string resolve_backend(const std::string& backend, c10::Device device) {
+  const std::string b = backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : backend;
+  if (b == "nccl" && !device.is_cuda())
+    throw ConfigError("parallel.backend: nccl needs CUDA tensors; this run is on CPU: use gloo or auto");
+#ifndef USE_C10D_NCCL
+  if (b == "nccl")
+    throw ConfigError("parallel.backend: nccl: this build has no NCCL (nccl.h was not found at configure time); use gloo");
+#endif
+  return b;
+}
+
+Pending::Pending(Comm* comm, c10::intrusive_ptr<c10d::Work> work, std::string what)
+    : comm_(comm), work_(std::move(work)), what_(std::move(what)) {}
+Pending::Pending(Pending&&) noexcept = default;
+Pending& Pending::operator=(Pending&&) noexcept = default;
+Pending::~Pending() = default;
+
+bool Pending::active() const { return static_cast<bool>(work_); }
+
+void Pending::wait() {
+  if (!work_) return;
+  auto work = std::move(work_);
+  work_.reset();
+  try {
+    // Gloo and NCCL enforce the process group's timeout themselves; a dead peer fails at once.
+    work->wait();
+  } catch (const std::exception& e) {
+    comm_->fail(what_, short_what(e));
+  }
+}
+
+Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device device)
+    : env_(env), device_(device), timeout_s_(cfg.timeout_s) {
+  if (env_.world == 1) return;
+  backend_ = resolve_backend(cfg.backend, device);
+  const auto timeout = std::chrono::milliseconds(cfg.timeout_s * 1000);
+  try {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(env_.master_port);
+    o.timeout = timeout;
+    if (env_.agent_store) {
+      // torchrun's agent already hosts the store; every rank is a client under the attempt's prefix.
+      o.isServer = false;
+      o.waitWorkers = false;
+      auto tcp = c10::make_intrusive<c10d::TCPStore>(env_.master_addr, o);
+      store_ = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env_.restart_count), tcp);
+    } else {
+      o.isServer = env_.rank == 0;
+      o.numWorkers = static_cast<size_t>(env_.world);
+      o.waitWorkers = true;
+      store_ = c10::make_intrusive<c10d::TCPStore>(env_.master_addr, o);
+    }
+    store_ = c10::make_intrusive<c10d::PrefixStore>("sublinear", store_);
+    if (backend_ == "gloo") {
+      auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+      const std::string iface = env_str("GLOO_SOCKET_IFNAME", "");
+      if (!iface.empty())
+        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+      else if (env_.master_addr == "127.0.0.1" || env_.master_addr == "localhost")
+        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      else
+        opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      opts->threads = 2;
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, static_cast<int>(env_.rank),
+                                                        static_cast<int>(env_.world), opts);
+    } else {
+#ifdef USE_C10D_NCCL
+      auto opts = c10d::ProcessGroupNCCL::Options::create();
+      opts->timeout = timeout;
+      pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, static_cast<int>(env_.rank),
+                                                        static_cast<int>(env_.world), opts);
+#endif
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistError(fmt::format("rendezvous at {}:{} as rank {} of {} failed within parallel.timeout_s={} s: {}. Check "
+                                "that every rank was started with the same MASTER_ADDR/MASTER_PORT/WORLD_SIZE and that "
+                                "the port is free",
+                                env_.master_addr, env_.master_port, env_.rank, env_.world, cfg.timeout_s, short_what(e)));
+  }
+  barrier("start-up barrier");
+}
+
+Comm::~Comm() = default;
+
+void Comm::fail(const std::string& what, const std::string& detail) {
+  if (failure_.empty())
+    failure_ = fmt::format("rank {} of {}: {} failed (a peer died, hung past parallel.timeout_s={} s, or disagrees): {}",
+                           env_.rank, env_.world, what, timeout_s_, detail);
+  throw DistError(failure_);
+}
+
+Pending Comm::all_reduce_sum(const at::Tensor& t, const std::string& what) {
+  if (!distributed()) return {};
+  std::vector<at::Tensor> ts{t};
+  try {
+    return Pending(this, pg_->allreduce(ts), what);
+  } catch (const std::exception& e) {
+    fail(what, short_what(e));
+  }
+}
+
+Pending Comm::all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) {
+  if (!distributed()) {
+    if (!out.is_same(in)) out.copy_(in);
+    return {};
+  }
+  try {
+    auto o = out;
+    auto i = in;
+    return Pending(this, pg_->_allgather_base(o, i), what);
+  } catch (const std::exception& e) {
+    fail(what, short_what(e));
+  }
+}
+
+Pending Comm::reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in, const std::string& what) {
+  if (!distributed()) {
+    out.copy_(in);
+    return {};
+  }
+  try {
+    auto o = out;
+    auto i = in;
+    return Pending(this, pg_->_reduce_scatter_base(o, i), what);
+  } catch (const std::exception& e) {
+    fail(what, short_what(e));
+  }
+}
+
+double Comm::all_reduce_sum(double v, const std::string& what) {
+  if (!distributed()) return v;
+  auto t = torch::tensor({v}, torch::TensorOptions().dtype(torch::kFloat64)).to(device_);
+  all_reduce_sum(t, what).wait();
+  return t.item<double>();
+}
+
+double Comm::all_reduce_max(double v, const std::string& what) {
+  if (!distributed()) return v;
+  auto t = torch::tensor({v}, torch::TensorOptions().dtype(torch::kFloat64)).to(device_);
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  try {
+    Pending(this, pg_->allreduce(ts, opts), what).wait();
+  } catch (const DistError&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(what, short_what(e));
+  }
+  return t.item<double>();
+}
+
+std::vector<double> Comm::all_gather(const std::vector<double>& v, const std::string& what) {
+  if (!distributed()) return v;
+  const auto n = static_cast<int64_t>(v.size());
+  auto in = torch::tensor(v, torch::TensorOptions().dtype(torch::kFloat64)).to(device_);
+  auto out = torch::empty({n * env_.world}, in.options());
+  all_gather(out, in, what).wait();
+  out = out.cpu();
+  return {out.data_ptr<double>(), out.data_ptr<double>() + n * env_.world};
+}
+
+void Comm::barrier(const std::string& what) {
+  if (!distributed()) return;
+  // A one-element all-reduce: a barrier that goes through the same transport and timeout as the data.
+  all_reduce_sum(0.0, what);
+}
+
+}  // namespace sl::dist

@@ -1,0 +1,108 @@
+// Multi-process communication on PyTorch's own c10d: the launch environment torchrun (or any launcher
+// that sets the same variables) gives a process, the rendezvous over c10d::TCPStore, and one process
+// group (ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA) behind a narrow interface: sum-all-reduce,
+// all-gather and reduce-scatter of flat tensors, each returning a handle to wait on. Every wait checks
+// the collective's result; a failure (peer died, timeout) throws DistError (exit 5) and is remembered,
+// so an error that surfaces through autograd (collectives launched from gradient hooks) is still
+// reported as a distributed failure.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "config/config.h"
+#include "errors.h"
+
+namespace c10d {
+class Backend;
+class Store;
+}  // namespace c10d
+
+namespace sl::dist {
+
+struct DistError : Error {
+  explicit DistError(const std::string& what) : Error(kExitDistributed, what) {}
+};
+
+// What the launcher says about this process (torchrun's variables; all optional for one process).
+struct LaunchEnv {
+  int64_t rank = 0, world = 1, local_rank = 0, local_world = 1;
+  std::string master_addr = "127.0.0.1";
+  int64_t master_port = 29500;
+  bool agent_store = false;  // TORCHELASTIC_USE_AGENT_STORE: torchrun's agent hosts the store
+  int64_t restart_count = 0;  // TORCHELASTIC_RESTART_COUNT
+  // Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and the agent-store
+  // variables. Throws ConfigError for malformed or inconsistent values (e.g. RANK >= WORLD_SIZE).
+  static LaunchEnv from_env();
+};
+
+// The backend parallel.backend resolves to for a device ("gloo" or "nccl"). Throws ConfigError when
+// nccl is asked for on CPU or the build has no NCCL.
+std::string resolve_backend(const std::string& backend, c10::Device device);
+
+// A pending collective. wait() blocks until it finished and throws DistError when it failed.
+class Comm;
+class Pending {
+ public:
+  Pending() = default;
+  Pending(Comm* comm, c10::intrusive_ptr<c10d::Work> work, std::string what);
+  Pending(Pending&&) noexcept;
+  Pending& operator=(Pending&&) noexcept;
+  ~Pending();
+  void wait();
+  bool active() const;
+
+ private:
+  Comm* comm_ = nullptr;
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string what_;
+};
+
+class Comm {
+ public:
+  // world 1: no process group, every collective is the identity. Otherwise rendezvous (rank 0 hosts
+  // the TCPStore at MASTER_ADDR:MASTER_PORT, or every rank joins torchrun's agent store) and create
+  // the process group. Throws DistError when the rendezvous fails within parallel.timeout_s.
+  Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device device);
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  int64_t rank() const { return env_.rank; }
+  int64_t world() const { return env_.world; }
+  const LaunchEnv& env() const { return env_; }
+  const std::string& backend() const { return backend_; }  // "none" for one process
+  bool distributed() const { return env_.world > 1; }
+
+  // In-place sum over ranks of `t` (contiguous).
+  Pending all_reduce_sum(const at::Tensor& t, const std::string& what);
+  // out (world * n elements) <- concatenation of every rank's `in` (n elements), in rank order.
+  Pending all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what);
+  // out (n elements) <- this rank's n-element slice of the sum over ranks of `in` (world * n).
+  Pending reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in, const std::string& what);
+  // Blocking conveniences.
+  double all_reduce_sum(double v, const std::string& what);
+  double all_reduce_max(double v, const std::string& what);
+  std::vector<double> all_gather(const std::vector<double>& v, const std::string& what);
+  void barrier(const std::string& what);
+
+  // The first collective failure seen (empty when none).
+  const std::string& failure() const { return failure_; }
+  [[noreturn]] void fail(const std::string& what, const std::string& detail);
+
+ private:
+  LaunchEnv env_;
+  std::string backend_ = "none";
+  c10::Device device_;
+  int64_t timeout_s_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> pg_;
+  std::string failure_;
+};
+
+}  // namespace sl::dist

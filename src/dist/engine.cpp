@@ -1,0 +1,428 @@
+// DDP and ZeRO-1/2/3 over flat parameter groups (see engine.h).
+#include "dist/engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <c10/core/StorageImpl.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+namespace sl::dist {
+namespace {
+
+// Runs after a parameter's AccumulateGrad node: its .grad holds this backward's full gradient.
+struct GradReadyHook : torch::autograd::FunctionPostHook {
+  explicit GradReadyHook(std::function<void()> fn) : fn(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn();
+    return outputs;
+  }
+  std::function<void()> fn;
+};
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+}  // namespace
+
+struct Engine::Group {
+  std::string name;
+  std::vector<torch::Tensor> params;  // matrices first, then vectors
+  std::vector<int64_t> offsets;
+  int64_t numel = 0, decay = 0, padded = 0, shard = 0;
+  torch::Tensor flat_param;   // zero*: the whole group (zero3: storage only while gathered)
+  torch::Tensor shard_param;  // zero*: this rank's slice (zero3: its own buffer)
+  torch::Tensor flat_grad;    // none/zero1: persistent, .grad are views; zero2/3: transient
+  torch::Tensor shard_grad;   // zero*: this rank's slice of the summed gradient
+  torch::Tensor rs_out;       // zero2/3: reduce-scatter result while in flight
+  size_t ready = 0;
+  bool gathered = true;
+  Pending pending;
+  int64_t bytes() const { return padded * 4; }
+};
+
+Engine::Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm)
+    : model_(std::move(model)),
+      comm_(std::move(comm)),
+      sharding_(cfg.parallel.sharding),
+      rank_(comm_->rank()),
+      world_(comm_->world()) {
+  // Every rank built its model from train.seed; check they agree before training diverges silently.
+  double sum = 0.0;
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : model_->parameters()) sum += p.to(torch::kFloat64).sum().item<double>();
+  }
+  const auto sums = comm_->all_gather(std::vector<double>{sum}, "parameter check");
+  for (size_t r = 0; r < sums.size(); ++r)
+    if (sums[r] != sums[0])
+      throw DistError(fmt::format("rank {} built different initial parameters than rank 0 (sum {} vs {}): every rank "
+                                  "must run the same binary and recipe", r, sums[r], sums[0]));
+  build_groups(cfg);
+}
+
+Engine::~Engine() {
+  for (auto& acc : accumulators_) acc->post_hooks().clear();
+}
+
+void Engine::build_groups(const config::RunConfig& cfg) {
+  torch::NoGradGuard no_grad;
+  auto& m = *model_;
+  const int64_t L = m.cfg.n_layer;
+  // Units in forward order; groups are built from them in reverse (the order gradients arrive in).
+  std::vector<std::vector<torch::Tensor>> units(static_cast<size_t>(L + 2));
+  units[0].push_back(m.wte);
+  if (m.wpe.defined()) units[0].push_back(m.wpe);
+  for (int64_t l = 0; l < L; ++l)
+    for (const auto& p : m.blocks[l]->parameters()) units[static_cast<size_t>(l + 1)].push_back(p);
+  for (const auto* p : {&m.lnf_w, &m.lnf_b, &m.lm_head})
+    if (p->defined()) units[static_cast<size_t>(L + 1)].push_back(*p);
+
+  std::vector<std::vector<torch::Tensor>> members;
+  std::vector<std::string> names;
+  std::vector<int64_t> group_of_unit(units.size(), -1);
+  if (sharding_ == "zero3") {
+    for (int64_t u = L + 1; u >= 0; --u) {
+      group_of_unit[static_cast<size_t>(u)] = static_cast<int64_t>(members.size());
+      members.push_back(units[static_cast<size_t>(u)]);
+      names.push_back(u == 0 ? "embeddings" : u == L + 1 ? "head" : fmt::format("block {}", u - 1));
+    }
+  } else {
+    const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
+    int64_t bytes = 0;
+    for (int64_t u = L + 1; u >= 0; --u) {
+      const auto& ps = units[static_cast<size_t>(u)];
+      for (auto it = ps.rbegin(); it != ps.rend(); ++it) {
+        const auto b = static_cast<int64_t>(it->nbytes());
+        if (members.empty() || (bytes + b > cap && bytes > 0)) {
+          members.emplace_back();
+          names.push_back(fmt::format("bucket {}", names.size()));
+          bytes = 0;
+        }
+        members.back().push_back(*it);
+        bytes += b;
+      }
+    }
+  }
+
+  for (size_t gi = 0; gi < members.size(); ++gi) {
+    auto g = std::make_unique<Group>();
+    g->name = names[gi];
+    auto& ps = members[gi];
+    std::stable_partition(ps.begin(), ps.end(), [](const torch::Tensor& p) { return p.dim() >= 2; });
+    for (const auto& p : ps) {
+      g->offsets.push_back(g->numel);
+      if (p.dim() >= 2) g->decay += p.numel();
+      g->numel += p.numel();
+    }
+    g->params = ps;
+    g->padded = round_up(g->numel, world_);
+    g->shard = g->padded / world_;
+    const auto opts = ps.front().options();
+    if (sharding_ == "none" || sharding_ == "zero1") {
+      g->flat_grad = torch::zeros({g->padded}, opts);
+      for (size_t i = 0; i < ps.size(); ++i)
+        ps[i].mutable_grad() = g->flat_grad.narrow(0, g->offsets[i], ps[i].numel()).view(ps[i].sizes());
+    }
+    if (sharding_ != "none") {
+      g->flat_param = torch::zeros({g->padded}, opts);
+      for (size_t i = 0; i < ps.size(); ++i) {
+        auto view = g->flat_param.narrow(0, g->offsets[i], ps[i].numel());
+        view.copy_(ps[i].reshape({-1}));
+        ps[i].set_data(view.view(ps[i].sizes()));
+      }
+      g->shard_param = g->flat_param.narrow(0, rank_ * g->shard, g->shard);
+      if (sharding_ == "zero1") {
+        g->shard_grad = g->flat_grad.narrow(0, rank_ * g->shard, g->shard);
+      } else {
+        g->shard_grad = torch::zeros({g->shard}, opts);
+      }
+      if (sharding_ == "zero3") {
+        g->shard_param = g->shard_param.clone();
+        g->gathered = true;
+        release_group(*g);
+      }
+    }
+    groups_.push_back(std::move(g));
+  }
+  if (sharding_ == "zero3") {
+    unit_groups_.resize(units.size());
+    for (size_t u = 0; u < units.size(); ++u) unit_groups_[u].push_back(static_cast<size_t>(group_of_unit[u]));
+    if (m.cfg.tie_embeddings) unit_groups_[static_cast<size_t>(L + 1)].push_back(static_cast<size_t>(group_of_unit[0]));
+  }
+  transient_ = transient_peak_ = 0;
+
+  // Gradient-ready hooks on every parameter's accumulator (kept alive here so every graph uses it).
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    auto& g = *groups_[gi];
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(g.params[i]);
+      acc->add_post_hook(std::make_unique<GradReadyHook>([this, gi, i] {
+        auto& grp = *groups_[gi];
+        if (sharding_ == "zero2" || sharding_ == "zero3") {
+          auto& p = grp.params[i];
+          if (!grp.flat_grad.defined()) {
+            // The previous group's reduce-scatter overlapped this group's backward until now; finish
+            // it before a second full gradient buffer exists.
+            finish_in_flight();
+            grp.flat_grad = torch::zeros({grp.padded}, p.options());
+            add_transient(grp.bytes());
+          }
+          grp.flat_grad.narrow(0, grp.offsets[i], p.numel()).view(p.sizes()).copy_(p.grad());
+          p.mutable_grad().reset();
+        }
+        if (++grp.ready == grp.params.size()) launch_ready();
+      }));
+      accumulators_.push_back(std::move(acc));
+    }
+  }
+}
+
+std::unique_ptr<torch::optim::AdamW> Engine::make_optimizer(const config::TrainConfig& t) {
+  std::vector<torch::Tensor> decay, no_decay;
+  if (sharding_ == "none") {
+    for (const auto& p : model_->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  } else {
+    for (auto& gp : groups_) {
+      auto& g = *gp;
+      const int64_t lo = rank_ * g.shard, hi = lo + g.shard;
+      auto piece = [&](int64_t a, int64_t b, std::vector<torch::Tensor>& out) {
+        a = std::max(a, lo), b = std::min(b, hi);
+        if (a >= b) return;
+        auto p = g.shard_param.narrow(0, a - lo, b - a);
+        p.mutable_grad() = g.shard_grad.narrow(0, a - lo, b - a);
+        out.push_back(p);
+      };
+      piece(0, g.decay, decay);
+      piece(g.decay, g.numel, no_decay);
+    }
+  }
+  auto opts = [&](double wd) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(1e-8).weight_decay(wd));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> pg;
+  pg.emplace_back(decay, opts(t.weight_decay));
+  pg.emplace_back(no_decay, opts(0.0));
+  return std::make_unique<torch::optim::AdamW>(pg, torch::optim::AdamWOptions(t.lr));
+}
+
+void Engine::attach(recompute::Policy& policy) {
+  if (sharding_ != "zero3") return;
+  recompute::UnitHooks h;
+  h.before = [this](int64_t u) { unit_before(u); };
+  h.after = [this](int64_t u, const torch::Tensor& in, const torch::Tensor& out, bool needs) {
+    unit_after(u, in, out, needs);
+  };
+  h.flush = [this] { unit_flush(); };
+  policy.set_unit_hooks(std::move(h));
+}
+
+void Engine::zero_grad() {
+  torch::NoGradGuard no_grad;
+  for (auto& g : groups_) (sharding_ == "none" || sharding_ == "zero1" ? g->flat_grad : g->shard_grad).zero_();
+}
+
+void Engine::begin_backward(bool last) {
+  last_micro_ = last;
+  cursor_ = 0;
+  for (auto& g : groups_) g->ready = 0;
+}
+
+void Engine::launch_ready() {
+  while (cursor_ < groups_.size() && groups_[cursor_]->ready == groups_[cursor_]->params.size()) launch(cursor_++);
+}
+
+void Engine::launch(size_t gi) {
+  auto& g = *groups_[gi];
+  if (sharding_ == "none" || sharding_ == "zero1") {
+    if (last_micro_ && world_ > 1) g.pending = comm_->all_reduce_sum(g.flat_grad, "gradient all-reduce of " + g.name);
+    return;
+  }
+  if (!g.flat_grad.defined()) {  // no gradient reached this group (unused parameters): reduce zeros
+    finish_in_flight();
+    g.flat_grad = torch::zeros({g.padded}, g.shard_grad.options());
+    add_transient(g.bytes());
+  }
+  if (sharding_ == "zero3") release_group(g);  // its backward is over
+  g.rs_out = torch::empty({g.shard}, g.shard_grad.options());
+  g.pending = comm_->reduce_scatter_sum(g.rs_out, g.flat_grad, "gradient reduce-scatter of " + g.name);
+  in_flight_.push_back(gi);
+}
+
+void Engine::finish_in_flight() {
+  for (size_t gi : in_flight_) finish(gi);
+  in_flight_.clear();
+}
+
+void Engine::finish(size_t gi) {
+  auto& g = *groups_[gi];
+  g.pending.wait();
+  if (g.rs_out.defined()) {
+    torch::NoGradGuard no_grad;
+    g.shard_grad.add_(g.rs_out);
+    g.rs_out.reset();
+    g.flat_grad.reset();
+    add_transient(-g.bytes());
+  }
+}
+
+void Engine::end_backward() {
+  for (auto& g : groups_) g->ready = g->params.size();  // parameters that got no gradient count as ready
+  launch_ready();
+  if (sharding_ == "none" || sharding_ == "zero1") {
+    for (size_t gi = 0; gi < groups_.size(); ++gi) finish(gi);
+  } else {
+    finish_in_flight();
+  }
+  pending_out_.reset();
+  if (!last_micro_ || world_ == 1) return;
+  torch::NoGradGuard no_grad;
+  const double inv = 1.0 / static_cast<double>(world_);
+  for (auto& g : groups_) (sharding_ == "none" || sharding_ == "zero1" ? g->flat_grad : g->shard_grad).mul_(inv);
+}
+
+std::vector<torch::Tensor> Engine::grads() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& g : groups_)
+    out.push_back(sharding_ == "none" ? g->flat_grad : g->shard_grad);
+  return out;
+}
+
+double Engine::grad_norm() {
+  torch::NoGradGuard no_grad;
+  // Accumulated in float64: the norm (and so the clip factor) must not depend on how the gradient is
+  // cut into buckets or shards, or the stages would drift apart by rounding (visible under bf16).
+  double sq = 0.0;
+  for (const auto& t : grads()) {
+    const double n = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble).item<double>();
+    sq += n * n;
+  }
+  // none: every rank holds the whole averaged gradient; zero*: each holds a disjoint shard.
+  if (sharding_ != "none") sq = comm_->all_reduce_sum(sq, "gradient norm");
+  return std::sqrt(sq);
+}
+
+void Engine::clip(double max_norm, double norm) {
+  const double coef = max_norm / (norm + 1e-6);
+  if (!(coef < 1.0)) return;
+  torch::NoGradGuard no_grad;
+  for (auto& t : grads()) t.mul_(coef);
+}
+
+void Engine::after_step() {
+  if (sharding_ != "zero1" && sharding_ != "zero2") return;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> sources;
+  std::vector<Pending> works;
+  for (auto& g : groups_) {
+    sources.push_back(g->shard_param.clone());  // the input must not alias the output
+    works.push_back(comm_->all_gather(g->flat_param, sources.back(), "parameter all-gather of " + g->name));
+  }
+  for (auto& w : works) w.wait();
+}
+
+StateBytes Engine::state_bytes() const {
+  StateBytes s;
+  for (const auto& g : groups_) {
+    if (sharding_ == "none") {
+      for (const auto& p : g->params) s.params += static_cast<int64_t>(p.nbytes());
+    } else {
+      s.params += (sharding_ == "zero3" ? g->shard : g->padded) * 4;
+    }
+    s.grads += (sharding_ == "none" || sharding_ == "zero1" ? g->padded : g->shard) * 4;
+  }
+  return s;
+}
+
+void Engine::gather_all() {
+  if (sharding_ != "zero3") return;
+  for (auto& g : groups_) gather_group(*g);
+}
+
+void Engine::release_all() {
+  if (sharding_ != "zero3") return;
+  for (auto& g : groups_) release_group(*g);
+}
+
+int64_t Engine::take_transient_peak() {
+  const int64_t p = transient_peak_;
+  transient_peak_ = transient_;
+  return p;
+}
+
+int64_t Engine::largest_unit_bytes() const {
+  int64_t b = 0;
+  for (const auto& g : groups_) b = std::max(b, g->bytes());
+  return b;
+}
+
+void Engine::add_transient(int64_t bytes) {
+  transient_ += bytes;
+  transient_peak_ = std::max(transient_peak_, transient_);
+}
+
+// ---- zero3: parameters exist only while gathered ----
+
+void Engine::gather_group(Group& g) {
+  if (g.gathered) return;
+  auto* storage = g.flat_param.storage().unsafeGetStorageImpl();
+  const auto bytes = static_cast<size_t>(g.bytes());
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+  g.gathered = true;
+  add_transient(g.bytes());
+  comm_->all_gather(g.flat_param, g.shard_param, "parameter all-gather of " + g.name).wait();
+}
+
+void Engine::release_group(Group& g) {
+  if (!g.gathered) return;
+  auto* storage = g.flat_param.storage().unsafeGetStorageImpl();
+  // The parameters (and any tensor autograd saved from them) keep this storage; only its memory goes.
+  storage->set_data_ptr_noswap(c10::DataPtr(nullptr, g.flat_param.device()));
+  storage->set_nbytes(0);
+  g.gathered = false;
+  add_transient(-g.bytes());
+}
+
+void Engine::gather(int64_t unit) {
+  for (size_t gi : unit_groups_[static_cast<size_t>(unit)]) gather_group(*groups_[gi]);
+}
+
+void Engine::release(int64_t unit) {
+  for (size_t gi : unit_groups_[static_cast<size_t>(unit)]) release_group(*groups_[gi]);
+}
+
+void Engine::unit_before(int64_t unit) { gather(unit); }
+
+void Engine::unit_after(int64_t unit, const torch::Tensor& in, const torch::Tensor& out, bool needs_params_in_backward) {
+  release(unit);
+  if (!torch::GradMode::is_enabled()) return;  // eval, or the first pass of a checkpointed segment
+  if (pending_out_ && in.defined() && pending_out_->first.is_same(in)) {
+    // The previous unit's output is this unit's input: one hook, run when this unit's backward is
+    // over, frees this unit and gathers the previous one for its backward.
+    const int64_t prev = pending_out_->second;
+    pending_out_.reset();
+    in.register_hook([this, unit, prev](const torch::Tensor&) {
+      release(unit);
+      gather(prev);
+    });
+  } else {
+    unit_flush();
+    if (in.defined() && in.requires_grad()) in.register_hook([this, unit](const torch::Tensor&) { release(unit); });
+  }
+  if (needs_params_in_backward && out.requires_grad()) pending_out_.emplace(out, unit);
+}
+
+void Engine::unit_flush() {
+  if (!pending_out_) return;
+  auto [t, unit] = *pending_out_;
+  pending_out_.reset();
+  t.register_hook([this, unit](const torch::Tensor&) { gather(unit); });
+}
+
+}  // namespace sl::dist

@@ -1,0 +1,110 @@
+// Data parallelism over a Comm: DDP (parallel.sharding: none) and ZeRO stages 1-3.
+//
+// Parameters are grouped: for none/zero1/zero2 into buckets of parallel.bucket_mb in reverse
+// parameter order (the order gradients arrive in), for zero3 into units (the embeddings, each block,
+// the final norm + head). Each group is one flat fp32 buffer padded to a multiple of the world size;
+// rank r owns elements [r*S, (r+1)*S). Inside a group matrices come first and vectors last, so a
+// rank's shard splits into at most one decayed and one undecayed AdamW tensor: LibTorch's own AdamW
+// updates the shard and, being elementwise, gives the same numbers as on the whole tensor.
+//
+//   none   params as built; .grad are views into the group's flat gradient; a group is all-reduced
+//          (async) as soon as its last gradient is accumulated, on the last micro-batch only.
+//   zero1  params are views into flat buffers; gradients as for none; AdamW over this rank's shard;
+//          after the step, parameters are all-gathered.
+//   zero2  like zero1, but each gradient is copied into a transient group buffer and freed; a ready
+//          group is reduce-scattered (every micro-batch) and only the rank's shard is kept.
+//   zero3  like zero2, and a unit's parameters exist only while gathered: before its forward
+//          (freed after), before its backward (from a hook on its output's gradient; freed from a
+//          hook on its input's gradient), and before a recompute (the block's forward runs again).
+//
+// Collectives launch in one fixed group order on every rank, so they pair up across ranks
+// whatever order autograd finishes gradients in. Sums are divided by the world size (Gloo has no AVG).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/optim/adamw.h>
+
+#include "config/config.h"
+#include "dist/comm.h"
+#include "model/gpt.h"
+#include "recompute/policy.h"
+
+namespace sl::dist {
+
+// Bytes of model states this rank holds between steps, by what its buffers are.
+struct StateBytes {
+  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t total() const { return params + grads + optimizer; }
+};
+
+class Engine {
+ public:
+  Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const std::string& sharding() const { return sharding_; }
+  Comm& comm() { return *comm_; }
+
+  // AdamW over what this rank updates: the model's parameters (none) or its shards (zero*), with
+  // train.weight_decay on matrices only.
+  std::unique_ptr<torch::optim::AdamW> make_optimizer(const config::TrainConfig& t);
+  // zero3: gathers/frees units around the forward (unit 0 embeddings, 1..L blocks, L+1 head).
+  void attach(recompute::Policy& policy);
+
+  void zero_grad();
+  // Around each micro-batch's backward; `last` marks the micro-batch whose gradients are reduced
+  // (none/zero1) — zero2/3 reduce-scatter every micro-batch and accumulate the shard.
+  void begin_backward(bool last);
+  void end_backward();  // launches what is left, waits; after the last: gradients are averaged
+  // The gradients the optimizer will use (this rank's shards for zero*).
+  std::vector<torch::Tensor> grads() const;
+  double grad_norm();             // global L2 norm of the averaged gradient
+  void clip(double max_norm, double norm);  // scales by max_norm / (norm + 1e-6) when that is < 1
+  void after_step();              // zero1/2: all-gather the updated parameters
+  StateBytes state_bytes() const;
+  // zero3: gather every unit (a collective on every rank) so the whole model can be read; release_all
+  // frees them again. No-ops for the other stages.
+  void gather_all();
+  void release_all();
+  // Largest transient bytes seen (gathered parameters and not-yet-reduced gradients), and reset.
+  int64_t take_transient_peak();
+  int64_t largest_unit_bytes() const;  // zero3: the largest unit's parameter bytes
+
+ private:
+  struct Group;
+  void build_groups(const config::RunConfig& cfg);
+  void on_grad_ready(size_t group);
+  void launch_ready();
+  void launch(size_t group);
+  void finish(size_t group);
+  void finish_in_flight();
+  void gather(int64_t unit);
+  void release(int64_t unit);
+  void gather_group(Group& g);
+  void release_group(Group& g);
+  void unit_before(int64_t unit);
+  void unit_after(int64_t unit, const torch::Tensor& in, const torch::Tensor& out, bool needs_params_in_backward);
+  void unit_flush();
+  void add_transient(int64_t bytes);
+
+  model::GPT model_;
+  std::shared_ptr<Comm> comm_;
+  std::string sharding_;
+  int64_t rank_, world_;
+  std::vector<std::unique_ptr<Group>> groups_;  // in launch order
+  std::vector<std::vector<size_t>> unit_groups_;  // zero3: unit -> groups it needs gathered
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<size_t> in_flight_;
+  size_t cursor_ = 0;
+  bool last_micro_ = true;
+  std::optional<std::pair<torch::Tensor, int64_t>> pending_out_;  // zero3: last unit output without a hook yet
+  int64_t transient_ = 0, transient_peak_ = 0;
+};
+
+}  // namespace sl::dist
