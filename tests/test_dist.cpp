@@ -192,3 +192,110 @@ TEST_CASE("sharded bf16 matches DDP bf16") {
     CHECK(max_abs_diff(ref, load_params(run.train(2, common + " --set parallel.sharding=" + stage) / "model.pt")) <= 1e-5);
   }
 }
+
+namespace {
+// Starts two ranks on a long run, waits until rank 0 has logged 3 steps, sends `signal` to rank
+// `victim`, and times how long the other rank takes to exit. Returns "code=<c> ms=<t>" and the logs.
+test::Result kill_one(const std::filesystem::path& dir, const std::string& recipe, const std::string& signal, int victim,
+                      int timeout_s, const std::string& sets = "") {
+  const int port = test::free_port();
+  const auto run_dir = (dir / "run").string();
+  const std::string args = fmt::format("--config {} --set train.steps=1000000 --set parallel.timeout_s={} "
+                                       "--set logging.save_model=false --set logging.dir={} {}",
+                                       recipe, timeout_s, run_dir, sets);
+  const int survivor = 1 - victim;
+  std::string s = "cd " + test::kSourceDir + "; ";
+  for (int r = 0; r < 2; ++r)
+    s += fmt::format("( export {}; exec {} {} > {}/rank{}.log 2>&1 ) & p{}=$!; ", test::rank_env(r, 2, port),
+                     test::kTrainer, args, dir.string(), r, r);
+  s += fmt::format("for i in $(seq 1 600); do [ \"$(cat {}/metrics.jsonl 2>/dev/null | wc -l)\" -ge 3 ] && break; "
+                   "sleep 0.1; done; ", run_dir);
+  s += fmt::format("kill -{} $p{}; t0=$(date +%s%N); wait $p{}; code=$?; t1=$(date +%s%N); ", signal, victim, survivor);
+  s += fmt::format("kill -KILL $p{} 2>/dev/null; wait $p{} 2>/dev/null; ", victim, victim);
+  s += "echo \"code=$code ms=$(( (t1 - t0) / 1000000 ))\"";
+  return test::run(s);
+}
+
+std::pair<int, long> parse_kill(const std::string& out) {
+  const auto at = out.rfind("code=");
+  REQUIRE(at != std::string::npos);
+  int code = -1;
+  long ms = -1;
+  std::sscanf(out.c_str() + at, "code=%d ms=%ld", &code, &ms);
+  return {code, ms};
+}
+}  // namespace
+
+TEST_CASE("a rank that dies makes the survivor exit 5 at once, with rank 0's summary written") {
+  test::TempDir dir("kill");
+  const auto recipe = dir.file("recipe.yaml", kRecipe);
+  auto r = kill_one(dir.path, recipe, "KILL", 1, 30);
+  INFO(r.output << "\nrank 0:\n" << test::read_text(dir.path / "rank0.log"));
+  const auto [code, ms] = parse_kill(r.output);
+  CHECK(code == kExitDistributed);
+  CHECK(ms < 30'000);
+  const auto s = summary(dir.path / "run");
+  CHECK(s["exit_status"]["code"] == kExitDistributed);
+  CHECK(s["exit_status"]["name"] == "distributed_failure");
+  CHECK(s["exit_status"]["message"].get<std::string>().find("failed") != std::string::npos);
+}
+
+TEST_CASE("a rank that hangs makes the survivor exit 5 within parallel.timeout_s") {
+  for (const std::string sharding : {"none", "zero3"}) {
+    INFO(sharding);
+    test::TempDir dir("hang");
+    const auto recipe = dir.file("recipe.yaml", kRecipe);
+    // Rank 0 (the store's host) stops; rank 1 must notice through its collectives' timeout.
+    auto r = kill_one(dir.path, recipe, "STOP", 0, 4, "--set parallel.sharding=" + sharding);
+    const auto log1 = test::read_text(dir.path / "rank1.log");
+    INFO(r.output << "\nrank 1:\n" << log1);
+    const auto [code, ms] = parse_kill(r.output);
+    CHECK(code == kExitDistributed);
+    CHECK(ms < 4'000 + 5'000);  // the timeout plus slack for a busy machine
+    CHECK(log1.find("rank 1 of 2") != std::string::npos);  // the survivor says what failed
+  }
+}
+
+TEST_CASE("torchrun through scripts/launch.sh trains two ranks") {
+  test::TempDir dir("torchrun");
+  const auto recipe = dir.file("recipe.yaml", kRecipe);
+  const auto run_dir = dir.path / "run";
+  auto r = test::run(fmt::format("cd {} && TRAINER={} scripts/launch.sh -n 2 -- --config {} --set parallel.sharding=zero1 "
+                                 "--set logging.dir={}",
+                                 test::kSourceDir, test::kTrainer, recipe, run_dir.string()));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const auto s = summary(run_dir);
+  CHECK(s["environment"]["world_size"] == 2);
+  CHECK(s["parallel"]["ranks"].size() == 2);
+  CHECK(s["steps"] == 10);
+  // Only rank 0 prints: one start-up table, one "done" line.
+  size_t done = 0;
+  for (size_t at = 0; (at = r.output.find("done: 10 steps", at)) != std::string::npos; ++at) ++done;
+  CHECK(done == 1);
+}
+
+TEST_CASE("bad launch environments exit 2 or 5 naming the problem") {
+  test::TempDir dir("badenv");
+  const auto recipe = dir.file("recipe.yaml", kRecipe);
+  const std::string cmd = "cd " + test::kSourceDir + " && ";
+  auto r = test::run(cmd + "RANK=2 WORLD_SIZE=2 " + test::kTrainer + " --config " + recipe);
+  CHECK(r.code == kExitConfig);
+  CHECK(r.output.find("RANK=2 is outside [0, WORLD_SIZE=2)") != std::string::npos);
+  r = test::run(cmd + "RANK=0 WORLD_SIZE=two " + test::kTrainer + " --config " + recipe);
+  CHECK(r.code == kExitConfig);
+  CHECK(r.output.find("WORLD_SIZE='two' is not an integer") != std::string::npos);
+  r = test::trainer("--config " + recipe + " --set parallel.backend=nccl");
+  CHECK(r.code == kExitConfig);
+  CHECK(r.output.find("parallel.backend") != std::string::npos);
+  // Rank 1 of 2 alone: nobody hosts the store; the rendezvous gives up after parallel.timeout_s.
+  const auto t0 = std::chrono::steady_clock::now();
+  r = test::run(cmd + test::rank_env(1, 2, test::free_port()) + " " + test::kTrainer + " --config " + recipe +
+                " --set parallel.timeout_s=3 --set logging.dir=" + (dir.path / "run").string());
+  const auto s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(r.output);
+  CHECK(r.code == kExitDistributed);
+  CHECK(r.output.find("rendezvous") != std::string::npos);
+  CHECK(s < 3 + 10);
+  CHECK_FALSE(std::filesystem::exists(dir.path / "run"));  // nothing half-written
+}

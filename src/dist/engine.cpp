@@ -317,12 +317,9 @@ void Engine::clip(double max_norm, double norm) {
 void Engine::after_step() {
   if (sharding_ != "zero1" && sharding_ != "zero2") return;
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> sources;
   std::vector<Pending> works;
-  for (auto& g : groups_) {
-    sources.push_back(g->shard_param.clone());  // the input must not alias the output
-    works.push_back(comm_->all_gather(g->flat_param, sources.back(), "parameter all-gather of " + g->name));
-  }
+  for (auto& g : groups_)  // in place: the input is this rank's slot of the output (as FSDP does)
+    works.push_back(comm_->all_gather(g->flat_param, g->shard_param, "parameter all-gather of " + g->name));
   for (auto& w : works) w.wait();
 }
 
