@@ -37,6 +37,9 @@ int main(int argc, char** argv) {
   std::string plan_memory, plan_out;
   plan_cmd->add_option("--memory", plan_memory, "device memory to fit, e.g. 80GiB (default: memory.limit)");
   plan_cmd->add_option("--out", plan_out, "where to write plan.json (default: runs/<recipe>-plan.json)");
+  int64_t plan_world = 0;
+  plan_cmd->add_option("--world-size", plan_world, "ranks to plan for (per-rank memory under parallel.sharding; "
+                                                   "default: WORLD_SIZE or 1)")->check(CLI::PositiveNumber);
 
   try {
     app.parse(argc, argv);
@@ -59,8 +62,13 @@ int main(int argc, char** argv) {
   try {
     if (config_path.empty())
       throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
-    const auto cfg = sl::config::load(config_path, overrides);
+    auto cfg = sl::config::load(config_path, overrides);
     if (plan_cmd->parsed()) {
+      if (plan_world > 0) {
+        cfg.world_size = plan_world;
+      } else if (const char* w = std::getenv("WORLD_SIZE"); w && std::atoll(w) > 0) {
+        cfg.world_size = std::atoll(w);
+      }
       const int64_t memory = plan_memory.empty() ? sl::config::memory_limit_bytes(cfg)
                                                  : sl::config::parse_bytes(plan_memory, "--memory");
       const auto report = sl::memory::plan(cfg, memory);

@@ -168,6 +168,8 @@ TEST_CASE("zero1/2/3 match DDP with every checkpointing mode, and per-rank memor
         CHECK(r["model_state_bytes"].get<double>() <= 1.05 * bound);
         if (stage == "zero3")  // parameters and gradients of the units gathered at once, on top of the shards
           CHECK(measured + r["transient_peak_bytes"].get<double>() <= 1.05 * ((P + G + O) / N + 2 * unit));
+        const double predicted = s["predicted_peak_bytes"].get<double>();  // the planner, per rank
+        CHECK(std::abs(r["peak_allocated_bytes"].get<double>() - predicted) <= 0.10 * predicted);
       }
     }
   }
@@ -178,6 +180,8 @@ TEST_CASE("DDP measures the whole model state on every rank") {
   const auto s = summary(run.train(2, ""));
   const double P = s["parallel"]["params_bytes_unsharded"].get<double>();
   for (const auto& r : s["parallel"]["ranks"]) {
+    const double predicted = s["predicted_peak_bytes"].get<double>();
+    CHECK(std::abs(r["peak_allocated_bytes"].get<double>() - predicted) <= 0.10 * predicted);
     CHECK(r["model_state_bytes_measured"].get<double>() >= 4 * P);  // P + G + 2P of AdamW moments
     CHECK(r["model_state_bytes_measured"].get<double>() <= 1.05 * 4 * P);
   }

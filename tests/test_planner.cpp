@@ -203,3 +203,39 @@ TEST_CASE("micro_batch: auto finds what a brute-force search finds, keeping the 
   CHECK(test::trainer("--config configs/tiny.yaml --set train.micro_batch=auto --set memory.limit=1GiB").code == kExitConfig);
   CHECK(test::trainer("--config configs/tiny.yaml --set train.micro_batch=auto --set train.global_batch=32").code == kExitConfig);
 }
+
+TEST_CASE("per-rank model states follow the ZeRO formulas") {
+  auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {});
+  const auto one = memory::predict_peak(cfg);
+  const int64_t n = memory::total_params(cfg.model);
+  CHECK(one.params_bytes == 4 * n);
+  CHECK(one.model_states_bytes() == 16 * n);
+  CHECK(one.transient_bytes == 0);
+  const auto units = memory::unit_param_counts(cfg.model);
+  REQUIRE(units.size() == static_cast<size_t>(cfg.model.n_layer + 2));
+  const int64_t largest = *std::max_element(units.begin(), units.end());
+  cfg.world_size = 4;
+  const int64_t P = 4 * n, G = 4 * n, O = 8 * n;
+  for (const std::string stage : {"none", "zero1", "zero2", "zero3"}) {
+    INFO(stage);
+    cfg.parallel.sharding = stage;
+    const auto p = memory::predict_peak(cfg);
+    const int64_t expect = stage == "none"    ? P + G + O
+                           : stage == "zero1" ? P + G + O / 4
+                           : stage == "zero2" ? P + (G + O) / 4
+                                              : (P + G + O) / 4;
+    CHECK(std::abs(p.model_states_bytes() - expect) <= 4);  // integer division per state
+    CHECK(p.activations.peak_bytes == one.activations.peak_bytes);  // activations are per rank already
+    if (stage == "zero3") CHECK(p.transient_bytes == 2 * 4 * largest);
+  }
+  // trainer plan --world-size reports per rank.
+  test::TempDir dir("plan-world");
+  auto r = test::trainer("plan --config configs/tiny.yaml --set parallel.sharding=zero3 --world-size 4 --out " +
+                         (dir.path / "plan.json").string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("4 x zero3") != std::string::npos);
+  const auto j = json::parse(test::read_text(dir.path / "plan.json"));
+  CHECK(j["world_size"] == 4);
+  CHECK(std::abs(j["model_states_bytes"].get<int64_t>() - (P + G + O) / 4) <= 4);
+}

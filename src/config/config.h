@@ -106,6 +106,9 @@ struct RunConfig {
   MemoryConfig memory;
   LoggingConfig logging;
   std::string recipe_name = "run";
+  // Not a recipe key: the number of ranks the run has (WORLD_SIZE, or `trainer plan --world-size`).
+  // The planner predicts per-rank memory with it.
+  int64_t world_size = 1;
 };
 
 // Loads a YAML recipe (path may be empty: defaults only), applies overrides ("section.key=value"),

@@ -14,11 +14,6 @@ namespace {
 
 using Json = nlohmann::json;
 
-int64_t count_params(const config::ModelConfig& m) {
-  torch::NoGradGuard no_grad;
-  return model::GPT(m, torch::kMeta)->num_params();
-}
-
 // The modes `trainer plan` compares (the recipe's own first).
 std::vector<std::pair<std::string, config::CheckpointingConfig>> plan_modes(const config::RunConfig& cfg) {
   std::vector<std::pair<std::string, config::CheckpointingConfig>> out;
@@ -40,12 +35,52 @@ std::vector<std::pair<std::string, config::CheckpointingConfig>> plan_modes(cons
 
 }  // namespace
 
+int64_t total_params(const config::ModelConfig& m) {
+  int64_t n = 0;
+  for (int64_t u : unit_param_counts(m)) n += u;
+  return n;
+}
+
+std::vector<int64_t> unit_param_counts(const config::ModelConfig& m) {
+  torch::NoGradGuard no_grad;
+  model::GPT g(m, torch::kMeta);
+  std::vector<int64_t> units;
+  units.push_back(g->wte.numel() + (g->wpe.defined() ? g->wpe.numel() : 0));
+  for (const auto& b : *g->blocks) {
+    int64_t n = 0;
+    for (const auto& p : b->parameters()) n += p.numel();
+    units.push_back(n);
+  }
+  int64_t head = 0;
+  for (const auto* p : {&g->lnf_w, &g->lnf_b, &g->lm_head})
+    if (p->defined()) head += p->numel();
+  units.push_back(head);
+  return units;
+}
+
 PeakPrediction predict_peak(const config::RunConfig& cfg) {
   PeakPrediction p;
-  const int64_t n = count_params(cfg.model);
-  p.params_bytes = 4 * n;
-  p.grads_bytes = 4 * n;
-  p.optimizer_bytes = 8 * n;
+  const auto units = unit_param_counts(cfg.model);
+  int64_t n = 0, largest_unit = 0;
+  for (int64_t u : units) n += u, largest_unit = std::max(largest_unit, u);
+  const int64_t N = std::max<int64_t>(1, cfg.world_size);
+  const auto& sh = cfg.parallel.sharding;
+  const int64_t P = 4 * n, G = 4 * n, O = 8 * n;
+  p.params_bytes = sh == "zero3" ? P / N : P;
+  p.grads_bytes = sh == "zero2" || sh == "zero3" ? G / N : G;
+  p.optimizer_bytes = sh == "none" ? O : O / N;
+  if (sh == "zero2") {
+    // Buckets fill to parallel.bucket_mb (a bigger single tensor gets its own).
+    int64_t largest_param = 0;
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& t : model::GPT(cfg.model, torch::kMeta)->parameters()) largest_param = std::max(largest_param, t.numel());
+    }
+    const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
+    p.transient_bytes = std::min(G, std::max(cap, 4 * largest_param));
+  } else if (sh == "zero3") {
+    p.transient_bytes = 2 * 4 * largest_unit;
+  }
   p.batch_bytes = 2 * 8 * cfg.train.micro_batch * cfg.train.seq_len;
   p.activations = estimate_activation_peak(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer));
   return p;
@@ -78,7 +113,10 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   }
   const auto base = predict_peak(cfg);
   Json j = {{"recipe", cfg.recipe_name},
-            {"params", base.params_bytes / 4},
+            {"params", total_params(cfg.model)},
+            {"world_size", cfg.world_size},
+            {"sharding", cfg.parallel.sharding},
+            {"sharding_transient_bytes", base.transient_bytes},
             {"micro_batch", cfg.train.micro_batch},
             {"micro_batch_auto", auto_batch},
             {"grad_accum", cfg.train.grad_accum},
@@ -115,10 +153,13 @@ std::string format_plan(const Json& j) {
   auto bytes = [](const Json& v) { return log::format_bytes(v.get<int64_t>()); };
   std::vector<std::pair<std::string, std::string>> rows = {
       {"parameters", fmt::format("{} ({:.3g} B)", j["params"].get<int64_t>(), j["params"].get<double>() / 1e9)},
+      {"ranks x sharding", fmt::format("{} x {} (figures below are per rank)", j["world_size"].get<int64_t>(),
+                                       j["sharding"].get<std::string>())},
       {"weights (fp32)", bytes(j["params_bytes"])},
       {"gradients (fp32)", bytes(j["grads_bytes"])},
       {"AdamW moments (fp32)", bytes(j["optimizer_state_bytes"])},
       {"model states", bytes(j["model_states_bytes"])},
+      {"gathered parameters / unreduced gradients", bytes(j["sharding_transient_bytes"])},
       {"input batch", bytes(j["batch_bytes"])},
       {"logits and loss buffers (in activations)", bytes(j["logits_and_loss_bytes"])},
       {"micro-batch x seq_len", fmt::format("{} x {} (global batch {})", j["micro_batch"].get<int64_t>(),
@@ -140,8 +181,8 @@ std::string format_plan(const Json& j) {
   }
   out += log::format_table(modes);
   if (with_memory && j["model_states_bytes"].get<int64_t>() > j["memory_bytes"].get<int64_t>())
-    out += fmt::format("Model states alone ({}) exceed {}: no checkpointing mode can fit; this needs sharded "
-                       "optimizer states / parameters across GPUs or lower precision.\n",
+    out += fmt::format("Model states alone ({}) exceed {}: no checkpointing mode can fit; this needs more ranks "
+                       "with parallel.sharding (zero3 divides all three states by the world size) or lower precision.\n",
                        bytes(j["model_states_bytes"]), bytes(j["memory_bytes"]));
   return out;
 }

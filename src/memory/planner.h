@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -14,16 +15,27 @@
 
 namespace sl::memory {
 
+// Per rank, for cfg.world_size ranks and parallel.sharding (P, G, O = fp32 weights, gradients and
+// AdamW's two moments of the whole model; N = world size):
+//   none  P + G + O      zero1  P + G + O/N      zero2  P + (G + O)/N      zero3  (P + G + O)/N
+// plus what the stage holds transiently at the step's peak: zero2 one bucket's full gradient before
+// it is reduce-scattered; zero3 the largest unit's gathered parameters and its full gradient.
 struct PeakPrediction {
-  int64_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0;
+  int64_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0;  // held by this rank
+  int64_t transient_bytes = 0;  // sharding: gathered parameters / unreduced gradients at the peak
   int64_t batch_bytes = 0;  // the (B, T) int64 inputs and targets of one micro-batch
   ActivationEstimate activations;
   int64_t model_states_bytes() const { return params_bytes + grads_bytes + optimizer_bytes; }
-  int64_t peak_bytes() const { return model_states_bytes() + batch_bytes + activations.peak_bytes; }
+  int64_t peak_bytes() const { return model_states_bytes() + transient_bytes + batch_bytes + activations.peak_bytes; }
 };
 
-// The recipe's own checkpointing mode and micro-batch.
+// The recipe's own checkpointing mode and micro-batch, per rank of cfg.world_size.
 PeakPrediction predict_peak(const config::RunConfig& cfg);
+
+// Parameters per sharding unit: [0] embeddings (token + position tables), [1..L] the blocks,
+// [L+1] the final norm (+ LM head when untied). Counted on the meta device.
+std::vector<int64_t> unit_param_counts(const config::ModelConfig& m);
+int64_t total_params(const config::ModelConfig& m);
 
 // Largest micro-batch (<= cap) whose predicted peak fits `memory_bytes`; 0 when not even 1 fits.
 int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, int64_t cap = 1 << 16);

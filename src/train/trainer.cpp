@@ -300,6 +300,7 @@ int run(const config::RunConfig& recipe) {
   const auto& t = cfg.train;
   const dist::LaunchEnv launch = dist::LaunchEnv::from_env();
   const int64_t world = launch.world, rank = launch.rank;
+  cfg.world_size = world;
   const bool rank0 = rank == 0;
   const torch::Device device = resolve_device(t);
   if (device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);  // one GPU per local rank
@@ -594,6 +595,7 @@ int run(const config::RunConfig& recipe) {
       {"median_recompute_ms", median(recompute_ms)},
       {"median_activation_peak_bytes", static_cast<int64_t>(median(act_peaks))},
       {"predicted_activation_peak_bytes", predicted.peak_bytes},
+      {"predicted_peak_bytes", memory::predict_peak(cfg).peak_bytes()},  // per rank, from the planner
       {"wall_s", ms_since(run_t0) * 1e-3},
       {"peak_allocated_bytes", peak_bytes},
       {"memory_breakdown",
