@@ -140,6 +140,21 @@ TEST_CASE("world 2 x micro 4 = world 1 x micro 8 = world 1 x 4 x accum 2 after 1
   REQUIRE(s["parallel"]["ranks"].size() == 2);
 }
 
+TEST_CASE("buckets launch during backward, and accumulation reduces once per step (zero2/3: per micro-batch)") {
+  Runner run;
+  const auto w1 = load_params(run.train(1, "--set train.micro_batch=8") / "model.pt");
+  for (const std::string stage : {"none", "zero1", "zero2", "zero3"}) {
+    INFO(stage);
+    const auto dir = run.train(2, "--set train.micro_batch=2 --set train.grad_accum=2 --set parallel.bucket_mb=0.05 "
+                                  "--set parallel.sharding=" + stage);
+    CHECK(max_abs_diff(w1, load_params(dir / "model.pt")) <= 1e-5);
+    const auto s = summary(dir);
+    CHECK(s["parallel"]["groups"].get<int>() >= (stage == "zero3" ? 6 : 4));  // 0.05 MiB buckets / per-unit groups
+    // Every group's collective started from a gradient hook while backward was still running.
+    CHECK(s["parallel"]["groups_launched_during_backward"] == s["parallel"]["groups"]);
+  }
+}
+
 TEST_CASE("zero1/2/3 match DDP with every checkpointing mode, and per-rank memory is within the ZeRO formulas") {
   Runner run;
   const auto ref = load_params(run.train(2, "") / "model.pt");
@@ -187,14 +202,28 @@ TEST_CASE("DDP measures the whole model state on every rank") {
   }
 }
 
-TEST_CASE("sharded bf16 matches DDP bf16") {
+TEST_CASE("sharded bf16 and fp16 match DDP in the same precision") {
   Runner run;
-  const std::string common = "--set precision.compute=bf16 --set checkpointing.mode=full";
-  const auto ref = load_params(run.train(2, common) / "model.pt");
-  for (const std::string stage : {"zero1", "zero2", "zero3"}) {
-    INFO(stage);
-    CHECK(max_abs_diff(ref, load_params(run.train(2, common + " --set parallel.sharding=" + stage) / "model.pt")) <= 1e-5);
+  for (const std::string prec : {"bf16", "fp16"}) {
+    const std::string common = "--set precision.compute=" + prec + " --set checkpointing.mode=full";
+    const auto ref = load_params(run.train(2, common) / "model.pt");
+    for (const std::string stage : {"zero1", "zero2", "zero3"}) {
+      INFO(prec << " " << stage);
+      CHECK(max_abs_diff(ref, load_params(run.train(2, common + " --set parallel.sharding=" + stage) / "model.pt")) <= 1e-5);
+    }
   }
+}
+
+TEST_CASE("micro_batch auto agrees across ranks and keeps the global batch") {
+  Runner run;
+  const auto dir = run.train(2, "--set train.micro_batch=auto --set train.global_batch=16 --set memory.limit=64MiB "
+                                "--set parallel.sharding=zero2 --set train.steps=2");
+  const auto s = summary(dir);
+  const auto mb = s["micro_batch_search"]["micro_batch"].get<int64_t>();
+  const auto acc = s["micro_batch_search"]["grad_accum"].get<int64_t>();
+  CHECK(mb > 0);
+  CHECK(mb * acc * 2 == 16);
+  CHECK(s["tokens"] == 2 * 16 * 32);
 }
 
 namespace {

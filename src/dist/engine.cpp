@@ -229,6 +229,8 @@ void Engine::zero_grad() {
 
 void Engine::begin_backward(bool last) {
   last_micro_ = last;
+  in_backward_ = true;
+  if (last) launched_from_hooks_ = 0;
   cursor_ = 0;
   for (auto& g : groups_) g->ready = 0;
 }
@@ -239,6 +241,7 @@ void Engine::launch_ready() {
 
 void Engine::launch(size_t gi) {
   auto& g = *groups_[gi];
+  if (in_backward_ && last_micro_) ++launched_from_hooks_;
   if (sharding_ == "none" || sharding_ == "zero1") {
     if (last_micro_ && world_ > 1) g.pending = comm_->all_reduce_sum(g.flat_grad, "gradient all-reduce of " + g.name);
     return;
@@ -272,6 +275,7 @@ void Engine::finish(size_t gi) {
 }
 
 void Engine::end_backward() {
+  in_backward_ = false;
   for (auto& g : groups_) g->ready = g->params.size();  // parameters that got no gradient count as ready
   launch_ready();
   if (sharding_ == "none" || sharding_ == "zero1") {

@@ -74,7 +74,11 @@ class Engine {
   void release_all();
   // Largest transient bytes seen (gathered parameters and not-yet-reduced gradients), and reset.
   int64_t take_transient_peak();
-  int64_t largest_unit_bytes() const;  // zero3: the largest unit's parameter bytes
+  int64_t largest_unit_bytes() const;  // the largest group's parameter bytes
+  int64_t groups() const { return static_cast<int64_t>(groups_.size()); }
+  // Groups whose reduction the last reducing backward launched from a gradient hook, i.e. while
+  // backward was still running (the rest were launched after it returned).
+  int64_t launched_from_hooks() const { return launched_from_hooks_; }
 
  private:
   struct Group;
@@ -103,6 +107,8 @@ class Engine {
   std::vector<size_t> in_flight_;
   size_t cursor_ = 0;
   bool last_micro_ = true;
+  bool in_backward_ = false;
+  int64_t launched_from_hooks_ = 0;
   std::optional<std::pair<torch::Tensor, int64_t>> pending_out_;  // zero3: last unit output without a hook yet
   int64_t transient_ = 0, transient_peak_ = 0;
 };

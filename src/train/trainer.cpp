@@ -574,6 +574,8 @@ int run(const config::RunConfig& recipe) {
                 {"sharding", cfg.parallel.sharding},
                 {"params_bytes_unsharded", 4 * model->num_params()},
                 {"largest_group_bytes", engine->largest_unit_bytes()},
+                {"groups", engine->groups()},
+                {"groups_launched_during_backward", engine->launched_from_hooks()},
                 {"ranks", ranks}};
   }
   Json summary = {
