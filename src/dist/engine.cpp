@@ -11,6 +11,8 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include "train/optimizer.h"
+
 namespace sl::dist {
 namespace {
 
@@ -201,14 +203,7 @@ std::unique_ptr<torch::optim::AdamW> Engine::make_optimizer(const config::TrainC
       piece(g.decay, g.numel, no_decay);
     }
   }
-  auto opts = [&](double wd) {
-    return std::make_unique<torch::optim::AdamWOptions>(
-        torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(1e-8).weight_decay(wd));
-  };
-  std::vector<torch::optim::OptimizerParamGroup> pg;
-  pg.emplace_back(decay, opts(t.weight_decay));
-  pg.emplace_back(no_decay, opts(0.0));
-  return std::make_unique<torch::optim::AdamW>(pg, torch::optim::AdamWOptions(t.lr));
+  return train::make_adamw(std::move(decay), std::move(no_decay), t);
 }
 
 void Engine::attach(recompute::Policy& policy) {

@@ -26,6 +26,7 @@
 #include "memory/tracking_allocator.h"
 #include "precision/autocast.h"
 #include "recompute/policy.h"
+#include "train/optimizer.h"
 #include "train/schedule.h"
 
 namespace sl::train {
@@ -81,14 +82,7 @@ torch::Device resolve_device(const config::TrainConfig& t) {
 std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t) {
   std::vector<torch::Tensor> decay, no_decay;
   for (const auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  auto opts = [&](double wd) {
-    return std::make_unique<torch::optim::AdamWOptions>(
-        torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(1e-8).weight_decay(wd));
-  };
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, opts(t.weight_decay));
-  groups.emplace_back(no_decay, opts(0.0));
-  return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(t.lr));
+  return make_adamw(std::move(decay), std::move(no_decay), t);
 }
 
 double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,

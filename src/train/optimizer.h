@@ -1,0 +1,26 @@
+// AdamW as every training path builds it: matrices (dim >= 2) decay with train.weight_decay, vectors
+// do not. The tensors are the model's parameters, or a rank's shards of them under ZeRO.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include <torch/optim/adamw.h>
+
+#include "config/config.h"
+
+namespace sl::train {
+
+inline std::unique_ptr<torch::optim::AdamW> make_adamw(std::vector<torch::Tensor> decay,
+                                                       std::vector<torch::Tensor> no_decay,
+                                                       const config::TrainConfig& t) {
+  auto opts = [&](double wd) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(1e-8).weight_decay(wd));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::move(decay), opts(t.weight_decay));
+  groups.emplace_back(std::move(no_decay), opts(0.0));
+  return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(t.lr));
+}
+
+}  // namespace sl::train
