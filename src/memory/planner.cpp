@@ -105,11 +105,14 @@ int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, 
 Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   auto cfg = recipe;
   const bool auto_batch = cfg.train.micro_batch == 0;  // train.micro_batch: auto
-  const int64_t global = auto_batch ? cfg.train.global_batch : cfg.train.micro_batch * cfg.train.grad_accum;
+  const int64_t world = std::max<int64_t>(1, cfg.world_size);
+  // Sequences each rank contributes to one optimizer step.
+  const int64_t per_rank = auto_batch ? (cfg.train.global_batch + world - 1) / world : cfg.train.micro_batch * cfg.train.grad_accum;
+  const int64_t global = per_rank * world;
   if (auto_batch) {
     cfg.train.micro_batch = 1;
-    cfg.train.micro_batch = std::max<int64_t>(1, memory_bytes > 0 ? largest_micro_batch(cfg, memory_bytes, global) : 1);
-    cfg.train.grad_accum = (global + cfg.train.micro_batch - 1) / cfg.train.micro_batch;
+    cfg.train.micro_batch = std::max<int64_t>(1, memory_bytes > 0 ? largest_micro_batch(cfg, memory_bytes, per_rank) : 1);
+    cfg.train.grad_accum = (per_rank + cfg.train.micro_batch - 1) / cfg.train.micro_batch;
   }
   const auto base = predict_peak(cfg);
   Json j = {{"recipe", cfg.recipe_name},
@@ -141,7 +144,7 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
     if (memory_bytes > 0) {
       const int64_t mb = largest_micro_batch(c, memory_bytes);
       row["largest_micro_batch"] = mb;
-      row["grad_accum_for_global_batch"] = mb > 0 ? Json((global + mb - 1) / mb) : Json(nullptr);
+      row["grad_accum_for_global_batch"] = mb > 0 ? Json((per_rank + mb - 1) / mb) : Json(nullptr);
       row["fits_recipe_micro_batch"] = p.peak_bytes() <= memory_bytes;
     }
     j["modes"].push_back(row);
@@ -189,14 +192,14 @@ std::string format_plan(const Json& j) {
 
 std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
   if (limit_bytes <= 0) return "lower train.micro_batch (raise train.grad_accum to keep the global batch) or enable checkpointing.mode: full";
-  const int64_t global = cfg.train.micro_batch * cfg.train.grad_accum;
+  const int64_t per_rank = cfg.train.micro_batch * cfg.train.grad_accum;  // sequences per rank per step
   std::string out;
   for (const auto& [name, ck] : plan_modes(cfg)) {
     auto c = cfg;
     c.checkpointing = ck;
     const int64_t mb = largest_micro_batch(c, limit_bytes);
     if (mb == 0) continue;
-    out += fmt::format("{}{}: micro_batch {} with grad_accum {}", out.empty() ? "" : "; ", name, mb, (global + mb - 1) / mb);
+    out += fmt::format("{}{}: micro_batch {} with grad_accum {}", out.empty() ? "" : "; ", name, mb, (per_rank + mb - 1) / mb);
   }
   if (out.empty())
     return fmt::format("the planner predicts nothing fits {} (model states alone: {}); shard or lower precision",
