@@ -332,3 +332,15 @@ TEST_CASE("bad launch environments exit 2 or 5 naming the problem") {
   CHECK(s < 3 + 10);
   CHECK_FALSE(std::filesystem::exists(dir.path / "run"));  // nothing half-written
 }
+
+TEST_CASE("SIGTERM to one rank stops every rank after the same step") {
+  test::TempDir dir("term");
+  const auto recipe = dir.file("recipe.yaml", kRecipe);
+  auto r = kill_one(dir.path, recipe, "TERM", 1, 30, "--set parallel.sharding=zero2");
+  INFO(r.output << "\nrank 0:\n" << test::read_text(dir.path / "rank0.log"));
+  const auto [code, ms] = parse_kill(r.output);
+  CHECK(code == kExitSigterm);  // rank 0 got no signal: it stops because rank 1 did
+  const auto s = summary(dir.path / "run");
+  CHECK(s["exit_status"]["code"] == kExitSigterm);
+  CHECK(s["parallel"]["ranks"].size() == 2);  // the report after the loop still paired up
+}

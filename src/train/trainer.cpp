@@ -489,7 +489,11 @@ int run(const config::RunConfig& recipe) {
           spdlog::info("step {:>5}/{} | val loss {:.4f}", steps_done, t.steps, last_val);
         }
       }
-      if (int sig = g_signal.load()) {
+      int sig = g_signal.load();
+      // Ranks stop together: a signal seen by any rank (torchrun forwards it to all, not at the same
+      // step) stops every rank after this step, so the collectives after the loop still pair up.
+      if (world > 1) sig = static_cast<int>(comm->all_reduce_max(static_cast<double>(sig), "stop flag"));
+      if (sig) {
         exit_code = sig == SIGINT ? kExitSigint : kExitSigterm;
         exit_message = fmt::format("interrupted by signal {} after step {}", sig, steps_done);
         runlog.event("interrupted", {{"step", steps_done}, {"signal", sig}});
@@ -523,7 +527,12 @@ int run(const config::RunConfig& recipe) {
   std::signal(SIGINT, old_int);
   std::signal(SIGTERM, old_term);
 
-  if (cfg.logging.save_model && exit_code != kExitDistributed && exit_code != kExitOom) {
+  // Collectives after the loop only where every rank is known to have left it at the same step: a
+  // clean end, an agreed stop, or a non-finite loss (averaged over ranks, so all ranks see it).
+  // After an OOM or another rank-local error the others are stuck in a step's collective instead.
+  const bool ranks_aligned =
+      exit_code == kExitOk || exit_code == kExitSigint || exit_code == kExitSigterm || exit_code == kExitNonFinite;
+  if (cfg.logging.save_model && ranks_aligned && exit_code != kExitNonFinite) {
     try {
       if (engine) engine->gather_all();
       if (rank0) save_model(model, runlog.dir() / "model.pt");
@@ -543,7 +552,7 @@ int run(const config::RunConfig& recipe) {
                              static_cast<double>(opt_bytes), static_cast<double>(transient_peak),
                              static_cast<double>(peak_bytes)};
     std::vector<double> all = mine;
-    if (exit_code != kExitDistributed && world > 1) {
+    if (ranks_aligned && world > 1) {
       try {
         all = comm->all_gather(mine, "per-rank memory report");
       } catch (const dist::DistError& e) {
