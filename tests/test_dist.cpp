@@ -279,7 +279,8 @@ TEST_CASE("a rank that hangs makes the survivor exit 5 within parallel.timeout_s
     test::TempDir dir("hang");
     const auto recipe = dir.file("recipe.yaml", kRecipe);
     // Rank 0 (the store's host) stops; rank 1 must notice through its collectives' timeout.
-    auto r = kill_one(dir.path, recipe, "STOP", 0, 4, "--set parallel.sharding=" + sharding);
+    // Small buckets: several collectives are in flight when the peer stops; none may add a timeout.
+    auto r = kill_one(dir.path, recipe, "STOP", 0, 4, "--set parallel.bucket_mb=0.05 --set parallel.sharding=" + sharding);
     const auto log1 = test::read_text(dir.path / "rank1.log");
     INFO(r.output << "\nrank 1:\n" << log1);
     const auto [code, ms] = parse_kill(r.output);

@@ -128,6 +128,10 @@ Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device 
                                                         static_cast<int>(env_.world), opts);
     } else {
 #ifdef USE_C10D_NCCL
+      // Blocking waits: Work::wait() then blocks the host and throws on a timeout or a peer's error
+      // (mapped to exit 5) instead of only ordering streams and leaving errors to the watchdog, which
+      // would abort the process without a summary. The user's own setting wins.
+      ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
       auto opts = c10d::ProcessGroupNCCL::Options::create();
       opts->timeout = timeout;
       pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, static_cast<int>(env_.rank),

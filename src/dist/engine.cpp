@@ -167,6 +167,8 @@ void Engine::build_groups(const config::RunConfig& cfg) {
         auto& grp = *groups_[gi];
         if (sharding_ == "zero2" || sharding_ == "zero3") {
           auto& p = grp.params[i];
+          // No gradient reached this parameter in this backward (e.g. an unused input of a
+          // checkpointed piece): it contributes zeros, which the group buffer already holds.
           if (!grp.flat_grad.defined()) {
             // The previous group's reduce-scatter overlapped this group's backward until now; finish
             // it before a second full gradient buffer exists.
@@ -174,8 +176,10 @@ void Engine::build_groups(const config::RunConfig& cfg) {
             grp.flat_grad = torch::zeros({grp.padded}, p.options());
             add_transient(grp.bytes());
           }
-          grp.flat_grad.narrow(0, grp.offsets[i], p.numel()).view(p.sizes()).copy_(p.grad());
-          p.mutable_grad().reset();
+          if (p.grad().defined()) {
+            grp.flat_grad.narrow(0, grp.offsets[i], p.numel()).view(p.sizes()).copy_(p.grad());
+            p.mutable_grad().reset();
+          }
         }
         if (++grp.ready == grp.params.size()) launch_ready();
       }));

@@ -14,6 +14,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 #include <torch/version.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "dist/comm.h"
@@ -351,6 +352,9 @@ int run(const config::RunConfig& recipe) {
   model->train();
   recompute::Policy policy(cfg.checkpointing, model);
   std::unique_ptr<dist::Engine> engine;
+  // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
+  // ends) would keep every unit's weights alive after the unit's fp32 storage is freed.
+  if (cfg.parallel.sharding == "zero3") at::autocast::set_autocast_cache_enabled(false);
   if (use_engine) {
     engine = std::make_unique<dist::Engine>(model, cfg, comm);
     engine->attach(policy);
@@ -537,8 +541,8 @@ int run(const config::RunConfig& recipe) {
       if (engine) engine->gather_all();
       if (rank0) save_model(model, runlog.dir() / "model.pt");
       if (engine) engine->release_all();
-    } catch (const dist::DistError& e) {
-      exit_code = kExitDistributed;
+    } catch (const Error& e) {  // a failed write on rank 0 (exit 2) must not strand the others
+      exit_code = e.code;
       exit_message = e.what();
     }
   }
