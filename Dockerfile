@@ -13,7 +13,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 
 # The same packages scripts/setup.sh checks for (it skips apt when they are present).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends cmake ninja-build g++ ccache libyaml-cpp-dev \
+ && apt-get install -y --no-install-recommends cmake ninja-build g++ ccache libgloo-dev libyaml-cpp-dev \
       libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev catch2 python3 python3-venv \
  && rm -rf /var/lib/apt/lists/*
 
