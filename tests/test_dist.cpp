@@ -165,11 +165,23 @@ TEST_CASE("zero1/2/3 match DDP with every checkpointing mode, and per-rank memor
       "--set checkpointing.mode=sqrt",
       "--set checkpointing.mode=selective --set checkpointing.recompute=[attention,mlp,norm]",
   };
+  int64_t zero3_gathers_none = -1;
   for (const std::string stage : {"zero1", "zero2", "zero3"}) {
     for (const auto& mode : modes) {
       INFO(stage << " " << mode);
       const auto dir = run.train(2, "--set parallel.sharding=" + stage + " " + mode);
       CHECK(max_abs_diff(ref, load_params(dir / "model.pt")) <= 1e-5);
+      if (stage == "zero3") {
+        // A recomputed block is gathered once more (for its recompute) than a kept one: forward,
+        // [recompute,] backward. 4 blocks, skip_last: full recomputes 3, interval 2 / sqrt (k 2) 2.
+        const int64_t gathers = summary(dir)["parallel"]["gathers_last_step"].get<int64_t>();
+        // Without recompute: forward 1 (embeddings) + 4 (blocks) + 2 (head and the tied embeddings),
+        // backward 2 (head, tied embeddings) + 4 (blocks).
+        if (mode == modes[0]) CHECK(gathers == 13);
+        if (mode == modes[0]) zero3_gathers_none = gathers;  // selective recomputes inside kept blocks: no extra
+        const int64_t recomputed = mode == modes[1] ? 3 : mode == modes[2] || mode == modes[3] ? 2 : 0;
+        CHECK(gathers == zero3_gathers_none + recomputed);
+      }
       if (mode != modes[0]) continue;
       const auto s = summary(dir);
       const double P = s["parallel"]["params_bytes_unsharded"].get<double>(), G = P, O = 2 * P, N = 2;
@@ -344,4 +356,25 @@ TEST_CASE("SIGTERM to one rank stops every rank after the same step") {
   const auto s = summary(dir.path / "run");
   CHECK(s["exit_status"]["code"] == kExitSigterm);
   CHECK(s["parallel"]["ranks"].size() == 2);  // the report after the loop still paired up
+}
+
+TEST_CASE("torchrun with two nodes (two agents on this machine, c10d rendezvous) trains") {
+  test::TempDir dir("nodes");
+  const auto recipe = dir.file("recipe.yaml", kRecipe);
+  const auto run_dir = dir.path / "run";
+  const int port = test::free_port();
+  std::string s = "cd " + test::kSourceDir + "; ";
+  for (int node = 0; node < 2; ++node)
+    s += fmt::format("TRAINER={} scripts/launch.sh -n 1 --nnodes 2 --node-rank {} --rdzv-backend c10d "
+                     "--rdzv-endpoint 127.0.0.1:{} --rdzv-id sublinear-test -- --config {} "
+                     "--set parallel.sharding=zero3 --set logging.dir={} > {}/node{}.log 2>&1 & ",
+                     test::kTrainer, node, port, recipe, run_dir.string(), dir.path.string(), node);
+  s += "wait";
+  test::run(s);
+  INFO(test::read_text(dir.path / "node0.log") << test::read_text(dir.path / "node1.log"));
+  REQUIRE(std::filesystem::exists(run_dir / "summary.json"));
+  const auto sum = summary(run_dir);
+  CHECK(sum["exit_status"]["code"] == 0);
+  CHECK(sum["environment"]["world_size"] == 2);
+  CHECK(sum["parallel"]["ranks"].size() == 2);
 }

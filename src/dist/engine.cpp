@@ -222,6 +222,7 @@ void Engine::attach(recompute::Policy& policy) {
 }
 
 void Engine::zero_grad() {
+  gathers_ = 0;
   torch::NoGradGuard no_grad;
   for (auto& g : groups_) (sharding_ == "none" || sharding_ == "zero1" ? g->flat_grad : g->shard_grad).zero_();
 }
@@ -375,6 +376,7 @@ void Engine::gather_group(Group& g) {
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
   g.gathered = true;
+  ++gathers_;
   add_transient(g.bytes());
   comm_->all_gather(g.flat_param, g.shard_param, "parameter all-gather of " + g.name).wait();
 }

@@ -79,6 +79,8 @@ class Engine {
   // Groups whose reduction the last reducing backward launched from a gradient hook, i.e. while
   // backward was still running (the rest were launched after it returned).
   int64_t launched_from_hooks() const { return launched_from_hooks_; }
+  // zero3: group all-gathers since the last zero_grad() (one step: forward, recompute, backward, eval).
+  int64_t gathers() const { return gathers_; }
 
  private:
   struct Group;
@@ -109,6 +111,7 @@ class Engine {
   bool last_micro_ = true;
   bool in_backward_ = false;
   int64_t launched_from_hooks_ = 0;
+  int64_t gathers_ = 0;
   std::optional<std::pair<torch::Tensor, int64_t>> pending_out_;  // zero3: last unit output without a hook yet
   int64_t transient_ = 0, transient_peak_ = 0;
 };

@@ -413,7 +413,7 @@ int run(const config::RunConfig& recipe) {
 
   const int64_t tokens_per_step = t.micro_batch * t.grad_accum * t.seq_len * world;
   std::vector<double> step_ms, tok_s, samp_s, mfus, recompute_ms, act_peaks;
-  int64_t peak_bytes = 0, steps_done = 0, skipped_steps = 0, transient_peak = 0, rest_bytes = 0;
+  int64_t peak_bytes = 0, steps_done = 0, skipped_steps = 0, transient_peak = 0, rest_bytes = 0, gathers = 0;
   ModelStateBytes states_at_peak;
   double last_loss = NAN, last_val = NAN;
   int exit_code = kExitOk;
@@ -431,7 +431,7 @@ int run(const config::RunConfig& recipe) {
 
       const StepResult r =
           train_step(forward, model, *opt, micro, t.grad_clip, device, tracker, step_precision, engine.get());
-      if (engine) transient_peak = std::max(transient_peak, engine->take_transient_peak());
+      if (engine) transient_peak = std::max(transient_peak, engine->take_transient_peak()), gathers = engine->gathers();
       rest_bytes = r.mem.allocated_bytes;
       if (r.skipped) {
         ++skipped_steps;
@@ -583,6 +583,7 @@ int run(const config::RunConfig& recipe) {
                 {"largest_group_bytes", engine->largest_unit_bytes()},
                 {"groups", engine->groups()},
                 {"groups_launched_during_backward", engine->launched_from_hooks()},
+                {"gathers_last_step", gathers},
                 {"ranks", ranks}};
   }
   Json summary = {
