@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -158,14 +159,23 @@ void Comm::fail(const std::string& what, const std::string& detail) {
   throw DistError(failure_);
 }
 
-Pending Comm::all_reduce_sum(const at::Tensor& t, const std::string& what) {
-  if (!distributed()) return {};
-  std::vector<at::Tensor> ts{t};
+// Starts a collective; a failure to even start it (a broken connection) is a distributed failure.
+Pending Comm::start(const std::string& what, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch) {
   try {
-    return Pending(this, pg_->allreduce(ts), what);
+    return Pending(this, launch(), what);
   } catch (const std::exception& e) {
     fail(what, short_what(e));
   }
+}
+
+Pending Comm::all_reduce_sum(const at::Tensor& t, const std::string& what, bool max) {
+  if (!distributed()) return {};
+  return start(what, [&] {
+    std::vector<at::Tensor> ts{t};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+    return pg_->allreduce(ts, opts);
+  });
 }
 
 Pending Comm::all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what) {
@@ -173,13 +183,10 @@ Pending Comm::all_gather(const at::Tensor& out, const at::Tensor& in, const std:
     if (!out.is_same(in)) out.copy_(in);
     return {};
   }
-  try {
-    auto o = out;
-    auto i = in;
-    return Pending(this, pg_->_allgather_base(o, i), what);
-  } catch (const std::exception& e) {
-    fail(what, short_what(e));
-  }
+  return start(what, [&] {
+    auto o = out, i = in;
+    return pg_->_allgather_base(o, i);
+  });
 }
 
 Pending Comm::reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in, const std::string& what) {
@@ -187,13 +194,10 @@ Pending Comm::reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in, co
     out.copy_(in);
     return {};
   }
-  try {
-    auto o = out;
-    auto i = in;
-    return Pending(this, pg_->_reduce_scatter_base(o, i), what);
-  } catch (const std::exception& e) {
-    fail(what, short_what(e));
-  }
+  return start(what, [&] {
+    auto o = out, i = in;
+    return pg_->_reduce_scatter_base(o, i);
+  });
 }
 
 double Comm::all_reduce_sum(double v, const std::string& what) {
@@ -206,16 +210,7 @@ double Comm::all_reduce_sum(double v, const std::string& what) {
 double Comm::all_reduce_max(double v, const std::string& what) {
   if (!distributed()) return v;
   auto t = torch::tensor({v}, torch::TensorOptions().dtype(torch::kFloat64)).to(device_);
-  std::vector<at::Tensor> ts{t};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::MAX;
-  try {
-    Pending(this, pg_->allreduce(ts, opts), what).wait();
-  } catch (const DistError&) {
-    throw;
-  } catch (const std::exception& e) {
-    fail(what, short_what(e));
-  }
+  all_reduce_sum(t, what, /*max=*/true).wait();
   return t.item<double>();
 }
 

@@ -7,6 +7,7 @@
 // reported as a distributed failure.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -79,8 +80,8 @@ class Comm {
   const std::string& backend() const { return backend_; }  // "none" for one process
   bool distributed() const { return env_.world > 1; }
 
-  // In-place sum over ranks of `t` (contiguous).
-  Pending all_reduce_sum(const at::Tensor& t, const std::string& what);
+  // In-place sum (max: maximum) over ranks of `t` (contiguous).
+  Pending all_reduce_sum(const at::Tensor& t, const std::string& what, bool max = false);
   // out (world * n elements) <- concatenation of every rank's `in` (n elements), in rank order.
   Pending all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what);
   // out (n elements) <- this rank's n-element slice of the sum over ranks of `in` (world * n).
@@ -96,6 +97,7 @@ class Comm {
   [[noreturn]] void fail(const std::string& what, const std::string& detail);
 
  private:
+  Pending start(const std::string& what, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch);
   LaunchEnv env_;
   std::string backend_ = "none";
   c10::Device device_;
