@@ -347,6 +347,17 @@ TEST_CASE("bad launch environments exit 2 or 5 naming the problem") {
   CHECK(r.output.find("rendezvous") != std::string::npos);
   CHECK(s < 3 + 10);
   CHECK_FALSE(std::filesystem::exists(dir.path / "run"));  // nothing half-written
+
+  // Rank 0 cannot create the run directory: both ranks exit 2 at once, not after the timeout.
+  const auto blocker = dir.file("not-a-dir", "a file where the run directory's parent should be");
+  const auto t1 = std::chrono::steady_clock::now();
+  auto m = test::launch(2, "--config " + recipe + " --set parallel.timeout_s=60 --set logging.dir=" + blocker + "/run");
+  const auto s1 = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  INFO(m.outputs[0] << m.outputs[1]);
+  CHECK(m.codes[0] == kExitConfig);
+  CHECK(m.codes[1] == kExitConfig);
+  CHECK(m.outputs[0].find("cannot create run directory") != std::string::npos);
+  CHECK(s1 < 30);
 }
 
 TEST_CASE("SIGTERM to one rank stops every rank after the same step") {

@@ -370,7 +370,20 @@ int run(const config::RunConfig& recipe) {
   const double peak_flops = peak_measured ? measure_gemm_flops(device) : cfg.logging.peak_tflops * 1e12;
 
   const std::string run_dir = cfg.logging.dir.empty() ? default_run_dir(cfg) : cfg.logging.dir;
-  log::RunLog runlog(run_dir, rank0);
+  // Rank 0 alone creates the run directory; if it cannot, every rank stops with exit 2 now rather
+  // than waiting in the first collective for parallel.timeout_s.
+  std::unique_ptr<log::RunLog> runlog_owner;
+  std::string runlog_error;
+  try {
+    runlog_owner = std::make_unique<log::RunLog>(run_dir, rank0);
+  } catch (const ConfigError& e) {
+    runlog_error = e.what();
+  }
+  if (world > 1 && comm->all_reduce_max(runlog_error.empty() ? 0.0 : 1.0, "run directory check") > 0.0 &&
+      runlog_error.empty())
+    runlog_error = fmt::format("rank 0 could not create the run directory {} (see its error)", run_dir);
+  if (!runlog_error.empty()) throw ConfigError(runlog_error);
+  log::RunLog& runlog = *runlog_owner;
   Json resolved = config::to_json(cfg);
   runlog.write_json("config.json", resolved);
 
