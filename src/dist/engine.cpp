@@ -43,7 +43,8 @@ struct Engine::Group {
   torch::Tensor rs_out;       // zero2/3: reduce-scatter result while in flight
   size_t ready = 0;
   bool gathered = true;
-  Pending pending;
+  Pending pending;    // the gradient collective in flight
+  Pending gathering;  // zero3: the parameter all-gather in flight (a prefetch until waited)
   int64_t bytes() const { return padded * 4; }
 };
 
@@ -222,6 +223,7 @@ void Engine::attach(recompute::Policy& policy) {
 }
 
 void Engine::zero_grad() {
+  release_all();  // a prefetch left behind by a forward that did not finish
   gathers_ = 0;
   torch::NoGradGuard no_grad;
   for (auto& g : groups_) (sharding_ == "none" || sharding_ == "zero1" ? g->flat_grad : g->shard_grad).zero_();
@@ -369,7 +371,7 @@ void Engine::add_transient(int64_t bytes) {
 
 // ---- zero3: parameters exist only while gathered ----
 
-void Engine::gather_group(Group& g) {
+void Engine::start_gather(Group& g) {
   if (g.gathered) return;
   auto* storage = g.flat_param.storage().unsafeGetStorageImpl();
   const auto bytes = static_cast<size_t>(g.bytes());
@@ -378,11 +380,17 @@ void Engine::gather_group(Group& g) {
   g.gathered = true;
   ++gathers_;
   add_transient(g.bytes());
-  comm_->all_gather(g.flat_param, g.shard_param, "parameter all-gather of " + g.name).wait();
+  g.gathering = comm_->all_gather(g.flat_param, g.shard_param, "parameter all-gather of " + g.name);
+}
+
+void Engine::gather_group(Group& g) {
+  start_gather(g);
+  g.gathering.wait();  // a no-op unless this gather (or its prefetch) is still in flight
 }
 
 void Engine::release_group(Group& g) {
   if (!g.gathered) return;
+  g.gathering.wait();  // never free a buffer a collective is still writing
   auto* storage = g.flat_param.storage().unsafeGetStorageImpl();
   // The parameters (and any tensor autograd saved from them) keep this storage; only its memory goes.
   storage->set_data_ptr_noswap(c10::DataPtr(nullptr, g.flat_param.device()));
@@ -399,7 +407,13 @@ void Engine::release(int64_t unit) {
   for (size_t gi : unit_groups_[static_cast<size_t>(unit)]) release_group(*groups_[gi]);
 }
 
-void Engine::unit_before(int64_t unit) { gather(unit); }
+void Engine::unit_before(int64_t unit) {
+  gather(unit);
+  // Forward prefetch: start the next unit's all-gather so it overlaps this unit's compute (at most
+  // two units' parameters exist). Not in backward: a recompute's next unit is not the one needed.
+  if (!in_backward_ && unit + 1 < static_cast<int64_t>(unit_groups_.size()))
+    for (size_t gi : unit_groups_[static_cast<size_t>(unit + 1)]) start_gather(*groups_[gi]);
+}
 
 void Engine::unit_after(int64_t unit, const torch::Tensor& in, const torch::Tensor& out, bool needs_params_in_backward) {
   release(unit);

@@ -14,7 +14,7 @@
 //   zero2  like zero1, but each gradient is copied into a transient group buffer and freed; a ready
 //          group is reduce-scattered (every micro-batch) and only the rank's shard is kept.
 //   zero3  like zero2, and a unit's parameters exist only while gathered: before its forward
-//          (freed after), before its backward (from a hook on its output's gradient; freed from a
+//          (freed after; the next unit's all-gather is started meanwhile), before its backward (from a hook on its output's gradient; freed from a
 //          hook on its input's gradient), and before a recompute (the block's forward runs again).
 //
 // Collectives launch in one fixed group order on every rank, so they pair up across ranks
@@ -92,6 +92,7 @@ class Engine {
   void finish_in_flight();
   void gather(int64_t unit);
   void release(int64_t unit);
+  void start_gather(Group& g);
   void gather_group(Group& g);
   void release_group(Group& g);
   void unit_before(int64_t unit);
