@@ -77,6 +77,8 @@ PeakPrediction predict_peak(const config::RunConfig& cfg) {
       for (const auto& t : model::GPT(cfg.model, torch::kMeta)->parameters()) largest_param = std::max(largest_param, t.numel());
     }
     const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
+    // One bucket's full gradient: it fills while the backward still holds activations. (Its
+    // reduce-scatter output slice comes when the bucket is complete, after most of them are freed.)
     p.transient_bytes = std::min(G, std::max(cap, 4 * largest_param));
   } else if (sh == "zero3") {
     p.transient_bytes = 2 * 4 * largest_unit;

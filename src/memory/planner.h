@@ -18,8 +18,8 @@ namespace sl::memory {
 // Per rank, for cfg.world_size ranks and parallel.sharding (P, G, O = fp32 weights, gradients and
 // AdamW's two moments of the whole model; N = world size):
 //   none  P + G + O      zero1  P + G + O/N      zero2  P + (G + O)/N      zero3  (P + G + O)/N
-// plus what the stage holds transiently at the step's peak: zero2 one bucket's full gradient before
-// it is reduce-scattered; zero3 the largest unit's gathered parameters and its full gradient.
+// plus what the stage holds transiently at the step's peak: zero2 one bucket's full gradient; zero3
+// the largest unit's gathered parameters and its full gradient.
 struct PeakPrediction {
   int64_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0;  // held by this rank
   int64_t transient_bytes = 0;  // sharding: gathered parameters / unreduced gradients at the peak
