@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <thread>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -91,6 +92,13 @@ void Pending::wait() {
   } catch (const std::exception& e) {
     comm_->fail(what_, short_what(e));
   }
+  if (!settle_) return;
+  // The backend's worker thread drops its reference to a finished work (and with it the work's
+  // buffers: our transient tensors, Gloo's temporaries) a moment after wait() returns. Let that
+  // happen first, so the buffers are freed here, now, and not at a moment that depends on thread
+  // scheduling (under load, inside the next step's memory peak). At most 100 ms.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+  while (work.use_count() > 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
 }
 
 Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device device)
@@ -194,10 +202,12 @@ Pending Comm::reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in, co
     out.copy_(in);
     return {};
   }
-  return start(what, [&] {
+  auto p = start(what, [&] {
     auto o = out, i = in;
     return pg_->_reduce_scatter_base(o, i);
   });
+  p.settle_on_wait();  // its buffers are transient: free them deterministically
+  return p;
 }
 
 double Comm::all_reduce_sum(double v, const std::string& what) {

@@ -57,11 +57,15 @@ class Pending {
   ~Pending();
   void wait();
   bool active() const;
+  // wait() also waits (briefly) until the backend has released the work, so the buffers it holds
+  // are freed by the waiting thread. For collectives on transient buffers.
+  void settle_on_wait() { settle_ = true; }
 
  private:
   Comm* comm_ = nullptr;
   c10::intrusive_ptr<c10d::Work> work_;
   std::string what_;
+  bool settle_ = false;
 };
 
 class Comm {

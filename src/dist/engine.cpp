@@ -2,9 +2,7 @@
 #include "dist/engine.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <thread>
 
 #include <c10/core/StorageImpl.h>
 #include <fmt/format.h>
@@ -30,17 +28,6 @@ struct GradReadyHook : torch::autograd::FunctionPostHook {
 };
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-// Drops a communication buffer once the backend has let go of it. Gloo's worker thread releases its
-// reference to a finished work's tensors a moment after wait() returns; dropping ours first would
-// leave the memory to be freed at a time that depends on thread scheduling (under load, into the
-// next step's peak). Waits at most 100 ms, then drops anyway.
-void drop_when_unshared(torch::Tensor& t) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
-  while (t.defined() && t.storage().use_count() > 1 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::yield();
-  t.reset();
-}
 
 }  // namespace
 
@@ -284,8 +271,8 @@ void Engine::finish(size_t gi) {
   if (g.rs_out.defined()) {
     torch::NoGradGuard no_grad;
     g.shard_grad.add_(g.rs_out);
-    drop_when_unshared(g.rs_out);
-    drop_when_unshared(g.flat_grad);
+    g.rs_out.reset();
+    g.flat_grad.reset();
     add_transient(-g.bytes() - g.shard * 4);
   }
 }
