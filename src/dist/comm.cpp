@@ -92,11 +92,15 @@ void Pending::wait() {
   } catch (const std::exception& e) {
     comm_->fail(what_, short_what(e));
   }
-  if (!settle_) return;
-  // The backend's worker thread drops its reference to a finished work (and with it the work's
-  // buffers: our transient tensors, Gloo's temporaries) a moment after wait() returns. Let that
-  // happen first, so the buffers are freed here, now, and not at a moment that depends on thread
-  // scheduling (under load, inside the next step's memory peak). At most 100 ms.
+  if (then_) {
+    auto then = std::move(then_);
+    then_ = nullptr;
+    then();
+  }
+  // The backend's worker thread drops its reference to a finished work (and with it the tensors the
+  // work holds) a moment after wait() returns; under load, many milliseconds later. Let that happen
+  // first, so a buffer we drop next is freed here, now, and not at a moment that depends on thread
+  // scheduling (e.g. inside the next step's memory peak). At most 100 ms.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
   while (work.use_count() > 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
 }
@@ -202,12 +206,22 @@ Pending Comm::reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in, co
     out.copy_(in);
     return {};
   }
-  auto p = start(what, [&] {
+  if (backend_ == "gloo") {
+    // Gloo's reduce-scatter is an all-reduce of a copy of the input anyway; all-reducing the input
+    // in place does the same traffic without the hidden copy (whose allocation time would depend on
+    // Gloo's thread). `out` is then this rank's slice of it (often a view of exactly that slice).
+    auto p = all_reduce_sum(in, what);
+    const int64_t n = out.numel();
+    p.then([out, in, n, rank = env_.rank] {
+      auto mine = in.narrow(0, rank * n, n);
+      if (!(out.is_alias_of(mine) && out.data_ptr() == mine.data_ptr())) out.copy_(mine);
+    });
+    return p;
+  }
+  return start(what, [&] {
     auto o = out, i = in;
     return pg_->_reduce_scatter_base(o, i);
   });
-  p.settle_on_wait();  // its buffers are transient: free them deterministically
-  return p;
 }
 
 double Comm::all_reduce_sum(double v, const std::string& what) {

@@ -57,15 +57,15 @@ class Pending {
   ~Pending();
   void wait();
   bool active() const;
-  // wait() also waits (briefly) until the backend has released the work, so the buffers it holds
-  // are freed by the waiting thread. For collectives on transient buffers.
-  void settle_on_wait() { settle_ = true; }
+  // Runs after a successful wait() (e.g. copying this rank's slice out of an all-reduced buffer).
+  // wait() returns once the backend has also released the work, so the tensors it held are free.
+  void then(std::function<void()> fn) { then_ = std::move(fn); }
 
  private:
   Comm* comm_ = nullptr;
   c10::intrusive_ptr<c10d::Work> work_;
   std::string what_;
-  bool settle_ = false;
+  std::function<void()> then_;
 };
 
 class Comm {

@@ -254,8 +254,8 @@ void Engine::launch(size_t gi) {
     add_transient(g.bytes());
   }
   if (sharding_ == "zero3") release_group(g);  // its backward is over
-  g.rs_out = torch::empty({g.shard}, g.shard_grad.options());
-  add_transient(g.shard * 4);
+  // In place: the output is this rank's slice of the group's gradient buffer.
+  g.rs_out = g.flat_grad.narrow(0, rank_ * g.shard, g.shard);
   g.pending = comm_->reduce_scatter_sum(g.rs_out, g.flat_grad, "gradient reduce-scatter of " + g.name);
   in_flight_.push_back(gi);
 }
@@ -273,7 +273,7 @@ void Engine::finish(size_t gi) {
     g.shard_grad.add_(g.rs_out);
     g.rs_out.reset();
     g.flat_grad.reset();
-    add_transient(-g.bytes() - g.shard * 4);
+    add_transient(-g.bytes());
   }
 }
 
