@@ -80,8 +80,6 @@ Pending::Pending(Pending&&) noexcept = default;
 Pending& Pending::operator=(Pending&&) noexcept = default;
 Pending::~Pending() = default;
 
-bool Pending::active() const { return static_cast<bool>(work_); }
-
 void Pending::wait() {
   if (!work_) return;
   auto work = std::move(work_);

@@ -56,7 +56,6 @@ class Pending {
   Pending& operator=(Pending&&) noexcept;
   ~Pending();
   void wait();
-  bool active() const;
   // Runs after a successful wait() (e.g. copying this rank's slice out of an all-reduced buffer).
   // wait() returns once the backend has also released the work, so the tensors it held are free.
   void then(std::function<void()> fn) { then_ = std::move(fn); }

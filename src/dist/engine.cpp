@@ -304,11 +304,9 @@ double Engine::grad_norm() {
   torch::NoGradGuard no_grad;
   // Accumulated in float64: the norm (and so the clip factor) must not depend on how the gradient is
   // cut into buckets or shards, or the stages would drift apart by rounding (visible under bf16).
-  double sq = 0.0;
-  for (const auto& t : grads()) {
-    const double n = at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble).item<double>();
-    sq += n * n;
-  }
+  std::vector<torch::Tensor> norms;
+  for (const auto& t : grads()) norms.push_back(at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble));
+  double sq = torch::stack(norms).pow(2).sum().item<double>();  // one device sync, not one per group
   // none: every rank holds the whole averaged gradient; zero*: each holds a disjoint shard.
   if (sharding_ != "none") sq = comm_->all_reduce_sum(sq, "gradient norm");
   return std::sqrt(sq);

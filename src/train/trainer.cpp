@@ -55,11 +55,6 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v ? std::atoll(v) : fallback;
-}
-
 std::string default_run_dir(const config::RunConfig& cfg) {
   std::time_t now = std::time(nullptr);
   char stamp[32];
@@ -71,12 +66,12 @@ std::string default_run_dir(const config::RunConfig& cfg) {
 
 const char* current_phase() { return t_phase; }
 
-torch::Device resolve_device(const config::TrainConfig& t) {
+torch::Device resolve_device(const config::TrainConfig& t, int64_t local_rank) {
   const bool has_cuda = torch::cuda::is_available();
   if (t.device == "cuda" && !has_cuda)
     throw ConfigError("train.device: 'cuda' was asked for but no CUDA device is available; use cpu or auto");
   if (t.device == "cuda" || (t.device == "auto" && has_cuda))
-    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env_int("LOCAL_RANK", 0)));
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
   return torch::Device(torch::kCPU);
 }
 
@@ -297,7 +292,7 @@ int run(const config::RunConfig& recipe) {
   const int64_t world = launch.world, rank = launch.rank;
   cfg.world_size = world;
   const bool rank0 = rank == 0;
-  const torch::Device device = resolve_device(t);
+  const torch::Device device = resolve_device(t, launch.local_rank);
   if (device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);  // one GPU per local rank
   if (t.threads > 0) at::set_num_threads(static_cast<int>(t.threads));
   if (world > 1 && cfg.train.micro_batch == 0 && cfg.train.global_batch % world != 0)
