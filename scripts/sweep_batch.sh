@@ -302,7 +302,7 @@ run_trial() {
   mapfile -t _sets < <(mode_sets "$m")
   cmd+=("${_sets[@]}"
         --set "train.micro_batch=$b" --set train.grad_accum=1 --set "train.steps=$STEPS"
-        --set train.eval_interval=0 --set "logging.dir=$run_dir" --set logging.progress=false
+        --set train.eval_interval=0 --set "logging.dir=$run_dir" --set logging.overwrite=true --set logging.progress=false
         --set "logging.skip_first=$SKIP_FIRST")
   [[ -z "$LIMIT" ]] || cmd+=(--set "memory.limit=$LIMIT")
   TRIAL=$((TRIAL + 1))

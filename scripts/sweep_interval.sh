@@ -246,7 +246,7 @@ run_one() {
   fi
   cmd+=(--set checkpointing.segments=0 --set "checkpointing.recompute=[]"
         --set train.grad_accum=1 --set "train.steps=$STEPS" --set train.eval_interval=0
-        --set "logging.dir=$run_dir" --set logging.progress=false --set "logging.skip_first=$SKIP_FIRST")
+        --set "logging.dir=$run_dir" --set logging.overwrite=true --set logging.progress=false --set "logging.skip_first=$SKIP_FIRST")
   (cd "$ROOT" && "${cmd[@]}") > "$log" 2>&1 || rc=$?
   case "$rc" in
     0|4) py row "$ROWS" "$([[ -z "$k" ]] && echo none || echo interval)" "$k" "$rc" "$run_dir" ||

@@ -11,7 +11,8 @@ const char* exit_code_name(int code) {
     case kExitData: return "data_error";
     case kExitOom: return "out_of_memory";
     case kExitDistributed: return "distributed_failure";
-    case kExitNonFinite: return "non_finite_loss";
+    case kExitNonFinite: return "non_finite";
+    case kExitIo: return "io_error";
     case kExitSigint: return "interrupted_sigint";
     case kExitSigterm: return "interrupted_sigterm";
     default: return "error";

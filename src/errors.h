@@ -12,7 +12,8 @@ enum ExitCode : int {
   kExitData = 3,         // data file missing, malformed or incompatible
   kExitOom = 4,          // out of memory (real or simulated)
   kExitDistributed = 5,  // rendezvous, collective timeout, peer died
-  kExitNonFinite = 6,    // loss became NaN/Inf and the run aborted
+  kExitNonFinite = 6,    // loss or gradients became NaN/Inf (or fp16 kept skipping) and the run aborted
+  kExitIo = 7,           // a file could not be written (disk full, permissions); earlier records stay valid
   kExitSigint = 130,     // interrupted by SIGINT after writing the summary
   kExitSigterm = 143,    // interrupted by SIGTERM after writing the summary
 };
@@ -30,6 +31,12 @@ struct DataError : Error {
 };
 struct NonFiniteError : Error {
   explicit NonFiniteError(const std::string& what) : Error(kExitNonFinite, what) {}
+};
+struct IoError : Error {
+  explicit IoError(const std::string& what) : Error(kExitIo, what) {}
+};
+struct OomError : Error {
+  explicit OomError(const std::string& what) : Error(kExitOom, what) {}
 };
 
 // Short name of an exit code for logs ("ok", "config_error", ...).

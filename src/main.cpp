@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -64,10 +65,9 @@ int main(int argc, char** argv) {
       throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
     auto cfg = sl::config::load(config_path, overrides);
     if (plan_cmd->parsed()) {
-      if (plan_world > 0) {
+      if (plan_world > 0) {  // default: WORLD_SIZE, read by config::load
         cfg.world_size = plan_world;
-      } else if (const char* w = std::getenv("WORLD_SIZE"); w && std::atoll(w) > 0) {
-        cfg.world_size = std::atoll(w);
+        sl::config::validate(cfg);  // train.global_batch against this world size
       }
       const int64_t memory = plan_memory.empty() ? sl::config::memory_limit_bytes(cfg)
                                                  : sl::config::parse_bytes(plan_memory, "--memory");
@@ -88,9 +88,14 @@ int main(int argc, char** argv) {
   } catch (const c10::OutOfMemoryError& e) {
     fmt::print(stderr, "error: out of memory before training started: {}\n", e.what_without_backtrace());
     return sl::kExitOom;
+  } catch (const std::bad_alloc& e) {
+    fmt::print(stderr, "error: out of memory before training started: {}\n", e.what());
+    return sl::kExitOom;
   } catch (const c10::Error& e) {
-    fmt::print(stderr, "error: LibTorch: {}\n", e.what_without_backtrace());
-    return 1;
+    const std::string what = e.what_without_backtrace();
+    const bool oom = what.find("can't allocate memory") != std::string::npos;  // LibTorch's default CPU allocator
+    fmt::print(stderr, "error: {}{}\n", oom ? "out of memory before training started: " : "LibTorch: ", what);
+    return oom ? sl::kExitOom : sl::kExitInternal;
   } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;

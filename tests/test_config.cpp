@@ -2,7 +2,7 @@
 // message that names the key (and the YAML line where there is one).
 #include <filesystem>
 
-#include <catch2/catch.hpp>
+#include "catch.h"
 #include <nlohmann/json.hpp>
 
 #include "config/config.h"
@@ -85,6 +85,8 @@ struct BadCase {
   const char* extra;
   std::vector<const char*> expect;  // substrings of the message
 };
+// A valid recipe for cases about --set (an empty recipe file is an error of its own).
+constexpr const char* kAnyRecipe = "train: {}\n";
 }  // namespace
 
 TEST_CASE("bad recipes exit 2 with a message naming the key, before any output is written") {
@@ -113,14 +115,17 @@ TEST_CASE("bad recipes exit 2 with a message naming the key, before any output i
       {"text data with a small vocab", "data:\n  source: text\n  path: data/corpus.txt\nmodel:\n  vocab_size: 100\n", "", {"model.vocab_size", ">= 256"}},
       {"unsupported precision", "precision:\n  compute: fp8\n", "", {"precision.compute: 'fp8'"}},
       {"bad loss scale", "precision:\n  compute: fp16\n  loss_scale: huge\n", "", {"precision.loss_scale: 'huge'"}},
-      {"--set unknown key", "", "--set train.stepz=3", {"unknown key 'stepz'", "steps"}},
-      {"--set unknown section", "", "--set trian.steps=3", {"unknown section 'trian'"}},
-      {"--set without =", "", "--set train.steps", {"expected section.key=value"}},
-      {"--set wrong type", "", "--set train.lr=abc", {"train.lr: expected number, got 'abc'"}},
-      {"bad memory size", "", "--set memory.limit=lots", {"memory.limit: 'lots' is not a size"}},
-      {"global batch disagrees", "", "--set train.global_batch=7", {"train.global_batch: 7 is not"}},
-      {"--set missing value", "", "--set train.steps=", {"train.steps", "missing value"}},
+      {"--set unknown key", kAnyRecipe, "--set train.stepz=3", {"unknown key 'stepz'", "steps"}},
+      {"--set unknown section", kAnyRecipe, "--set trian.steps=3", {"unknown section 'trian'"}},
+      {"--set without =", kAnyRecipe, "--set train.steps", {"expected section.key=value"}},
+      {"--set wrong type", kAnyRecipe, "--set train.lr=abc", {"train.lr: expected number, got 'abc'"}},
+      {"bad memory size", kAnyRecipe, "--set memory.limit=lots", {"memory.limit: 'lots' is not a size"}},
+      {"global batch disagrees", kAnyRecipe, "--set train.global_batch=7", {"train.global_batch: 7 is not"}},
+      {"--set missing value", kAnyRecipe, "--set train.steps=", {"train.steps", "missing value"}},
       {"missing recipe file", nullptr, "--config /nonexistent/recipe.yaml", {"cannot open the recipe file"}},
+      {"recipe is a directory", nullptr, "--config configs", {"--config configs: is a directory"}},
+      {"empty recipe file", "# nothing but a comment\n", "", {"bad.yaml: the recipe is empty"}},
+      {"key given twice", "train:\n  steps: 2\n  steps: 3\n", "", {"bad.yaml: key 'train.steps' is given twice (lines 2 and 3)"}},
       {"no recipe at all", nullptr, "", {"--config: no recipe given"}},
       {"unknown flag", nullptr, "--config configs/tiny.yaml --bogus", {"bogus"}},
   };
@@ -149,4 +154,53 @@ TEST_CASE("the README's recipe reference names every key") {
       INFO(sec + "." + k);
       CHECK(readme.find("`" + sec + "." + k + "`") != std::string::npos);
     }
+}
+
+namespace {
+// The message of the ConfigError that config::load(path) throws; "" when it loads.
+std::string load_error(const std::string& path) {
+  try {
+    config::load(path, {});
+  } catch (const ConfigError& e) {
+    CHECK(e.code == kExitConfig);
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("recipe files that say nothing, or say a key twice, are refused naming the file and lines") {
+  test::TempDir dir("recipefile");
+  const std::vector<std::pair<const char*, std::vector<const char*>>> cases = {
+      {"", {"the recipe is empty"}},
+      {"# only a comment\n\n   # and another\n", {"the recipe is empty"}},
+      {"---\n", {"the recipe is empty"}},
+      {"~\n", {"the recipe is empty"}},
+      {"train:\n  steps: 2\n  lr: 0.01\n  steps: 3\n", {"key 'train.steps' is given twice (lines 2 and 4)"}},
+      {"train:\n  steps: 2\n  \"steps\": 3\n", {"key 'train.steps' is given twice (lines 2 and 3)"}},
+      {"train: {steps: 2, steps: 3}\n", {"key 'train.steps' is given twice (line 1, columns 9 and 19)"}},
+      {"train:\n  steps: 2\nmodel:\n  n_layer: 2\ntrain:\n  lr: 0.1\n", {"section 'train' is given twice (lines 1 and 5)"}},
+      {"model:\n  preset: tiny\n---\ntrain:\n  steps: 2\n", {"2 YAML documents", "the second would be ignored (line 4)"}},
+      {"- model\n- train\n", {"the recipe must be a map of sections", "not a list"}},
+      {"tiny\n", {"the recipe must be a map of sections", "not the single value 'tiny'"}},
+      {"train:\n  [steps]: 2\n", {"not a plain name", "line 2"}},
+  };
+  for (const auto& [yaml, expect] : cases) {
+    INFO(yaml);
+    const std::string path = dir.file("r.yaml", yaml);
+    const std::string msg = load_error(path);
+    CHECK(msg.find(path) != std::string::npos);
+    for (const char* e : expect) CHECK(msg.find(e) != std::string::npos);
+  }
+  CHECK(load_error(dir.path.string()).find(dir.path.string() + ": is a directory") != std::string::npos);
+}
+
+TEST_CASE("document markers, a trailing ---, and comment-only text (in memory) still load") {
+  test::TempDir dir("recipefile-ok");
+  auto cfg = config::load(dir.file("ok.yaml", "# a recipe\n---\ntrain:\n  steps: 3\nmodel:\n  n_layer: 2\n---\n"), {});
+  CHECK(cfg.train.steps == 3);
+  CHECK(cfg.model.n_layer == 2);
+  CHECK(cfg.recipe_name == "ok");
+  // In-memory text without a document stands for the defaults (the tests and --set-only runs use it).
+  CHECK(config::to_json(config::load_string("# nothing\n", {})) == config::to_json(config::load_string("", {})));
 }

@@ -4,7 +4,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include <catch2/catch.hpp>
+#include "catch.h"
 #include <torch/torch.h>
 
 #include "config/config.h"

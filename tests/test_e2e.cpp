@@ -1,10 +1,14 @@
 // End to end: the trainer binary on configs/tiny.yaml lowers the loss and writes metrics.jsonl and
 // summary.json with every documented field; a diverging run exits 6 and a SIGTERM'd run exits 143,
-// each with its summary written.
+// each with its summary written. Faults end cleanly: a model too big for the device is refused before
+// any weight exists (4), a real allocation failure in the loop is an oom (4), a second run into the
+// same directory is refused (2), a failed write stops the run with 7 and leaves valid JSONL, and fp16
+// that keeps skipping is diverged (6).
 #include <filesystem>
 #include <fstream>
 
-#include <catch2/catch.hpp>
+#include "catch.h"
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "errors.h"
@@ -18,6 +22,20 @@ std::vector<json> read_jsonl(const std::filesystem::path& p) {
   std::vector<json> out;
   std::ifstream in(p);
   for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+  return out;
+}
+
+// This test process's virtual size (it maps the same LibTorch libraries as the trainer).
+int64_t own_virtual_kib() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmSize:", 0) == 0) return std::stoll(line.substr(7));
+  return 0;
+}
+
+std::vector<std::string> files_in(const std::filesystem::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) out.push_back(e.path().filename().string());
   return out;
 }
 }  // namespace
@@ -59,6 +77,10 @@ TEST_CASE("tiny recipe trains, lowers the loss and writes both JSON logs") {
   for (const char* key : {"torch_version", "device", "threads", "world_size", "memory_source"})
     CHECK(summary["environment"].contains(key));
   CHECK(summary["environment"]["memory_source"] == "cpu_tracking_allocator");
+  // The CPU and the capabilities that change memory or speed (memory/cpu_features.h).
+  for (const char* key : {"cpu_model", "aten_cpu_capability", "avx512_bf16", "amx_bf16", "bf16_matmul", "fp16_matmul"})
+    CHECK(summary["environment"]["cpu"].contains(key));
+  CHECK_FALSE(summary["environment"]["cpu"]["cpu_model"].get<std::string>().empty());
   CHECK(summary["config"]["train"]["steps"] == 40);
   CHECK(summary["steps"] == 40);
   CHECK(summary["exit_status"]["code"] == 0);
@@ -82,8 +104,10 @@ TEST_CASE("a diverging run stops with exit code 6 and says so in summary.json") 
   CHECK(r.code == kExitNonFinite);
   auto summary = json::parse(test::read_text(run_dir / "summary.json"));
   CHECK(summary["exit_status"]["code"] == kExitNonFinite);
-  CHECK(summary["exit_status"]["name"] == "non_finite_loss");
-  CHECK(test::read_text(run_dir / "metrics.jsonl").find("\"event\":\"non_finite_loss\"") != std::string::npos);
+  CHECK(summary["exit_status"]["name"] == "non_finite");
+  const std::string log = test::read_text(run_dir / "metrics.jsonl");
+  CHECK((log.find("\"event\":\"non_finite_loss\"") != std::string::npos ||
+         log.find("\"event\":\"non_finite_grad\"") != std::string::npos));
 }
 
 TEST_CASE("SIGTERM stops after the current step with exit code 143 and a summary") {
@@ -198,4 +222,117 @@ TEST_CASE("bf16 autocast trains the tiny recipe like fp32; fp16 logs its loss sc
   CHECK(std::abs(last5(fp16) - last5(fp32)) < 0.1);
   // bf16 keeps activations in half the bytes where autocast computes in it.
   CHECK(s16b["median_activation_peak_bytes"].get<int64_t>() < 0.8 * s32["median_activation_peak_bytes"].get<int64_t>());
+}
+
+TEST_CASE("a model whose states exceed the device is refused before any weight exists, exit 4") {
+  test::TempDir dir("toobig");
+  for (const std::string set : {"model.n_layer=1000000000", "model.n_embd=65536"}) {
+    auto r = test::trainer("--config configs/tiny.yaml --set " + set + " --set logging.dir=" + (dir.path / "run").string());
+    INFO(set << "\n" << r.output);
+    CHECK(r.code == kExitOom);
+    CHECK(r.output.find("cannot fit") != std::string::npos);
+    CHECK(r.output.find("physical memory") != std::string::npos);  // no memory.limit: the machine's memory
+    CHECK(r.output.find("zero3 over at least") != std::string::npos);
+    CHECK_FALSE(std::filesystem::exists(dir.path / "run"));
+  }
+  // Under memory.limit the limit is the capacity: 8 layers of d=512 (25 M parameters, 400 MB of states).
+  auto r = test::trainer("--config configs/tiny.yaml --set model.n_layer=8 --set model.n_embd=512 --set memory.limit=256MiB "
+                         "--set logging.dir=" + (dir.path / "run").string());
+  INFO(r.output);
+  CHECK(r.code == kExitOom);
+  CHECK(r.output.find("the memory.limit is 256.0 MiB") != std::string::npos);
+}
+
+TEST_CASE("an allocation the system refuses inside the loop is an oom: exit 4, event and summary") {
+  // The address-space limit lets the libraries load and the model build, then refuses the
+  // activations of a 2048 x 128 micro-batch (several GiB). With and without the tracking allocator.
+  const int64_t limit_kib = own_virtual_kib() + (1 << 20) + (1 << 19);  // + 1.5 GiB
+  for (const std::string track : {"true", "false"}) {
+    test::TempDir dir("as");
+    const auto run_dir = dir.path / "run";
+    auto r = test::run(fmt::format("cd {} && ulimit -v {} && OMP_NUM_THREADS=1 {} --config configs/tiny.yaml "
+                                   "--set train.micro_batch=2048 --set train.steps=2 --set logging.peak_tflops=1 "
+                                   "--set memory.track_cpu={} --set logging.dir={}",
+                                   test::kSourceDir, limit_kib, test::kTrainer, track, run_dir.string()));
+    INFO("track_cpu " << track << "\n" << r.output);
+    CHECK(r.code == kExitOom);
+    REQUIRE(std::filesystem::exists(run_dir / "summary.json"));
+    const auto summary = json::parse(test::read_text(run_dir / "summary.json"));
+    CHECK(summary["exit_status"]["code"] == kExitOom);
+    CHECK(summary["oom"]["phase"] == "forward");
+    const auto recs = read_jsonl(run_dir / "metrics.jsonl");
+    REQUIRE_FALSE(recs.empty());
+    CHECK(recs.back()["event"] == "oom");
+  }
+}
+
+TEST_CASE("a second run into the same logging.dir is refused unless logging.overwrite is set") {
+  test::TempDir dir("again");
+  const auto run_dir = dir.path / "run";
+  const std::string args = "--config configs/tiny.yaml --set train.steps=3 --set train.eval_interval=0 "
+                           "--set logging.peak_tflops=1 --set logging.dir=" + run_dir.string();
+  REQUIRE(test::trainer(args).code == 0);
+  const std::string first = test::read_text(run_dir / "metrics.jsonl");
+  auto again = test::trainer(args + " --set train.steps=2");
+  INFO(again.output);
+  CHECK(again.code == kExitConfig);
+  CHECK(again.output.find(run_dir.string() + " already holds a run") != std::string::npos);
+  CHECK(again.output.find("logging.overwrite") != std::string::npos);
+  CHECK(test::read_text(run_dir / "metrics.jsonl") == first);  // untouched
+  auto forced = test::trainer(args + " --set train.steps=2 --set logging.overwrite=true");
+  CHECK(forced.code == 0);
+  CHECK(read_jsonl(run_dir / "metrics.jsonl").size() == 2);
+}
+
+TEST_CASE("a write that fails stops the run with exit 7; metrics.jsonl keeps whole records") {
+  // RLIMIT_FSIZE (SIGXFSZ ignored) makes writes past the size fail with EFBIG, the first of them
+  // part-way through a record, like a file system that fills up. 16 KiB: metrics.jsonl fills after ~30
+  // records, summary.json still fits; 4 KiB: summary.json does not fit either.
+  for (const int kib : {16, 4}) {
+    test::TempDir dir("full");
+    const auto run_dir = dir.path / "run";
+    auto r = test::run(fmt::format("cd {} && trap '' XFSZ && ulimit -f {} && OMP_NUM_THREADS=1 {} --config configs/tiny.yaml "
+                                   "--set train.steps=200 --set train.micro_batch=1 --set train.seq_len=16 "
+                                   "--set train.eval_interval=0 --set logging.peak_tflops=1 --set logging.dir={}",
+                                   test::kSourceDir, kib, test::kTrainer, run_dir.string()));
+    INFO(kib << " KiB\n" << r.output);
+    CHECK(r.code == kExitIo);
+    CHECK(r.output.find((run_dir / "metrics.jsonl").string()) != std::string::npos);
+    CHECK(r.output.find("File too large") != std::string::npos);
+    const std::string text = test::read_text(run_dir / "metrics.jsonl");
+    REQUIRE_FALSE(text.empty());
+    CHECK(text.back() == '\n');
+    const auto recs = read_jsonl(run_dir / "metrics.jsonl");  // throws on a partial record
+    CHECK(recs.size() < 200);
+    for (const auto& f : files_in(run_dir)) CHECK(f.find(".tmp") == std::string::npos);
+    if (kib == 16) {
+      const auto summary = json::parse(test::read_text(run_dir / "summary.json"));
+      CHECK(summary["exit_status"]["code"] == kExitIo);
+      CHECK(summary["exit_status"]["name"] == "io_error");
+      // The step whose record could not be written was trained: it counts, its record is missing.
+      CHECK(summary["steps"].get<int64_t>() == static_cast<int64_t>(recs.size()) + 1);
+    } else {
+      CHECK(r.output.find("summary.json") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("fp16 that keeps skipping steps is diverged: exit 6 with a diverged event") {
+  test::TempDir dir("fp16div");
+  const auto run_dir = dir.path / "run";
+  auto r = test::trainer("--config configs/tiny.yaml --set precision.compute=fp16 --set train.lr=1e4 "
+                         "--set train.warmup_steps=0 --set train.steps=40 --set train.eval_interval=0 --set train.micro_batch=2 "
+                         "--set train.seq_len=32 "
+                         "--set precision.max_skipped_steps=4 --set logging.peak_tflops=1 --set logging.dir=" +
+                         run_dir.string());
+  INFO(r.output);
+  CHECK(r.code == kExitNonFinite);
+  const auto summary = json::parse(test::read_text(run_dir / "summary.json"));
+  CHECK(summary["exit_status"]["code"] == kExitNonFinite);
+  CHECK(summary["skipped_steps"].get<int64_t>() >= 4);
+  CHECK(summary["steps"].get<int64_t>() < 40);
+  const auto recs = read_jsonl(run_dir / "metrics.jsonl");
+  REQUIRE_FALSE(recs.empty());
+  CHECK(recs.back()["event"] == "diverged");
+  CHECK(recs.back()["consecutive_skips"] == 4);
 }

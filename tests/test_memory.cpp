@@ -1,5 +1,5 @@
 // Tracking CPU allocator and the memory tracker: a known allocation shows up exactly.
-#include <catch2/catch.hpp>
+#include "catch.h"
 #include <torch/torch.h>
 
 #include "memory/tracker.h"

@@ -1,7 +1,7 @@
 // Model: preset parameter counts (built on the meta device, no memory), shapes, causality, init.
 #include <cmath>
 
-#include <catch2/catch.hpp>
+#include "catch.h"
 #include <torch/torch.h>
 
 #include "config/config.h"

@@ -1,7 +1,7 @@
 // Checkpoint engine and policies: bitwise-equal gradients for every mode (dropout on, L not divisible
 // by k), eval without recompute, accumulation, inputs without grad, several outputs, no leaks,
 // the pre-recompute hook, the recompute check, and the segment plans.
-#include <catch2/catch.hpp>
+#include "catch.h"
 #include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <torch/torch.h>

@@ -1,9 +1,13 @@
 // Training step pieces: accumulation equals one big batch, LR schedule, optimizer groups,
-// model-state bytes, FLOPs formula.
+// model-state bytes, FLOPs formula; the loop's handling of non-finite gradients and unexpected
+// errors (faults injected through gradient hooks into a real setup()/train_loop()/finish()).
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <map>
+#include <sstream>
 
-#include <catch2/catch.hpp>
+#include "catch.h"
 #include <torch/torch.h>
 
 #include "config/config.h"
@@ -13,9 +17,12 @@
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
 #include "train/schedule.h"
+#include "test_util.h"
+#include "train/run.h"
 #include "train/trainer.h"
 
 using namespace sl;
+using nlohmann::json;
 
 namespace {
 config::RunConfig small_config() {
@@ -170,4 +177,159 @@ TEST_CASE("fp16 accumulation: every micro-step uses the same scale; unscaled gra
   bool all_close = true;
   for (size_t i = 0; i < a.size(); ++i) all_close &= torch::allclose(a[i], uneven[i], 1e-3, 2e-6);
   CHECK_FALSE(all_close);
+}
+
+namespace {
+// A 3-step run of a 2-layer model on synthetic data into `dir` (no GEMM probe: peak_tflops given).
+config::RunConfig loop_config(const std::filesystem::path& dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> sets = {"model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=32",
+                                   "train.micro_batch=2", "train.steps=3", "train.eval_interval=0",
+                                   "train.device=cpu", "data.source=synthetic", "data.synthetic_tokens=20000",
+                                   "logging.peak_tflops=1", "logging.progress=false", "logging.dir=" + dir.string()};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return config::load_string("", sets);
+}
+
+std::vector<torch::Tensor> snapshot(const model::GPT& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!torch::equal(a[i], b[i])) return false;
+  return true;
+}
+
+// Runs the loop with `fault` applied to block 0's qkv-weight gradient in the backward of every step
+// (call = 1, 2, ...); `seen[call]` is a copy of the parameters as that backward found them.
+struct FaultRun {
+  int code = -1;
+  train::LoopState st;
+  std::map<int, std::vector<torch::Tensor>> seen;
+  std::vector<torch::Tensor> final_params;
+  int64_t adam_steps = 0;
+};
+FaultRun run_with_fault(const config::RunConfig& cfg, std::function<torch::Tensor(int, torch::Tensor)> fault) {
+  FaultRun out;
+  auto s = train::setup(cfg);
+  int call = 0;
+  auto* block = s->model->blocks[0]->as<model::BlockImpl>();
+  block->w_qkv.register_hook([&, m = s->model](torch::Tensor g) {
+    ++call;
+    out.seen[call] = snapshot(m);
+    return fault(call, g);
+  });
+  out.code = train::finish(*s, out.st, train::train_loop(*s, out.st));
+  out.final_params = snapshot(s->model);
+  const auto& state = s->opt->state();
+  auto it = state.find(block->w_qkv.unsafeGetTensorImpl());
+  if (it != state.end()) out.adam_steps = static_cast<torch::optim::AdamWParamState&>(*it->second).step();
+  return out;
+}
+
+torch::Tensor nan_at_call_2(int call, torch::Tensor g) {
+  return call == 2 ? g * std::numeric_limits<float>::quiet_NaN() : g;
+}
+
+std::vector<json> records(const std::filesystem::path& dir) {
+  std::vector<json> out;
+  std::istringstream in(test::read_text(dir / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+  return out;
+}
+}  // namespace
+
+TEST_CASE("NaN gradients with a finite loss: on_nonfinite abort stops before the optimizer step, exit 6") {
+  test::TempDir dir("nan-abort");
+  const auto r = run_with_fault(loop_config(dir.path / "run"), nan_at_call_2);
+  CHECK(r.code == kExitNonFinite);
+  CHECK(r.st.steps_done == 1);
+  // The weights are those step 2's backward saw: the NaN never reached AdamW.
+  REQUIRE(r.seen.count(2));
+  CHECK(same(r.final_params, r.seen.at(2)));
+  CHECK(r.adam_steps == 1);
+  const auto summary = json::parse(test::read_text(dir.path / "run" / "summary.json"));
+  CHECK(summary["exit_status"]["code"] == kExitNonFinite);
+  CHECK(summary["exit_status"]["name"] == "non_finite");
+  CHECK(summary["exit_status"]["message"].get<std::string>().find("train.on_nonfinite: skip") != std::string::npos);
+  const auto recs = records(dir.path / "run");
+  REQUIRE(recs.size() == 2);  // step 1, then the event
+  CHECK(recs[1]["event"] == "non_finite_grad");
+  CHECK(recs[1]["step"] == 2);
+  CHECK(std::isfinite(recs[1]["loss"].get<double>()));
+}
+
+TEST_CASE("NaN gradients with on_nonfinite skip: that step leaves the weights untouched, a skip event, training goes on") {
+  test::TempDir dir("nan-skip");
+  const auto r = run_with_fault(loop_config(dir.path / "run", {"train.on_nonfinite=skip"}), nan_at_call_2);
+  CHECK(r.code == kExitOk);
+  CHECK(r.st.steps_done == 3);
+  CHECK(r.st.skipped_steps == 1);
+  REQUIRE(r.seen.count(3));
+  CHECK(same(r.seen.at(2), r.seen.at(3)));      // step 2 did not move the weights
+  CHECK_FALSE(same(r.seen.at(3), r.final_params));  // step 3 did
+  CHECK(r.adam_steps == 2);
+  for (const auto& p : r.final_params) CHECK(torch::isfinite(p).all().item<bool>());
+  const auto recs = records(dir.path / "run");
+  int skips = 0;
+  for (const auto& rec : recs) {
+    if (rec.value("event", "") == "skip") {
+      ++skips;
+      CHECK(rec["reason"] == "non_finite_grad");
+      CHECK(rec["step"] == 2);
+    } else if (rec.contains("step") && rec["step"] == 2 && !rec.contains("event")) {
+      CHECK(rec["skipped"] == true);
+      CHECK(rec["grad_norm"].is_null());
+    }
+  }
+  CHECK(skips == 1);
+  const auto summary = json::parse(test::read_text(dir.path / "run" / "summary.json"));
+  CHECK(summary["skipped_steps"] == 1);
+  CHECK(summary["exit_status"]["code"] == kExitOk);
+}
+
+TEST_CASE("an unexpected exception inside the loop writes an error event and a complete summary, exit 1") {
+  test::TempDir dir("fault");
+  const auto r = run_with_fault(loop_config(dir.path / "run"), [](int call, torch::Tensor g) {
+    if (call == 2) throw std::runtime_error("injected fault in a gradient hook");
+    return g;
+  });
+  CHECK(r.code == kExitInternal);
+  CHECK(r.st.steps_done == 1);
+  const auto summary = json::parse(test::read_text(dir.path / "run" / "summary.json"));
+  CHECK(summary["exit_status"]["code"] == kExitInternal);
+  CHECK(summary["exit_status"]["message"].get<std::string>().find("injected fault") != std::string::npos);
+  CHECK(summary["steps"] == 1);
+  CHECK(summary.contains("memory_breakdown"));
+  const auto recs = records(dir.path / "run");
+  REQUIRE_FALSE(recs.empty());
+  CHECK(recs.back()["event"] == "error");
+  CHECK(recs.back()["step"] == 2);
+  CHECK(recs.back()["message"].get<std::string>().find("injected fault") != std::string::npos);
+}
+
+TEST_CASE("train.global_batch counts sequences per optimizer step over all ranks") {
+  struct WorldSize {  // WORLD_SIZE for config::load, restored after
+    explicit WorldSize(const char* v) { ::setenv("WORLD_SIZE", v, 1); }
+    ~WorldSize() { ::unsetenv("WORLD_SIZE"); }
+  };
+  const std::vector<std::string> explicit_batch = {"train.micro_batch=4", "train.grad_accum=2", "train.global_batch=16"};
+  {
+    WorldSize w("2");
+    const auto cfg = config::load_string("", explicit_batch);
+    CHECK(cfg.world_size == 2);
+    CHECK_THROWS_WITH(config::load_string("", {"train.micro_batch=4", "train.grad_accum=2", "train.global_batch=8"}),
+                      Catch::Contains("train.global_batch: 8 is not train.micro_batch * train.grad_accum * WORLD_SIZE = 4 * 2 * 2 = 16"));
+    // micro_batch: auto divides it by the world size, so it must divide evenly.
+    CHECK_NOTHROW(config::load_string("", {"train.micro_batch=auto", "train.global_batch=16", "memory.limit=1GiB"}));
+    CHECK_THROWS_WITH(config::load_string("", {"train.micro_batch=auto", "train.global_batch=15", "memory.limit=1GiB"}),
+                      Catch::Contains("not divisible by WORLD_SIZE 2"));
+  }
+  {
+    WorldSize w("1");
+    CHECK_THROWS_WITH(config::load_string("", explicit_batch), Catch::Contains("train.global_batch: 16 is not"));
+    CHECK_NOTHROW(config::load_string("", {"train.micro_batch=4", "train.grad_accum=2", "train.global_batch=8"}));
+  }
 }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -116,7 +117,7 @@ const std::vector<Field>& fields() {
 
       field(&R::train, &T::seq_len, "train", "seq_len", "tokens per sequence T (<= model.max_seq_len)"),
       micro_batch_field(),
-      field(&R::train, &T::global_batch, "train", "global_batch", "sequences per optimizer step, kept by micro_batch: auto; 0 = micro_batch * grad_accum"),
+      field(&R::train, &T::global_batch, "train", "global_batch", "sequences per optimizer step over all ranks (micro_batch * grad_accum * WORLD_SIZE), kept by micro_batch: auto; 0 = derived"),
       field(&R::train, &T::grad_accum, "train", "grad_accum", "micro-batches per optimizer step (loss is normalized so one step equals one big batch)"),
       field(&R::train, &T::steps, "train", "steps", "optimizer steps"),
       field(&R::train, &T::lr, "train", "lr", "peak learning rate"),
@@ -131,6 +132,7 @@ const std::vector<Field>& fields() {
       field(&R::train, &T::seed, "train", "seed", "seeds initialization, dropout and batch sampling"),
       field(&R::train, &T::device, "train", "device", "auto | cpu | cuda (auto = cuda when available)"),
       field(&R::train, &T::threads, "train", "threads", "CPU intra-op threads; 0 = all cores"),
+      field(&R::train, &T::on_nonfinite, "train", "on_nonfinite", "fp32/bf16 gradients with NaN/Inf (finite loss): abort (exit 6 before the optimizer step) | skip (weights untouched, a skip event)"),
 
       field(&R::checkpointing, &C::mode, "checkpointing", "mode", "none | full | interval | sqrt | selective"),
       field(&R::checkpointing, &C::interval, "checkpointing", "interval", "interval mode: k consecutive blocks per segment"),
@@ -146,6 +148,7 @@ const std::vector<Field>& fields() {
       field(&R::precision, &PrecisionConfig::growth_factor, "precision", "growth_factor", "fp16 dynamic scaling: scale multiplier after growth_interval clean steps"),
       field(&R::precision, &PrecisionConfig::backoff_factor, "precision", "backoff_factor", "fp16 dynamic scaling: scale multiplier after a step with non-finite gradients"),
       field(&R::precision, &PrecisionConfig::growth_interval, "precision", "growth_interval", "fp16 dynamic scaling: clean steps between growths"),
+      field(&R::precision, &PrecisionConfig::max_skipped_steps, "precision", "max_skipped_steps", "fp16: this many skipped steps in a row mean the run diverged (exit 6); 0 = never give up"),
       field(&R::parallel, &ParallelConfig::backend, "parallel", "backend", "auto | gloo | nccl (auto: NCCL on CUDA, Gloo on CPU); used when WORLD_SIZE > 1"),
       field(&R::parallel, &ParallelConfig::sharding, "parallel", "sharding", "none (DDP) | zero1 (optimizer states) | zero2 (+ gradients) | zero3 (+ parameters, per block)"),
       field(&R::parallel, &ParallelConfig::bucket_mb, "parallel", "bucket_mb", "sharding none: gradient all-reduce bucket size in MiB (buckets launch from gradient hooks during backward)"),
@@ -159,6 +162,7 @@ const std::vector<Field>& fields() {
       field(&R::logging, &LoggingConfig::peak_tflops, "logging", "peak_tflops", "device peak TFLOP/s for MFU; 0 = measure a GEMM rate at start"),
       field(&R::logging, &LoggingConfig::progress, "logging", "progress", "progress bar when stdout is a terminal"),
       field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final parameters to <run dir>/model.pt (torch::save archive, names as in the model; sharded runs gather them first)"),
+      field(&R::logging, &LoggingConfig::overwrite, "logging", "overwrite", "allow a run directory that already holds a run's logs (they are replaced); false = refuse with exit 2"),
   };
   return table;
 }
@@ -216,25 +220,85 @@ Override parse_override(const std::string& text) {
   return o;
 }
 
-// Checks the YAML tree's shape (known sections, known keys) before anything is applied.
+// A mapping key as text. Keys are plain names; a list or map as a key is refused here (yaml-cpp's
+// as<std::string>() would throw a raw BadConversion).
+std::string key_text(const YAML::Node& key, const std::string& origin) {
+  if (!key.IsScalar())
+    throw ConfigError(fmt::format("{}: a key{} is not a plain name (a list, map or null used as a key)", origin,
+                                  where(key)));
+  return key.Scalar();
+}
+
+// "lines 2 and 3", or "line 1, columns 9 and 19" for a flow mapping written on one line.
+std::string both_places(const YAML::Mark& a, const YAML::Mark& b) {
+  if (a.line != b.line) return fmt::format("lines {} and {}", a.line + 1, b.line + 1);
+  return fmt::format("line {}, columns {} and {}", a.line + 1, a.column + 1, b.column + 1);
+}
+
+// yaml-cpp (0.7 and 0.8) keeps every pair of a mapping, a repeated key included: iterating yields
+// both pairs (each key node with its own Mark), while operator[] finds only the first. So a key given
+// twice would be half-applied silently; refuse it, naming both places. `kind` is "section" or "key",
+// `prefix` the section ("train.") for keys.
+void check_unique_keys(const YAML::Node& map, const std::string& origin, const char* kind,
+                       const std::string& prefix) {
+  std::map<std::string, YAML::Mark> first;
+  for (const auto& kv : map) {
+    auto [it, fresh] = first.emplace(key_text(kv.first, origin), kv.first.Mark());
+    if (!fresh)
+      throw ConfigError(fmt::format("{}: {} '{}{}' is given twice ({}); keep one", origin, kind, prefix, it->first,
+                                    both_places(it->second, kv.first.Mark())));
+  }
+}
+
+// What a YAML node is, for messages about the document's shape.
+std::string describe(const YAML::Node& node) {
+  if (node.IsSequence()) return "a list";
+  if (node.IsScalar()) return fmt::format("the single value '{}'", node.Scalar());
+  return "empty";
+}
+
+// One top-level section: a known name whose body is a map of known, distinct keys (or empty).
+void check_section(const YAML::Node& name, const YAML::Node& body, const std::string& origin) {
+  std::string s = key_text(name, origin);
+  if (!is_section(s))
+    throw ConfigError(fmt::format("{}: unknown section '{}'{} (sections: {})", origin, s, where(name),
+                                  section_names()));
+  if (body.IsNull()) return;
+  if (!body.IsMap())
+    throw ConfigError(fmt::format("{}: section '{}'{} must be a map of key: value", origin, s, where(name)));
+  for (const auto& kv : body) {
+    std::string k = key_text(kv.first, origin);
+    if (!find_field(s, k))
+      throw ConfigError(fmt::format("{}: unknown key '{}.{}'{} (keys of {}: {})", origin, s, k,
+                                    where(kv.first), s, keys_of(s)));
+  }
+  check_unique_keys(body, origin, "key", s + ".");
+}
+
+// Checks the YAML tree's shape (a map of known sections, known keys, none twice) before anything is
+// applied.
 void check_tree(const YAML::Node& root, const std::string& origin) {
   if (!root.IsMap())
-    throw ConfigError(fmt::format("{}: the recipe must be a map of sections ({})", origin, section_names()));
-  for (const auto& sec : root) {
-    std::string s = sec.first.as<std::string>();
-    if (!is_section(s))
-      throw ConfigError(fmt::format("{}: unknown section '{}'{} (sections: {})", origin, s, where(sec.first),
-                                    section_names()));
-    if (sec.second.IsNull()) continue;
-    if (!sec.second.IsMap())
-      throw ConfigError(fmt::format("{}: section '{}'{} must be a map of key: value", origin, s, where(sec.first)));
-    for (const auto& kv : sec.second) {
-      std::string k = kv.first.as<std::string>();
-      if (!find_field(s, k))
-        throw ConfigError(fmt::format("{}: unknown key '{}.{}'{} (keys of {}: {})", origin, s, k,
-                                      where(kv.first), s, keys_of(s)));
-    }
+    throw ConfigError(fmt::format("{}: the recipe must be a map of sections ({}), not {}{}", origin,
+                                  section_names(), describe(root), where(root)));
+  for (const auto& sec : root) check_section(sec.first, sec.second, origin);
+  check_unique_keys(root, origin, "section", "");
+}
+
+// Parses one YAML document (Null when there is nothing but comments). yaml-cpp's Load() would read
+// the first of several `---` documents and drop the rest silently, so a second one is refused.
+YAML::Node parse_document(const std::string& text, const std::string& origin) {
+  std::vector<YAML::Node> docs;
+  try {
+    docs = YAML::LoadAll(text);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("{}: YAML syntax error at line {}: {}", origin, e.mark.line + 1, e.msg));
   }
+  while (docs.size() > 1 && docs.back().IsNull()) docs.pop_back();  // a trailing `---` and nothing after
+  if (docs.size() > 1)
+    throw ConfigError(fmt::format("{}: {} YAML documents (separated by ---); a recipe is one document, the second "
+                                  "would be ignored{}", origin, docs.size(), where(docs[1])));
+  return docs.empty() ? YAML::Node() : docs.front();
 }
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -298,15 +362,24 @@ int64_t mlp_hidden(const ModelConfig& m) {
   return 4 * m.n_embd;
 }
 
-RunConfig load_string(const std::string& text, const std::vector<std::string>& overrides,
-                      const std::string& origin) {
-  YAML::Node root;
-  try {
-    root = YAML::Load(text);
-  } catch (const YAML::Exception& e) {
-    throw ConfigError(fmt::format("{}: YAML syntax error at line {}: {}", origin, e.mark.line + 1, e.msg));
-  }
-  if (root.IsNull()) root.reset(YAML::Node(YAML::NodeType::Map));
+namespace {
+
+// The whole text of a recipe file; a directory or an unreadable file is refused.
+std::string read_recipe(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw ConfigError(fmt::format("--config {}: is a directory, not a recipe file (e.g. --config configs/tiny.yaml)", path));
+  std::ifstream in(path);
+  if (!in)
+    throw ConfigError(fmt::format("--config {}: cannot open the recipe file (check the path; recipes live in configs/)", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) throw ConfigError(fmt::format("--config {}: cannot read the recipe file", path));
+  return ss.str();
+}
+
+// Applies a checked tree: preset, the tree's keys, then --set; validates the result.
+RunConfig resolve(const YAML::Node& root, const std::vector<std::string>& overrides, const std::string& origin) {
   check_tree(root, origin);
 
   std::vector<Override> sets;
@@ -339,25 +412,61 @@ RunConfig load_string(const std::string& text, const std::vector<std::string>& o
     find_field(o.section, o.key)->set(cfg, o.value);
   }
   cfg.model.preset = preset;
+  cfg.world_size = world_size_from_env();
   validate(cfg);
   return cfg;
 }
 
+}  // namespace
+
+// Text with no document (empty, or only comments) stands for the defaults here; a recipe *file*
+// must say something (see load()).
+RunConfig load_string(const std::string& text, const std::vector<std::string>& overrides,
+                      const std::string& origin) {
+  YAML::Node root = parse_document(text, origin);
+  if (root.IsNull()) root.reset(YAML::Node(YAML::NodeType::Map));
+  return resolve(root, overrides, origin);
+}
+
 RunConfig load(const std::string& path, const std::vector<std::string>& overrides) {
-  std::string text;
-  std::string name = "run";
-  if (!path.empty()) {
-    std::ifstream in(path);
-    if (!in)
-      throw ConfigError(fmt::format("--config {}: cannot open the recipe file (check the path; recipes live in configs/)", path));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    text = ss.str();
-    name = std::filesystem::path(path).stem().string();
+  if (path.empty()) {
+    RunConfig cfg = load_string("", overrides, "<defaults>");
+    cfg.recipe_name = "run";
+    return cfg;
   }
-  RunConfig cfg = load_string(text, overrides, path.empty() ? "<defaults>" : path);
-  cfg.recipe_name = name;
+  YAML::Node root = parse_document(read_recipe(path), path);
+  if (root.IsNull())
+    throw ConfigError(fmt::format("{}: the recipe is empty (no sections, only comments or nothing); "
+                                  "give at least one section, e.g. `model: {{preset: tiny}}`", path));
+  RunConfig cfg = resolve(root, overrides, path);
+  cfg.recipe_name = std::filesystem::path(path).stem().string();
   return cfg;
+}
+
+int64_t world_size_from_env() {
+  const char* w = std::getenv("WORLD_SIZE");
+  if (!w) return 1;
+  char* end = nullptr;
+  const long long v = std::strtoll(w, &end, 10);
+  return end != w && *end == '\0' && v > 0 ? v : 1;  // a malformed value is reported by the launch code
+}
+
+// train.global_batch counts sequences per optimizer step over all ranks.
+static void check_global_batch(const RunConfig& c) {
+  auto fail = [](const std::string& key, const std::string& msg) { throw ConfigError(fmt::format("{}: {}", key, msg)); };
+  const auto& t = c.train;
+  const int64_t world = std::max<int64_t>(1, c.world_size);
+  if (t.micro_batch == 0) {
+    if (t.global_batch % world != 0)
+      fail("train.global_batch", fmt::format("{} is not divisible by WORLD_SIZE {}: micro_batch: auto gives every rank "
+                                             "global_batch / WORLD_SIZE sequences per step; pick a multiple of the world size",
+                                             t.global_batch, world));
+  } else if (t.global_batch > 0 && t.global_batch != t.micro_batch * t.grad_accum * world) {
+    fail("train.global_batch", fmt::format("{} is not train.micro_batch * train.grad_accum * WORLD_SIZE = {} * {} * {} = {}; "
+                                           "drop one of them (global_batch counts sequences per step over all ranks)",
+                                           t.global_batch, t.micro_batch, t.grad_accum, world,
+                                           t.micro_batch * t.grad_accum * world));
+  }
 }
 
 void validate(const RunConfig& c) {
@@ -407,16 +516,14 @@ void validate(const RunConfig& c) {
   positive("train.seq_len", t.seq_len);
   if (t.micro_batch < 0) fail("train.micro_batch", fmt::format("must be > 0 or auto, got {}", t.micro_batch));
   positive("train.grad_accum", t.grad_accum);
-  if (t.global_batch < 0) fail("train.global_batch", "must be >= 0 (0 = micro_batch * grad_accum)");
+  if (t.global_batch < 0) fail("train.global_batch", "must be >= 0 (0 = micro_batch * grad_accum * WORLD_SIZE)");
   if (t.micro_batch == 0) {
     if (t.global_batch == 0)
       fail("train.micro_batch", "auto needs train.global_batch: the sequences per optimizer step to keep");
     if (parse_bytes(c.memory.limit, "memory.limit") == 0 && t.device != "cuda")
       fail("train.micro_batch", "auto needs memory.limit on CPU (what has to fit), e.g. memory.limit: 4GiB");
-  } else if (t.global_batch > 0 && t.global_batch != t.micro_batch * t.grad_accum) {
-    fail("train.global_batch", fmt::format("{} is not train.micro_batch * train.grad_accum = {}; drop one of them",
-                                           t.global_batch, t.micro_batch * t.grad_accum));
   }
+  check_global_batch(c);
   positive("train.steps", t.steps);
   if (t.seq_len > m.max_seq_len)
     fail("train.seq_len", fmt::format("{} is longer than the model's context model.max_seq_len = {}", t.seq_len, m.max_seq_len));
@@ -431,6 +538,7 @@ void validate(const RunConfig& c) {
   positive("train.eval_batches", t.eval_batches);
   one_of("train.device", t.device, {"auto", "cpu", "cuda"});
   if (t.threads < 0) fail("train.threads", "must be >= 0 (0 = all cores)");
+  one_of("train.on_nonfinite", t.on_nonfinite, {"abort", "skip"});
 
   const auto& k = c.checkpointing;
   one_of("checkpointing.mode", k.mode, {"none", "full", "interval", "sqrt", "selective"});
@@ -470,6 +578,7 @@ void validate(const RunConfig& c) {
   if (!(pr.growth_factor > 1.0)) fail("precision.growth_factor", "must be > 1");
   if (!(pr.backoff_factor > 0.0 && pr.backoff_factor < 1.0)) fail("precision.backoff_factor", "must be in (0, 1)");
   positive("precision.growth_interval", pr.growth_interval);
+  if (pr.max_skipped_steps < 0) fail("precision.max_skipped_steps", "must be >= 0 (0 = never give up)");
   one_of("parallel.backend", c.parallel.backend, {"auto", "gloo", "nccl"});
   one_of("parallel.sharding", c.parallel.sharding, {"none", "zero1", "zero2", "zero3"});
   if (!(c.parallel.bucket_mb > 0.0)) fail("parallel.bucket_mb", "must be > 0");

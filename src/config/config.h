@@ -54,6 +54,7 @@ struct TrainConfig {
   int64_t seed = 1337;
   std::string device = "auto";
   int64_t threads = 0;
+  std::string on_nonfinite = "abort";  // abort | skip
 };
 
 struct CheckpointingConfig {
@@ -73,6 +74,7 @@ struct PrecisionConfig {
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int64_t growth_interval = 2000;
+  int64_t max_skipped_steps = 20;  // consecutive fp16 skips that mean the run has diverged
 };
 
 struct ParallelConfig {
@@ -94,6 +96,7 @@ struct LoggingConfig {
   double peak_tflops = 0.0;
   bool progress = true;
   bool save_model = false;
+  bool overwrite = false;
 };
 
 struct RunConfig {
@@ -107,6 +110,7 @@ struct RunConfig {
   LoggingConfig logging;
   std::string recipe_name = "run";
   // Not a recipe key: the number of ranks the run has (WORLD_SIZE, or `trainer plan --world-size`).
+  // train.global_batch is checked against it.
   // The planner predicts per-rank memory with it.
   int64_t world_size = 1;
 };
@@ -119,8 +123,13 @@ RunConfig load(const std::string& path, const std::vector<std::string>& override
 RunConfig load_string(const std::string& yaml_text, const std::vector<std::string>& overrides,
                       const std::string& origin = "<string>");
 
-// Checks ranges and combinations; throws ConfigError naming the key.
+// Checks ranges and combinations (train.global_batch against cfg.world_size); throws ConfigError
+// naming the key.
 void validate(const RunConfig& cfg);
+
+// WORLD_SIZE from the environment (torchrun sets it); 1 when unset or malformed. load() stores it in
+// RunConfig::world_size before validating.
+int64_t world_size_from_env();
 
 // Applies a named preset to the model section; throws ConfigError for an unknown name.
 void apply_preset(ModelConfig& model, const std::string& name);

@@ -1,7 +1,11 @@
 // Run logs: JSONL step records, atomic JSON files, the settings table, console line, progress bar.
 #include "log/metrics.h"
 
+#include <fcntl.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <system_error>
 
 #include <cmath>
 
@@ -11,27 +15,65 @@
 
 namespace sl::log {
 
-RunLog::RunLog(const std::filesystem::path& run_dir, bool rank0) : dir_(run_dir), rank0_(rank0) {
+namespace {
+
+std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
+
+// Writes all of `text` to fd; returns 0 or the errno of the first failure.
+int write_all(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return n < 0 ? errno : ENOSPC;
+    done += static_cast<size_t>(n);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void check_run_dir(const std::filesystem::path& run_dir, bool overwrite) {
+  if (overwrite) return;
+  for (const char* name : {"metrics.jsonl", "summary.json", "config.json"}) {
+    std::error_code ec;
+    if (std::filesystem::exists(run_dir / name, ec))
+      throw ConfigError(fmt::format("logging.dir: {} already holds a run ({} exists); choose another logging.dir, "
+                                    "or set logging.overwrite: true to replace it",
+                                    run_dir.string(), name));
+  }
+}
+
+RunLog::RunLog(const std::filesystem::path& run_dir, bool rank0, bool overwrite) : dir_(run_dir), rank0_(rank0) {
   if (!rank0_) return;
+  check_run_dir(dir_, overwrite);
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec)
     throw ConfigError(fmt::format("logging.dir: cannot create run directory {} ({})", dir_.string(), ec.message()));
   auto path = dir_ / "metrics.jsonl";
-  metrics_ = std::fopen(path.c_str(), "w");
-  if (!metrics_)
-    throw ConfigError(fmt::format("logging.dir: cannot write {} (check permissions / disk space)", path.string()));
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0)
+    throw ConfigError(fmt::format("logging.dir: cannot write {} ({})", path.string(), errno_text(errno)));
 }
 
 RunLog::~RunLog() {
-  if (metrics_) std::fclose(metrics_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void RunLog::step(const nlohmann::json& record) {
-  if (!metrics_) return;
-  std::string line = record.dump() + "\n";
-  std::fwrite(line.data(), 1, line.size(), metrics_);
-  std::fflush(metrics_);
+  if (fd_ < 0 || !failure_.empty()) return;
+  const std::string line = record.dump() + "\n";
+  if (const int err = write_all(fd_, line)) {
+    // Cut a partly written record so the file ends with a whole line.
+    const bool cut = ::ftruncate(fd_, written_) == 0 && ::lseek(fd_, written_, SEEK_SET) == written_;
+    failure_ = fmt::format("writing {} failed: {}; the {} bytes written before {} (free disk space or choose "
+                           "another logging.dir)",
+                           (dir_ / "metrics.jsonl").string(), errno_text(err), written_,
+                           cut ? "stay valid JSONL" : "may end in a partial record");
+    return;
+  }
+  written_ += static_cast<int64_t>(line.size());
 }
 
 void RunLog::event(const std::string& kind, nlohmann::json fields) {
@@ -46,16 +88,20 @@ void RunLog::write_json(const std::string& name, const nlohmann::json& j) {
 void write_json_file(const std::filesystem::path& path, const nlohmann::json& j) {
   auto tmp = path;
   tmp += ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "w");
-  if (!f) throw ConfigError(fmt::format("cannot write {} (check the directory and permissions)", tmp.string()));
-  std::string text = j.dump(2) + "\n";
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) {
-    std::filesystem::remove(tmp);
-    throw ConfigError(fmt::format("writing {} failed (disk full?)", path.string()));
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw IoError(fmt::format("cannot write {}: {}", tmp.string(), errno_text(errno)));
+  int err = write_all(fd, j.dump(2) + "\n");
+  if (!err && ::fsync(fd) != 0) err = errno;
+  if (::close(fd) != 0 && !err) err = errno;
+  std::error_code ec;
+  if (!err) {
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) err = ec.value();
   }
-  std::filesystem::rename(tmp, path);
+  if (err) {
+    std::filesystem::remove(tmp, ec);
+    throw IoError(fmt::format("writing {} failed: {} (free disk space or check permissions)", path.string(), errno_text(err)));
+  }
 }
 
 std::string format_table(const std::vector<std::pair<std::string, std::string>>& rows) {

@@ -12,26 +12,40 @@
 
 namespace sl::log {
 
+// Every write is checked. The first failed record is cut off again (metrics.jsonl ends with its last
+// whole record, so it stays valid JSONL), remembered in failure() (naming the file and the system
+// error), and later records are dropped: the loop stops the run at that step with exit 7 (all ranks
+// together). summary.json and config.json are written atomically and throw IoError on failure.
 class RunLog {
  public:
-  // Creates run_dir (and parents) and opens metrics.jsonl for writing (truncating it).
-  RunLog(const std::filesystem::path& run_dir, bool rank0);
+  // Creates run_dir (and parents) and opens metrics.jsonl for writing (truncating it). A directory
+  // that already holds a run (metrics.jsonl, summary.json or config.json) is refused with a
+  // ConfigError unless `overwrite`; see check_run_dir.
+  RunLog(const std::filesystem::path& run_dir, bool rank0, bool overwrite = false);
   ~RunLog();
   RunLog(const RunLog&) = delete;
   RunLog& operator=(const RunLog&) = delete;
 
-  void step(const nlohmann::json& record);                         // one line, flushed
+  void step(const nlohmann::json& record);                         // one whole line, written through
   void event(const std::string& kind, nlohmann::json fields);      // {"event": kind, ...}
-  void write_json(const std::string& name, const nlohmann::json& j);  // tmp + rename
+  void write_json(const std::string& name, const nlohmann::json& j);  // tmp + fsync + rename
   const std::filesystem::path& dir() const { return dir_; }
+  const std::string& failure() const { return failure_; }  // the first failed write ("" = none)
 
  private:
   std::filesystem::path dir_;
   bool rank0_;
-  std::FILE* metrics_ = nullptr;
+  int fd_ = -1;
+  int64_t written_ = 0;  // bytes of whole records in metrics.jsonl
+  std::string failure_;
 };
 
-// Writes JSON to path atomically (tmp + rename); throws ConfigError naming the path on failure.
+// Throws ConfigError when run_dir already holds another run's logs and !overwrite (exit 2: pick
+// another logging.dir or set logging.overwrite: true). A missing or empty directory is fine.
+void check_run_dir(const std::filesystem::path& run_dir, bool overwrite);
+
+// Writes JSON to path atomically (tmp, fsync, rename); throws IoError naming the path on failure and
+// leaves no temporary behind.
 void write_json_file(const std::filesystem::path& path, const nlohmann::json& j);
 
 // "| key | value |" table in the llm.c style.

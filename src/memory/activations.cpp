@@ -2,48 +2,173 @@
 #include "memory/activations.h"
 
 #include <algorithm>
+#include <cmath>
+
+#include <torch/cuda.h>
 
 namespace sl::memory {
+namespace {
 
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
+bool runs_on_cuda(const config::RunConfig& cfg) {
+  const auto& d = cfg.train.device;
+  return d == "cuda" || (d == "auto" && torch::cuda::is_available());
+}
+
+// Per-token byte sizes of one recipe under one matmul path.
+struct Sizes {
+  double C = 0, H = 0, V = 0, nh = 0;
+  bool llama = false;
+  double f = 4.0, c = 4.0;  // fp32, compute dtype
+  double acc = 0;           // the emulated path's fp32 matmul accumulator, per output element
+};
+
+Sizes sizes_of(const config::RunConfig& cfg, LowpMatmul lowp) {
   const auto& m = cfg.model;
+  const bool lowp_on = cfg.precision.compute != "fp32";
+  Sizes z;
+  z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::mlp_hidden(m));
+  z.V = static_cast<double>(m.vocab_size), z.nh = static_cast<double>(m.n_head);
+  z.llama = m.arch == "llama";
+  z.c = lowp_on ? 2.0 : 4.0;
+  z.acc = lowp_on && lowp == LowpMatmul::emulated ? 4.0 : 0.0;
+  return z;
+}
+
+// S: what one block keeps for backward, after the selective savings.
+double block_bytes(const Sizes& z, const SegmentCounts& seg) {
+  const double C = z.C, H = z.H, f = z.f, c = z.c;
+  double S = z.llama ? f * (2 * C + 2 + z.nh) + c * (9 * C + 4 * H) : f * (2 * C + 4 + z.nh) + c * (6 * C + 2 * H);
+  if (seg.norm) S -= c * 2 * C + f * (z.llama ? 2 : 4);
+  if (seg.mlp) S -= c * (z.llama ? 2 * H : H);
+  if (seg.attention) S -= c * (z.llama ? 2 * C : C) + f * z.nh;
+  // The recomputed attention keeps its inputs; llama's rotated q, k are fp32 there (bf16 q times the
+  // fp32 RoPE table), where SDPA would have kept its own compute-dtype copies.
+  if (seg.attention && z.llama) S += (f - c) * 2 * C;
+  return S;
+}
+
+// T: what a block's MLP backward holds beyond S at its worst point.
+double backward_bytes(const Sizes& z, const SegmentCounts& seg) {
+  const double H = z.H, c = z.c, M = z.acc;
+  double mlp = 0;
+  if (!z.llama) mlp = seg.mlp ? c * H + std::max(M, c) * H : (c + M) * H;
+  else mlp = seg.mlp ? std::max((2 * c + M) * H, 5 * c * H) : c * H + std::max(M, c) * H;
+  // The residual gradient, and under autocast its compute-dtype copy for the block's last linear.
+  return z.f * z.C + (c < z.f ? c * z.C : 0.0) + mlp;
+}
+
+// E: the head's tensors at the start of backward.
+double head_bytes(const Sizes& z) { return z.f * z.C + 2 * z.c * z.C + (2 * z.f + z.c) * z.V; }
+
+// F: what the forward holds beyond its saved tensors while a block runs without saving (a
+// checkpointed segment's first pass): h, then gpt2 u and GELU (or u and the accumulator), llama u
+// 2H, silu and product (or u and its accumulator).
+double forward_block_bytes(const Sizes& z) {
+  const double H = z.H, c = z.c, M = z.acc;
+  return z.f * z.C + (z.llama ? std::max(4 * c * H, 2 * (c + M) * H) : std::max(2 * c * H, (c + M) * H));
+}
+
+// Under autocast the compute-dtype copies of one block's matmul weights (0 in fp32): cached through
+// the forward, then kept by the linears that saved them until their backward.
+double block_cast_bytes(const config::ModelConfig& m, double c) {
+  if (c >= 4.0) return 0;
   const double C = static_cast<double>(m.n_embd), H = static_cast<double>(config::mlp_hidden(m));
-  const double V = static_cast<double>(m.vocab_size), nh = static_cast<double>(m.n_head);
-  const double L = static_cast<double>(m.n_layer);
-  const bool llama = m.arch == "llama";
-  // Bytes per element: the residual stream and norm statistics stay fp32 (f); what autocast
-  // computes (linear inputs and outputs, attention, activations) takes the compute dtype (c).
-  const double f = 4.0, c = cfg.precision.compute == "fp32" ? 4.0 : 2.0;
+  return c * (4 * C * C + (m.arch == "llama" ? 3 : 2) * C * H);
+}
 
-  ActivationEstimate e;
-  e.tokens = cfg.train.micro_batch * cfg.train.seq_len;
-  // Per token, in bytes: x and h (f), both norm outputs as the linears keep them, qkv, attention
-  // output, [rotated q, k], MLP tensors (c), norm statistics and log-sum-exp (f).
-  double S = llama ? f * 2 * C + c * (8 * C + 4 * H) + f * (2 + nh) : f * 2 * C + c * (6 * C + 2 * H) + f * (4 + nh);
-  if (plan.norm) S -= c * 2 * C + f * (llama ? 2 : 4);
-  if (plan.mlp) S -= c * (llama ? 2 * H : H);
-  if (plan.attention) S -= c * C + f * nh;
-  e.block_bytes = S;
-  e.head_bytes = f * C + 2 * c * C + (2 * f + c) * V;
+std::string path_name(const config::RunConfig& cfg, LowpMatmul lowp) {
+  if (cfg.precision.compute == "fp32") return "fp32";
+  return runs_on_cuda(cfg) ? "cuda" : to_string(lowp);
+}
 
-  int64_t n_ckpt = 0, kept_blocks = 0, k_max = 0;
-  for (const auto& s : plan.segments) {
-    if (s.checkpointed) {
-      ++n_ckpt;
-      k_max = std::max(k_max, s.end - s.begin);
+// n segments of k blocks, the last of last_size blocks (make_plan's layout), all checkpointed but the
+// last when skip_last.
+SegmentCounts split_counts(int64_t k, int64_t n, int64_t last_size, bool skip_last) {
+  SegmentCounts s;
+  s.checkpointed = n - (skip_last ? 1 : 0);
+  s.kept_blocks = skip_last ? last_size : 0;
+  if (s.checkpointed > 0) s.largest_checkpointed = skip_last ? k : std::max(k, last_size);
+  return s;
+}
+
+}  // namespace
+
+LowpMatmul lowp_matmul_path(const config::RunConfig& cfg) {
+  if (runs_on_cuda(cfg)) return LowpMatmul::native;
+  return cpu_features().matmul_path(cfg.precision.compute);
+}
+
+SegmentCounts segment_counts(const recompute::Plan& plan) {
+  SegmentCounts s;
+  for (const auto& seg : plan.segments) {
+    if (seg.checkpointed) {
+      ++s.checkpointed;
+      s.largest_checkpointed = std::max(s.largest_checkpointed, seg.end - seg.begin);
     } else {
-      kept_blocks += s.end - s.begin;
+      s.kept_blocks += seg.end - seg.begin;
     }
   }
-  e.moment_a = e.head_bytes + f * C * static_cast<double>(n_ckpt) + S * static_cast<double>(kept_blocks);
-  if (n_ckpt > 0) e.moment_b = f * C * static_cast<double>(n_ckpt - 1) + S * static_cast<double>(k_max) + f * C + c * (C + H);
-  if (plan.mlp) e.moment_c = S * L + f * C + c * (C + 2 * H);
-  const double peak = std::max({e.moment_a, e.moment_b, e.moment_c});
-  // Under autocast the compute-dtype copies of the matmul weights (cached through the forward, then
-  // kept by the linears that saved them) add one copy of those weights.
-  if (c < f) e.weight_cast_bytes = static_cast<int64_t>(c * (L * (4 * C * C + (llama ? 3 : 2) * C * H) + V * C));
-  e.peak_bytes = static_cast<int64_t>(peak * static_cast<double>(e.tokens)) + e.weight_cast_bytes;
+  s.attention = plan.attention, s.mlp = plan.mlp, s.norm = plan.norm;
+  return s;
+}
+
+SegmentCounts segment_counts(const config::CheckpointingConfig& ck, int64_t L) {
+  auto split = [&](int64_t k) {
+    k = std::min(k, L);  // one segment of all L blocks when k >= L
+    const int64_t n = (L + k - 1) / k;
+    return split_counts(k, n, L - (n - 1) * k, ck.skip_last);
+  };
+  if (ck.mode == "full") return split(1);
+  if (ck.mode == "sqrt") return split(std::max<int64_t>(1, std::llround(std::sqrt(static_cast<double>(L)))));
+  if (ck.mode == "interval" && ck.interval > 0) return split(ck.interval);
+  if (ck.mode == "interval") {  // n segments of L / n blocks, the last one takes the remainder
+    const int64_t n = ck.segments, size = L / n;
+    return split_counts(size, n, L - (n - 1) * size, ck.skip_last);
+  }
+  SegmentCounts s;
+  s.kept_blocks = L;
+  if (ck.mode == "selective")
+    for (const auto& part : ck.recompute) {
+      s.attention |= part == "attention";
+      s.mlp |= part == "mlp";
+      s.norm |= part == "norm";
+    }
+  return s;
+}
+
+ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const SegmentCounts& seg, LowpMatmul lowp) {
+  const Sizes z = sizes_of(cfg, lowp);
+  const auto n = static_cast<double>(seg.checkpointed), kept = static_cast<double>(seg.kept_blocks);
+  const auto k = static_cast<double>(seg.largest_checkpointed), L = static_cast<double>(cfg.model.n_layer);
+  ActivationEstimate e;
+  e.tokens = cfg.train.micro_batch * cfg.train.seq_len;
+  e.matmul_path = path_name(cfg, lowp);
+  e.block_bytes = block_bytes(z, seg);
+  e.head_bytes = head_bytes(z);
+  e.backward_bytes = backward_bytes(z, seg);
+  e.forward_bytes = forward_block_bytes(z);
+  const double S = e.block_bytes, T = e.backward_bytes, E = e.head_bytes, fC = z.f * z.C, tok = static_cast<double>(e.tokens);
+  const double Wb = block_cast_bytes(cfg.model, z.c), Wh = z.c < z.f ? z.c * z.V * z.C : 0.0;
+  if (cfg.model.tie_embeddings) e.tied_grad_bytes = 4 * cfg.model.vocab_size * cfg.model.n_embd;
+  const auto tied = static_cast<double>(e.tied_grad_bytes);
+  e.weight_cast_bytes = static_cast<int64_t>(L * Wb + Wh);
+  // F: end of the forward (the head, before its gradients) or a checkpointed block's first pass,
+  // with every block's weight copies still cached.
+  e.moment_f = L * Wb + Wh + tok * std::max(fC * n + S * kept + E - z.c * z.C, n > 0 ? fC * n + e.forward_bytes : 0.0);
+  e.moment_a = kept * Wb + Wh + tok * (E + fC * n + S * kept);
+  if (seg.kept_blocks > 0) e.moment_d = kept * Wb + tied + tok * (fC * n + S * kept + T);
+  // B also holds the recomputed segment's output: its backward starts from it.
+  if (seg.checkpointed > 0) e.moment_b = k * Wb + tied + tok * (fC * n + S * k + T);
+  e.peak_bytes = static_cast<int64_t>(std::max({e.moment_f, e.moment_a, e.moment_d, e.moment_b}));
   return e;
+}
+
+ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
+  return estimate_activation_peak(cfg, segment_counts(plan), lowp_matmul_path(cfg));
+}
+
+ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg) {
+  return estimate_activation_peak(cfg, segment_counts(cfg.checkpointing, cfg.model.n_layer), lowp_matmul_path(cfg));
 }
 
 }  // namespace sl::memory

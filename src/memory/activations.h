@@ -2,44 +2,98 @@
 // path). It predicts what the trainer reports as activation_peak_bytes (peak allocated bytes minus
 // parameters, gradients and optimizer states) for one micro-batch.
 //
-// Written below in fp32 elements (4 bytes). Under bf16/fp16 autocast the residual stream (x, h) and
-// the norm statistics stay fp32 while every other tensor kept for backward (linear inputs and
-// outputs, attention, MLP activations) takes 2 bytes; the code counts bytes per element that way.
+// Written below in bytes per token: element counts times f = 4 (fp32) or c, the compute dtype's size
+// (fp32 4, bf16/fp16 2).
+// Under autocast the residual stream (x, h), the norm statistics and the log-sum-exp stay fp32 (f)
+// while every other tensor kept for backward (linear inputs and outputs, attention, MLP) takes c.
 //
-// Per token, in elements, one block keeps (its input included):
-//   gpt2:  S = 8C + 2H + 4 + nh   (x, norm1 out, qkv 3C, attention out, h, norm2 out, u H, act H,
-//                                  4 norm statistics, nh log-sum-exp values)
-//   llama: S = 10C + 4H + 2 + nh  (adds rotated q, k: 2C; SwiGLU keeps u 2H, silu H, product H)
-// Selective recompute removes: norm: both norm outputs (2C + stats); mlp: the activation output
-//   (gpt2 H, llama 2H); attention: the attention output and log-sum-exp (C + nh).
-// Around the blocks, at the start of backward: E = 3C + 3V (last block output, final norm output,
-// log-softmax output and the logits' gradients).
-// The peak is the largest of three moments:
-//   A  start of backward:        E + C * (checkpointed segments) + S * (blocks not checkpointed)
-//   B  recomputing the largest checkpointed segment (k blocks):
-//                                C * (checkpointed segments - 1) + S * k + (2C + H)
-//   Cm backward of the last block when the MLP activation is recomputed:
-//                                S * L + 2C + 2H (the recomputed activation's two gradients)
-// Times B*T tokens; under autocast plus one compute-dtype copy of the matmul weights
-// (4C^2 + 2CH per gpt2 block, 4C^2 + 3CH per llama block, and the LM head V*C).
-// Measured against it: README "Activation memory".
+// One block keeps S (its input included):
+//   gpt2:  f(2C + 4 + nh) + c(6C + 2H)   x, h; 4 LayerNorm statistics; nh log-sum-exp |
+//                                        norm1 out, qkv 3C, attention out, norm2 out, u H, GELU H
+//   llama: f(2C + 2 + nh) + c(9C + 4H)   x, h; 2 RMSNorm rstd; lse | norm1 out, qkv 3C, rotated q, k
+//                                        2C, attention out 2C (SDPA's own output, which it keeps, and
+//                                        the contiguous copy the projection keeps: the rotated q is
+//                                        contiguous, so SDPA's output is not), norm2 out, SwiGLU: u 2H,
+//                                        silu H, product H
+// Selective recompute removes: norm: both norm outputs (2C) and the statistics; mlp: the activation
+//   output (gpt2 H, llama silu + product 2H); attention: the attention output (gpt2 C, llama 2C) and
+//   the log-sum-exp, but llama's recomputed attention keeps its inputs q, k as the fp32 tensors RoPE
+//   made (bf16 q times the fp32 table): + (f - c)2C.
+// Around the blocks, at the start of backward: E = fC + 2cC + (2f + c)V (last block output, final norm
+//   output, the logits, log-softmax output and the logits' gradients).
+// While a block's MLP runs backward it holds T beyond S: the residual gradient fC, under autocast its
+//   compute-dtype copy cC, and (M = the fp32 accumulator of a matmul output, below; 0 on most paths)
+//     gpt2  plain: cH + MH (the activation's gradient da, while its matmul runs)
+//           mlp recomputed: cH + max(MH, cH) (da and the input gradient of the recomputed GELU)
+//     llama plain: cH + max(MH, cH) (da; at the product's backward da, its two gradients, less the product)
+//           mlp recomputed: max(2cH + MH, 5cH) (da, recomputed silu; then the product's and silu's
+//           gradients and their concatenation, 2H, while da is still held)
+// A block run without saving (a checkpointed segment's first pass) holds Fb beyond its input:
+//   fC (h) + gpt2 max(2cH, (c + M)H) (u, GELU) | llama max(4cH, 2(c + M)H) (u 2H, silu, product).
+// Under autocast, W = one block's compute-dtype weight copies, c(4C^2 + 2CH) gpt2 | c(4C^2 + 3CH)
+// llama, and Wh = cVC the LM head's: autocast caches them through the forward; afterwards they live
+// only where a linear saved them (kept blocks, the head, a recomputed segment). With n checkpointed
+// segments, K kept blocks, k blocks in the largest checkpointed segment, L blocks, tok = B*T tokens,
+// the peak is the largest of four moments (D only when K > 0, B only when n > 0):
+//   F  end of the forward:  L*W + Wh + tok*max(fC*n + S*K + E - cC,  fC*n + Fb)
+//   A  start of backward:   K*W + Wh + tok*(E + fC*n + S*K)
+//   D  last kept block's backward:            K*W + G + tok*(fC*n + S*K + T)
+//   B  recompute of the largest segment and its backward (its recomputed output fC included):
+//                                              k*W + G + tok*(fC*n + S*k + T)
+// where G = 4VC is the LM head's part of a tied embedding's gradient (autograd holds it until the
+// embedding's part arrives; 0 when untied).
+//
+// The CPU path (memory/cpu_features.h) sets M. bf16 matmuls on CPU take one of three kernels:
+//   native   (oneDNN brgemm with avx512_bf16 / AMX / avx_ne_convert): M = 0 (small per-thread blocks)
+//   emulated (oneDNN gemm:jit:bf16 on AVX-512 without bf16 instructions, e.g. a Cascade Lake Xeon):
+//            M = 4 bytes per output element: each matmul fills an fp32 accumulator the size of its
+//            output, through LibTorch's allocator, before converting it to bf16
+//   aten     (AVX2 only, or oneDNN capped below AVX512_CORE): M = 0
+// fp16 takes oneDNN only with native fp16 instructions (else aten). fp32 runs and CUDA devices take
+// M = 0 (CUDA is not measured here). ATen's own dispatch level (AVX2 / AVX512) changes no memory.
+// Measured against it: tests/test_planner.cpp, README "Activation memory".
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "config/config.h"
+#include "memory/cpu_features.h"
 #include "recompute/policy.h"
 
 namespace sl::memory {
 
+// What the model needs of a checkpointing plan.
+struct SegmentCounts {
+  int64_t checkpointed = 0;           // checkpointed segments
+  int64_t kept_blocks = 0;            // blocks outside them (activations kept)
+  int64_t largest_checkpointed = 0;   // blocks in the largest checkpointed segment
+  bool attention = false, mlp = false, norm = false;  // selective parts
+  bool operator==(const SegmentCounts&) const = default;
+};
+SegmentCounts segment_counts(const recompute::Plan& plan);
+// The same from the recipe in O(1) work (no segment list): what make_plan would give.
+SegmentCounts segment_counts(const config::CheckpointingConfig& ck, int64_t n_layer);
+
 struct ActivationEstimate {
   int64_t tokens = 0;                // B * T
+  std::string matmul_path;           // "fp32", "cuda", or the CPU's LowpMatmul path
   double block_bytes = 0;            // S per token, after selective savings
   double head_bytes = 0;             // E per token
-  double moment_a = 0, moment_b = 0, moment_c = 0;  // per token, in bytes
-  int64_t weight_cast_bytes = 0;     // autocast's low-precision copies of the matmul weights
-  int64_t peak_bytes = 0;            // max(A, B, Cm) * tokens + weight_cast_bytes
+  double backward_bytes = 0;         // T per token
+  double forward_bytes = 0;          // F_block per token
+  double moment_f = 0, moment_a = 0, moment_d = 0, moment_b = 0;  // whole moments, in bytes
+  int64_t tied_grad_bytes = 0;       // in moments D and B
+  int64_t weight_cast_bytes = 0;     // autocast's low-precision copies of all matmul weights
+  int64_t peak_bytes = 0;            // max(F, A, D, B)
 };
 
+// The recipe's device and precision decide the matmul path (CPU: cpu_features()).
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan);
+ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg);  // O(1) in n_layer
+// With the CPU's low-precision matmul path given (`lowp` is ignored for fp32).
+ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const SegmentCounts& seg, LowpMatmul lowp);
+
+// The path a recipe's low-precision matmuls take: on CPU cpu_features()'s, on CUDA native.
+LowpMatmul lowp_matmul_path(const config::RunConfig& cfg);
 
 }  // namespace sl::memory

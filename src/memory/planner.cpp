@@ -35,10 +35,68 @@ std::vector<std::pair<std::string, config::CheckpointingConfig>> plan_modes(cons
 
 }  // namespace
 
-int64_t total_params(const config::ModelConfig& m) {
-  int64_t n = 0;
-  for (int64_t u : unit_param_counts(m)) n += u;
+namespace {
+
+// Saturating arithmetic for the parameter formulas (kMaxParams caps every count).
+int64_t sat_add(int64_t a, int64_t b) { return std::min(kMaxParams, a + b); }  // a, b <= kMaxParams
+int64_t sat_mul(int64_t a, int64_t b) {
+  if (a == 0 || b == 0) return 0;
+  return a > kMaxParams / b ? kMaxParams : std::min(kMaxParams, a * b);
+}
+
+struct Dims {
+  int64_t C, H, V, T;  // n_embd, mlp_hidden, vocab_size, max_seq_len
+  bool llama, bias, tied;
+};
+
+Dims dims_of(const config::ModelConfig& m) {
+  const bool llama = m.arch == "llama";
+  return {m.n_embd, config::mlp_hidden(m), m.vocab_size, m.max_seq_len, llama, m.bias && !llama, m.tie_embeddings};
+}
+
+// model/gpt.cpp's parameter set, unit by unit.
+int64_t embedding_params(const Dims& d) { return sat_add(sat_mul(d.V, d.C), d.llama ? 0 : sat_mul(d.T, d.C)); }
+
+int64_t block_params(const Dims& d) {
+  // ln1_w, ln2_w; w_qkv 3C x C, w_proj C x C; w_fc (H or 2H for SwiGLU) x C, w_out C x H.
+  int64_t n = sat_add(2 * d.C, sat_mul(4 * d.C, d.C));
+  n = sat_add(n, sat_mul((d.llama ? 3 : 2) * d.H, d.C));
+  // ln1_b, ln2_b, b_qkv 3C, b_proj C, b_fc H, b_out C.
+  if (d.bias) n = sat_add(n, 7 * d.C + d.H);
   return n;
+}
+
+int64_t head_params(const Dims& d) { return sat_add(d.bias ? 2 * d.C : d.C, d.tied ? 0 : sat_mul(d.V, d.C)); }
+
+// The largest flat group the engine forms: a unit under zero3, else a gradient bucket.
+int64_t largest_group_params(const config::RunConfig& cfg, int64_t n) {
+  if (cfg.parallel.sharding == "zero3") return largest_unit_params(cfg.model);
+  return std::min(n, bucket_cap_params(cfg));
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+int64_t total_params(const config::ModelConfig& m) {
+  const Dims d = dims_of(m);
+  return sat_add(sat_add(embedding_params(d), sat_mul(m.n_layer, block_params(d))), head_params(d));
+}
+
+int64_t largest_unit_params(const config::ModelConfig& m) {
+  const Dims d = dims_of(m);
+  return std::max({embedding_params(d), m.n_layer > 0 ? block_params(d) : 0, head_params(d)});
+}
+
+int64_t largest_param(const config::ModelConfig& m) {
+  const Dims d = dims_of(m);
+  return std::max({sat_mul(d.V, d.C), d.llama ? 0 : sat_mul(d.T, d.C), sat_mul(3 * d.C, d.C),
+                   sat_mul((d.llama ? 2 : 1) * d.H, d.C)});
+}
+
+int64_t bucket_cap_params(const config::RunConfig& cfg) {
+  const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024) / 4;
+  return std::max(cap, largest_param(cfg.model));  // a bigger single tensor gets its own bucket
 }
 
 std::vector<int64_t> unit_param_counts(const config::ModelConfig& m) {
@@ -60,9 +118,7 @@ std::vector<int64_t> unit_param_counts(const config::ModelConfig& m) {
 
 PeakPrediction predict_peak(const config::RunConfig& cfg) {
   PeakPrediction p;
-  const auto units = unit_param_counts(cfg.model);
-  int64_t n = 0, largest_unit = 0;
-  for (int64_t u : units) n += u, largest_unit = std::max(largest_unit, u);
+  const int64_t n = total_params(cfg.model);
   const int64_t N = std::max<int64_t>(1, cfg.world_size);
   const auto& sh = cfg.parallel.sharding;
   const int64_t P = 4 * n, G = 4 * n, O = 8 * n;
@@ -70,21 +126,20 @@ PeakPrediction predict_peak(const config::RunConfig& cfg) {
   p.grads_bytes = sh == "zero2" || sh == "zero3" ? G / N : G;
   p.optimizer_bytes = sh == "none" ? O : O / N;
   if (sh == "zero2") {
-    // Buckets fill to parallel.bucket_mb (a bigger single tensor gets its own).
-    int64_t largest_param = 0;
-    {
-      torch::NoGradGuard no_grad;
-      for (const auto& t : model::GPT(cfg.model, torch::kMeta)->parameters()) largest_param = std::max(largest_param, t.numel());
-    }
-    const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
     // One bucket's full gradient: it fills while the backward still holds activations. (Its
     // reduce-scatter output slice comes when the bucket is complete, after most of them are freed.)
-    p.transient_bytes = std::min(G, std::max(cap, 4 * largest_param));
+    p.transient_bytes = std::min(G, 4 * bucket_cap_params(cfg));
   } else if (sh == "zero3") {
-    p.transient_bytes = 2 * 4 * largest_unit;
+    p.transient_bytes = 2 * 4 * largest_unit_params(cfg.model);
   }
   p.batch_bytes = 2 * 8 * cfg.train.micro_batch * cfg.train.seq_len;
-  p.activations = estimate_activation_peak(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer));
+  if (cfg.model.arch == "llama") p.buffer_bytes = 4 * cfg.model.max_seq_len * (cfg.model.n_embd / cfg.model.n_head);
+  // AdamW updates the model's parameters (none) or this rank's shard of each group; the engine's
+  // norm reads whole groups (none) or shards. World 1 without sharding has no engine.
+  const int64_t group = largest_group_params(cfg, n), shard = ceil_div(group, N);
+  p.adamw_temp_bytes = 2 * 4 * (sh == "none" ? largest_param(cfg.model) : shard);
+  if (N > 1 || sh != "none") p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh == "none" ? group : shard);
+  p.activations = estimate_activation_peak(cfg);
   return p;
 }
 
@@ -134,6 +189,9 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
             {"model_states_bytes", base.model_states_bytes()},
             {"batch_bytes", base.batch_bytes},
             {"logits_and_loss_bytes", static_cast<int64_t>(base.activations.tokens * 4 * 3 * cfg.model.vocab_size)},
+            {"buffers_bytes", base.buffer_bytes},
+            {"optimizer_step_temp_bytes", base.optimizer_phase_bytes()},
+            {"matmul_path", base.activations.matmul_path},
             {"precision", cfg.precision.compute},
             {"modes", Json::array()}};
   for (const auto& [name, ck] : plan_modes(cfg)) {
@@ -167,6 +225,8 @@ std::string format_plan(const Json& j) {
       {"gathered parameters / unreduced gradients", bytes(j["sharding_transient_bytes"])},
       {"input batch", bytes(j["batch_bytes"])},
       {"logits and loss buffers (in activations)", bytes(j["logits_and_loss_bytes"])},
+      {"optimizer step temporaries (after backward)", bytes(j["optimizer_step_temp_bytes"])},
+      {"matmul kernels (activation model)", j["matmul_path"].get<std::string>()},
       {"micro-batch x seq_len", fmt::format("{} x {} (global batch {})", j["micro_batch"].get<int64_t>(),
                                             j["seq_len"].get<int64_t>(), j["global_batch"].get<int64_t>())},
   };

@@ -1,9 +1,11 @@
-// Memory planner: predicts a recipe's peak device memory without making tensors (the model is built
-// on the meta device to count parameters): model states (fp32 weights, gradients, AdamW's two
-// moments), the activation peak of the checkpointing plan (memory/activations.h), and the input
-// batch; finds the largest micro-batch that fits a memory size. Used by `trainer plan`, by the
-// out-of-memory message, and by train.micro_batch: auto.
+// Memory planner: predicts a recipe's peak device memory without making tensors (parameter counts
+// are closed formulas, O(1) in n_layer): model states (fp32 weights, gradients, AdamW's two
+// moments), the activation peak of the checkpointing plan (memory/activations.h), the input batch,
+// and the optimizer step's temporaries; finds the largest micro-batch that fits a memory size. Used
+// by `trainer plan`, by the model-state check before any weight is made, by the out-of-memory
+// message, and by train.micro_batch: auto.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -15,27 +17,56 @@
 
 namespace sl::memory {
 
+// parallel::Engine::grad_norm reduces the gradient in float64 this many elements at a time: one
+// chunk's float64 copy (8 MiB) is its temporary.
+inline constexpr int64_t kGradNormChunk = int64_t{1} << 20;
+
 // Per rank, for cfg.world_size ranks and parallel.sharding (P, G, O = fp32 weights, gradients and
 // AdamW's two moments of the whole model; N = world size):
 //   none  P + G + O      zero1  P + G + O/N      zero2  P + (G + O)/N      zero3  (P + G + O)/N
-// plus what the stage holds transiently at the step's peak: zero2 one bucket's full gradient; zero3
-// the largest unit's gathered parameters and its full gradient.
+// plus what the stage holds transiently at the backward's peak: zero2 one bucket's full gradient;
+// zero3 the largest unit's gathered parameters and its full gradient.
+// A step's peak is the larger of two phases:
+//   activations  model states + transient + batch + activation peak (forward and backward)
+//   optimizer    model states + batch + the step's temporaries, after backward freed the activations:
+//                AdamW's update makes two temporaries the size of its largest tensor (sqrt of the
+//                second moment, and that divided by the bias correction), and the sharded engine's
+//                gradient norm one float64 chunk (kGradNormChunk elements, or the largest group if
+//                smaller); LibTorch's clip_grad_norm_ (world 1, no sharding) only scalars.
+// Non-parameter buffers (the RoPE tables) count in both.
 struct PeakPrediction {
   int64_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0;  // held by this rank
   int64_t transient_bytes = 0;  // sharding: gathered parameters / unreduced gradients at the peak
   int64_t batch_bytes = 0;  // the (B, T) int64 inputs and targets of one micro-batch
+  int64_t buffer_bytes = 0;  // the model's non-parameter buffers (RoPE cos/sin tables)
+  int64_t adamw_temp_bytes = 0;  // AdamW's two temporaries of its largest tensor
+  int64_t grad_norm_temp_bytes = 0;  // the gradient norm's float64 chunk (sharded engine only)
   ActivationEstimate activations;
   int64_t model_states_bytes() const { return params_bytes + grads_bytes + optimizer_bytes; }
-  int64_t peak_bytes() const { return model_states_bytes() + transient_bytes + batch_bytes + activations.peak_bytes; }
+  int64_t activation_phase_bytes() const { return transient_bytes + activations.peak_bytes; }
+  int64_t optimizer_phase_bytes() const { return std::max(adamw_temp_bytes, grad_norm_temp_bytes); }
+  int64_t peak_bytes() const {
+    return model_states_bytes() + buffer_bytes + batch_bytes + std::max(activation_phase_bytes(), optimizer_phase_bytes());
+  }
 };
 
-// The recipe's own checkpointing mode and micro-batch, per rank of cfg.world_size.
+// The recipe's own checkpointing mode and micro-batch, per rank of cfg.world_size. O(1) in n_layer.
 PeakPrediction predict_peak(const config::RunConfig& cfg);
 
-// Parameters per sharding unit: [0] embeddings (token + position tables), [1..L] the blocks,
-// [L+1] the final norm (+ LM head when untied). Counted on the meta device.
-std::vector<int64_t> unit_param_counts(const config::ModelConfig& m);
+// Parameter counts, closed formulas of the model config (gpt2 / llama, biases, tied head, mlp_hidden),
+// saturating at kMaxParams so that byte counts made from them (x16) cannot overflow.
+inline constexpr int64_t kMaxParams = INT64_MAX / 64;
 int64_t total_params(const config::ModelConfig& m);
+// The largest sharding unit (embeddings, one block, or final norm + untied head).
+int64_t largest_unit_params(const config::ModelConfig& m);
+// The largest single parameter tensor.
+int64_t largest_param(const config::ModelConfig& m);
+// Parameters in the largest gradient bucket the engine can form: parallel.bucket_mb's worth, or a
+// bigger single tensor (which gets a bucket of its own).
+int64_t bucket_cap_params(const config::RunConfig& cfg);
+// Parameters per sharding unit: [0] embeddings (token + position tables), [1..L] the blocks,
+// [L+1] the final norm (+ LM head when untied). Counted on a meta-device model: O(n_layer).
+std::vector<int64_t> unit_param_counts(const config::ModelConfig& m);
 
 // Largest micro-batch (<= cap) whose predicted peak fits `memory_bytes`; 0 when not even 1 fits.
 int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, int64_t cap = 1 << 16);

@@ -6,11 +6,43 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <fstream>
+#include <string>
 
 #include "memory/tracking_allocator.h"
 
 namespace sl::memory {
+namespace {
+
+// cgroup v2's memory.max for this process's group ("max" or absent: 0 = no limit).
+int64_t cgroup_limit_bytes() {
+  std::ifstream in("/sys/fs/cgroup/memory.max");
+  std::string text;
+  if (!(in >> text) || text == "max") return 0;
+  try {
+    return std::stoll(text);
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+}  // namespace
+
+Capacity device_capacity(c10::Device device) {
+  if (device.is_cuda()) {
+    size_t free = 0, total = 0;
+    c10::cuda::CUDAGuard guard(device.index());
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return {static_cast<int64_t>(total), "CUDA device memory"};
+  }
+  const int64_t physical = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE);
+  const int64_t cgroup = cgroup_limit_bytes();
+  if (cgroup > 0 && cgroup < physical) return {cgroup, "cgroup memory limit"};
+  return {physical, "physical memory"};
+}
 
 Tracker::Tracker(c10::Device device) : device_(device) {}
 

@@ -14,6 +14,15 @@ struct Snapshot {
   int64_t reserved_bytes = 0;        // CUDA: held by the caching allocator; CPU: equal to allocated
 };
 
+// What a device can hold at most, and where that number comes from.
+struct Capacity {
+  int64_t bytes = 0;   // 0 = unknown
+  std::string source;  // "physical memory", "cgroup memory limit", "CUDA device memory"
+};
+// CPU: physical memory, or the cgroup v2 limit (memory.max) when that is lower; CUDA: the device's
+// total memory.
+Capacity device_capacity(c10::Device device);
+
 class Tracker {
  public:
   explicit Tracker(c10::Device device);

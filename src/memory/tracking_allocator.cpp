@@ -31,7 +31,14 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
     TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU out of memory (simulated limit): tried to allocate ", nbytes,
                      " bytes with ", current_.load(), " of the ", limit, "-byte memory.limit in use");
   }
-  void* ptr = c10::alloc_cpu(nbytes);  // throws c10 error on failure
+  void* ptr = nullptr;
+  try {
+    ptr = c10::alloc_cpu(nbytes);
+  } catch (const c10::Error& e) {  // the system refused: the same exception as a CUDA OOM (exit 4)
+    refused_.store(static_cast<int64_t>(nbytes));
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU out of memory: the system refused ", nbytes, " bytes with ",
+                     current_.load(), " bytes of tensors allocated (", e.what_without_backtrace(), ")");
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     sizes_[ptr] = nbytes;

@@ -18,7 +18,7 @@
 #include "model/gpt.h"
 #include "precision/loss_scaler.h"
 
-namespace sl::dist {
+namespace sl::parallel {
 class Engine;
 }
 
@@ -52,7 +52,7 @@ struct StepPrecision {
 // With a data-parallel engine, gradients are reduced across ranks during the backward of the last
 // micro-batch (zero2/3: of every micro-batch) and the returned loss is still this rank's.
 double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
-                        const StepPrecision& precision = {}, dist::Engine* engine = nullptr);
+                        const StepPrecision& precision = {}, parallel::Engine* engine = nullptr);
 
 // Mean loss over `batches` batches from `loader`, in eval mode without autograd, through `forward`
 // (default: the model's own forward; ZeRO-3 needs the policy's, which gathers parameters).
@@ -70,6 +70,7 @@ struct StepResult {
   double loss = 0.0, grad_norm = 0.0, ms = 0.0;
   double loss_scale = 1.0;  // the scale this step's backward used (1 without a scaler)
   bool skipped = false;     // non-finite gradients under fp16: no optimizer step, the scale backed off
+  bool nonfinite_grads = false;  // fp32/bf16: the loss is finite but the gradient norm is not; no optimizer step
   memory::Snapshot mem;    // readings over this step (peak reset at its start)
   ModelStateBytes states;  // after the optimizer step
   // Peak minus model states: what activations (and temporaries) took at the step's peak.
@@ -80,11 +81,13 @@ struct StepResult {
 // and check the gradients (fp16), clip (grad_clip 0 = off, norm still measured), AdamW step. The
 // caller sets the learning rate. Without a scaler a non-finite loss returns early, before the
 // optimizer step; with one, non-finite gradients skip the step (skipped = true) and back off the scale.
+// Without one, a non-finite gradient norm (finite loss) leaves gradients and weights untouched and
+// sets nonfinite_grads; the caller aborts or skips (train.on_nonfinite).
 // With an engine: gradients are averaged across ranks, the norm is global, the optimizer updates this
 // rank's shard and the parameters are gathered after; the loss is the mean over ranks.
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
-                      memory::Tracker& tracker, const StepPrecision& precision = {}, dist::Engine* engine = nullptr);
+                      memory::Tracker& tracker, const StepPrecision& precision = {}, parallel::Engine* engine = nullptr);
 
 // Does one micro-batch of `micro_batch` sequences train (two real optimizer steps of a fresh model,
 // random tokens) without running out of memory? Everything it allocates is freed on return.
@@ -107,11 +110,12 @@ double flops_per_token(const model::GPTImpl& model, int64_t seq_len);
 // when logging.peak_tflops is 0.
 double measure_gemm_flops(torch::Device device);
 
-// Writes the model's named parameters to `path` (torch::save archive; tmp + rename).
+// Writes the model's named parameters to `path` (torch::save archive; tmp + rename). IoError on failure.
 void save_model(model::GPT& model, const std::filesystem::path& path);
 
-// Runs a whole training job as configured. Returns the process exit code (0, or the code of the
-// failure after summary.json was written). Throws for failures before the run directory exists.
+// Runs a whole training job as configured (train/run.h: setup, train_loop, finish). Returns the
+// process exit code (0, or the code of the failure after summary.json was written). Throws for
+// failures before the run directory exists.
 int run(const config::RunConfig& cfg);
 
 }  // namespace sl::train

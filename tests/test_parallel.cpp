@@ -1,5 +1,8 @@
 // Multi-process training on CPU with Gloo, two ranks launched the way torchrun launches them:
 //  - world 2 x micro-batch 4 ends with the same parameters as world 1 x 8 and world 1 x 4 x accum 2;
+//  - every step's loss and grad_norm are the same too, for every sharding stage (AdamW is invariant to a
+//    uniform gradient scale and clipping rescales to a fixed norm, so parameters alone cannot see a
+//    missing division by the world size or by the number of micro-batches; the norm can);
 //  - zero1/2/3 end with the same parameters as DDP (none) under every checkpointing mode and bf16;
 //  - per-rank model-state memory, measured by the tracking allocator, is within the ZeRO formulas;
 //  - a rank that dies or hangs makes the survivor exit 5 within parallel.timeout_s;
@@ -10,11 +13,16 @@
 // divides by sqrt(v) so a 1e-7 gradient difference moves a parameter by at most ~lr * 1e-7 / sqrt(v)
 // per step: ten steps stay orders of magnitude below 1e-5, while a real bug (a missing rank, a wrong
 // average, a stale shard) moves parameters by ~lr = 1e-3 per step.
+// Tolerance for "same loss and grad_norm": relative difference <= 1e-5 at every step (kMetricTol below).
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
+#include <map>
+#include <sstream>
 #include <thread>
 
-#include <catch2/catch.hpp>
+#include "catch.h"
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -88,11 +96,14 @@ double max_abs_diff(const std::map<std::string, torch::Tensor>& a, const std::ma
 }
 
 struct Runner {
-  test::TempDir dir{"dist"};
+  test::TempDir dir{"parallel"};
   std::string recipe = dir.file("recipe.yaml", kRecipe);
   int n = 0;
+  std::map<std::pair<int, std::string>, std::filesystem::path> made;
   // Runs `world` ranks with the overrides; returns the run directory (asserts every rank exited 0).
+  // Runs are deterministic: the same world and overrides asked again return the first run's directory.
   std::filesystem::path train(int world, const std::string& sets) {
+    if (const auto it = made.find({world, sets}); it != made.end()) return it->second;
     const auto run_dir = dir.path / fmt::format("run{}", n++);
     const std::string args = fmt::format("--config {} {} --set logging.dir={}", recipe, sets, run_dir.string());
     if (world == 1) {
@@ -106,28 +117,90 @@ struct Runner {
         REQUIRE(m.codes[static_cast<size_t>(r)] == 0);
       }
     }
+    made[{world, sets}] = run_dir;
     return run_dir;
   }
 };
 
+// The equivalence tests share one runner, so a run that several of them compare (world 1 x 8, DDP,
+// each stage at world 2) is made once per test executable, by whichever test case asks first.
+Runner& shared_runner() {
+  static Runner runner;
+  return runner;
+}
+// Overrides spelled one way everywhere, so that shared runs are found again.
+const std::string kW1x8 = "--set train.micro_batch=8";
+const std::string kW1x4Accum2 = "--set train.micro_batch=4 --set train.grad_accum=2";
+// World 2 x the recipe's micro_batch 4 x accum 1, one sharding stage, no recompute.
+std::string stage_sets(const std::string& stage) {
+  return "--set parallel.sharding=" + stage + " --set checkpointing.mode=none";
+}
+// World 2 x micro 2 x accum 2 with 0.05 MiB buckets: several groups, reduced from gradient hooks.
+std::string accum_sets(const std::string& stage) {
+  return "--set train.micro_batch=2 --set train.grad_accum=2 --set parallel.bucket_mb=0.05 --set parallel.sharding=" +
+         stage;
+}
+
 json summary(const std::filesystem::path& run_dir) { return json::parse(test::read_text(run_dir / "summary.json")); }
+
+// Every optimizer step's loss and (pre-clip) grad_norm from rank 0's metrics.jsonl, events left out.
+struct StepMetrics {
+  double loss, grad_norm;
+};
+std::vector<StepMetrics> step_metrics(const std::filesystem::path& run_dir) {
+  std::vector<StepMetrics> out;
+  std::istringstream in(test::read_text(run_dir / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const auto r = json::parse(line);
+    if (r.contains("event")) continue;
+    REQUIRE(r["step"].get<size_t>() == out.size() + 1);
+    REQUIRE(r["grad_norm"].is_number());  // fp32: never skipped
+    out.push_back({r["loss"].get<double>(), r["grad_norm"].get<double>()});
+  }
+  return out;
+}
+
+// Tolerance for "same loss and grad_norm", relative, at every step. World 1 and world 2 see the same
+// sequences; at step 1 the parameters are identical, so the only difference is the order of fp32 sums
+// (two per-rank half-batch means and gradients averaged instead of one full-batch one): ~1e-7 relative
+// per gradient element and per loss, and the norm, accumulated in float64 over those elements, differs
+// by no more than its elements do (world 1 without the engine: LibTorch's clip_grad_norm_, an fp32
+// blocked sum, adds ~1e-7 more). Measured: <= 2.7e-7 for both numbers, every stage. Later steps add the parameter drift bounded above (~lr * 1e-7 per
+// step), far below 1e-5 of the loss or norm over 10 steps. A missing division by the world size or by
+// the number of micro-batches doubles the gradient: a relative grad_norm difference of 0.5.
+constexpr double kMetricTol = 1e-5;
+
+struct MetricDiff {
+  double loss = 0.0, grad_norm = 0.0;  // largest relative difference over the steps
+};
+MetricDiff max_rel_diff(const std::vector<StepMetrics>& a, const std::vector<StepMetrics>& b) {
+  REQUIRE(a.size() == b.size());
+  REQUIRE(!a.empty());
+  const auto rel = [](double x, double y) { return std::abs(x - y) / std::max(std::abs(x), std::abs(y)); };
+  MetricDiff d;
+  for (size_t i = 0; i < a.size(); ++i) {
+    d.loss = std::max(d.loss, rel(a[i].loss, b[i].loss));
+    d.grad_norm = std::max(d.grad_norm, rel(a[i].grad_norm, b[i].grad_norm));
+  }
+  return d;
+}
 
 }  // namespace
 
 TEST_CASE("world 2 x micro 4 = world 1 x micro 8 = world 1 x 4 x accum 2 after 10 steps") {
-  Runner run;
-  const auto w2 = run.train(2, "--set train.micro_batch=4");
-  const auto w1 = run.train(1, "--set train.micro_batch=8");
-  const auto acc = run.train(1, "--set train.micro_batch=4 --set train.grad_accum=2");
+  Runner& run = shared_runner();
+  const auto w2 = run.train(2, stage_sets("none"));  // micro-batch 4 (the recipe's)
+  const auto w1 = run.train(1, kW1x8);
+  const auto acc = run.train(1, kW1x4Accum2);
   const auto p2 = load_params(w2 / "model.pt"), p1 = load_params(w1 / "model.pt"), pa = load_params(acc / "model.pt");
   CHECK(max_abs_diff(p2, p1) <= 1e-5);
   CHECK(max_abs_diff(p2, pa) <= 1e-5);
   // One process may shard too (one shard holds everything): same parameters as without the engine.
-  CHECK(max_abs_diff(p1, load_params(run.train(1, "--set train.micro_batch=8 --set parallel.sharding=zero3") /
-                                     "model.pt")) <= 1e-5);
+  CHECK(max_abs_diff(p1, load_params(run.train(1, kW1x8 + " --set parallel.sharding=zero3") / "model.pt")) <= 1e-5);
 
   // The comparison can fail: half the data (world 1 x 4) ends elsewhere, and training moved the weights.
-  const auto half = run.train(1, "--set train.micro_batch=4");
+  const auto half = run.train(1, "--set train.micro_batch=4");  // shared with the loss and grad_norm test
   CHECK(max_abs_diff(p2, load_params(half / "model.pt")) > 1e-4);
   auto cfg = config::load(run.recipe, {});
   torch::manual_seed(static_cast<uint64_t>(cfg.train.seed));
@@ -144,12 +217,11 @@ TEST_CASE("world 2 x micro 4 = world 1 x micro 8 = world 1 x 4 x accum 2 after 1
 }
 
 TEST_CASE("buckets launch during backward, and accumulation reduces once per step (zero2/3: per micro-batch)") {
-  Runner run;
-  const auto w1 = load_params(run.train(1, "--set train.micro_batch=8") / "model.pt");
+  Runner& run = shared_runner();
+  const auto w1 = load_params(run.train(1, kW1x8) / "model.pt");
   for (const std::string stage : {"none", "zero1", "zero2", "zero3"}) {
     INFO(stage);
-    const auto dir = run.train(2, "--set train.micro_batch=2 --set train.grad_accum=2 --set parallel.bucket_mb=0.05 "
-                                  "--set parallel.sharding=" + stage);
+    const auto dir = run.train(2, accum_sets(stage));
     CHECK(max_abs_diff(w1, load_params(dir / "model.pt")) <= 1e-5);
     const auto s = summary(dir);
     CHECK(s["parallel"]["groups"].get<int>() >= (stage == "zero3" ? 6 : 4));  // 0.05 MiB buckets / per-unit groups
@@ -158,10 +230,44 @@ TEST_CASE("buckets launch during backward, and accumulation reduces once per ste
   }
 }
 
+TEST_CASE("every sharding stage at world 2 has world 1's loss and grad_norm at every step") {
+  // The runs of the two test cases above and of the ZeRO one below: nothing new when they run too.
+  Runner& run = shared_runner();
+  const auto w1 = step_metrics(run.train(1, kW1x8));
+  const auto acc = step_metrics(run.train(1, kW1x4Accum2));
+  REQUIRE(w1.size() == 10);
+  auto same = [&](const std::string& what, const std::vector<StepMetrics>& m, const std::vector<StepMetrics>& ref) {
+    INFO(what);
+    const auto d = max_rel_diff(m, ref);
+    CHECK(d.loss <= kMetricTol);
+    CHECK(d.grad_norm <= kMetricTol);
+  };
+  same("world 1 x 4 x accum 2 vs world 1 x 8", acc, w1);
+  same("world 1 x 8 through the engine (zero3, one shard)",
+       step_metrics(run.train(1, kW1x8 + " --set parallel.sharding=zero3")), w1);
+  for (const std::string stage : {"none", "zero1", "zero2", "zero3"}) {
+    // World 2 x 4 (accum 1: tests the division by the world size) and world 2 x 2 x accum 2 (both divisions).
+    for (const auto& sets : {stage_sets(stage), accum_sets(stage)}) {
+      const auto m = step_metrics(run.train(2, sets));
+      same("world 2 " + sets + " vs world 1 x 8", m, w1);
+      same("world 2 " + sets + " vs world 1 x 4 x accum 2", m, acc);
+    }
+  }
+
+  // Controls. Clipping is active (the recipe's grad_clip 1.0): where the norm is above it, a doubled
+  // gradient is clipped back to the same update, so only the norm itself can show the doubling.
+  CHECK(std::any_of(w1.begin(), w1.end(), [](const StepMetrics& m) { return m.grad_norm > 1.0; }));
+  // The comparison sees the data: half the batch (world 1 x 4) differs by far more than the tolerance,
+  // in both numbers (the loss only by ~7e-4 at step 1, where every sequence costs about ln 256).
+  const auto diff_half = max_rel_diff(step_metrics(run.train(1, "--set train.micro_batch=4")), w1);
+  CHECK(diff_half.loss > 100 * kMetricTol);
+  CHECK(diff_half.grad_norm > 100 * kMetricTol);
+}
+
 TEST_CASE("zero1/2/3 match DDP with every checkpointing mode, and per-rank memory is within the ZeRO formulas") {
-  Runner run;
-  const auto ref = load_params(run.train(2, "") / "model.pt");
-  const std::vector<std::string> modes = {
+  Runner& run = shared_runner();
+  const auto ref = load_params(run.train(2, stage_sets("none")) / "model.pt");
+  const std::vector<std::string> modes = {  // modes[0] makes stage_sets(stage)
       "--set checkpointing.mode=none",
       "--set checkpointing.mode=full",
       "--set checkpointing.mode=interval --set checkpointing.interval=2",
@@ -206,8 +312,8 @@ TEST_CASE("zero1/2/3 match DDP with every checkpointing mode, and per-rank memor
 }
 
 TEST_CASE("DDP measures the whole model state on every rank") {
-  Runner run;
-  const auto s = summary(run.train(2, ""));
+  Runner& run = shared_runner();
+  const auto s = summary(run.train(2, stage_sets("none")));
   const double P = s["parallel"]["params_bytes_unsharded"].get<double>();
   for (const auto& r : s["parallel"]["ranks"]) {
     const double predicted = s["predicted_peak_bytes"].get<double>();
@@ -239,6 +345,23 @@ TEST_CASE("micro_batch auto agrees across ranks and keeps the global batch") {
   CHECK(mb > 0);
   CHECK(mb * acc * 2 == 16);
   CHECK(s["tokens"] == 2 * 16 * 32);
+}
+
+TEST_CASE("train.global_batch is global at world 2: micro-batch 4 x accumulation 2 x 2 ranks = 16") {
+  Runner run;
+  const auto dir = run.train(2, "--set train.global_batch=16 --set train.grad_accum=2 --set train.steps=2");
+  const auto s = summary(dir);
+  CHECK(s["config"]["train"]["global_batch"] == 16);
+  CHECK(s["tokens"] == 2 * 16 * 32);  // two steps of 16 sequences of 32 tokens
+  // The per-rank product alone (8) is not the global batch: every rank refuses it, naming the arithmetic.
+  test::TempDir bad("gb");
+  auto m = test::launch(2, fmt::format("--config {} --set train.global_batch=8 --set train.grad_accum=2 --set logging.dir={}",
+                                       run.recipe, (bad.path / "run").string()));
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r << ":\n" << m.outputs[static_cast<size_t>(r)]);
+    CHECK(m.codes[static_cast<size_t>(r)] == kExitConfig);
+    CHECK(m.outputs[static_cast<size_t>(r)].find("4 * 2 * 2 = 16") != std::string::npos);
+  }
 }
 
 namespace {

@@ -1,5 +1,5 @@
 // DDP and ZeRO-1/2/3 over flat parameter groups (see engine.h).
-#include "dist/engine.h"
+#include "parallel/engine.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,9 +11,10 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include "memory/planner.h"
 #include "train/optimizer.h"
 
-namespace sl::dist {
+namespace sl::parallel {
 namespace {
 
 // Runs after a parameter's AccumulateGrad node: its .grad holds this backward's full gradient.
@@ -304,8 +305,13 @@ double Engine::grad_norm() {
   torch::NoGradGuard no_grad;
   // Accumulated in float64: the norm (and so the clip factor) must not depend on how the gradient is
   // cut into buckets or shards, or the stages would drift apart by rounding (visible under bf16).
+  // Chunk by chunk: a float64 norm converts its input first, and a whole group's float64 copy is
+  // twice the group's gradient (memory/planner.h counts one chunk's copy).
   std::vector<torch::Tensor> norms;
-  for (const auto& t : grads()) norms.push_back(at::linalg_vector_norm(t, 2, std::nullopt, false, at::kDouble));
+  for (const auto& t : grads())
+    for (int64_t off = 0; off < t.numel(); off += memory::kGradNormChunk)
+      norms.push_back(at::linalg_vector_norm(t.narrow(0, off, std::min(memory::kGradNormChunk, t.numel() - off)), 2,
+                                             std::nullopt, false, at::kDouble));
   double sq = torch::stack(norms).pow(2).sum().item<double>();  // one device sync, not one per group
   // none: every rank holds the whole averaged gradient; zero*: each holds a disjoint shard.
   if (sharding_ != "none") sq = comm_->all_reduce_sum(sq, "gradient norm");
@@ -440,4 +446,4 @@ void Engine::unit_flush() {
   t.register_hook([this, unit](const torch::Tensor&) { gather(unit); });
 }
 
-}  // namespace sl::dist
+}  // namespace sl::parallel

@@ -24,7 +24,7 @@ class Backend;
 class Store;
 }  // namespace c10d
 
-namespace sl::dist {
+namespace sl::parallel {
 
 struct DistError : Error {
   explicit DistError(const std::string& what) : Error(kExitDistributed, what) {}
@@ -110,4 +110,4 @@ class Comm {
   std::string failure_;
 };
 
-}  // namespace sl::dist
+}  // namespace sl::parallel

@@ -1,5 +1,5 @@
 // c10d rendezvous and process group (Gloo on CPU, NCCL on CUDA when the build has it).
-#include "dist/comm.h"
+#include "parallel/comm.h"
 
 #include <chrono>
 #include <cstdlib>
@@ -15,7 +15,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
-namespace sl::dist {
+namespace sl::parallel {
 namespace {
 
 std::string env_str(const char* name, const std::string& fallback) {
@@ -252,4 +252,4 @@ void Comm::barrier(const std::string& what) {
   all_reduce_sum(0.0, what);
 }
 
-}  // namespace sl::dist
+}  // namespace sl::parallel

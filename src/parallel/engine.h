@@ -29,11 +29,11 @@
 #include <torch/optim/adamw.h>
 
 #include "config/config.h"
-#include "dist/comm.h"
+#include "parallel/comm.h"
 #include "model/gpt.h"
 #include "recompute/policy.h"
 
-namespace sl::dist {
+namespace sl::parallel {
 
 // Bytes of model states this rank holds between steps, by what its buffers are.
 struct StateBytes {
@@ -117,4 +117,4 @@ class Engine {
   int64_t transient_ = 0, transient_peak_ = 0;
 };
 
-}  // namespace sl::dist
+}  // namespace sl::parallel

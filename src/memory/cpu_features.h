@@ -1,0 +1,49 @@
+// What the CPU offers and what LibTorch's libraries make of it: the kernels a bf16/fp16 matmul takes
+// on CPU decide how much memory autocast uses (memory/activations.h) and how fast it runs.
+//
+// Asked at run time, after any cap the user set, so the answer is what the libraries will do:
+//   ATEN_CPU_CAPABILITY=avx2|avx512|default   caps ATen's vectorised kernels (at::get_cpu_capability)
+//   ONEDNN_MAX_CPU_ISA=AVX2|AVX512_CORE|AVX512_CORE_VNNI|AVX512_CORE_BF16|...   caps oneDNN's
+// (both are read when the libraries initialise: set them before the process starts). Capping
+// oneDNN at AVX512_CORE_VNNI on a CPU with avx512_bf16 gives exactly the path of an AVX-512 Xeon
+// without bf16 instructions (Cascade Lake); capping it at AVX2 the path of an AVX2-only CPU.
+#pragma once
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace sl::memory {
+
+// How a low-precision (bf16 / fp16) matmul runs on CPU under autocast.
+enum class LowpMatmul {
+  native,    // oneDNN brgemm with the CPU's bf16/fp16 instructions ("brg_matmul:avx512_core_bf16", AMX)
+  emulated,  // oneDNN without them, on AVX-512 ("gemm:jit:bf16"): an fp32 accumulator per matmul output
+  aten,      // no oneDNN kernel for the dtype (AVX2 only, or oneDNN capped below AVX512_CORE): ATen's gemm
+};
+std::string to_string(LowpMatmul path);
+
+struct CpuFeatures {
+  std::string model_name;       // /proc/cpuinfo "model name" (else cpuinfo's name)
+  std::string aten_capability;  // ATen's dispatch level: DEFAULT, AVX2, AVX512 (after ATEN_CPU_CAPABILITY)
+  std::string onednn_max_isa;   // ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) as set; "" = not capped
+  bool avx512 = false;          // the CPU's instructions (cpuinfo): AVX-512 F/BW/VL/DQ
+  bool avx512_bf16 = false, amx_bf16 = false, avx_ne_convert = false, avx512_fp16 = false;
+  bool onednn_bf16 = false;  // oneDNN takes bf16 matmuls (mkldnn::_is_mkldnn_bf16_supported, MKLDNN enabled)
+  bool onednn_fp16 = false;  // oneDNN takes fp16 matmuls (needs native fp16 support)
+  bool native_bf16 = false;  // oneDNN may use bf16 instructions: the CPU has them and the ISA cap allows them
+  bool amx = false;          // ... AMX tiles among them
+  LowpMatmul bf16_matmul = LowpMatmul::aten;
+  LowpMatmul fp16_matmul = LowpMatmul::aten;
+
+  LowpMatmul matmul_path(const std::string& compute) const;  // for precision.compute bf16 / fp16
+  nlohmann::json to_json() const;  // for summary.json's "environment"
+};
+
+// This process's CPU, detected once.
+const CpuFeatures& cpu_features();
+
+// Whether oneDNN's ISA cap `cap` (an ONEDNN_MAX_CPU_ISA value, any case; "" = none) allows `isa`
+// (a name of the same list). An unknown cap allows everything, as oneDNN ignores it.
+bool onednn_isa_allows(const std::string& cap, const std::string& isa);
+
+}  // namespace sl::memory

@@ -1,0 +1,62 @@
+// train.micro_batch: auto: probe micro-batches with real steps of a fresh model, bisecting over the
+// divisors of the per-rank batch from the planner's guess.
+#include "train/trainer.h"
+
+#include <torch/torch.h>
+
+#include "memory/planner.h"
+#include "precision/autocast.h"
+#include "recompute/policy.h"
+
+namespace sl::train {
+
+bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::Device device) {
+  auto c = cfg;
+  c.train.micro_batch = micro_batch;
+  try {
+    torch::manual_seed(static_cast<uint64_t>(c.train.seed));
+    model::GPT m(c.model, device);
+    recompute::Policy policy(c.checkpointing, m);
+    auto opt = make_optimizer(m, c.train);
+    memory::Tracker tracker(device);
+    precision::LossScaler scaler(c.precision, device);
+    const StepPrecision prec{precision::compute_dtype(c.precision.compute), &scaler};
+    const ForwardFn fwd = [&policy](const torch::Tensor& idx) { return policy.forward(idx); };
+    auto x = torch::randint(0, c.model.vocab_size, {micro_batch, c.train.seq_len}, torch::kInt64);
+    for (int i = 0; i < 2; ++i) train_step(fwd, m, *opt, {{x, x}}, c.train.grad_clip, device, tracker, prec);
+    return true;
+  } catch (const c10::OutOfMemoryError&) {
+    return false;
+  }
+}
+
+BatchSearch find_micro_batch(const config::RunConfig& cfg, torch::Device device) {
+  const int64_t global = cfg.train.global_batch;
+  std::vector<int64_t> divisors;
+  for (int64_t d = 1; d <= global; ++d)
+    if (global % d == 0) divisors.push_back(d);
+  BatchSearch r;
+  const int64_t limit = config::memory_limit_bytes(cfg);
+  auto planned = cfg;
+  planned.train.micro_batch = 1;
+  r.predicted = limit > 0 ? memory::largest_micro_batch(planned, limit, global) : global;
+  auto fits = [&](size_t i) {
+    const bool ok = micro_batch_fits(cfg, divisors[i], device);
+    r.trials.emplace_back(divisors[i], ok);
+    return ok;
+  };
+  // Bisection over the divisors: lo fits (-1: none known), hi does not (n: none known). The first
+  // probe is the largest divisor at or below the planner's prediction.
+  int64_t lo = -1, hi = static_cast<int64_t>(divisors.size());
+  int64_t guess = 0;
+  while (guess + 1 < hi && divisors[guess + 1] <= r.predicted) ++guess;
+  (fits(guess) ? lo : hi) = guess;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;  // truncates toward zero: with lo = -1 it probes the lower half
+    (fits(mid) ? lo : hi) = mid;
+  }
+  if (lo >= 0) r.micro_batch = divisors[lo], r.grad_accum = global / r.micro_batch;
+  return r;
+}
+
+}  // namespace sl::train

@@ -1,0 +1,167 @@
+// The end of a run: the final model, per-rank memory gathered to rank 0, summary.json, the closing
+// console line.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "memory/planner.h"
+#include "train/run.h"
+
+namespace sl::train {
+namespace {
+
+using Json = nlohmann::json;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Every rank left the loop at the same step: a clean end, an agreed stop (signal, rank 0's log
+// failure), or a non-finite loss or gradient norm (averaged over ranks, so all ranks see it). After
+// an OOM or another rank-local error the others are stuck in a step's collective instead.
+bool ranks_aligned(int code) {
+  return code == kExitOk || code == kExitSigint || code == kExitSigterm || code == kExitNonFinite || code == kExitIo;
+}
+
+void save_final_model(Session& s, Outcome& o) {
+  if (!s.cfg.logging.save_model || !ranks_aligned(o.code) || o.code == kExitNonFinite || o.code == kExitIo) return;
+  try {
+    if (s.engine) s.engine->gather_all();
+    if (s.rank0()) save_model(s.model, s.runlog->dir() / "model.pt");
+    if (s.engine) s.engine->release_all();
+  } catch (const Error& e) {  // a failed write on rank 0 must not strand the others
+    o.code = e.code;
+    o.message = e.what();
+  }
+}
+
+// Per-rank memory, gathered to rank 0 (skipped when a peer failed: the collective could not pair).
+Json parallel_report(Session& s, const LoopState& st, Outcome& o) {
+  if (!s.engine) return nullptr;
+  const auto sb = s.engine->state_bytes();
+  const int64_t opt_bytes = optimizer_state_bytes(*s.opt);
+  const std::vector<double> mine{static_cast<double>(s.launch.rank), static_cast<double>(st.rest_bytes),
+                                 static_cast<double>(sb.params),     static_cast<double>(sb.grads),
+                                 static_cast<double>(opt_bytes),     static_cast<double>(st.transient_peak),
+                                 static_cast<double>(st.peak_bytes)};
+  std::vector<double> all = mine;
+  if (ranks_aligned(o.code) && s.world() > 1) {
+    try {
+      all = s.comm->all_gather(mine, "per-rank memory report");
+    } catch (const parallel::DistError& e) {
+      o = {kExitDistributed, e.what(), nullptr};
+    }
+  }
+  Json ranks = Json::array();
+  for (size_t i = 0; i + mine.size() <= all.size(); i += mine.size()) {
+    auto at = [&](size_t k) { return static_cast<int64_t>(all[i + k]); };
+    ranks.push_back({{"rank", at(0)},
+                     {"model_state_bytes_measured", at(1)},
+                     {"params_bytes", at(2)},
+                     {"grads_bytes", at(3)},
+                     {"optimizer_state_bytes", at(4)},
+                     {"model_state_bytes", at(2) + at(3) + at(4)},
+                     {"transient_peak_bytes", at(5)},
+                     {"peak_allocated_bytes", at(6)}});
+  }
+  return {{"world_size", s.world()},
+          {"backend", s.comm->backend()},
+          {"sharding", s.cfg.parallel.sharding},
+          {"params_bytes_unsharded", 4 * s.model->num_params()},
+          {"largest_group_bytes", s.engine->largest_unit_bytes()},
+          {"groups", s.engine->groups()},
+          {"groups_launched_during_backward", s.engine->launched_from_hooks()},
+          {"gathers_last_step", st.gathers},
+          {"ranks", ranks}};
+}
+
+Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json parallel, double wall_s) {
+  auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
+  return {{"config", s.resolved},
+          {"environment", s.environment},
+          {"model", s.model_info},
+          {"checkpointing", s.policy->plan().to_json()},
+          {"run_dir", s.run_dir},
+          {"steps", st.steps_done},
+          {"skipped_steps", st.skipped_steps},
+          {"tokens", st.steps_done * s.tokens_per_step()},
+          {"final_loss", finite(st.last_loss)},
+          {"final_val_loss", finite(st.last_val)},
+          {"warmup_steps_excluded", std::min<int64_t>(s.cfg.logging.skip_first, st.steps_done)},
+          {"median_step_ms", median(st.step_ms)},
+          {"median_tokens_per_s", median(st.tok_s)},
+          {"median_samples_per_s", median(st.samp_s)},
+          {"median_mfu", median(st.mfus)},
+          {"median_recompute_ms", median(st.recompute_ms)},
+          {"median_activation_peak_bytes", static_cast<int64_t>(median(st.act_peaks))},
+          {"predicted_activation_peak_bytes", s.predicted.peak_bytes},
+          {"predicted_peak_bytes", memory::predict_peak(s.cfg).peak_bytes()},  // per rank, from the planner
+          {"wall_s", wall_s},
+          {"peak_allocated_bytes", st.peak_bytes},
+          {"memory_breakdown",
+           {{"params_bytes", st.states_at_peak.params},
+            {"grads_bytes", st.states_at_peak.grads},
+            {"optimizer_state_bytes", st.states_at_peak.optimizer},
+            {"activations_and_other_bytes", std::max<int64_t>(0, st.peak_bytes - st.states_at_peak.total())}}},
+          {"memory_limit_bytes", s.limit > 0 ? Json(s.limit) : Json(nullptr)},
+          {"micro_batch_search", s.batch_search},
+          {"parallel", std::move(parallel)},
+          {"oom", o.oom},
+          {"exit_status", {{"code", o.code}, {"name", exit_code_name(o.code)}, {"message", o.message}}}};
+}
+
+// Writes summary.json; a failure is the run's exit status only when nothing failed before it.
+void write_summary(Session& s, const Json& summary, Outcome& o) {
+  try {
+    s.runlog->write_json("summary.json", summary);
+  } catch (const IoError& e) {
+    if (o.code == kExitOk) o = {kExitIo, e.what(), nullptr};
+    else spdlog::error("{}", e.what());
+  }
+}
+
+void print_closing_line(const Session& s, const LoopState& st, const Outcome& o) {
+  if (!s.rank0() && o.code != kExitOk) spdlog::error("rank {}: {}", s.launch.rank, o.message);
+  if (!s.rank0()) return;
+  const auto summary_path = (s.runlog->dir() / "summary.json").string();
+  if (o.code == kExitOk)
+    spdlog::info("done: {} steps, median {:.1f} ms/step, {:.0f} tok/s, peak {} -> {}", st.steps_done, median(st.step_ms),
+                 median(st.tok_s), log::format_bytes(st.peak_bytes), summary_path);
+  else
+    spdlog::error("{} (summary: {})", o.message, summary_path);
+}
+
+}  // namespace
+
+void save_model(model::GPT& model, const std::filesystem::path& path) {
+  torch::serialize::OutputArchive archive;
+  for (const auto& item : model->named_parameters()) archive.write(item.key(), item.value().detach().cpu());
+  auto tmp = path;
+  tmp += ".tmp";
+  try {
+    archive.save_to(tmp.string());
+  } catch (const c10::Error& e) {
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    throw IoError(fmt::format("writing {} failed ({}); free disk space or choose another logging.dir", path.string(),
+                              std::string(e.what_without_backtrace()).substr(0, 200)));
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+int finish(Session& s, const LoopState& st, Outcome o) {
+  save_final_model(s, o);
+  Json parallel = parallel_report(s, st, o);
+  write_summary(s, summary_json(s, st, o, std::move(parallel), st.wall_s), o);
+  print_closing_line(s, st, o);
+  return o.code;
+}
+
+}  // namespace sl::train

@@ -1,0 +1,89 @@
+// A training run in named pieces, so each can be read (and tested) alone:
+//   setup()       device, rendezvous, data, the model-state check, micro-batch search, model,
+//                 recompute policy, sharding engine, optimizer, run directory -> one Session;
+//   train_loop()  the optimizer steps, eval, stop flags and events; every failure becomes an Outcome;
+//   finish()      final model, per-rank memory, summary.json, the closing console line.
+// run() is those three calls.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/optim/adamw.h>
+
+#include "config/config.h"
+#include "data/loader.h"
+#include "errors.h"
+#include "log/metrics.h"
+#include "memory/activations.h"
+#include "memory/tracker.h"
+#include "model/gpt.h"
+#include "parallel/comm.h"
+#include "parallel/engine.h"
+#include "precision/loss_scaler.h"
+#include "recompute/policy.h"
+#include "train/trainer.h"
+
+namespace sl::train {
+
+// Everything a run is made of, built once by setup().
+struct Session {
+  config::RunConfig cfg;  // resolved: train.micro_batch: auto replaced by the chosen value
+  parallel::LaunchEnv launch;
+  torch::Device device{torch::kCPU};
+  std::shared_ptr<parallel::Comm> comm;
+  data::Splits splits;
+  std::unique_ptr<memory::Tracker> tracker;
+  int64_t limit = 0;                  // memory.limit in bytes (0 = none)
+  nlohmann::json batch_search = nullptr;  // train.micro_batch: auto's trials
+  std::unique_ptr<data::Loader> train_loader, val_loader;
+  model::GPT model{nullptr};
+  std::unique_ptr<recompute::Policy> policy;
+  std::unique_ptr<parallel::Engine> engine;  // world > 1 or sharding: DDP / ZeRO
+  std::unique_ptr<torch::optim::AdamW> opt;
+  std::unique_ptr<precision::LossScaler> scaler;
+  ForwardFn forward;
+  StepPrecision precision;
+  std::unique_ptr<log::RunLog> runlog;
+  std::string run_dir;
+  double flops_per_token = 0, recompute_flops_per_token = 0, peak_flops = 0;
+  memory::ActivationEstimate predicted;
+  nlohmann::json resolved, environment, model_info;  // summary.json's config, environment, model
+
+  int64_t world() const { return launch.world; }
+  bool rank0() const { return launch.rank == 0; }
+  int64_t tokens_per_step() const { return cfg.train.micro_batch * cfg.train.grad_accum * cfg.train.seq_len * world(); }
+};
+
+// What the step loop accumulates for the summary.
+struct LoopState {
+  int64_t steps_done = 0, skipped_steps = 0, consecutive_skips = 0;
+  int64_t peak_bytes = 0, transient_peak = 0, rest_bytes = 0, gathers = 0;
+  ModelStateBytes states_at_peak;
+  double last_loss = NAN, last_val = NAN;
+  double wall_s = 0;  // the loop's wall-clock time
+  std::vector<double> step_ms, tok_s, samp_s, mfus, recompute_ms, act_peaks;  // after logging.skip_first
+};
+
+// How the loop ended: the exit code, its message, and the oom record when it ran out of memory.
+struct Outcome {
+  int code = kExitOk;
+  std::string message;
+  nlohmann::json oom = nullptr;
+};
+
+// Refuses (OomError, exit 4) a recipe whose model states (weights, gradients, AdamW moments per rank,
+// from the planner) exceed what the device has: memory.limit, else physical memory (or the cgroup's
+// limit) on CPU, the device's memory on CUDA. Runs before any weight is made.
+void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit);
+
+std::unique_ptr<Session> setup(const config::RunConfig& cfg);
+Outcome train_loop(Session& s, LoopState& st);
+// Returns the process exit code: the outcome's, or kExitIo when summary.json cannot be written
+// after an otherwise clean run.
+int finish(Session& s, const LoopState& st, Outcome outcome);
+
+}  // namespace sl::train
