@@ -92,9 +92,9 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "error: out of memory before training started: {}\n", e.what());
     return sl::kExitOom;
   } catch (const c10::Error& e) {
-    const std::string what = e.what_without_backtrace();
-    const bool oom = what.find("can't allocate memory") != std::string::npos;  // LibTorch's default CPU allocator
-    fmt::print(stderr, "error: {}{}\n", oom ? "out of memory before training started: " : "LibTorch: ", what);
+    const bool oom = sl::memory::is_allocation_failure(e);
+    fmt::print(stderr, "error: {}{}\n", oom ? "out of memory before training started: " : "LibTorch: ",
+               e.what_without_backtrace());
     return oom ? sl::kExitOom : sl::kExitInternal;
   } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());

@@ -73,4 +73,9 @@ void TrackingCPUAllocator::copy_data(void* dest, const void* src, std::size_t co
   default_copy_data(dest, src, count);
 }
 
+bool is_allocation_failure(const c10::Error& e) {
+  const std::string what = e.what_without_backtrace();
+  return what.find("can't allocate memory") != std::string::npos || what.find("out of memory") != std::string::npos;
+}
+
 }  // namespace sl::memory

@@ -42,4 +42,8 @@ class TrackingCPUAllocator final : public c10::Allocator {
   std::atomic<int64_t> current_{0}, peak_{0}, allocs_{0}, limit_{0}, refused_{0};
 };
 
+// Whether a c10::Error is an allocation the system refused (LibTorch's default CPU allocator reports it
+// as a plain c10::Error, "can't allocate memory", when the tracking allocator is not installed).
+bool is_allocation_failure(const c10::Error& e);
+
 }  // namespace sl::memory

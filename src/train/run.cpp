@@ -69,13 +69,6 @@ void fail_together(parallel::Comm& comm, std::string error, const std::string& w
   if (!error.empty()) throw ConfigError(error);
 }
 
-// An allocation that failed outside the CUDA caching allocator and the simulated limit: LibTorch's
-// default CPU allocator reports it as a plain c10::Error.
-bool is_allocation_failure(const c10::Error& e) {
-  const std::string what = e.what_without_backtrace();
-  return what.find("can't allocate memory") != std::string::npos || what.find("out of memory") != std::string::npos;
-}
-
 // ---- setup ----
 
 void init_process(Session& s) {
@@ -450,7 +443,7 @@ Outcome train_loop(Session& s, LoopState& st) {
     if (e.code != kExitNonFinite && e.code != kExitDistributed)
       s.runlog->event("error", {{"step", st.steps_done + 1}, {"message", o.message}});
   } catch (const c10::Error& e) {
-    o = is_allocation_failure(e) ? oom_outcome(s, st, e.what_without_backtrace())
+    o = memory::is_allocation_failure(e) ? oom_outcome(s, st, e.what_without_backtrace())
                                  : unexpected_outcome(s, st, e.what_without_backtrace());
   } catch (const std::exception& e) {
     o = unexpected_outcome(s, st, e.what());
