@@ -24,15 +24,22 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
   std::string config_path;
   std::vector<std::string> overrides;
+  std::string resume;
   bool help_config = false;
   app.add_flag("--help-config", help_config, "print every recipe key with its type, default and meaning");
   auto add_run_options = [&](CLI::App* cmd) {
     cmd->add_option("-c,--config", config_path, "YAML recipe, e.g. configs/tiny.yaml");
     cmd->add_option("-s,--set", overrides, "override a recipe key: --set section.key=value (repeatable)");
   };
+  auto add_resume = [&](CLI::App* cmd) {
+    cmd->add_option("--resume", resume, "continue from a saved training state: auto (the newest valid one of the run "
+                                        "directory; none: start fresh) or PATH (a state, state directory or run directory)");
+  };
   add_run_options(&app);
+  add_resume(&app);
   auto* train_cmd = app.add_subcommand("train", "train (the default when no subcommand is given)");
   add_run_options(train_cmd);
+  add_resume(train_cmd);
   auto* plan_cmd = app.add_subcommand("plan", "predict memory without making tensors; writes plan.json");
   add_run_options(plan_cmd);
   std::string plan_memory, plan_out;
@@ -79,6 +86,7 @@ int main(int argc, char** argv) {
       fmt::print("wrote {}\n", out.string());
       return sl::kExitOk;
     }
+    cfg.resume = resume;
     // Install before any tensor exists so every CPU tensor is counted.
     if (cfg.memory.track_cpu) sl::memory::TrackingCPUAllocator::install();
     return sl::train::run(cfg);

@@ -163,6 +163,12 @@ const std::vector<Field>& fields() {
       field(&R::logging, &LoggingConfig::progress, "logging", "progress", "progress bar when stdout is a terminal"),
       field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final parameters to <run dir>/model.pt (torch::save archive, names as in the model; sharded runs gather them first)"),
       field(&R::logging, &LoggingConfig::overwrite, "logging", "overwrite", "allow a run directory that already holds a run's logs (they are replaced); false = refuse with exit 2"),
+
+      field(&R::state, &StateConfig::every, "state", "every", "save the training state every N optimizer steps; 0 = only at the end and on SIGTERM/SIGINT"),
+      field(&R::state, &StateConfig::keep, "state", "keep", "newest saved states kept (older ones are deleted after a newer one is complete); 0 = all"),
+      field(&R::state, &StateConfig::dir, "state", "dir", "where states are written; \"\" = <run dir>/state"),
+      field(&R::state, &StateConfig::at_end, "state", "at_end", "save after the last step"),
+      field(&R::state, &StateConfig::on_signal, "state", "on_signal", "on SIGTERM/SIGINT: finish the step, save, then exit 143/130"),
   };
   return table;
 }
@@ -469,21 +475,24 @@ static void check_global_batch(const RunConfig& c) {
   }
 }
 
-void validate(const RunConfig& c) {
-  auto fail = [](const std::string& key, const std::string& msg) {
-    throw ConfigError(fmt::format("{}: {}", key, msg));
-  };
-  auto positive = [&](const std::string& key, int64_t v) {
-    if (v <= 0) fail(key, fmt::format("must be > 0, got {}", v));
-  };
-  auto one_of = [&](const std::string& key, const std::string& v, std::initializer_list<const char*> allowed) {
-    std::string list;
-    for (auto a : allowed) {
-      if (v == a) return;
-      list += (list.empty() ? "" : " | ") + std::string(a);
-    }
-    fail(key, fmt::format("'{}' is not one of {}", v, list));
-  };
+namespace {
+
+[[noreturn]] void fail(const std::string& key, const std::string& msg) { throw ConfigError(fmt::format("{}: {}", key, msg)); }
+
+void positive(const std::string& key, int64_t v) {
+  if (v <= 0) fail(key, fmt::format("must be > 0, got {}", v));
+}
+
+void one_of(const std::string& key, const std::string& v, std::initializer_list<const char*> allowed) {
+  std::string list;
+  for (auto a : allowed) {
+    if (v == a) return;
+    list += (list.empty() ? "" : " | ") + std::string(a);
+  }
+  fail(key, fmt::format("'{}' is not one of {}", v, list));
+}
+
+void validate_model(const RunConfig& c) {
   const auto& m = c.model;
   one_of("model.arch", m.arch, {"gpt2", "llama"});
   positive("model.n_layer", m.n_layer);
@@ -500,7 +509,10 @@ void validate(const RunConfig& c) {
   if (!(m.norm_eps > 0.0)) fail("model.norm_eps", "must be > 0");
   if (!(m.init_std > 0.0)) fail("model.init_std", "must be > 0");
   if (!(m.rope_theta > 0.0)) fail("model.rope_theta", "must be > 0");
+}
 
+void validate_data(const RunConfig& c) {
+  const auto& m = c.model;
   const auto& d = c.data;
   one_of("data.source", d.source, {"bin", "text", "synthetic"});
   if (d.source != "synthetic" && d.path.empty()) fail("data.path", "is empty; give a .bin shard or a text file");
@@ -511,7 +523,10 @@ void validate(const RunConfig& c) {
     fail("model.vocab_size", fmt::format("text data uses one token per byte, so it must be >= 256, got {}", m.vocab_size));
   if (d.source == "bin" && m.vocab_size > 65536)
     fail("model.vocab_size", fmt::format("bin shards store uint16 tokens, so it must be <= 65536, got {}", m.vocab_size));
+}
 
+void validate_train(const RunConfig& c) {
+  const auto& m = c.model;
   const auto& t = c.train;
   positive("train.seq_len", t.seq_len);
   if (t.micro_batch < 0) fail("train.micro_batch", fmt::format("must be > 0 or auto, got {}", t.micro_batch));
@@ -539,7 +554,10 @@ void validate(const RunConfig& c) {
   one_of("train.device", t.device, {"auto", "cpu", "cuda"});
   if (t.threads < 0) fail("train.threads", "must be >= 0 (0 = all cores)");
   one_of("train.on_nonfinite", t.on_nonfinite, {"abort", "skip"});
+}
 
+void validate_checkpointing(const RunConfig& c) {
+  const auto& m = c.model;
   const auto& k = c.checkpointing;
   one_of("checkpointing.mode", k.mode, {"none", "full", "interval", "sqrt", "selective"});
   if (k.interval < 0) fail("checkpointing.interval", "must be >= 0");
@@ -562,7 +580,9 @@ void validate(const RunConfig& c) {
     fail("checkpointing.recompute", "selective mode needs a list, e.g. [attention, mlp, norm]");
   if (k.mode != "selective" && !k.recompute.empty())
     fail("checkpointing.recompute", fmt::format("is only used with checkpointing.mode: selective (mode is '{}')", k.mode));
+}
 
+void validate_precision(const RunConfig& c) {
   const auto& pr = c.precision;
   one_of("precision.compute", pr.compute, {"fp32", "bf16", "fp16"});
   if (pr.loss_scale != "dynamic") {
@@ -579,6 +599,10 @@ void validate(const RunConfig& c) {
   if (!(pr.backoff_factor > 0.0 && pr.backoff_factor < 1.0)) fail("precision.backoff_factor", "must be in (0, 1)");
   positive("precision.growth_interval", pr.growth_interval);
   if (pr.max_skipped_steps < 0) fail("precision.max_skipped_steps", "must be >= 0 (0 = never give up)");
+}
+
+void validate_devices_and_logging(const RunConfig& c) {
+  const auto& t = c.train;
   one_of("parallel.backend", c.parallel.backend, {"auto", "gloo", "nccl"});
   one_of("parallel.sharding", c.parallel.sharding, {"none", "zero1", "zero2", "zero3"});
   if (!(c.parallel.bucket_mb > 0.0)) fail("parallel.bucket_mb", "must be > 0");
@@ -591,6 +615,24 @@ void validate(const RunConfig& c) {
   positive("logging.interval", c.logging.interval);
   if (c.logging.skip_first < 0) fail("logging.skip_first", "must be >= 0");
   if (!(c.logging.peak_tflops >= 0.0)) fail("logging.peak_tflops", "must be >= 0 (0 = measure)");
+}
+
+void validate_state(const RunConfig& c) {
+  const auto& st = c.state;
+  if (st.every < 0) fail("state.every", fmt::format("must be >= 0 (0 = only at the end and on a signal), got {}", st.every));
+  if (st.keep < 0) fail("state.keep", fmt::format("must be >= 0 (0 = keep every state), got {}", st.keep));
+}
+
+}  // namespace
+
+void validate(const RunConfig& c) {
+  validate_model(c);
+  validate_data(c);
+  validate_train(c);
+  validate_checkpointing(c);
+  validate_precision(c);
+  validate_devices_and_logging(c);
+  validate_state(c);
 }
 
 nlohmann::json to_json(const RunConfig& cfg) {

@@ -99,6 +99,15 @@ struct LoggingConfig {
   bool overwrite = false;
 };
 
+// Durable training state (src/state/): what is saved, how often, where.
+struct StateConfig {
+  int64_t every = 0;      // save every N optimizer steps; 0 = only at the end and on a signal
+  int64_t keep = 2;       // newest states kept; 0 = all
+  std::string dir = "";   // "" = <run dir>/state
+  bool at_end = true;     // save when the last step is done
+  bool on_signal = true;  // SIGTERM/SIGINT: finish the step, save, exit 143/130
+};
+
 struct RunConfig {
   ModelConfig model;
   DataConfig data;
@@ -108,11 +117,14 @@ struct RunConfig {
   ParallelConfig parallel;
   MemoryConfig memory;
   LoggingConfig logging;
+  StateConfig state;
   std::string recipe_name = "run";
   // Not a recipe key: the number of ranks the run has (WORLD_SIZE, or `trainer plan --world-size`).
   // train.global_batch is checked against it.
   // The planner predicts per-rank memory with it.
   int64_t world_size = 1;
+  // Not a recipe key: `trainer --resume auto|PATH` ("" = start fresh).
+  std::string resume;
 };
 
 // Loads a YAML recipe (path may be empty: defaults only), applies overrides ("section.key=value"),

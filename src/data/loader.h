@@ -53,6 +53,9 @@ class Loader {
          int64_t rank = 0, int64_t world_size = 1);
   Batch next();
   const TokenSource& source() const { return *source_; }
+  // The sampler's position (its RNG state; the same on every rank), for saved training states.
+  uint64_t position() const { return state_; }
+  void restore(uint64_t position) { state_ = position; }
 
  private:
   std::shared_ptr<TokenSource> source_;

@@ -8,6 +8,7 @@
 #include <system_error>
 
 #include <cmath>
+#include <fstream>
 
 #include <fmt/format.h>
 
@@ -44,15 +45,39 @@ void check_run_dir(const std::filesystem::path& run_dir, bool overwrite) {
   }
 }
 
-RunLog::RunLog(const std::filesystem::path& run_dir, bool rank0, bool overwrite) : dir_(run_dir), rank0_(rank0) {
+namespace {
+
+// The records of metrics.jsonl a resumed run keeps: whole lines whose "step" is at most `step`.
+std::string records_through(const std::filesystem::path& path, int64_t step) {
+  std::ifstream in(path);
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    if (in.eof()) break;  // no newline: a record cut short by a kill
+    const auto rec = nlohmann::json::parse(line, nullptr, false);
+    if (rec.is_discarded() || !rec.is_object()) continue;
+    if (rec.contains("step") && rec["step"].is_number_integer() && rec["step"].get<int64_t>() > step) continue;
+    kept += line + "\n";
+  }
+  return kept;
+}
+
+}  // namespace
+
+RunLog::RunLog(const std::filesystem::path& run_dir, bool rank0, bool overwrite, int64_t resume_step)
+    : dir_(run_dir), rank0_(rank0) {
   if (!rank0_) return;
-  check_run_dir(dir_, overwrite);
+  if (resume_step < 0) check_run_dir(dir_, overwrite);
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec)
     throw ConfigError(fmt::format("logging.dir: cannot create run directory {} ({})", dir_.string(), ec.message()));
   auto path = dir_ / "metrics.jsonl";
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (resume_step >= 0) {  // replaced in one rename: a kill now loses nothing
+    const std::string kept = records_through(path, resume_step);
+    write_text_file(path, kept);
+    written_ = static_cast<int64_t>(kept.size());
+  }
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (resume_step >= 0 ? O_APPEND : O_TRUNC), 0644);
   if (fd_ < 0)
     throw ConfigError(fmt::format("logging.dir: cannot write {} ({})", path.string(), errno_text(errno)));
 }
@@ -85,12 +110,12 @@ void RunLog::write_json(const std::string& name, const nlohmann::json& j) {
   if (rank0_) write_json_file(dir_ / name, j);
 }
 
-void write_json_file(const std::filesystem::path& path, const nlohmann::json& j) {
+void write_text_file(const std::filesystem::path& path, const std::string& text) {
   auto tmp = path;
   tmp += ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw IoError(fmt::format("cannot write {}: {}", tmp.string(), errno_text(errno)));
-  int err = write_all(fd, j.dump(2) + "\n");
+  int err = write_all(fd, text);
   if (!err && ::fsync(fd) != 0) err = errno;
   if (::close(fd) != 0 && !err) err = errno;
   std::error_code ec;
@@ -103,6 +128,8 @@ void write_json_file(const std::filesystem::path& path, const nlohmann::json& j)
     throw IoError(fmt::format("writing {} failed: {} (free disk space or check permissions)", path.string(), errno_text(err)));
   }
 }
+
+void write_json_file(const std::filesystem::path& path, const nlohmann::json& j) { write_text_file(path, j.dump(2) + "\n"); }
 
 std::string format_table(const std::vector<std::pair<std::string, std::string>>& rows) {
   size_t kw = 0, vw = 0;

@@ -20,8 +20,10 @@ class RunLog {
  public:
   // Creates run_dir (and parents) and opens metrics.jsonl for writing (truncating it). A directory
   // that already holds a run (metrics.jsonl, summary.json or config.json) is refused with a
-  // ConfigError unless `overwrite`; see check_run_dir.
-  RunLog(const std::filesystem::path& run_dir, bool rank0, bool overwrite = false);
+  // ConfigError unless `overwrite`; see check_run_dir. A resumed run (resume_step >= 0) keeps the
+  // records of steps <= resume_step (and records without a step) and appends after them, so no step
+  // appears twice; a partial last line left by a killed process is dropped.
+  RunLog(const std::filesystem::path& run_dir, bool rank0, bool overwrite = false, int64_t resume_step = -1);
   ~RunLog();
   RunLog(const RunLog&) = delete;
   RunLog& operator=(const RunLog&) = delete;
@@ -47,6 +49,8 @@ void check_run_dir(const std::filesystem::path& run_dir, bool overwrite);
 // Writes JSON to path atomically (tmp, fsync, rename); throws IoError naming the path on failure and
 // leaves no temporary behind.
 void write_json_file(const std::filesystem::path& path, const nlohmann::json& j);
+// The same for any text.
+void write_text_file(const std::filesystem::path& path, const std::string& text);
 
 // "| key | value |" table in the llm.c style.
 std::string format_table(const std::vector<std::pair<std::string, std::string>>& rows);

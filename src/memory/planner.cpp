@@ -103,16 +103,11 @@ std::vector<int64_t> unit_param_counts(const config::ModelConfig& m) {
   torch::NoGradGuard no_grad;
   model::GPT g(m, torch::kMeta);
   std::vector<int64_t> units;
-  units.push_back(g->wte.numel() + (g->wpe.defined() ? g->wpe.numel() : 0));
-  for (const auto& b : *g->blocks) {
+  for (const auto& unit : g->units()) {
     int64_t n = 0;
-    for (const auto& p : b->parameters()) n += p.numel();
+    for (const auto& p : unit) n += p.tensor.numel();
     units.push_back(n);
   }
-  int64_t head = 0;
-  for (const auto* p : {&g->lnf_w, &g->lnf_b, &g->lm_head})
-    if (p->defined()) head += p->numel();
-  units.push_back(head);
   return units;
 }
 

@@ -182,6 +182,24 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& logits, const torch::Tensor& ta
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 
+std::string unit_name(const config::ModelConfig& m, int64_t unit) {
+  if (unit == kEmbeddingUnit) return "embeddings";
+  if (unit == head_unit(m)) return "head";
+  return "block " + std::to_string(unit - 1);
+}
+
+std::vector<std::vector<NamedParam>> GPTImpl::units() const {
+  std::vector<std::vector<NamedParam>> out(static_cast<size_t>(unit_count(cfg)));
+  for (const auto& item : named_parameters()) {
+    const std::string& name = item.key();
+    int64_t u = head_unit(cfg);  // lnf_w, lnf_b, lm_head
+    if (name == "wte" || name == "wpe") u = kEmbeddingUnit;
+    if (name.rfind("blocks.", 0) == 0) u = block_unit(std::stoll(name.substr(7)));
+    out[static_cast<size_t>(u)].push_back({name, item.value()});
+  }
+  return out;
+}
+
 int64_t GPTImpl::num_params() const {
   int64_t n = 0;
   for (const auto& p : parameters()) n += p.numel();

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "config/config.h"
@@ -59,6 +60,22 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+// The model's units, the one place their layout is defined: unit 0 the embeddings (wte, wpe), units
+// 1..L the blocks, unit L+1 the final norm and the untied head. ZeRO-3 shards, gathers and frees by
+// unit (parallel/engine.cpp), the recompute policy runs the forward unit by unit (recompute/policy.cpp),
+// the planner sizes them (memory/planner.cpp) and saved states name parameters as units() does.
+inline constexpr int64_t kEmbeddingUnit = 0;
+inline int64_t block_unit(int64_t layer) { return layer + 1; }
+inline int64_t head_unit(const config::ModelConfig& m) { return m.n_layer + 1; }
+inline int64_t unit_count(const config::ModelConfig& m) { return m.n_layer + 2; }
+std::string unit_name(const config::ModelConfig& m, int64_t unit);  // "embeddings", "block 3", "head"
+
+// A parameter and its name in the model ("wte", "blocks.3.w_qkv", ...), as named_parameters() says.
+struct NamedParam {
+  std::string name;
+  torch::Tensor tensor;
+};
+
 struct GPTImpl : torch::nn::Module {
   // Builds the model on `device` (use torch::kMeta to count parameters without memory).
   GPTImpl(const config::ModelConfig& cfg, torch::Device device);
@@ -69,6 +86,9 @@ struct GPTImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> (B, T, V)
   // Mean cross-entropy of logits (B, T, V) against targets (B, T).
   static torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets);
+
+  // Parameters by unit (see kEmbeddingUnit): unit_count(cfg) lists, each in registration order.
+  std::vector<std::vector<NamedParam>> units() const;
 
   int64_t num_params() const;  // every parameter counted once (tied weights once)
   // Parameters that the matmuls touch per token (excludes the position table and, when untied,

@@ -35,6 +35,7 @@ int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 struct Engine::Group {
   std::string name;
   std::vector<torch::Tensor> params;  // matrices first, then vectors
+  std::vector<std::string> names;     // the parameters' names in the model
   std::vector<int64_t> offsets;
   int64_t numel = 0, decay = 0, padded = 0, shard = 0;
   torch::Tensor flat_param;   // zero*: the whole group (zero3: storage only while gathered)
@@ -76,32 +77,22 @@ Engine::~Engine() {
 void Engine::build_groups(const config::RunConfig& cfg) {
   torch::NoGradGuard no_grad;
   auto& m = *model_;
-  const int64_t L = m.cfg.n_layer;
-  // Units in forward order; groups are built from them in reverse (the order gradients arrive in).
-  std::vector<std::vector<torch::Tensor>> units(static_cast<size_t>(L + 2));
-  units[0].push_back(m.wte);
-  if (m.wpe.defined()) units[0].push_back(m.wpe);
-  for (int64_t l = 0; l < L; ++l)
-    for (const auto& p : m.blocks[l]->parameters()) units[static_cast<size_t>(l + 1)].push_back(p);
-  for (const auto* p : {&m.lnf_w, &m.lnf_b, &m.lm_head})
-    if (p->defined()) units[static_cast<size_t>(L + 1)].push_back(*p);
-
-  std::vector<std::vector<torch::Tensor>> members;
+  const auto units = m.units();  // forward order; groups are built from them in reverse (the order gradients arrive in)
+  std::vector<std::vector<model::NamedParam>> members;
   std::vector<std::string> names;
   std::vector<int64_t> group_of_unit(units.size(), -1);
   if (sharding_ == "zero3") {
-    for (int64_t u = L + 1; u >= 0; --u) {
+    for (auto u = static_cast<int64_t>(units.size()) - 1; u >= 0; --u) {
       group_of_unit[static_cast<size_t>(u)] = static_cast<int64_t>(members.size());
       members.push_back(units[static_cast<size_t>(u)]);
-      names.push_back(u == 0 ? "embeddings" : u == L + 1 ? "head" : fmt::format("block {}", u - 1));
+      names.push_back(model::unit_name(m.cfg, u));
     }
   } else {
     const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
     int64_t bytes = 0;
-    for (int64_t u = L + 1; u >= 0; --u) {
-      const auto& ps = units[static_cast<size_t>(u)];
-      for (auto it = ps.rbegin(); it != ps.rend(); ++it) {
-        const auto b = static_cast<int64_t>(it->nbytes());
+    for (auto u = units.rbegin(); u != units.rend(); ++u) {
+      for (auto it = u->rbegin(); it != u->rend(); ++it) {
+        const auto b = static_cast<int64_t>(it->tensor.nbytes());
         if (members.empty() || (bytes + b > cap && bytes > 0)) {
           members.emplace_back();
           names.push_back(fmt::format("bucket {}", names.size()));
@@ -116,12 +107,15 @@ void Engine::build_groups(const config::RunConfig& cfg) {
   for (size_t gi = 0; gi < members.size(); ++gi) {
     auto g = std::make_unique<Group>();
     g->name = names[gi];
-    auto& ps = members[gi];
-    std::stable_partition(ps.begin(), ps.end(), [](const torch::Tensor& p) { return p.dim() >= 2; });
-    for (const auto& p : ps) {
+    auto& named = members[gi];
+    std::stable_partition(named.begin(), named.end(), [](const model::NamedParam& p) { return p.tensor.dim() >= 2; });
+    std::vector<torch::Tensor> ps;
+    for (const auto& [name, p] : named) {
       g->offsets.push_back(g->numel);
       if (p.dim() >= 2) g->decay += p.numel();
       g->numel += p.numel();
+      g->names.push_back(name);
+      ps.push_back(p);
     }
     g->params = ps;
     g->padded = round_up(g->numel, world_);
@@ -156,7 +150,8 @@ void Engine::build_groups(const config::RunConfig& cfg) {
   if (sharding_ == "zero3") {
     unit_groups_.resize(units.size());
     for (size_t u = 0; u < units.size(); ++u) unit_groups_[u].push_back(static_cast<size_t>(group_of_unit[u]));
-    if (m.cfg.tie_embeddings) unit_groups_[static_cast<size_t>(L + 1)].push_back(static_cast<size_t>(group_of_unit[0]));
+    if (m.cfg.tie_embeddings)  // the head reads the token embedding
+      unit_groups_[static_cast<size_t>(model::head_unit(m.cfg))].push_back(static_cast<size_t>(group_of_unit[model::kEmbeddingUnit]));
   }
   transient_ = transient_peak_ = 0;
 
@@ -345,6 +340,29 @@ StateBytes Engine::state_bytes() const {
     s.grads += (sharding_ == "none" || sharding_ == "zero1" ? g->padded : g->shard) * 4;
   }
   return s;
+}
+
+std::vector<Span> Engine::owned_spans() const {
+  if (sharding_ == "none") return held_spans();
+  std::vector<Span> out;
+  for (const auto& gp : groups_) {
+    const auto& g = *gp;
+    const int64_t lo = rank_ * g.shard, hi = lo + g.shard;
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const int64_t a = std::max(lo, g.offsets[i]), b = std::min(hi, g.offsets[i] + g.params[i].numel());
+      if (a < b) out.push_back({g.names[i], a - g.offsets[i], b - g.offsets[i], g.shard_param.detach().narrow(0, a - lo, b - a)});
+    }
+  }
+  return out;
+}
+
+std::vector<Span> Engine::held_spans() const {
+  if (sharding_ == "zero3") return owned_spans();
+  std::vector<Span> out;
+  for (const auto& gp : groups_)
+    for (size_t i = 0; i < gp->params.size(); ++i)
+      out.push_back({gp->names[i], 0, gp->params[i].numel(), gp->params[i].detach().view({-1})});
+  return out;
 }
 
 void Engine::gather_all() {

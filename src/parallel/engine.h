@@ -41,6 +41,15 @@ struct StateBytes {
   int64_t total() const { return params + grads + optimizer; }
 };
 
+// A run of one parameter's elements, [begin, end) of its flattened values, and the 1-D tensor on this
+// rank that holds them (a view: writing it writes the parameter or the rank's shard). Saved training
+// states are made of spans, so a state written under one sharding can be read under another.
+struct Span {
+  std::string param;  // the name in the model ("blocks.0.w_qkv")
+  int64_t begin = 0, end = 0;
+  torch::Tensor values;
+};
+
 class Engine {
  public:
   Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
@@ -68,6 +77,10 @@ class Engine {
   void clip(double max_norm, double norm);  // scales by max_norm / (norm + 1e-6) when that is < 1
   void after_step();              // zero1/2: all-gather the updated parameters
   StateBytes state_bytes() const;
+  // The elements this rank's optimizer updates (none: every parameter in full; zero*: the shard).
+  std::vector<Span> owned_spans() const;
+  // The parameter elements this rank stores between steps (zero3: its shard; otherwise every parameter).
+  std::vector<Span> held_spans() const;
   // zero3: gather every unit (a collective on every rank) so the whole model can be read; release_all
   // frees them again. No-ops for the other stages.
   void gather_all();

@@ -35,4 +35,12 @@ void LossScaler::update() {
   at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, growth_factor_, backoff_factor_, growth_interval_);
 }
 
+int64_t LossScaler::growth_tracker() const { return enabled_ ? growth_tracker_.item<int64_t>() : 0; }
+
+void LossScaler::restore(double scale, int64_t growth_tracker) {
+  if (!enabled_) return;
+  scale_.fill_(scale);
+  growth_tracker_.fill_(growth_tracker);
+}
+
 }  // namespace sl::precision

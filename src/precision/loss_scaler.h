@@ -25,6 +25,9 @@ class LossScaler {
   bool unscale(const std::vector<at::Tensor>& grads, const std::function<double(double)>& agree = {});
   // After a step: dynamic scaling backs off on found_inf, grows after growth_interval clean steps.
   void update();
+  // Saved training states: the dynamic scale's growth counter, and both restored.
+  int64_t growth_tracker() const;
+  void restore(double scale, int64_t growth_tracker);
 
  private:
   bool enabled_ = false, dynamic_ = false;

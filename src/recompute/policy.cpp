@@ -95,7 +95,7 @@ torch::Tensor Policy::unit(int64_t u, const torch::Tensor& in, bool needs_params
 }
 
 torch::Tensor Policy::block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope) {
-  return unit(block.layer + 1, x, true, [&] { return block_forward_unhooked(block, x, rope); });
+  return unit(model::block_unit(block.layer), x, true, [&] { return block_forward_unhooked(block, x, rope); });
 }
 
 torch::Tensor Policy::block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope) {
@@ -114,7 +114,7 @@ torch::Tensor Policy::block_forward_unhooked(model::BlockImpl& block, const torc
 
 torch::Tensor Policy::forward(const torch::Tensor& idx) {
   // The embedding backward needs the indices only, not the table: its parameters need no re-gather.
-  auto x = unit(0, torch::Tensor(), false, [&] { return model_->embed(idx); });
+  auto x = unit(model::kEmbeddingUnit, torch::Tensor(), false, [&] { return model_->embed(idx); });
   const auto rope = model_->rope(idx.size(1));
   auto& blocks = *model_->blocks;
   for (size_t si = 0; si < plan_.segments.size(); ++si) {
@@ -135,7 +135,7 @@ torch::Tensor Policy::forward(const torch::Tensor& idx) {
     };
     x = checkpoint(fmt::format("segment {} (blocks {}..{})", si, seg.begin, seg.end - 1), fn, {x}, params, opts_)[0];
   }
-  auto logits = unit(model_->cfg.n_layer + 1, x, true, [&] { return model_->head(x); });
+  auto logits = unit(model::head_unit(model_->cfg), x, true, [&] { return model_->head(x); });
   flush();
   return logits;
 }

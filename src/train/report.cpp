@@ -82,6 +82,16 @@ Json parallel_report(Session& s, const LoopState& st, Outcome& o) {
           {"ranks", ranks}};
 }
 
+// Saved training states: where this run resumed from and what it saved.
+Json state_report(const Session& s, const LoopState& st) {
+  return {{"resumed_from", s.resume_from.found() ? Json(s.resume_from.dir.string()) : Json(nullptr)},
+          {"resumed_at_step", s.resume_from.found() ? Json(s.resume_from.step) : Json(nullptr)},
+          {"saves", st.save_ms.size()},
+          {"last_saved_step", st.last_saved_step >= 0 ? Json(st.last_saved_step) : Json(nullptr)},
+          {"state_bytes", st.state_bytes},
+          {"median_save_ms", median(st.save_ms)}};
+}
+
 Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json parallel, double wall_s) {
   auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
   return {{"config", s.resolved},
@@ -112,6 +122,7 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
             {"activations_and_other_bytes", std::max<int64_t>(0, st.peak_bytes - st.states_at_peak.total())}}},
           {"memory_limit_bytes", s.limit > 0 ? Json(s.limit) : Json(nullptr)},
           {"micro_batch_search", s.batch_search},
+          {"state", state_report(s, st)},
           {"parallel", std::move(parallel)},
           {"oom", o.oom},
           {"exit_status", {{"code", o.code}, {"name", exit_code_name(o.code)}, {"message", o.message}}}};

@@ -1,9 +1,11 @@
 // A training run in named pieces, so each can be read (and tested) alone:
-//   setup()       device, rendezvous, data, the model-state check, micro-batch search, model,
-//                 recompute policy, sharding engine, optimizer, run directory -> one Session;
-//   train_loop()  the optimizer steps, eval, stop flags and events; every failure becomes an Outcome;
-//   finish()      final model, per-rank memory, summary.json, the closing console line.
-// run() is those three calls.
+//   setup()       (setup.cpp) device, rendezvous, data, run directory, --resume's state, the
+//                 model-state check, micro-batch search, model, recompute policy, sharding engine,
+//                 optimizer, run log -> one Session; restore() loads the saved state into it;
+//   train_loop()  (loop.cpp) the optimizer steps from where the run stands, eval, state saves, stop
+//                 flags and events; every failure becomes an Outcome;
+//   finish()      (report.cpp) final model, per-rank memory, summary.json, the closing console line.
+// run() is those calls; state/state.h saves and loads the Session and LoopState.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -25,6 +27,7 @@
 #include "parallel/engine.h"
 #include "precision/loss_scaler.h"
 #include "recompute/policy.h"
+#include "state/state.h"
 #include "train/trainer.h"
 
 namespace sl::train {
@@ -52,15 +55,20 @@ struct Session {
   double flops_per_token = 0, recompute_flops_per_token = 0, peak_flops = 0;
   memory::ActivationEstimate predicted;
   nlohmann::json resolved, environment, model_info;  // summary.json's config, environment, model
+  state::Found resume_from;  // --resume: the saved state this run continues (found() false: a fresh start)
 
   int64_t world() const { return launch.world; }
   bool rank0() const { return launch.rank == 0; }
   int64_t tokens_per_step() const { return cfg.train.micro_batch * cfg.train.grad_accum * cfg.train.seq_len * world(); }
 };
 
-// What the step loop accumulates for the summary.
+// What the step loop accumulates for the summary. steps_done, skipped_steps, consecutive_skips and
+// last_val are also part of a saved training state (state/state.h).
 struct LoopState {
   int64_t steps_done = 0, skipped_steps = 0, consecutive_skips = 0;
+  int64_t last_saved_step = -1;  // the newest state on disk (-1: none yet)
+  int64_t state_bytes = 0;       // size of the newest state
+  std::vector<double> save_ms;   // wall time of every save
   int64_t peak_bytes = 0, transient_peak = 0, rest_bytes = 0, gathers = 0;
   ModelStateBytes states_at_peak;
   double last_loss = NAN, last_val = NAN;
@@ -81,6 +89,8 @@ struct Outcome {
 void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit);
 
 std::unique_ptr<Session> setup(const config::RunConfig& cfg);
+// --resume: loads the state setup() found into the session and the loop's counters (no-op otherwise).
+void restore(Session& s, LoopState& st);
 Outcome train_loop(Session& s, LoopState& st);
 // Returns the process exit code: the outcome's, or kExitIo when summary.json cannot be written
 // after an otherwise clean run.

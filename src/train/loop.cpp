@@ -1,27 +1,19 @@
-// A training run: setup, the step loop, the final report (see run.h).
+// The step loop (see run.h): optimizer steps from where the run stands, eval, saves, stop flags,
+// events; every failure becomes an Outcome.
 #include "train/run.h"
-
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
-#include <ctime>
-#include <filesystem>
 #include <new>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
-#include <torch/version.h>
-#include <ATen/autocast_mode.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#include "memory/cpu_features.h"
 #include "memory/planner.h"
 #include "memory/tracking_allocator.h"
-#include "precision/autocast.h"
 #include "train/schedule.h"
 
 namespace sl::train {
@@ -49,161 +41,6 @@ struct SignalGuard {
 };
 
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-// runs/<recipe>-<timestamp>, with -2, -3, ... when a run started in the same second already has it.
-std::string default_run_dir(const config::RunConfig& cfg) {
-  std::time_t now = std::time(nullptr);
-  char stamp[32];
-  std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", std::localtime(&now));
-  const std::string base = fmt::format("runs/{}-{}", cfg.recipe_name, stamp);
-  std::string dir = base;
-  for (int i = 2; std::filesystem::exists(dir); ++i) dir = fmt::format("{}-{}", base, i);
-  return dir;
-}
-
-// Rank 0 alone touches the run directory. When its check failed (error non-empty there), every rank
-// throws the same ConfigError now instead of waiting in the next collective for parallel.timeout_s.
-void fail_together(parallel::Comm& comm, std::string error, const std::string& what) {
-  if (comm.world() > 1 && comm.all_reduce_max(error.empty() ? 0.0 : 1.0, what) > 0.0 && error.empty())
-    error = fmt::format("rank 0 failed the {} (see its error)", what);
-  if (!error.empty()) throw ConfigError(error);
-}
-
-// ---- setup ----
-
-void init_process(Session& s) {
-  s.launch = parallel::LaunchEnv::from_env();
-  s.cfg.world_size = s.launch.world;
-  config::validate(s.cfg);  // train.global_batch against the real world size
-  s.device = resolve_device(s.cfg.train, s.launch.local_rank);
-  if (s.device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(s.device);  // one GPU per local rank
-  if (s.cfg.train.threads > 0) at::set_num_threads(static_cast<int>(s.cfg.train.threads));
-  // Rendezvous before reading data or building the model: a missing peer fails fast (exit 5).
-  s.comm = std::make_shared<parallel::Comm>(s.launch, s.cfg.parallel, s.device);
-}
-
-// The run directory is checked before anything expensive; it is created after the model exists.
-void check_run_dir_early(Session& s) {
-  s.run_dir = s.cfg.logging.dir.empty() ? default_run_dir(s.cfg) : s.cfg.logging.dir;
-  std::string error;
-  if (s.rank0()) {
-    try {
-      log::check_run_dir(s.run_dir, s.cfg.logging.overwrite);
-    } catch (const ConfigError& e) {
-      error = e.what();
-    }
-  }
-  fail_together(*s.comm, error, "run directory check");
-}
-
-void choose_micro_batch(Session& s) {
-  auto& cfg = s.cfg;
-  const int64_t world = s.world();
-  auto per_rank = cfg;  // each rank holds global_batch / world of every step
-  per_rank.train.global_batch /= world;
-  BatchSearch found = find_micro_batch(per_rank, s.device);
-  if (world > 1) {  // every rank must train the same micro-batch: take the smallest that fits everywhere
-    const auto agreed =
-        static_cast<int64_t>(-s.comm->all_reduce_max(-static_cast<double>(found.micro_batch), "micro_batch auto"));
-    if (agreed != found.micro_batch && agreed > 0)
-      found.micro_batch = agreed, found.grad_accum = per_rank.train.global_batch / agreed;
-    if (agreed == 0) found.micro_batch = 0;
-  }
-  Json trials = Json::array();
-  for (const auto& [b, ok] : found.trials) trials.push_back({{"micro_batch", b}, {"fits", ok}});
-  s.batch_search = {{"planner_prediction", found.predicted}, {"trials", trials}, {"micro_batch", found.micro_batch},
-                    {"grad_accum", found.grad_accum}, {"global_batch", cfg.train.global_batch}};
-  if (found.micro_batch == 0)
-    throw OomError(fmt::format("train.micro_batch: auto: not even micro-batch 1 fits memory.limit {}; {}",
-                               cfg.memory.limit, memory::oom_advice(cfg, s.limit)));
-  cfg.train.micro_batch = found.micro_batch;
-  cfg.train.grad_accum = found.grad_accum;
-  if (s.rank0())
-    spdlog::info("micro_batch auto: planner predicted {}, tried {}, chose {} x grad_accum {} per rank (global batch {})",
-                 found.predicted, trials.dump(), found.micro_batch, found.grad_accum, cfg.train.global_batch);
-}
-
-void build_model(Session& s) {
-  const auto& cfg = s.cfg;
-  torch::manual_seed(static_cast<uint64_t>(cfg.train.seed));
-  try {
-    s.model = model::GPT(cfg.model, s.device);
-  } catch (const c10::OutOfMemoryError& e) {  // before the run directory exists: nothing to clean up
-    throw OomError(fmt::format("out of memory while building the model ({}). To fit, {}",
-                               std::string(e.what_without_backtrace()).substr(0, 200), memory::oom_advice(cfg, s.limit)));
-  }
-  s.model->train();
-  s.policy = std::make_unique<recompute::Policy>(cfg.checkpointing, s.model);
-  // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
-  // ends) would keep every unit's weights alive after the unit's fp32 storage is freed.
-  if (cfg.parallel.sharding == "zero3") at::autocast::set_autocast_cache_enabled(false);
-  if (s.world() > 1 || cfg.parallel.sharding != "none") {
-    s.engine = std::make_unique<parallel::Engine>(s.model, cfg, s.comm);
-    s.engine->attach(*s.policy);
-  }
-  s.opt = s.engine ? s.engine->make_optimizer(cfg.train) : make_optimizer(s.model, cfg.train);
-  s.scaler = std::make_unique<precision::LossScaler>(cfg.precision, s.device);
-  s.precision = {precision::compute_dtype(cfg.precision.compute), s.scaler.get()};
-  s.forward = [policy = s.policy.get()](const torch::Tensor& idx) { return policy->forward(idx); };
-}
-
-void open_run_log(Session& s) {
-  std::string error;
-  try {
-    s.runlog = std::make_unique<log::RunLog>(s.run_dir, s.rank0(), s.cfg.logging.overwrite);
-  } catch (const ConfigError& e) {
-    error = e.what();
-  }
-  fail_together(*s.comm, error, "run directory creation");
-  s.resolved = config::to_json(s.cfg);
-  s.runlog->write_json("config.json", s.resolved);
-}
-
-void describe(Session& s) {
-  const auto& cfg = s.cfg;
-  s.flops_per_token = flops_per_token(*s.model, cfg.train.seq_len);
-  s.recompute_flops_per_token = s.policy->recompute_flops_per_token(cfg.train.seq_len);
-  s.predicted = memory::estimate_activation_peak(cfg, s.policy->plan());
-  const bool peak_measured = cfg.logging.peak_tflops <= 0.0;
-  s.peak_flops = peak_measured ? measure_gemm_flops(s.device) : cfg.logging.peak_tflops * 1e12;
-  s.environment = {{"torch_version", TORCH_VERSION},
-                   {"device", s.device.str()},
-                   {"cuda_available", torch::cuda::is_available()},
-                   {"threads", at::get_num_threads()},
-                   {"world_size", s.world()},
-                   {"rank", s.launch.rank},
-                   {"backend", s.comm->backend()},
-                   {"memory_source", s.tracker->source()},
-                   {"cpu", memory::cpu_features().to_json()}};  // the CPU paths that change memory and speed
-  s.model_info = {{"params", s.model->num_params()},
-                  {"matmul_params", s.model->num_matmul_params()},
-                  {"flops_per_token", s.flops_per_token},
-                  {"recompute_flops_per_token", s.recompute_flops_per_token},
-                  {"peak_flops", s.peak_flops},
-                  {"peak_flops_source", peak_measured ? "measured_fp32_gemm" : "logging.peak_tflops"}};
-}
-
-void print_settings(const Session& s) {
-  if (!s.rank0()) return;
-  const auto& cfg = s.cfg;
-  auto rows = config::to_rows(cfg);
-  rows.emplace_back("run directory", s.run_dir);
-  rows.emplace_back("device", s.device.str());
-  rows.emplace_back("threads", std::to_string(at::get_num_threads()));
-  if (s.engine)
-    rows.emplace_back("data parallel", fmt::format("{} rank(s), backend {}, sharding {}", s.world(), s.comm->backend(),
-                                                   cfg.parallel.sharding));
-  rows.emplace_back("checkpointing plan", s.policy->plan().describe());
-  rows.emplace_back("predicted activation peak",
-                    fmt::format("{} per micro-batch", log::format_bytes(s.predicted.peak_bytes)));
-  rows.emplace_back("parameters", fmt::format("{} ({:.2f} M)", s.model->num_params(), s.model->num_params() / 1e6));
-  rows.emplace_back("train data", s.splits.train->describe());
-  rows.emplace_back("val data", s.splits.val->describe());
-  rows.emplace_back("peak FLOP/s for MFU",
-                    fmt::format("{:.3g} ({})", s.peak_flops, s.model_info["peak_flops_source"].get<std::string>()));
-  fmt::print("{}", log::format_table(rows));
-  std::fflush(stdout);
-}
 
 // ---- the step loop ----
 
@@ -380,47 +217,47 @@ Outcome unexpected_outcome(Session& s, const LoopState& st, const std::string& w
   return o;
 }
 
+// Saves the training state after this step (state/state.h) and records it; a failed save is an
+// IoError (exit 7) naming the state that stays.
+void save_state(Session& s, LoopState& st, log::ProgressBar& bar, const char* why) {
+  state::Saved saved;
+  try {
+    saved = state::save(s, st);
+  } catch (const IoError& e) {
+    throw IoError(fmt::format("saving the training state after step {} failed: {}. {}", st.steps_done, e.what(),
+                              st.last_saved_step >= 0 ? fmt::format("The state of step {} is intact; resume from it "
+                                                                    "with --resume auto once there is space",
+                                                                    st.last_saved_step)
+                                                      : std::string("No earlier state exists")));
+  }
+  st.last_saved_step = st.steps_done;
+  st.state_bytes = saved.bytes;
+  st.save_ms.push_back(saved.ms);
+  s.runlog->event("state_saved", {{"step", st.steps_done}, {"reason", why}, {"dir", saved.dir.string()},
+                                  {"bytes", saved.bytes}, {"save_ms", saved.ms}});
+  if (s.rank0()) {
+    bar.clear();
+    spdlog::info("step {:>5}/{} | state saved ({}): {} in {:.0f} ms -> {}", st.steps_done, s.cfg.train.steps, why,
+                 log::format_bytes(saved.bytes), saved.ms, saved.dir.string());
+  }
+}
+
+// The steps from where the run stands (0, or the resumed step) to train.steps, with the saves that
+// state.every, state.on_signal and state.at_end ask for. Returns how the steps ended.
+Outcome run_steps(Session& s, LoopState& st, log::ProgressBar& bar) {
+  const auto& c = s.cfg;
+  for (int64_t step = st.steps_done; step < c.train.steps; ++step) {
+    if (const int stop = loop_step(s, st, step, bar)) {
+      if (stop != kStopIo && c.state.on_signal) save_state(s, st, bar, "signal");
+      return stop_outcome(s, st, stop);
+    }
+    if (c.state.every > 0 && st.steps_done % c.state.every == 0) save_state(s, st, bar, "every");
+  }
+  if (c.state.at_end && st.last_saved_step != st.steps_done) save_state(s, st, bar, "end");
+  return {};
+}
+
 }  // namespace
-
-void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit) {
-  const auto capacity = limit > 0 ? memory::Capacity{limit, "memory.limit"} : memory::device_capacity(device);
-  const memory::PeakPrediction p = memory::predict_peak(cfg);
-  const int64_t states = p.model_states_bytes();
-  if (capacity.bytes <= 0 || states <= capacity.bytes) return;
-  const int64_t params = memory::total_params(cfg.model);
-  const int64_t ranks_needed = (16 * params + capacity.bytes - 1) / capacity.bytes;
-  throw OomError(fmt::format(
-      "the model cannot fit: {} parameters need {} of model states per rank (weights {}, gradients {}, AdamW moments "
-      "{}; parallel.sharding {} over {} rank(s)) but the {} is {}. Nothing was allocated. To fit: fewer layers or a "
-      "smaller model.n_embd, or parallel.sharding: zero3 over at least {} ranks (it divides all three states by the "
-      "world size); precision.compute does not shrink these fp32 states",
-      params, log::format_bytes(states), log::format_bytes(p.params_bytes), log::format_bytes(p.grads_bytes),
-      log::format_bytes(p.optimizer_bytes), cfg.parallel.sharding, std::max<int64_t>(1, cfg.world_size),
-      capacity.source, log::format_bytes(capacity.bytes), ranks_needed));
-}
-
-std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
-  auto s = std::make_unique<Session>();
-  s->cfg = recipe;
-  init_process(*s);
-  // Data first: a bad file fails here, before a run directory or a model exists.
-  s->splits = data::open_splits(s->cfg);
-  check_run_dir_early(*s);
-  s->tracker = std::make_unique<memory::Tracker>(s->device);
-  s->limit = config::memory_limit_bytes(s->cfg);
-  s->tracker->set_limit(s->limit);  // before the model exists: the limit covers everything, as on a GPU
-  check_model_states_fit(s->cfg, s->device, s->limit);
-  if (s->cfg.train.micro_batch == 0) choose_micro_batch(*s);
-  const auto& t = s->cfg.train;
-  const auto seed = static_cast<uint64_t>(t.seed);
-  s->train_loader = std::make_unique<data::Loader>(s->splits.train, t.micro_batch, t.seq_len, seed, s->launch.rank, s->world());
-  s->val_loader = std::make_unique<data::Loader>(s->splits.val, t.micro_batch, t.seq_len, seed + 1, s->launch.rank, s->world());
-  build_model(*s);
-  describe(*s);
-  open_run_log(*s);
-  print_settings(*s);
-  return s;
-}
 
 Outcome train_loop(Session& s, LoopState& st) {
   SignalGuard signals;
@@ -428,12 +265,7 @@ Outcome train_loop(Session& s, LoopState& st) {
   const auto t0 = Clock::now();
   Outcome o;
   try {
-    for (int64_t step = 0; step < s.cfg.train.steps; ++step) {
-      if (const int stop = loop_step(s, st, step, bar)) {
-        o = stop_outcome(s, st, stop);
-        break;
-      }
-    }
+    o = run_steps(s, st, bar);
   } catch (const c10::OutOfMemoryError& e) {
     o = oom_outcome(s, st, e.what_without_backtrace());
   } catch (const std::bad_alloc& e) {
@@ -458,6 +290,7 @@ Outcome train_loop(Session& s, LoopState& st) {
 int run(const config::RunConfig& cfg) {
   auto session = setup(cfg);
   LoopState st;
+  restore(*session, st);
   Outcome outcome = train_loop(*session, st);
   return finish(*session, st, std::move(outcome));
 }

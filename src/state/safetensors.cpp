@@ -1,0 +1,389 @@
+// safetensors writing (atomic, checked, CRC-32 while writing) and reading (mmap, every offset
+// checked), CRC-32 of files, atomic text files.
+#include "state/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <system_error>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+namespace sl::state {
+
+static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian; so must the host be");
+
+namespace {
+
+constexpr int64_t kMaxHeaderBytes = 100'000'000;  // the reference reader's limit
+constexpr size_t kIoChunk = size_t{64} << 20;     // bytes per write(2) / read(2) call
+
+std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
+
+// The dtypes this project stores, with their safetensors names.
+struct DtypeName {
+  at::ScalarType type;
+  const char* name;
+};
+constexpr DtypeName kDtypes[] = {{at::kFloat, "F32"}, {at::kDouble, "F64"}, {at::kBFloat16, "BF16"},
+                                 {at::kHalf, "F16"},  {at::kLong, "I64"},   {at::kInt, "I32"},
+                                 {at::kByte, "U8"},   {at::kBool, "BOOL"}};
+
+const char* dtype_name(at::ScalarType t) {
+  for (const auto& d : kDtypes)
+    if (d.type == t) return d.name;
+  return nullptr;
+}
+
+std::optional<at::ScalarType> dtype_from_name(const std::string& name) {
+  for (const auto& d : kDtypes)
+    if (name == d.name) return d.type;
+  return std::nullopt;
+}
+
+// A file written as <path>.tmp and renamed over <path> by commit(). Every failure removes the
+// temporary and throws IoError naming <path>; so does destruction before commit() (without throwing).
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::filesystem::path path) : path_(std::move(path)), tmp_(path_) {
+    tmp_ += ".tmp";
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail(errno);
+  }
+  ~AtomicFile() { discard(); }
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  // Writes all n bytes (in chunks), updating the digest with the bytes actually written.
+  void write(const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, std::min(n, kIoChunk));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) fail(w < 0 ? errno : ENOSPC);
+      digest_.crc32 = crc32(p, static_cast<size_t>(w), digest_.crc32);
+      digest_.bytes += w;
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
+
+  // fsync, close, rename over the target.
+  FileDigest commit() {
+    if (::fsync(fd_) != 0) fail(errno);
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) fail(errno);
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0) fail(errno);
+    committed_ = true;
+    return digest_;
+  }
+
+ private:
+  void discard() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+  [[noreturn]] void fail(int err) {
+    discard();
+    throw IoError(fmt::format("writing {} failed: {}", path_.string(), errno_text(err)));
+  }
+
+  std::filesystem::path path_, tmp_;
+  int fd_ = -1;
+  bool committed_ = false;
+  FileDigest digest_;
+};
+
+// Checks the arguments of write_safetensors; returns the tensors, contiguous, in the given order.
+std::vector<at::Tensor> prepare_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  std::vector<at::Tensor> out;
+  std::vector<std::string> names;
+  for (const auto& [name, t] : tensors) {
+    if (name == "__metadata__") throw std::invalid_argument("write_safetensors: the name __metadata__ is reserved");
+    if (!t.defined()) throw std::invalid_argument(fmt::format("write_safetensors: tensor {} is undefined", name));
+    if (!t.device().is_cpu() || t.layout() != at::kStrided)
+      throw std::invalid_argument(fmt::format("write_safetensors: tensor {} is not a dense CPU tensor", name));
+    if (!dtype_name(t.scalar_type()))
+      throw std::invalid_argument(
+          fmt::format("write_safetensors: tensor {} has unsupported dtype {}", name, c10::toString(t.scalar_type())));
+    names.push_back(name);
+    out.push_back(t.contiguous());
+  }
+  std::sort(names.begin(), names.end());
+  if (auto dup = std::adjacent_find(names.begin(), names.end()); dup != names.end())
+    throw std::invalid_argument(fmt::format("write_safetensors: tensor name {} appears twice", *dup));
+  return out;
+}
+
+// The header JSON padded with spaces to a multiple of 8 bytes; offsets follow the given order.
+std::string build_header(const std::vector<std::pair<std::string, at::Tensor>>& named,
+                         const std::vector<at::Tensor>& data, const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json h = nlohmann::ordered_json::object();
+  if (!metadata.empty()) h["__metadata__"] = metadata;
+  int64_t offset = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    const auto bytes = static_cast<int64_t>(data[i].nbytes());
+    h[named[i].first] = {{"dtype", dtype_name(data[i].scalar_type())},
+                         {"shape", data[i].sizes().vec()},
+                         {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text;
+  try {
+    text = h.dump();
+  } catch (const nlohmann::json::exception& e) {  // a name or value that is not UTF-8
+    throw std::invalid_argument(fmt::format("write_safetensors: header not encodable: {}", e.what()));
+  }
+  text.append((8 - text.size() % 8) % 8, ' ');
+  return text;
+}
+
+// A corrupt-file finding, turned into a StateFileError naming the file by the constructor.
+struct Corrupt {
+  std::string what;
+};
+
+uint64_t json_offset(const nlohmann::json& v) {
+  if (v.is_number_unsigned()) return v.get<uint64_t>();
+  if (v.is_number_integer() && v.get<int64_t>() >= 0) return static_cast<uint64_t>(v.get<int64_t>());
+  throw Corrupt{"holds a value that is not a non-negative integer"};
+}
+
+std::vector<int64_t> parse_shape(const std::string& name, const nlohmann::json& shape) {
+  if (!shape.is_array()) throw Corrupt{fmt::format("tensor {}: shape is not an array", name)};
+  std::vector<int64_t> dims;
+  for (const auto& d : shape) {
+    if (!d.is_number_integer() || (d.is_number_unsigned() ? d.get<uint64_t>() > INT64_MAX : d.get<int64_t>() < 0))
+      throw Corrupt{fmt::format("tensor {}: shape {} has a dimension that is not a non-negative integer", name, shape.dump())};
+    dims.push_back(d.get<int64_t>());
+  }
+  return dims;
+}
+
+// Bytes the shape and dtype need; throws Corrupt on overflow.
+uint64_t expected_bytes(const SafetensorsFile::Entry& e) {
+  uint64_t n = c10::elementSize(e.dtype);
+  for (int64_t d : e.shape)
+    if (__builtin_mul_overflow(n, static_cast<uint64_t>(d), &n))
+      throw Corrupt{fmt::format("tensor {}: shape overflows", e.name)};
+  return n;
+}
+
+// One header entry, checked against the size of the data area.
+SafetensorsFile::Entry parse_entry(const std::string& name, const nlohmann::json& v, uint64_t data_bytes) {
+  if (!v.is_object()) throw Corrupt{fmt::format("tensor {}: entry is not an object", name)};
+  for (const char* key : {"dtype", "shape", "data_offsets"})
+    if (!v.contains(key)) throw Corrupt{fmt::format("tensor {}: entry has no {}", name, key)};
+  SafetensorsFile::Entry e;
+  e.name = name;
+  const auto& dtype = v.at("dtype");
+  const auto type = dtype.is_string() ? dtype_from_name(dtype.get<std::string>()) : std::nullopt;
+  if (!type) throw Corrupt{fmt::format("tensor {}: unknown dtype {}", name, dtype.dump())};
+  e.dtype = *type;
+  e.shape = parse_shape(name, v.at("shape"));
+  const auto& offs = v.at("data_offsets");
+  if (!offs.is_array() || offs.size() != 2) throw Corrupt{fmt::format("tensor {}: data_offsets is not [begin, end]", name)};
+  uint64_t begin, end;
+  try {
+    begin = json_offset(offs[0]), end = json_offset(offs[1]);
+  } catch (const Corrupt& c) {
+    throw Corrupt{fmt::format("tensor {}: data_offsets {} {}", name, offs.dump(), c.what)};
+  }
+  if (end < begin) throw Corrupt{fmt::format("tensor {}: data_offsets {} end before begin", name, offs.dump())};
+  if (end > data_bytes)
+    throw Corrupt{fmt::format("tensor {}: data_offsets {} run past the data area ({} bytes; file truncated?)", name,
+                              offs.dump(), data_bytes)};
+  if (end - begin != expected_bytes(e))
+    throw Corrupt{fmt::format("tensor {}: {} bytes in data_offsets {}, but dtype {} and shape {} need {}", name,
+                              end - begin, offs.dump(), dtype.get<std::string>(), v.at("shape").dump(), expected_bytes(e))};
+  e.begin = static_cast<int64_t>(begin);
+  e.end = static_cast<int64_t>(end);
+  return e;
+}
+
+std::map<std::string, std::string> parse_metadata(const nlohmann::json& m) {
+  if (!m.is_object()) throw Corrupt{"__metadata__ is not an object"};
+  std::map<std::string, std::string> out;
+  for (const auto& [k, v] : m.items()) {
+    if (!v.is_string()) throw Corrupt{fmt::format("__metadata__ value of {} is not a string", k)};
+    out[k] = v.get<std::string>();
+  }
+  return out;
+}
+
+// Sorts the entries by offset and checks that they tile the data area exactly: no overlap, no gap,
+// nothing after the last tensor (the reference reader refuses all three).
+void check_tiling(std::vector<SafetensorsFile::Entry>& entries, int64_t data_bytes) {
+  std::stable_sort(entries.begin(), entries.end(),
+                   [](const auto& a, const auto& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  int64_t covered = 0;
+  const SafetensorsFile::Entry* prev = nullptr;
+  for (const auto& e : entries) {
+    if (e.begin < covered)
+      throw Corrupt{fmt::format("tensor {} (bytes {}..{}) overlaps tensor {} (bytes {}..{})", e.name, e.begin, e.end,
+                                prev->name, prev->begin, prev->end)};
+    if (e.begin > covered)
+      throw Corrupt{fmt::format("bytes {}..{} of the data area before tensor {} belong to no tensor", covered, e.begin, e.name)};
+    covered = e.end;
+    prev = &e;
+  }
+  if (covered != data_bytes)
+    throw Corrupt{fmt::format("data area has {} bytes but the tensors cover {}", data_bytes, covered)};
+}
+
+}  // namespace
+
+uint32_t crc32(const void* data, size_t n, uint32_t seed) {
+  const auto* p = static_cast<const Bytef*>(data);
+  uLong crc = seed;
+  while (n > 0) {
+    const auto chunk = static_cast<uInt>(std::min<size_t>(n, size_t{1} << 30));
+    crc = ::crc32(crc, p, chunk);
+    p += chunk;
+    n -= chunk;
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+uint32_t crc32_file(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw IoError(fmt::format("reading {} failed: {}", path.string(), errno_text(errno)));
+  std::vector<uint8_t> buf(size_t{1} << 20);
+  uint32_t crc = 0;
+  for (;;) {
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      throw IoError(fmt::format("reading {} failed: {}", path.string(), errno_text(err)));
+    }
+    if (n == 0) break;
+    crc = crc32(buf.data(), static_cast<size_t>(n), crc);
+  }
+  ::close(fd);
+  return crc;
+}
+
+FileDigest write_safetensors(const std::filesystem::path& path,
+                             const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                             const std::map<std::string, std::string>& metadata) {
+  const auto data = prepare_tensors(tensors);
+  const std::string header = build_header(tensors, data, metadata);
+  const uint64_t header_len = header.size();
+  AtomicFile out(path);
+  out.write(&header_len, sizeof(header_len));
+  out.write(header.data(), header.size());
+  for (const auto& t : data) out.write(t.data_ptr(), t.nbytes());
+  return out.commit();
+}
+
+void fsync_dir(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  int err = fd < 0 ? errno : 0;
+  if (fd >= 0 && ::fsync(fd) != 0) err = errno;
+  if (fd >= 0) ::close(fd);
+  if (err) throw IoError(fmt::format("syncing directory {} failed: {}", dir.string(), errno_text(err)));
+}
+
+FileDigest write_file_atomic(const std::filesystem::path& path, const std::string& text) {
+  AtomicFile out(path);
+  out.write(text.data(), text.size());
+  return out.commit();
+}
+
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path) {
+  map_file();
+  try {
+    parse_header();
+  } catch (const Corrupt& c) {
+    throw StateFileError(fmt::format("{} is not a valid safetensors file: {}", path_.string(), c.what));
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() = default;
+
+// Maps the whole file read-only; a file too short to hold the header length is refused first.
+void SafetensorsFile::map_file() {
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw StateFileError(fmt::format("cannot open {}: {}", path_.string(), errno_text(errno)));
+  struct stat st {};
+  const int err_stat = ::fstat(fd, &st) != 0 ? errno : S_ISREG(st.st_mode) ? 0 : EINVAL;
+  if (err_stat) {
+    const int err = err_stat;
+    ::close(fd);
+    throw StateFileError(fmt::format("cannot read {}: {}", path_.string(), errno_text(err)));
+  }
+  size_ = st.st_size;
+  if (size_ < 8) {
+    ::close(fd);
+    throw StateFileError(fmt::format("{} is not a valid safetensors file: {} bytes, shorter than the 8-byte header length "
+                                     "(truncated?)", path_.string(), size_));
+  }
+  void* p = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_PRIVATE, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) throw StateFileError(fmt::format("cannot map {}: {}", path_.string(), errno_text(err)));
+  const auto bytes = static_cast<size_t>(size_);
+  map_ = std::shared_ptr<const uint8_t>(static_cast<const uint8_t*>(p),
+                                        [bytes](const uint8_t* q) { ::munmap(const_cast<uint8_t*>(q), bytes); });
+}
+
+void SafetensorsFile::parse_header() {
+  uint64_t n = 0;
+  std::memcpy(&n, map_.get(), sizeof(n));
+  if (n > static_cast<uint64_t>(size_ - 8))
+    throw Corrupt{fmt::format("header length {} runs past the end of the file ({} bytes; truncated?)", n, size_)};
+  if (n > static_cast<uint64_t>(kMaxHeaderBytes))
+    throw Corrupt{fmt::format("header length {} is over the {} byte limit", n, kMaxHeaderBytes)};
+  data_start_ = 8 + static_cast<int64_t>(n);
+  const char* text = reinterpret_cast<const char*>(map_.get()) + 8;
+  const auto h = nlohmann::json::parse(text, text + n, nullptr, /*allow_exceptions=*/false);
+  if (h.is_discarded()) throw Corrupt{"header is not valid JSON"};
+  if (!h.is_object()) throw Corrupt{"header is not a JSON object"};
+  const auto data_bytes = static_cast<uint64_t>(size_ - data_start_);
+  for (const auto& [key, value] : h.items()) {
+    if (key == "__metadata__")
+      metadata_ = parse_metadata(value);
+    else
+      entries_.push_back(parse_entry(key, value, data_bytes));
+  }
+  check_tiling(entries_, static_cast<int64_t>(data_bytes));
+}
+
+const SafetensorsFile::Entry* SafetensorsFile::find(const std::string& name) const {
+  for (const auto& e : entries_)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+at::Tensor SafetensorsFile::view(const std::string& name) const {
+  const Entry* e = find(name);
+  if (!e) throw StateFileError(fmt::format("{} has no tensor named {}", path_.string(), name));
+  auto* data = const_cast<uint8_t*>(map_.get() + data_start_ + e->begin);
+  const auto options = at::TensorOptions().dtype(e->dtype).device(at::kCPU);
+  const auto item = c10::elementSize(e->dtype);
+  if (reinterpret_cast<uintptr_t>(data) % item != 0) {  // misaligned: an aligned copy
+    auto copy = at::empty(e->shape, options);
+    std::memcpy(copy.data_ptr(), data, static_cast<size_t>(e->end - e->begin));
+    return copy;
+  }
+  return at::from_blob(data, e->shape, [keep = map_](void*) {}, options);
+}
+
+uint32_t SafetensorsFile::crc32() const { return state::crc32(map_.get(), static_cast<size_t>(size_)); }
+
+}  // namespace sl::state

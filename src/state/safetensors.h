@@ -1,0 +1,97 @@
+// safetensors files (write atomically, read through mmap with every offset checked), CRC-32 content
+// checksums, and atomic text files: the storage layer of the state files. Format notes:
+// ../shared/design/FORMATS.md (8-byte little-endian header length, JSON header, tensors tiling the
+// data area exactly).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include "errors.h"
+
+namespace sl::state {
+
+// A state file that is truncated, corrupt or not what it claims: exit code kExitConfig (2).
+struct StateFileError : Error {
+  explicit StateFileError(const std::string& what) : Error(kExitConfig, what) {}
+};
+
+// Content checksum: CRC-32 (zlib's crc32, the same as Python's zlib.crc32) of a byte range / a whole
+// file. crc32_file throws IoError naming the path when the file cannot be read.
+uint32_t crc32(const void* data, size_t n, uint32_t seed = 0);
+uint32_t crc32_file(const std::filesystem::path& path);
+
+struct FileDigest {
+  int64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+
+// Writes a safetensors file atomically (`path` + ".tmp", checked writes, fsync, close, rename) and
+// returns the size and CRC-32 of the whole file, computed while writing. Tensors: CPU; F32, F64,
+// BF16, F16, I64, I32, U8, BOOL; laid out in the order given, each written from its own memory
+// (non-contiguous ones are made contiguous first). Names must be unique and not "__metadata__";
+// a bad argument throws std::invalid_argument before any file is created. `metadata` goes into
+// "__metadata__" when non-empty. On a failed write the temporary is removed and IoError is thrown:
+// "writing <path> failed: <system error>".
+FileDigest write_safetensors(const std::filesystem::path& path,
+                             const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                             const std::map<std::string, std::string>& metadata = {});
+
+// fsync a directory (after renames inside it). Throws IoError on failure.
+void fsync_dir(const std::filesystem::path& dir);
+
+// Writes `text` to `path` atomically (tmp, checked writes, fsync, rename); returns the digest of the
+// bytes written. IoError on failure, temporary removed.
+FileDigest write_file_atomic(const std::filesystem::path& path, const std::string& text);
+
+// A safetensors file opened read-only with mmap. The constructor checks everything a truncated or
+// corrupt file can break (sizes, header JSON, dtypes, shapes, offsets: the tensors must tile the data
+// area exactly, as the reference reader demands) and throws StateFileError naming the file and what
+// is wrong (also when the file cannot be opened). Entries are in order of their begin offset.
+class SafetensorsFile {
+ public:
+  struct Entry {
+    std::string name;
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    int64_t begin = 0, end = 0;  // offsets relative to the data area
+  };
+
+  explicit SafetensorsFile(const std::filesystem::path& path);
+  ~SafetensorsFile();  // munmap
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  const std::vector<Entry>& entries() const { return entries_; }
+  const Entry* find(const std::string& name) const;  // nullptr when absent
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // A CPU tensor over the mapped bytes (no copy; do not write to it; the tensor keeps the mapping
+  // alive, so it stays valid even after this object is gone). Exception: a tensor whose bytes are not
+  // aligned to its element size (possible after odd-sized tensors) is returned as an aligned copy.
+  // Throws StateFileError when the name is absent.
+  at::Tensor view(const std::string& name) const;
+  uint32_t crc32() const;  // CRC-32 of the whole mapped file
+  int64_t size_bytes() const { return size_; }
+
+ private:
+  void map_file();
+  void parse_header();
+
+  std::filesystem::path path_;
+  std::shared_ptr<const uint8_t> map_;  // the whole file; munmap when the last owner goes
+  int64_t size_ = 0;
+  int64_t data_start_ = 0;  // 8 + header length
+  std::vector<Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace sl::state

@@ -1,0 +1,557 @@
+// Saving and loading the training state (layout and rules: state.h).
+#include "state/state.h"
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+
+#include <ATen/Context.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include "errors.h"
+#include "state/safetensors.h"
+#include "train/run.h"
+
+namespace sl::state {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+const char* const kFields[] = {"param", "exp_avg", "exp_avg_sq"};
+
+std::string step_dir_name(int64_t step) { return fmt::format("step-{:08d}", step); }
+std::string rank_file_name(int64_t rank) { return fmt::format("rank-{:05d}.safetensors", rank); }
+
+// "step-00000050" -> 50; -1 for anything else.
+int64_t step_of(const std::string& name) {
+  if (name.size() != 13 || name.rfind("step-", 0) != 0) return -1;
+  int64_t v = -1;
+  const auto r = std::from_chars(name.data() + 5, name.data() + name.size(), v);
+  return r.ec == std::errc() && r.ptr == name.data() + name.size() ? v : -1;
+}
+
+// ---- tensor names: "<field>/<param>" or "<field>/<param>/<begin>:<end>" ----
+
+struct Piece {
+  std::string field, param;
+  int64_t begin = 0, end = -1;  // end -1: the whole parameter
+};
+
+std::string tensor_name(const std::string& field, const parallel::Span& sp, int64_t numel) {
+  if (sp.begin == 0 && sp.end == numel) return field + "/" + sp.param;
+  return fmt::format("{}/{}/{}:{}", field, sp.param, sp.begin, sp.end);
+}
+
+std::optional<Piece> parse_name(const std::string& name) {
+  const auto slash = name.find('/');
+  if (slash == std::string::npos) return std::nullopt;
+  Piece p{name.substr(0, slash), name.substr(slash + 1)};
+  const auto last = p.param.rfind('/');
+  if (last == std::string::npos) return p;
+  const std::string range = p.param.substr(last + 1);
+  const auto colon = range.find(':');
+  if (colon == std::string::npos) return std::nullopt;
+  auto num = [](const std::string& t, int64_t& v) {
+    return std::from_chars(t.data(), t.data() + t.size(), v).ec == std::errc();
+  };
+  if (!num(range.substr(0, colon), p.begin) || !num(range.substr(colon + 1), p.end) || p.end < p.begin) return std::nullopt;
+  p.param.resize(last);
+  return p;
+}
+
+// ---- what this rank holds ----
+
+std::vector<parallel::Span> model_spans(const train::Session& s) {
+  std::vector<parallel::Span> out;
+  for (const auto& item : s.model->named_parameters())
+    out.push_back({item.key(), 0, item.value().numel(), item.value().detach().view({-1})});
+  return out;
+}
+
+std::vector<parallel::Span> owned_spans(const train::Session& s) { return s.engine ? s.engine->owned_spans() : model_spans(s); }
+std::vector<parallel::Span> held_spans(const train::Session& s) { return s.engine ? s.engine->held_spans() : model_spans(s); }
+
+// Parameters and optimizer states are replicated on every rank unless sharded: rank 0 writes them.
+bool writes_model_states(const train::Session& s) { return s.cfg.parallel.sharding != "none" || s.rank0(); }
+
+// Every parameter's shape, from a model on the meta device (ZeRO-3 frees the real ones between units).
+std::map<std::string, std::vector<int64_t>> param_shapes(const config::ModelConfig& m) {
+  torch::NoGradGuard no_grad;
+  model::GPT meta(m, torch::kMeta);
+  std::map<std::string, std::vector<int64_t>> out;
+  for (const auto& item : meta->named_parameters()) out[item.key()] = item.value().sizes().vec();
+  return out;
+}
+
+// The optimizer tensor whose storage holds a span (a parameter itself, or a ZeRO shard piece), and
+// the span's offset in it.
+struct OptSlot {
+  torch::Tensor param;
+  int64_t offset = 0;
+};
+
+OptSlot opt_slot(torch::optim::AdamW& opt, const parallel::Span& sp) {
+  const auto* storage = sp.values.storage().unsafeGetStorageImpl();
+  const int64_t at = sp.values.storage_offset(), len = sp.end - sp.begin;
+  for (auto& group : opt.param_groups())
+    for (auto& p : group.params())
+      if (p.storage().unsafeGetStorageImpl() == storage && at >= p.storage_offset() &&
+          at + len <= p.storage_offset() + p.numel())
+        return {p, at - p.storage_offset()};
+  throw std::logic_error("state: no optimizer tensor holds parameter " + sp.param);
+}
+
+torch::optim::AdamWParamState* adam_state(torch::optim::AdamW& opt, const torch::Tensor& p) {
+  auto it = opt.state().find(p.unsafeGetTensorImpl());
+  return it == opt.state().end() ? nullptr : static_cast<torch::optim::AdamWParamState*>(it->second.get());
+}
+
+// The AdamW step count every parameter shares (0 before the first step).
+int64_t adam_step(torch::optim::AdamW& opt) {
+  for (auto& group : opt.param_groups())
+    for (auto& p : group.params())
+      if (auto* st = adam_state(opt, p)) return st->step();
+  return 0;
+}
+
+// ---- saving ----
+
+using Named = std::vector<std::pair<std::string, torch::Tensor>>;
+
+void add_model_states(train::Session& s, Named& out) {
+  const auto shapes = param_shapes(s.cfg.model);
+  const bool moments = adam_step(*s.opt) > 0;
+  for (const auto& sp : owned_spans(s)) {
+    const auto& shape = shapes.at(sp.param);
+    const int64_t numel = c10::multiply_integers(shape);
+    auto as_saved = [&](const torch::Tensor& flat) { return sp.begin == 0 && sp.end == numel ? flat.view(shape) : flat; };
+    out.emplace_back(tensor_name("param", sp, numel), as_saved(sp.values));
+    if (!moments) continue;
+    const OptSlot slot = opt_slot(*s.opt, sp);
+    auto* st = adam_state(*s.opt, slot.param);
+    const int64_t len = sp.end - sp.begin;
+    out.emplace_back(tensor_name("exp_avg", sp, numel), as_saved(st->exp_avg().view({-1}).narrow(0, slot.offset, len)));
+    out.emplace_back(tensor_name("exp_avg_sq", sp, numel), as_saved(st->exp_avg_sq().view({-1}).narrow(0, slot.offset, len)));
+  }
+}
+
+Named rank_tensors(train::Session& s) {
+  Named out;
+  if (writes_model_states(s)) add_model_states(s, out);
+  out.emplace_back("rng/cpu", at::globalContext().defaultGenerator(torch::kCPU).get_state());
+  if (s.device.is_cuda()) out.emplace_back("rng/cuda", at::globalContext().defaultGenerator(s.device).get_state());
+  return out;
+}
+
+std::string project_version() { return SUBLINEAR_VERSION; }
+
+int64_t global_batch(const config::RunConfig& cfg) {
+  return cfg.train.global_batch > 0 ? cfg.train.global_batch
+                                    : cfg.train.micro_batch * cfg.train.grad_accum * std::max<int64_t>(1, cfg.world_size);
+}
+
+// The math keys' values, as the resolved recipe JSON holds them (train.global_batch resolved).
+Json math_values(const Json& recipe, int64_t global) {
+  Json out = Json::object();
+  for (const auto& key : math_keys()) {
+    const auto dot = key.find('.');
+    const auto& sec = recipe.at(key.substr(0, dot));
+    out[key] = key == "train.global_batch" ? Json(global) : sec.value(key.substr(dot + 1), Json(nullptr));
+  }
+  return out;
+}
+
+Json meta_json(train::Session& s, const train::LoopState& st, const std::vector<double>& digests) {
+  Json files = Json::array();
+  for (int64_t r = 0; r < s.world(); ++r)
+    files.push_back({{"name", rank_file_name(r)},
+                     {"bytes", static_cast<int64_t>(digests[static_cast<size_t>(3 * r + 1)])},
+                     {"crc32", static_cast<uint32_t>(digests[static_cast<size_t>(3 * r + 2)])}});
+  const Json recipe = config::to_json(s.cfg);
+  const Json math = math_values(recipe, global_batch(s.cfg));
+  Json scaler = nullptr;
+  if (s.scaler->enabled()) scaler = {{"scale", s.scaler->scale()}, {"growth_tracker", s.scaler->growth_tracker()}};
+  return {{"format", "sublinear-training-state"},
+          {"format_version", kFormatVersion},
+          {"sublinear_version", project_version()},
+          {"torch_version", TORCH_VERSION},
+          {"step", st.steps_done},
+          {"world_size", s.world()},
+          {"sharding", s.cfg.parallel.sharding},
+          {"recipe", recipe},
+          {"math", math},
+          {"math_hash", fmt::format("{:08x}", crc32(math.dump().data(), math.dump().size()))},
+          {"optimizer", {{"adamw_step", adam_step(*s.opt)}}},
+          {"loss_scaler", scaler},
+          {"data", {{"train_sampler", s.train_loader->position()}, {"val_sampler", s.val_loader->position()}}},
+          {"loop", {{"skipped_steps", st.skipped_steps}, {"consecutive_skips", st.consecutive_skips},
+                    {"last_val", std::isfinite(st.last_val) ? Json(st.last_val) : Json(nullptr)}}},
+          {"files", files}};
+}
+
+// Runs `fn` on rank 0 and makes its failure every rank's IoError (the others would otherwise wait
+// in the next collective).
+template <class F>
+void on_rank0_together(train::Session& s, const std::string& what, F&& fn) {
+  std::string error;
+  if (s.rank0()) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (s.world() > 1 && s.comm->all_reduce_max(error.empty() ? 0.0 : 1.0, what) > 0.0 && error.empty())
+    error = fmt::format("rank 0 failed: {} (see its error)", what);
+  if (!error.empty()) throw IoError(error);
+}
+
+void make_fresh_dir(const fs::path& root, const fs::path& tmp) {
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) throw IoError(fmt::format("state.dir: cannot create {} ({})", root.string(), ec.message()));
+  for (const auto& e : fs::directory_iterator(root))  // earlier saves cut short by a crash
+    if (e.path().filename().string().rfind(".step-", 0) == 0) fs::remove_all(e.path(), ec);
+  fs::create_directory(tmp, ec);
+  if (ec) throw IoError(fmt::format("state.dir: cannot create {} ({})", tmp.string(), ec.message()));
+}
+
+// Every rank writes its file; returns [ok, bytes, crc32] of every rank.
+std::vector<double> write_rank_files(train::Session& s, const fs::path& tmp) {
+  std::vector<double> mine{1.0, 0.0, 0.0};
+  std::string error;
+  try {
+    const FileDigest d = write_safetensors(tmp / rank_file_name(s.launch.rank), rank_tensors(s));
+    mine = {1.0, static_cast<double>(d.bytes), static_cast<double>(d.crc32)};
+  } catch (const std::exception& e) {
+    error = e.what();
+    mine[0] = 0.0;
+  }
+  const auto all = s.world() > 1 ? s.comm->all_gather(mine, "state save") : mine;
+  for (int64_t r = 0; r < s.world(); ++r)
+    if (all[static_cast<size_t>(3 * r)] == 0.0) {
+      if (s.rank0()) fs::remove_all(tmp);
+      throw IoError(error.empty() ? fmt::format("rank {} could not write its part of the state (see its error)", r) : error);
+    }
+  return all;
+}
+
+void prune(const fs::path& root, int64_t keep, const std::string& newest) {
+  if (keep <= 0) return;
+  std::vector<std::pair<int64_t, fs::path>> states;
+  for (const auto& e : fs::directory_iterator(root))
+    if (const int64_t step = step_of(e.path().filename().string()); step >= 0) states.emplace_back(step, e.path());
+  std::sort(states.rbegin(), states.rend());
+  for (size_t i = static_cast<size_t>(keep); i < states.size(); ++i)
+    if (states[i].second.filename() != newest) fs::remove_all(states[i].second);
+}
+
+// Rank 0, after every rank file is on disk: meta.json, then the rename, then `latest`.
+void publish(train::Session& s, const train::LoopState& st, const fs::path& root, const fs::path& tmp,
+             const std::vector<double>& digests) {
+  const std::string name = step_dir_name(st.steps_done);
+  write_file_atomic(tmp / "meta.json", meta_json(s, st, digests).dump(2) + "\n");
+  fsync_dir(tmp);
+  fs::remove_all(root / name);  // an earlier save of the same step (a resumed run that stopped there again)
+  std::error_code ec;
+  fs::rename(tmp, root / name, ec);
+  if (ec) throw IoError(fmt::format("state: cannot rename {} to {} ({})", tmp.string(), name, ec.message()));
+  fsync_dir(root);
+  write_file_atomic(root / "latest", name + "\n");
+  fsync_dir(root);
+  prune(root, s.cfg.state.keep, name);
+}
+
+// ---- finding and checking ----
+
+std::string check_files(const fs::path& dir, const Json& meta) {
+  for (const auto& f : meta.at("files")) {
+    const fs::path p = dir / f.at("name").get<std::string>();
+    std::error_code ec;
+    const auto size = fs::file_size(p, ec);
+    if (ec) return fmt::format("{} is missing", p.string());
+    if (static_cast<int64_t>(size) != f.at("bytes").get<int64_t>())
+      return fmt::format("{} has {} bytes, meta.json says {} (truncated?)", p.string(), size, f.at("bytes").get<int64_t>());
+    if (crc32_file(p) != f.at("crc32").get<uint32_t>()) return fmt::format("{} fails its CRC-32 check (corrupt)", p.string());
+  }
+  return "";
+}
+
+// Reads and checks a state directory; returns the reason it is unusable ("" = valid).
+std::string check_state(const fs::path& dir, Json& meta) {
+  const fs::path mp = dir / "meta.json";
+  std::error_code ec;
+  if (!fs::exists(mp, ec)) return fmt::format("{} is missing", mp.string());
+  try {
+    std::ifstream in(mp);
+    meta = Json::parse(in);
+    if (meta.value("format", "") != "sublinear-training-state") return fmt::format("{} is not a sublinear state", mp.string());
+    if (meta.at("format_version").get<int>() != kFormatVersion)
+      return fmt::format("{} has format_version {}, this build reads {}", mp.string(), meta.at("format_version").dump(), kFormatVersion);
+    return check_files(dir, meta);
+  } catch (const std::exception& e) {
+    return fmt::format("{} cannot be read ({})", mp.string(), e.what());
+  }
+}
+
+std::string read_latest(const fs::path& root) {
+  std::ifstream in(root / "latest");
+  std::string name;
+  std::getline(in, name);
+  return name;
+}
+
+// Candidates under a state root, newest first; `latest` first when it names one.
+std::vector<fs::path> candidates(const fs::path& root) {
+  std::vector<std::pair<int64_t, fs::path>> states;
+  std::error_code ec;
+  if (fs::is_directory(root, ec))
+    for (const auto& e : fs::directory_iterator(root))
+      if (const int64_t step = step_of(e.path().filename().string()); step >= 0) states.emplace_back(step, e.path());
+  std::sort(states.rbegin(), states.rend());
+  std::vector<fs::path> out;
+  const std::string latest = read_latest(root);
+  if (step_of(latest) >= 0 && fs::is_directory(root / latest, ec)) out.push_back(root / latest);
+  for (const auto& [step, p] : states)
+    if (out.empty() || p != out.front()) out.push_back(p);
+  return out;
+}
+
+Found find_auto(const fs::path& root) {
+  for (const auto& dir : candidates(root)) {
+    Found f{dir, -1, nullptr};
+    const std::string why = check_state(dir, f.meta);
+    if (why.empty()) {
+      f.step = f.meta.at("step").get<int64_t>();
+      return f;
+    }
+    spdlog::warn("--resume auto: skipping state {}: {}", dir.string(), why);
+  }
+  return {};
+}
+
+// PATH: a step directory, a state root, or a run directory with state/.
+Found find_path(const fs::path& path) {
+  std::error_code ec;
+  fs::path dir = path;
+  if (!fs::exists(path / "meta.json", ec)) {
+    const fs::path root = fs::exists(path / "latest", ec) ? path : path / "state";
+    const std::string latest = read_latest(root);
+    if (step_of(latest) < 0)
+      throw StateFileError(fmt::format("--resume {}: no saved state there (expected a step-NNNNNNNN directory with "
+                                       "meta.json, or a directory whose `latest` names one)", path.string()));
+    dir = root / latest;
+  }
+  Found f{dir, -1, nullptr};
+  if (const std::string why = check_state(dir, f.meta); !why.empty())
+    throw StateFileError(fmt::format("--resume {}: the state is unusable: {}. Resume from an older state directory, "
+                                     "or use --resume auto to take the newest valid one", path.string(), why));
+  f.step = f.meta.at("step").get<int64_t>();
+  return f;
+}
+
+// Where rank 0's choice lies, as the other ranks work it out from the same arguments.
+fs::path chosen_dir(const std::string& resume, const fs::path& root, int64_t step) {
+  const fs::path base = resume == "auto" ? root : fs::path(resume);
+  std::error_code ec;
+  if (fs::exists(base / "meta.json", ec)) return base;
+  return (resume == "auto" || fs::exists(base / "latest", ec) ? base : base / "state") / step_dir_name(step);
+}
+
+// ---- loading ----
+
+// The rank files of a state, mapped, with an index of their pieces by (field, param).
+class Reader {
+ public:
+  explicit Reader(const fs::path& dir, const Json& meta) {
+    for (const auto& f : meta.at("files")) files_.push_back(std::make_unique<SafetensorsFile>(dir / f.at("name").get<std::string>()));
+    for (size_t i = 0; i < files_.size(); ++i)
+      for (const auto& e : files_[i]->entries())
+        if (auto p = parse_name(e.name)) index_[{p->field, p->param}].push_back({i, e.name, p->begin, p->end});
+  }
+
+  bool has(const std::string& field) const {
+    return std::any_of(index_.begin(), index_.end(), [&](const auto& kv) { return kv.first.first == field; });
+  }
+
+  // Copies elements [sp.begin, sp.end) of `field` of sp.param into `dst` (1-D, sp.end - sp.begin).
+  void read(const std::string& field, const parallel::Span& sp, torch::Tensor dst) const {
+    int64_t covered = 0;
+    const auto it = index_.find({field, sp.param});
+    if (it != index_.end())
+      for (const auto& e : it->second) {
+        const torch::Tensor src = files_[e.file]->view(e.name).reshape({-1});
+        const int64_t begin = e.begin, end = e.end < 0 ? begin + src.numel() : e.end;
+        const int64_t a = std::max(begin, sp.begin), b = std::min(end, sp.end);
+        if (a >= b) continue;
+        dst.narrow(0, a - sp.begin, b - a).copy_(src.narrow(0, a - begin, b - a));
+        covered += b - a;
+      }
+    if (covered != sp.end - sp.begin)
+      throw StateFileError(fmt::format("state: {} of {} elements [{}, {}) are not in the state's files", field, sp.param,
+                                       sp.begin, sp.end));
+  }
+
+  // This rank's RNG state: its own file when the state has one for its rank, else rank 0's.
+  torch::Tensor rng(int64_t rank, const std::string& which) const {
+    for (const size_t i : {static_cast<size_t>(rank), size_t{0}})
+      if (i < files_.size() && files_[i]->find("rng/" + which)) return files_[i]->view("rng/" + which).clone();
+    return {};
+  }
+
+ private:
+  struct Entry {
+    size_t file;
+    std::string name;
+    int64_t begin, end;
+  };
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::pair<std::string, std::string>, std::vector<Entry>> index_;
+};
+
+void load_params(const Reader& r, train::Session& s) {
+  for (const auto& sp : held_spans(s)) r.read("param", sp, sp.values);
+}
+
+void load_moments(const Reader& r, train::Session& s, int64_t step) {
+  if (step == 0 || !r.has("exp_avg")) return;
+  for (const auto& sp : owned_spans(s)) {
+    const OptSlot slot = opt_slot(*s.opt, sp);
+    auto* st = adam_state(*s.opt, slot.param);
+    if (!st) {
+      auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+      fresh->step(step);
+      fresh->exp_avg(torch::zeros_like(slot.param, at::MemoryFormat::Contiguous));
+      fresh->exp_avg_sq(torch::zeros_like(slot.param, at::MemoryFormat::Contiguous));
+      st = fresh.get();
+      s.opt->state()[slot.param.unsafeGetTensorImpl()] = std::move(fresh);
+    }
+    const int64_t len = sp.end - sp.begin;
+    r.read("exp_avg", sp, st->exp_avg().view({-1}).narrow(0, slot.offset, len));
+    r.read("exp_avg_sq", sp, st->exp_avg_sq().view({-1}).narrow(0, slot.offset, len));
+  }
+}
+
+void load_rng(const Reader& r, train::Session& s) {
+  auto set = [&](c10::Device device, const std::string& which) {
+    at::Generator gen = at::globalContext().defaultGenerator(device);  // shares the default generator
+    if (auto saved = r.rng(s.launch.rank, which); saved.defined()) gen.set_state(saved);
+  };
+  set(torch::kCPU, "cpu");
+  if (s.device.is_cuda()) set(s.device, "cuda");
+}
+
+void load_counters(const Json& meta, train::Session& s, train::LoopState& st) {
+  st.steps_done = meta.at("step").get<int64_t>();
+  const auto& loop = meta.at("loop");
+  st.skipped_steps = loop.at("skipped_steps").get<int64_t>();
+  st.consecutive_skips = loop.at("consecutive_skips").get<int64_t>();
+  st.last_val = loop.at("last_val").is_null() ? NAN : loop.at("last_val").get<double>();
+  s.train_loader->restore(meta.at("data").at("train_sampler").get<uint64_t>());
+  s.val_loader->restore(meta.at("data").at("val_sampler").get<uint64_t>());
+  const auto& sc = meta.at("loss_scaler");
+  if (!sc.is_null() && s.scaler->enabled())
+    s.scaler->restore(sc.at("scale").get<double>(), sc.at("growth_tracker").get<int64_t>());
+}
+
+}  // namespace
+
+fs::path state_root(const config::RunConfig& cfg, const fs::path& run_dir) {
+  return cfg.state.dir.empty() ? run_dir / "state" : fs::path(cfg.state.dir);
+}
+
+const std::vector<std::string>& math_keys() {
+  static const std::vector<std::string> keys = {
+      "model.arch", "model.n_layer", "model.n_head", "model.n_embd", "model.vocab_size", "model.max_seq_len",
+      "model.mlp_hidden", "model.dropout", "model.bias", "model.tie_embeddings", "model.norm_eps", "model.rope_theta",
+      "model.init_std", "data.source", "data.path", "data.val_path", "data.val_fraction", "data.synthetic_tokens",
+      "train.seq_len", "train.global_batch", "train.lr", "train.min_lr", "train.warmup_steps", "train.weight_decay",
+      "train.beta1", "train.beta2", "train.grad_clip", "train.seed", "precision.compute", "precision.loss_scale",
+      "precision.init_scale", "precision.growth_factor", "precision.backoff_factor", "precision.growth_interval"};
+  return keys;
+}
+
+void check_recipe(const Json& meta, const config::RunConfig& cfg) {
+  const Json saved = meta.at("math");
+  const Json now = math_values(config::to_json(cfg), global_batch(cfg));
+  std::string diffs;
+  for (const auto& key : math_keys())
+    if (saved.value(key, Json(nullptr)) != now.at(key))
+      diffs += fmt::format("{}{} (saved {}, now {})", diffs.empty() ? "" : "; ", key, saved.value(key, Json(nullptr)).dump(),
+                           now.at(key).dump());
+  if (!diffs.empty())
+    throw ConfigError(fmt::format("--resume: the recipe changes the math of the saved run: {}. Use the saved values "
+                                  "(the state's meta.json holds its recipe), or start a new run",
+                                  diffs));
+}
+
+Found find_state(const std::string& resume, const fs::path& root, parallel::Comm& comm) {
+  Found f;
+  std::string error;
+  if (comm.rank() == 0) {
+    try {
+      f = resume == "auto" ? find_auto(root) : find_path(resume);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  double step = static_cast<double>(f.step);
+  if (comm.world() > 1) {  // rank 0 chose; a failure there is every rank's
+    step = comm.all_reduce_max(error.empty() ? step : -2.0, "--resume choice");
+    if (comm.rank() != 0 && step == -2.0) error = "rank 0 could not find the state to resume (see its error)";
+  }
+  if (!error.empty() || step == -2.0) throw StateFileError(error);
+  if (comm.rank() != 0 && step >= 0) {
+    f.step = static_cast<int64_t>(step);
+    f.dir = chosen_dir(resume, root, f.step);
+    std::ifstream in(f.dir / "meta.json");
+    f.meta = Json::parse(in);
+  }
+  return f;
+}
+
+Saved save(train::Session& s, const train::LoopState& st) {
+  const auto t0 = Clock::now();
+  const fs::path root = state_root(s.cfg, s.run_dir);
+  const std::string name = step_dir_name(st.steps_done);
+  const fs::path tmp = root / ("." + name + ".tmp");
+  on_rank0_together(s, "state directory", [&] { make_fresh_dir(root, tmp); });
+  const std::vector<double> digests = write_rank_files(s, tmp);
+  on_rank0_together(s, "state publish", [&] {
+    try {
+      publish(s, st, root, tmp, digests);
+    } catch (...) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      throw;
+    }
+  });
+  Saved out{root / name, 0, 0};
+  for (int64_t r = 0; r < s.world(); ++r) out.bytes += static_cast<int64_t>(digests[static_cast<size_t>(3 * r + 1)]);
+  out.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  return out;
+}
+
+void load(const Found& found, train::Session& s, train::LoopState& st) {
+  const Reader reader(found.dir, found.meta);
+  const int64_t step = found.meta.at("optimizer").at("adamw_step").get<int64_t>();
+  {
+    torch::NoGradGuard no_grad;
+    load_params(reader, s);
+    load_moments(reader, s, step);
+  }
+  load_rng(reader, s);
+  load_counters(found.meta, s, st);
+}
+
+}  // namespace sl::state

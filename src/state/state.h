@@ -1,0 +1,74 @@
+// Durable training state: save a run's whole state and resume it bit-exactly, at the same or another
+// world size and sharding stage.
+//
+// Layout (README "Training state"):
+//   <state root>/step-00000050/meta.json               rank 0: step, recipe, math hash, world size,
+//                                                        sharding, AdamW step, loss scaler, samplers,
+//                                                        loop counters, versions, every file's size + CRC-32
+//   <state root>/step-00000050/rank-00000.safetensors  each rank: the parameter elements its optimizer
+//                                                        updates and their AdamW moments (replicated runs:
+//                                                        rank 0 only), its RNG states
+//   <state root>/latest                                 "step-00000050", written last
+// A state is written into .step-00000050.tmp/ and renamed when every rank's file and meta.json are
+// on disk (fsync'd), so a crash leaves either the whole state or none of it. Tensors are named
+// "<field>/<param>" (the whole parameter, in its shape) or "<field>/<param>/<begin>:<end>" (elements
+// [begin, end) of the flattened parameter), field = param | exp_avg | exp_avg_sq; loading reads any
+// element range from whichever files hold it, which is how a state re-shards.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "config/config.h"
+#include "parallel/comm.h"
+
+namespace sl::train {
+struct Session;
+struct LoopState;
+}  // namespace sl::train
+
+namespace sl::state {
+
+inline constexpr int kFormatVersion = 1;
+
+// Where this run's states live: state.dir, else <run dir>/state.
+std::filesystem::path state_root(const config::RunConfig& cfg, const std::filesystem::path& run_dir);
+
+// A saved state chosen by --resume and checked on rank 0 (meta.json, every file's size and CRC-32).
+struct Found {
+  std::filesystem::path dir;  // .../step-00000050; empty when nothing was found (auto: start fresh)
+  int64_t step = -1;
+  nlohmann::json meta;
+  bool found() const { return step >= 0; }
+};
+
+// --resume auto: the newest valid state under `root` (invalid ones are skipped with a warning;
+// none at all: not found). --resume PATH: that state (a step directory, or a state root or run
+// directory whose `latest` names one); a missing or corrupt one is a StateFileError (exit 2).
+// Rank 0 looks; every rank returns the same choice.
+Found find_state(const std::string& resume, const std::filesystem::path& root, parallel::Comm& comm);
+
+// Recipe keys that change the math: a state is only resumed by a recipe that agrees on all of them.
+const std::vector<std::string>& math_keys();
+// Refuses (ConfigError, exit 2) a recipe whose math keys differ from the saved ones, naming each
+// key with its saved and new value. Other keys (steps, logging, eval, state, checkpointing,
+// parallel, micro_batch/grad_accum at the same global batch) may change.
+void check_recipe(const nlohmann::json& meta, const config::RunConfig& cfg);
+
+struct Saved {
+  std::filesystem::path dir;
+  int64_t bytes = 0;  // all files of the state
+  double ms = 0;      // wall time of the save, every rank's files and the pointer
+};
+// Saves the state after st.steps_done steps (a collective: every rank calls it at the same step).
+// IoError on every rank when any rank's write failed; the previous state stays intact.
+Saved save(train::Session& s, const train::LoopState& st);
+
+// Loads a found state into a built session: parameters (re-sharded to this run's layout), AdamW
+// moments and step, loss scaler, RNG states, data samplers, and the loop's counters.
+void load(const Found& found, train::Session& s, train::LoopState& st);
+
+}  // namespace sl::state

@@ -1,0 +1,287 @@
+// A run's set-up: device, rendezvous, run directory, --resume's state, micro-batch search, model,
+// policy, engine, optimizer, run log (see run.h), and restoring a saved state into it.
+#include "train/run.h"
+
+#include <chrono>
+#include <ctime>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "memory/cpu_features.h"
+#include "memory/planner.h"
+#include "precision/autocast.h"
+
+namespace sl::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::json;
+
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+// runs/<recipe>-<timestamp>, with -2, -3, ... when a run started in the same second already has it.
+// Rank 0 picks the time and the suffix, so every rank names the same directory.
+std::string default_run_dir(const Session& s) {
+  double stamp = s.rank0() ? static_cast<double>(std::time(nullptr)) : 0.0;
+  if (s.world() > 1) stamp = s.comm->all_reduce_max(stamp, "run directory name");
+  const std::time_t now = static_cast<std::time_t>(stamp);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
+  const std::string base = fmt::format("runs/{}-{}", s.cfg.recipe_name, text);
+  double suffix = 1.0;
+  if (s.rank0())
+    while (std::filesystem::exists(suffix == 1.0 ? base : fmt::format("{}-{}", base, suffix))) suffix += 1.0;
+  if (s.world() > 1) suffix = s.comm->all_reduce_max(suffix, "run directory name");
+  return suffix == 1.0 ? base : fmt::format("{}-{}", base, static_cast<int64_t>(suffix));
+}
+
+// --resume auto with the default logging.dir and state.dir: the newest runs/<recipe>-* directory that
+// holds saved states ("" when none does). Names sort by their timestamp.
+std::string newest_run_with_state(const config::RunConfig& cfg) {
+  std::string best;
+  std::error_code ec;
+  if (!std::filesystem::is_directory("runs", ec)) return best;
+  for (const auto& e : std::filesystem::directory_iterator("runs")) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(cfg.recipe_name + "-", 0) == 0 && std::filesystem::is_directory(e.path() / "state", ec) &&
+        e.path().string() > best)
+      best = e.path().string();
+  }
+  return best;
+}
+
+// Rank 0 alone touches the run directory. When its check failed (error non-empty there), every rank
+// throws the same ConfigError now instead of waiting in the next collective for parallel.timeout_s.
+void fail_together(parallel::Comm& comm, std::string error, const std::string& what) {
+  if (comm.world() > 1 && comm.all_reduce_max(error.empty() ? 0.0 : 1.0, what) > 0.0 && error.empty())
+    error = fmt::format("rank 0 failed the {} (see its error)", what);
+  if (!error.empty()) throw ConfigError(error);
+}
+
+// ---- setup ----
+
+void init_process(Session& s) {
+  s.launch = parallel::LaunchEnv::from_env();
+  s.cfg.world_size = s.launch.world;
+  config::validate(s.cfg);  // train.global_batch against the real world size
+  s.device = resolve_device(s.cfg.train, s.launch.local_rank);
+  if (s.device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(s.device);  // one GPU per local rank
+  if (s.cfg.train.threads > 0) at::set_num_threads(static_cast<int>(s.cfg.train.threads));
+  // Rendezvous before reading data or building the model: a missing peer fails fast (exit 5).
+  s.comm = std::make_shared<parallel::Comm>(s.launch, s.cfg.parallel, s.device);
+}
+
+// The run directory: logging.dir, or (--resume auto) the newest earlier run of this recipe with
+// saved states, or a new runs/<recipe>-<timestamp>.
+void choose_run_dir(Session& s) {
+  const auto& cfg = s.cfg;
+  if (!cfg.logging.dir.empty()) s.run_dir = cfg.logging.dir;
+  else if (cfg.resume == "auto" && cfg.state.dir.empty()) s.run_dir = newest_run_with_state(cfg);
+  if (s.run_dir.empty()) s.run_dir = default_run_dir(s);
+}
+
+// --resume: find the state (rank 0 checks its files) and refuse a recipe that changes its math.
+void find_resume_point(Session& s) {
+  if (s.cfg.resume.empty()) return;
+  s.resume_from = state::find_state(s.cfg.resume, state::state_root(s.cfg, s.run_dir), *s.comm);
+  if (!s.resume_from.found()) {
+    if (s.rank0()) spdlog::info("--resume auto: no saved state under {}; starting from step 0",
+                                state::state_root(s.cfg, s.run_dir).string());
+    return;
+  }
+  state::check_recipe(s.resume_from.meta, s.cfg);
+  if (s.rank0())
+    spdlog::info("resuming from {} (step {}, saved at world size {} with sharding {})", s.resume_from.dir.string(),
+                 s.resume_from.step, s.resume_from.meta.at("world_size").get<int64_t>(),
+                 s.resume_from.meta.at("sharding").get<std::string>());
+}
+
+// The run directory is checked before anything expensive; it is created after the model exists.
+// A resumed run continues the logs there.
+void check_run_dir_early(Session& s) {
+  std::string error;
+  if (s.rank0()) {
+    try {
+      log::check_run_dir(s.run_dir, s.cfg.logging.overwrite || s.resume_from.found());
+    } catch (const ConfigError& e) {
+      error = e.what();
+    }
+  }
+  fail_together(*s.comm, error, "run directory check");
+}
+
+void choose_micro_batch(Session& s) {
+  auto& cfg = s.cfg;
+  const int64_t world = s.world();
+  auto per_rank = cfg;  // each rank holds global_batch / world of every step
+  per_rank.train.global_batch /= world;
+  BatchSearch found = find_micro_batch(per_rank, s.device);
+  if (world > 1) {  // every rank must train the same micro-batch: take the smallest that fits everywhere
+    const auto agreed =
+        static_cast<int64_t>(-s.comm->all_reduce_max(-static_cast<double>(found.micro_batch), "micro_batch auto"));
+    if (agreed != found.micro_batch && agreed > 0)
+      found.micro_batch = agreed, found.grad_accum = per_rank.train.global_batch / agreed;
+    if (agreed == 0) found.micro_batch = 0;
+  }
+  Json trials = Json::array();
+  for (const auto& [b, ok] : found.trials) trials.push_back({{"micro_batch", b}, {"fits", ok}});
+  s.batch_search = {{"planner_prediction", found.predicted}, {"trials", trials}, {"micro_batch", found.micro_batch},
+                    {"grad_accum", found.grad_accum}, {"global_batch", cfg.train.global_batch}};
+  if (found.micro_batch == 0)
+    throw OomError(fmt::format("train.micro_batch: auto: not even micro-batch 1 fits memory.limit {}; {}",
+                               cfg.memory.limit, memory::oom_advice(cfg, s.limit)));
+  cfg.train.micro_batch = found.micro_batch;
+  cfg.train.grad_accum = found.grad_accum;
+  if (s.rank0())
+    spdlog::info("micro_batch auto: planner predicted {}, tried {}, chose {} x grad_accum {} per rank (global batch {})",
+                 found.predicted, trials.dump(), found.micro_batch, found.grad_accum, cfg.train.global_batch);
+}
+
+void build_model(Session& s) {
+  const auto& cfg = s.cfg;
+  torch::manual_seed(static_cast<uint64_t>(cfg.train.seed));
+  try {
+    s.model = model::GPT(cfg.model, s.device);
+  } catch (const c10::OutOfMemoryError& e) {  // before the run directory exists: nothing to clean up
+    throw OomError(fmt::format("out of memory while building the model ({}). To fit, {}",
+                               std::string(e.what_without_backtrace()).substr(0, 200), memory::oom_advice(cfg, s.limit)));
+  }
+  s.model->train();
+  s.policy = std::make_unique<recompute::Policy>(cfg.checkpointing, s.model);
+  // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
+  // ends) would keep every unit's weights alive after the unit's fp32 storage is freed.
+  if (cfg.parallel.sharding == "zero3") at::autocast::set_autocast_cache_enabled(false);
+  if (s.world() > 1 || cfg.parallel.sharding != "none") {
+    s.engine = std::make_unique<parallel::Engine>(s.model, cfg, s.comm);
+    s.engine->attach(*s.policy);
+  }
+  s.opt = s.engine ? s.engine->make_optimizer(cfg.train) : make_optimizer(s.model, cfg.train);
+  s.scaler = std::make_unique<precision::LossScaler>(cfg.precision, s.device);
+  s.precision = {precision::compute_dtype(cfg.precision.compute), s.scaler.get()};
+  s.forward = [policy = s.policy.get()](const torch::Tensor& idx) { return policy->forward(idx); };
+}
+
+void open_run_log(Session& s) {
+  std::string error;
+  try {
+    s.runlog = std::make_unique<log::RunLog>(s.run_dir, s.rank0(), s.cfg.logging.overwrite, s.resume_from.step);
+  } catch (const ConfigError& e) {
+    error = e.what();
+  }
+  fail_together(*s.comm, error, "run directory creation");
+  s.resolved = config::to_json(s.cfg);
+  s.runlog->write_json("config.json", s.resolved);
+}
+
+void describe(Session& s) {
+  const auto& cfg = s.cfg;
+  s.flops_per_token = flops_per_token(*s.model, cfg.train.seq_len);
+  s.recompute_flops_per_token = s.policy->recompute_flops_per_token(cfg.train.seq_len);
+  s.predicted = memory::estimate_activation_peak(cfg, s.policy->plan());
+  const bool peak_measured = cfg.logging.peak_tflops <= 0.0;
+  s.peak_flops = peak_measured ? measure_gemm_flops(s.device) : cfg.logging.peak_tflops * 1e12;
+  s.environment = {{"torch_version", TORCH_VERSION},
+                   {"device", s.device.str()},
+                   {"cuda_available", torch::cuda::is_available()},
+                   {"threads", at::get_num_threads()},
+                   {"world_size", s.world()},
+                   {"rank", s.launch.rank},
+                   {"backend", s.comm->backend()},
+                   {"memory_source", s.tracker->source()},
+                   {"cpu", memory::cpu_features().to_json()}};  // the CPU paths that change memory and speed
+  s.model_info = {{"params", s.model->num_params()},
+                  {"matmul_params", s.model->num_matmul_params()},
+                  {"flops_per_token", s.flops_per_token},
+                  {"recompute_flops_per_token", s.recompute_flops_per_token},
+                  {"peak_flops", s.peak_flops},
+                  {"peak_flops_source", peak_measured ? "measured_fp32_gemm" : "logging.peak_tflops"}};
+}
+
+void print_settings(const Session& s) {
+  if (!s.rank0()) return;
+  const auto& cfg = s.cfg;
+  auto rows = config::to_rows(cfg);
+  rows.emplace_back("run directory", s.run_dir);
+  rows.emplace_back("device", s.device.str());
+  rows.emplace_back("threads", std::to_string(at::get_num_threads()));
+  if (s.engine)
+    rows.emplace_back("data parallel", fmt::format("{} rank(s), backend {}, sharding {}", s.world(), s.comm->backend(),
+                                                   cfg.parallel.sharding));
+  rows.emplace_back("checkpointing plan", s.policy->plan().describe());
+  rows.emplace_back("predicted activation peak",
+                    fmt::format("{} per micro-batch", log::format_bytes(s.predicted.peak_bytes)));
+  rows.emplace_back("parameters", fmt::format("{} ({:.2f} M)", s.model->num_params(), s.model->num_params() / 1e6));
+  rows.emplace_back("train data", s.splits.train->describe());
+  rows.emplace_back("val data", s.splits.val->describe());
+  rows.emplace_back("peak FLOP/s for MFU",
+                    fmt::format("{:.3g} ({})", s.peak_flops, s.model_info["peak_flops_source"].get<std::string>()));
+  fmt::print("{}", log::format_table(rows));
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit) {
+  const auto capacity = limit > 0 ? memory::Capacity{limit, "memory.limit"} : memory::device_capacity(device);
+  const memory::PeakPrediction p = memory::predict_peak(cfg);
+  const int64_t states = p.model_states_bytes();
+  if (capacity.bytes <= 0 || states <= capacity.bytes) return;
+  const int64_t params = memory::total_params(cfg.model);
+  const int64_t ranks_needed = (16 * params + capacity.bytes - 1) / capacity.bytes;
+  throw OomError(fmt::format(
+      "the model cannot fit: {} parameters need {} of model states per rank (weights {}, gradients {}, AdamW moments "
+      "{}; parallel.sharding {} over {} rank(s)) but the {} is {}. Nothing was allocated. To fit: fewer layers or a "
+      "smaller model.n_embd, or parallel.sharding: zero3 over at least {} ranks (it divides all three states by the "
+      "world size); precision.compute does not shrink these fp32 states",
+      params, log::format_bytes(states), log::format_bytes(p.params_bytes), log::format_bytes(p.grads_bytes),
+      log::format_bytes(p.optimizer_bytes), cfg.parallel.sharding, std::max<int64_t>(1, cfg.world_size),
+      capacity.source, log::format_bytes(capacity.bytes), ranks_needed));
+}
+
+std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
+  auto s = std::make_unique<Session>();
+  s->cfg = recipe;
+  init_process(*s);
+  // Data first: a bad file fails here, before a run directory or a model exists.
+  s->splits = data::open_splits(s->cfg);
+  choose_run_dir(*s);
+  find_resume_point(*s);
+  check_run_dir_early(*s);
+  s->tracker = std::make_unique<memory::Tracker>(s->device);
+  s->limit = config::memory_limit_bytes(s->cfg);
+  s->tracker->set_limit(s->limit);  // before the model exists: the limit covers everything, as on a GPU
+  check_model_states_fit(s->cfg, s->device, s->limit);
+  if (s->cfg.train.micro_batch == 0) choose_micro_batch(*s);
+  const auto& t = s->cfg.train;
+  const auto seed = static_cast<uint64_t>(t.seed);
+  s->train_loader = std::make_unique<data::Loader>(s->splits.train, t.micro_batch, t.seq_len, seed, s->launch.rank, s->world());
+  s->val_loader = std::make_unique<data::Loader>(s->splits.val, t.micro_batch, t.seq_len, seed + 1, s->launch.rank, s->world());
+  build_model(*s);
+  describe(*s);
+  open_run_log(*s);
+  print_settings(*s);
+  return s;
+}
+
+void restore(Session& s, LoopState& st) {
+  if (!s.resume_from.found()) return;
+  const auto t0 = Clock::now();
+  state::load(s.resume_from, s, st);
+  const double load_ms = ms_since(t0);
+  // Already on disk where this run saves (a resume into another state.dir saves its own copy at the end).
+  std::error_code ec;
+  if (std::filesystem::equivalent(s.resume_from.dir.parent_path(), state::state_root(s.cfg, s.run_dir), ec))
+    st.last_saved_step = st.steps_done;
+  s.runlog->event("resume", {{"step", st.steps_done}, {"state", s.resume_from.dir.string()},
+                             {"saved_world_size", s.resume_from.meta.at("world_size")},
+                             {"saved_sharding", s.resume_from.meta.at("sharding")}, {"load_ms", load_ms}});
+  if (s.rank0()) spdlog::info("state of step {} loaded in {:.0f} ms", st.steps_done, load_ms);
+}
+
+}  // namespace sl::train
