@@ -10,6 +10,7 @@ FROM nvidia/cuda:13.0.0-devel-ubuntu24.04
 # Keep both in step with scripts/setup.sh's pins (setup.sh then finds them and installs nothing).
 ARG TORCH_VERSION=2.11.0
 ARG MATPLOTLIB_VERSION=3.11.2
+ARG SAFETENSORS_VERSION=0.8.0
 ENV DEBIAN_FRONTEND=noninteractive \
     SUBLINEAR_HOME=/opt/sublinear \
     TORCH_CUDA_ARCH_LIST=9.0 \
@@ -20,14 +21,14 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # and tests/catch.h.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends cmake ninja-build g++ ccache libgloo-dev libyaml-cpp-dev \
-      libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev catch2 python3 python3-venv \
+      libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev catch2 python3 python3-venv zlib1g-dev \
  && rm -rf /var/lib/apt/lists/*
 
 # Its own layer, so code changes do not re-download torch or matplotlib. A venv, so Ubuntu 24.04's
 # PEP 668 marker (externally managed system Python) does not apply.
 RUN python3 -m venv "$SUBLINEAR_HOME/venv" \
  && "$SUBLINEAR_HOME/venv/bin/python" -m pip install --quiet --no-cache-dir \
-      "torch==$TORCH_VERSION" "matplotlib==$MATPLOTLIB_VERSION"
+      "torch==$TORCH_VERSION" "matplotlib==$MATPLOTLIB_VERSION" "safetensors==$SAFETENSORS_VERSION"
 
 WORKDIR /src/sublinear
 COPY . .

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # setup.sh: install what sublinear needs and build it into build/ (idempotent).
 #   1. Debian packages (apt-get, only when some are missing),
-#   2. LibTorch from the PyPI torch wheel (and matplotlib, for scripts/plot.py) in a venv at
+#   2. LibTorch from the PyPI torch wheel (and matplotlib, for scripts/plot.py; safetensors, the
+#      reference the safetensors test checks against) in a venv at
 #      ${SUBLINEAR_HOME:-~/.cache/sublinear}/venv,
 #   3. CMake configure (Ninja, Release; -DSUBLINEAR_WERROR=ON when CI=true) and build.
 # Cost: first run downloads the CUDA torch wheel with its nvidia-* deps (~4.6 GB, ~70 s on a
@@ -10,8 +11,9 @@ set -euo pipefail
 
 TORCH_VERSION=2.11.0   # the one place the LibTorch version is pinned
 MATPLOTLIB_VERSION=3.11.2  # scripts/plot.py draws the sweep figures with it
+SAFETENSORS_VERSION=0.8.0  # the reference implementation tests/test_safetensors.cpp checks files against
 PACKAGES=(cmake ninja-build g++ ccache libgloo-dev libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
-          nlohmann-json3-dev catch2 python3-venv)
+          nlohmann-json3-dev catch2 python3-venv zlib1g-dev)
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SUBLINEAR_HOME="${SUBLINEAR_HOME:-$HOME/.cache/sublinear}"
@@ -56,6 +58,12 @@ if "$PY" -c "import matplotlib, sys; sys.exit(matplotlib.__version__ != '$MATPLO
 else
   say "pip install matplotlib==$MATPLOTLIB_VERSION"
   "$PY" -m pip install --quiet "matplotlib==$MATPLOTLIB_VERSION"
+fi
+if "$PY" -c "import safetensors, sys; sys.exit(safetensors.__version__ != '$SAFETENSORS_VERSION')" 2>/dev/null; then
+  say "safetensors $SAFETENSORS_VERSION present"
+else
+  say "pip install safetensors==$SAFETENSORS_VERSION"
+  "$PY" -m pip install --quiet "safetensors==$SAFETENSORS_VERSION"
 fi
 
 # The wheel's CMake config looks for a CUDA toolkit and an architecture list.

@@ -126,6 +126,10 @@ TEST_CASE("bad recipes exit 2 with a message naming the key, before any output i
       {"recipe is a directory", nullptr, "--config configs", {"--config configs: is a directory"}},
       {"empty recipe file", "# nothing but a comment\n", "", {"bad.yaml: the recipe is empty"}},
       {"key given twice", "train:\n  steps: 2\n  steps: 3\n", "", {"bad.yaml: key 'train.steps' is given twice (lines 2 and 3)"}},
+      {"negative save cadence", kAnyRecipe, "--set state.every=-1", {"state.every: must be >= 0"}},
+      {"negative states kept", kAnyRecipe, "--set state.keep=-2", {"state.keep: must be >= 0"}},
+      {"--resume of a missing state", nullptr, "--config configs/tiny.yaml --resume /nonexistent/state",
+       {"--resume /nonexistent/state: no saved state there"}},
       {"no recipe at all", nullptr, "", {"--config: no recipe given"}},
       {"unknown flag", nullptr, "--config configs/tiny.yaml --bogus", {"bogus"}},
   };

@@ -1,16 +1,25 @@
 // Shared test helpers: run the trainer binary, temp directories, reading JSON files.
 #pragma once
 #include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -100,7 +109,9 @@ struct MultiResult {
 inline MultiResult launch(int world, const std::string& args) {
   TempDir logs("launch");
   const int port = free_port();
-  std::string script = "cd " + kSourceDir + " && ";
+  // `cd DIR || exit 1;` (not `cd DIR && (rank 0) & (rank 1) &`, where the cd binds to rank 0's
+  // subshell only): every rank starts in the source directory.
+  std::string script = "cd " + kSourceDir + " || exit 1; ";
   for (int r = 0; r < world; ++r) {
     const auto log = (logs.path / ("rank" + std::to_string(r))).string();
     script += "( " + rank_env(r, world, port) + " " + kTrainer + " " + args + " > " + log + ".log 2>&1; echo $? > " +
@@ -124,5 +135,201 @@ inline std::string read_text(const std::filesystem::path& p) {
   ss << in.rdbuf();
   return ss.str();
 }
+
+// A process started in the background, a child of this test process, so a test can signal it at a
+// moment of its choosing and wait for it: `sh -c 'cd DIR && exec ENV... CMD > LOG 2>&1'` (exec: the
+// pid is the command's own). The destructor SIGKILLs and reaps it if the test did not wait.
+struct Background {
+  pid_t pid = -1;
+  std::filesystem::path log;  // stdout and stderr together
+  int status = 0;             // waitpid status, after wait()
+
+  Background(const std::string& env, const std::string& cmd, std::filesystem::path log_file) : log(std::move(log_file)) {
+    const std::string line = "cd " + kSourceDir + " && exec env " + env + " " + cmd + " > " + log.string() + " 2>&1";
+    const char* argv[] = {"/bin/sh", "-c", line.c_str(), nullptr};
+    if (::posix_spawn(&pid, "/bin/sh", nullptr, nullptr, const_cast<char* const*>(argv), environ) != 0) pid = -1;
+  }
+  Background(const Background&) = delete;
+  Background& operator=(const Background&) = delete;
+  ~Background() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      wait();
+    }
+  }
+  bool running() const { return pid > 0; }
+  bool signal(int sig) const { return pid > 0 && ::kill(pid, sig) == 0; }
+  // Waits for the exit; returns the exit code, or 128 + the signal that killed it (as a shell says).
+  int wait() {
+    if (pid > 0) {
+      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+      pid = -1;
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1;
+  }
+  // Whether it has exited yet (reaps it if so).
+  bool exited() {
+    if (pid <= 0) return true;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      pid = -1;
+      return true;
+    }
+    return false;
+  }
+  bool killed_by(int sig) const { return WIFSIGNALED(status) && WTERMSIG(status) == sig; }
+  std::string output() const { return read_text(log); }
+};
+
+// The trainer in the background from the source directory, on one thread (see trainer()).
+inline std::unique_ptr<Background> trainer_background(const std::string& args, const std::filesystem::path& log) {
+  return std::make_unique<Background>("OMP_NUM_THREADS=1", kTrainer + " " + args, log);
+}
+
+// `world` ranks of the trainer in the background (rank r's output in <log_prefix>.rank<r>.log).
+inline std::vector<std::unique_ptr<Background>> launch_background(int world, const std::string& args,
+                                                                  const std::filesystem::path& log_prefix) {
+  const int port = free_port();
+  std::vector<std::unique_ptr<Background>> out;
+  for (int r = 0; r < world; ++r)
+    out.push_back(std::make_unique<Background>(rank_env(r, world, port), kTrainer + " " + args,
+                                               log_prefix.string() + ".rank" + std::to_string(r) + ".log"));
+  return out;
+}
+
+// Polls `pred` every `every` until it holds (true) or `timeout` passes (false).
+template <class Pred>
+bool poll_until(Pred&& pred, std::chrono::milliseconds timeout, std::chrono::milliseconds every = std::chrono::milliseconds(2)) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(every);
+  }
+  return pred();
+}
+
+// ---- training states (tests/test_resume.cpp, tests/test_state.cpp) ----
+
+inline const std::string kPython = SUBLINEAR_PYTHON;
+
+// The records of a JSONL file. strict: every line must parse (a final line without its newline
+// too); otherwise lines that do not parse (a record being written right now) are left out.
+inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& p, bool strict = true) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(p);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    auto j = nlohmann::json::parse(line, nullptr, !strict);
+    if (!j.is_discarded()) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+// One optimizer step's record of metrics.jsonl (events left out).
+struct StepRecord {
+  int64_t step;
+  double loss, grad_norm;
+};
+inline std::vector<StepRecord> step_records(const std::filesystem::path& metrics) {
+  std::vector<StepRecord> out;
+  for (const auto& r : read_jsonl(metrics))
+    if (!r.contains("event"))
+      out.push_back({r.at("step").get<int64_t>(), r.at("loss").get<double>(),
+                     r.at("grad_norm").is_number() ? r.at("grad_norm").get<double>() : -1.0});
+  return out;
+}
+// Step records written so far by a running trainer (a line being written is not counted).
+inline size_t step_records_now(const std::filesystem::path& metrics) {
+  size_t n = 0;
+  for (const auto& r : read_jsonl(metrics, false))
+    if (r.is_object() && !r.contains("event") && r.contains("step")) ++n;
+  return n;
+}
+// The events of one kind in metrics.jsonl.
+inline std::vector<nlohmann::json> events(const std::filesystem::path& metrics, const std::string& kind) {
+  std::vector<nlohmann::json> out;
+  for (const auto& r : read_jsonl(metrics))
+    if (r.value("event", "") == kind) out.push_back(r);
+  return out;
+}
+
+// "" when `got` is steps 1..N, each once, with (loss, grad_norm) bitwise equal (as the doubles the
+// JSON numbers parse to) to `want`; otherwise what differs first.
+inline std::string bitwise_diff(const std::vector<StepRecord>& got, const std::vector<StepRecord>& want) {
+  std::ostringstream why;
+  why.precision(17);
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i].step != static_cast<int64_t>(i) + 1) {
+      why << "record " << i << " is step " << got[i].step << ", expected step " << i + 1 << " (duplicated or missing)";
+      return why.str();
+    }
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i)
+    if (got[i].loss != want[i].loss || got[i].grad_norm != want[i].grad_norm) {
+      why << "step " << got[i].step << ": loss " << got[i].loss << " vs " << want[i].loss << ", grad_norm "
+          << got[i].grad_norm << " vs " << want[i].grad_norm;
+      return why.str();
+    }
+  if (got.size() != want.size()) {
+    why << got.size() << " step records, expected " << want.size();
+    return why.str();
+  }
+  return "";
+}
+
+// The eval events (step, val_loss) of metrics.jsonl; "" when `got` equals `want` bitwise, else the
+// first difference.
+inline std::vector<std::pair<int64_t, double>> eval_records(const std::filesystem::path& metrics) {
+  std::vector<std::pair<int64_t, double>> out;
+  for (const auto& e : events(metrics, "eval")) out.emplace_back(e.at("step").get<int64_t>(), e.at("val_loss").get<double>());
+  return out;
+}
+inline std::string eval_diff(const std::vector<std::pair<int64_t, double>>& got,
+                             const std::vector<std::pair<int64_t, double>>& want) {
+  std::ostringstream why;
+  why.precision(17);
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i)
+    if (got[i] != want[i]) {
+      why << "eval " << i << ": step " << got[i].first << " val_loss " << got[i].second << " vs step " << want[i].first
+          << " val_loss " << want[i].second;
+      return why.str();
+    }
+  if (got.size() != want.size()) why << got.size() << " evals, expected " << want.size();
+  return why.str();
+}
+
+// What a resumed run must reproduce bitwise: every step's (loss, grad_norm) and every eval's val_loss.
+struct RunTrace {
+  std::vector<StepRecord> steps;
+  std::vector<std::pair<int64_t, double>> evals;
+};
+inline RunTrace trace(const std::filesystem::path& metrics) { return {step_records(metrics), eval_records(metrics)}; }
+inline std::string trace_diff(const RunTrace& got, const RunTrace& want) {
+  const std::string d = bitwise_diff(got.steps, want.steps);
+  return d.empty() ? eval_diff(got.evals, want.evals) : d;
+}
+
+// tests/state_compare.py (the reference safetensors package): `check DIR` or `compare A B`.
+inline Result state_compare(const std::string& args) {
+  return run(kPython + " " + kSourceDir + "/tests/state_compare.py " + args);
+}
+
+// A tmpfs of `size` bytes ("1m", "25000000") mounted on `dir` for a disk-full test, unmounted on
+// destruction. mount(2) needs root (or CAP_SYS_ADMIN): when it fails, `mounted` is false and `error`
+// says why, and the test skips that case.
+struct TmpfsMount {
+  std::filesystem::path dir;
+  bool mounted = false;
+  std::string error;
+  TmpfsMount(std::filesystem::path d, const std::string& size) : dir(std::move(d)) {
+    std::filesystem::create_directories(dir);
+    mounted = ::mount("tmpfs", dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, ("size=" + size).c_str()) == 0;
+    if (!mounted) error = std::strerror(errno);
+  }
+  ~TmpfsMount() {
+    if (mounted && ::umount2(dir.c_str(), 0) != 0) ::umount2(dir.c_str(), MNT_DETACH);
+  }
+  TmpfsMount(const TmpfsMount&) = delete;
+  TmpfsMount& operator=(const TmpfsMount&) = delete;
+};
 
 }  // namespace sl::test

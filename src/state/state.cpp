@@ -327,8 +327,11 @@ std::vector<fs::path> candidates(const fs::path& root) {
   return out;
 }
 
+// The newest valid state under root; none there at all: not found. States that are all unusable are
+// refused rather than silently starting over.
 Found find_auto(const fs::path& root) {
-  for (const auto& dir : candidates(root)) {
+  const auto dirs = candidates(root);
+  for (const auto& dir : dirs) {
     Found f{dir, -1, nullptr};
     const std::string why = check_state(dir, f.meta);
     if (why.empty()) {
@@ -337,6 +340,10 @@ Found find_auto(const fs::path& root) {
     }
     spdlog::warn("--resume auto: skipping state {}: {}", dir.string(), why);
   }
+  if (!dirs.empty())
+    throw StateFileError(fmt::format("--resume auto: none of the {} states under {} is usable (see the warnings); "
+                                     "resume from a copy with --resume PATH, or start a new run",
+                                     dirs.size(), root.string()));
   return {};
 }
 

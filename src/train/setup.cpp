@@ -90,9 +90,10 @@ void choose_run_dir(Session& s) {
 void find_resume_point(Session& s) {
   if (s.cfg.resume.empty()) return;
   s.resume_from = state::find_state(s.cfg.resume, state::state_root(s.cfg, s.run_dir), *s.comm);
-  if (!s.resume_from.found()) {
-    if (s.rank0()) spdlog::info("--resume auto: no saved state under {}; starting from step 0",
-                                state::state_root(s.cfg, s.run_dir).string());
+  if (!s.resume_from.found()) {  // auto, and no state at all: the run starts over (its logs are replaced)
+    s.cfg.logging.overwrite = true;
+    if (s.rank0()) spdlog::warn("--resume auto: no saved state under {}; starting from step 0 in {}",
+                                state::state_root(s.cfg, s.run_dir).string(), s.run_dir);
     return;
   }
   state::check_recipe(s.resume_from.meta, s.cfg);

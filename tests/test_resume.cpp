@@ -1,0 +1,304 @@
+// Durable training state, end to end: a run killed with SIGKILL at a random step and restarted with
+// `--resume auto` logs the same (step, loss, grad_norm) sequence, bit for bit, as a run that was never
+// interrupted (every checkpointing mode at world 1; DDP and zero3 at world 2), with every step once;
+// and a state re-shards: saved at world 2 / zero3 and loaded at world 1, or saved at world 1 and loaded
+// at world 2 under zero1 / zero2 / zero3, the loaded parameters and AdamW moments are exactly the saved
+// ones (saved again at the new layout and compared by tests/state_compare.py through the reference
+// `safetensors` package), and training goes on within the world-size tolerance of tests/test_parallel.cpp.
+//
+// Kill points come from a std::mt19937 whose seed is printed on failure (INFO "seed"); set
+// SUBLINEAR_TEST_SEED to replay one.
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "catch.h"
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+using namespace sl;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kSteps = 12;
+// Tiny and fast (~0.1 s a step at 2 layers on one thread), fp32, dropout 0.1 (so the RNG state must
+// come back exactly), gradient accumulation 2, an eval every 5 steps (the val sampler must come back).
+const std::string kCommon = fmt::format(
+    "--config configs/tiny.yaml --set train.seq_len=64 --set train.micro_batch=4 --set train.grad_accum=2 "
+    "--set train.steps={} --set train.eval_interval=5 --set train.eval_batches=2 --set model.dropout=0.1 "
+    "--set logging.progress=false --set train.threads=1 --set logging.peak_tflops=1 --set logging.interval=100 "
+    "--set parallel.timeout_s=60",
+    kSteps);
+
+uint32_t test_seed() {
+  static const uint32_t seed = [] {
+    if (const char* s = std::getenv("SUBLINEAR_TEST_SEED")) return static_cast<uint32_t>(std::stoul(s));
+    return std::random_device{}();
+  }();
+  return seed;
+}
+std::mt19937& rng() {
+  static std::mt19937 g(test_seed());
+  return g;
+}
+int random_in(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng()); }
+
+std::string dir_arg(const fs::path& run_dir) { return " --set logging.dir=" + run_dir.string(); }
+
+// Runs `world` ranks (1: the plain trainer) to the end; asserts every rank exited 0.
+void run_ok(int world, const std::string& args) {
+  if (world == 1) {
+    const auto r = test::trainer(args);
+    INFO(args << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    return;
+  }
+  const auto m = test::launch(world, args);
+  for (int r = 0; r < world; ++r) {
+    INFO(args << "\nrank " << r << ":\n" << m.outputs[static_cast<size_t>(r)]);
+    REQUIRE(m.codes[static_cast<size_t>(r)] == 0);
+  }
+}
+
+// The step records and evals of an uninterrupted run of `args` at `world` ranks.
+test::RunTrace uninterrupted(int world, const std::string& args, const fs::path& run_dir) {
+  run_ok(world, args + dir_arg(run_dir));
+  auto t = test::trace(run_dir / "metrics.jsonl");
+  REQUIRE(t.steps.size() == static_cast<size_t>(kSteps));
+  REQUIRE(t.evals.size() == 3);  // steps 5, 10 and the end
+  return t;
+}
+
+struct Resumed {
+  size_t records_at_kill = 0;  // step records in metrics.jsonl when SIGKILL was sent
+  int64_t resumed_step = -1;   // the step the restart resumed from (its `resume` event)
+};
+
+// Starts `world` ranks of `args` in the background, waits until metrics.jsonl holds at least `k` step
+// records, SIGKILLs every rank, then restarts them with `--resume auto` and the same arguments.
+Resumed kill_and_resume(int world, const std::string& args, const fs::path& run_dir, size_t k) {
+  const auto metrics = run_dir / "metrics.jsonl";
+  const std::string full = args + dir_arg(run_dir);
+  Resumed out;
+  {
+    auto procs = world == 1 ? [&] {
+      std::vector<std::unique_ptr<test::Background>> v;
+      v.push_back(test::trainer_background(full, run_dir.string() + ".killed.log"));
+      return v;
+    }()
+                            : test::launch_background(world, full, run_dir.string() + ".killed");
+    for (auto& p : procs) REQUIRE(p->running());
+    const bool reached = test::poll_until(
+        [&] {
+          if (test::step_records_now(metrics) >= k) return true;
+          for (auto& p : procs)
+            if (p->exited()) return true;  // died on its own: reported below
+          return false;
+        },
+        std::chrono::seconds(150));
+    for (auto& p : procs) p->signal(SIGKILL);
+    for (auto& p : procs) p->wait();
+    out.records_at_kill = test::step_records_now(metrics);
+    INFO("rank 0 before the kill:\n" << procs[0]->output());
+    REQUIRE(reached);
+    // Killed by the SIGKILL, not finished or failed before it: the restart really starts mid-run.
+    REQUIRE(procs[0]->killed_by(SIGKILL));
+  }
+  INFO("killed with " << out.records_at_kill << " step records in metrics.jsonl (waited for " << k << ")");
+  // A save cut short leaves a .step-*.tmp directory: --resume auto ignores it, the next save removes it.
+  const auto leftover = run_dir / "state" / ".step-00000099.tmp";
+  fs::create_directories(leftover);
+  std::ofstream(leftover / "rank-00000.safetensors") << "partial";
+  run_ok(world, full + " --resume auto");
+  const auto resumes = test::events(metrics, "resume");
+  REQUIRE(resumes.size() == 1);
+  out.resumed_step = resumes[0].at("step").get<int64_t>();
+  CHECK(out.resumed_step > 0);
+  CHECK(out.resumed_step <= static_cast<int64_t>(out.records_at_kill));
+  CHECK(resumes[0].at("saved_world_size").get<int64_t>() == world);
+  if (out.resumed_step < kSteps) CHECK_FALSE(fs::exists(leftover));
+  // The log was cut back to the resumed step: events of the killed run after it are gone too.
+  int64_t last_saved = 0;
+  for (const auto& e : test::events(metrics, "state_saved")) {
+    CHECK(e.at("step").get<int64_t>() > last_saved);
+    last_saved = e.at("step").get<int64_t>();
+  }
+  return out;
+}
+
+struct Mode {
+  std::string name, sets;
+  int every;  // state.every
+};
+
+}  // namespace
+
+TEST_CASE("kill -9 at a random step and --resume auto: bitwise the uninterrupted run, every checkpointing mode") {
+  INFO("seed " << test_seed() << " (SUBLINEAR_TEST_SEED replays it)");
+  const std::vector<Mode> modes = {
+      {"none", "--set model.n_layer=2", 2},
+      {"full", "--set model.n_layer=4 --set checkpointing.mode=full", 3},
+      {"interval", "--set model.n_layer=4 --set checkpointing.mode=interval --set checkpointing.interval=1", 2},
+      {"sqrt", "--set model.n_layer=4 --set checkpointing.mode=sqrt", 3},
+      {"selective",
+       "--set model.n_layer=4 --set checkpointing.mode=selective --set 'checkpointing.recompute=[attention,mlp,norm]'", 2},
+  };
+  test::TempDir dir("resume-modes");
+  for (const auto& mode : modes) {
+    INFO("checkpointing mode " << mode.name);
+    const std::string args = kCommon + " " + mode.sets + fmt::format(" --set state.every={}", mode.every);
+    const auto want = uninterrupted(1, args, dir.path / (mode.name + "-ref"));
+    // Two kill points for mode none, one for the others. A kill after at least `every + 1` step
+    // records lands after the first save (a kill before any save: tests/test_state.cpp).
+    const int points = mode.name == "none" ? 2 : 1;
+    for (int i = 0; i < points; ++i) {
+      const int k = random_in(mode.every + 1, kSteps - 2);
+      INFO("kill point " << i << ": after " << k << " step records");
+      const auto run_dir = dir.path / fmt::format("{}-kill{}", mode.name, i);
+      const Resumed res = kill_and_resume(1, args, run_dir, static_cast<size_t>(k));
+      INFO("resumed from step " << res.resumed_step << " (killed with " << res.records_at_kill << " records)");
+      CHECK(test::trace_diff(test::trace(run_dir / "metrics.jsonl"), want) == "");
+      if (mode.name != "none") {  // the mode really recomputed in the resumed steps
+        const auto recs = test::read_jsonl(run_dir / "metrics.jsonl");
+        double recompute_ms = 0;
+        for (const auto& r : recs)
+          if (!r.contains("event") && r.at("step").get<int64_t>() > res.resumed_step) recompute_ms += r.value("recompute_ms", 0.0);
+        CHECK(recompute_ms > 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("kill -9 of both ranks and --resume auto at world 2: bitwise the uninterrupted run, DDP and zero3") {
+  INFO("seed " << test_seed() << " (SUBLINEAR_TEST_SEED replays it)");
+  test::TempDir dir("resume-w2");
+  for (const std::string stage : {"none", "zero3"}) {
+    INFO("parallel.sharding " << stage);
+    // World 2 x micro 2 x accum 2: the global batch of the world-1 recipe.
+    const std::string args = kCommon + " --set model.n_layer=2 --set train.micro_batch=2 --set state.every=2 "
+                                       "--set parallel.sharding=" + stage;
+    const auto want = uninterrupted(2, args, dir.path / (stage + "-ref"));
+    const int k = random_in(3, kSteps - 2);
+    INFO("kill after " << k << " step records");
+    const auto run_dir = dir.path / (stage + "-kill");
+    const Resumed res = kill_and_resume(2, args, run_dir, static_cast<size_t>(k));
+    INFO("resumed from step " << res.resumed_step);
+    CHECK(test::trace_diff(test::trace(run_dir / "metrics.jsonl"), want) == "");
+  }
+}
+
+namespace {
+
+// Tolerance of tests/test_parallel.cpp for the same steps at another world size: relative difference
+// of loss and grad_norm <= 1e-5 at every step (only the order of fp32 sums differs; a lost moment, a
+// stale shard or a missing rank moves them by 1e-2 or more).
+constexpr double kMetricTol = 1e-5;
+
+// Step records after `after`, as (loss, grad_norm).
+std::vector<test::StepRecord> records_after(const fs::path& metrics, int64_t after) {
+  std::vector<test::StepRecord> out;
+  for (const auto& r : test::step_records(metrics))
+    if (r.step > after) out.push_back(r);
+  return out;
+}
+
+void check_within_tolerance(const std::vector<test::StepRecord>& got, const std::vector<test::StepRecord>& want) {
+  REQUIRE(got.size() == want.size());
+  REQUIRE(!got.empty());
+  const auto rel = [](double x, double y) { return std::abs(x - y) / std::max(std::abs(x), std::abs(y)); };
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("step " << got[i].step << ": loss " << got[i].loss << " vs " << want[i].loss << ", grad_norm "
+                 << got[i].grad_norm << " vs " << want[i].grad_norm);
+    CHECK(got[i].step == want[i].step);
+    CHECK(rel(got[i].loss, want[i].loss) <= kMetricTol);
+    CHECK(rel(got[i].grad_norm, want[i].grad_norm) <= kMetricTol);
+  }
+}
+
+json state_summary(const std::string& output) {
+  const auto at = output.find('{');
+  REQUIRE(at != std::string::npos);
+  return json::parse(output.substr(at, output.find('\n', at) - at));
+}
+
+// `state_compare.py compare A B`: the same parameters and moments, bitwise. Returns its summary.
+json require_same_state(const fs::path& a, const fs::path& b) {
+  const auto r = test::state_compare("compare " + a.string() + " " + b.string());
+  INFO("state_compare.py compare " << a << " " << b << ":\n" << r.output);
+  REQUIRE(r.code == 0);
+  const json s = state_summary(r.output);
+  CHECK(s.at("equal") == true);
+  CHECK(s.at("elements_compared").get<int64_t>() > 0);
+  return s;
+}
+
+constexpr int kSaved = 6;      // the re-sharded state's step
+constexpr int kContinue = 10;  // steps of the runs that go on from it
+// Dropout 0: the dropout masks of one rank x 4 rows and two ranks x 2 rows differ; the rest is the
+// same math at world 1 and 2.
+const std::string kReshard = kCommon + " --set model.n_layer=2 --set model.dropout=0.0" +
+                             fmt::format(" --set train.steps={} --set state.every={}", kContinue, kSaved);
+const std::string kWorld1 = " --set train.micro_batch=4 --set train.grad_accum=2";
+const std::string kWorld2 = " --set train.micro_batch=2 --set train.grad_accum=2";
+const std::string kSavedDir = fmt::format("state/step-{:08d}", kSaved);
+
+}  // namespace
+
+TEST_CASE("re-sharding: a world 2 / zero3 state resumed at world 1 holds the saved parameters exactly") {
+  test::TempDir dir("reshard-2to1");
+  // World 2 / zero3 to 10 steps, saving at 6 and 10: the saved state and the uninterrupted run.
+  const auto src = dir.path / "w2-zero3";
+  run_ok(2, kReshard + kWorld2 + " --set parallel.sharding=zero3" + dir_arg(src));
+  const auto saved = src / kSavedDir;
+  REQUIRE(fs::exists(saved / "rank-00001.safetensors"));
+
+  // Resumed at world 1 with train.steps = the saved step: nothing trains, and the state is saved again
+  // at world 1 (state.at_end) into another state.dir.
+  const auto again = dir.path / "w1-resaved";
+  run_ok(1, kReshard + kWorld1 + fmt::format(" --set train.steps={}", kSaved) + dir_arg(dir.path / "w1-load") +
+                " --set state.dir=" + again.string() + " --resume " + saved.string());
+  const auto resaved = again / fmt::format("step-{:08d}", kSaved);
+  const json s = require_same_state(saved, resaved);
+  CHECK(s["a"]["world_size"] == 2);
+  CHECK(s["a"]["ranged_tensors"].get<int64_t>() > 0);  // zero3: each rank wrote flat ranges
+  CHECK(s["b"]["world_size"] == 1);
+  CHECK(s["b"]["ranged_tensors"] == 0);
+
+  // Training continues from it at world 1 within the world-size tolerance of the world-2 run.
+  const auto cont = dir.path / "w1-continue";
+  run_ok(1, kReshard + kWorld1 + dir_arg(cont) + " --resume " + saved.string());
+  const auto got = records_after(cont / "metrics.jsonl", kSaved);
+  CHECK(got.size() == static_cast<size_t>(kContinue - kSaved));
+  CHECK(test::step_records(cont / "metrics.jsonl").size() == got.size());  // a fresh run dir: only the new steps
+  check_within_tolerance(got, records_after(src / "metrics.jsonl", kSaved));
+}
+
+TEST_CASE("re-sharding: a world 1 state resumed at world 2 under zero1, zero2, zero3 holds the saved parameters exactly") {
+  test::TempDir dir("reshard-1to2");
+  const auto src = dir.path / "w1";
+  run_ok(1, kReshard + kWorld1 + dir_arg(src));
+  const auto saved = src / kSavedDir;
+  const auto want = records_after(src / "metrics.jsonl", kSaved);
+  for (const std::string stage : {"zero1", "zero2", "zero3"}) {
+    INFO("parallel.sharding " << stage);
+    const std::string w2 = kReshard + kWorld2 + " --set parallel.sharding=" + stage;
+    const auto again = dir.path / (stage + "-resaved");
+    run_ok(2, w2 + fmt::format(" --set train.steps={}", kSaved) + dir_arg(dir.path / (stage + "-load")) +
+                  " --set state.dir=" + again.string() + " --resume " + saved.string());
+    const json s = require_same_state(saved, again / fmt::format("step-{:08d}", kSaved));
+    CHECK(s["a"]["world_size"] == 1);
+    CHECK(s["b"]["world_size"] == 2);
+    CHECK(s["b"]["sharding"] == stage);
+    CHECK(s["b"]["ranged_tensors"].get<int64_t>() > 0);  // each rank wrote its own shard
+
+    const auto cont = dir.path / (stage + "-continue");
+    run_ok(2, w2 + dir_arg(cont) + " --resume " + saved.string());
+    check_within_tolerance(records_after(cont / "metrics.jsonl", kSaved), want);
+  }
+}

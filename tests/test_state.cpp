@@ -1,0 +1,434 @@
+// Durable training state, the rules around resuming (the exactness under kill -9 and re-sharding is
+// tests/test_resume.cpp):
+//  - a recipe that changes the math is refused (exit 2) naming every changed key with its saved and
+//    new value, and leaves the run directory alone; keys that do not change the math may change;
+//  - a corrupt or truncated newest state is skipped by --resume auto (with a warning) and the run is
+//    still bitwise the uninterrupted one; --resume PATH of a corrupt state exits 2 naming the file;
+//    without `latest` the newest valid state is found;
+//  - a disk that fills up during a save stops the run with exit 7, names the system error and the
+//    intact earlier state, leaves no temporary directory, and that earlier state still loads;
+//  - SIGTERM / SIGINT finish the step, save (reason "signal") and exit 143 / 130; resuming is bitwise;
+//  - --resume auto on a fresh directory starts at step 0; on a finished run it trains nothing;
+//  - the files are plain safetensors: the reference package reads every tensor, meta.json's CRC-32 is
+//    zlib.crc32 of each file, and param/wte is bitwise the model.pt parameter.
+#include <sys/mount.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "catch.h"
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "test_util.h"
+
+using namespace sl;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kSteps = 12;
+// The tiny recipe at 2 layers (~0.1 s a step on one thread), fp32, dropout 0.1, accumulation 2.
+const std::string kArgs = fmt::format(
+    "--config configs/tiny.yaml --set model.n_layer=2 --set train.seq_len=64 --set train.micro_batch=4 "
+    "--set train.grad_accum=2 --set train.steps={} --set train.eval_interval=5 --set train.eval_batches=2 "
+    "--set model.dropout=0.1 --set logging.progress=false --set train.threads=1 --set logging.peak_tflops=1 "
+    "--set logging.interval=100",
+    kSteps);
+
+std::string dir_arg(const fs::path& run_dir) { return " --set logging.dir=" + run_dir.string(); }
+std::string step_name(int step) { return fmt::format("step-{:08d}", step); }
+bool has(const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; }
+
+test::Result run_ok(const std::string& args) {
+  auto r = test::trainer(args);
+  INFO(args << "\n" << r.output);
+  REQUIRE(r.code == 0);
+  return r;
+}
+
+uint32_t test_seed() {
+  static const uint32_t seed = [] {
+    if (const char* s = std::getenv("SUBLINEAR_TEST_SEED")) return static_cast<uint32_t>(std::stoul(s));
+    return std::random_device{}();
+  }();
+  return seed;
+}
+int random_in(int lo, int hi) {
+  static std::mt19937 g(test_seed());
+  return std::uniform_int_distribution<int>(lo, hi)(g);
+}
+
+// The uninterrupted run of kArgs that never saves a state (made once per test executable).
+// Its step records and evals.
+const test::RunTrace& reference() {
+  static test::TempDir dir("state-ref");
+  static const test::RunTrace t = [] {
+    run_ok(kArgs + " --set state.every=0 --set state.at_end=false" + dir_arg(dir.path / "run"));
+    CHECK_FALSE(fs::exists(dir.path / "run" / "state"));
+    return test::trace(dir.path / "run" / "metrics.jsonl");
+  }();
+  REQUIRE(t.steps.size() == static_cast<size_t>(kSteps));
+  REQUIRE(t.evals.size() == 3);  // steps 5, 10 and the end
+  return t;
+}
+
+std::vector<std::string> names_in(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Offset of the first tensor byte of a safetensors file (8-byte header length, then the header).
+uint64_t data_offset(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  unsigned char b[8] = {};
+  in.read(reinterpret_cast<char*>(b), 8);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | b[i];
+  return 8 + n;
+}
+
+void flip_byte(const fs::path& file, uint64_t at) {
+  std::fstream f(file, std::ios::binary | std::ios::in | std::ios::out);
+  f.seekg(static_cast<std::streamoff>(at));
+  char c = 0;
+  f.get(c);
+  f.seekp(static_cast<std::streamoff>(at));
+  f.put(static_cast<char>(c ^ 0x01));
+}
+
+}  // namespace
+
+TEST_CASE("--resume refuses a recipe that changes the math, naming each key; other keys may change") {
+  test::TempDir dir("state-recipe");
+  const auto run = dir.path / "run";
+  run_ok(kArgs + dir_arg(run));  // saves at the end (step 12)
+  const auto saved = run / "state" / step_name(kSteps);
+  REQUIRE(fs::exists(saved / "meta.json"));
+  const std::string metrics_before = test::read_text(run / "metrics.jsonl");
+  const auto state_before = names_in(run / "state");
+
+  struct Refusal {
+    std::string sets;
+    std::vector<std::string> named;  // "key (saved X, now Y)", values as JSON
+  };
+  const std::vector<Refusal> refusals = {
+      {"--set model.n_embd=64", {"model.n_embd (saved 128, now 64)"}},
+      {"--set train.seq_len=32", {"train.seq_len (saved 64, now 32)"}},
+      {"--set train.seed=7", {"train.seed (saved 1337, now 7)"}},
+      {"--set precision.compute=bf16", {"precision.compute (saved \"fp32\", now \"bf16\")"}},
+      {"--set train.micro_batch=8", {"train.global_batch (saved 8, now 16)"}},  // 8 x 2 x 1 rank
+      {"--set model.dropout=0.0", {"model.dropout (saved 0.1, now 0.0)"}},
+      // Several keys at once: every one is named.
+      {"--set train.seed=7 --set train.lr=0.01 --set model.n_layer=3",
+       {"train.seed (saved 1337, now 7)", "train.lr (saved 0.003, now 0.01)", "model.n_layer (saved 2, now 3)"}},
+  };
+  for (const auto& ref : refusals) {
+    for (const std::string& resume : {std::string("auto"), saved.string()}) {
+      const auto r = test::trainer(kArgs + " " + ref.sets + dir_arg(run) + " --resume " + resume);
+      INFO(ref.sets << " --resume " << resume << "\n" << r.output);
+      CHECK(r.code == 2);
+      for (const auto& n : ref.named) CHECK(has(r.output, n));
+      if (resume != "auto") break;  // PATH once is enough (the same check)
+    }
+  }
+  // A refused resume leaves the run directory alone.
+  CHECK(test::read_text(run / "metrics.jsonl") == metrics_before);
+  CHECK(names_in(run / "state") == state_before);
+
+  // Keys that do not change the math: each resumes (into its own run directory).
+  const std::vector<std::string> allowed = {
+      "--set train.steps=14",  // extends the run by two steps
+      "--set logging.interval=3",
+      "--set train.eval_interval=4",
+      "--set state.every=1",
+      "--set state.keep=5",
+      "--set train.micro_batch=2 --set train.grad_accum=4",  // the same global batch
+      "--set checkpointing.mode=full",
+  };
+  int n = 0;
+  for (const auto& sets : allowed) {
+    const auto to = dir.path / fmt::format("allowed{}", n++);
+    const auto r = test::trainer(kArgs + " " + sets + dir_arg(to) + " --resume " + saved.string());
+    INFO(sets << "\n" << r.output);
+    CHECK(r.code == 0);
+    const auto resumes = test::events(to / "metrics.jsonl", "resume");
+    REQUIRE(resumes.size() == 1);
+    CHECK(resumes[0]["step"] == kSteps);
+    const auto recs = test::step_records(to / "metrics.jsonl");
+    if (has(sets, "train.steps=14")) {
+      REQUIRE(recs.size() == 2);
+      CHECK(recs[0].step == 13);
+      CHECK(recs[1].step == 14);
+    } else {
+      CHECK(recs.empty());
+    }
+  }
+}
+
+TEST_CASE("a corrupt or truncated newest state is skipped by --resume auto; --resume PATH of it exits 2") {
+  const auto& want = reference();
+  test::TempDir dir("state-corrupt");
+  const auto run = dir.path / "run";
+  const std::string args = kArgs + " --set state.every=4" + dir_arg(run);  // keeps steps 8 and 12
+  run_ok(args);
+  const auto root = run / "state";
+  CHECK(names_in(root) == std::vector<std::string>{"latest", step_name(8), step_name(12)});
+  CHECK(test::read_text(root / "latest") == step_name(12) + "\n");
+  // The saves did not perturb the run: bitwise the run that never saved.
+  CHECK(test::trace_diff(test::trace(run / "metrics.jsonl"), want) == "");
+  const auto newest = root / step_name(12) / "rank-00000.safetensors";
+  const auto size = fs::file_size(newest);
+
+  // Resumes with --resume auto from step 8 (the newest is unusable): warns, retrains 9..12 bitwise.
+  auto resume_auto_from_8 = [&](const std::string& why) {
+    const auto r = run_ok(args + " --resume auto");
+    INFO(r.output);
+    CHECK(has(r.output, "skipping state " + (root / step_name(12)).string()));
+    CHECK(has(r.output, why));
+    const auto resumes = test::events(run / "metrics.jsonl", "resume");
+    REQUIRE(!resumes.empty());
+    CHECK(resumes.back()["step"] == 8);
+    CHECK(test::trace_diff(test::trace(run / "metrics.jsonl"), want) == "");
+    // Step 12 was saved again, whole.
+    CHECK(fs::file_size(newest) == size);
+    CHECK(test::read_text(root / "latest") == step_name(12) + "\n");
+  };
+  // --resume PATH of the broken state (a step directory or the state root whose `latest` names it).
+  auto resume_path_fails = [&](const fs::path& path, const std::string& why) {
+    const auto r = test::trainer(args + " --resume " + path.string());
+    INFO(r.output);
+    CHECK(r.code == 2);
+    CHECK(has(r.output, newest.string()));
+    CHECK(has(r.output, why));
+  };
+
+  SECTION("one flipped byte in the tensor data") {
+    flip_byte(newest, data_offset(newest) + 1000);
+    resume_path_fails(root / step_name(12), "CRC-32");
+    resume_path_fails(root, "CRC-32");
+    resume_path_fails(run, "CRC-32");
+    resume_auto_from_8("CRC-32");
+  }
+  SECTION("a truncated rank file") {
+    fs::resize_file(newest, size / 2);
+    resume_path_fails(root / step_name(12), "truncated");
+    resume_auto_from_8("truncated");
+  }
+  SECTION("a missing rank file") {
+    fs::remove(newest);
+    resume_path_fails(root / step_name(12), "missing");
+    resume_auto_from_8("missing");
+  }
+  SECTION("no `latest`: --resume auto still takes the newest valid state") {
+    fs::remove(root / "latest");
+    const auto r = run_ok(args + " --resume auto");
+    const auto resumes = test::events(run / "metrics.jsonl", "resume");
+    REQUIRE(resumes.size() == 1);
+    CHECK(resumes[0]["step"] == 12);
+    CHECK(test::trace_diff(test::trace(run / "metrics.jsonl"), want) == "");
+    // And with the newest corrupt as well: step 8, bitwise.
+    fs::remove(root / "latest");
+    flip_byte(newest, data_offset(newest) + 4);
+    resume_auto_from_8("CRC-32");
+  }
+  SECTION("every state unusable: --resume auto refuses (exit 2) instead of starting over") {
+    const std::string before = test::read_text(run / "metrics.jsonl");
+    flip_byte(newest, data_offset(newest) + 1000);
+    fs::remove(root / step_name(8) / "meta.json");
+    const auto r = test::trainer(args + " --resume auto");
+    INFO(r.output);
+    CHECK(r.code == 2);
+    CHECK(has(r.output, "none of the 2 states under " + root.string() + " is usable"));
+    CHECK(test::read_text(run / "metrics.jsonl") == before);  // the logs are untouched
+  }
+}
+
+TEST_CASE("a disk that fills up during a save: exit 7, the earlier state intact and loadable, no temporary left") {
+  test::TempDir dir("state-full");
+  // The size of one state of this recipe.
+  const auto probe = dir.path / "probe";
+  run_ok(kArgs + " --set train.steps=1" + dir_arg(probe));
+  const auto saved = test::events(probe / "metrics.jsonl", "state_saved");
+  REQUIRE(saved.size() == 1);
+  const int64_t bytes = saved[0]["bytes"].get<int64_t>();
+  REQUIRE(bytes > 1000000);
+  // Room for two states and a half: the saves of steps 2 and 4 fit; at step 6 the states of 2 and 4
+  // are still there (state.keep 2 prunes after a save completes) and the third cannot be written.
+  test::TmpfsMount mnt(dir.path / "mnt", std::to_string(2 * bytes + bytes / 2 + (64 << 10)));
+  if (!mnt.mounted) {
+    const std::string why = "cannot mount a tmpfs (" + mnt.error + "; needs root with CAP_SYS_ADMIN): disk-full case not run";
+    SUBLINEAR_SKIP(why);
+  }
+  const auto run = dir.path / "run";
+  const std::string args = kArgs + " --set state.every=2 --set state.dir=" + mnt.dir.string();
+  const auto r = test::trainer(args + dir_arg(run));
+  INFO(r.output);
+  CHECK(r.code == 7);
+  CHECK(has(r.output, "saving the training state after step 6 failed"));
+  CHECK(has(r.output, "No space left on device"));
+  CHECK(has(r.output, "The state of step 4 is intact"));
+  // No temporary directory left; the earlier states and `latest` as they were.
+  CHECK(names_in(mnt.dir) == std::vector<std::string>{"latest", step_name(2), step_name(4)});
+  CHECK(test::read_text(mnt.dir / "latest") == step_name(4) + "\n");
+  const auto summary = json::parse(test::read_text(run / "summary.json"));
+  CHECK(summary["exit_status"]["code"] == 7);
+  // The log stops at step 6; the failed save is not recorded as saved.
+  const auto recs = test::step_records(run / "metrics.jsonl");
+  REQUIRE(!recs.empty());
+  CHECK(recs.back().step == 6);
+  for (const auto& e : test::events(run / "metrics.jsonl", "state_saved")) CHECK(e["step"].get<int64_t>() <= 4);
+
+  // The intact state loads (its checks pass and the model takes it) with train.steps = its step.
+  const auto step4 = mnt.dir / step_name(4);
+  const auto again = test::trainer(kArgs + " --set train.steps=4" + dir_arg(dir.path / "reload") + " --resume " +
+                                   step4.string());
+  INFO(again.output);
+  CHECK(again.code == 0);
+  const auto resumes = test::events(dir.path / "reload" / "metrics.jsonl", "resume");
+  REQUIRE(resumes.size() == 1);
+  CHECK(resumes[0]["step"] == 4);
+  // And the reference reader agrees it is whole.
+  const auto check = test::state_compare("check " + step4.string());
+  INFO(check.output);
+  CHECK(check.code == 0);
+}
+
+TEST_CASE("SIGTERM and SIGINT: the step finishes, the state is saved, exit 143 / 130; resuming is bitwise") {
+  INFO("seed " << test_seed() << " (SUBLINEAR_TEST_SEED replays it)");
+  const auto& want = reference();
+  test::TempDir dir("state-signal");
+  for (const auto& [sig, code] : {std::pair{SIGTERM, 143}, std::pair{SIGINT, 130}}) {
+    INFO("signal " << sig);
+    const auto run = dir.path / fmt::format("run{}", sig);
+    const std::string args = kArgs + dir_arg(run);  // state.every 0: a state only on the signal (or at the end)
+    const int k = random_in(2, kSteps - 2);
+    INFO("signal after " << k << " step records");
+    {
+      auto p = test::trainer_background(args, dir.path / fmt::format("run{}.log", sig));
+      REQUIRE(p->running());
+      REQUIRE(test::poll_until([&] { return test::step_records_now(run / "metrics.jsonl") >= static_cast<size_t>(k) || p->exited(); },
+                               std::chrono::seconds(120)));
+      p->signal(sig);
+      const int rc = p->wait();
+      INFO(p->output());
+      CHECK(rc == code);
+      CHECK(has(p->output(), "state saved (signal)"));
+    }
+    const auto recs = test::step_records(run / "metrics.jsonl");
+    REQUIRE(!recs.empty());
+    CHECK(recs.size() < static_cast<size_t>(kSteps));  // stopped early
+    const auto saved = test::events(run / "metrics.jsonl", "state_saved");
+    REQUIRE(saved.size() == 1);
+    CHECK(saved[0]["reason"] == "signal");
+    CHECK(saved[0]["step"] == recs.back().step);  // the last finished step
+    CHECK(json::parse(test::read_text(run / "summary.json"))["exit_status"]["code"] == code);
+
+    run_ok(args + " --resume auto");
+    const auto resumes = test::events(run / "metrics.jsonl", "resume");
+    REQUIRE(resumes.size() == 1);
+    CHECK(resumes[0]["step"] == recs.back().step);
+    CHECK(test::trace_diff(test::trace(run / "metrics.jsonl"), want) == "");
+  }
+}
+
+TEST_CASE("--resume auto: a fresh directory starts at step 0, a finished run trains nothing") {
+  const auto& want = reference();
+  test::TempDir dir("state-fresh");
+  const auto run = dir.path / "run";
+  const auto first = run_ok(kArgs + dir_arg(run) + " --resume auto");
+  CHECK(has(first.output, "no saved state"));
+  CHECK(test::events(run / "metrics.jsonl", "resume").empty());
+  CHECK(test::trace_diff(test::trace(run / "metrics.jsonl"), want) == "");
+  const auto saves = test::events(run / "metrics.jsonl", "state_saved");
+  REQUIRE(saves.size() == 1);
+  CHECK(saves[0]["reason"] == "end");
+  CHECK(saves[0]["step"] == kSteps);
+
+  const auto again = run_ok(kArgs + dir_arg(run) + " --resume auto");
+  const auto resumes = test::events(run / "metrics.jsonl", "resume");
+  REQUIRE(resumes.size() == 1);
+  CHECK(resumes[0]["step"] == kSteps);
+  CHECK(test::trace_diff(test::trace(run / "metrics.jsonl"), want) == "");  // no new step records
+  CHECK(test::events(run / "metrics.jsonl", "state_saved").size() == 1);            // nothing saved again
+  CHECK(names_in(run / "state") == std::vector<std::string>{"latest", step_name(kSteps)});
+}
+
+// README: "No state at all: the run starts at step 0, so the same command line serves the first launch
+// and every restart." A run killed before its first save leaves metrics.jsonl but no state.
+TEST_CASE("--resume auto after a kill before the first save starts again at step 0") {
+  INFO("seed " << test_seed() << " (SUBLINEAR_TEST_SEED replays it)");
+  const auto& want = reference();
+  test::TempDir dir("state-early-kill");
+  const auto run = dir.path / "run";
+  const std::string args = kArgs + dir_arg(run);  // state.every 0: the only save would be at the end
+  const int k = random_in(2, kSteps - 2);
+  {
+    auto p = test::trainer_background(args, dir.path / "killed.log");
+    REQUIRE(test::poll_until([&] { return test::step_records_now(run / "metrics.jsonl") >= static_cast<size_t>(k) || p->exited(); },
+                             std::chrono::seconds(120)));
+    p->signal(SIGKILL);
+    p->wait();
+    REQUIRE(p->killed_by(SIGKILL));
+  }
+  REQUIRE_FALSE(fs::exists(run / "state" / "latest"));
+  const auto r = test::trainer(args + " --resume auto");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK(test::trace_diff(test::trace(run / "metrics.jsonl"), want) == "");
+}
+
+TEST_CASE("the state files are plain safetensors: the reference package reads them, CRC-32 is zlib's") {
+  test::TempDir dir("state-interop");
+  const auto run = dir.path / "run";
+  run_ok(kArgs + " --set logging.save_model=true" + dir_arg(run));
+  const auto state = run / "state" / step_name(kSteps);
+  const auto meta = json::parse(test::read_text(state / "meta.json"));
+  CHECK(meta["step"] == kSteps);
+  CHECK(meta["world_size"] == 1);
+  CHECK(meta["sharding"] == "none");
+  CHECK(meta["math_hash"].get<std::string>().size() == 8);
+  CHECK(meta["recipe"]["model"]["n_layer"] == 2);
+  CHECK(meta["math"]["train.global_batch"] == 8);
+
+  const auto r = test::state_compare("check " + state.string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const auto summary = json::parse(r.output.substr(r.output.find('{')));
+  // meta.json's bytes and crc32 are the file's size and zlib.crc32 (the script computed them).
+  REQUIRE(summary["files"].size() == 1);
+  CHECK(summary["files"][0]["name"] == "rank-00000.safetensors");
+  CHECK(summary["files"][0]["crc32"] == meta["files"][0]["crc32"]);
+  CHECK(summary["files"][0]["bytes"] == meta["files"][0]["bytes"]);
+  CHECK(summary["files"][0]["bytes"].get<int64_t>() == static_cast<int64_t>(fs::file_size(state / "rank-00000.safetensors")));
+  // Every parameter whole, with both moments, and the RNG.
+  const size_t params = summary["params"].size();
+  CHECK(params == 28);  // 2 blocks x 12 + wte, wpe, lnf_w, lnf_b
+  CHECK(summary["whole_tensors"] == 3 * params);
+  CHECK(summary["ranged_tensors"] == 0);
+  CHECK(summary["tensors"] == 3 * params + 1);
+  CHECK(summary["rng"] == json::array({"rank-00000.safetensors:rng/cpu"}));
+
+  // param/wte, read by the reference package, is bitwise the final parameter in model.pt.
+  const auto raw = dir.path / "wte.f32";
+  const auto d = test::state_compare("dump " + state.string() + " param/wte " + raw.string());
+  INFO(d.output);
+  REQUIRE(d.code == 0);
+  torch::serialize::InputArchive archive;
+  archive.load_from((run / "model.pt").string());
+  torch::Tensor wte;
+  archive.read("wte", wte);
+  wte = wte.contiguous().to(torch::kFloat32);
+  const std::string bytes = test::read_text(raw);
+  REQUIRE(bytes.size() == static_cast<size_t>(wte.numel()) * 4);
+  CHECK(std::memcmp(bytes.data(), wte.data_ptr<float>(), bytes.size()) == 0);
+}
