@@ -11,6 +11,7 @@ FROM nvidia/cuda:13.0.0-devel-ubuntu24.04
 ARG TORCH_VERSION=2.11.0
 ARG MATPLOTLIB_VERSION=3.11.2
 ARG SAFETENSORS_VERSION=0.8.0
+ARG TRANSFORMERS_VERSION=5.23.0
 ENV DEBIAN_FRONTEND=noninteractive \
     SUBLINEAR_HOME=/opt/sublinear \
     TORCH_CUDA_ARCH_LIST=9.0 \
@@ -28,7 +29,8 @@ RUN apt-get update \
 # PEP 668 marker (externally managed system Python) does not apply.
 RUN python3 -m venv "$SUBLINEAR_HOME/venv" \
  && "$SUBLINEAR_HOME/venv/bin/python" -m pip install --quiet --no-cache-dir \
-      "torch==$TORCH_VERSION" "matplotlib==$MATPLOTLIB_VERSION" "safetensors==$SAFETENSORS_VERSION"
+      "torch==$TORCH_VERSION" "matplotlib==$MATPLOTLIB_VERSION" "safetensors==$SAFETENSORS_VERSION" \
+      "transformers==$TRANSFORMERS_VERSION"
 
 WORKDIR /src/sublinear
 COPY . .

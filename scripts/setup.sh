@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # setup.sh: install what sublinear needs and build it into build/ (idempotent).
 #   1. Debian packages (apt-get, only when some are missing),
-#   2. LibTorch from the PyPI torch wheel (and matplotlib, for scripts/plot.py; safetensors, the
-#      reference the safetensors test checks against) in a venv at
+#   2. LibTorch from the PyPI torch wheel (and matplotlib, for scripts/plot.py; safetensors and
+#      transformers, the references the safetensors and hf tests check against) in a venv at
 #      ${SUBLINEAR_HOME:-~/.cache/sublinear}/venv,
 #   3. CMake configure (Ninja, Release; -DSUBLINEAR_WERROR=ON when CI=true) and build.
 # Cost: first run downloads the CUDA torch wheel with its nvidia-* deps (~4.6 GB, ~70 s on a
@@ -12,6 +12,7 @@ set -euo pipefail
 TORCH_VERSION=2.11.0   # the one place the LibTorch version is pinned
 MATPLOTLIB_VERSION=3.11.2  # scripts/plot.py draws the sweep figures with it
 SAFETENSORS_VERSION=0.8.0  # the reference implementation tests/test_safetensors.cpp checks files against
+TRANSFORMERS_VERSION=5.23.0  # the reference GPT-2 / LLaMA tests/test_hf.cpp checks the model and its export against
 PACKAGES=(cmake ninja-build g++ ccache libgloo-dev libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
           nlohmann-json3-dev catch2 python3-venv zlib1g-dev)
 
@@ -64,6 +65,13 @@ if "$PY" -c "import safetensors, sys; sys.exit(safetensors.__version__ != '$SAFE
 else
   say "pip install safetensors==$SAFETENSORS_VERSION"
   "$PY" -m pip install --quiet "safetensors==$SAFETENSORS_VERSION"
+fi
+
+if "$PY" -c "import transformers, sys; sys.exit(transformers.__version__ != '$TRANSFORMERS_VERSION')" 2>/dev/null; then
+  say "transformers $TRANSFORMERS_VERSION present"
+else
+  say "pip install transformers==$TRANSFORMERS_VERSION"
+  "$PY" -m pip install --quiet "transformers==$TRANSFORMERS_VERSION"
 fi
 
 # The wheel's CMake config looks for a CUDA toolkit and an architecture list.

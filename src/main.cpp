@@ -14,10 +14,24 @@
 
 #include "config/config.h"
 #include "errors.h"
+#include "interop/export.h"
 #include "log/metrics.h"
 #include "memory/planner.h"
 #include "memory/tracking_allocator.h"
 #include "train/trainer.h"
+
+namespace {
+
+int run_export(const sl::interop::ExportRequest& req) {
+  sl::memory::TrackingCPUAllocator::install();  // to report the export's peak tensor memory
+  const auto r = sl::interop::export_run(req);
+  fmt::print("exported step {} from {} -> {} ({}; peak tensor memory {}, peak_tensor_bytes={})\n", r.step, r.source,
+             r.file.string(), sl::log::format_bytes(r.bytes), sl::log::format_bytes(r.peak_tensor_bytes),
+             r.peak_tensor_bytes);
+  return sl::kExitOk;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"sublinear trainer: trains a GPT-style model from a YAML recipe (see README)"};
@@ -49,6 +63,14 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--world-size", plan_world, "ranks to plan for (per-rank memory under parallel.sharding; "
                                                    "default: WORLD_SIZE or 1)")->check(CLI::PositiveNumber);
 
+  auto* export_cmd = app.add_subcommand("export", "write a run's newest weights as a Hugging Face checkpoint "
+                                                  "(model.safetensors + config.json)");
+  sl::interop::ExportRequest export_req;
+  export_cmd->add_option("--run", export_req.run, "the run directory (its config.json, state/ and model/)")->required();
+  export_cmd->add_option("--out", export_req.out, "a directory, or a .safetensors file with config.json beside it "
+                                                  "(default: <run>/hf-step-NNNNNNNN/)");
+  export_cmd->add_option("--dtype", export_req.dtype, "fp32 (default) or bf16 (for inference tools)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -68,6 +90,7 @@ int main(int argc, char** argv) {
   ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
   ::mallopt(M_TRIM_THRESHOLD, 1 << 30);
   try {
+    if (export_cmd->parsed()) return run_export(export_req);
     if (config_path.empty())
       throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
     auto cfg = sl::config::load(config_path, overrides);

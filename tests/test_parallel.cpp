@@ -29,6 +29,7 @@
 
 #include "config/config.h"
 #include "errors.h"
+#include "interop/hf.h"
 #include "memory/planner.h"
 #include "model/gpt.h"
 #include "test_util.h"
@@ -72,14 +73,16 @@ logging:
   save_model: true
 )";
 
-std::map<std::string, torch::Tensor> load_params(const std::filesystem::path& file) {
-  torch::serialize::InputArchive archive;
-  archive.load_from(file.string());
+// A run's final weights (<run>/model/, Hugging Face layout), read back under this project's parameter names.
+std::map<std::string, torch::Tensor> load_params(const std::filesystem::path& run_dir) {
+  const auto cfg = config::load((run_dir / "config.json").string(), {"train.global_batch=0"});
+  const interop::HfCheckpoint ckpt(run_dir / "model", cfg.model);
+  model::GPT shapes(cfg.model, torch::kMeta);
   std::map<std::string, torch::Tensor> out;
-  for (const auto& key : archive.keys()) {
-    torch::Tensor t;
-    archive.read(key, t);
-    out[key] = t;
+  for (const auto& item : shapes->named_parameters()) {
+    auto t = torch::empty(item.value().sizes());
+    ckpt.read(item.key(), 0, t.numel(), t.view({-1}));
+    out[item.key()] = t;
   }
   return out;
 }
@@ -193,15 +196,15 @@ TEST_CASE("world 2 x micro 4 = world 1 x micro 8 = world 1 x 4 x accum 2 after 1
   const auto w2 = run.train(2, stage_sets("none"));  // micro-batch 4 (the recipe's)
   const auto w1 = run.train(1, kW1x8);
   const auto acc = run.train(1, kW1x4Accum2);
-  const auto p2 = load_params(w2 / "model.pt"), p1 = load_params(w1 / "model.pt"), pa = load_params(acc / "model.pt");
+  const auto p2 = load_params(w2), p1 = load_params(w1), pa = load_params(acc);
   CHECK(max_abs_diff(p2, p1) <= 1e-5);
   CHECK(max_abs_diff(p2, pa) <= 1e-5);
   // One process may shard too (one shard holds everything): same parameters as without the engine.
-  CHECK(max_abs_diff(p1, load_params(run.train(1, kW1x8 + " --set parallel.sharding=zero3") / "model.pt")) <= 1e-5);
+  CHECK(max_abs_diff(p1, load_params(run.train(1, kW1x8 + " --set parallel.sharding=zero3"))) <= 1e-5);
 
   // The comparison can fail: half the data (world 1 x 4) ends elsewhere, and training moved the weights.
   const auto half = run.train(1, "--set train.micro_batch=4");  // shared with the loss and grad_norm test
-  CHECK(max_abs_diff(p2, load_params(half / "model.pt")) > 1e-4);
+  CHECK(max_abs_diff(p2, load_params(half)) > 1e-4);
   auto cfg = config::load(run.recipe, {});
   torch::manual_seed(static_cast<uint64_t>(cfg.train.seed));
   model::GPT init(cfg.model, torch::kCPU);
@@ -218,11 +221,11 @@ TEST_CASE("world 2 x micro 4 = world 1 x micro 8 = world 1 x 4 x accum 2 after 1
 
 TEST_CASE("buckets launch during backward, and accumulation reduces once per step (zero2/3: per micro-batch)") {
   Runner& run = shared_runner();
-  const auto w1 = load_params(run.train(1, kW1x8) / "model.pt");
+  const auto w1 = load_params(run.train(1, kW1x8));
   for (const std::string stage : {"none", "zero1", "zero2", "zero3"}) {
     INFO(stage);
     const auto dir = run.train(2, accum_sets(stage));
-    CHECK(max_abs_diff(w1, load_params(dir / "model.pt")) <= 1e-5);
+    CHECK(max_abs_diff(w1, load_params(dir)) <= 1e-5);
     const auto s = summary(dir);
     CHECK(s["parallel"]["groups"].get<int>() >= (stage == "zero3" ? 6 : 4));  // 0.05 MiB buckets / per-unit groups
     // Every group's collective started from a gradient hook while backward was still running.
@@ -266,7 +269,7 @@ TEST_CASE("every sharding stage at world 2 has world 1's loss and grad_norm at e
 
 TEST_CASE("zero1/2/3 match DDP with every checkpointing mode, and per-rank memory is within the ZeRO formulas") {
   Runner& run = shared_runner();
-  const auto ref = load_params(run.train(2, stage_sets("none")) / "model.pt");
+  const auto ref = load_params(run.train(2, stage_sets("none")));
   const std::vector<std::string> modes = {  // modes[0] makes stage_sets(stage)
       "--set checkpointing.mode=none",
       "--set checkpointing.mode=full",
@@ -279,7 +282,7 @@ TEST_CASE("zero1/2/3 match DDP with every checkpointing mode, and per-rank memor
     for (const auto& mode : modes) {
       INFO(stage << " " << mode);
       const auto dir = run.train(2, "--set parallel.sharding=" + stage + " " + mode);
-      CHECK(max_abs_diff(ref, load_params(dir / "model.pt")) <= 1e-5);
+      CHECK(max_abs_diff(ref, load_params(dir)) <= 1e-5);
       if (stage == "zero3") {
         // A recomputed block is gathered once more (for its recompute) than a kept one: forward,
         // [recompute,] backward. 4 blocks, skip_last: full recomputes 3, interval 2 / sqrt (k 2) 2.
@@ -327,10 +330,10 @@ TEST_CASE("sharded bf16 and fp16 match DDP in the same precision") {
   Runner run;
   for (const std::string prec : {"bf16", "fp16"}) {
     const std::string common = "--set precision.compute=" + prec + " --set checkpointing.mode=full";
-    const auto ref = load_params(run.train(2, common) / "model.pt");
+    const auto ref = load_params(run.train(2, common));
     for (const std::string stage : {"zero1", "zero2", "zero3"}) {
       INFO(prec << " " << stage);
-      CHECK(max_abs_diff(ref, load_params(run.train(2, common + " --set parallel.sharding=" + stage) / "model.pt")) <= 1e-5);
+      CHECK(max_abs_diff(ref, load_params(run.train(2, common + " --set parallel.sharding=" + stage))) <= 1e-5);
     }
   }
 }

@@ -10,7 +10,7 @@
 //  - SIGTERM / SIGINT finish the step, save (reason "signal") and exit 143 / 130; resuming is bitwise;
 //  - --resume auto on a fresh directory starts at step 0; on a finished run it trains nothing;
 //  - the files are plain safetensors: the reference package reads every tensor, meta.json's CRC-32 is
-//    zlib.crc32 of each file, and param/wte is bitwise the model.pt parameter.
+//    zlib.crc32 of each file, and param/wte is bitwise the final weights' (model/model.safetensors).
 #include <sys/mount.h>
 
 #include <cerrno>
@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "state/safetensors.h"
 #include "test_util.h"
 
 using namespace sl;
@@ -418,16 +419,13 @@ TEST_CASE("the state files are plain safetensors: the reference package reads th
   CHECK(summary["tensors"] == 3 * params + 1);
   CHECK(summary["rng"] == json::array({"rank-00000.safetensors:rng/cpu"}));
 
-  // param/wte, read by the reference package, is bitwise the final parameter in model.pt.
+  // param/wte, read by the reference package, is bitwise the final parameter in model/model.safetensors.
   const auto raw = dir.path / "wte.f32";
   const auto d = test::state_compare("dump " + state.string() + " param/wte " + raw.string());
   INFO(d.output);
   REQUIRE(d.code == 0);
-  torch::serialize::InputArchive archive;
-  archive.load_from((run / "model.pt").string());
-  torch::Tensor wte;
-  archive.read("wte", wte);
-  wte = wte.contiguous().to(torch::kFloat32);
+  const state::SafetensorsFile final_weights(run / "model" / "model.safetensors");
+  const torch::Tensor wte = final_weights.view("transformer.wte.weight").contiguous();
   const std::string bytes = test::read_text(raw);
   REQUIRE(bytes.size() == static_cast<size_t>(wte.numel()) * 4);
   CHECK(std::memcmp(bytes.data(), wte.data_ptr<float>(), bytes.size()) == 0);

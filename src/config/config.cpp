@@ -108,6 +108,7 @@ const std::vector<Field>& fields() {
       field(&R::model, &M::norm_eps, "model", "norm_eps", "epsilon of LayerNorm / RMSNorm"),
       field(&R::model, &M::rope_theta, "model", "rope_theta", "RoPE base frequency (llama)"),
       field(&R::model, &M::init_std, "model", "init_std", "init std of weights; residual projections use init_std/sqrt(2L)"),
+      field(&R::model, &M::init_from, "model", "init_from", "start from Hugging Face weights: a model.safetensors (GPT2LMHeadModel / LlamaForCausalLM names) or a directory holding one; its config.json, when beside it, is checked against the recipe; \"\" = random init"),
 
       field(&R::data, &D::source, "data", "source", "bin (llm.c/nanoGPT uint16 token shard) | text (UTF-8, one token per byte) | synthetic"),
       field(&R::data, &D::path, "data", "path", "training file (bin or text), relative to the working directory"),

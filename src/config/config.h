@@ -26,6 +26,7 @@ struct ModelConfig {
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
   double init_std = 0.02;
+  std::string init_from = "";  // Hugging Face safetensors weights to start from (src/interop/hf.h)
 };
 
 struct DataConfig {

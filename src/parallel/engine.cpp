@@ -375,6 +375,14 @@ void Engine::release_all() {
   for (auto& g : groups_) release_group(*g);
 }
 
+void Engine::gather_unit(int64_t unit) {
+  if (sharding_ == "zero3") gather(unit);
+}
+
+void Engine::release_unit(int64_t unit) {
+  if (sharding_ == "zero3") release(unit);
+}
+
 int64_t Engine::take_transient_peak() {
   const int64_t p = transient_peak_;
   transient_peak_ = transient_;

@@ -85,6 +85,10 @@ class Engine {
   // frees them again. No-ops for the other stages.
   void gather_all();
   void release_all();
+  // zero3: the same for one unit (model::kEmbeddingUnit, block_unit(l), head_unit), so the model can be
+  // read unit by unit (final weights) while holding at most one gathered unit. No-ops otherwise.
+  void gather_unit(int64_t unit);
+  void release_unit(int64_t unit);
   // Largest transient bytes seen (gathered parameters and not-yet-reduced gradients), and reset.
   int64_t take_transient_peak();
   int64_t largest_unit_bytes() const;  // the largest group's parameter bytes

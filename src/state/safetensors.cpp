@@ -52,6 +52,8 @@ std::optional<at::ScalarType> dtype_from_name(const std::string& name) {
   return std::nullopt;
 }
 
+}  // namespace
+
 // A file written as <path>.tmp and renamed over <path> by commit(). Every failure removes the
 // temporary and throws IoError naming <path>; so does destruction before commit() (without throwing).
 class AtomicFile {
@@ -110,38 +112,28 @@ class AtomicFile {
   FileDigest digest_;
 };
 
-// Checks the arguments of write_safetensors; returns the tensors, contiguous, in the given order.
+namespace {
+
+// Checks the tensors of write_safetensors; returns them contiguous, in the given order.
 std::vector<at::Tensor> prepare_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
   std::vector<at::Tensor> out;
-  std::vector<std::string> names;
   for (const auto& [name, t] : tensors) {
-    if (name == "__metadata__") throw std::invalid_argument("write_safetensors: the name __metadata__ is reserved");
     if (!t.defined()) throw std::invalid_argument(fmt::format("write_safetensors: tensor {} is undefined", name));
     if (!t.device().is_cpu() || t.layout() != at::kStrided)
       throw std::invalid_argument(fmt::format("write_safetensors: tensor {} is not a dense CPU tensor", name));
-    if (!dtype_name(t.scalar_type()))
-      throw std::invalid_argument(
-          fmt::format("write_safetensors: tensor {} has unsupported dtype {}", name, c10::toString(t.scalar_type())));
-    names.push_back(name);
     out.push_back(t.contiguous());
   }
-  std::sort(names.begin(), names.end());
-  if (auto dup = std::adjacent_find(names.begin(), names.end()); dup != names.end())
-    throw std::invalid_argument(fmt::format("write_safetensors: tensor name {} appears twice", *dup));
   return out;
 }
 
 // The header JSON padded with spaces to a multiple of 8 bytes; offsets follow the given order.
-std::string build_header(const std::vector<std::pair<std::string, at::Tensor>>& named,
-                         const std::vector<at::Tensor>& data, const std::map<std::string, std::string>& metadata) {
+std::string build_header(const std::vector<SafetensorsWriter::Spec>& specs, const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json h = nlohmann::ordered_json::object();
   if (!metadata.empty()) h["__metadata__"] = metadata;
   int64_t offset = 0;
-  for (size_t i = 0; i < data.size(); ++i) {
-    const auto bytes = static_cast<int64_t>(data[i].nbytes());
-    h[named[i].first] = {{"dtype", dtype_name(data[i].scalar_type())},
-                         {"shape", data[i].sizes().vec()},
-                         {"data_offsets", {offset, offset + bytes}}};
+  for (const auto& sp : specs) {
+    const int64_t bytes = sp.nbytes();
+    h[sp.name] = {{"dtype", dtype_name(sp.dtype)}, {"shape", sp.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text;
@@ -152,6 +144,20 @@ std::string build_header(const std::vector<std::pair<std::string, at::Tensor>>& 
   }
   text.append((8 - text.size() % 8) % 8, ' ');
   return text;
+}
+
+void check_specs(const std::vector<SafetensorsWriter::Spec>& specs) {
+  std::vector<std::string> names;
+  for (const auto& sp : specs) {
+    if (sp.name == "__metadata__") throw std::invalid_argument("write_safetensors: the name __metadata__ is reserved");
+    if (!dtype_name(sp.dtype))
+      throw std::invalid_argument(
+          fmt::format("write_safetensors: tensor {} has unsupported dtype {}", sp.name, c10::toString(sp.dtype)));
+    names.push_back(sp.name);
+  }
+  std::sort(names.begin(), names.end());
+  if (auto dup = std::adjacent_find(names.begin(), names.end()); dup != names.end())
+    throw std::invalid_argument(fmt::format("write_safetensors: tensor name {} appears twice", *dup));
 }
 
 // A corrupt-file finding, turned into a StateFileError naming the file by the constructor.
@@ -281,16 +287,49 @@ uint32_t crc32_file(const std::filesystem::path& path) {
   return crc;
 }
 
+int64_t SafetensorsWriter::Spec::nbytes() const {
+  int64_t n = static_cast<int64_t>(c10::elementSize(dtype));
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+SafetensorsWriter::SafetensorsWriter(const std::filesystem::path& path, std::vector<Spec> specs,
+                                     const std::map<std::string, std::string>& metadata)
+    : specs_(std::move(specs)) {
+  check_specs(specs_);
+  const std::string header = build_header(specs_, metadata);
+  const uint64_t header_len = header.size();
+  file_ = std::make_unique<AtomicFile>(path);
+  file_->write(&header_len, sizeof(header_len));
+  file_->write(header.data(), header.size());
+}
+
+SafetensorsWriter::~SafetensorsWriter() = default;
+
+void SafetensorsWriter::append(const at::Tensor& t) {
+  if (next_ >= specs_.size()) throw std::logic_error("SafetensorsWriter: more tensors than the header lists");
+  const Spec& sp = specs_[next_];
+  if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != sp.dtype || t.sizes().vec() != sp.shape)
+    throw std::logic_error(fmt::format("SafetensorsWriter: tensor {} does not match its header entry", sp.name));
+  const at::Tensor c = t.contiguous();
+  file_->write(c.data_ptr(), c.nbytes());
+  ++next_;
+}
+
+FileDigest SafetensorsWriter::commit() {
+  if (next_ != specs_.size())
+    throw std::logic_error(fmt::format("SafetensorsWriter: {} of {} tensors written", next_, specs_.size()));
+  return file_->commit();
+}
+
 FileDigest write_safetensors(const std::filesystem::path& path,
                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                              const std::map<std::string, std::string>& metadata) {
   const auto data = prepare_tensors(tensors);
-  const std::string header = build_header(tensors, data, metadata);
-  const uint64_t header_len = header.size();
-  AtomicFile out(path);
-  out.write(&header_len, sizeof(header_len));
-  out.write(header.data(), header.size());
-  for (const auto& t : data) out.write(t.data_ptr(), t.nbytes());
+  std::vector<SafetensorsWriter::Spec> specs;
+  for (size_t i = 0; i < data.size(); ++i) specs.push_back({tensors[i].first, data[i].scalar_type(), data[i].sizes().vec()});
+  SafetensorsWriter out(path, std::move(specs), metadata);
+  for (const auto& t : data) out.append(t);
   return out.commit();
 }
 

@@ -45,6 +45,36 @@ FileDigest write_safetensors(const std::filesystem::path& path,
                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                              const std::map<std::string, std::string>& metadata = {});
 
+class AtomicFile;
+
+// A safetensors file written one tensor at a time, so that only one tensor needs to be in memory:
+// the header (names, dtypes, shapes, in file order) is fixed by the constructor, append() writes the
+// next tensor's bytes (its dtype and shape must match), commit() publishes the file (fsync, rename).
+// Atomic like write_safetensors: destruction before commit(), or any failed write, removes the
+// temporary (IoError). Bad specs throw std::invalid_argument before any file is created.
+class SafetensorsWriter {
+ public:
+  struct Spec {
+    std::string name;
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    int64_t nbytes() const;
+  };
+  SafetensorsWriter(const std::filesystem::path& path, std::vector<Spec> specs,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  void append(const at::Tensor& t);  // the next tensor in header order (std::logic_error if it does not match)
+  FileDigest commit();               // after the last append
+
+ private:
+  std::vector<Spec> specs_;
+  size_t next_ = 0;
+  std::unique_ptr<AtomicFile> file_;
+};
+
 // fsync a directory (after renames inside it). Throws IoError on failure.
 void fsync_dir(const std::filesystem::path& dir);
 

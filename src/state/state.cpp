@@ -377,55 +377,6 @@ fs::path chosen_dir(const std::string& resume, const fs::path& root, int64_t ste
 
 // ---- loading ----
 
-// The rank files of a state, mapped, with an index of their pieces by (field, param).
-class Reader {
- public:
-  explicit Reader(const fs::path& dir, const Json& meta) {
-    for (const auto& f : meta.at("files")) files_.push_back(std::make_unique<SafetensorsFile>(dir / f.at("name").get<std::string>()));
-    for (size_t i = 0; i < files_.size(); ++i)
-      for (const auto& e : files_[i]->entries())
-        if (auto p = parse_name(e.name)) index_[{p->field, p->param}].push_back({i, e.name, p->begin, p->end});
-  }
-
-  bool has(const std::string& field) const {
-    return std::any_of(index_.begin(), index_.end(), [&](const auto& kv) { return kv.first.first == field; });
-  }
-
-  // Copies elements [sp.begin, sp.end) of `field` of sp.param into `dst` (1-D, sp.end - sp.begin).
-  void read(const std::string& field, const parallel::Span& sp, torch::Tensor dst) const {
-    int64_t covered = 0;
-    const auto it = index_.find({field, sp.param});
-    if (it != index_.end())
-      for (const auto& e : it->second) {
-        const torch::Tensor src = files_[e.file]->view(e.name).reshape({-1});
-        const int64_t begin = e.begin, end = e.end < 0 ? begin + src.numel() : e.end;
-        const int64_t a = std::max(begin, sp.begin), b = std::min(end, sp.end);
-        if (a >= b) continue;
-        dst.narrow(0, a - sp.begin, b - a).copy_(src.narrow(0, a - begin, b - a));
-        covered += b - a;
-      }
-    if (covered != sp.end - sp.begin)
-      throw StateFileError(fmt::format("state: {} of {} elements [{}, {}) are not in the state's files", field, sp.param,
-                                       sp.begin, sp.end));
-  }
-
-  // This rank's RNG state: its own file when the state has one for its rank, else rank 0's.
-  torch::Tensor rng(int64_t rank, const std::string& which) const {
-    for (const size_t i : {static_cast<size_t>(rank), size_t{0}})
-      if (i < files_.size() && files_[i]->find("rng/" + which)) return files_[i]->view("rng/" + which).clone();
-    return {};
-  }
-
- private:
-  struct Entry {
-    size_t file;
-    std::string name;
-    int64_t begin, end;
-  };
-  std::vector<std::unique_ptr<SafetensorsFile>> files_;
-  std::map<std::pair<std::string, std::string>, std::vector<Entry>> index_;
-};
-
 void load_params(const Reader& r, train::Session& s) {
   for (const auto& sp : held_spans(s)) r.read("param", sp, sp.values);
 }
@@ -473,6 +424,46 @@ void load_counters(const Json& meta, train::Session& s, train::LoopState& st) {
 
 }  // namespace
 
+Reader::Reader(const fs::path& dir, const Json& meta) {
+  for (const auto& f : meta.at("files")) files_.push_back(std::make_unique<SafetensorsFile>(dir / f.at("name").get<std::string>()));
+  for (size_t i = 0; i < files_.size(); ++i)
+    for (const auto& e : files_[i]->entries())
+      if (auto p = parse_name(e.name)) index_[{p->field, p->param}].push_back({i, e.name, p->begin, p->end});
+}
+
+Reader::~Reader() = default;
+
+bool Reader::has(const std::string& field) const {
+  return std::any_of(index_.begin(), index_.end(), [&](const auto& kv) { return kv.first.first == field; });
+}
+
+void Reader::read(const std::string& field, const parallel::Span& sp, torch::Tensor dst) const {
+  int64_t covered = 0;
+  const auto it = index_.find({field, sp.param});
+  if (it != index_.end())
+    for (const auto& e : it->second) {
+      const torch::Tensor src = files_[e.file]->view(e.name).reshape({-1});
+      const int64_t begin = e.begin, end = e.end < 0 ? begin + src.numel() : e.end;
+      const int64_t a = std::max(begin, sp.begin), b = std::min(end, sp.end);
+      if (a >= b) continue;
+      dst.narrow(0, a - sp.begin, b - a).copy_(src.narrow(0, a - begin, b - a));
+      covered += b - a;
+    }
+  if (covered != sp.end - sp.begin)
+    throw StateFileError(fmt::format("state: {} of {} elements [{}, {}) are not in the state's files", field, sp.param,
+                                     sp.begin, sp.end));
+}
+
+torch::Tensor Reader::rng(int64_t rank, const std::string& which) const {
+  for (const size_t i : {static_cast<size_t>(rank), size_t{0}})
+    if (i < files_.size() && files_[i]->find("rng/" + which)) return files_[i]->view("rng/" + which).clone();
+  return {};
+}
+
+Found find_local(const std::string& resume, const fs::path& root) {
+  return resume == "auto" ? find_auto(root) : find_path(resume);
+}
+
 fs::path state_root(const config::RunConfig& cfg, const fs::path& run_dir) {
   return cfg.state.dir.empty() ? run_dir / "state" : fs::path(cfg.state.dir);
 }
@@ -507,7 +498,7 @@ Found find_state(const std::string& resume, const fs::path& root, parallel::Comm
   std::string error;
   if (comm.rank() == 0) {
     try {
-      f = resume == "auto" ? find_auto(root) : find_path(resume);
+      f = find_local(resume, root);
     } catch (const Error& e) {
       error = e.what();
     }

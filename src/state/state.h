@@ -17,6 +17,8 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,6 +26,8 @@
 
 #include "config/config.h"
 #include "parallel/comm.h"
+#include "parallel/engine.h"
+#include "state/safetensors.h"
 
 namespace sl::train {
 struct Session;
@@ -50,6 +54,31 @@ struct Found {
 // directory whose `latest` names one); a missing or corrupt one is a StateFileError (exit 2).
 // Rank 0 looks; every rank returns the same choice.
 Found find_state(const std::string& resume, const std::filesystem::path& root, parallel::Comm& comm);
+// The same choice in one process, without a collective (trainer export).
+Found find_local(const std::string& resume, const std::filesystem::path& root);
+
+// The rank files of a found state, mapped, with an index of their pieces by (field, param): reads any
+// element range of a parameter (or its moments) whatever world size and sharding wrote it.
+class Reader {
+ public:
+  Reader(const std::filesystem::path& dir, const nlohmann::json& meta);
+  ~Reader();
+  bool has(const std::string& field) const;  // "exp_avg": the state holds AdamW moments
+  // Copies elements [sp.begin, sp.end) of `field` (param | exp_avg | exp_avg_sq) of sp.param into
+  // `dst` (1-D, sp.end - sp.begin); StateFileError when the files do not cover the range.
+  void read(const std::string& field, const parallel::Span& sp, torch::Tensor dst) const;
+  // This rank's RNG state ("cpu" | "cuda"): its own file's when the state has one for its rank, else rank 0's.
+  torch::Tensor rng(int64_t rank, const std::string& which) const;
+
+ private:
+  struct Entry {
+    size_t file;
+    std::string name;
+    int64_t begin, end;
+  };
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::pair<std::string, std::string>, std::vector<Entry>> index_;
+};
 
 // Recipe keys that change the math: a state is only resumed by a recipe that agrees on all of them.
 const std::vector<std::string>& math_keys();

@@ -1,4 +1,4 @@
-// The end of a run: the final model, per-rank memory gathered to rank 0, summary.json, the closing
+// The end of a run: the final model (Hugging Face layout), per-rank memory gathered to rank 0, summary.json, the closing
 // console line.
 #include <algorithm>
 #include <cmath>
@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "interop/hf.h"
 #include "memory/planner.h"
 #include "train/run.h"
 
@@ -30,12 +31,22 @@ bool ranks_aligned(int code) {
   return code == kExitOk || code == kExitSigint || code == kExitSigterm || code == kExitNonFinite || code == kExitIo;
 }
 
-void save_final_model(Session& s, Outcome& o) {
+// The final weights as a Hugging Face checkpoint, <run dir>/model/{model.safetensors, config.json}:
+// streamed tensor by tensor; under zero3 every rank gathers one unit at a time and rank 0 writes it.
+void save_final_model(Session& s, const LoopState& st, Outcome& o) {
   if (!s.cfg.logging.save_model || !ranks_aligned(o.code) || o.code == kExitNonFinite || o.code == kExitIo) return;
+  auto params = s.model->named_parameters();
+  interop::WeightsSource source;
+  if (s.engine) {
+    source.enter = [&](int64_t unit) { s.engine->gather_unit(unit); };
+    source.leave = [&](int64_t unit) { s.engine->release_unit(unit); };
+  }
+  source.values = [&](const interop::HfTensor& t) {
+    return params[t.param].detach().view({-1}).narrow(0, t.begin(), t.end() - t.begin()).to(torch::kCPU);
+  };
   try {
-    if (s.engine) s.engine->gather_all();
-    if (s.rank0()) save_model(s.model, s.runlog->dir() / "model.pt");
-    if (s.engine) s.engine->release_all();
+    interop::write_hf(s.runlog->dir() / "model" / "model.safetensors", s.cfg.model, torch::kFloat, source, s.rank0(),
+                      {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}});
   } catch (const Error& e) {  // a failed write on rank 0 must not strand the others
     o.code = e.code;
     o.message = e.what();
@@ -151,24 +162,8 @@ void print_closing_line(const Session& s, const LoopState& st, const Outcome& o)
 
 }  // namespace
 
-void save_model(model::GPT& model, const std::filesystem::path& path) {
-  torch::serialize::OutputArchive archive;
-  for (const auto& item : model->named_parameters()) archive.write(item.key(), item.value().detach().cpu());
-  auto tmp = path;
-  tmp += ".tmp";
-  try {
-    archive.save_to(tmp.string());
-  } catch (const c10::Error& e) {
-    std::error_code ec;
-    std::filesystem::remove(tmp, ec);
-    throw IoError(fmt::format("writing {} failed ({}); free disk space or choose another logging.dir", path.string(),
-                              std::string(e.what_without_backtrace()).substr(0, 200)));
-  }
-  std::filesystem::rename(tmp, path);
-}
-
 int finish(Session& s, const LoopState& st, Outcome o) {
-  save_final_model(s, o);
+  save_final_model(s, st, o);
   Json parallel = parallel_report(s, st, o);
   write_summary(s, summary_json(s, st, o, std::move(parallel), st.wall_s), o);
   print_closing_line(s, st, o);

@@ -19,6 +19,7 @@
 #include "config/config.h"
 #include "data/loader.h"
 #include "errors.h"
+#include "interop/hf.h"
 #include "log/metrics.h"
 #include "memory/activations.h"
 #include "memory/tracker.h"
@@ -56,6 +57,7 @@ struct Session {
   memory::ActivationEstimate predicted;
   nlohmann::json resolved, environment, model_info;  // summary.json's config, environment, model
   state::Found resume_from;  // --resume: the saved state this run continues (found() false: a fresh start)
+  std::unique_ptr<interop::HfCheckpoint> init_from;  // model.init_from, opened and checked (fresh starts only)
 
   int64_t world() const { return launch.world; }
   bool rank0() const { return launch.rank == 0; }

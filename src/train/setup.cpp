@@ -103,6 +103,28 @@ void find_resume_point(Session& s) {
                  s.resume_from.meta.at("sharding").get<std::string>());
 }
 
+// model.init_from: open and check the checkpoint before a run directory or a weight exists (a resumed
+// run takes its weights from the state instead).
+void open_init_from(Session& s) {
+  if (s.cfg.model.init_from.empty() || s.resume_from.found()) return;
+  s.init_from = std::make_unique<interop::HfCheckpoint>(s.cfg.model.init_from, s.cfg.model);
+}
+
+// Copies the checkpoint into the parameter elements this rank holds (zero3: its shard only).
+void load_init_from(Session& s) {
+  if (!s.init_from) return;
+  const auto t0 = Clock::now();
+  torch::NoGradGuard no_grad;
+  if (s.engine) {
+    for (const auto& sp : s.engine->held_spans()) s.init_from->read(sp.param, sp.begin, sp.end, sp.values);
+  } else {
+    for (const auto& item : s.model->named_parameters())
+      s.init_from->read(item.key(), 0, item.value().numel(), item.value().detach().view({-1}));
+  }
+  if (s.rank0()) spdlog::info("weights from {} in {:.0f} ms", s.init_from->describe(), ms_since(t0));
+  s.init_from.reset();  // unmaps the files
+}
+
 // The run directory is checked before anything expensive; it is created after the model exists.
 // A resumed run continues the logs there.
 void check_run_dir_early(Session& s) {
@@ -253,6 +275,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   s->splits = data::open_splits(s->cfg);
   choose_run_dir(*s);
   find_resume_point(*s);
+  open_init_from(*s);
   check_run_dir_early(*s);
   s->tracker = std::make_unique<memory::Tracker>(s->device);
   s->limit = config::memory_limit_bytes(s->cfg);
@@ -264,6 +287,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   s->train_loader = std::make_unique<data::Loader>(s->splits.train, t.micro_batch, t.seq_len, seed, s->launch.rank, s->world());
   s->val_loader = std::make_unique<data::Loader>(s->splits.val, t.micro_batch, t.seq_len, seed + 1, s->launch.rank, s->world());
   build_model(*s);
+  load_init_from(*s);
   describe(*s);
   open_run_log(*s);
   print_settings(*s);

@@ -110,9 +110,6 @@ double flops_per_token(const model::GPTImpl& model, int64_t seq_len);
 // when logging.peak_tflops is 0.
 double measure_gemm_flops(torch::Device device);
 
-// Writes the model's named parameters to `path` (torch::save archive; tmp + rename). IoError on failure.
-void save_model(model::GPT& model, const std::filesystem::path& path);
-
 // Runs a whole training job as configured (train/run.h: setup, train_loop, finish). Returns the
 // process exit code (0, or the code of the failure after summary.json was written). Throws for
 // failures before the run directory exists.

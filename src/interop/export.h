@@ -1,0 +1,28 @@
+// `trainer export`: a run's weights as a Hugging Face checkpoint (interop/hf.h), from its newest saved
+// training state (any world size and sharding) or its final weights, whichever is newer.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace sl::interop {
+
+struct ExportRequest {
+  std::filesystem::path run;  // a run directory (config.json, state/ and/or model/)
+  std::filesystem::path out;  // a directory, or a *.safetensors file (config.json goes beside it); "" = <run>/hf-step-N
+  std::string dtype = "fp32";  // fp32 | bf16
+};
+
+struct ExportReport {
+  std::filesystem::path file;  // the model.safetensors written
+  std::string source;          // the state directory or final-weights file read
+  int64_t step = 0;            // the optimizer step of those weights
+  int64_t bytes = 0;           // size of the file written
+  int64_t peak_tensor_bytes = 0;  // tracked CPU tensor memory at its peak while exporting (when tracking)
+};
+
+// Throws ConfigError (exit 2) for a missing run directory or bad arguments, StateFileError (2) or
+// DataError (3) for unreadable weights, IoError (7) for a failed write (nothing half-written is left).
+ExportReport export_run(const ExportRequest& req);
+
+}  // namespace sl::interop

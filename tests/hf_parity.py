@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""hf_parity.py: the Hugging Face side of tests/test_hf.cpp (transformers and safetensors from PyPI).
+
+  hf_parity.py make ARCH DIR [--shard-size N]
+      Builds GPT2LMHeadModel (ARCH gpt2) or LlamaForCausalLM (ARCH llama) from a config with random
+      weights (nothing is downloaded; every parameter is perturbed, so biases and norm weights matter),
+      save_pretrained(DIR) (sharded when --shard-size is given), and writes DIR/ref.safetensors with
+      `tokens` (2, 48) int64, the model's fp32 `logits` on them (eager attention) and `loss` (next-token
+      cross-entropy, labels = tokens, as transformers shifts them).
+  hf_parity.py logits DIR TOKENS OUT
+      Loads DIR with from_pretrained (fp32), runs the `tokens` of the safetensors file TOKENS and writes
+      `logits` and `loss` to OUT.
+  hf_parity.py bad KIND SRC OUT
+      Writes a broken copy of the checkpoint SRC (model.safetensors) to OUT (a file, no config.json):
+      KIND = missing (first block's q/c_attn weight gone), extra (an unknown tensor added),
+      shape (a norm weight one element longer), dtype (a norm weight as int64), header (garbage header).
+The shapes (GPT2: the `tiny` preset, L4 d128 h4 vocab 256 ctx 256; LLaMA: L2 d64 h4 MLP 160 ctx 64,
+RoPE theta 1000) are the ones tests/test_hf.cpp gives the trainer.
+"""
+import argparse
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ARCHS = {
+    "gpt2": dict(vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4, layer_norm_epsilon=1e-5,
+                 activation_function="gelu_new", tie_word_embeddings=True, bos_token_id=None, eos_token_id=None),
+    "llama": dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=None),
+}
+
+
+def build(arch):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    if arch == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(**ARCHS[arch], attn_implementation="eager"))
+    return LlamaForCausalLM(LlamaConfig(**ARCHS[arch], attn_implementation="eager"))
+
+
+def perturb(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.05
+            p.copy_(1.0 + noise if name.endswith("norm.weight") or ".ln_" in name and name.endswith("weight") else noise)
+
+
+def forward(model, tokens):
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=tokens, labels=tokens)
+    return out.logits.float().contiguous(), out.loss.float().reshape(1)
+
+
+def make(a):
+    torch.manual_seed(0)
+    model = build(a.arch)
+    perturb(model)
+    kwargs = {"max_shard_size": a.shard_size} if a.shard_size else {}
+    model.save_pretrained(a.dir, **kwargs)
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    logits, loss = forward(model, tokens)
+    save_file({"tokens": tokens, "logits": logits, "loss": loss}, os.path.join(a.dir, "ref.safetensors"))
+    print(f"{a.arch}: {sum(p.numel() for p in model.parameters())} parameters, loss {loss.item():.6f}")
+
+
+def logits(a):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(a.dir, dtype=torch.float32, attn_implementation="eager")
+    tokens = load_file(a.tokens)["tokens"]
+    lg, loss = forward(model, tokens)
+    save_file({"logits": lg, "loss": loss}, a.out)
+    print(f"loss {loss.item():.6f}")
+
+
+def bad(a):
+    t = load_file(a.src)
+    first = sorted(t)[0]
+    norm = next(k for k in sorted(t) if k.endswith("ln_1.weight") or k.endswith("input_layernorm.weight"))
+    if a.kind == "header":
+        with open(a.out, "wb") as f:
+            f.write((200).to_bytes(8, "little") + b"{not json" + b" " * 191)
+        return
+    if a.kind == "missing":
+        victim = next(k for k in sorted(t) if k.endswith("c_attn.weight") or k.endswith("q_proj.weight"))
+        print(victim)
+        del t[victim]
+    elif a.kind == "extra":
+        t["transformer.h.0.mlp.c_gate.weight"] = torch.zeros(4)
+    elif a.kind == "shape":
+        t[norm] = torch.ones(t[norm].numel() + 1)
+    elif a.kind == "dtype":
+        t[norm] = torch.ones(t[norm].numel(), dtype=torch.int64)
+    else:
+        sys.exit(f"unknown kind {a.kind}")
+    save_file(t, a.out, metadata={"format": "pt"})
+    print(first)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("arch", choices=sorted(ARCHS))
+    m.add_argument("dir")
+    m.add_argument("--shard-size")
+    lg = sub.add_parser("logits")
+    lg.add_argument("dir")
+    lg.add_argument("tokens")
+    lg.add_argument("out")
+    b = sub.add_parser("bad")
+    b.add_argument("kind")
+    b.add_argument("src")
+    b.add_argument("out")
+    a = p.parse_args()
+    {"make": make, "logits": logits, "bad": bad}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+// Hugging Face interop, checked against transformers itself (tests/hf_parity.py builds the models):
+//   - GPT2LMHeadModel and LlamaForCausalLM with random weights, loaded by model.init_from's reader,
+//     give this project's model the same logits and loss (fp32, <= 1e-5), and the model exported
+//     back (write_hf) gives transformers the same logits; every exported tensor is bitwise the original;
+//   - a sharded checkpoint (index + shards) loads;
+//   - the trainer starts from a checkpoint (world 1 and world 2 zero3, each rank reading its shard),
+//     writes its final weights in the same layout, and `trainer export` reads a world-2 zero3 state,
+//     streaming (peak tensor memory a few tensors), in fp32 and bf16; transformers loads the export;
+//   - bad checkpoints and recipes that do not match exit 3 naming the tensor or key, before a run
+//     directory exists.
+#include <filesystem>
+#include <regex>
+#include <string>
+
+#include "catch.h"
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "config/config.h"
+#include "interop/hf.h"
+#include "model/gpt.h"
+#include "state/safetensors.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace sl;
+
+namespace {
+
+// The recipes of the models tests/hf_parity.py builds.
+const char* const kGpt2Recipe = R"(
+model: {preset: tiny, dropout: 0.0}
+)";
+const char* const kLlamaRecipe = R"(
+model: {arch: llama, n_layer: 2, n_head: 4, n_embd: 64, vocab_size: 256, max_seq_len: 64, mlp_hidden: 160,
+        tie_embeddings: false, rope_theta: 1000.0, norm_eps: 1.0e-5, dropout: 0.0}
+train: {seq_len: 32}
+)";
+// The same, as trainer flags on top of configs/tiny.yaml.
+const char* const kLlamaSets =
+    "--set model.preset= --set model.arch=llama --set model.n_layer=2 --set model.n_head=4 --set model.n_embd=64 "
+    "--set model.max_seq_len=64 --set model.mlp_hidden=160 --set model.tie_embeddings=false --set model.rope_theta=1000 "
+    "--set train.seq_len=32";
+
+test::Result parity(const std::string& args) {
+  return test::run(test::kPython + " " + test::kSourceDir + "/tests/hf_parity.py " + args);
+}
+
+fs::path make_hf(const std::string& arch, const fs::path& dir, const std::string& extra = "") {
+  const auto r = parity(fmt::format("make {} {} {}", arch, dir.string(), extra));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  return dir;
+}
+
+model::GPT load_model(const config::ModelConfig& m, const interop::HfCheckpoint& ckpt) {
+  model::GPT model(m, torch::kCPU);
+  torch::NoGradGuard no_grad;
+  for (const auto& item : model->named_parameters())
+    ckpt.read(item.key(), 0, item.value().numel(), item.value().view({-1}));
+  model->eval();
+  return model;
+}
+
+struct Logits {
+  torch::Tensor logits;
+  double loss;
+};
+
+Logits run_model(model::GPT& model, const torch::Tensor& tokens) {
+  torch::NoGradGuard no_grad;
+  auto logits = model->forward(tokens);
+  const int64_t T = tokens.size(1);
+  const auto loss = model::GPTImpl::loss(logits.narrow(1, 0, T - 1), tokens.narrow(1, 1, T - 1));
+  return {logits, loss.item<double>()};
+}
+
+double max_abs(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+// Every tensor of `got` is bitwise the same-named tensor of `want` (which may hold more: a tied lm_head).
+void check_bitwise(const fs::path& got, const fs::path& want) {
+  const state::SafetensorsFile g(got), w(want);
+  REQUIRE(!g.entries().empty());
+  for (const auto& e : g.entries()) {
+    INFO(e.name);
+    REQUIRE(w.find(e.name) != nullptr);
+    CHECK(torch::equal(g.view(e.name), w.view(e.name)));
+  }
+}
+
+interop::WeightsSource model_source(model::GPT& model) {
+  interop::WeightsSource src;
+  src.values = [params = model->named_parameters()](const interop::HfTensor& t) {
+    return params[t.param].detach().view({-1}).narrow(0, t.begin(), t.end() - t.begin());
+  };
+  return src;
+}
+
+// transformers' logits and loss for the reference tokens, from the checkpoint in `dir`.
+state::SafetensorsFile hf_logits(const fs::path& dir, const fs::path& ref, const fs::path& out) {
+  const auto r = parity(fmt::format("logits {} {} {}", dir.string(), ref.string(), out.string()));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  return state::SafetensorsFile(out);
+}
+
+}  // namespace
+
+TEST_CASE("transformers' GPT-2 and LLaMA give the same logits and loss here, and take the export back") {
+  for (const std::string arch : {"gpt2", "llama"}) {
+    INFO(arch);
+    test::TempDir dir("hf-" + arch);
+    const fs::path hf = make_hf(arch, dir.path / "hf");
+    const auto cfg = config::load_string(arch == "gpt2" ? kGpt2Recipe : kLlamaRecipe, {});
+    const interop::HfCheckpoint ckpt(hf, cfg.model);
+    auto model = load_model(cfg.model, ckpt);
+    const state::SafetensorsFile ref(hf / "ref.safetensors");
+    const auto ours = run_model(model, ref.view("tokens"));
+    CHECK(max_abs(ours.logits, ref.view("logits")) <= 1e-5);
+    CHECK(std::abs(ours.loss - ref.view("loss").item<double>()) <= 1e-5);
+
+    // Back out: the export is the original checkpoint, tensor for tensor, and transformers agrees.
+    const fs::path out = dir.path / "export" / "model.safetensors";
+    interop::write_hf(out, cfg.model, torch::kFloat, model_source(model), true, {{"format", "pt"}});
+    check_bitwise(out, hf / "model.safetensors");
+    const auto back = hf_logits(out.parent_path(), hf / "ref.safetensors", dir.path / "back.safetensors");
+    CHECK(max_abs(back.view("logits"), ref.view("logits")) <= 1e-5);
+    CHECK(max_abs(back.view("logits"), ours.logits) <= 1e-5);
+  }
+}
+
+TEST_CASE("a sharded checkpoint (model.safetensors.index.json + shards) loads tensor by tensor") {
+  test::TempDir dir("hf-shards");
+  const fs::path hf = make_hf("llama", dir.path / "hf", "--shard-size 20KB");
+  REQUIRE(fs::exists(hf / "model.safetensors.index.json"));
+  REQUIRE(!fs::exists(hf / "model.safetensors"));
+  const auto cfg = config::load_string(kLlamaRecipe, {});
+  const interop::HfCheckpoint ckpt(hf, cfg.model);
+  CHECK(ckpt.describe().find("file(s)") != std::string::npos);
+  CHECK(ckpt.describe().find(" 1 file(s)") == std::string::npos);
+  auto model = load_model(cfg.model, ckpt);
+  const state::SafetensorsFile ref(hf / "ref.safetensors");
+  CHECK(max_abs(run_model(model, ref.view("tokens")).logits, ref.view("logits")) <= 1e-5);
+}
+
+TEST_CASE("the trainer starts from a checkpoint at world 1 and 2 (zero3), and export reads its sharded state") {
+  test::TempDir dir("hf-train");
+  const fs::path hf = make_hf("gpt2", dir.path / "hf");
+  const std::string common = fmt::format(
+      "--config configs/tiny.yaml --set model.init_from={} --set train.steps=3 --set train.micro_batch=4 "
+      "--set train.grad_accum=1 --set train.eval_interval=0 --set logging.save_model=true --set logging.progress=false",
+      hf.string());
+
+  // A vanishing learning rate leaves every weight bitwise where the checkpoint put it (the update is
+  // below half an ulp): the final weights are then the checkpoint itself.
+  const fs::path still = dir.path / "still";
+  const auto r0 = test::trainer(common + " --set train.lr=1e-30 --set train.min_lr=0 --set logging.dir=" + still.string());
+  INFO(r0.output);
+  REQUIRE(r0.code == 0);
+  CHECK(r0.output.find("weights from " + (hf / "model.safetensors").string()) != std::string::npos);
+  check_bitwise(still / "model" / "model.safetensors", hf / "model.safetensors");
+
+  // Training from it at world 1 and at world 2 under zero3 (each rank reads only its shard) agrees.
+  const fs::path w1 = dir.path / "w1", w2 = dir.path / "w2";
+  const auto r1 = test::trainer(common + " --set logging.dir=" + w1.string());
+  INFO(r1.output);
+  REQUIRE(r1.code == 0);
+  const auto r2 = test::launch(2, common + " --set train.micro_batch=2 --set parallel.sharding=zero3 --set logging.dir=" +
+                                      w2.string());
+  INFO(r2.outputs[0]);
+  REQUIRE(r2.codes == std::vector<int>{0, 0});
+  const state::SafetensorsFile f1(w1 / "model" / "model.safetensors"), f2(w2 / "model" / "model.safetensors"),
+      orig(hf / "model.safetensors");
+  double diff = 0, moved = 0;
+  for (const auto& e : f1.entries()) {
+    diff = std::max(diff, max_abs(f1.view(e.name), f2.view(e.name)));
+    moved = std::max(moved, max_abs(f1.view(e.name), orig.view(e.name)));
+  }
+  CHECK(diff <= 1e-5);
+  CHECK(moved > 1e-4);  // training moved the weights: the comparison above could fail
+
+  // export reads the world-2 zero3 state (both ranks' files) once the final weights are gone.
+  fs::rename(w2 / "model", dir.path / "w2-final");
+  const auto ex = test::trainer("export --run " + w2.string());
+  INFO(ex.output);
+  REQUIRE(ex.code == 0);
+  const fs::path exported = w2 / "hf-step-00000003" / "model.safetensors";
+  CHECK(ex.output.find((w2 / "state" / "step-00000003").string()) != std::string::npos);
+  check_bitwise(exported, dir.path / "w2-final" / "model.safetensors");
+  check_bitwise(dir.path / "w2-final" / "model.safetensors", exported);
+
+  // Streaming: the export's tracked tensor memory peaks at a few tensors, far below the model.
+  std::smatch m;
+  REQUIRE(std::regex_search(ex.output, m, std::regex("peak_tensor_bytes=([0-9]+)")));
+  const int64_t peak = std::stoll(m[1]);
+  const int64_t largest = 512 * 128 * 4, model_bytes = 858880 * 4;  // an MLP matrix; the tiny preset's parameters
+  CHECK(peak > 0);
+  CHECK(peak <= 3 * largest);
+  CHECK(peak < model_bytes / 4);
+
+  // bf16 export: every tensor is the fp32 one rounded to nearest even; transformers loads it.
+  const fs::path bf16 = dir.path / "bf16" / "weights.safetensors";
+  const auto eb = test::trainer("export --run " + w2.string() + " --dtype bf16 --out " + bf16.string());
+  INFO(eb.output);
+  REQUIRE(eb.code == 0);
+  const state::SafetensorsFile fp(exported), bf(bf16);
+  for (const auto& e : bf.entries()) {
+    INFO(e.name);
+    CHECK(e.dtype == torch::kBFloat16);
+    CHECK(torch::equal(bf.view(e.name), fp.view(e.name).to(torch::kBFloat16)));
+  }
+  CHECK(fs::exists(bf16.parent_path() / "config.json"));
+
+  // transformers computes the same logits from the export as this project does from it.
+  const auto cfg = config::load_string(kGpt2Recipe, {});
+  auto trained = load_model(cfg.model, interop::HfCheckpoint(exported.parent_path(), cfg.model));
+  const state::SafetensorsFile ref(hf / "ref.safetensors");
+  const auto back = hf_logits(exported.parent_path(), hf / "ref.safetensors", dir.path / "trained.safetensors");
+  CHECK(max_abs(back.view("logits"), run_model(trained, ref.view("tokens")).logits) <= 1e-5);
+}
+
+TEST_CASE("init_from: LLaMA from transformers goes through the trainer to its final weights unchanged") {
+  test::TempDir dir("hf-llama-train");
+  const fs::path hf = make_hf("llama", dir.path / "hf");
+  // lr 1e-30: the updates are below half an ulp, so the weights stay bitwise the checkpoint's.
+  const auto r = test::trainer(fmt::format("--config configs/tiny.yaml {} --set model.init_from={} --set train.steps=2 "
+                                           "--set train.lr=1e-30 --set train.min_lr=0 --set train.eval_interval=0 "
+                                           "--set logging.save_model=true --set logging.dir={}",
+                                           kLlamaSets, hf.string(), (dir.path / "run").string()));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  check_bitwise(dir.path / "run" / "model" / "model.safetensors", hf / "model.safetensors");
+  check_bitwise(hf / "model.safetensors", dir.path / "run" / "model" / "model.safetensors");
+}
+
+TEST_CASE("bad checkpoints and mismatched recipes exit 3 naming the tensor or key; nothing is trained") {
+  test::TempDir dir("hf-bad");
+  const fs::path hf = make_hf("gpt2", dir.path / "hf");
+  const fs::path run = dir.path / "run";
+  auto train_from = [&](const fs::path& file, const std::string& sets = "") {
+    return test::trainer(fmt::format("--config configs/tiny.yaml --set model.init_from={} --set train.steps=1 "
+                                     "--set logging.dir={} {}",
+                                     file.string(), run.string(), sets));
+  };
+  struct Case {
+    std::string kind, names;
+  };
+  for (const Case& c : {Case{"missing", "transformer.h.0.attn.c_attn.weight"}, Case{"extra", "transformer.h.0.mlp.c_gate.weight"},
+                        Case{"shape", "transformer.h.0.ln_1.weight"}, Case{"dtype", "transformer.h.0.ln_1.weight"},
+                        Case{"header", "header"}}) {
+    INFO(c.kind);
+    const fs::path bad = dir.path / (c.kind + ".safetensors");
+    const auto b = parity(fmt::format("bad {} {} {}", c.kind, (hf / "model.safetensors").string(), bad.string()));
+    REQUIRE(b.code == 0);
+    const auto r = train_from(bad);
+    INFO(r.output);
+    CHECK(r.code == 3);
+    CHECK(r.output.find(c.names) != std::string::npos);
+    CHECK(r.output.find(bad.string()) != std::string::npos);
+    CHECK(!fs::exists(run));
+  }
+  // The right file for another model: the shapes say which tensors (no config.json beside this copy).
+  const fs::path alone = dir.path / "alone.safetensors";
+  fs::copy_file(hf / "model.safetensors", alone);
+  const auto wide = train_from(alone, "--set model.n_embd=64");
+  INFO(wide.output);
+  CHECK(wide.code == 3);
+  CHECK(wide.output.find("transformer.wte.weight has shape [256, 128] but the recipe's model needs [256, 64]") !=
+        std::string::npos);
+  CHECK(!fs::exists(run));
+  // Beside the file, config.json catches what shapes cannot: here the norm epsilon.
+  const auto eps = train_from(hf, "--set model.norm_eps=1e-6");
+  INFO(eps.output);
+  CHECK(eps.code == 3);
+  CHECK(eps.output.find("layer_norm_epsilon") != std::string::npos);
+  CHECK(eps.output.find("model.norm_eps") != std::string::npos);
+  CHECK(!fs::exists(run));
+}
