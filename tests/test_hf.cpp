@@ -178,6 +178,13 @@ TEST_CASE("the trainer starts from a checkpoint at world 1 and 2 (zero3), and ex
   }
   CHECK(diff <= 1e-5);
   CHECK(moved > 1e-4);  // training moved the weights: the comparison above could fail
+  // zero3 wrote them unit by unit: at most one unit (for the tied head, with the embeddings) gathered.
+  const auto summary = nlohmann::json::parse(test::read_text(w2 / "summary.json"));
+  const auto gathered = summary["final_weights"]["gathered_peak_bytes"].get<int64_t>();
+  CHECK(gathered > 0);
+  CHECK(gathered <= 2 * summary["parallel"]["largest_group_bytes"].get<int64_t>());
+  CHECK(gathered < summary["parallel"]["params_bytes_unsharded"].get<int64_t>() / 2);
+  CHECK(summary["final_weights"]["step"] == 3);
 
   // export reads the world-2 zero3 state (both ranks' files) once the final weights are gone.
   fs::rename(w2 / "model", dir.path / "w2-final");

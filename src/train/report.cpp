@@ -33,23 +33,28 @@ bool ranks_aligned(int code) {
 
 // The final weights as a Hugging Face checkpoint, <run dir>/model/{model.safetensors, config.json}:
 // streamed tensor by tensor; under zero3 every rank gathers one unit at a time and rank 0 writes it.
-void save_final_model(Session& s, const LoopState& st, Outcome& o) {
-  if (!s.cfg.logging.save_model || !ranks_aligned(o.code) || o.code == kExitNonFinite || o.code == kExitIo) return;
+// Returns summary.json's final_weights block (null when none were written).
+Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
+  if (!s.cfg.logging.save_model || !ranks_aligned(o.code) || o.code == kExitNonFinite || o.code == kExitIo) return nullptr;
   auto params = s.model->named_parameters();
   interop::WeightsSource source;
   if (s.engine) {
     source.enter = [&](int64_t unit) { s.engine->gather_unit(unit); };
     source.leave = [&](int64_t unit) { s.engine->release_unit(unit); };
+    s.engine->take_transient_peak();  // from here on: what the export gathers
   }
   source.values = [&](const interop::HfTensor& t) {
     return params[t.param].detach().view({-1}).narrow(0, t.begin(), t.end() - t.begin()).to(torch::kCPU);
   };
   try {
-    interop::write_hf(s.runlog->dir() / "model" / "model.safetensors", s.cfg.model, torch::kFloat, source, s.rank0(),
-                      {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}});
+    const auto w = interop::write_hf(s.runlog->dir() / "model" / "model.safetensors", s.cfg.model, torch::kFloat, source,
+                                     s.rank0(), {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}});
+    return {{"path", w.file.string()}, {"step", st.steps_done}, {"bytes", w.digest.bytes}, {"tensors", w.tensors},
+            {"gathered_peak_bytes", s.engine ? s.engine->take_transient_peak() : 0}};
   } catch (const Error& e) {  // a failed write on rank 0 must not strand the others
     o.code = e.code;
     o.message = e.what();
+    return nullptr;
   }
 }
 
@@ -103,7 +108,7 @@ Json state_report(const Session& s, const LoopState& st) {
           {"median_save_ms", median(st.save_ms)}};
 }
 
-Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json parallel, double wall_s) {
+Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json parallel, Json final_weights, double wall_s) {
   auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
   return {{"config", s.resolved},
           {"environment", s.environment},
@@ -134,6 +139,7 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
           {"memory_limit_bytes", s.limit > 0 ? Json(s.limit) : Json(nullptr)},
           {"micro_batch_search", s.batch_search},
           {"state", state_report(s, st)},
+          {"final_weights", std::move(final_weights)},
           {"parallel", std::move(parallel)},
           {"oom", o.oom},
           {"exit_status", {{"code", o.code}, {"name", exit_code_name(o.code)}, {"message", o.message}}}};
@@ -163,9 +169,9 @@ void print_closing_line(const Session& s, const LoopState& st, const Outcome& o)
 }  // namespace
 
 int finish(Session& s, const LoopState& st, Outcome o) {
-  save_final_model(s, st, o);
+  Json final_weights = save_final_model(s, st, o);
   Json parallel = parallel_report(s, st, o);
-  write_summary(s, summary_json(s, st, o, std::move(parallel), st.wall_s), o);
+  write_summary(s, summary_json(s, st, o, std::move(parallel), std::move(final_weights), st.wall_s), o);
   print_closing_line(s, st, o);
   return o.code;
 }
