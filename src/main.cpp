@@ -22,6 +22,52 @@
 
 namespace {
 
+// Every option of every command, filled by CLI11.
+struct Cli {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  std::string resume;
+  bool help_config = false;
+  std::string plan_memory, plan_out;
+  int64_t plan_world = 0;
+  sl::interop::ExportRequest export_req;
+  CLI::App* plan_cmd = nullptr;
+  CLI::App* export_cmd = nullptr;
+};
+
+void add_commands(CLI::App& app, Cli& cli) {
+  app.require_subcommand(0, 1);
+  app.add_flag("--help-config", cli.help_config, "print every recipe key with its type, default and meaning");
+  auto add_run_options = [&](CLI::App* cmd) {
+    cmd->add_option("-c,--config", cli.config_path, "YAML recipe, e.g. configs/tiny.yaml");
+    cmd->add_option("-s,--set", cli.overrides, "override a recipe key: --set section.key=value (repeatable)");
+  };
+  auto add_resume = [&](CLI::App* cmd) {
+    cmd->add_option("--resume", cli.resume, "continue from a saved training state: auto (the newest valid one of the run "
+                                            "directory; none: start fresh) or PATH (a state, state directory or run directory)");
+  };
+  add_run_options(&app);
+  add_resume(&app);
+  auto* train_cmd = app.add_subcommand("train", "train (the default when no subcommand is given)");
+  add_run_options(train_cmd);
+  add_resume(train_cmd);
+
+  cli.plan_cmd = app.add_subcommand("plan", "predict memory without making tensors; writes plan.json");
+  add_run_options(cli.plan_cmd);
+  cli.plan_cmd->add_option("--memory", cli.plan_memory, "device memory to fit, e.g. 80GiB (default: memory.limit)");
+  cli.plan_cmd->add_option("--out", cli.plan_out, "where to write plan.json (default: runs/<recipe>-plan.json)");
+  cli.plan_cmd->add_option("--world-size", cli.plan_world, "ranks to plan for (per-rank memory under parallel.sharding; "
+                                                           "default: WORLD_SIZE or 1)")->check(CLI::PositiveNumber);
+
+  cli.export_cmd = app.add_subcommand("export", "write a run's newest weights as a Hugging Face checkpoint "
+                                                "(model.safetensors + config.json)");
+  auto& req = cli.export_req;
+  cli.export_cmd->add_option("--run", req.run, "the run directory (its config.json, state/ and model/)")->required();
+  cli.export_cmd->add_option("--out", req.out, "a directory, or a .safetensors file with config.json beside it "
+                                               "(default: <run>/hf-step-NNNNNNNN/)");
+  cli.export_cmd->add_option("--dtype", req.dtype, "fp32 (default) or bf16 (for inference tools)");
+}
+
 int run_export(const sl::interop::ExportRequest& req) {
   sl::memory::TrackingCPUAllocator::install();  // to report the export's peak tensor memory
   const auto r = sl::interop::export_run(req);
@@ -31,46 +77,41 @@ int run_export(const sl::interop::ExportRequest& req) {
   return sl::kExitOk;
 }
 
+int run_plan(sl::config::RunConfig cfg, const Cli& cli) {
+  if (cli.plan_world > 0) {  // default: WORLD_SIZE, read by config::load
+    cfg.world_size = cli.plan_world;
+    sl::config::validate(cfg);  // train.global_batch against this world size
+  }
+  const int64_t memory = cli.plan_memory.empty() ? sl::config::memory_limit_bytes(cfg)
+                                                 : sl::config::parse_bytes(cli.plan_memory, "--memory");
+  const auto report = sl::memory::plan(cfg, memory);
+  fmt::print("{}", sl::memory::format_plan(report));
+  const std::filesystem::path out = cli.plan_out.empty() ? "runs/" + cfg.recipe_name + "-plan.json" : cli.plan_out;
+  if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
+  sl::log::write_json_file(out, report);
+  fmt::print("wrote {}\n", out.string());
+  return sl::kExitOk;
+}
+
+// The parsed command: export, plan or train.
+int dispatch(const Cli& cli) {
+  if (cli.export_cmd->parsed()) return run_export(cli.export_req);
+  if (cli.config_path.empty())
+    throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
+  auto cfg = sl::config::load(cli.config_path, cli.overrides);
+  if (cli.plan_cmd->parsed()) return run_plan(cfg, cli);
+  cfg.resume = cli.resume;
+  // Install before any tensor exists so every CPU tensor is counted.
+  if (cfg.memory.track_cpu) sl::memory::TrackingCPUAllocator::install();
+  return sl::train::run(cfg);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"sublinear trainer: trains a GPT-style model from a YAML recipe (see README)"};
-  app.require_subcommand(0, 1);
-  std::string config_path;
-  std::vector<std::string> overrides;
-  std::string resume;
-  bool help_config = false;
-  app.add_flag("--help-config", help_config, "print every recipe key with its type, default and meaning");
-  auto add_run_options = [&](CLI::App* cmd) {
-    cmd->add_option("-c,--config", config_path, "YAML recipe, e.g. configs/tiny.yaml");
-    cmd->add_option("-s,--set", overrides, "override a recipe key: --set section.key=value (repeatable)");
-  };
-  auto add_resume = [&](CLI::App* cmd) {
-    cmd->add_option("--resume", resume, "continue from a saved training state: auto (the newest valid one of the run "
-                                        "directory; none: start fresh) or PATH (a state, state directory or run directory)");
-  };
-  add_run_options(&app);
-  add_resume(&app);
-  auto* train_cmd = app.add_subcommand("train", "train (the default when no subcommand is given)");
-  add_run_options(train_cmd);
-  add_resume(train_cmd);
-  auto* plan_cmd = app.add_subcommand("plan", "predict memory without making tensors; writes plan.json");
-  add_run_options(plan_cmd);
-  std::string plan_memory, plan_out;
-  plan_cmd->add_option("--memory", plan_memory, "device memory to fit, e.g. 80GiB (default: memory.limit)");
-  plan_cmd->add_option("--out", plan_out, "where to write plan.json (default: runs/<recipe>-plan.json)");
-  int64_t plan_world = 0;
-  plan_cmd->add_option("--world-size", plan_world, "ranks to plan for (per-rank memory under parallel.sharding; "
-                                                   "default: WORLD_SIZE or 1)")->check(CLI::PositiveNumber);
-
-  auto* export_cmd = app.add_subcommand("export", "write a run's newest weights as a Hugging Face checkpoint "
-                                                  "(model.safetensors + config.json)");
-  sl::interop::ExportRequest export_req;
-  export_cmd->add_option("--run", export_req.run, "the run directory (its config.json, state/ and model/)")->required();
-  export_cmd->add_option("--out", export_req.out, "a directory, or a .safetensors file with config.json beside it "
-                                                  "(default: <run>/hf-step-NNNNNNNN/)");
-  export_cmd->add_option("--dtype", export_req.dtype, "fp32 (default) or bf16 (for inference tools)");
-
+  Cli cli;
+  add_commands(app, cli);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -79,7 +120,7 @@ int main(int argc, char** argv) {
     app.exit(e);
     return sl::kExitConfig;
   }
-  if (help_config) {
+  if (cli.help_config) {
     fmt::print("{}", sl::config::help_text());
     return sl::kExitOk;
   }
@@ -90,29 +131,7 @@ int main(int argc, char** argv) {
   ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
   ::mallopt(M_TRIM_THRESHOLD, 1 << 30);
   try {
-    if (export_cmd->parsed()) return run_export(export_req);
-    if (config_path.empty())
-      throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
-    auto cfg = sl::config::load(config_path, overrides);
-    if (plan_cmd->parsed()) {
-      if (plan_world > 0) {  // default: WORLD_SIZE, read by config::load
-        cfg.world_size = plan_world;
-        sl::config::validate(cfg);  // train.global_batch against this world size
-      }
-      const int64_t memory = plan_memory.empty() ? sl::config::memory_limit_bytes(cfg)
-                                                 : sl::config::parse_bytes(plan_memory, "--memory");
-      const auto report = sl::memory::plan(cfg, memory);
-      fmt::print("{}", sl::memory::format_plan(report));
-      const std::filesystem::path out = plan_out.empty() ? "runs/" + cfg.recipe_name + "-plan.json" : plan_out;
-      if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
-      sl::log::write_json_file(out, report);
-      fmt::print("wrote {}\n", out.string());
-      return sl::kExitOk;
-    }
-    cfg.resume = resume;
-    // Install before any tensor exists so every CPU tensor is counted.
-    if (cfg.memory.track_cpu) sl::memory::TrackingCPUAllocator::install();
-    return sl::train::run(cfg);
+    return dispatch(cli);
   } catch (const sl::Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return e.code;
