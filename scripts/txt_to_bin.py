@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""txt_to_bin.py: convert UTF-8 text to an llm.c/nanoGPT token shard, one token per byte.
+"""txt_to_bin.py: convert UTF-8 text to an llm.c token shard (data.source: llmc), one token per byte.
 
 Format: a header of 256 little-endian int32 words ([0] magic 20240520, [1] version 1,
 [2] number of tokens, the rest 0), then the tokens as little-endian uint16 (id = byte value).

@@ -28,7 +28,7 @@ TEST_CASE("tiny recipe resolves to the tiny preset") {
   CHECK(cfg.model.preset == "tiny");
   CHECK(cfg.model.n_layer == 4);
   CHECK(cfg.model.vocab_size == 256);
-  CHECK(cfg.data.source == "bin");
+  CHECK(cfg.data.source == "llmc");
 }
 
 TEST_CASE("precedence: --set beats YAML beats preset beats defaults") {

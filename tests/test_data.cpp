@@ -1,10 +1,14 @@
-// Data: .bin shards (good and each bad case), text and synthetic sources, splits, batch sampling,
-// and the trainer's exit code 3 for bad data.
+// Data: llm.c shards (good and each bad case, uint16 and uint32), headerless token files (nanoGPT's,
+// written by numpy as its prepare.py does), text (and its looks-binary warning) and synthetic sources,
+// splits, batch sampling, and the trainer's exit code 3 for bad data.
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "catch.h"
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include "config/config.h"
@@ -37,13 +41,13 @@ std::string data_error(const std::function<void()>& f) {
 }
 }  // namespace
 
-TEST_CASE("bin shard round trip") {
+TEST_CASE("llm.c shard round trip") {
   test::TempDir dir("bin");
   std::vector<int64_t> tokens = {0, 1, 65535, 42, 7};
   auto path = (dir.path / "a.bin").string();
-  data::write_bin(path, tokens);
+  data::write_llmc(path, tokens);
   CHECK(std::filesystem::file_size(path) == 1024 + 2 * tokens.size());
-  auto src = data::open_bin(path, 65536);
+  auto src = data::open_llmc(path, 65536);
   REQUIRE(src->size() == 5);
   std::vector<int64_t> out(5);
   src->read(0, 5, out.data());
@@ -52,9 +56,9 @@ TEST_CASE("bin shard round trip") {
 }
 
 TEST_CASE("the shipped corpus is a valid shard") {
-  auto src = data::open_bin(test::kSourceDir + "/data/corpus_train.bin", 256);
+  auto src = data::open_llmc(test::kSourceDir + "/data/corpus_train.bin", 256);
   CHECK(src->size() > 100000);
-  auto val = data::open_bin(test::kSourceDir + "/data/corpus_val.bin", 256);
+  auto val = data::open_llmc(test::kSourceDir + "/data/corpus_val.bin", 256);
   CHECK(val->size() > 1000);
 }
 
@@ -63,39 +67,43 @@ TEST_CASE("bad shards throw DataError naming the file and the problem") {
   const std::vector<uint16_t> ok(100, 3);
   SECTION("wrong magic") {
     auto p = write_raw(dir, "m.bin", 12345, 1, 100, ok);
-    auto msg = data_error([&] { data::open_bin(p, 256); });
+    auto msg = data_error([&] { data::open_llmc(p, 256); });
     CHECK(msg.find(p) != std::string::npos);
-    CHECK(msg.find("wrong magic number 12345") != std::string::npos);
+    CHECK(msg.find("no llm.c shard header (first int32 word 12345") != std::string::npos);
+    // It says what to run, with this file's path.
+    CHECK(msg.find("data.source: raw") != std::string::npos);
+    CHECK(msg.find("python3 scripts/tokens.py to-llmc " + p + " ") != std::string::npos);
   }
   SECTION("wrong version") {
-    auto p = write_raw(dir, "v.bin", data::kShardMagic, 2, 100, ok);
-    CHECK(data_error([&] { data::open_bin(p, 256); }).find("unsupported shard version 2") != std::string::npos);
+    auto p = write_raw(dir, "v.bin", data::kShardMagic, 3, 100, ok);
+    CHECK(data_error([&] { data::open_llmc(p, 256); }).find("unsupported llm.c shard version 3") != std::string::npos);
   }
   SECTION("truncated payload") {
     auto p = write_raw(dir, "t.bin", data::kShardMagic, 1, 200, ok);
-    auto msg = data_error([&] { data::open_bin(p, 256); });
+    auto msg = data_error([&] { data::open_llmc(p, 256); });
     CHECK(msg.find("truncated") != std::string::npos);
     CHECK(msg.find("200 tokens") != std::string::npos);
   }
   SECTION("truncated header") {
-    auto p = dir.file("h.bin", "short");
-    CHECK(data_error([&] { data::open_bin(p, 256); }).find("shorter than the 1024-byte shard header") != std::string::npos);
+    auto p = write_raw(dir, "h.bin", data::kShardMagic, 1, 0, {});
+    std::filesystem::resize_file(p, 100);  // the magic, then the header stops
+    CHECK(data_error([&] { data::open_llmc(p, 256); }).find("shorter than the 1024-byte llm.c shard header") != std::string::npos);
   }
   SECTION("trailing bytes") {
     auto p = write_raw(dir, "x.bin", data::kShardMagic, 1, 50, ok);
-    CHECK(data_error([&] { data::open_bin(p, 256); }).find("trailing bytes") != std::string::npos);
+    CHECK(data_error([&] { data::open_llmc(p, 256); }).find("trailing bytes") != std::string::npos);
   }
   SECTION("token >= vocab") {
     std::vector<uint16_t> bad = ok;
     bad[17] = 300;
     auto p = write_raw(dir, "big.bin", data::kShardMagic, 1, 100, bad);
-    auto msg = data_error([&] { data::open_bin(p, 256); });
+    auto msg = data_error([&] { data::open_llmc(p, 256); });
     CHECK(msg.find("token 300 at position 17") != std::string::npos);
     CHECK(msg.find("model.vocab_size = 256") != std::string::npos);
   }
   SECTION("missing file") {
     auto p = (dir.path / "nope.bin").string();
-    auto msg = data_error([&] { data::open_bin(p, 256); });
+    auto msg = data_error([&] { data::open_llmc(p, 256); });
     CHECK(msg.find(p) != std::string::npos);
     CHECK(msg.find("cannot open") != std::string::npos);
   }
@@ -143,7 +151,7 @@ TEST_CASE("val_path empty holds out the tail of the training file") {
   auto cfg = config::load_string("", {"data.path=" + test::kSourceDir + "/data/corpus_train.bin", "data.val_path=",
                                       "data.val_fraction=0.25"});
   auto s = data::open_splits(cfg);
-  const auto total = data::open_bin(cfg.data.path, 256)->size();
+  const auto total = data::open_llmc(cfg.data.path, 256)->size();
   CHECK(s.val->size() == static_cast<int64_t>(total * 0.25));
   CHECK(s.train->size() + s.val->size() == total);
 }
@@ -159,4 +167,114 @@ TEST_CASE("trainer exits 3 on bad data and leaves no run directory") {
     CHECK(r.output.find(path) != std::string::npos);
     CHECK_FALSE(std::filesystem::exists(run_dir));
   }
+}
+
+namespace {
+// Writes `tokens` as a headerless little-endian file the way nanoGPT's prepare.py does:
+// np.array(tokens, dtype=np.uint16 | np.uint32).tofile(path), with the venv's numpy.
+std::string numpy_tofile(const test::TempDir& dir, const std::string& name, const std::vector<int64_t>& tokens,
+                         const std::string& dtype) {
+  std::string list;
+  for (auto t : tokens) list += std::to_string(t) + ",";
+  const auto p = (dir.path / name).string();
+  const auto r = test::run(test::kPython + " -c \"import numpy as np; np.array([" + list + "], dtype=np." + dtype +
+                           ").tofile('" + p + "')\"");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  return p;
+}
+
+std::vector<int64_t> read_all(const data::TokenSource& src) {
+  std::vector<int64_t> out(static_cast<size_t>(src.size()));
+  src.read(0, src.size(), out.data());
+  return out;
+}
+
+// Runs f with spdlog's default logger writing into a string; returns what was logged.
+std::string captured_log(const std::function<void()>& f) {
+  std::ostringstream text;
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(text)));
+  f();
+  spdlog::set_default_logger(previous);
+  return text.str();
+}
+}  // namespace
+
+TEST_CASE("headerless token files (nanoGPT's prepare.py output) read as data.source: raw") {
+  test::TempDir dir("raw");
+  const std::vector<int64_t> tokens = {0, 1, 50256, 42, 7, 65535};
+  auto u16 = data::open_raw(numpy_tofile(dir, "train.bin", tokens, "uint16"), 65536, 2);
+  CHECK(read_all(*u16) == tokens);
+  const std::vector<int64_t> wide = {0, 128255, 70000, 3};  // a LLaMA-3-sized vocabulary needs uint32
+  auto u32 = data::open_raw(numpy_tofile(dir, "wide.bin", wide, "uint32"), 128256, 4);
+  CHECK(read_all(*u32) == wide);
+  CHECK(u32->describe().find("raw uint32, 4 tokens") != std::string::npos);
+
+  SECTION("a token >= vocab is named with its position") {
+    auto p = numpy_tofile(dir, "big.bin", {5, 6, 300, 7}, "uint16");
+    const auto msg = data_error([&] { data::open_raw(p, 256, 2); });
+    CHECK(msg.find("token 300 at position 2") != std::string::npos);
+  }
+  SECTION("a size that is not whole tokens") {
+    auto p = dir.file("odd.bin", "abc");
+    CHECK(data_error([&] { data::open_raw(p, 256, 2); }).find("3 bytes is not a whole number of 2-byte tokens") !=
+          std::string::npos);
+  }
+  SECTION("an llm.c shard given as raw") {
+    auto p = (dir.path / "shard.bin").string();
+    data::write_llmc(p, {1, 2, 3});
+    CHECK(data_error([&] { data::open_raw(p, 256, 2); }).find("use data.source: llmc") != std::string::npos);
+  }
+}
+
+TEST_CASE("llm.c version 2 shards hold uint32 tokens") {
+  test::TempDir dir("llmc2");
+  std::vector<int32_t> header(data::kShardHeaderWords, 0);
+  header[0] = data::kShardMagic, header[1] = 2, header[2] = 3;
+  const std::vector<uint32_t> tokens = {100000, 5, 128000};
+  const auto p = (dir.path / "v2.bin").string();
+  {
+    std::ofstream out(p, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), header.size() * 4);
+    out.write(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 4);
+  }
+  auto src = data::open_llmc(p, 128256);
+  CHECK(read_all(*src) == std::vector<int64_t>{100000, 5, 128000});
+  CHECK(data_error([&] { data::open_llmc(p, 65536); }).find("token 100000 at position 0") != std::string::npos);
+}
+
+TEST_CASE("data.source: text warns when the file looks binary") {
+  test::TempDir dir("textbin");
+  const auto tokens = numpy_tofile(dir, "tokens.bin", {72, 101, 108, 108, 111, 300, 2000}, "uint16");
+  const auto warned = captured_log([&] { data::open_text(tokens, 256); });
+  CHECK(warned.find(tokens) != std::string::npos);
+  CHECK(warned.find("looks binary (5 NUL bytes") != std::string::npos);
+  CHECK(warned.find("data.source: raw") != std::string::npos);
+  const auto latin1 = dir.file("latin1.txt", "caf\xe9 au lait");
+  CHECK(captured_log([&] { data::open_text(latin1, 256); }).find("is not UTF-8") != std::string::npos);
+  // Real UTF-8 text, with multi-byte characters: no warning.
+  const auto text = dir.file("ok.txt", "Grüße, 世界! plain text\n");
+  CHECK(captured_log([&] { data::open_text(text, 256); }).empty());
+}
+
+TEST_CASE("the trainer trains on nanoGPT's headerless files with data.source: raw") {
+  test::TempDir dir("rawtrain");
+  std::vector<int64_t> tokens;
+  for (int i = 0; i < 4000; ++i) tokens.push_back((i * 7 + i / 13) % 256);
+  const auto train = numpy_tofile(dir, "train.bin", tokens, "uint16");
+  const auto val = numpy_tofile(dir, "val.bin", std::vector<int64_t>(tokens.begin(), tokens.begin() + 1000), "uint16");
+  const auto run_dir = (dir.path / "run").string();
+  const std::string base = "--config configs/tiny.yaml --set train.steps=2 --set train.eval_interval=0 --set data.path=" +
+                           train + " --set data.val_path=" + val + " --set logging.dir=" + run_dir;
+  // As llm.c shards (the default source) they are refused with the command that converts them.
+  auto refused = test::trainer(base);
+  INFO(refused.output);
+  CHECK(refused.code == kExitData);
+  CHECK(refused.output.find("scripts/tokens.py to-llmc " + train) != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(run_dir));
+  auto r = test::trainer(base + " --set data.source=raw");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK(r.output.find("raw uint16, 4000 tokens") != std::string::npos);
 }

@@ -4,7 +4,9 @@
 #   - the same with --limit 28MiB, where mode none stops fitting below 4 and full does not
 #     (skipped, and said so, when the trainer has no memory.limit key),
 #   - sweep_interval.sh --steps 2 (L + 1 runs),
-#   - argument errors exit 2, a failing trainer run exits 1 naming its log.
+#   - argument errors exit 2, a failing trainer run exits 1 naming its log,
+#   - scripts/tokens.py: raw (numpy .tofile, as nanoGPT writes) -> llm.c -> raw is byte-identical for
+#     uint16 and uint32, the llm.c file has the right header, bad inputs exit 3 and leave no output.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
 # at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
@@ -120,6 +122,35 @@ trial_fails() {  # a trainer error other than OOM stops the sweep with exit 1 an
   grep -q "no_such_key" "$TMP/fail/runs/full-b1.log"
 }
 check "a failing trial exits 1 and names its log" trial_fails
+
+# 4. Token file converter (scripts/tokens.py).
+TOKENS="$ROOT/scripts/tokens.py"
+converter_round_trip() {
+  local dt
+  for dt in uint16 uint32; do
+    "$PYTHON" -c "import numpy as np; np.array([0, 1, 255, 50256, 65535, 7] * 1000, dtype=np.$dt).tofile('$TMP/raw.$dt')" || return 1
+    "$PYTHON" "$TOKENS" to-llmc "$TMP/raw.$dt" "$TMP/llmc.$dt" --dtype "$dt" || return 1
+    "$PYTHON" -c "import struct, sys, os
+m, v, n = struct.unpack('<3i', open('$TMP/llmc.$dt', 'rb').read(12))
+w = {'uint16': 2, 'uint32': 4}['$dt']
+assert (m, v, n) == (20240520, 1 if w == 2 else 2, 6000), (m, v, n)
+assert os.path.getsize('$TMP/llmc.$dt') == 1024 + 6000 * w" || return 1
+    "$PYTHON" "$TOKENS" to-raw "$TMP/llmc.$dt" "$TMP/back.$dt" || return 1
+    cmp "$TMP/raw.$dt" "$TMP/back.$dt" || return 1
+  done
+}
+check "tokens.py: raw -> llm.c -> raw is byte-identical (uint16, uint32)" converter_round_trip
+converter_refuses() {
+  exits 3 "$PYTHON" "$TOKENS" to-llmc "$TMP/llmc.uint16" "$TMP/twice.bin" || return 1   # already has a header
+  [[ ! -e "$TMP/twice.bin" ]] || { echo "output left behind"; return 1; }
+  exits 3 "$PYTHON" "$TOKENS" to-raw "$TMP/raw.uint16" "$TMP/noheader.bin" || return 1  # no header
+  printf 'abc' > "$TMP/odd.bin"
+  exits 3 "$PYTHON" "$TOKENS" to-llmc "$TMP/odd.bin" "$TMP/odd.llmc" || return 1         # not whole tokens
+  exits 3 "$PYTHON" "$TOKENS" to-llmc "$TMP/missing.bin" "$TMP/m.llmc" || return 1       # missing input
+  exits 2 "$PYTHON" "$TOKENS" to-sideways "$TMP/raw.uint16" "$TMP/x" || return 1         # bad usage
+  [[ -z "$(ls -A "$TMP" | grep '^\.tmp-')" ]] || { echo "temporary left behind"; return 1; }
+}
+check "tokens.py: bad inputs exit 3 (usage 2) and leave nothing behind" converter_refuses
 
 echo "$passed passed, $failed failed"
 ((failed == 0))

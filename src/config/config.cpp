@@ -110,8 +110,9 @@ const std::vector<Field>& fields() {
       field(&R::model, &M::init_std, "model", "init_std", "init std of weights; residual projections use init_std/sqrt(2L)"),
       field(&R::model, &M::init_from, "model", "init_from", "start from Hugging Face weights: a model.safetensors (GPT2LMHeadModel / LlamaForCausalLM names) or a directory holding one; its config.json, when beside it, is checked against the recipe; \"\" = random init"),
 
-      field(&R::data, &D::source, "data", "source", "bin (llm.c/nanoGPT uint16 token shard) | text (UTF-8, one token per byte) | synthetic"),
-      field(&R::data, &D::path, "data", "path", "training file (bin or text), relative to the working directory"),
+      field(&R::data, &D::source, "data", "source", "llmc (llm.c token shard: header + uint16/uint32 tokens; `bin` is its old name) | raw (headerless tokens, nanoGPT's prepare.py output; width from raw_dtype) | text (UTF-8, one token per byte) | synthetic"),
+      field(&R::data, &D::raw_dtype, "data", "raw_dtype", "token width of source: raw files: uint16 (nanoGPT) | uint32"),
+      field(&R::data, &D::path, "data", "path", "training file (llmc, raw or text), relative to the working directory"),
       field(&R::data, &D::val_path, "data", "val_path", "held-out file of the same kind; \"\" = hold out the last val_fraction of path"),
       field(&R::data, &D::val_fraction, "data", "val_fraction", "share of path held out for eval when val_path is \"\""),
       field(&R::data, &D::synthetic_tokens, "data", "synthetic_tokens", "corpus length in tokens for source: synthetic"),
@@ -515,15 +516,14 @@ void validate_model(const RunConfig& c) {
 void validate_data(const RunConfig& c) {
   const auto& m = c.model;
   const auto& d = c.data;
-  one_of("data.source", d.source, {"bin", "text", "synthetic"});
-  if (d.source != "synthetic" && d.path.empty()) fail("data.path", "is empty; give a .bin shard or a text file");
+  one_of("data.source", d.source, {"llmc", "bin", "raw", "text", "synthetic"});
+  one_of("data.raw_dtype", d.raw_dtype, {"uint16", "uint32"});
+  if (d.source != "synthetic" && d.path.empty()) fail("data.path", "is empty; give a token file or a text file");
   if (!(d.val_fraction > 0.0 && d.val_fraction < 1.0))
     fail("data.val_fraction", fmt::format("must be in (0, 1), got {}", d.val_fraction));
   positive("data.synthetic_tokens", d.synthetic_tokens);
   if (d.source == "text" && m.vocab_size < 256)
     fail("model.vocab_size", fmt::format("text data uses one token per byte, so it must be >= 256, got {}", m.vocab_size));
-  if (d.source == "bin" && m.vocab_size > 65536)
-    fail("model.vocab_size", fmt::format("bin shards store uint16 tokens, so it must be <= 65536, got {}", m.vocab_size));
 }
 
 void validate_train(const RunConfig& c) {

@@ -30,7 +30,8 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string source = "bin";
+  std::string source = "llmc";
+  std::string raw_dtype = "uint16";
   std::string path = "data/corpus_train.bin";
   std::string val_path = "data/corpus_val.bin";
   double val_fraction = 0.1;

@@ -1,4 +1,5 @@
-// Token sources (mmap'd .bin shards, byte-level text, synthetic), splits and batch sampling.
+// Token sources (mmap'd llm.c shards and headerless token files, byte-level text, synthetic), splits and
+// batch sampling.
 #include "data/loader.h"
 
 #include <fcntl.h>
@@ -6,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +15,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include "errors.h"
@@ -58,48 +61,94 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-class BinSource final : public TokenSource {
+// Tokens of `width` bytes (2: uint16, 4: uint32), little-endian, at byte `offset` of a mapped file:
+// llm.c shards (after their header) and headerless token files alike.
+class MappedTokens final : public TokenSource {
  public:
-  BinSource(const std::string& path, int64_t vocab_size) : path_(path), file_(path) {
-    const size_t header_bytes = kShardHeaderWords * sizeof(int32_t);
-    if (file_.size() < header_bytes)
-      throw DataError(fmt::format("{}: truncated: {} bytes is shorter than the {}-byte shard header "
-                                  "(is this a .bin token shard? convert text with scripts/txt_to_bin.py)",
-                                  path, file_.size(), header_bytes));
-    int32_t header[3];
-    std::memcpy(header, file_.data(), sizeof(header));
-    if (header[0] != kShardMagic)
-      throw DataError(fmt::format("{}: wrong magic number {} (expected {}): not an llm.c/nanoGPT token shard; "
-                                  "convert text with scripts/txt_to_bin.py", path, header[0], kShardMagic));
-    if (header[1] != kShardVersion)
-      throw DataError(fmt::format("{}: unsupported shard version {} (expected {}: uint16 tokens)", path,
-                                  header[1], kShardVersion));
-    if (header[2] < 0)
-      throw DataError(fmt::format("{}: negative token count {} in the header", path, header[2]));
-    n_ = header[2];
-    const size_t expected = header_bytes + static_cast<size_t>(n_) * sizeof(uint16_t);
-    if (file_.size() != expected)
-      throw DataError(fmt::format("{}: {} ({} bytes, the header promises {} tokens = {} bytes); "
-                                  "re-create the shard", path, file_.size() < expected ? "truncated" : "has trailing bytes",
-                                  file_.size(), n_, expected));
-    tokens_ = reinterpret_cast<const uint16_t*>(file_.data() + header_bytes);
-    for (int64_t i = 0; i < n_; ++i)
-      if (tokens_[i] >= vocab_size)
-        throw DataError(fmt::format("{}: token {} at position {} is >= model.vocab_size = {}; raise "
-                                    "model.vocab_size or re-tokenize", path, tokens_[i], i, vocab_size));
-  }
+  MappedTokens(std::string path, std::shared_ptr<MappedFile> file, size_t offset, int width, int64_t n, std::string kind)
+      : path_(std::move(path)), file_(std::move(file)), base_(file_->data() + offset), width_(width), n_(n),
+        kind_(std::move(kind)) {}
   int64_t size() const override { return n_; }
-  void read(int64_t begin, int64_t n, int64_t* out) const override {
-    for (int64_t i = 0; i < n; ++i) out[i] = tokens_[begin + i];
+  int64_t at(int64_t i) const {
+    if (width_ == 2) {
+      uint16_t v;
+      std::memcpy(&v, base_ + 2 * i, 2);
+      return v;
+    }
+    uint32_t v;
+    std::memcpy(&v, base_ + 4 * i, 4);
+    return v;
   }
-  std::string describe() const override { return fmt::format("{} (bin, {} tokens)", path_, n_); }
+  void read(int64_t begin, int64_t n, int64_t* out) const override {
+    for (int64_t i = 0; i < n; ++i) out[i] = at(begin + i);
+  }
+  std::string describe() const override { return fmt::format("{} ({}, {} tokens)", path_, kind_, n_); }
+  // Throws DataError at the first token >= vocab_size.
+  void check_vocab(int64_t vocab_size) const {
+    for (int64_t i = 0; i < n_; ++i)
+      if (at(i) >= vocab_size)
+        throw DataError(fmt::format("{}: token {} at position {} is >= model.vocab_size = {}; raise "
+                                    "model.vocab_size or re-tokenize", path_, at(i), i, vocab_size));
+  }
 
  private:
   std::string path_;
-  MappedFile file_;
-  const uint16_t* tokens_ = nullptr;
-  int64_t n_ = 0;
+  std::shared_ptr<MappedFile> file_;
+  const uint8_t* base_;
+  int width_;
+  int64_t n_;
+  std::string kind_;
 };
+
+// The llm.c shard's magic is missing: say what the file probably is and exactly what to run.
+std::string no_llmc_header(const std::string& path, int32_t first_word) {
+  const std::filesystem::path p(path);
+  const std::string converted = (p.parent_path() / (p.stem().string() + ".llmc.bin")).string();
+  return fmt::format("{}: no llm.c shard header (first int32 word {}, expected the magic {}). If it holds headerless "
+                     "uint16 tokens, as nanoGPT's prepare.py writes them, set data.source: raw (and model.vocab_size), "
+                     "or convert it once: python3 scripts/tokens.py to-llmc {} {}. If it is UTF-8 text, use "
+                     "data.source: text or python3 scripts/txt_to_bin.py {} {}",
+                     path, first_word, kShardMagic, path, converted, path, converted);
+}
+
+// The token width an llm.c header's version means: 1 = uint16, 2 = uint32.
+int llmc_width(const std::string& path, int32_t version) {
+  if (version == 1 || version == 2) return version == 1 ? 2 : 4;
+  throw DataError(fmt::format("{}: unsupported llm.c shard version {} (1: uint16 tokens, 2: uint32 tokens)", path, version));
+}
+
+std::unique_ptr<MappedTokens> map_llmc(const std::string& path) {
+  auto file = std::make_shared<MappedFile>(path);
+  const size_t header_bytes = kShardHeaderWords * sizeof(int32_t);
+  int32_t header[3] = {0, 0, 0};
+  std::memcpy(header, file->data(), std::min(sizeof(header), file->size()));
+  if (file->size() >= 4 && header[0] != kShardMagic) throw DataError(no_llmc_header(path, header[0]));
+  if (file->size() < header_bytes)
+    throw DataError(fmt::format("{}: truncated: {} bytes is shorter than the {}-byte llm.c shard header "
+                                "(is this a token shard? convert text with scripts/txt_to_bin.py)",
+                                path, file->size(), header_bytes));
+  const int width = llmc_width(path, header[1]);
+  if (header[2] < 0) throw DataError(fmt::format("{}: negative token count {} in the header", path, header[2]));
+  const int64_t n = header[2];
+  const size_t expected = header_bytes + static_cast<size_t>(n) * static_cast<size_t>(width);
+  if (file->size() != expected)
+    throw DataError(fmt::format("{}: {} ({} bytes, the header promises {} tokens = {} bytes); re-create the shard", path,
+                                file->size() < expected ? "truncated" : "has trailing bytes", file->size(), n, expected));
+  return std::make_unique<MappedTokens>(path, std::move(file), header_bytes, width, n, width == 2 ? "llm.c" : "llm.c uint32");
+}
+
+std::unique_ptr<MappedTokens> map_raw(const std::string& path, int width) {
+  auto file = std::make_shared<MappedFile>(path);
+  int32_t first = 0;
+  if (file->size() >= 4) std::memcpy(&first, file->data(), 4);
+  if (first == kShardMagic)
+    throw DataError(fmt::format("{}: this file has an llm.c shard header (magic {}); use data.source: llmc", path, kShardMagic));
+  if (file->size() % static_cast<size_t>(width) != 0)
+    throw DataError(fmt::format("{}: {} bytes is not a whole number of {}-byte tokens; check data.raw_dtype (uint16 | "
+                                "uint32) or whether the file is truncated", path, file->size(), width));
+  const auto n = static_cast<int64_t>(file->size() / static_cast<size_t>(width));
+  return std::make_unique<MappedTokens>(path, std::move(file), 0, width, n, width == 2 ? "raw uint16" : "raw uint32");
+}
 
 class VectorSource final : public TokenSource {
  public:
@@ -137,20 +186,52 @@ uint64_t splitmix64(uint64_t& state) {
 }
 
 std::shared_ptr<TokenSource> open_file(const config::RunConfig& cfg, const std::string& path) {
-  if (cfg.data.source == "text") return open_text(path, cfg.model.vocab_size);
-  return open_bin(path, cfg.model.vocab_size);
+  const auto& d = cfg.data;
+  if (d.source == "text") return open_text(path, cfg.model.vocab_size);
+  if (d.source == "raw") return open_raw(path, cfg.model.vocab_size, d.raw_dtype == "uint32" ? 4 : 2);
+  return open_llmc(path, cfg.model.vocab_size);  // llmc, or its old name bin
+}
+
+// Text that is really tokens or another binary file: NUL bytes, or bytes that are not UTF-8, in its
+// first 64 KiB (a multi-byte character cut at the end of the window is fine). "" when it looks like text.
+std::string binary_evidence(const uint8_t* p, size_t size) {
+  const size_t n = std::min<size_t>(size, 64 << 10);
+  const auto nuls = std::count(p, p + n, uint8_t{0});
+  if (nuls > 0) return fmt::format("{} NUL bytes in the first {} bytes", nuls, n);
+  for (size_t i = 0; i < n;) {
+    const uint8_t c = p[i];
+    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (len == 0) return fmt::format("byte 0x{:02x} at offset {} is not UTF-8", c, i);
+    if (i + len > n) break;  // cut by the window
+    for (size_t k = 1; k < len; ++k)
+      if ((p[i + k] >> 6) != 0x2) return fmt::format("byte 0x{:02x} at offset {} is not UTF-8", p[i + k], i + k);
+    i += len;
+  }
+  return "";
 }
 
 }  // namespace
 
-std::unique_ptr<TokenSource> open_bin(const std::string& path, int64_t vocab_size) {
-  return std::make_unique<BinSource>(path, vocab_size);
+std::unique_ptr<TokenSource> open_llmc(const std::string& path, int64_t vocab_size) {
+  auto src = map_llmc(path);
+  src->check_vocab(vocab_size);
+  return src;
+}
+
+std::unique_ptr<TokenSource> open_raw(const std::string& path, int64_t vocab_size, int width) {
+  auto src = map_raw(path, width);
+  src->check_vocab(vocab_size);
+  return src;
 }
 
 std::unique_ptr<TokenSource> open_text(const std::string& path, int64_t vocab_size) {
   if (vocab_size < 256)
     throw DataError(fmt::format("{}: text data needs model.vocab_size >= 256 (one token per byte), got {}", path, vocab_size));
   MappedFile file(path);
+  if (const std::string why = binary_evidence(file.data(), file.size()); !why.empty())
+    spdlog::warn("{}: data.source is text but the file looks binary ({}); every byte becomes a token. If it holds "
+                 "token ids, use data.source: raw (headerless, as nanoGPT's prepare.py writes) or llmc",
+                 path, why);
   std::vector<uint16_t> tokens(file.data(), file.data() + file.size());
   return std::make_unique<VectorSource>(std::move(tokens), fmt::format("{} (text, bytes", path));
 }
@@ -182,7 +263,7 @@ std::unique_ptr<TokenSource> slice(std::shared_ptr<TokenSource> base, int64_t be
   return std::make_unique<SliceSource>(std::move(base), begin, n);
 }
 
-void write_bin(const std::string& path, const std::vector<int64_t>& tokens) {
+void write_llmc(const std::string& path, const std::vector<int64_t>& tokens) {
   std::vector<int32_t> header(kShardHeaderWords, 0);
   header[0] = kShardMagic;
   header[1] = kShardVersion;

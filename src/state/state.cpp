@@ -161,6 +161,11 @@ int64_t global_batch(const config::RunConfig& cfg) {
 }
 
 // The math keys' values, as the resolved recipe JSON holds them (train.global_batch resolved).
+// A math value as compared on resume: data.source `bin` is the old name of `llmc`.
+Json canonical(const std::string& key, const Json& v) {
+  return key == "data.source" && v == "bin" ? Json("llmc") : v;
+}
+
 Json math_values(const Json& recipe, int64_t global) {
   Json out = Json::object();
   for (const auto& key : math_keys()) {
@@ -472,7 +477,7 @@ const std::vector<std::string>& math_keys() {
   static const std::vector<std::string> keys = {
       "model.arch", "model.n_layer", "model.n_head", "model.n_embd", "model.vocab_size", "model.max_seq_len",
       "model.mlp_hidden", "model.dropout", "model.bias", "model.tie_embeddings", "model.norm_eps", "model.rope_theta",
-      "model.init_std", "data.source", "data.path", "data.val_path", "data.val_fraction", "data.synthetic_tokens",
+      "model.init_std", "data.source", "data.raw_dtype", "data.path", "data.val_path", "data.val_fraction", "data.synthetic_tokens",
       "train.seq_len", "train.global_batch", "train.lr", "train.min_lr", "train.warmup_steps", "train.weight_decay",
       "train.beta1", "train.beta2", "train.grad_clip", "train.seed", "precision.compute", "precision.loss_scale",
       "precision.init_scale", "precision.growth_factor", "precision.backoff_factor", "precision.growth_interval"};
@@ -484,7 +489,7 @@ void check_recipe(const Json& meta, const config::RunConfig& cfg) {
   const Json now = math_values(config::to_json(cfg), global_batch(cfg));
   std::string diffs;
   for (const auto& key : math_keys())
-    if (saved.value(key, Json(nullptr)) != now.at(key))
+    if (saved.contains(key) && canonical(key, saved.at(key)) != canonical(key, now.at(key)))  // newer keys: not compared
       diffs += fmt::format("{}{} (saved {}, now {})", diffs.empty() ? "" : "; ", key, saved.value(key, Json(nullptr)).dump(),
                            now.at(key).dump());
   if (!diffs.empty())
