@@ -9,6 +9,7 @@
 //   - bad checkpoints and recipes that do not match exit 3 naming the tensor or key, before a run
 //     directory exists.
 #include <filesystem>
+#include <fstream>
 #include <regex>
 #include <string>
 
@@ -274,6 +275,16 @@ TEST_CASE("bad checkpoints and mismatched recipes exit 3 naming the tensor or ke
   CHECK(wide.code == 3);
   CHECK(wide.output.find("transformer.wte.weight has shape [256, 128] but the recipe's model needs [256, 64]") !=
         std::string::npos);
+  CHECK(!fs::exists(run));
+  // A config.json with a key of the wrong type is a data error too, not a crash.
+  const fs::path typed = dir.path / "typed";
+  fs::create_directories(typed);
+  fs::copy_file(hf / "model.safetensors", typed / "model.safetensors");
+  std::ofstream(typed / "config.json") << R"({"model_type": "gpt2", "n_inner": "four"})";
+  const auto wrong_type = train_from(typed);
+  INFO(wrong_type.output);
+  CHECK(wrong_type.code == 3);
+  CHECK(wrong_type.output.find("wrong type") != std::string::npos);
   CHECK(!fs::exists(run));
   // Beside the file, config.json catches what shapes cannot: here the norm epsilon.
   const auto eps = train_from(hf, "--set model.norm_eps=1e-6");

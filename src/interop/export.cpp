@@ -1,6 +1,8 @@
 // trainer export: choose the newest weights of a run, stream them out in Hugging Face layout.
 #include "interop/export.h"
 
+#include <charconv>
+
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -29,7 +31,10 @@ config::RunConfig run_recipe(const fs::path& run) {
 int64_t final_step(const fs::path& file) {
   const state::SafetensorsFile f(file);
   const auto it = f.metadata().find("sublinear_step");
-  return it == f.metadata().end() ? -1 : std::stoll(it->second);
+  int64_t step = -1;
+  if (it == f.metadata().end() || std::from_chars(it->second.data(), it->second.data() + it->second.size(), step).ec != std::errc())
+    return -1;  // not written by a trainer (or by an older one): the saved states decide
+  return step;
 }
 
 // Reads the final weights (a file this project wrote in Hugging Face layout) back through HfCheckpoint.

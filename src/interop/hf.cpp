@@ -231,11 +231,15 @@ Json hf_config(const config::ModelConfig& m, at::ScalarType dtype) {
 
 void check_hf_config(const Json& hf, const config::ModelConfig& m, const std::string& where) {
   std::vector<std::string> diffs;
-  const std::string type = hf.value("model_type", "");
-  if (type != m.arch)
-    diffs.push_back(fmt::format("model_type is \"{}\" but the recipe has model.arch: {}", type, m.arch));
-  else if (m.arch == "llama") check_llama_config(hf, m, diffs);
-  else check_gpt2_config(hf, m, diffs);
+  try {
+    const std::string type = hf.value("model_type", "");
+    if (type != m.arch)
+      diffs.push_back(fmt::format("model_type is \"{}\" but the recipe has model.arch: {}", type, m.arch));
+    else if (m.arch == "llama") check_llama_config(hf, m, diffs);
+    else check_gpt2_config(hf, m, diffs);
+  } catch (const nlohmann::json::exception& e) {  // a key of the wrong type, e.g. "n_inner": "x"
+    throw DataError(fmt::format("model.init_from: {}: a key has the wrong type ({}); fix or remove the file", where, e.what()));
+  }
   if (!diffs.empty())
     throw DataError(fmt::format("model.init_from: {} describes another model than the recipe: {}. Make the recipe match "
                                 "the checkpoint (or remove config.json if it is stale)",
@@ -300,7 +304,11 @@ HfCheckpoint::HfCheckpoint(const fs::path& path, const config::ModelConfig& m) :
       throw DataError(fmt::format("model.init_from: {} is not a JSON object; fix or remove it", config_path.string()));
     check_hf_config(hf, m, config_path.string());
   }
-  open_files();
+  try {
+    open_files();
+  } catch (const nlohmann::json::exception& e) {  // an index whose weight_map values are not file names
+    throw DataError(fmt::format("model.init_from: {}: malformed index ({})", path_.string(), e.what()));
+  }
   check_tensors();
   check_extras();
 }
