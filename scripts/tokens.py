@@ -9,7 +9,7 @@ tokens, 2 = uint32 tokens, [2] token count, the rest 0), then the tokens. Header
 tokens, as nanoGPT's data/*/prepare.py writes them (np.uint16 .tofile()). The trainer reads both
 (data.source: llmc | raw); converting is for tools that want the other. Round trips are byte-identical.
 Streams in 16 MiB chunks; writes a temporary file beside OUT and renames it (nothing half-written is left).
-Exit 3 for a missing or malformed input, 2 for bad usage.
+Exit 3 for a missing, unreadable or malformed input, 2 for bad usage, 1 when OUT cannot be written.
 """
 import argparse
 import os
@@ -113,6 +113,9 @@ def main(argv=None):
     except BadInput as e:
         print(f"tokens.py: {e}", file=sys.stderr)
         return 3
+    except OSError as e:  # unreadable input (3), or OUT cannot be written: no space, no permission (1)
+        print(f"tokens.py: {e}", file=sys.stderr)
+        return 3 if e.filename == a.input else 1
     print(f"tokens.py: {a.output}: {n} tokens")
     return 0
 

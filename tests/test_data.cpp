@@ -253,9 +253,19 @@ TEST_CASE("data.source: text warns when the file looks binary") {
   CHECK(warned.find("data.source: raw") != std::string::npos);
   const auto latin1 = dir.file("latin1.txt", "caf\xe9 au lait");
   CHECK(captured_log([&] { data::open_text(latin1, 256); }).find("is not UTF-8") != std::string::npos);
+  const auto overlong = dir.file("overlong.txt", "a\xc0\xaf" "b");  // "/" encoded in two bytes
+  CHECK(captured_log([&] { data::open_text(overlong, 256); }).find("byte 0xc0 at offset 1 is not UTF-8") !=
+        std::string::npos);
+  const auto cut = dir.file("cut.txt", "ends mid-character \xe4\xb8");
+  CHECK(captured_log([&] { data::open_text(cut, 256); }).find("ends inside a 3-byte UTF-8 character") != std::string::npos);
   // Real UTF-8 text, with multi-byte characters: no warning.
   const auto text = dir.file("ok.txt", "Grüße, 世界! plain text\n");
   CHECK(captured_log([&] { data::open_text(text, 256); }).empty());
+  // Nor when the 64 KiB window cuts a character that the file goes on to finish.
+  std::string long_text(65535, 'x');
+  long_text += "世界\n";  // "世" is bytes 65535..65537
+  const auto straddle = dir.file("straddle.txt", long_text);
+  CHECK(captured_log([&] { data::open_text(straddle, 256); }).empty());
 }
 
 TEST_CASE("the trainer trains on nanoGPT's headerless files with data.source: raw") {

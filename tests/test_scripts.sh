@@ -6,7 +6,8 @@
 #   - sweep_interval.sh --steps 2 (L + 1 runs),
 #   - argument errors exit 2, a failing trainer run exits 1 naming its log,
 #   - scripts/tokens.py: raw (numpy .tofile, as nanoGPT writes) -> llm.c -> raw is byte-identical for
-#     uint16 and uint32, the llm.c file has the right header, bad inputs exit 3 and leave no output.
+#     uint16 and uint32, the llm.c file has the right header, bad inputs exit 3 and leave no output,
+#     nor does a copy that fails midway.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
 # at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
@@ -148,9 +149,22 @@ converter_refuses() {
   exits 3 "$PYTHON" "$TOKENS" to-llmc "$TMP/odd.bin" "$TMP/odd.llmc" || return 1         # not whole tokens
   exits 3 "$PYTHON" "$TOKENS" to-llmc "$TMP/missing.bin" "$TMP/m.llmc" || return 1       # missing input
   exits 2 "$PYTHON" "$TOKENS" to-sideways "$TMP/raw.uint16" "$TMP/x" || return 1         # bad usage
+  exits 1 "$PYTHON" "$TOKENS" to-llmc "$TMP/raw.uint16" "$TMP/odd.bin/x.bin" || return 1    # OUT's folder is a file
   [[ -z "$(ls -A "$TMP" | grep '^\.tmp-')" ]] || { echo "temporary left behind"; return 1; }
 }
 check "tokens.py: bad inputs exit 3 (usage 2) and leave nothing behind" converter_refuses
+converter_cleans_up() {  # an input that ends mid-copy (a file shrinking under it): no OUT, no temporary
+  mkdir -p "$TMP/cut" && printf 'abc' > "$TMP/cut/in.bin"
+  "$PYTHON" -B -c "import sys; sys.path.insert(0, '$ROOT/scripts'); import tokens
+try:
+    tokens.copy_atomic(open('$TMP/cut/in.bin', 'rb'), '$TMP/cut/out.bin', b'header', 0, 100)
+except tokens.BadInput as e:
+    assert 'ended early' in str(e), e
+else:
+    raise SystemExit('no error')" || return 1
+  [[ -z "$(ls -A "$TMP/cut" | grep -v '^in\.bin$')" ]] || { ls -A "$TMP/cut"; return 1; }
+}
+check "tokens.py: a copy that fails midway leaves neither OUT nor a temporary" converter_cleans_up
 
 echo "$passed passed, $failed failed"
 ((failed == 0))

@@ -83,8 +83,9 @@ class MappedTokens final : public TokenSource {
     for (int64_t i = 0; i < n; ++i) out[i] = at(begin + i);
   }
   std::string describe() const override { return fmt::format("{} ({}, {} tokens)", path_, kind_, n_); }
-  // Throws DataError at the first token >= vocab_size.
+  // Throws DataError at the first token >= vocab_size (uint16 tokens are all below 65,536).
   void check_vocab(int64_t vocab_size) const {
+    if (width_ == 2 && vocab_size >= 65536) return;
     for (int64_t i = 0; i < n_; ++i)
       if (at(i) >= vocab_size)
         throw DataError(fmt::format("{}: token {} at position {} is >= model.vocab_size = {}; raise "
@@ -192,17 +193,27 @@ std::shared_ptr<TokenSource> open_file(const config::RunConfig& cfg, const std::
   return open_llmc(path, cfg.model.vocab_size);  // llmc, or its old name bin
 }
 
+// The length of the UTF-8 sequence that lead byte c starts; 0 when c cannot start one (a continuation
+// byte, an overlong 0xc0/0xc1 or a byte above 0xf4).
+size_t utf8_length(uint8_t c) {
+  if (c < 0x80) return 1;
+  if (c < 0xc2) return 0;
+  return c < 0xe0 ? 2 : c < 0xf0 ? 3 : c < 0xf5 ? 4 : 0;
+}
+
 // Text that is really tokens or another binary file: NUL bytes, or bytes that are not UTF-8, in its
-// first 64 KiB (a multi-byte character cut at the end of the window is fine). "" when it looks like text.
+// first 64 KiB (a multi-byte character cut by the end of the window is fine). "" when it looks like text.
 std::string binary_evidence(const uint8_t* p, size_t size) {
   const size_t n = std::min<size_t>(size, 64 << 10);
   const auto nuls = std::count(p, p + n, uint8_t{0});
   if (nuls > 0) return fmt::format("{} NUL bytes in the first {} bytes", nuls, n);
   for (size_t i = 0; i < n;) {
-    const uint8_t c = p[i];
-    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-    if (len == 0) return fmt::format("byte 0x{:02x} at offset {} is not UTF-8", c, i);
-    if (i + len > n) break;  // cut by the window
+    const size_t len = utf8_length(p[i]);
+    if (len == 0) return fmt::format("byte 0x{:02x} at offset {} is not UTF-8", p[i], i);
+    if (i + len > n) {
+      if (n < size) break;  // cut by the window, not by the end of the file
+      return fmt::format("the file ends inside a {}-byte UTF-8 character at offset {}", len, i);
+    }
     for (size_t k = 1; k < len; ++k)
       if ((p[i + k] >> 6) != 0x2) return fmt::format("byte 0x{:02x} at offset {} is not UTF-8", p[i + k], i + k);
     i += len;

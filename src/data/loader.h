@@ -26,7 +26,7 @@ class TokenSource {
   virtual int64_t size() const = 0;
   // Copies tokens [begin, begin + n) into out as int64.
   virtual void read(int64_t begin, int64_t n, int64_t* out) const = 0;
-  virtual std::string describe() const = 0;  // e.g. "data/x.bin (bin, 123456 tokens)"
+  virtual std::string describe() const = 0;  // e.g. "data/x.bin (llm.c, 123456 tokens)"
 };
 
 // Opens an llm.c shard (mmap), checking magic, version, size and that every token is < vocab_size.
