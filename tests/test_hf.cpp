@@ -294,3 +294,57 @@ TEST_CASE("bad checkpoints and mismatched recipes exit 3 naming the tensor or ke
   CHECK(eps.output.find("model.norm_eps") != std::string::npos);
   CHECK(!fs::exists(run));
 }
+
+TEST_CASE("export takes the other source when one is damaged; unwritable outputs exit 7 and keep the walk going") {
+  test::TempDir dir("hf-export");
+  const fs::path run = dir.path / "run";
+  const auto t = test::trainer("--config configs/tiny.yaml --set train.steps=2 --set train.eval_interval=0 "
+                               "--set logging.save_model=true --set logging.progress=false --set logging.dir=" +
+                               run.string());
+  INFO(t.output);
+  REQUIRE(t.code == 0);
+  const fs::path final_file = run / "model" / "model.safetensors", state_dir = run / "state" / "step-00000002";
+  REQUIRE(fs::exists(final_file));
+  REQUIRE(fs::exists(state_dir));
+  const fs::path kept = dir.path / "final.safetensors";
+  fs::copy_file(final_file, kept);
+
+  // Final weights truncated: the saved state (same step) is exported, bitwise the same weights.
+  fs::resize_file(final_file, 100);
+  const auto from_state = test::trainer("export --run " + run.string() + " --out " + (dir.path / "a").string());
+  INFO(from_state.output);
+  REQUIRE(from_state.code == 0);
+  CHECK(from_state.output.find("ignoring the final weights") != std::string::npos);
+  CHECK(from_state.output.find(state_dir.string()) != std::string::npos);
+  check_bitwise(dir.path / "a" / "model.safetensors", kept);
+
+  // Every state unusable, final weights intact: those are exported, with a warning.
+  fs::copy_file(kept, final_file, fs::copy_options::overwrite_existing);
+  for (const auto& e : fs::directory_iterator(state_dir))
+    if (e.path().extension() == ".safetensors") fs::resize_file(e.path(), 64);
+  const auto from_final = test::trainer("export --run " + run.string() + " --out " + (dir.path / "b").string());
+  INFO(from_final.output);
+  REQUIRE(from_final.code == 0);
+  CHECK(from_final.output.find("no saved state is usable") != std::string::npos);
+  check_bitwise(dir.path / "b" / "model.safetensors", kept);
+
+  // --out below a regular file: exit 7 naming the directory, nothing written.
+  const fs::path blocker = dir.path / "blocker";
+  std::ofstream(blocker) << "a file, not a directory";
+  const auto blocked = test::trainer("export --run " + run.string() + " --out " + (blocker / "hf").string());
+  INFO(blocked.output);
+  CHECK(blocked.code == 7);
+  CHECK(blocked.output.find((blocker / "hf").string()) != std::string::npos);
+
+  // write_hf itself: a writer that cannot open still walks every unit (under zero3 each is a collective).
+  const auto cfg = config::load_string(kGpt2Recipe, {});
+  model::GPT model(cfg.model, torch::kCPU);
+  auto source = model_source(model);
+  int64_t entered = 0, left = 0;
+  source.enter = [&](int64_t) { ++entered; };
+  source.leave = [&](int64_t) { ++left; };
+  CHECK_THROWS_AS(interop::write_hf(blocker / "hf" / "model.safetensors", cfg.model, torch::kFloat, source, true, {}),
+                  IoError);
+  CHECK(entered == model::unit_count(cfg.model));
+  CHECK(left == entered);
+}

@@ -28,13 +28,35 @@ config::RunConfig run_recipe(const fs::path& run) {
   return config::load((run / "config.json").string(), {"train.global_batch=0"});
 }
 
+// The step the run's final weights were written at; -1 when there are none, or they are unreadable (warned:
+// a valid saved state can still be exported).
 int64_t final_step(const fs::path& file) {
-  const state::SafetensorsFile f(file);
-  const auto it = f.metadata().find("sublinear_step");
-  int64_t step = -1;
-  if (it == f.metadata().end() || std::from_chars(it->second.data(), it->second.data() + it->second.size(), step).ec != std::errc())
-    return -1;  // not written by a trainer (or by an older one): the saved states decide
-  return step;
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return -1;
+  try {
+    const state::SafetensorsFile f(file);
+    const auto it = f.metadata().find("sublinear_step");
+    if (it == f.metadata().end()) return -1;  // not written by a trainer (or by an older one): the saved states decide
+    const char* end = it->second.data() + it->second.size();
+    int64_t step = -1;
+    const auto [ptr, err] = std::from_chars(it->second.data(), end, step);
+    return err == std::errc() && ptr == end && step >= 0 ? step : -1;
+  } catch (const Error& e) {
+    spdlog::warn("export: ignoring the final weights: {}", e.what());
+    return -1;
+  }
+}
+
+// The run's newest usable saved state; when none is usable but the final weights are, those are exported
+// (with a warning) instead of refusing.
+state::Found newest_state(const fs::path& root, int64_t final) {
+  try {
+    return state::find_local("auto", root);
+  } catch (const state::StateFileError& e) {
+    if (final < 0) throw;
+    spdlog::warn("export: no saved state is usable ({}); exporting the final weights", e.what());
+    return {};
+  }
 }
 
 // Reads the final weights (a file this project wrote in Hugging Face layout) back through HfCheckpoint.
@@ -72,9 +94,8 @@ ExportReport export_run(const ExportRequest& req) {
     throw ConfigError(fmt::format("export --dtype {}: expected fp32 or bf16", req.dtype));
   const config::RunConfig cfg = run_recipe(req.run);
   const fs::path final_file = req.run / "model" / "model.safetensors";
-  std::error_code ec;
-  const int64_t final = fs::exists(final_file, ec) ? final_step(final_file) : -1;
-  const state::Found found = state::find_local("auto", state::state_root(cfg, req.run));
+  const int64_t final = final_step(final_file);
+  const state::Found found = newest_state(state::state_root(cfg, req.run), final);
   if (!found.found() && final < 0)
     throw ConfigError(fmt::format("export --run {}: the run has neither a saved training state ({}) nor final weights "
                                   "({}); train with state.at_end: true or logging.save_model: true",

@@ -246,20 +246,50 @@ void check_hf_config(const Json& hf, const config::ModelConfig& m, const std::st
                                 where, fmt::join(diffs, "; ")));
 }
 
+namespace {
+
+// The directory and the streaming writer for write_hf; any filesystem failure becomes an IoError naming the path.
+std::unique_ptr<state::SafetensorsWriter> open_hf_writer(const fs::path& file, const fs::path& dir, const std::vector<HfTensor>& layout,
+                                                         at::ScalarType dtype, const std::map<std::string, std::string>& metadata) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw IoError(fmt::format("cannot create {}: {}; choose a writable directory", dir.string(), ec.message()));
+  std::vector<state::SafetensorsWriter::Spec> specs;
+  for (const auto& t : layout) specs.push_back({t.name, dtype, t.shape});
+  return std::make_unique<state::SafetensorsWriter>(file, std::move(specs), metadata);
+}
+
+// config.json next to the committed weights; if it cannot be written the weights go too, so a directory
+// never holds a model.safetensors without the config.json that from_pretrained() needs.
+void write_hf_config(const fs::path& file, const fs::path& dir, const config::ModelConfig& m, at::ScalarType dtype) {
+  try {
+    state::write_file_atomic(dir / "config.json", hf_config(m, dtype).dump(2) + "\n");
+    state::fsync_dir(dir);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(file, ec);
+    throw;
+  }
+}
+
+}  // namespace
+
 Written write_hf(const fs::path& file, const config::ModelConfig& m, at::ScalarType dtype, const WeightsSource& source,
                  bool write, const std::map<std::string, std::string>& metadata) {
   const auto layout = hf_layout(m);
   const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
   Written out{file, {}, static_cast<int64_t>(layout.size())};
+  // A failed write stops writing, not the walk: under zero3 the other ranks' gathers must still pair up.
+  std::exception_ptr failed;
   std::unique_ptr<state::SafetensorsWriter> writer;
   if (write) {
-    fs::create_directories(dir);
-    std::vector<state::SafetensorsWriter::Spec> specs;
-    for (const auto& t : layout) specs.push_back({t.name, dtype, t.shape});
-    writer = std::make_unique<state::SafetensorsWriter>(out.file, std::move(specs), metadata);
+    try {
+      writer = open_hf_writer(out.file, dir, layout, dtype, metadata);
+    } catch (...) {
+      failed = std::current_exception();
+    }
   }
   torch::NoGradGuard no_grad;
-  std::exception_ptr failed;  // a failed write stops writing, not the walk: other ranks' gathers must pair up
   size_t next = 0;
   for (int64_t unit = 0; unit < model::unit_count(m); ++unit) {
     source.enter(unit);
@@ -279,8 +309,7 @@ Written write_hf(const fs::path& file, const config::ModelConfig& m, at::ScalarT
   if (failed) std::rethrow_exception(failed);
   if (writer) {
     out.digest = writer->commit();
-    state::write_file_atomic(dir / "config.json", hf_config(m, dtype).dump(2) + "\n");
-    state::fsync_dir(dir);
+    write_hf_config(out.file, dir, m, dtype);
   }
   return out;
 }

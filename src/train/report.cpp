@@ -54,8 +54,14 @@ Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
   } catch (const Error& e) {  // a failed write on rank 0 must not strand the others
     o.code = e.code;
     o.message = e.what();
-    return nullptr;
+  } catch (const std::filesystem::filesystem_error& e) {
+    o.code = kExitIo;
+    o.message = fmt::format("writing the final weights: {}", e.what());
+  } catch (const std::exception& e) {
+    o.code = kExitInternal;
+    o.message = fmt::format("writing the final weights: {}", e.what());
   }
+  return nullptr;
 }
 
 // Per-rank memory, gathered to rank 0 (skipped when a peer failed: the collective could not pair).
