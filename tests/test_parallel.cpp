@@ -32,10 +32,15 @@
 #include "interop/hf.h"
 #include "memory/planner.h"
 #include "model/gpt.h"
+#include "runs.h"
 #include "test_util.h"
 
 using namespace sl;
 using nlohmann::json;
+using test::load_params;
+using test::max_abs_diff;
+using test::Runner;
+using test::summary;
 
 namespace {
 
@@ -73,62 +78,10 @@ logging:
   save_model: true
 )";
 
-// A run's final weights (<run>/model/, Hugging Face layout), read back under this project's parameter names.
-std::map<std::string, torch::Tensor> load_params(const std::filesystem::path& run_dir) {
-  const auto cfg = config::load((run_dir / "config.json").string(), {"train.global_batch=0"});
-  const interop::HfCheckpoint ckpt(run_dir / "model", cfg.model);
-  model::GPT shapes(cfg.model, torch::kMeta);
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& item : shapes->named_parameters()) {
-    auto t = torch::empty(item.value().sizes());
-    ckpt.read(item.key(), 0, t.numel(), t.view({-1}));
-    out[item.key()] = t;
-  }
-  return out;
-}
-
-double max_abs_diff(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
-  REQUIRE(a.size() == b.size());
-  REQUIRE(!a.empty());
-  double d = 0.0;
-  for (const auto& [k, t] : a) {
-    REQUIRE(b.count(k));
-    d = std::max(d, (t - b.at(k)).abs().max().item<double>());
-  }
-  return d;
-}
-
-struct Runner {
-  test::TempDir dir{"parallel"};
-  std::string recipe = dir.file("recipe.yaml", kRecipe);
-  int n = 0;
-  std::map<std::pair<int, std::string>, std::filesystem::path> made;
-  // Runs `world` ranks with the overrides; returns the run directory (asserts every rank exited 0).
-  // Runs are deterministic: the same world and overrides asked again return the first run's directory.
-  std::filesystem::path train(int world, const std::string& sets) {
-    if (const auto it = made.find({world, sets}); it != made.end()) return it->second;
-    const auto run_dir = dir.path / fmt::format("run{}", n++);
-    const std::string args = fmt::format("--config {} {} --set logging.dir={}", recipe, sets, run_dir.string());
-    if (world == 1) {
-      auto r = test::trainer(args);
-      INFO(r.output);
-      REQUIRE(r.code == 0);
-    } else {
-      auto m = test::launch(world, args);
-      for (int r = 0; r < world; ++r) {
-        INFO("rank " << r << ":\n" << m.outputs[static_cast<size_t>(r)]);
-        REQUIRE(m.codes[static_cast<size_t>(r)] == 0);
-      }
-    }
-    made[{world, sets}] = run_dir;
-    return run_dir;
-  }
-};
-
 // The equivalence tests share one runner, so a run that several of them compare (world 1 x 8, DDP,
 // each stage at world 2) is made once per test executable, by whichever test case asks first.
 Runner& shared_runner() {
-  static Runner runner;
+  static Runner runner(kRecipe, "parallel");
   return runner;
 }
 // Overrides spelled one way everywhere, so that shared runs are found again.
@@ -144,7 +97,6 @@ std::string accum_sets(const std::string& stage) {
          stage;
 }
 
-json summary(const std::filesystem::path& run_dir) { return json::parse(test::read_text(run_dir / "summary.json")); }
 
 // Every optimizer step's loss and (pre-clip) grad_norm from rank 0's metrics.jsonl, events left out.
 struct StepMetrics {
@@ -327,7 +279,7 @@ TEST_CASE("DDP measures the whole model state on every rank") {
 }
 
 TEST_CASE("sharded bf16 and fp16 match DDP in the same precision") {
-  Runner run;
+  Runner run(kRecipe, "parallel");
   for (const std::string prec : {"bf16", "fp16"}) {
     const std::string common = "--set precision.compute=" + prec + " --set checkpointing.mode=full";
     const auto ref = load_params(run.train(2, common));
@@ -339,7 +291,7 @@ TEST_CASE("sharded bf16 and fp16 match DDP in the same precision") {
 }
 
 TEST_CASE("micro_batch auto agrees across ranks and keeps the global batch") {
-  Runner run;
+  Runner run(kRecipe, "parallel");
   const auto dir = run.train(2, "--set train.micro_batch=auto --set train.global_batch=16 --set memory.limit=64MiB "
                                 "--set parallel.sharding=zero2 --set train.steps=2");
   const auto s = summary(dir);
@@ -351,7 +303,7 @@ TEST_CASE("micro_batch auto agrees across ranks and keeps the global batch") {
 }
 
 TEST_CASE("train.global_batch is global at world 2: micro-batch 4 x accumulation 2 x 2 ranks = 16") {
-  Runner run;
+  Runner run(kRecipe, "parallel");
   const auto dir = run.train(2, "--set train.global_batch=16 --set train.grad_accum=2 --set train.steps=2");
   const auto s = summary(dir);
   CHECK(s["config"]["train"]["global_batch"] == 16);

@@ -145,6 +145,8 @@ const std::vector<Field>& fields() {
       field(&R::checkpointing, &C::check_recompute, "checkpointing", "check_recompute", "verify recomputed outputs match the forward's shapes and dtypes"),
 
       field(&R::precision, &PrecisionConfig::compute, "precision", "compute", "fp32 | bf16 | fp16: autocast's compute dtype on the run's device; weights and optimizer states stay fp32"),
+      field(&R::precision, &PrecisionConfig::param_dtype, "precision", "param_dtype", "fp32 | bf16 | fp16: dtype of the parameters the forward and backward use; not fp32 needs parallel.sharding zero1/2/3 (fp32 master weights and AdamW states stay in the rank's shard; the all-gather moves this dtype) and precision.compute of the same dtype"),
+      field(&R::precision, &PrecisionConfig::reduce_dtype, "precision", "reduce_dtype", "fp32 | bf16 | fp16: dtype gradients are reduce-scattered in (zero2/3); not fp32 halves the traffic but rounds every rank's gradient before the sum (lossy)"),
       field(&R::precision, &PrecisionConfig::loss_scale, "precision", "loss_scale", "fp16 only: dynamic, or a fixed number to multiply the loss by"),
       field(&R::precision, &PrecisionConfig::init_scale, "precision", "init_scale", "fp16 dynamic scaling: starting scale"),
       field(&R::precision, &PrecisionConfig::growth_factor, "precision", "growth_factor", "fp16 dynamic scaling: scale multiplier after growth_interval clean steps"),
@@ -583,9 +585,30 @@ void validate_checkpointing(const RunConfig& c) {
     fail("checkpointing.recompute", fmt::format("is only used with checkpointing.mode: selective (mode is '{}')", k.mode));
 }
 
+// precision.param_dtype / reduce_dtype: a low-precision compute copy of the parameters needs fp32 masters
+// somewhere, and the engine keeps them in the optimizer's shard (zero1/2/3, also at world size 1).
+void validate_param_dtypes(const RunConfig& c) {
+  const auto& pr = c.precision;
+  const std::string& sh = c.parallel.sharding;
+  one_of("precision.param_dtype", pr.param_dtype, {"fp32", "bf16", "fp16"});
+  one_of("precision.reduce_dtype", pr.reduce_dtype, {"fp32", "bf16", "fp16"});
+  if (pr.param_dtype != "fp32" && pr.param_dtype != pr.compute)
+    fail("precision.param_dtype", fmt::format("{} needs precision.compute: {} (it is '{}')", pr.param_dtype, pr.param_dtype, pr.compute));
+  if (pr.param_dtype != "fp32" && sh == "none")
+    fail("precision.param_dtype", fmt::format("{} keeps fp32 master weights in the optimizer's shard: set parallel.sharding "
+                                              "to zero1, zero2 or zero3 (any world size, 1 included)", pr.param_dtype));
+  if (pr.reduce_dtype != "fp32" && pr.reduce_dtype != pr.param_dtype)
+    fail("precision.reduce_dtype", fmt::format("{} needs precision.param_dtype: {} (it is '{}')", pr.reduce_dtype,
+                                               pr.reduce_dtype, pr.param_dtype));
+  if (pr.reduce_dtype != "fp32" && sh != "zero2" && sh != "zero3")
+    fail("precision.reduce_dtype", fmt::format("{} applies to the reduce-scatter of parallel.sharding zero2 or zero3 "
+                                               "(sharding is '{}'); use fp32", pr.reduce_dtype, sh));
+}
+
 void validate_precision(const RunConfig& c) {
   const auto& pr = c.precision;
   one_of("precision.compute", pr.compute, {"fp32", "bf16", "fp16"});
+  validate_param_dtypes(c);
   if (pr.loss_scale != "dynamic") {
     double fixed = 0.0;
     try {

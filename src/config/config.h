@@ -71,6 +71,8 @@ struct CheckpointingConfig {
 
 struct PrecisionConfig {
   std::string compute = "fp32";
+  std::string param_dtype = "fp32";   // dtype of the parameters' compute copy (zero*: masters stay fp32 in the shard)
+  std::string reduce_dtype = "fp32";  // dtype gradients are reduce-scattered in (zero2/3)
   std::string loss_scale = "dynamic";
   double init_scale = 65536.0;
   double growth_factor = 2.0;

@@ -19,6 +19,8 @@ struct Sizes {
   double C = 0, H = 0, V = 0, nh = 0;
   bool llama = false;
   double f = 4.0, c = 4.0;  // fp32, compute dtype
+  double r = 4.0;           // the residual stream: fp32, or c with a low-precision compute copy of the parameters
+  bool lowp_params = false;
   double acc = 0;           // the emulated path's fp32 matmul accumulator, per output element
 };
 
@@ -30,6 +32,8 @@ Sizes sizes_of(const config::RunConfig& cfg, LowpMatmul lowp) {
   z.V = static_cast<double>(m.vocab_size), z.nh = static_cast<double>(m.n_head);
   z.llama = m.arch == "llama";
   z.c = lowp_on ? 2.0 : 4.0;
+  z.lowp_params = cfg.precision.param_dtype != "fp32";
+  z.r = z.lowp_params ? z.c : z.f;
   z.acc = lowp_on && lowp == LowpMatmul::emulated ? 4.0 : 0.0;
   return z;
 }
@@ -37,7 +41,7 @@ Sizes sizes_of(const config::RunConfig& cfg, LowpMatmul lowp) {
 // S: what one block keeps for backward, after the selective savings.
 double block_bytes(const Sizes& z, const SegmentCounts& seg) {
   const double C = z.C, H = z.H, f = z.f, c = z.c;
-  double S = z.llama ? f * (2 * C + 2 + z.nh) + c * (9 * C + 4 * H) : f * (2 * C + 4 + z.nh) + c * (6 * C + 2 * H);
+  double S = z.r * 2 * C + (z.llama ? f * (2 + z.nh) + c * (9 * C + 4 * H) : f * (4 + z.nh) + c * (6 * C + 2 * H));
   if (seg.norm) S -= c * 2 * C + f * (z.llama ? 2 : 4);
   if (seg.mlp) S -= c * (z.llama ? 2 * H : H);
   if (seg.attention) S -= c * (z.llama ? 2 * C : C) + f * z.nh;
@@ -54,24 +58,25 @@ double backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   if (!z.llama) mlp = seg.mlp ? c * H + std::max(M, c) * H : (c + M) * H;
   else mlp = seg.mlp ? std::max((2 * c + M) * H, 5 * c * H) : c * H + std::max(M, c) * H;
   // The residual gradient, and under autocast its compute-dtype copy for the block's last linear.
-  return z.f * z.C + (c < z.f ? c * z.C : 0.0) + mlp;
+  return z.r * z.C + (c < z.r ? c * z.C : 0.0) + mlp;
 }
 
 // E: the head's tensors at the start of backward.
-double head_bytes(const Sizes& z) { return z.f * z.C + 2 * z.c * z.C + (2 * z.f + z.c) * z.V; }
+double head_bytes(const Sizes& z) { return z.r * z.C + 2 * z.c * z.C + (2 * z.f + z.c) * z.V; }
 
 // F: what the forward holds beyond its saved tensors while a block runs without saving (a
 // checkpointed segment's first pass): h, then gpt2 u and GELU (or u and the accumulator), llama u
 // 2H, silu and product (or u and its accumulator).
 double forward_block_bytes(const Sizes& z) {
   const double H = z.H, c = z.c, M = z.acc;
-  return z.f * z.C + (z.llama ? std::max(4 * c * H, 2 * (c + M) * H) : std::max(2 * c * H, (c + M) * H));
+  return z.r * z.C + (z.llama ? std::max(4 * c * H, 2 * (c + M) * H) : std::max(2 * c * H, (c + M) * H));
 }
 
 // Under autocast the compute-dtype copies of one block's matmul weights (0 in fp32): cached through
 // the forward, then kept by the linears that saved them until their backward.
-double block_cast_bytes(const config::ModelConfig& m, double c) {
-  if (c >= 4.0) return 0;
+double block_cast_bytes(const config::ModelConfig& m, const Sizes& z) {
+  const double c = z.c;
+  if (c >= 4.0 || z.lowp_params) return 0;  // the parameters are already in the compute dtype: nothing is cast
   const double C = static_cast<double>(m.n_embd), H = static_cast<double>(config::mlp_hidden(m));
   return c * (4 * C * C + (m.arch == "llama" ? 3 : 2) * C * H);
 }
@@ -147,8 +152,8 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   e.head_bytes = head_bytes(z);
   e.backward_bytes = backward_bytes(z, seg);
   e.forward_bytes = forward_block_bytes(z);
-  const double S = e.block_bytes, T = e.backward_bytes, E = e.head_bytes, fC = z.f * z.C, tok = static_cast<double>(e.tokens);
-  const double Wb = block_cast_bytes(cfg.model, z.c), Wh = z.c < z.f ? z.c * z.V * z.C : 0.0;
+  const double S = e.block_bytes, T = e.backward_bytes, E = e.head_bytes, fC = z.r * z.C, tok = static_cast<double>(e.tokens);
+  const double Wb = block_cast_bytes(cfg.model, z), Wh = z.c < z.f && !z.lowp_params ? z.c * z.V * z.C : 0.0;
   if (cfg.model.tie_embeddings) e.tied_grad_bytes = 4 * cfg.model.vocab_size * cfg.model.n_embd;
   const auto tied = static_cast<double>(e.tied_grad_bytes);
   e.weight_cast_bytes = static_cast<int64_t>(L * Wb + Wh);

@@ -76,6 +76,8 @@ int64_t largest_group_params(const config::RunConfig& cfg, int64_t n) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+int64_t dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; }
+
 }  // namespace
 
 int64_t total_params(const config::ModelConfig& m) {
@@ -117,15 +119,18 @@ PeakPrediction predict_peak(const config::RunConfig& cfg) {
   const int64_t N = std::max<int64_t>(1, cfg.world_size);
   const auto& sh = cfg.parallel.sharding;
   const int64_t P = 4 * n, G = 4 * n, O = 8 * n;
-  p.params_bytes = sh == "zero3" ? P / N : P;
+  // A low-precision compute copy (precision.param_dtype): fp32 masters only in the shard; zero1/2 keep
+  // the whole model in the compute dtype, zero3 gathers units in it; zero2/3 reduce in reduce_dtype.
+  const int64_t cp = dtype_bytes(cfg.precision.param_dtype), cr = dtype_bytes(cfg.precision.reduce_dtype);
+  p.params_bytes = sh == "zero3" ? P / N : cp < 4 ? P / N + cp * n : P;
   p.grads_bytes = sh == "zero2" || sh == "zero3" ? G / N : G;
   p.optimizer_bytes = sh == "none" ? O : O / N;
   if (sh == "zero2") {
     // One bucket's full gradient: it fills while the backward still holds activations. (Its
     // reduce-scatter output slice comes when the bucket is complete, after most of them are freed.)
-    p.transient_bytes = std::min(G, 4 * bucket_cap_params(cfg));
-  } else if (sh == "zero3") {
-    p.transient_bytes = 2 * 4 * largest_unit_params(cfg.model);
+    p.transient_bytes = std::min(cr * n, cr * bucket_cap_params(cfg));
+  } else if (sh == "zero3") {  // the largest unit's gathered parameters and its full gradient
+    p.transient_bytes = (cp + cr) * largest_unit_params(cfg.model);
   }
   p.batch_bytes = 2 * 8 * cfg.train.micro_batch * cfg.train.seq_len;
   if (cfg.model.arch == "llama") p.buffer_bytes = 4 * cfg.model.max_seq_len * (cfg.model.n_embd / cfg.model.n_head);
@@ -188,6 +193,8 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
             {"optimizer_step_temp_bytes", base.optimizer_phase_bytes()},
             {"matmul_path", base.activations.matmul_path},
             {"precision", cfg.precision.compute},
+            {"param_dtype", cfg.precision.param_dtype},
+            {"reduce_dtype", cfg.precision.reduce_dtype},
             {"modes", Json::array()}};
   for (const auto& [name, ck] : plan_modes(cfg)) {
     auto c = cfg;
@@ -207,14 +214,26 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   return j;
 }
 
+namespace {
+
+std::string weights_label(const std::string& param_dtype, const std::string& sharding) {
+  if (param_dtype == "fp32") return "weights (fp32)";
+  if (sharding == "zero3") return fmt::format("weights (fp32 master shard; gathered in {})", param_dtype);
+  return fmt::format("weights (fp32 master shard + {} copy)", param_dtype);
+}
+
+}  // namespace
+
 std::string format_plan(const Json& j) {
   auto bytes = [](const Json& v) { return log::format_bytes(v.get<int64_t>()); };
   std::vector<std::pair<std::string, std::string>> rows = {
       {"parameters", fmt::format("{} ({:.3g} B)", j["params"].get<int64_t>(), j["params"].get<double>() / 1e9)},
       {"ranks x sharding", fmt::format("{} x {} (figures below are per rank)", j["world_size"].get<int64_t>(),
                                        j["sharding"].get<std::string>())},
-      {"weights (fp32)", bytes(j["params_bytes"])},
-      {"gradients (fp32)", bytes(j["grads_bytes"])},
+      {weights_label(j.value("param_dtype", "fp32"), j["sharding"].get<std::string>()), bytes(j["params_bytes"])},
+      {j.value("reduce_dtype", "fp32") == "fp32" ? std::string("gradients (fp32)")
+                                                 : fmt::format("gradients (fp32; reduce-scattered in {})", j.value("reduce_dtype", "fp32")),
+       bytes(j["grads_bytes"])},
       {"AdamW moments (fp32)", bytes(j["optimizer_state_bytes"])},
       {"model states", bytes(j["model_states_bytes"])},
       {"gathered parameters / unreduced gradients", bytes(j["sharding_transient_bytes"])},

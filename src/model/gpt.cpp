@@ -10,9 +10,23 @@
 namespace sl::model {
 namespace {
 
-torch::Tensor normal(std::vector<int64_t> shape, double std, const torch::TensorOptions& opts) {
-  torch::NoGradGuard no_grad;
-  return torch::empty(shape, opts).normal_(0.0, std);
+// A tensor of `shape` on opts' device whose storage has the size but no memory: a deferred parameter.
+// It can be re-pointed (set_data, same device) but never read. (A meta tensor cannot be re-pointed
+// at a CPU or CUDA buffer.)
+torch::Tensor unbacked(const std::vector<int64_t>& shape, const torch::TensorOptions& opts) {
+  const auto bytes = static_cast<size_t>(c10::multiply_integers(shape)) * c10::elementSize(torch::kFloat);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, c10::DataPtr(nullptr, opts.device()), nullptr, false);
+  return torch::empty({0}, opts).set_(storage, 0, shape);
+}
+
+// A parameter of `shape`, initialized by init_parameter; deferred (or on the meta device): shape only,
+// nothing drawn from the generator.
+torch::Tensor make_param(const config::ModelConfig& cfg, const std::string& name, const std::vector<int64_t>& shape,
+                         const torch::TensorOptions& opts, bool defer) {
+  if (defer && opts.device() != torch::kMeta) return unbacked(shape, opts);
+  auto t = torch::empty(shape, opts);
+  if (!t.is_meta()) init_parameter(cfg, name, t);
+  return t;
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
@@ -58,7 +72,22 @@ torch::Tensor apply_rope(const torch::Tensor& x, const Rope& rope) {
 
 }  // namespace
 
-BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch::Device device)
+void init_parameter(const config::ModelConfig& cfg, const std::string& name, torch::Tensor t) {
+  torch::NoGradGuard no_grad;
+  const auto dot = name.rfind('.');
+  const std::string leaf = dot == std::string::npos ? name : name.substr(dot + 1);
+  if (leaf == "w_proj" || leaf == "w_out") {  // residual projections: GPT-2's 1/sqrt(2 L) scaling
+    t.normal_(0.0, cfg.init_std / std::sqrt(2.0 * static_cast<double>(cfg.n_layer)));
+  } else if (leaf[0] == 'w' || leaf == "lm_head") {  // wte, wpe, w_qkv, w_fc
+    t.normal_(0.0, cfg.init_std);
+  } else if (leaf.size() > 2 && leaf.compare(leaf.size() - 2, 2, "_w") == 0) {  // ln1_w, ln2_w, lnf_w
+    t.fill_(1.0);
+  } else {  // biases
+    t.zero_();
+  }
+}
+
+BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch::Device device, bool defer_params)
     : layer(layer_index),
       n_head(cfg.n_head),
       n_embd(cfg.n_embd),
@@ -68,21 +97,23 @@ BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch:
       eps(cfg.norm_eps) {
   auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   const int64_t C = n_embd, H = hidden;
-  const double proj_std = cfg.init_std / std::sqrt(2.0 * cfg.n_layer);
   const bool with_bias = cfg.bias && !llama;
-  ln1_w = register_parameter("ln1_w", torch::ones({C}, opts));
-  ln2_w = register_parameter("ln2_w", torch::ones({C}, opts));
-  w_qkv = register_parameter("w_qkv", normal({3 * C, C}, cfg.init_std, opts));
-  w_proj = register_parameter("w_proj", normal({C, C}, proj_std, opts));
-  w_fc = register_parameter("w_fc", normal({llama ? 2 * H : H, C}, cfg.init_std, opts));
-  w_out = register_parameter("w_out", normal({C, H}, proj_std, opts));
+  auto param = [&](const std::string& name, std::vector<int64_t> shape) {
+    return register_parameter(name, make_param(cfg, name, shape, opts, defer_params));
+  };
+  ln1_w = param("ln1_w", {C});
+  ln2_w = param("ln2_w", {C});
+  w_qkv = param("w_qkv", {3 * C, C});
+  w_proj = param("w_proj", {C, C});
+  w_fc = param("w_fc", {llama ? 2 * H : H, C});
+  w_out = param("w_out", {C, H});
   if (with_bias) {
-    ln1_b = register_parameter("ln1_b", torch::zeros({C}, opts));
-    ln2_b = register_parameter("ln2_b", torch::zeros({C}, opts));
-    b_qkv = register_parameter("b_qkv", torch::zeros({3 * C}, opts));
-    b_proj = register_parameter("b_proj", torch::zeros({C}, opts));
-    b_fc = register_parameter("b_fc", torch::zeros({H}, opts));
-    b_out = register_parameter("b_out", torch::zeros({C}, opts));
+    ln1_b = param("ln1_b", {C});
+    ln2_b = param("ln2_b", {C});
+    b_qkv = param("b_qkv", {3 * C});
+    b_proj = param("b_proj", {C});
+    b_fc = param("b_fc", {H});
+    b_out = param("b_out", {C});
   }
 }
 
@@ -135,17 +166,20 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {
   return forward_with(x, rope, plain);
 }
 
-GPTImpl::GPTImpl(const config::ModelConfig& c, torch::Device device) : cfg(c) {
+GPTImpl::GPTImpl(const config::ModelConfig& c, torch::Device device, bool defer_params) : cfg(c) {
   auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   const int64_t C = cfg.n_embd;
   const bool llama = cfg.arch == "llama";
-  wte = register_parameter("wte", normal({cfg.vocab_size, C}, cfg.init_std, opts));
-  if (!llama) wpe = register_parameter("wpe", normal({cfg.max_seq_len, C}, cfg.init_std, opts));
+  auto param = [&](const std::string& name, std::vector<int64_t> shape) {
+    return register_parameter(name, make_param(cfg, name, shape, opts, defer_params));
+  };
+  wte = param("wte", {cfg.vocab_size, C});
+  if (!llama) wpe = param("wpe", {cfg.max_seq_len, C});
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t l = 0; l < cfg.n_layer; ++l) blocks->push_back(Block(cfg, l, device));
-  lnf_w = register_parameter("lnf_w", torch::ones({C}, opts));
-  if (cfg.bias && !llama) lnf_b = register_parameter("lnf_b", torch::zeros({C}, opts));
-  if (!cfg.tie_embeddings) lm_head = register_parameter("lm_head", normal({cfg.vocab_size, C}, cfg.init_std, opts));
+  for (int64_t l = 0; l < cfg.n_layer; ++l) blocks->push_back(Block(cfg, l, device, defer_params));
+  lnf_w = param("lnf_w", {C});
+  if (cfg.bias && !llama) lnf_b = param("lnf_b", {C});
+  if (!cfg.tie_embeddings) lm_head = param("lm_head", {cfg.vocab_size, C});
   if (llama) {
     const int64_t half = C / cfg.n_head / 2;
     auto inv_freq = torch::pow(cfg.rope_theta, -torch::arange(half, opts) / static_cast<double>(half));  // (hd/2)

@@ -35,7 +35,7 @@ using LinearAfter = std::function<torch::Tensor(Part part, const CheapFn& cheap,
 // One transformer block, written as the four cheap-op -> linear pairs above:
 //   h = x + drop(proj(attention_core(heads(qkv(norm1(x))))));  out = h + drop(fc_out(act(fc(norm2(h)))))
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(const config::ModelConfig& cfg, int64_t layer, torch::Device device);
+  BlockImpl(const config::ModelConfig& cfg, int64_t layer, torch::Device device, bool defer_params = false);
 
   torch::Tensor forward(const torch::Tensor& x, const Rope& rope);  // (B, T, C) -> (B, T, C)
   torch::Tensor forward_with(const torch::Tensor& x, const Rope& rope, const LinearAfter& linear_after);
@@ -70,6 +70,13 @@ inline int64_t head_unit(const config::ModelConfig& m) { return m.n_layer + 1; }
 inline int64_t unit_count(const config::ModelConfig& m) { return m.n_layer + 2; }
 std::string unit_name(const config::ModelConfig& m, int64_t unit);  // "embeddings", "block 3", "head"
 
+// Initializes parameter `name` ("wte", "blocks.3.w_proj", ...) in place, as the constructor does: normal
+// (init_std; w_proj and w_out init_std / sqrt(2 n_layer)), norm weights 1, biases 0. Draws from the
+// default generator, so the order of calls decides the values.
+void init_parameter(const config::ModelConfig& cfg, const std::string& name, torch::Tensor t);
+// A parameter built with defer_params that has not been given memory yet.
+inline bool is_deferred(const torch::Tensor& p) { return p.numel() > 0 && p.storage().data() == nullptr; }
+
 // A parameter and its name in the model ("wte", "blocks.3.w_qkv", ...), as named_parameters() says.
 struct NamedParam {
   std::string name;
@@ -77,8 +84,11 @@ struct NamedParam {
 };
 
 struct GPTImpl : torch::nn::Module {
-  // Builds the model on `device` (use torch::kMeta to count parameters without memory).
-  GPTImpl(const config::ModelConfig& cfg, torch::Device device);
+  // Builds the model on `device` (use torch::kMeta to count parameters without memory). With
+  // defer_params the parameters have shapes but no memory (is_deferred) and draw nothing from the
+  // generator; buffers are made as usual. Whoever materializes them calls init_parameter unit by unit,
+  // in units() order, which draws the same numbers as building them here would (parallel::Engine, zero3).
+  GPTImpl(const config::ModelConfig& cfg, torch::Device device, bool defer_params = false);
 
   torch::Tensor embed(const torch::Tensor& idx);  // (B, T) int64 -> (B, T, C)
   torch::Tensor head(const torch::Tensor& x);     // (B, T, C) -> (B, T, V) logits after final norm

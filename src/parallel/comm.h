@@ -82,6 +82,7 @@ class Comm {
   const LaunchEnv& env() const { return env_; }
   const std::string& backend() const { return backend_; }  // "none" for one process
   bool distributed() const { return env_.world > 1; }
+  c10::Device device() const { return device_; }  // this rank's device (cuda:LOCAL_RANK or cpu)
 
   // In-place sum (max: maximum) over ranks of `t` (contiguous).
   Pending all_reduce_sum(const at::Tensor& t, const std::string& what, bool max = false);

@@ -30,6 +30,10 @@ struct GradReadyHook : torch::autograd::FunctionPostHook {
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+at::ScalarType precision_dtype(const std::string& name) {
+  return name == "bf16" ? at::kBFloat16 : name == "fp16" ? at::kHalf : at::kFloat;
+}
+
 }  // namespace
 
 struct Engine::Group {
@@ -38,8 +42,10 @@ struct Engine::Group {
   std::vector<std::string> names;     // the parameters' names in the model
   std::vector<int64_t> offsets;
   int64_t numel = 0, decay = 0, padded = 0, shard = 0;
-  torch::Tensor flat_param;   // zero*: the whole group (zero3: storage only while gathered)
-  torch::Tensor shard_param;  // zero*: this rank's slice (zero3: its own buffer)
+  torch::Tensor flat_param;   // zero*: the whole group in the compute dtype (zero3: storage only while gathered)
+  torch::Tensor shard_param;  // zero*: this rank's fp32 slice, the optimizer's master (zero3 or a low-precision
+                              // compute copy: its own buffer; otherwise a view of flat_param)
+  torch::Tensor master_full;  // a low-precision compute copy: the group's fp32 masters, gathered for reading
   torch::Tensor flat_grad;    // none/zero1: persistent, .grad are views; zero2/3: transient
   torch::Tensor shard_grad;   // zero*: this rank's slice of the summed gradient
   torch::Tensor rs_out;       // zero2/3: reduce-scatter result while in flight
@@ -47,143 +53,214 @@ struct Engine::Group {
   bool gathered = true;
   Pending pending;    // the gradient collective in flight
   Pending gathering;  // zero3: the parameter all-gather in flight (a prefetch until waited)
-  int64_t bytes() const { return padded * 4; }
+  int64_t bytes() const { return padded * 4; }  // the group in fp32
+  torch::Tensor slot() const { return flat_param.narrow(0, shard * rank, shard); }  // this rank's part of flat_param
+  int64_t rank = 0;
 };
 
 Engine::Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm)
     : model_(std::move(model)),
       comm_(std::move(comm)),
       sharding_(cfg.parallel.sharding),
+      param_dtype_(precision_dtype(cfg.precision.param_dtype)),
+      reduce_dtype_(precision_dtype(cfg.precision.reduce_dtype)),
       rank_(comm_->rank()),
-      world_(comm_->world()) {
-  // Every rank built its model from train.seed; check they agree before training diverges silently.
-  double sum = 0.0;
-  {
-    torch::NoGradGuard no_grad;
-    for (const auto& p : model_->parameters()) sum += p.to(torch::kFloat64).sum().item<double>();
-  }
-  const auto sums = comm_->all_gather(std::vector<double>{sum}, "parameter check");
+      world_(comm_->world()),
+      device_(comm_->device()),
+      deferred_(!model_->parameters().empty() && model::is_deferred(model_->parameters().front())) {
+  if (deferred_ && sharding_ != "zero3")
+    throw std::logic_error("Engine: a deferred model is materialized by zero3 only");
+  torch::NoGradGuard no_grad;
+  if (!deferred_)
+    for (const auto& p : model_->parameters()) init_sum_ += p.to(torch::kFloat64).sum().item<double>();
+  build_groups(cfg);  // a deferred model's values are drawn here, and summed
+  check_same_init();
+}
+
+// Every rank built its model from train.seed; check they agree before training diverges silently.
+void Engine::check_same_init() {
+  const auto sums = comm_->all_gather(std::vector<double>{init_sum_}, "parameter check");
   for (size_t r = 0; r < sums.size(); ++r)
     if (sums[r] != sums[0])
       throw DistError(fmt::format("rank {} built different initial parameters than rank 0 (sum {} vs {}): every rank "
                                   "must run the same binary and recipe", r, sums[r], sums[0]));
-  build_groups(cfg);
 }
 
 Engine::~Engine() {
   for (auto& acc : accumulators_) acc->post_hooks().clear();
 }
 
-void Engine::build_groups(const config::RunConfig& cfg) {
-  torch::NoGradGuard no_grad;
-  auto& m = *model_;
-  const auto units = m.units();  // forward order; groups are built from them in reverse (the order gradients arrive in)
-  std::vector<std::vector<model::NamedParam>> members;
-  std::vector<std::string> names;
-  std::vector<int64_t> group_of_unit(units.size(), -1);
+bool Engine::low_precision_copy() const { return param_dtype_ != at::kFloat; }
+
+// Which parameters form which group: zero3 one group per unit, otherwise buckets of bucket_mb; both in
+// reverse unit order (the order gradients arrive in).
+Engine::Layout Engine::plan_groups(const config::RunConfig& cfg, const std::vector<std::vector<model::NamedParam>>& units) const {
+  Layout l;
+  l.group_of_unit.assign(units.size(), -1);
   if (sharding_ == "zero3") {
     for (auto u = static_cast<int64_t>(units.size()) - 1; u >= 0; --u) {
-      group_of_unit[static_cast<size_t>(u)] = static_cast<int64_t>(members.size());
-      members.push_back(units[static_cast<size_t>(u)]);
-      names.push_back(model::unit_name(m.cfg, u));
+      l.group_of_unit[static_cast<size_t>(u)] = static_cast<int64_t>(l.members.size());
+      l.members.push_back(units[static_cast<size_t>(u)]);
+      l.names.push_back(model::unit_name(model_->cfg, u));
     }
-  } else {
-    const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
-    int64_t bytes = 0;
-    for (auto u = units.rbegin(); u != units.rend(); ++u) {
-      for (auto it = u->rbegin(); it != u->rend(); ++it) {
-        const auto b = static_cast<int64_t>(it->tensor.nbytes());
-        if (members.empty() || (bytes + b > cap && bytes > 0)) {
-          members.emplace_back();
-          names.push_back(fmt::format("bucket {}", names.size()));
-          bytes = 0;
-        }
-        members.back().push_back(*it);
-        bytes += b;
+    return l;
+  }
+  const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
+  int64_t bytes = 0;
+  for (auto u = units.rbegin(); u != units.rend(); ++u) {
+    for (auto it = u->rbegin(); it != u->rend(); ++it) {
+      const auto b = static_cast<int64_t>(it->tensor.nbytes());
+      if (l.members.empty() || (bytes + b > cap && bytes > 0)) {
+        l.members.emplace_back();
+        l.names.push_back(fmt::format("bucket {}", l.names.size()));
+        bytes = 0;
       }
+      l.members.back().push_back(*it);
+      bytes += b;
     }
   }
+  return l;
+}
 
-  for (size_t gi = 0; gi < members.size(); ++gi) {
-    auto g = std::make_unique<Group>();
-    g->name = names[gi];
-    auto& named = members[gi];
-    std::stable_partition(named.begin(), named.end(), [](const model::NamedParam& p) { return p.tensor.dim() >= 2; });
-    std::vector<torch::Tensor> ps;
-    for (const auto& [name, p] : named) {
-      g->offsets.push_back(g->numel);
-      if (p.dim() >= 2) g->decay += p.numel();
-      g->numel += p.numel();
-      g->names.push_back(name);
-      ps.push_back(p);
-    }
-    g->params = ps;
-    g->padded = round_up(g->numel, world_);
-    g->shard = g->padded / world_;
-    const auto opts = ps.front().options();
-    if (sharding_ == "none" || sharding_ == "zero1") {
-      g->flat_grad = torch::zeros({g->padded}, opts);
-      for (size_t i = 0; i < ps.size(); ++i)
-        ps[i].mutable_grad() = g->flat_grad.narrow(0, g->offsets[i], ps[i].numel()).view(ps[i].sizes());
-    }
-    if (sharding_ != "none") {
-      g->flat_param = torch::zeros({g->padded}, opts);
-      for (size_t i = 0; i < ps.size(); ++i) {
-        auto view = g->flat_param.narrow(0, g->offsets[i], ps[i].numel());
-        view.copy_(ps[i].reshape({-1}));
-        ps[i].set_data(view.view(ps[i].sizes()));
-      }
-      g->shard_param = g->flat_param.narrow(0, rank_ * g->shard, g->shard);
-      if (sharding_ == "zero1") {
-        g->shard_grad = g->flat_grad.narrow(0, rank_ * g->shard, g->shard);
-      } else {
-        g->shard_grad = torch::zeros({g->shard}, opts);
-      }
-      if (sharding_ == "zero3") {
-        g->shard_param = g->shard_param.clone();
-        g->gathered = true;
-        release_group(*g);
-      }
-    }
-    groups_.push_back(std::move(g));
+// One group's layout (matrices first, offsets, padding) and its buffers. Deferred parameters
+// get their values later, from materialize_units.
+std::unique_ptr<Engine::Group> Engine::make_group(const std::string& name, std::vector<model::NamedParam> named) {
+  auto g = std::make_unique<Group>();
+  g->name = name;
+  g->rank = rank_;
+  std::stable_partition(named.begin(), named.end(), [](const model::NamedParam& p) { return p.tensor.dim() >= 2; });
+  for (const auto& [pname, p] : named) {
+    g->offsets.push_back(g->numel);
+    if (p.dim() >= 2) g->decay += p.numel();
+    g->numel += p.numel();
+    g->names.push_back(pname);
+    g->params.push_back(p);
   }
+  g->padded = round_up(g->numel, world_);
+  g->shard = g->padded / world_;
+  const auto opts = fp32_options();
+  if (sharding_ == "none" || sharding_ == "zero1") {
+    g->flat_grad = torch::zeros({g->padded}, opts);
+    if (!low_precision_copy())  // else the gradient hook adds each .grad (compute dtype) into it
+      for (size_t i = 0; i < g->params.size(); ++i)
+        g->params[i].mutable_grad() = g->flat_grad.narrow(0, g->offsets[i], g->params[i].numel()).view(g->params[i].sizes());
+  }
+  if (sharding_ == "none") return g;
+  g->shard_grad = sharding_ == "zero1" ? g->flat_grad.narrow(0, rank_ * g->shard, g->shard) : torch::zeros({g->shard}, opts);
+  if (!deferred_) {
+    auto flat = torch::zeros({g->padded}, opts);
+    for (size_t i = 0; i < g->params.size(); ++i)
+      flat.narrow(0, g->offsets[i], g->params[i].numel()).copy_(g->params[i].reshape({-1}));
+    shard_and_bind(*g, flat);
+  }
+  return g;
+}
+
+// The fp32 master shard from the group's full fp32 values; the parameters become views of flat_param,
+// in the compute dtype (a low-precision copy is a second buffer, cast from the fp32 one). zero3 then
+// frees flat_param's memory until the unit is gathered.
+void Engine::shard_and_bind(Group& g, torch::Tensor flat) {
+  g.shard_param = flat.narrow(0, rank_ * g.shard, g.shard);
+  if (sharding_ == "zero3" || low_precision_copy()) g.shard_param = g.shard_param.clone();
+  if (low_precision_copy()) flat = flat.to(param_dtype_);
+  g.flat_param = flat;
+  for (size_t i = 0; i < g.params.size(); ++i)
+    g.params[i].set_data(g.flat_param.narrow(0, g.offsets[i], g.params[i].numel()).view(g.params[i].sizes()));
   if (sharding_ == "zero3") {
-    unit_groups_.resize(units.size());
-    for (size_t u = 0; u < units.size(); ++u) unit_groups_[u].push_back(static_cast<size_t>(group_of_unit[u]));
-    if (m.cfg.tie_embeddings)  // the head reads the token embedding
-      unit_groups_[static_cast<size_t>(model::head_unit(m.cfg))].push_back(static_cast<size_t>(group_of_unit[model::kEmbeddingUnit]));
+    g.gathered = true;
+    release_group(g);
   }
-  transient_ = transient_peak_ = 0;
+}
 
-  // Gradient-ready hooks on every parameter's accumulator (kept alive here so every graph uses it).
+// zero3 on a deferred model (parameters without memory): unit by unit, in forward order, the unit's full fp32 values
+// are drawn into one buffer (init_parameter, parameters in registration order: the same draws a
+// one-process build makes), the rank keeps its shard and the buffer goes. At most one unit is whole.
+void Engine::materialize_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit) {
+  for (size_t u = 0; u < units.size(); ++u) {
+    auto& g = *groups_[static_cast<size_t>(group_of_unit[u])];
+    auto flat = torch::zeros({g.padded}, fp32_options());
+    for (const auto& np : units[u]) {
+      const auto i = static_cast<size_t>(std::find(g.names.begin(), g.names.end(), np.name) - g.names.begin());
+      model::init_parameter(model_->cfg, np.name, flat.narrow(0, g.offsets[i], g.params[i].numel()).view(g.params[i].sizes()));
+    }
+    init_sum_ += flat.sum().item<double>();  // fp32: a float64 sum would first make a float64 copy of the unit
+    shard_and_bind(g, std::move(flat));
+  }
+}
+
+// unit -> the groups it needs gathered (zero3: its own, and the embeddings for a tied head; otherwise the
+// buckets that hold its parameters); parameter name -> (group, index).
+void Engine::index_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit) {
+  unit_groups_.assign(units.size(), {});
+  if (sharding_ == "zero3") {
+    for (size_t u = 0; u < units.size(); ++u) unit_groups_[u].push_back(static_cast<size_t>(group_of_unit[u]));
+    if (model_->cfg.tie_embeddings)  // the head reads the token embedding
+      unit_groups_[static_cast<size_t>(model::head_unit(model_->cfg))].push_back(
+          static_cast<size_t>(group_of_unit[model::kEmbeddingUnit]));
+  } else {
+    for (size_t u = 0; u < units.size(); ++u)
+      for (size_t gi = 0; gi < groups_.size(); ++gi)
+        for (const auto& np : units[u])
+          if (std::find(groups_[gi]->names.begin(), groups_[gi]->names.end(), np.name) != groups_[gi]->names.end()) {
+            unit_groups_[u].push_back(gi);
+            break;
+          }
+  }
+  for (size_t gi = 0; gi < groups_.size(); ++gi)
+    for (size_t i = 0; i < groups_[gi]->names.size(); ++i) where_[groups_[gi]->names[i]] = {gi, i};
+}
+
+void Engine::build_groups(const config::RunConfig& cfg) {
+  torch::NoGradGuard no_grad;
+  const auto units = model_->units();  // forward order
+  const Layout l = plan_groups(cfg, units);
+  for (size_t gi = 0; gi < l.members.size(); ++gi) groups_.push_back(make_group(l.names[gi], l.members[gi]));
+  if (deferred_) materialize_units(units, l.group_of_unit);
+  index_units(units, l.group_of_unit);
+  transient_ = transient_peak_ = 0;
+  add_grad_hooks();
+}
+
+// Runs when parameter i of group gi has its gradient for this backward.
+void Engine::on_param_grad(size_t gi, size_t i) {
+  auto& grp = *groups_[gi];
+  auto& p = grp.params[i];
+  if (sharding_ == "zero1" && low_precision_copy()) {
+    if (p.grad().defined()) {  // accumulated in fp32 over the micro-batches
+      grp.flat_grad.narrow(0, grp.offsets[i], p.numel()).view(p.sizes()).add_(p.grad());
+      p.mutable_grad().reset();
+    }
+  } else if (sharding_ == "zero2" || sharding_ == "zero3") {
+    // No gradient reached this parameter in this backward (e.g. an unused input of a
+    // checkpointed piece): it contributes zeros, which the group buffer already holds.
+    if (!grp.flat_grad.defined()) {
+      // The previous group's reduce-scatter overlapped this group's backward until now; finish
+      // it before a second full gradient buffer exists.
+      finish_in_flight();
+      grp.flat_grad = torch::zeros({grp.padded}, fp32_options().dtype(reduce_dtype_));
+      add_transient(grad_buffer_bytes(grp));
+    }
+    if (p.grad().defined()) {
+      grp.flat_grad.narrow(0, grp.offsets[i], p.numel()).view(p.sizes()).copy_(p.grad());
+      p.mutable_grad().reset();
+    }
+  }
+  if (++grp.ready == grp.params.size()) launch_ready();
+}
+
+// Gradient-ready hooks on every parameter's accumulator (kept alive here so every graph uses it).
+void Engine::add_grad_hooks() {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     auto& g = *groups_[gi];
     for (size_t i = 0; i < g.params.size(); ++i) {
       auto acc = torch::autograd::impl::grad_accumulator(g.params[i]);
-      acc->add_post_hook(std::make_unique<GradReadyHook>([this, gi, i] {
-        auto& grp = *groups_[gi];
-        if (sharding_ == "zero2" || sharding_ == "zero3") {
-          auto& p = grp.params[i];
-          // No gradient reached this parameter in this backward (e.g. an unused input of a
-          // checkpointed piece): it contributes zeros, which the group buffer already holds.
-          if (!grp.flat_grad.defined()) {
-            // The previous group's reduce-scatter overlapped this group's backward until now; finish
-            // it before a second full gradient buffer exists.
-            finish_in_flight();
-            grp.flat_grad = torch::zeros({grp.padded}, p.options());
-            add_transient(grp.bytes());
-          }
-          if (p.grad().defined()) {
-            grp.flat_grad.narrow(0, grp.offsets[i], p.numel()).view(p.sizes()).copy_(p.grad());
-            p.mutable_grad().reset();
-          }
-        }
-        if (++grp.ready == grp.params.size()) launch_ready();
-      }));
+      acc->add_post_hook(std::make_unique<GradReadyHook>([this, gi, i] { on_param_grad(gi, i); }));
       accumulators_.push_back(std::move(acc));
     }
   }
 }
+
+torch::TensorOptions Engine::fp32_options() const { return torch::TensorOptions().dtype(torch::kFloat).device(device_); }
 
 std::unique_ptr<torch::optim::AdamW> Engine::make_optimizer(const config::TrainConfig& t) {
   std::vector<torch::Tensor> decay, no_decay;
@@ -246,8 +323,8 @@ void Engine::launch(size_t gi) {
   }
   if (!g.flat_grad.defined()) {  // no gradient reached this group (unused parameters): reduce zeros
     finish_in_flight();
-    g.flat_grad = torch::zeros({g.padded}, g.shard_grad.options());
-    add_transient(g.bytes());
+    g.flat_grad = torch::zeros({g.padded}, g.shard_grad.options().dtype(reduce_dtype_));
+    add_transient(grad_buffer_bytes(g));
   }
   if (sharding_ == "zero3") release_group(g);  // its backward is over
   // In place: the output is this rank's slice of the group's gradient buffer.
@@ -269,7 +346,7 @@ void Engine::finish(size_t gi) {
     g.shard_grad.add_(g.rs_out);
     g.rs_out.reset();
     g.flat_grad.reset();
-    add_transient(-g.bytes());
+    add_transient(-grad_buffer_bytes(g));
   }
 }
 
@@ -325,8 +402,18 @@ void Engine::after_step() {
   torch::NoGradGuard no_grad;
   std::vector<Pending> works;
   for (auto& g : groups_)  // in place: the input is this rank's slot of the output (as FSDP does)
-    works.push_back(comm_->all_gather(g->flat_param, g->shard_param, "parameter all-gather of " + g->name));
+    works.push_back(comm_->all_gather(g->flat_param, compute_shard(*g), "parameter all-gather of " + g->name));
   for (auto& w : works) w.wait();
+}
+
+void Engine::params_loaded() { after_step(); }
+
+// This rank's slot of flat_param holding its master shard in the compute dtype (the all-gather's input).
+torch::Tensor Engine::compute_shard(Group& g) {
+  if (!low_precision_copy()) return g.shard_param;  // zero1/2: the slot itself; zero3: its own fp32 buffer
+  auto slot = g.slot();
+  slot.copy_(g.shard_param);  // rounded to nearest even
+  return slot;
 }
 
 StateBytes Engine::state_bytes() const {
@@ -335,7 +422,10 @@ StateBytes Engine::state_bytes() const {
     if (sharding_ == "none") {
       for (const auto& p : g->params) s.params += static_cast<int64_t>(p.nbytes());
     } else {
-      s.params += (sharding_ == "zero3" ? g->shard : g->padded) * 4;
+      // fp32 masters of the shard (zero3) or the whole group (zero1/2); plus a low-precision compute copy's full group
+      s.params += sharding_ == "zero3" ? g->shard * 4
+                  : low_precision_copy() ? g->shard * 4 + g->padded * c10::elementSize(param_dtype_)
+                                         : g->padded * 4;
     }
     s.grads += (sharding_ == "none" || sharding_ == "zero1" ? g->padded : g->shard) * 4;
   }
@@ -357,7 +447,7 @@ std::vector<Span> Engine::owned_spans() const {
 }
 
 std::vector<Span> Engine::held_spans() const {
-  if (sharding_ == "zero3") return owned_spans();
+  if (sharding_ == "zero3" || low_precision_copy()) return owned_spans();
   std::vector<Span> out;
   for (const auto& gp : groups_)
     for (size_t i = 0; i < gp->params.size(); ++i)
@@ -376,11 +466,41 @@ void Engine::release_all() {
 }
 
 void Engine::gather_unit(int64_t unit) {
-  if (sharding_ == "zero3") gather(unit);
+  torch::NoGradGuard no_grad;
+  if (low_precision_copy()) {
+    for (size_t gi : unit_groups_[static_cast<size_t>(unit)]) gather_master(*groups_[gi]);
+  } else if (sharding_ == "zero3") {
+    gather(unit);
+  }
 }
 
 void Engine::release_unit(int64_t unit) {
-  if (sharding_ == "zero3") release(unit);
+  if (low_precision_copy()) {
+    for (size_t gi : unit_groups_[static_cast<size_t>(unit)]) {
+      auto& g = *groups_[gi];
+      if (g.master_full.defined()) add_transient(-g.bytes());
+      g.master_full.reset();
+    }
+  } else if (sharding_ == "zero3") {
+    release(unit);
+  }
+}
+
+torch::Tensor Engine::param_values(const std::string& name) const {
+  const auto [gi, i] = where_.at(name);
+  const auto& g = *groups_[gi];
+  const int64_t n = g.params[i].numel();
+  if (low_precision_copy()) return g.master_full.narrow(0, g.offsets[i], n);
+  return g.params[i].detach().view({-1});
+}
+
+// The group's fp32 masters, all-gathered into a buffer of their own (a low-precision compute copy
+// cannot give them back).
+void Engine::gather_master(Group& g) {
+  if (g.master_full.defined()) return;
+  g.master_full = torch::empty({g.padded}, g.shard_param.options());
+  add_transient(g.bytes());
+  comm_->all_gather(g.master_full, g.shard_param, "master all-gather of " + g.name).wait();
 }
 
 int64_t Engine::take_transient_peak() {
@@ -395,6 +515,14 @@ int64_t Engine::largest_unit_bytes() const {
   return b;
 }
 
+int64_t Engine::param_buffer_bytes(const Group& g) const {
+  return g.padded * static_cast<int64_t>(c10::elementSize(param_dtype_));
+}
+
+int64_t Engine::grad_buffer_bytes(const Group& g) const {
+  return g.padded * static_cast<int64_t>(c10::elementSize(reduce_dtype_));
+}
+
 void Engine::add_transient(int64_t bytes) {
   transient_ += bytes;
   transient_peak_ = std::max(transient_peak_, transient_);
@@ -405,13 +533,13 @@ void Engine::add_transient(int64_t bytes) {
 void Engine::start_gather(Group& g) {
   if (g.gathered) return;
   auto* storage = g.flat_param.storage().unsafeGetStorageImpl();
-  const auto bytes = static_cast<size_t>(g.bytes());
+  const auto bytes = static_cast<size_t>(param_buffer_bytes(g));
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
   g.gathered = true;
   ++gathers_;
-  add_transient(g.bytes());
-  g.gathering = comm_->all_gather(g.flat_param, g.shard_param, "parameter all-gather of " + g.name);
+  add_transient(param_buffer_bytes(g));
+  g.gathering = comm_->all_gather(g.flat_param, compute_shard(g), "parameter all-gather of " + g.name);
 }
 
 void Engine::gather_group(Group& g) {
@@ -427,7 +555,7 @@ void Engine::release_group(Group& g) {
   storage->set_data_ptr_noswap(c10::DataPtr(nullptr, g.flat_param.device()));
   storage->set_nbytes(0);
   g.gathered = false;
-  add_transient(-g.bytes());
+  add_transient(-param_buffer_bytes(g));
 }
 
 void Engine::gather(int64_t unit) {

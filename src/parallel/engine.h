@@ -21,6 +21,7 @@
 // whatever order autograd finishes gradients in. Sums are divided by the world size (Gloo has no AVG).
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -76,19 +77,25 @@ class Engine {
   double grad_norm();             // global L2 norm of the averaged gradient
   void clip(double max_norm, double norm);  // scales by max_norm / (norm + 1e-6) when that is < 1
   void after_step();              // zero1/2: all-gather the updated parameters
+  // After held_spans() were written (a load): a low-precision compute copy is re-made from the masters.
+  void params_loaded();
   StateBytes state_bytes() const;
   // The elements this rank's optimizer updates (none: every parameter in full; zero*: the shard).
   std::vector<Span> owned_spans() const;
-  // The parameter elements this rank stores between steps (zero3: its shard; otherwise every parameter).
+  // The fp32 parameter elements this rank stores between steps, what a load writes (zero3, or a
+  // low-precision compute copy: its master shard; otherwise every parameter). Call params_loaded() after.
   std::vector<Span> held_spans() const;
   // zero3: gather every unit (a collective on every rank) so the whole model can be read; release_all
   // frees them again. No-ops for the other stages.
   void gather_all();
   void release_all();
-  // zero3: the same for one unit (model::kEmbeddingUnit, block_unit(l), head_unit), so the model can be
-  // read unit by unit (final weights) while holding at most one gathered unit. No-ops otherwise.
+  // One unit (model::kEmbeddingUnit, block_unit(l), head_unit) readable through param_values(), so the
+  // model can be read unit by unit (final weights) holding at most one gathered unit: zero3 gathers it;
+  // with a low-precision compute copy its groups' fp32 masters are gathered (collectives on every rank).
   void gather_unit(int64_t unit);
   void release_unit(int64_t unit);
+  // A parameter's full fp32 values, flat (between gather_unit and release_unit of its unit).
+  torch::Tensor param_values(const std::string& name) const;
   // Largest transient bytes seen (gathered parameters and not-yet-reduced gradients), and reset.
   int64_t take_transient_peak();
   int64_t largest_unit_bytes() const;  // the largest group's parameter bytes
@@ -101,7 +108,26 @@ class Engine {
 
  private:
   struct Group;
+  struct Layout {  // which parameters make which group (plan_groups)
+    std::vector<std::vector<model::NamedParam>> members;
+    std::vector<std::string> names;
+    std::vector<int64_t> group_of_unit;
+  };
   void build_groups(const config::RunConfig& cfg);
+  Layout plan_groups(const config::RunConfig& cfg, const std::vector<std::vector<model::NamedParam>>& units) const;
+  std::unique_ptr<Group> make_group(const std::string& name, std::vector<model::NamedParam> named);
+  void shard_and_bind(Group& g, torch::Tensor flat);
+  void materialize_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit);
+  void index_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit);
+  void add_grad_hooks();
+  void on_param_grad(size_t group, size_t index);
+  void check_same_init();
+  torch::TensorOptions fp32_options() const;
+  bool low_precision_copy() const;  // precision.param_dtype is not fp32
+  torch::Tensor compute_shard(Group& g);
+  void gather_master(Group& g);
+  int64_t param_buffer_bytes(const Group& g) const;  // flat_param, in the compute dtype
+  int64_t grad_buffer_bytes(const Group& g) const;   // zero2/3's transient flat_grad, in the reduce dtype
   void on_grad_ready(size_t group);
   void launch_ready();
   void launch(size_t group);
@@ -120,9 +146,14 @@ class Engine {
   model::GPT model_;
   std::shared_ptr<Comm> comm_;
   std::string sharding_;
+  at::ScalarType param_dtype_, reduce_dtype_;
   int64_t rank_, world_;
+  c10::Device device_;
+  bool deferred_;         // the model came with deferred parameters (zero3 materializes its shards)
+  double init_sum_ = 0;   // sum of the initial parameters (checked equal on every rank)
   std::vector<std::unique_ptr<Group>> groups_;  // in launch order
-  std::vector<std::vector<size_t>> unit_groups_;  // zero3: unit -> groups it needs gathered
+  std::vector<std::vector<size_t>> unit_groups_;  // unit -> groups it needs gathered (zero1/2: holding its parameters)
+  std::map<std::string, std::pair<size_t, size_t>> where_;  // parameter name -> (group, index in it)
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<size_t> in_flight_;
   size_t cursor_ = 0;

@@ -384,6 +384,7 @@ fs::path chosen_dir(const std::string& resume, const fs::path& root, int64_t ste
 
 void load_params(const Reader& r, train::Session& s) {
   for (const auto& sp : held_spans(s)) r.read("param", sp, sp.values);
+  if (s.engine) s.engine->params_loaded();
 }
 
 void load_moments(const Reader& r, train::Session& s, int64_t step) {
@@ -479,7 +480,8 @@ const std::vector<std::string>& math_keys() {
       "model.mlp_hidden", "model.dropout", "model.bias", "model.tie_embeddings", "model.norm_eps", "model.rope_theta",
       "model.init_std", "data.source", "data.raw_dtype", "data.path", "data.val_path", "data.val_fraction", "data.synthetic_tokens",
       "train.seq_len", "train.global_batch", "train.lr", "train.min_lr", "train.warmup_steps", "train.weight_decay",
-      "train.beta1", "train.beta2", "train.grad_clip", "train.seed", "precision.compute", "precision.loss_scale",
+      "train.beta1", "train.beta2", "train.grad_clip", "train.seed", "precision.compute", "precision.param_dtype",
+      "precision.reduce_dtype", "precision.loss_scale",
       "precision.init_scale", "precision.growth_factor", "precision.backoff_factor", "precision.growth_interval"};
   return keys;
 }

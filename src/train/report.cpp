@@ -43,8 +43,9 @@ Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
     source.leave = [&](int64_t unit) { s.engine->release_unit(unit); };
     s.engine->take_transient_peak();  // from here on: what the export gathers
   }
-  source.values = [&](const interop::HfTensor& t) {
-    return params[t.param].detach().view({-1}).narrow(0, t.begin(), t.end() - t.begin()).to(torch::kCPU);
+  source.values = [&](const interop::HfTensor& t) {  // fp32: the masters under a low-precision compute copy
+    const auto flat = s.engine ? s.engine->param_values(t.param) : params[t.param].detach().view({-1});
+    return flat.narrow(0, t.begin(), t.end() - t.begin()).to(torch::kCPU);
   };
   try {
     const auto w = interop::write_hf(s.runlog->dir() / "model" / "model.safetensors", s.cfg.model, torch::kFloat, source,
@@ -72,7 +73,7 @@ Json parallel_report(Session& s, const LoopState& st, Outcome& o) {
   const std::vector<double> mine{static_cast<double>(s.launch.rank), static_cast<double>(st.rest_bytes),
                                  static_cast<double>(sb.params),     static_cast<double>(sb.grads),
                                  static_cast<double>(opt_bytes),     static_cast<double>(st.transient_peak),
-                                 static_cast<double>(st.peak_bytes)};
+                                 static_cast<double>(st.peak_bytes), static_cast<double>(s.build_peak_bytes)};
   std::vector<double> all = mine;
   if (ranks_aligned(o.code) && s.world() > 1) {
     try {
@@ -91,7 +92,8 @@ Json parallel_report(Session& s, const LoopState& st, Outcome& o) {
                      {"optimizer_state_bytes", at(4)},
                      {"model_state_bytes", at(2) + at(3) + at(4)},
                      {"transient_peak_bytes", at(5)},
-                     {"peak_allocated_bytes", at(6)}});
+                     {"peak_allocated_bytes", at(6)},
+                     {"build_peak_bytes", at(7)}});
   }
   return {{"world_size", s.world()},
           {"backend", s.comm->backend()},

@@ -117,6 +117,7 @@ void load_init_from(Session& s) {
   torch::NoGradGuard no_grad;
   if (s.engine) {
     for (const auto& sp : s.engine->held_spans()) s.init_from->read(sp.param, sp.begin, sp.end, sp.values);
+    s.engine->params_loaded();
   } else {
     for (const auto& item : s.model->named_parameters())
       s.init_from->read(item.key(), 0, item.value().numel(), item.value().detach().view({-1}));
@@ -169,8 +170,12 @@ void choose_micro_batch(Session& s) {
 void build_model(Session& s) {
   const auto& cfg = s.cfg;
   torch::manual_seed(static_cast<uint64_t>(cfg.train.seed));
+  // zero3: no rank ever holds the whole model; the engine draws each unit's values in turn and keeps its shard.
+  const bool deferred = cfg.parallel.sharding == "zero3";
+  s.tracker->reset_peak();
+  const int64_t before_build = s.tracker->read().allocated_bytes;
   try {
-    s.model = model::GPT(cfg.model, s.device);
+    s.model = model::GPT(cfg.model, s.device, deferred);
   } catch (const c10::OutOfMemoryError& e) {  // before the run directory exists: nothing to clean up
     throw OomError(fmt::format("out of memory while building the model ({}). To fit, {}",
                                std::string(e.what_without_backtrace()).substr(0, 200), memory::oom_advice(cfg, s.limit)));
@@ -184,6 +189,7 @@ void build_model(Session& s) {
     s.engine = std::make_unique<parallel::Engine>(s.model, cfg, s.comm);
     s.engine->attach(*s.policy);
   }
+  s.build_peak_bytes = s.tracker->read().peak_allocated_bytes - before_build;
   s.opt = s.engine ? s.engine->make_optimizer(cfg.train) : make_optimizer(s.model, cfg.train);
   s.scaler = std::make_unique<precision::LossScaler>(cfg.precision, s.device);
   s.precision = {precision::compute_dtype(cfg.precision.compute), s.scaler.get()};
