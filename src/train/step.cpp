@@ -73,7 +73,9 @@ struct StepReading {
 StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, const torch::Tensor& found_inf,
                       precision::LossScaler* scaler, parallel::Engine* engine) {
   torch::NoGradGuard no_grad;
-  const auto f64 = [&](const torch::Tensor& t) { return t.defined() ? t.reshape({1}).to(torch::kDouble) : torch::zeros({1}, loss.options()); };
+  const auto f64 = [&](const torch::Tensor& t) {
+    return t.defined() ? t.reshape({1}).to(torch::kDouble) : torch::zeros({1}, loss.options());  // loss: float64
+  };
   auto packed = torch::cat({f64(loss), f64(norm), f64(found_inf)});
   const int64_t world = engine ? engine->comm().world() : 1;
   if (world > 1) engine->comm().all_reduce_sum(packed, "loss, gradient norm and found-inf reduction").wait();
@@ -85,6 +87,14 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
   if (world > 1) engine->comm().check("loss, gradient norm and found-inf reduction");
   if (scaler) scaler->observe(v[3]);
   return {world > 1 ? v[0] / static_cast<double>(world) : v[0], engine ? std::sqrt(v[1]) : v[1], v[2] > 0.0};
+}
+
+// A batch tensor on `device`. CUDA: staged through pinned memory and copied without blocking; a copy
+// from pageable memory waits for the stream to finish everything queued before it (a host
+// synchronization per tensor per micro-batch).
+torch::Tensor to_device(const torch::Tensor& t, torch::Device device) {
+  if (!device.is_cuda()) return t.to(device);
+  return t.pin_memory().to(device, /*non_blocking=*/true);
 }
 
 // Zeroes the gradients (kept allocated, so peak - model states is the activation peak).
@@ -126,7 +136,7 @@ torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data:
   const double n = static_cast<double>(micro.size());
   torch::Tensor total;  // float64 on the device: the same sum the host made of each loss's value
   for (const auto& b : micro) {
-    auto x = b.x.to(device), y = b.y.to(device);
+    auto x = to_device(b.x, device), y = to_device(b.y, device);
     t_phase = "forward";
     torch::Tensor loss;
     {
@@ -152,8 +162,9 @@ double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch:
   for (int64_t i = 0; i < batches; ++i) {
     auto b = loader.next();
     precision::AutocastGuard guard(device.type(), autocast);
-    auto x = b.x.to(device);
-    const auto l = model::GPTImpl::loss(forward ? forward(x) : model->forward(x), b.y.to(device)).to(torch::kDouble);
+    auto x = to_device(b.x, device);
+    const auto logits = forward ? forward(x) : model->forward(x);
+    const auto l = model::GPTImpl::loss(logits, to_device(b.y, device)).to(torch::kDouble);
     total = total.defined() ? total + l : l;
   }
   model->train();
