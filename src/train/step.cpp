@@ -27,6 +27,7 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
+// Waits for the device: measure_gemm_flops only (once, at set-up); a step never calls it.
 void sync(torch::Device device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
