@@ -49,7 +49,7 @@ Result run_once(const config::RunConfig& cfg, int64_t micro_batches = 1) {
   Result r;
   const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), nullptr};
   r.loss = train::forward_backward([&](const torch::Tensor& idx) { return policy.forward(idx); }, batches, torch::kCPU,
-                                   prec);
+                                   prec).item<double>();
   for (const auto& p : m->parameters()) r.grads.push_back(p.grad().clone());
   return r;
 }

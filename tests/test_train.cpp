@@ -1,21 +1,28 @@
 // Training step pieces: accumulation equals one big batch, LR schedule, optimizer groups,
 // model-state bytes, FLOPs formula; the loop's handling of non-finite gradients and unexpected
-// errors (faults injected through gradient hooks into a real setup()/train_loop()/finish()).
+// errors (faults injected through gradient hooks into a real setup()/train_loop()/finish()); one host
+// synchronization per optimizer step, counted from a trace of every ATen op.
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <map>
 #include <sstream>
+#include <string_view>
+#include <thread>
 
 #include "catch.h"
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include "config/config.h"
 #include "data/loader.h"
 #include "memory/tracker.h"
 #include "model/gpt.h"
+#include "parallel/comm.h"
+#include "parallel/engine.h"
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
+#include "recompute/policy.h"
 #include "train/schedule.h"
 #include "test_util.h"
 #include "train/run.h"
@@ -52,11 +59,11 @@ TEST_CASE("accumulation 4 x micro-batch 2 gives the gradients of micro-batch 8")
   std::vector<data::Batch> micro;
   for (int i = 0; i < 4; ++i) micro.push_back({big.x.narrow(0, 2 * i, 2), big.y.narrow(0, 2 * i, 2)});
   m->zero_grad();
-  const double loss_acc = train::forward_backward(fwd(m), micro, torch::kCPU);
+  const double loss_acc = train::forward_backward(fwd(m), micro, torch::kCPU).item<double>();
   auto g_acc = grads_of(m);
 
   m->zero_grad();
-  const double loss_big = train::forward_backward(fwd(m), {big}, torch::kCPU);
+  const double loss_big = train::forward_backward(fwd(m), {big}, torch::kCPU).item<double>();
   auto g_big = grads_of(m);
 
   CHECK(loss_acc == Approx(loss_big).epsilon(1e-6));
@@ -163,7 +170,7 @@ TEST_CASE("fp16 accumulation: every micro-step uses the same scale; unscaled gra
     for (int i = 0; i < 4; ++i) micro.push_back(loader.next());
     train::forward_backward(fwd(m), micro, torch::kCPU, {precision::compute_dtype("fp16"), &scaler});
     auto g = grads_of(m);
-    REQUIRE(scaler.unscale(g));
+    REQUIRE(scaler.unscale(g).item<float>() == 0.0f);  // no inf/NaN found
     return g;
   };
   // Power-of-two scales are exact in floating point: two scales high enough to avoid underflow give
@@ -331,5 +338,136 @@ TEST_CASE("train.global_batch counts sequences per optimizer step over all ranks
     WorldSize w("1");
     CHECK_THROWS_WITH(config::load_string("", explicit_batch), Catch::Contains("train.global_batch: 16 is not"));
     CHECK_NOTHROW(config::load_string("", {"train.micro_batch=4", "train.grad_accum=2", "train.global_batch=8"}));
+  }
+}
+
+namespace {
+// Counts the host synchronizations the calling thread makes, from a RecordFunction callback on every
+// ATen op (the mechanism LibTorch's profiler records with): every .item() (aten::_local_scalar_dense),
+// every blocking copy between the host and a device (aten::copy_ with non_blocking false: CUDA waits
+// for the stream; none on a CPU-only run), and the trainer's one declared read (sublinear::host_read:
+// a device-to-host copy on CUDA; on CPU, where nothing waits, the place it would). The ops inside a
+// host_read are part of it. Per thread, so in-process ranks (threads) count separately.
+namespace syncs {
+thread_local int64_t t_count = 0;
+thread_local int t_in_read = 0;
+
+bool blocking_cross_device_copy(const at::RecordFunction& fn) {
+  const auto in = fn.inputs();
+  if (in.size() < 2 || !in[0].isTensor() || !in[1].isTensor()) return false;
+  const bool non_blocking = in.size() > 2 && in[2].isBool() && in[2].toBool();
+  return !non_blocking && in[0].toTensor().is_cpu() != in[1].toTensor().is_cpu();
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  const std::string_view name = fn.name();
+  if (name == "sublinear::host_read") {
+    if (t_in_read++ == 0) ++t_count;
+  } else if (t_in_read == 0 &&
+             (name == "aten::_local_scalar_dense" || (name == "aten::copy_" && blocking_cross_device_copy(fn)))) {
+    ++t_count;
+  }
+  return nullptr;
+}
+
+void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
+  if (std::string_view(fn.name()) == "sublinear::host_read") --t_in_read;
+}
+
+// Registered while alive (every thread's ops); count() is the calling thread's since reset().
+struct Counter {
+  at::CallbackHandle handle;
+  Counter() : handle(at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end).needsInputs(true))) {}
+  ~Counter() { at::removeCallback(handle); }
+  static void reset() { t_count = 0; }
+  static int64_t count() { return t_count; }
+};
+}  // namespace syncs
+
+// One rank of an in-process world-2 run (a thread): Comm, policy, engine, optimizer and scaler as
+// setup() makes them, then `steps` train_steps of 2 micro-batches; returns its host syncs in them.
+int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int port, int64_t steps) {
+  parallel::LaunchEnv env;
+  env.rank = rank, env.world = 2, env.local_rank = rank, env.local_world = 2, env.master_port = port;
+  auto comm = std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU);
+  recompute::Policy policy(cfg.checkpointing, m);
+  parallel::Engine engine(m, cfg, comm);
+  engine.attach(policy);
+  auto opt = engine.make_optimizer(cfg.train);
+  precision::LossScaler scaler(cfg.precision, torch::kCPU);
+  const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), &scaler};
+  memory::Tracker tracker(torch::kCPU);
+  data::Loader loader(data::make_synthetic(20000, 256, 3), 2, 32, 100 + static_cast<uint64_t>(rank));
+  const train::ForwardFn forward = [&](const torch::Tensor& idx) { return policy.forward(idx); };
+  syncs::Counter::reset();
+  for (int64_t s = 0; s < steps; ++s) {
+    train::train_step(forward, m, *opt, {loader.next(), loader.next()}, 1.0, torch::kCPU, tracker, prec, &engine);
+  }
+  return syncs::Counter::count();
+}
+}  // namespace
+
+TEST_CASE("the sync counter sees .item()") {
+  syncs::Counter counter;
+  syncs::Counter::reset();
+  CHECK(torch::ones({2}).sum().item<double>() == 2.0);
+  CHECK(syncs::Counter::count() == 1);
+}
+
+TEST_CASE("one host synchronization per optimizer step: the loop at world 1, accumulation 2, checkpointing full") {
+  const std::string compute = GENERATE(as<std::string>{}, "fp32", "fp16");
+  test::TempDir dir("syncs");
+  // No state saved at the end: a save reads the fp16 growth counter (once per save, not per step).
+  auto cfg = loop_config(dir.path / "run", {"train.grad_accum=2", "checkpointing.mode=full", "state.at_end=false",
+                                            "precision.compute=" + compute});
+  auto s = train::setup(cfg);
+  train::LoopState st;
+  train::Outcome o;
+  int64_t count = 0;
+  {
+    syncs::Counter counter;
+    syncs::Counter::reset();
+    o = train::train_loop(*s, st);
+    count = syncs::Counter::count();
+  }
+  INFO(compute << ": " << count << " host syncs in " << st.steps_done << " steps: " << o.message);
+  REQUIRE(o.code == kExitOk);
+  REQUIRE(st.steps_done == 3);
+  CHECK(count == st.steps_done);
+  train::finish(*s, st, std::move(o));
+}
+
+TEST_CASE("one host synchronization per optimizer step on each of two ranks (in-process, Gloo)") {
+  const std::string sharding = GENERATE(as<std::string>{}, "none", "zero1", "zero2", "zero3");
+  const std::string compute = GENERATE(as<std::string>{}, "fp32", "fp16");
+  auto cfg = config::load_string("", {"model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.dropout=0.0",
+                                      "train.seq_len=32", "train.micro_batch=2", "train.grad_accum=2",
+                                      "train.device=cpu", "checkpointing.mode=full", "parallel.timeout_s=60",
+                                      "parallel.sharding=" + sharding, "precision.compute=" + compute});
+  std::vector<model::GPT> models;
+  for (int r = 0; r < 2; ++r) {  // built here, one after the other: the seed is process-wide
+    torch::manual_seed(cfg.train.seed);
+    models.emplace_back(cfg.model, torch::kCPU);
+  }
+  syncs::Counter counter;
+  const int port = test::free_port();
+  const int64_t steps = 3;
+  std::vector<int64_t> counts(2, -1);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        counts[r] = rank_syncs(cfg, models[r], r, port, steps);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 2; ++r) {
+    INFO(sharding << " " << compute << " rank " << r << ": " << counts[r] << " host syncs in " << steps
+                  << " steps " << errors[r]);
+    CHECK(errors[r].empty());
+    CHECK(counts[r] == steps);
   }
 }

@@ -85,8 +85,12 @@ void Pending::wait() {
   auto work = std::move(work_);
   work_.reset();
   try {
-    // Gloo and NCCL enforce the process group's timeout themselves; a dead peer fails at once.
+    // Gloo: blocks the host until the collective is done, and enforces the process group's timeout
+    // itself (a dead peer fails at once). NCCL: orders the current CUDA stream after the collective
+    // and returns without waiting for it; a failure is found by ProcessGroupNCCL's watchdog (see the
+    // Comm constructor), already here if it has found it, else by Comm::check().
     work->wait();
+    if (work->exception()) std::rethrow_exception(work->exception());
   } catch (const std::exception& e) {
     comm_->fail(what_, short_what(e));
   }
@@ -95,10 +99,15 @@ void Pending::wait() {
     then_ = nullptr;
     then();
   }
-  // The backend's worker thread drops its reference to a finished work (and with it the tensors the
-  // work holds) a moment after wait() returns; under load, many milliseconds later. Let that happen
-  // first, so a buffer we drop next is freed here, now, and not at a moment that depends on thread
-  // scheduling (e.g. inside the next step's memory peak). At most 100 ms.
+  if (comm_->backend() == "gloo") await_release(work);
+}
+
+// Gloo's worker thread drops its reference to a finished work (and with it the tensors the work
+// holds) a moment after wait() returns; under load, many milliseconds later. Let that happen first,
+// so a buffer we drop next is freed here, now, and not at a moment that depends on thread scheduling
+// (e.g. inside the next step's memory peak). At most 100 ms. Not for NCCL: its wait() returns before
+// the collective ran, and the CUDA caching allocator already keeps a buffer a stream still uses.
+void Pending::await_release(const c10::intrusive_ptr<c10d::Work>& work) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
   while (work.use_count() > 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
 }
@@ -139,10 +148,18 @@ Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device 
                                                         static_cast<int>(env_.world), opts);
     } else {
 #ifdef USE_C10D_NCCL
-      // Blocking waits: Work::wait() then blocks the host and throws on a timeout or a peer's error
-      // (mapped to exit 5) instead of only ordering streams and leaving errors to the watchdog, which
-      // would abort the process without a summary. The user's own setting wins.
-      ::setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
+      // Non-blocking waits (ProcessGroupNCCL's default): Work::wait() only orders the CUDA stream, so
+      // a step's collectives never stall the host; its one read waits for them with everything else.
+      // Errors are ProcessGroupNCCL's asynchronous error handling: its watchdog thread polls every
+      // collective; one that fails (a peer's NCCL error, propagated through the store) or runs past
+      // opts->timeout (parallel.timeout_s: a dead or hung peer) gets the error set on its work. Mode
+      // 2 (CleanUpOnly) then aborts this rank's communicators, which ends the NCCL kernels waiting on
+      // the peer, so the stream, and the host read waiting on it, move on, and leaves the process
+      // alive: Comm::check() after the read (or Pending::wait, or the next launch on an aborted
+      // communicator) throws DistError, exit 5 with a summary, about timeout_s after the peer went.
+      // The default mode (3, tear down) would abort the process from the watchdog, with no summary.
+      // The user's own setting wins.
+      ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
       auto opts = c10d::ProcessGroupNCCL::Options::create();
       opts->timeout = timeout;
       pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, static_cast<int>(env_.rank),
@@ -161,6 +178,20 @@ Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device 
 }
 
 Comm::~Comm() = default;
+
+void Comm::check(const std::string& what) {
+#ifdef USE_C10D_NCCL
+  if (backend_ != "nccl") return;
+  const auto error = pg_->getError();  // a flag the watchdog set: no device or network wait
+  if (error == c10d::ErrorType::SUCCESS) return;
+  const char* kind = error == c10d::ErrorType::TIMEOUT        ? "a collective timed out"
+                     : error == c10d::ErrorType::REMOTE_ERROR ? "a peer reported an NCCL error"
+                                                              : "an NCCL error";
+  fail(what, fmt::format("ProcessGroupNCCL's watchdog found {} and aborted the communicators", kind));
+#else
+  (void)what;
+#endif
+}
 
 void Comm::fail(const std::string& what, const std::string& detail) {
   if (failure_.empty())
@@ -226,14 +257,18 @@ double Comm::all_reduce_sum(double v, const std::string& what) {
   if (!distributed()) return v;
   auto t = torch::tensor({v}, torch::TensorOptions().dtype(torch::kFloat64)).to(device_);
   all_reduce_sum(t, what).wait();
-  return t.item<double>();
+  const double out = t.item<double>();
+  check(what);  // NCCL: the read returned; was the collective aborted?
+  return out;
 }
 
 double Comm::all_reduce_max(double v, const std::string& what) {
   if (!distributed()) return v;
   auto t = torch::tensor({v}, torch::TensorOptions().dtype(torch::kFloat64)).to(device_);
   all_reduce_sum(t, what, /*max=*/true).wait();
-  return t.item<double>();
+  const double out = t.item<double>();
+  check(what);  // NCCL: the read returned; was the collective aborted?
+  return out;
 }
 
 std::vector<double> Comm::all_gather(const std::vector<double>& v, const std::string& what) {
@@ -243,6 +278,7 @@ std::vector<double> Comm::all_gather(const std::vector<double>& v, const std::st
   auto out = torch::empty({n * env_.world}, in.options());
   all_gather(out, in, what).wait();
   out = out.cpu();
+  check(what);
   return {out.data_ptr<double>(), out.data_ptr<double>() + n * env_.world};
 }
 

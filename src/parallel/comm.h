@@ -2,9 +2,10 @@
 // that sets the same variables) gives a process, the rendezvous over c10d::TCPStore, and one process
 // group (ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA) behind a narrow interface: sum-all-reduce,
 // all-gather and reduce-scatter of flat tensors, each returning a handle to wait on. Every wait checks
-// the collective's result; a failure (peer died, timeout) throws DistError (exit 5) and is remembered,
-// so an error that surfaces through autograd (collectives launched from gradient hooks) is still
-// reported as a distributed failure.
+// the collective's result (Gloo: it blocks until done; NCCL: it only orders the CUDA stream, and
+// check() after the step's host read asks for what the watchdog found); a failure (peer died,
+// timeout) throws DistError (exit 5) and is remembered, so an error that surfaces through autograd
+// (collectives launched from gradient hooks) is still reported as a distributed failure.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -57,10 +58,12 @@ class Pending {
   ~Pending();
   void wait();
   // Runs after a successful wait() (e.g. copying this rank's slice out of an all-reduced buffer).
-  // wait() returns once the backend has also released the work, so the tensors it held are free.
+  // Gloo: wait() returns once the backend has also released the work, so the tensors it held are free.
+  // NCCL: wait() returns at once, the current stream ordered after the collective.
   void then(std::function<void()> fn) { then_ = std::move(fn); }
 
  private:
+  static void await_release(const c10::intrusive_ptr<c10d::Work>& work);
   Comm* comm_ = nullptr;
   c10::intrusive_ptr<c10d::Work> work_;
   std::string what_;
@@ -96,6 +99,10 @@ class Comm {
   std::vector<double> all_gather(const std::vector<double>& v, const std::string& what);
   void barrier(const std::string& what);
 
+  // NCCL: throws DistError when ProcessGroupNCCL's watchdog found a failed or timed-out collective
+  // (waits do not block the host, so errors surface here; call it after a host read). A host-side
+  // flag check, no wait. Gloo (whose waits throw themselves) and one process: nothing.
+  void check(const std::string& what);
   // The first collective failure seen (empty when none).
   const std::string& failure() const { return failure_; }
   [[noreturn]] void fail(const std::string& what, const std::string& detail);

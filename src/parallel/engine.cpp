@@ -373,21 +373,21 @@ std::vector<torch::Tensor> Engine::grads() const {
   return out;
 }
 
-double Engine::grad_norm() {
+torch::Tensor Engine::grad_norm_sq_share() {
   torch::NoGradGuard no_grad;
+  const auto gs = grads();
+  // none: every rank holds the same averaged gradient; one copy of its norm goes into the sum.
+  if (sharding_ == "none" && rank_ != 0) return torch::zeros({}, gs.front().options().dtype(torch::kDouble));
   // Accumulated in float64: the norm (and so the clip factor) must not depend on how the gradient is
   // cut into buckets or shards, or the stages would drift apart by rounding (visible under bf16).
   // Chunk by chunk: a float64 norm converts its input first, and a whole group's float64 copy is
   // twice the group's gradient (memory/planner.h counts one chunk's copy).
   std::vector<torch::Tensor> norms;
-  for (const auto& t : grads())
+  for (const auto& t : gs)
     for (int64_t off = 0; off < t.numel(); off += memory::kGradNormChunk)
       norms.push_back(at::linalg_vector_norm(t.narrow(0, off, std::min(memory::kGradNormChunk, t.numel() - off)), 2,
                                              std::nullopt, false, at::kDouble));
-  double sq = torch::stack(norms).pow(2).sum().item<double>();  // one device sync, not one per group
-  // none: every rank holds the whole averaged gradient; zero*: each holds a disjoint shard.
-  if (sharding_ != "none") sq = comm_->all_reduce_sum(sq, "gradient norm");
-  return std::sqrt(sq);
+  return torch::stack(norms).pow(2).sum();
 }
 
 void Engine::clip(double max_norm, double norm) {

@@ -74,8 +74,13 @@ class Engine {
   void end_backward();  // launches what is left, waits; after the last: gradients are averaged
   // The gradients the optimizer will use (this rank's shards for zero*).
   std::vector<torch::Tensor> grads() const;
-  double grad_norm();             // global L2 norm of the averaged gradient
-  void clip(double max_norm, double norm);  // scales by max_norm / (norm + 1e-6) when that is < 1
+  // This rank's share of the squared global L2 norm of the averaged gradient: a float64 0-d device
+  // tensor, not read. Summed over ranks it is the squared norm (zero*: each rank holds a disjoint
+  // shard; none: every rank holds the whole gradient, so rank 0 gives it and the others 0), which the
+  // trainer does in its one all-reduce and host read per step.
+  torch::Tensor grad_norm_sq_share();
+  // Scales by max_norm / (norm + 1e-6) when that is < 1: a host scalar, nothing waits for the device.
+  void clip(double max_norm, double norm);
   void after_step();              // zero1/2: all-gather the updated parameters
   // After held_spans() were written (a load): a low-precision compute copy is re-made from the masters.
   void params_loaded();

@@ -14,25 +14,25 @@ LossScaler::LossScaler(const config::PrecisionConfig& cfg, c10::Device device)
   if (!enabled_) return;
   const double init = dynamic_ ? cfg.init_scale : std::stod(cfg.loss_scale);
   scale_ = at::full({1}, init, at::TensorOptions().dtype(at::kFloat).device(device));
+  scale_host_ = static_cast<double>(static_cast<float>(init));  // what the fp32 tensor holds
   growth_tracker_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
   found_inf_ = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
 }
 
-double LossScaler::scale() const { return enabled_ ? scale_.item<double>() : 1.0; }
-
 at::Tensor LossScaler::scale_loss(const at::Tensor& loss) const { return enabled_ ? loss * scale_ : loss; }
 
-bool LossScaler::unscale(const std::vector<at::Tensor>& grads, const std::function<double(double)>& agree) {
-  if (!enabled_) return true;
+at::Tensor LossScaler::unscale(const std::vector<at::Tensor>& grads) {
+  if (!enabled_) return {};
   found_inf_.zero_();
   at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf_, scale_.reciprocal());
-  if (agree) found_inf_.fill_(agree(found_inf_.item<double>()));
-  return found_inf_.item<float>() == 0.0f;
+  return found_inf_;
 }
 
-void LossScaler::update() {
+void LossScaler::update(const at::Tensor& found_inf) {
   if (!enabled_ || !dynamic_) return;
-  at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, growth_factor_, backoff_factor_, growth_interval_);
+  // A sum of per-rank flags (0, 1, 2, ...) becomes the 0/1 flag the kernel expects.
+  at::_amp_update_scale_(scale_, growth_tracker_, found_inf.gt(0).to(at::kFloat).reshape({1}), growth_factor_,
+                         backoff_factor_, growth_interval_);
 }
 
 int64_t LossScaler::growth_tracker() const { return enabled_ ? growth_tracker_.item<int64_t>() : 0; }
@@ -40,6 +40,7 @@ int64_t LossScaler::growth_tracker() const { return enabled_ ? growth_tracker_.i
 void LossScaler::restore(double scale, int64_t growth_tracker) {
   if (!enabled_) return;
   scale_.fill_(scale);
+  scale_host_ = static_cast<double>(static_cast<float>(scale));
   growth_tracker_.fill_(growth_tracker);
 }
 

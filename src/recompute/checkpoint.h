@@ -14,16 +14,33 @@
 
 #include <ATen/core/Tensor.h>
 
+namespace c10 {
+struct Event;
+}
+
 namespace sl::recompute {
 
 using SegmentFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 using CheapFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 
+// A recompute on CUDA: events recorded on the current stream before and after it.
+struct DeviceSpan {
+  std::shared_ptr<c10::Event> start, end;
+};
+
 // Accumulated by every recompute of a run (reset by the trainer per step).
 struct Stats {
-  double recompute_ms = 0.0;  // wall time spent re-running forwards inside backward
+  double recompute_ms = 0.0;  // time spent re-running forwards inside backward (CPU: wall clock)
   int64_t recomputes = 0;     // how many pieces were recomputed
+  // CUDA: the recomputes whose device time is not in recompute_ms yet (settle_device_times).
+  std::vector<DeviceSpan> device_spans;
 };
+
+// Adds the device spans' elapsed times to recompute_ms and clears them. Reading an event pair does
+// not wait once the device is past its end event: the trainer settles after its one host read per
+// step (Policy::take_stats), when every recompute of the step's backward is done. Called earlier, it
+// waits for the last span's end event.
+void settle_device_times(Stats& stats);
 
 // Shared by all pieces that one policy checkpoints.
 struct Options {

@@ -81,6 +81,7 @@ Policy::Policy(const config::CheckpointingConfig& cfg, model::GPT model)
 }
 
 Stats Policy::take_stats() {
+  settle_device_times(*opts_.stats);
   Stats s = *opts_.stats;
   *opts_.stats = Stats{};
   return s;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include "errors.h"
@@ -26,26 +27,75 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
+// Waits for the device: measure_gemm_flops only (once, at set-up); a step never calls it.
 void sync(torch::Device device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 
-// The global L2 norm of `grads` and, when it is finite and clip > 0, the gradients scaled by
-// min(1, clip / (norm + 1e-6)): the same arithmetic as torch::nn::utils::clip_grad_norm_, but the
-// gradients are left alone when the norm is not finite (the step is then skipped or aborted).
-double measure_and_clip(const std::vector<torch::Tensor>& grads, double clip) {
-  if (grads.empty()) return 0.0;
+// The global L2 norm of `grads` as a 0-d device tensor (fp32 like the gradients: the arithmetic of
+// torch::nn::utils::clip_grad_norm_) and, when clip > 0, the gradients scaled by
+// min(1, clip / (norm + 1e-6)) on the device, by 1 (left alone) when the norm is not finite (the step
+// is then skipped or aborted). Nothing is read: the coefficient never visits the host.
+torch::Tensor local_norm_and_clip(const std::vector<torch::Tensor>& grads, double clip) {
+  if (grads.empty()) return {};
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> norms;
   norms.reserve(grads.size());
   for (const auto& g : grads) norms.push_back(g.norm());
   const torch::Tensor total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm();
-  const double norm = total.item<double>();
-  if (clip > 0.0 && std::isfinite(norm)) {
+  if (clip > 0.0) {
     const auto coef = torch::clamp(clip / (total + 1e-6), std::nullopt, 1.0);
-    for (const auto& g : grads) g.mul_(coef);
+    const auto safe = torch::where(torch::isfinite(total), coef, torch::ones_like(coef));
+    for (const auto& g : grads) g.mul_(safe);
   }
-  return norm;
+  return total;
+}
+
+// Copies `t` (a few float64 values on the device) to the host: the one host synchronization of an
+// optimizer step (on CUDA it waits for everything queued before it). Recorded as
+// "sublinear::host_read" for profilers and tests (tests/test_train.cpp counts them).
+std::vector<double> read_to_host(const torch::Tensor& t) {
+  RECORD_FUNCTION("sublinear::host_read", std::vector<c10::IValue>{});
+  const auto h = t.to(torch::kCPU).contiguous();
+  return {h.data_ptr<double>(), h.data_ptr<double>() + h.numel()};
+}
+
+// What a step decides on, read from the device at once.
+struct StepReading {
+  double loss = 0.0;       // mean over micro-batches and ranks
+  double grad_norm = 0.0;  // global
+  bool found_inf = false;  // fp16: some rank's gradients are not finite
+};
+
+// Packs [this rank's mean loss, its gradient-norm value, its found-inf flag], sums it over ranks (one
+// all-reduce of a device tensor; the norm value is a share of the squared norm with an engine, the
+// norm itself without one, i.e. at world 1), moves the loss scale on (fp16, on the device, from the
+// agreed flag), then reads all of it, with the new scale, in one host read.
+StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, const torch::Tensor& found_inf,
+                      precision::LossScaler* scaler, parallel::Engine* engine) {
+  torch::NoGradGuard no_grad;
+  const auto f64 = [&](const torch::Tensor& t) {
+    return t.defined() ? t.reshape({1}).to(torch::kDouble) : torch::zeros({1}, loss.options());  // loss: float64
+  };
+  auto packed = torch::cat({f64(loss), f64(norm), f64(found_inf)});
+  const int64_t world = engine ? engine->comm().world() : 1;
+  if (world > 1) engine->comm().all_reduce_sum(packed, "loss, gradient norm and found-inf reduction").wait();
+  if (scaler) {
+    scaler->update(packed[2]);
+    packed = torch::cat({packed, scaler->scale_tensor().to(torch::kDouble)});
+  }
+  const std::vector<double> v = read_to_host(packed);
+  if (world > 1) engine->comm().check("loss, gradient norm and found-inf reduction");
+  if (scaler) scaler->observe(v[3]);
+  return {world > 1 ? v[0] / static_cast<double>(world) : v[0], engine ? std::sqrt(v[1]) : v[1], v[2] > 0.0};
+}
+
+// A batch tensor on `device`. CUDA: staged through pinned memory and copied without blocking; a copy
+// from pageable memory waits for the stream to finish everything queued before it (a host
+// synchronization per tensor per micro-batch).
+torch::Tensor to_device(const torch::Tensor& t, torch::Device device) {
+  if (!device.is_cuda()) return t.to(device);
+  return t.pin_memory().to(device, /*non_blocking=*/true);
 }
 
 // Zeroes the gradients (kept allocated, so peak - model states is the activation peak).
@@ -82,12 +132,12 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const con
   return make_adamw(std::move(decay), std::move(no_decay), t);
 }
 
-double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
-                        const StepPrecision& precision, parallel::Engine* engine) {
+torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
+                               const StepPrecision& precision, parallel::Engine* engine) {
   const double n = static_cast<double>(micro.size());
-  double total = 0.0;
+  torch::Tensor total;  // float64 on the device: the same sum the host made of each loss's value
   for (const auto& b : micro) {
-    auto x = b.x.to(device), y = b.y.to(device);
+    auto x = to_device(b.x, device), y = to_device(b.y, device);
     t_phase = "forward";
     torch::Tensor loss;
     {
@@ -98,7 +148,8 @@ double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>
     if (engine) engine->begin_backward(&b == &micro.back());
     ((precision.scaler ? precision.scaler->scale_loss(loss) : loss) / n).backward();
     if (engine) engine->end_backward();
-    total += loss.item<double>();
+    const auto l = loss.detach().to(torch::kDouble);
+    total = total.defined() ? total + l : l;
   }
   return total / n;
 }
@@ -108,15 +159,17 @@ double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch:
   torch::NoGradGuard no_grad;
   t_phase = "eval";
   model->eval();
-  double total = 0.0;
+  torch::Tensor total;  // float64 on the device, read once
   for (int64_t i = 0; i < batches; ++i) {
     auto b = loader.next();
     precision::AutocastGuard guard(device.type(), autocast);
-    auto x = b.x.to(device);
-    total += model::GPTImpl::loss(forward ? forward(x) : model->forward(x), b.y.to(device)).item<double>();
+    auto x = to_device(b.x, device);
+    const auto logits = forward ? forward(x) : model->forward(x);
+    const auto l = model::GPTImpl::loss(logits, to_device(b.y, device)).to(torch::kDouble);
+    total = total.defined() ? total + l : l;
   }
   model->train();
-  return total / static_cast<double>(batches);
+  return total.defined() ? total.item<double>() / static_cast<double>(batches) : 0.0;
 }
 
 ModelStateBytes model_state_bytes(model::GPT& model, const torch::optim::AdamW& opt) {
@@ -162,41 +215,39 @@ double measure_gemm_flops(torch::Device device) {
   return 2.0 * static_cast<double>(n * n * n) / (best_ms * 1e-3);
 }
 
+// One host synchronization: read_step's read, after backward (see trainer.h). The step time is wall
+// clock from here to the return. On CUDA nothing waits for the device at either end: the kernels the
+// step queues after its read (clipping, AdamW, the ZeRO all-gather) finish during the next step and
+// count in its time, so step times still add up to the run's wall time and show its throughput.
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
                       memory::Tracker& tracker, const StepPrecision& precision, parallel::Engine* engine) {
   StepResult r;
   auto* scaler = precision.scaler && precision.scaler->enabled() ? precision.scaler : nullptr;
-  sync(device);
   tracker.reset_peak();
   const auto t0 = Clock::now();
   zero_grads(opt, engine);
   r.loss_scale = scaler ? scaler->scale() : 1.0;
-  r.loss = forward_backward(forward, micro, device, precision, engine);
-  const int64_t world = engine ? engine->comm().world() : 1;
-  if (world > 1) r.loss = engine->comm().all_reduce_sum(r.loss, "loss average") / static_cast<double>(world);
-  if (!std::isfinite(r.loss) && !scaler) return r;
+  const torch::Tensor loss = forward_backward(forward, micro, device, precision, engine);
   t_phase = "optimizer";
   const std::vector<torch::Tensor> grads = engine ? engine->grads() : local_grads(model);
-  std::function<double(double)> agree;
-  if (engine && world > 1 && engine->sharding() != "none")
-    agree = [engine](double v) { return engine->comm().all_reduce_max(v, "fp16 found-inf flag"); };
-  r.skipped = scaler && !scaler->unscale(grads, agree);  // unscale before clipping
+  const torch::Tensor found_inf = scaler ? scaler->unscale(grads) : torch::Tensor();  // unscale before clipping
+  const torch::Tensor norm = engine ? engine->grad_norm_sq_share() : local_norm_and_clip(grads, grad_clip);
+  const StepReading got = read_step(loss, norm, found_inf, scaler, engine);
+  r.loss = got.loss;
+  if (!std::isfinite(r.loss) && !scaler) return r;
+  r.skipped = scaler && got.found_inf;
   if (r.skipped) {
     r.grad_norm = std::numeric_limits<double>::quiet_NaN();
-  } else if (engine) {
-    r.grad_norm = engine->grad_norm();  // global over ranks: every rank takes the same branch below
-    if (grad_clip > 0.0 && std::isfinite(r.grad_norm)) engine->clip(grad_clip, r.grad_norm);
   } else {
-    r.grad_norm = measure_and_clip(grads, grad_clip);
+    r.grad_norm = got.grad_norm;  // global over ranks: every rank takes the same branches below
+    if (engine && grad_clip > 0.0 && std::isfinite(r.grad_norm)) engine->clip(grad_clip, r.grad_norm);
   }
   r.nonfinite_grads = !r.skipped && !std::isfinite(r.grad_norm);
   if (!r.skipped && !r.nonfinite_grads) {
     opt.step();
     if (engine) engine->after_step();
   }
-  if (scaler) scaler->update();
-  sync(device);
   r.ms = ms_since(t0);
   r.mem = tracker.read();
   if (engine) {

@@ -46,13 +46,14 @@ struct StepPrecision {
 
 // Forward + backward over the micro-batches of one optimizer step. Each micro-batch's mean loss is
 // divided by the number of micro-batches, so the accumulated gradient equals the gradient of the
-// mean loss over all of them (one big batch). Returns that mean loss.
+// mean loss over all of them (one big batch). Returns that mean loss as a 0-d float64 tensor on the
+// device, not read (train_step reads it with the step's other numbers, once per step).
 // The forward runs under autocast; each micro-batch's loss is multiplied by the loss scale before its
 // backward (the same scale for every micro-batch of the step).
 // With a data-parallel engine, gradients are reduced across ranks during the backward of the last
 // micro-batch (zero2/3: of every micro-batch) and the returned loss is still this rank's.
-double forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
-                        const StepPrecision& precision = {}, parallel::Engine* engine = nullptr);
+torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
+                               const StepPrecision& precision = {}, parallel::Engine* engine = nullptr);
 
 // Mean loss over `batches` batches from `loader`, in eval mode without autograd, through `forward`
 // (default: the model's own forward; ZeRO-3 needs the policy's, which gathers parameters).
@@ -85,6 +86,11 @@ struct StepResult {
 // sets nonfinite_grads; the caller aborts or skips (train.on_nonfinite).
 // With an engine: gradients are averaged across ranks, the norm is global, the optimizer updates this
 // rank's shard and the parameters are gathered after; the loss is the mean over ranks.
+// One host synchronization per call: the loss, the gradient norm, the fp16 found-inf flag and the new
+// loss scale are summed over ranks in one small device tensor and read to the host once, after
+// backward ("sublinear::host_read" in a profiler trace); the skip/abort decisions and the clip
+// coefficient are made on the host from that read, and nothing after it (clipping, AdamW, the ZeRO
+// all-gather) waits for the device.
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
                       memory::Tracker& tracker, const StepPrecision& precision = {}, parallel::Engine* engine = nullptr);
