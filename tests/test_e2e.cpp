@@ -196,7 +196,8 @@ TEST_CASE("bf16 autocast trains the tiny recipe like fp32; fp16 logs its loss sc
   };
   auto run = [&](const std::string& compute, json* summary) {
     test::TempDir dir("prec");
-    auto r = test::trainer("--config configs/tiny.yaml --set train.steps=30 --set train.micro_batch=8 "
+    // 20 steps: a CPU without bf16/fp16 matmul instructions (AVX2 only) runs these ~8x slower than fp32.
+    auto r = test::trainer("--config configs/tiny.yaml --set train.steps=20 --set train.micro_batch=8 "
                            "--set train.eval_interval=0 --set precision.compute=" + compute +
                            " --set logging.dir=" + (dir.path / "run").string());
     INFO(compute << "\n" << r.output);
@@ -218,7 +219,7 @@ TEST_CASE("bf16 autocast trains the tiny recipe like fp32; fp16 logs its loss sc
   };
   json s32, s16b, s16;
   const auto fp32 = run("fp32", &s32), bf16 = run("bf16", &s16b), fp16 = run("fp16", &s16);
-  // Tolerance: the mean of the last 5 losses within 0.05 nats of fp32's (both fall ~3 nats from 5.5).
+  // Tolerance: the mean of the last 5 losses within 0.05 nats of fp32's (both fall ~2.7 nats from 5.56 in 20 steps).
   CHECK(std::abs(last5(bf16) - last5(fp32)) < 0.05);
   CHECK(last5(bf16) < bf16.front()["loss"].get<double>() - 2.0);
   CHECK(s16b["skipped_steps"] == 0);

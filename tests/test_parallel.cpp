@@ -258,7 +258,8 @@ TEST_CASE("zero1/2/3 match DDP with every checkpointing mode, and per-rank memor
         CHECK(measured <= 1.05 * bound);
         CHECK(r["model_state_bytes"].get<double>() <= 1.05 * bound);
         if (stage == "zero3")  // parameters and gradients of the units gathered at once, on top of the shards
-          CHECK(measured + r["transient_peak_bytes"].get<double>() <= 1.05 * ((P + G + O) / N + 2 * unit));
+          // (a unit's parameters and gradient, and the next unit's parameters, prefetched in backward)
+          CHECK(measured + r["transient_peak_bytes"].get<double>() <= 1.05 * ((P + G + O) / N + 3 * unit));
         const double predicted = s["predicted_peak_bytes"].get<double>();  // the planner, per rank
         CHECK(std::abs(r["peak_allocated_bytes"].get<double>() - predicted) <= 0.10 * predicted);
       }

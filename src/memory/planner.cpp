@@ -129,8 +129,8 @@ PeakPrediction predict_peak(const config::RunConfig& cfg) {
     // One bucket's full gradient: it fills while the backward still holds activations. (Its
     // reduce-scatter output slice comes when the bucket is complete, after most of them are freed.)
     p.transient_bytes = std::min(cr * n, cr * bucket_cap_params(cfg));
-  } else if (sh == "zero3") {  // the largest unit's gathered parameters and its full gradient
-    p.transient_bytes = (cp + cr) * largest_unit_params(cfg.model);
+  } else if (sh == "zero3") {  // the largest unit's gathered parameters and full gradient, and the next
+    p.transient_bytes = (2 * cp + cr) * largest_unit_params(cfg.model);  // unit's, prefetched in backward
   }
   p.batch_bytes = 2 * 8 * cfg.train.micro_batch * cfg.train.seq_len;
   if (cfg.model.arch == "llama") p.buffer_bytes = 4 * cfg.model.max_seq_len * (cfg.model.n_embd / cfg.model.n_head);

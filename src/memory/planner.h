@@ -25,7 +25,9 @@ inline constexpr int64_t kGradNormChunk = int64_t{1} << 20;
 // AdamW's two moments of the whole model; N = world size):
 //   none  P + G + O      zero1  P + G + O/N      zero2  P + (G + O)/N      zero3  (P + G + O)/N
 // plus what the stage holds transiently at the backward's peak: zero2 one bucket's full gradient;
-// zero3 the largest unit's gathered parameters and its full gradient.
+// zero3 the largest unit's gathered parameters and its full gradient, and the next unit's parameters
+// (prefetched in backward). With precision.param_dtype bf16/fp16 parameters count 2 bytes when
+// gathered (the fp32 masters stay in the shard), and reduce_dtype sets the gradient buffers' size.
 // A step's peak is the larger of two phases:
 //   activations  model states + transient + batch + activation peak (forward and backward)
 //   optimizer    model states + batch + the step's temporaries, after backward freed the activations:

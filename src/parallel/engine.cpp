@@ -151,7 +151,7 @@ std::unique_ptr<Engine::Group> Engine::make_group(const std::string& name, std::
     auto flat = torch::zeros({g->padded}, opts);
     for (size_t i = 0; i < g->params.size(); ++i)
       flat.narrow(0, g->offsets[i], g->params[i].numel()).copy_(g->params[i].reshape({-1}));
-    shard_and_bind(*g, flat);
+    shard_and_bind(*g, std::move(flat));
   }
   return g;
 }
@@ -162,7 +162,12 @@ std::unique_ptr<Engine::Group> Engine::make_group(const std::string& name, std::
 void Engine::shard_and_bind(Group& g, torch::Tensor flat) {
   g.shard_param = flat.narrow(0, rank_ * g.shard, g.shard);
   if (sharding_ == "zero3" || low_precision_copy()) g.shard_param = g.shard_param.clone();
-  if (low_precision_copy()) flat = flat.to(param_dtype_);
+  if (low_precision_copy()) {
+    // zero3 frees flat_param at once (below): only its storage is kept, so the fp32 values go first.
+    const bool keep_values = sharding_ != "zero3";
+    torch::Tensor copy = keep_values ? flat.to(param_dtype_) : torch::Tensor();
+    flat = keep_values ? copy : (flat.reset(), torch::empty({g.padded}, fp32_options().dtype(param_dtype_)));
+  }
   g.flat_param = flat;
   for (size_t i = 0; i < g.params.size(); ++i)
     g.params[i].set_data(g.flat_param.narrow(0, g.offsets[i], g.params[i].numel()).view(g.params[i].sizes()));
@@ -585,6 +590,7 @@ void Engine::unit_after(int64_t unit, const torch::Tensor& in, const torch::Tens
     in.register_hook([this, unit, prev](const torch::Tensor&) {
       release(unit);
       gather(prev);
+      prefetch_backward(prev);
     });
   } else {
     unit_flush();
@@ -597,7 +603,21 @@ void Engine::unit_flush() {
   if (!pending_out_) return;
   auto [t, unit] = *pending_out_;
   pending_out_.reset();
-  t.register_hook([this, unit](const torch::Tensor&) { gather(unit); });
+  t.register_hook([this, unit](const torch::Tensor&) {
+    gather(unit);
+    prefetch_backward(unit);
+  });
+}
+
+// Backward prefetch: while `unit`'s backward runs, start the all-gather of the block before it, whose
+// backward (or recompute) comes next, so the transfer overlaps this unit's compute. The embeddings need
+// no parameters in backward and are never prefetched. At most a third unit's parameters exist beside a
+// unit's parameters and gradient (memory/planner.cpp counts it). Hooks run in the same order on every
+// rank, so the all-gathers pair up.
+void Engine::prefetch_backward(int64_t unit) {
+  const int64_t next = unit - 1;
+  if (next < model::block_unit(0)) return;
+  for (size_t gi : unit_groups_[static_cast<size_t>(next)]) start_gather(*groups_[gi]);
 }
 
 }  // namespace sl::parallel

@@ -14,8 +14,9 @@
 //   zero2  like zero1, but each gradient is copied into a transient group buffer and freed; a ready
 //          group is reduce-scattered (every micro-batch) and only the rank's shard is kept.
 //   zero3  like zero2, and a unit's parameters exist only while gathered: before its forward
-//          (freed after; the next unit's all-gather is started meanwhile), before its backward (from a hook on its output's gradient; freed from a
-//          hook on its input's gradient), and before a recompute (the block's forward runs again).
+//          (freed after; the next unit's all-gather is started meanwhile), before its backward (from a
+//          hook on its output's gradient, which also starts the previous block's all-gather; freed from
+//          a hook on its input's gradient), and before a recompute (the block's forward runs again).
 //
 // Collectives launch in one fixed group order on every rank, so they pair up across ranks
 // whatever order autograd finishes gradients in. Sums are divided by the world size (Gloo has no AVG).
@@ -146,6 +147,7 @@ class Engine {
   void unit_before(int64_t unit);
   void unit_after(int64_t unit, const torch::Tensor& in, const torch::Tensor& out, bool needs_params_in_backward);
   void unit_flush();
+  void prefetch_backward(int64_t unit);
   void add_transient(int64_t bytes);
 
   model::GPT model_;
