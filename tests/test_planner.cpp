@@ -475,3 +475,23 @@ TEST_CASE("the O(1) segment counts equal the plan's for every mode") {
       CHECK((fast.attention == slow.attention && fast.mlp == slow.mlp && fast.norm == slow.norm));
     }
 }
+
+TEST_CASE("the shipped GPU recipes fit what their headers say, at the world size they are written for") {
+  struct Claim {
+    std::string recipe;
+    int64_t world, memory;
+    double peak_gib;  // the header's per-rank peak
+    int64_t largest_micro_batch, tokens_per_step;
+  };
+  for (const Claim& c : {Claim{"7b_ckpt", 8, 80LL << 30, 37.8, 22, 4'194'304}, Claim{"7b_nockpt", 8, 80LL << 30, 60.2, 2, 4'194'304},
+                         Claim{"1b_24gb", 1, 24'000'000'000LL, 19.7, 6, 524'288}}) {
+    INFO(c.recipe);
+    auto cfg = config::load(test::kSourceDir + "/configs/" + c.recipe + ".yaml", {});
+    cfg.world_size = c.world;
+    const auto p = memory::predict_peak(cfg);
+    CHECK(p.peak_bytes() <= c.memory);
+    CHECK(std::abs(static_cast<double>(p.peak_bytes()) / (1 << 30) - c.peak_gib) < 0.05);
+    CHECK(memory::largest_micro_batch(cfg, c.memory) == c.largest_micro_batch);
+    CHECK(cfg.train.micro_batch * cfg.train.grad_accum * c.world * cfg.train.seq_len == c.tokens_per_step);
+  }
+}
