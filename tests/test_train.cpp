@@ -3,6 +3,7 @@
 // errors (faults injected through gradient hooks into a real setup()/train_loop()/finish()); one host
 // synchronization per optimizer step, counted from a trace of every ATen op.
 #include <cmath>
+#include <csignal>
 #include <functional>
 #include <limits>
 #include <map>
@@ -386,7 +387,9 @@ struct Counter {
 
 // One rank of an in-process world-2 run (a thread): Comm, policy, engine, optimizer and scaler as
 // setup() makes them, then `steps` train_steps of 2 micro-batches; returns its host syncs in them.
-int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int port, int64_t steps) {
+// Each step polls the rank's stop reason `stops[rank][step]` and records the agreed one in `agreed`.
+int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int port, int64_t steps,
+                   const std::vector<int>& stops, std::vector<int>& agreed) {
   parallel::LaunchEnv env;
   env.rank = rank, env.world = 2, env.local_rank = rank, env.local_world = 2, env.master_port = port;
   auto comm = std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU);
@@ -401,7 +404,10 @@ int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int
   const train::ForwardFn forward = [&](const torch::Tensor& idx) { return policy.forward(idx); };
   syncs::Counter::reset();
   for (int64_t s = 0; s < steps; ++s) {
-    train::train_step(forward, m, *opt, {loader.next(), loader.next()}, 1.0, torch::kCPU, tracker, prec, &engine);
+    const train::StopPoll poll = [&] { return stops[s]; };
+    agreed.push_back(train::train_step(forward, m, *opt, {loader.next(), loader.next()}, 1.0, torch::kCPU, tracker,
+                                       prec, &engine, poll)
+                         .stop);
   }
   return syncs::Counter::count();
 }
@@ -437,7 +443,8 @@ TEST_CASE("one host synchronization per optimizer step: the loop at world 1, acc
   train::finish(*s, st, std::move(o));
 }
 
-TEST_CASE("one host synchronization per optimizer step on each of two ranks (in-process, Gloo)") {
+TEST_CASE("one host synchronization per optimizer step on each of two ranks (in-process, Gloo), the stop reason "
+          "agreed in it") {
   const std::string sharding = GENERATE(as<std::string>{}, "none", "zero1", "zero2", "zero3");
   const std::string compute = GENERATE(as<std::string>{}, "fp32", "fp16");
   auto cfg = config::load_string("", {"model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.dropout=0.0",
@@ -451,14 +458,19 @@ TEST_CASE("one host synchronization per optimizer step on each of two ranks (in-
   }
   syncs::Counter counter;
   const int port = test::free_port();
-  const int64_t steps = 3;
+  const int64_t steps = 4;
+  // What each rank's poll says at each step (one rank at a time, both, an I/O failure beside a
+  // signal) and what both must agree on: the largest.
+  const std::vector<std::vector<int>> stops = {{0, 0, SIGINT, train::kStopIo}, {0, SIGTERM, SIGTERM, SIGINT}};
+  const std::vector<int> expected = {0, SIGTERM, SIGTERM, train::kStopIo};
+  std::vector<std::vector<int>> agreed(2);
   std::vector<int64_t> counts(2, -1);
   std::vector<std::string> errors(2);
   std::vector<std::thread> ranks;
   for (int r = 0; r < 2; ++r)
     ranks.emplace_back([&, r] {
       try {
-        counts[r] = rank_syncs(cfg, models[r], r, port, steps);
+        counts[r] = rank_syncs(cfg, models[r], r, port, steps, stops[r], agreed[r]);
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }
@@ -469,5 +481,29 @@ TEST_CASE("one host synchronization per optimizer step on each of two ranks (in-
                   << " steps " << errors[r]);
     CHECK(errors[r].empty());
     CHECK(counts[r] == steps);
+    CHECK(agreed[r] == expected);
   }
+}
+
+TEST_CASE("logging.profile_step writes one step's Chrome trace with the GEMMs and the optimizer scope") {
+  test::TempDir dir("profile");
+  auto cfg = loop_config(dir.path / "run", {"logging.profile_step=2", "checkpointing.mode=full", "checkpointing.skip_last=false"});
+  auto s = train::setup(cfg);
+  train::LoopState st;
+  auto o = train::train_loop(*s, st);
+  REQUIRE(o.code == kExitOk);
+  const auto trace = nlohmann::json::parse(test::read_text(dir.path / "run" / "profile.json"));
+  std::map<std::string, int> seen;
+  for (const auto& e : trace.at("traceEvents"))
+    if (e.value("ph", "") == "X") ++seen[e.at("name").get<std::string>()];
+  CHECK(seen["aten::addmm"] + seen["aten::mm"] > 0);
+  CHECK(seen["sublinear::optimizer_step"] == 1);  // one step recorded, not two
+  CHECK(seen["sublinear::host_read"] == 1);
+  CHECK(seen["aten::_scaled_dot_product_flash_attention_for_cpu"] == 2 * 2);  // 2 blocks: forward + recompute
+  train::finish(*s, st, std::move(o));
+  const auto ev = test::events(dir.path / "run" / "metrics.jsonl", "profile");
+  REQUIRE(ev.size() == 1);
+  CHECK(ev[0]["step"] == 2);
+  CHECK(ev[0]["events"].get<int64_t>() > 100);
+  CHECK_THROWS_WITH(loop_config(dir.path / "bad", {"logging.profile_step=-1"}), Catch::Contains("logging.profile_step"));
 }

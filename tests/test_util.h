@@ -219,7 +219,7 @@ inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& p, bo
   std::ifstream in(p);
   for (std::string line; std::getline(in, line);) {
     if (line.empty()) continue;
-    auto j = nlohmann::json::parse(line, nullptr, !strict);
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/strict);  // not strict: skip a line being written
     if (!j.is_discarded()) out.push_back(std::move(j));
   }
   return out;

@@ -166,6 +166,7 @@ const std::vector<Field>& fields() {
       field(&R::logging, &LoggingConfig::peak_tflops, "logging", "peak_tflops", "device peak TFLOP/s for MFU; 0 = measure a GEMM rate at start"),
       field(&R::logging, &LoggingConfig::progress, "logging", "progress", "progress bar when stdout is a terminal"),
       field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final parameters to <run dir>/model.pt (torch::save archive, names as in the model; sharded runs gather them first)"),
+      field(&R::logging, &LoggingConfig::profile_step, "logging", "profile_step", "record this optimizer step (1-based; rank 0) with LibTorch's profiler into <run dir>/profile.json (Chrome trace); 0 = off"),
       field(&R::logging, &LoggingConfig::overwrite, "logging", "overwrite", "allow a run directory that already holds a run's logs (they are replaced); false = refuse with exit 2"),
 
       field(&R::state, &StateConfig::every, "state", "every", "save the training state every N optimizer steps; 0 = only at the end and on SIGTERM/SIGINT"),
@@ -638,6 +639,7 @@ void validate_devices_and_logging(const RunConfig& c) {
     fail("memory.limit", "on CPU the limit is enforced by the tracking allocator: keep memory.track_cpu: true");
   positive("logging.interval", c.logging.interval);
   if (c.logging.skip_first < 0) fail("logging.skip_first", "must be >= 0");
+  if (c.logging.profile_step < 0) fail("logging.profile_step", "must be >= 0 (0 = off)");
   if (!(c.logging.peak_tflops >= 0.0)) fail("logging.peak_tflops", "must be >= 0 (0 = measure)");
 }
 

@@ -101,6 +101,7 @@ struct LoggingConfig {
   bool progress = true;
   bool save_model = false;
   bool overwrite = false;
+  int64_t profile_step = 0;  // record this optimizer step (1-based) with the profiler; 0 = off
 };
 
 // Durable training state (src/state/): what is saved, how often, where.

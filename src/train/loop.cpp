@@ -6,14 +6,17 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <filesystem>
 #include <new>
 
+#include <ATen/record_function.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include "memory/planner.h"
 #include "memory/tracking_allocator.h"
+#include "train/profile.h"
 #include "train/schedule.h"
 
 namespace sl::train {
@@ -145,13 +148,16 @@ void maybe_evaluate(Session& s, LoopState& st, log::ProgressBar& bar) {
   }
 }
 
-constexpr int kStopIo = 1000;  // above every signal number
+// This rank's reason to stop after the current step (see StopPoll): a signal (torchrun forwards it
+// to every rank, not at the same step) or, on rank 0, a failed log write.
+int local_stop(Session& s) { return s.runlog->failure().empty() ? g_signal.load() : kStopIo; }
 
-// Why the run stops after this step (0: it goes on): a signal seen by any rank (torchrun forwards it
-// to all, not at the same step) or rank 0's failed log write (kStopIo), agreed after each step so
-// every rank stops at the same one and the collectives after the loop still pair up.
+// The stop reason every rank agrees on, so all stop after the same step and the collectives after the
+// loop still pair up. At world > 1 a step carries it in its one reduction (train_step's StopPoll), so
+// a signal that lands after that read stops the run one step later; this separate all-reduce runs
+// once, after the last step, so a late signal or log failure is still reported as at world 1.
 int agreed_stop(Session& s) {
-  int stop = s.runlog->failure().empty() ? g_signal.load() : kStopIo;
+  int stop = local_stop(s);
   if (s.world() > 1) stop = static_cast<int>(s.comm->all_reduce_max(static_cast<double>(stop), "stop flag"));
   return stop;
 }
@@ -167,27 +173,43 @@ Outcome stop_outcome(Session& s, const LoopState& st, int stop) {
           fmt::format("interrupted by signal {} after step {}", stop, st.steps_done), nullptr};
 }
 
-// One optimizer step: learning rate, micro-batches, the step, checks, record, console, eval.
-// Returns why the run stops after it (0: it goes on; see agreed_stop).
+// Writes logging.profile_step's trace to <run dir>/profile.json (rank 0) and records a `profile` event.
+void save_profile(Session& s, const LoopState& st, StepProfiler& profiler, log::ProgressBar& bar) {
+  const std::string path = (std::filesystem::path(s.run_dir) / "profile.json").string();
+  const int64_t events = profiler.save(path);
+  s.runlog->event("profile", {{"step", st.steps_done}, {"path", path}, {"events", events}});
+  bar.clear();
+  spdlog::info("step {:>5}/{} | profile of this step ({} events) -> {}", st.steps_done, s.cfg.train.steps, events, path);
+}
+
+// One optimizer step: learning rate, micro-batches, the step, checks, record, console, eval; with
+// logging.profile_step, the step up to its console line recorded by the profiler.
+// Returns why the run stops after it (0: it goes on; agreed over ranks, see agreed_stop).
 int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
   const auto& t = s.cfg.train;
+  StepProfiler profiler(s.rank0() && s.cfg.logging.profile_step == step + 1, s.device);
   const double lr = lr_at(t, step);
   for (auto& g : s.opt->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
   std::vector<data::Batch> micro;
   for (int64_t m = 0; m < t.grad_accum; ++m) micro.push_back(s.train_loader->next());
+  const StopPoll poll = s.world() > 1 ? StopPoll([&s] { return local_stop(s); }) : StopPoll();
   const StepResult r = train_step(s.forward, s.model, *s.opt, micro, t.grad_clip, s.device, *s.tracker, s.precision,
-                                  s.engine.get());
+                                  s.engine.get(), poll);
   check_step(s, st, r, step, bar);
-  const Json rec = step_record(s, r, step, lr, s.policy->take_stats());
-  s.runlog->step(rec);
-  accumulate(s, st, r, rec, step);
-  bar.update(st.steps_done, r.loss);
-  if (s.rank0() && (st.steps_done % s.cfg.logging.interval == 0 || st.steps_done == 1 || st.steps_done == t.steps)) {
-    bar.clear();
-    spdlog::info("{}", log::format_step_line(rec, t.steps));
+  {
+    RECORD_FUNCTION("sublinear::log_step", std::vector<c10::IValue>{});
+    const Json rec = step_record(s, r, step, lr, s.policy->take_stats());
+    s.runlog->step(rec);
+    accumulate(s, st, r, rec, step);
+    bar.update(st.steps_done, r.loss);
+    if (s.rank0() && (st.steps_done % s.cfg.logging.interval == 0 || st.steps_done == 1 || st.steps_done == t.steps)) {
+      bar.clear();
+      spdlog::info("{}", log::format_step_line(rec, t.steps));
+    }
   }
+  if (profiler.on()) save_profile(s, st, profiler, bar);
   maybe_evaluate(s, st, bar);
-  return agreed_stop(s);
+  return s.world() > 1 ? r.stop : local_stop(s);
 }
 
 Outcome oom_outcome(Session& s, const LoopState& st, const std::string& what) {
@@ -242,16 +264,22 @@ void save_state(Session& s, LoopState& st, log::ProgressBar& bar, const char* wh
   }
 }
 
+// Stops the run after this step for `stop` (agreed): saves the state on a signal (state.on_signal).
+Outcome stop_run(Session& s, LoopState& st, log::ProgressBar& bar, int stop) {
+  if (stop != kStopIo && s.cfg.state.on_signal) save_state(s, st, bar, "signal");
+  return stop_outcome(s, st, stop);
+}
+
 // The steps from where the run stands (0, or the resumed step) to train.steps, with the saves that
 // state.every, state.on_signal and state.at_end ask for. Returns how the steps ended.
 Outcome run_steps(Session& s, LoopState& st, log::ProgressBar& bar) {
   const auto& c = s.cfg;
   for (int64_t step = st.steps_done; step < c.train.steps; ++step) {
-    if (const int stop = loop_step(s, st, step, bar)) {
-      if (stop != kStopIo && c.state.on_signal) save_state(s, st, bar, "signal");
-      return stop_outcome(s, st, stop);
-    }
+    if (const int stop = loop_step(s, st, step, bar)) return stop_run(s, st, bar, stop);
     if (c.state.every > 0 && st.steps_done % c.state.every == 0) save_state(s, st, bar, "every");
+  }
+  if (s.world() > 1 && st.steps_done > 0) {  // what landed after the last step's read (see agreed_stop)
+    if (const int stop = agreed_stop(s)) return stop_run(s, st, bar, stop);
   }
   if (c.state.at_end && st.last_saved_step != st.steps_done) save_state(s, st, bar, "end");
   return {};

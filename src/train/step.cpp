@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <limits>
 
 #include <ATen/record_function.h>
@@ -65,19 +66,33 @@ struct StepReading {
   double loss = 0.0;       // mean over micro-batches and ranks
   double grad_norm = 0.0;  // global
   bool found_inf = false;  // fp16: some rank's gradients are not finite
+  int stop = 0;            // the agreed stop reason (see StopPoll)
 };
 
-// Packs [this rank's mean loss, its gradient-norm value, its found-inf flag], sums it over ranks (one
-// all-reduce of a device tensor; the norm value is a share of the squared norm with an engine, the
-// norm itself without one, i.e. at world 1), moves the loss scale on (fp16, on the device, from the
-// agreed flag), then reads all of it, with the new scale, in one host read.
+// A rank's stop reason as three counts on the device, [log write failed, SIGTERM, SIGINT] (a fill
+// with a host scalar: no copy, no wait): summed over ranks they say which reasons any rank had, and
+// stop_from_counts takes the largest, as an all-reduce max would.
+torch::Tensor stop_counts(int stop, const torch::TensorOptions& options) {
+  auto counts = torch::zeros({3}, options);
+  const int slot = stop == kStopIo ? 0 : stop == SIGTERM ? 1 : stop == SIGINT ? 2 : -1;
+  if (slot >= 0) counts[slot].fill_(1.0);
+  return counts;
+}
+int stop_from_counts(const double* c) {
+  return c[0] > 0.0 ? kStopIo : c[1] > 0.0 ? SIGTERM : c[2] > 0.0 ? SIGINT : 0;
+}
+
+// Packs [this rank's mean loss, its gradient-norm value, its found-inf flag, its stop counts], sums it
+// over ranks (one all-reduce of a device tensor; the norm value is a share of the squared norm with an
+// engine, the norm itself without one, i.e. at world 1), moves the loss scale on (fp16, on the device,
+// from the agreed flag), then reads all of it, with the new scale, in one host read.
 StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, const torch::Tensor& found_inf,
-                      precision::LossScaler* scaler, parallel::Engine* engine) {
+                      precision::LossScaler* scaler, parallel::Engine* engine, const StopPoll& poll) {
   torch::NoGradGuard no_grad;
   const auto f64 = [&](const torch::Tensor& t) {
     return t.defined() ? t.reshape({1}).to(torch::kDouble) : torch::zeros({1}, loss.options());  // loss: float64
   };
-  auto packed = torch::cat({f64(loss), f64(norm), f64(found_inf)});
+  auto packed = torch::cat({f64(loss), f64(norm), f64(found_inf), stop_counts(poll ? poll() : 0, loss.options())});
   const int64_t world = engine ? engine->comm().world() : 1;
   if (world > 1) engine->comm().all_reduce_sum(packed, "loss, gradient norm and found-inf reduction").wait();
   if (scaler) {
@@ -86,8 +101,9 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
   }
   const std::vector<double> v = read_to_host(packed);
   if (world > 1) engine->comm().check("loss, gradient norm and found-inf reduction");
-  if (scaler) scaler->observe(v[3]);
-  return {world > 1 ? v[0] / static_cast<double>(world) : v[0], engine ? std::sqrt(v[1]) : v[1], v[2] > 0.0};
+  if (scaler) scaler->observe(v[6]);
+  return {world > 1 ? v[0] / static_cast<double>(world) : v[0], engine ? std::sqrt(v[1]) : v[1], v[2] > 0.0,
+          stop_from_counts(&v[3])};
 }
 
 // A batch tensor on `device`. CUDA: staged through pinned memory and copied without blocking; a copy
@@ -221,7 +237,8 @@ double measure_gemm_flops(torch::Device device) {
 // count in its time, so step times still add up to the run's wall time and show its throughput.
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
-                      memory::Tracker& tracker, const StepPrecision& precision, parallel::Engine* engine) {
+                      memory::Tracker& tracker, const StepPrecision& precision, parallel::Engine* engine,
+                      const StopPoll& stop) {
   StepResult r;
   auto* scaler = precision.scaler && precision.scaler->enabled() ? precision.scaler : nullptr;
   tracker.reset_peak();
@@ -233,8 +250,9 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   const std::vector<torch::Tensor> grads = engine ? engine->grads() : local_grads(model);
   const torch::Tensor found_inf = scaler ? scaler->unscale(grads) : torch::Tensor();  // unscale before clipping
   const torch::Tensor norm = engine ? engine->grad_norm_sq_share() : local_norm_and_clip(grads, grad_clip);
-  const StepReading got = read_step(loss, norm, found_inf, scaler, engine);
+  const StepReading got = read_step(loss, norm, found_inf, scaler, engine, stop);
   r.loss = got.loss;
+  r.stop = got.stop;
   if (!std::isfinite(r.loss) && !scaler) return r;
   r.skipped = scaler && got.found_inf;
   if (r.skipped) {
@@ -245,6 +263,7 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   }
   r.nonfinite_grads = !r.skipped && !std::isfinite(r.grad_norm);
   if (!r.skipped && !r.nonfinite_grads) {
+    RECORD_FUNCTION("sublinear::optimizer_step", std::vector<c10::IValue>{});
     opt.step();
     if (engine) engine->after_step();
   }

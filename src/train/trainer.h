@@ -67,8 +67,14 @@ struct ModelStateBytes {
 ModelStateBytes model_state_bytes(model::GPT& model, const torch::optim::AdamW& opt);
 int64_t optimizer_state_bytes(const torch::optim::AdamW& opt);  // AdamW's moments, as allocated
 
+// Why a rank wants the run to stop after the current step: 0 (go on), a signal number (SIGINT,
+// SIGTERM) or kStopIo (rank 0 could not write its logs). Ranks agree on the largest.
+constexpr int kStopIo = 1000;  // above every signal number
+using StopPoll = std::function<int()>;
+
 struct StepResult {
   double loss = 0.0, grad_norm = 0.0, ms = 0.0;
+  int stop = 0;  // the stop reason agreed over ranks at this step's read (0 without a StopPoll)
   double loss_scale = 1.0;  // the scale this step's backward used (1 without a scaler)
   bool skipped = false;     // non-finite gradients under fp16: no optimizer step, the scale backed off
   bool nonfinite_grads = false;  // fp32/bf16: the loss is finite but the gradient norm is not; no optimizer step
@@ -90,10 +96,13 @@ struct StepResult {
 // loss scale are summed over ranks in one small device tensor and read to the host once, after
 // backward ("sublinear::host_read" in a profiler trace); the skip/abort decisions and the clip
 // coefficient are made on the host from that read, and nothing after it (clipping, AdamW, the ZeRO
-// all-gather) waits for the device.
+// all-gather) waits for the device. With a `stop` poll (the loop, at world > 1), each rank's stop
+// reason, polled just before the read, travels in the same reduction: StepResult::stop is the
+// agreed one, and the loop needs no collective of its own to stop every rank after the same step.
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
-                      memory::Tracker& tracker, const StepPrecision& precision = {}, parallel::Engine* engine = nullptr);
+                      memory::Tracker& tracker, const StepPrecision& precision = {}, parallel::Engine* engine = nullptr,
+                      const StopPoll& stop = {});
 
 // Does one micro-batch of `micro_batch` sequences train (two real optimizer steps of a fresh model,
 // random tokens) without running out of memory? Everything it allocates is freed on return.
