@@ -252,3 +252,32 @@ TEST_CASE("zero3 never builds the whole model: world 2's initial parameters are 
     }
   }
 }
+
+TEST_CASE("zero3 reads weights in shard by shard: model.init_from and --resume peak at the optimizer shard + one unit") {
+  Runner run(kRecipe, "mixed-load");
+  const std::string zero3 = "--set parallel.sharding=zero3 ";
+  const auto base = run.train(2, zero3 + "--set train.steps=2");
+  const auto hf = run.dir.path / "hf";
+  const auto ex = test::trainer("export --run " + base.string() + " --out " + hf.string());
+  INFO(ex.output);
+  REQUIRE(ex.code == 0);
+  const auto from_hf = run.train(2, zero3 + "--set train.steps=1 --set model.init_from=" + hf.string());
+  const auto resumed = test::launch(2, fmt::format("--config {} {} --set train.steps=3 --resume auto --set logging.dir={}",
+                                                   run.recipe, zero3, base.string()));
+  INFO(resumed.outputs[0]);
+  REQUIRE(resumed.codes == std::vector<int>{0, 0});
+  for (const auto& [what, dir] : {std::pair{"init_from", from_hf}, std::pair{"resume", base}}) {
+    const auto s = summary(dir);
+    const double unit = s["parallel"]["largest_group_bytes"].get<double>();
+    const double whole = s["parallel"]["params_bytes_unsharded"].get<double>();
+    REQUIRE(whole >= 4 * unit);  // a whole-model read would stand out
+    for (const auto& r : s["parallel"]["ranks"]) {
+      INFO(what << ": " << r.dump());
+      const double load = r["load_peak_bytes"].get<double>();
+      // init_from writes into the shard that exists; a resume also makes the AdamW moments of the shard.
+      const double moments = std::string(what) == "resume" ? r["optimizer_state_bytes"].get<double>() : 0.0;
+      CHECK(load <= moments + unit);
+      if (std::string(what) == "resume") CHECK(load >= moments);  // the measurement sees the load
+    }
+  }
+}

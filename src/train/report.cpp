@@ -73,7 +73,8 @@ Json parallel_report(Session& s, const LoopState& st, Outcome& o) {
   const std::vector<double> mine{static_cast<double>(s.launch.rank), static_cast<double>(st.rest_bytes),
                                  static_cast<double>(sb.params),     static_cast<double>(sb.grads),
                                  static_cast<double>(opt_bytes),     static_cast<double>(st.transient_peak),
-                                 static_cast<double>(st.peak_bytes), static_cast<double>(s.build_peak_bytes)};
+                                 static_cast<double>(st.peak_bytes), static_cast<double>(s.build_peak_bytes),
+                                 static_cast<double>(s.load_peak_bytes)};
   std::vector<double> all = mine;
   if (ranks_aligned(o.code) && s.world() > 1) {
     try {
@@ -93,7 +94,8 @@ Json parallel_report(Session& s, const LoopState& st, Outcome& o) {
                      {"model_state_bytes", at(2) + at(3) + at(4)},
                      {"transient_peak_bytes", at(5)},
                      {"peak_allocated_bytes", at(6)},
-                     {"build_peak_bytes", at(7)}});
+                     {"build_peak_bytes", at(7)},
+                     {"load_peak_bytes", at(8)}});
   }
   return {{"world_size", s.world()},
           {"backend", s.comm->backend()},

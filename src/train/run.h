@@ -43,6 +43,7 @@ struct Session {
   std::unique_ptr<memory::Tracker> tracker;
   int64_t limit = 0;                  // memory.limit in bytes (0 = none)
   int64_t build_peak_bytes = 0;       // tensor bytes at the peak of building the model and engine (above what was live before)
+  int64_t load_peak_bytes = 0;        // the same while reading weights in: model.init_from, or --resume's state
   nlohmann::json batch_search = nullptr;  // train.micro_batch: auto's trials
   std::unique_ptr<data::Loader> train_loader, val_loader;
   model::GPT model{nullptr};

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -108,6 +109,15 @@ void find_resume_point(Session& s) {
 void open_init_from(Session& s) {
   if (s.cfg.model.init_from.empty() || s.resume_from.found()) return;
   s.init_from = std::make_unique<interop::HfCheckpoint>(s.cfg.model.init_from, s.cfg.model);
+}
+
+// Tensor bytes at the peak of `load` above what was live before it (the tracker's peak is reset:
+// every step resets it again).
+int64_t peak_during(memory::Tracker& tracker, const std::function<void()>& load) {
+  tracker.reset_peak();
+  const int64_t before = tracker.read().allocated_bytes;
+  load();
+  return tracker.read().peak_allocated_bytes - before;
 }
 
 // Copies the checkpoint into the parameter elements this rank holds (zero3: its shard only).
@@ -293,7 +303,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   s->train_loader = std::make_unique<data::Loader>(s->splits.train, t.micro_batch, t.seq_len, seed, s->launch.rank, s->world());
   s->val_loader = std::make_unique<data::Loader>(s->splits.val, t.micro_batch, t.seq_len, seed + 1, s->launch.rank, s->world());
   build_model(*s);
-  load_init_from(*s);
+  s->load_peak_bytes = peak_during(*s->tracker, [&] { load_init_from(*s); });
   describe(*s);
   open_run_log(*s);
   print_settings(*s);
@@ -303,7 +313,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
 void restore(Session& s, LoopState& st) {
   if (!s.resume_from.found()) return;
   const auto t0 = Clock::now();
-  state::load(s.resume_from, s, st);
+  s.load_peak_bytes = peak_during(*s.tracker, [&] { state::load(s.resume_from, s, st); });
   const double load_ms = ms_since(t0);
   // Already on disk where this run saves (a resume into another state.dir saves its own copy at the end).
   std::error_code ec;
