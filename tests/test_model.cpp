@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "config/config.h"
+#include "model/gelu.h"
 #include "model/gpt.h"
 
 using namespace sl;
@@ -126,4 +127,34 @@ TEST_CASE("RMSNorm's own backward matches autograd through at::rms_norm") {
   auto gr = torch::autograd::grad({ref}, {x, b->ln1_w}, {dy});
   CHECK(torch::allclose(g[0], gr[0], 1e-4, 1e-5));
   CHECK(torch::allclose(g[1], gr[1], 1e-4, 1e-5));
+}
+
+TEST_CASE("fused GELU (tanh form) equals ATen's gelu(x, tanh) and its gradient to float rounding") {
+  torch::manual_seed(3);
+  // Typical activations, the tails (where the gate saturates or the exp is clamped), exact zeros.
+  auto x = torch::cat({torch::randn({100000}) * 3, torch::linspace(-100, 100, 20001), torch::zeros({7}),
+                       torch::tensor({1e-30f, -1e-30f, 87.5f, -87.5f, 1e4f, -1e4f})});
+  REQUIRE(model::gelu_tanh_fused(x));
+  const auto want = at::gelu(x, "tanh");
+  const auto got = model::gelu_tanh(x);
+  // atol: in the far negative tail ATen's 1 + tanh(z) cancels (gelu(-5) = -2.98e-7 or 0 there, -2.29e-7
+  // exactly, which the sigmoid form gives), so the two differ by up to ~5e-7 absolute.
+  CHECK(torch::allclose(got, want, /*rtol=*/2e-6, /*atol=*/5e-7));
+  CHECK(torch::isfinite(got).all().item<bool>());
+  // Gradient: through autograd, against ATen's backward, for an arbitrary upstream gradient.
+  auto xr = x.clone().requires_grad_(true);
+  const auto g = torch::randn_like(x);
+  model::gelu_tanh(xr).backward(g);
+  const auto want_grad = at::gelu_backward(g, x, "tanh");
+  CHECK(torch::allclose(xr.grad(), want_grad, /*rtol=*/1e-5, /*atol=*/5e-6));  // the same tail
+  // The same values with any thread count and split (each element on its own).
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(1);
+  CHECK(torch::equal(model::gelu_tanh(x), got));
+  torch::set_num_threads(threads);
+  CHECK(torch::equal(model::gelu_tanh(x.narrow(0, 5, 1000)), got.narrow(0, 5, 1000)));
+  // Anything but contiguous fp32 on the CPU is ATen's.
+  CHECK_FALSE(model::gelu_tanh_fused(x.to(torch::kBFloat16)));
+  CHECK_FALSE(model::gelu_tanh_fused(x.view({2, -1}).t()));
+  CHECK(torch::equal(model::gelu_tanh(x.to(torch::kBFloat16)), at::gelu(x.to(torch::kBFloat16), "tanh")));
 }

@@ -24,6 +24,7 @@
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
 #include "recompute/policy.h"
+#include "train/peak.h"
 #include "train/schedule.h"
 #include "test_util.h"
 #include "train/run.h"
@@ -506,4 +507,25 @@ TEST_CASE("logging.profile_step writes one step's Chrome trace with the GEMMs an
   CHECK(ev[0]["step"] == 2);
   CHECK(ev[0]["events"].get<int64_t>() > 100);
   CHECK_THROWS_WITH(loop_config(dir.path / "bad", {"logging.profile_step=-1"}), Catch::Contains("logging.profile_step"));
+}
+
+TEST_CASE("MFU's peak is the compute dtype's: datasheet on known GPUs, measured otherwise, overridable") {
+  CHECK(train::datasheet_peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12);
+  CHECK(train::datasheet_peak("NVIDIA H100 80GB HBM3", "fp32") == 67e12);
+  CHECK(train::datasheet_peak("NVIDIA H100 PCIe", "bf16") == 756e12);  // not the SXM part's
+  CHECK(train::datasheet_peak("NVIDIA H200", "fp16") == 989e12);
+  CHECK(train::datasheet_peak("NVIDIA A100-SXM4-80GB", "bf16") == 312e12);
+  CHECK(train::datasheet_peak("NVIDIA L40S", "bf16") == 362e12);
+  CHECK_FALSE(train::datasheet_peak("Tesla V100-SXM2-16GB", "bf16").has_value());  // no bf16 tensor cores
+  CHECK_FALSE(train::datasheet_peak("Some Future GPU", "bf16").has_value());
+  const auto over = train::peak_flops(torch::kCPU, "bf16", 2.5);
+  CHECK(over.flops == 2.5e12);
+  CHECK(over.source == "logging.peak_tflops");
+  CHECK(over.dtype == "bf16");
+  const auto fp32 = train::peak_flops(torch::kCPU, "fp32", 0.0);
+  CHECK(fp32.source == "measured_fp32_gemm");
+  CHECK(fp32.flops > 1e8);
+  const auto bf16 = train::peak_flops(torch::kCPU, "bf16", 0.0);  // its own rate, whatever the CPU's bf16 path
+  CHECK(bf16.source == "measured_bf16_gemm");
+  CHECK(bf16.flops > 1e8);
 }

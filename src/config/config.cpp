@@ -163,7 +163,7 @@ const std::vector<Field>& fields() {
       field(&R::logging, &LoggingConfig::dir, "logging", "dir", "run directory; \"\" = runs/<recipe name>-<timestamp>"),
       field(&R::logging, &LoggingConfig::interval, "logging", "interval", "console line every N steps"),
       field(&R::logging, &LoggingConfig::skip_first, "logging", "skip_first", "warm-up steps excluded from the medians in summary.json"),
-      field(&R::logging, &LoggingConfig::peak_tflops, "logging", "peak_tflops", "device peak TFLOP/s for MFU; 0 = measure a GEMM rate at start"),
+      field(&R::logging, &LoggingConfig::peak_tflops, "logging", "peak_tflops", "device peak TFLOP/s for MFU in the compute dtype; 0 = a datasheet peak for known CUDA devices, else a GEMM rate in precision.compute measured at start"),
       field(&R::logging, &LoggingConfig::progress, "logging", "progress", "progress bar when stdout is a terminal"),
       field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final parameters to <run dir>/model.pt (torch::save archive, names as in the model; sharded runs gather them first)"),
       field(&R::logging, &LoggingConfig::profile_step, "logging", "profile_step", "record this optimizer step (1-based; rank 0) with LibTorch's profiler into <run dir>/profile.json (Chrome trace); 0 = off"),

@@ -1,5 +1,6 @@
 // GPT model: parameters, GPT-2 style init, and the forward pass built from named block parts.
 #include "model/gpt.h"
+#include "model/gelu.h"
 
 #include <cmath>
 
@@ -140,7 +141,7 @@ torch::Tensor BlockImpl::attention_core(const torch::Tensor& q, const torch::Ten
 }
 
 torch::Tensor BlockImpl::mlp_act(const torch::Tensor& u) const {
-  if (!llama) return at::gelu(u, "tanh");
+  if (!llama) return gelu_tanh(u);
   auto gu = u.chunk(2, /*dim=*/-1);  // [gate; up]
   return at::silu(gu[0]) * gu[1];
 }

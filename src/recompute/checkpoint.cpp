@@ -242,6 +242,23 @@ auto timed(const Saved& s, std::optional<c10::Device> cuda, F&& f) {
   return out;
 }
 
+// A linear's backward from its input `a`, with the same kernels autograd uses for addmm(b, a2d, W^T)
+// / mm(a2d, W^T): dW = gy^T a and db = sum_rows(gy) into result's slots 1 + at and 1 + at + 1 (where
+// the graph needs them); returns gy as rows. linear_input_grad: da = gy W.
+at::Tensor linear_param_grads(AutogradContext* ctx, const at::Tensor& gy, const at::Tensor& a, const at::Tensor& W,
+                              const at::Tensor* b, size_t at, variable_list& result) {
+  const int64_t N = W.size(0), K = W.size(1);
+  const auto cdt = gy.scalar_type();  // compute dtype (differs from W's under autocast)
+  auto gy2 = gy.reshape({-1, N});
+  if (ctx->needs_input_grad(at)) result[1 + at] = gy2.t().mm(a.detach().to(cdt).reshape({-1, K})).to(W.scalar_type());
+  if (b && ctx->needs_input_grad(at + 1)) result[1 + at + 1] = gy2.sum(0).to(b->scalar_type());
+  return gy2;
+}
+
+at::Tensor linear_input_grad(const at::Tensor& gy2, const at::Tensor& W, at::IntArrayRef a_sizes, at::ScalarType a_dtype) {
+  return gy2.mm(W.to(gy2.scalar_type())).view(a_sizes).to(a_dtype);
+}
+
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static variable_list forward(AutogradContext* ctx, SavedPtr saved, at::TensorList inputs, at::TensorList params) {
     std::vector<at::Tensor> in(inputs.begin(), inputs.end());
@@ -315,17 +332,7 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     }
     check_outputs(*saved, {a});
 
-    // The linear's backward from the recomputed input, with the same kernels autograd uses for
-    // addmm(b, a2d, W^T) / mm(a2d, W^T): dW = gy^T a, db = sum_rows(gy), da = gy W.
-    const int64_t N = W.size(0), K = W.size(1);
-    const auto cdt = gy.scalar_type();  // compute dtype (differs from W's under autocast)
-    auto gy2 = gy.reshape({-1, N});
-    {
-      auto a2 = a.detach().to(cdt).reshape({-1, K});
-      if (ctx->needs_input_grad(n_in + n_cheap)) result[1 + n_in + n_cheap] = gy2.t().mm(a2).to(W.scalar_type());
-    }
-    if (has_bias && ctx->needs_input_grad(n_in + n_cheap + 1))
-      result[1 + n_in + n_cheap + 1] = gy2.sum(0).to(saved->params.back().scalar_type());
+    const auto gy2 = linear_param_grads(ctx, gy, a, W, has_bias ? &saved->params.back() : nullptr, n_in + n_cheap, result);
 
     // Then the cheap op's backward. Its output's values are not needed any more, only its graph:
     // keep the graph edge and drop the tensor, so the recomputed output is freed before da and the
@@ -338,13 +345,45 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     const auto a_dtype = a.scalar_type();
     a.reset();
     if (differentiable) {
-      auto da = gy2.mm(W.to(cdt)).view(a_sizes).to(a_dtype);
+      auto da = linear_input_grad(gy2, W, a_sizes, a_dtype);
       torch::autograd::edge_list outputs;
       for (const auto& w : wrt) outputs.push_back(torch::autograd::impl::gradient_edge(w));
       auto grads = torch::autograd::Engine::get_default_engine().execute(
           {root}, {da}, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
       for (size_t i = 0; i < grads.size(); ++i) result[slot[i]] = grads[i];
     }
+    return result;
+  }
+};
+
+// linear(a, W, b) whose output's values nobody reads. Graph inputs: [a, W, b?]; a is saved (as the
+// linear's own backward would save it), the output is a placeholder of the right shape.
+struct OutputFreeLinearFunction : torch::autograd::Function<OutputFreeLinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& W, at::TensorList b) {
+    ctx->save_for_backward({a, W});
+    ctx->saved_data["bias"] = b.empty() ? at::IValue() : at::IValue(b[0]);
+    ctx->set_materialize_grads(false);
+    auto shape = a.sizes().vec();
+    shape.back() = W.size(0);
+    const auto dtype = at::autocast::is_autocast_enabled(a.device().type())
+                           ? at::autocast::get_autocast_dtype(a.device().type()) : a.scalar_type();
+    return at::zeros({1}, a.options().dtype(dtype)).expand(shape);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& a = saved[0];
+    const auto& W = saved[1];
+    const auto bias = ctx->saved_data["bias"];
+    const at::Tensor b = bias.isTensor() ? bias.toTensor() : at::Tensor();
+    variable_list result(b.defined() ? 3 : 2);  // a, W, b? (the helper's slots are one further on)
+    const auto& gy = grad_outputs[0];
+    if (!gy.defined()) return result;
+    variable_list shifted(4);
+    const auto gy2 = linear_param_grads(ctx, gy, a, W, b.defined() ? &b : nullptr, 1, shifted);
+    result[1] = shifted[2];
+    if (b.defined()) result[2] = shifted[3];
+    if (ctx->needs_input_grad(0)) result[0] = linear_input_grad(gy2, W, a.sizes(), a.scalar_type());
     return result;
   }
 };
@@ -389,6 +428,12 @@ at::Tensor recompute_then_linear(const std::string& name, const CheapFn& cheap, 
   if (b.defined()) linear_params.push_back(b);
   return RecomputeLinearFunction::apply(saved, at::TensorList(inputs), at::TensorList(defined_only(cheap_params)),
                                         at::TensorList(linear_params));
+}
+
+at::Tensor linear_without_output(const at::Tensor& a, const at::Tensor& W, const at::Tensor& b) {
+  std::vector<at::Tensor> bias;
+  if (b.defined()) bias.push_back(b);
+  return OutputFreeLinearFunction::apply(a, W, at::TensorList(bias));
 }
 
 }  // namespace sl::recompute

@@ -60,6 +60,12 @@ std::vector<at::Tensor> checkpoint(const std::string& name, const SegmentFn& fn,
 // linear(cheap(inputs), W, b) keeping only `inputs`: backward recomputes cheap(inputs) and derives
 // the linear's gradients from it. `cheap_params` are parameters the cheap op uses (norm weights).
 // The inputs to the linear must be contiguous after cheap(), as they are for every Part.
+// linear(a, W, b) in a recompute whose output's values nobody reads (the last linear of a recomputed
+// segment: the segment's backward starts from the gradient arriving at the output, and the linear's
+// backward needs only its input a and W): returns a placeholder of the output's shape and dtype (no
+// matmul); backward gives da, dW, db with the kernels recompute_then_linear uses, which are autograd's.
+at::Tensor linear_without_output(const at::Tensor& a, const at::Tensor& W, const at::Tensor& b);
+
 at::Tensor recompute_then_linear(const std::string& name, const CheapFn& cheap, const std::vector<at::Tensor>& inputs,
                                  const std::vector<at::Tensor>& cheap_params, const at::Tensor& W, const at::Tensor& b,
                                  const Options& opts);

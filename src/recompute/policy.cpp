@@ -95,11 +95,22 @@ torch::Tensor Policy::unit(int64_t u, const torch::Tensor& in, bool needs_params
   return out;
 }
 
-torch::Tensor Policy::block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope) {
-  return unit(model::block_unit(block.layer), x, true, [&] { return block_forward_unhooked(block, x, rope); });
+torch::Tensor Policy::block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope,
+                                   bool output_unread) {
+  return unit(model::block_unit(block.layer), x, true,
+              [&] { return block_forward_unhooked(block, x, rope, output_unread); });
 }
 
-torch::Tensor Policy::block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope) {
+torch::Tensor Policy::block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope,
+                                             bool output_unread) {
+  if (output_unread) {
+    auto linear_after = [](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
+                           const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b) {
+      if (part == model::Part::act_out) return linear_without_output(cheap(inputs), W, b);
+      return at::linear(cheap(inputs), W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+    };
+    return block.forward_with(x, rope, linear_after);
+  }
   if (plan_.mode != "selective") return block.forward(x, rope);
   static const char* kPartNames[] = {"norm1->qkv", "attention->proj", "norm2->fc", "act->out"};
   const bool recompute[] = {plan_.norm, plan_.attention, plan_.norm, plan_.mlp};
@@ -129,8 +140,13 @@ torch::Tensor Policy::forward(const torch::Tensor& idx) {
       for (const auto& p : blocks[b]->parameters()) params.push_back(p);
     auto model = model_;
     auto fn = [this, model, seg, rope](const std::vector<torch::Tensor>& in) {
+      // Grad mode is on only in the recompute (a Function's forward runs without it). There the
+      // segment's output is a graph root whose values backward never reads (unless compared by
+      // check_recompute).
+      const bool recompute = torch::GradMode::is_enabled() && !opts_.check_recompute;
       auto h = in[0];
-      for (int64_t b = seg.begin; b < seg.end; ++b) h = block_forward(*(*model->blocks)[b]->as<model::BlockImpl>(), h, rope);
+      for (int64_t b = seg.begin; b < seg.end; ++b)
+        h = block_forward(*(*model->blocks)[b]->as<model::BlockImpl>(), h, rope, recompute && b == seg.end - 1);
       flush();  // a recompute's last block: its backward starts right after this returns
       return std::vector<torch::Tensor>{h};
     };
@@ -148,6 +164,8 @@ double Policy::recompute_flops_per_token(int64_t seq_len) const {
   const auto* b = (*model_->blocks)[0]->as<model::BlockImpl>();
   for (const auto* w : {&b->w_qkv, &b->w_proj, &b->w_fc, &b->w_out}) block_matmul += static_cast<double>(w->numel());
   double flops = static_cast<double>(plan_.checkpointed_blocks()) * (2.0 * block_matmul + attn_fwd);
+  if (!cfg_.check_recompute)
+    for (const auto& seg : plan_.segments) flops -= seg.checkpointed ? 2.0 * static_cast<double>(b->w_out.numel()) : 0.0;
   if (plan_.attention) flops += static_cast<double>(c.n_layer) * attn_fwd;
   return flops;
 }

@@ -54,12 +54,17 @@ class Policy {
   void set_unit_hooks(UnitHooks hooks) { hooks_ = std::move(hooks); }
   Stats take_stats();  // since the last call
   // Forward FLOPs per token that backward re-runs (for HFU): each checkpointed block's
-  // 2*P_block + 4*T*d, plus 4*T*d per block when the attention core is recomputed.
+  // 2*P_block + 4*T*d, less 2*P_out for the last block of each checkpointed segment (its output
+  // projection is not re-run), plus 4*T*d per block when the attention core is recomputed.
   double recompute_flops_per_token(int64_t seq_len) const;
 
  private:
-  torch::Tensor block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope);
-  torch::Tensor block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope);
+  // output_unread: the block ends a recomputed segment, so nobody reads its output's values and its
+  // last linear (the MLP's output projection) runs without output (linear_without_output).
+  torch::Tensor block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope,
+                              bool output_unread = false);
+  torch::Tensor block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope,
+                                       bool output_unread);
   config::CheckpointingConfig cfg_;
   model::GPT model_;
   template <class F>

@@ -1,6 +1,7 @@
 // A run's set-up: device, rendezvous, run directory, --resume's state, micro-batch search, model,
 // policy, engine, optimizer, run log (see run.h), and restoring a saved state into it.
 #include "train/run.h"
+#include "train/peak.h"
 
 #include <chrono>
 #include <ctime>
@@ -223,8 +224,8 @@ void describe(Session& s) {
   s.flops_per_token = flops_per_token(*s.model, cfg.train.seq_len);
   s.recompute_flops_per_token = s.policy->recompute_flops_per_token(cfg.train.seq_len);
   s.predicted = memory::estimate_activation_peak(cfg, s.policy->plan());
-  const bool peak_measured = cfg.logging.peak_tflops <= 0.0;
-  s.peak_flops = peak_measured ? measure_gemm_flops(s.device) : cfg.logging.peak_tflops * 1e12;
+  const PeakFlops peak = peak_flops(s.device, cfg.precision.compute, cfg.logging.peak_tflops);
+  s.peak_flops = peak.flops;
   s.environment = {{"torch_version", TORCH_VERSION},
                    {"device", s.device.str()},
                    {"cuda_available", torch::cuda::is_available()},
@@ -239,7 +240,8 @@ void describe(Session& s) {
                   {"flops_per_token", s.flops_per_token},
                   {"recompute_flops_per_token", s.recompute_flops_per_token},
                   {"peak_flops", s.peak_flops},
-                  {"peak_flops_source", peak_measured ? "measured_fp32_gemm" : "logging.peak_tflops"}};
+                  {"peak_flops_source", peak.source},
+                  {"peak_flops_dtype", peak.dtype}};
 }
 
 void print_settings(const Session& s) {

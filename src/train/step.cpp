@@ -28,11 +28,6 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-// Waits for the device: measure_gemm_flops only (once, at set-up); a step never calls it.
-void sync(torch::Device device) {
-  if (device.is_cuda()) torch::cuda::synchronize(device.index());
-}
-
 // The global L2 norm of `grads` as a 0-d device tensor (fp32 like the gradients: the arithmetic of
 // torch::nn::utils::clip_grad_norm_) and, when clip > 0, the gradients scaled by
 // min(1, clip / (norm + 1e-6)) on the device, by 1 (left alone) when the norm is not finite (the step
@@ -212,23 +207,6 @@ double flops_per_token(const model::GPTImpl& model, int64_t seq_len) {
   const auto& c = model.cfg;
   return 6.0 * static_cast<double>(model.num_matmul_params()) +
          12.0 * static_cast<double>(c.n_layer) * static_cast<double>(seq_len) * static_cast<double>(c.n_embd);
-}
-
-double measure_gemm_flops(torch::Device device) {
-  torch::NoGradGuard no_grad;
-  const int64_t n = 1024;
-  auto a = torch::randn({n, n}, torch::TensorOptions().device(device));
-  auto b = torch::randn({n, n}, torch::TensorOptions().device(device));
-  auto c = torch::mm(a, b);  // warm-up
-  sync(device);
-  double best_ms = 1e30;
-  for (int i = 0; i < 5; ++i) {
-    auto t0 = Clock::now();
-    c = torch::mm(a, b);
-    sync(device);
-    best_ms = std::min(best_ms, ms_since(t0));
-  }
-  return 2.0 * static_cast<double>(n * n * n) / (best_ms * 1e-3);
 }
 
 // One host synchronization: read_step's read, after backward (see trainer.h). The step time is wall

@@ -121,10 +121,6 @@ BatchSearch find_micro_batch(const config::RunConfig& cfg, torch::Device device)
 // weighted sum, forward + backward, PaLM's convention). Recompute FLOPs are not included.
 double flops_per_token(const model::GPTImpl& model, int64_t seq_len);
 
-// fp32 GEMM rate of this device in FLOP/s (best of a few 1024^3 matmuls): the MFU denominator
-// when logging.peak_tflops is 0.
-double measure_gemm_flops(torch::Device device);
-
 // Runs a whole training job as configured (train/run.h: setup, train_loop, finish). Returns the
 // process exit code (0, or the code of the failure after summary.json was written). Throws for
 // failures before the run directory exists.

@@ -1,0 +1,77 @@
+#include "train/peak.h"
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/torch.h>
+
+namespace sl::train {
+namespace {
+
+struct Datasheet {
+  const char* name_part;  // matched as a substring of the device name; the first match wins
+  double bf16_tflops, fp32_tflops;
+};
+
+// Dense peaks (no sparsity) from the vendors' datasheets, TFLOP/s: bf16 (fp16 is the same on all of
+// these; V100's column is fp16, it has no bf16) and plain fp32.
+// Longer names first, so "H100 PCIe" is not taken for an SXM part.
+const std::vector<Datasheet> kDatasheets = {
+    {"H100 PCIe", 756.0, 51.0},  {"H100 NVL", 835.0, 60.0}, {"H100", 989.0, 67.0},  {"H200", 989.0, 67.0},
+    {"H800", 989.0, 67.0},       {"GH200", 989.0, 67.0},    {"B200", 2250.0, 80.0}, {"A100", 312.0, 19.5},
+    {"A800", 312.0, 19.5},       {"L40S", 362.0, 91.6},     {"L40", 181.0, 90.5},   {"L4", 121.0, 30.3},
+    {"A10G", 70.0, 31.2},        {"A10", 125.0, 31.2},      {"RTX 4090", 165.2, 82.6},
+    {"RTX 3090", 71.0, 35.6},    {"A6000", 155.0, 38.7},    {"V100", 125.0, 15.7},
+};
+
+std::string cuda_device_name(torch::Device device) {
+  if (!device.is_cuda()) return "";
+  return at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;
+}
+
+c10::ScalarType scalar_type(const std::string& dtype) {
+  return dtype == "bf16" ? c10::kBFloat16 : dtype == "fp16" ? c10::kHalf : c10::kFloat;
+}
+
+}  // namespace
+
+std::optional<double> datasheet_peak(const std::string& device_name, const std::string& dtype) {
+  for (const auto& d : kDatasheets)
+    if (device_name.find(d.name_part) != std::string::npos) {
+      if (dtype == "bf16" && std::string(d.name_part) == "V100") return std::nullopt;  // no bf16 tensor cores
+      return (dtype == "fp32" ? d.fp32_tflops : d.bf16_tflops) * 1e12;
+    }
+  return std::nullopt;
+}
+
+PeakFlops peak_flops(torch::Device device, const std::string& dtype, double override_tflops) {
+  if (override_tflops > 0.0) return {override_tflops * 1e12, dtype, "logging.peak_tflops"};
+  const std::string name = cuda_device_name(device);
+  if (!name.empty())
+    if (const auto peak = datasheet_peak(name, dtype)) return {*peak, dtype, "datasheet: " + name};
+  return {measure_gemm_flops(device, scalar_type(dtype)), dtype, "measured_" + dtype + "_gemm"};
+}
+
+double measure_gemm_flops(torch::Device device, c10::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  const int64_t n = 1024;
+  const auto opts = torch::TensorOptions().device(device).dtype(dtype);
+  auto a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts);
+  auto wait = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
+  auto c = torch::mm(a, b);  // warm-up
+  wait();
+  double best_ms = 1e30;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    c = torch::mm(a, b);
+    wait();
+    best_ms = std::min(best_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return 2.0 * static_cast<double>(n * n * n) / (best_ms * 1e-3);
+}
+
+}  // namespace sl::train
