@@ -3,11 +3,12 @@
 side by side, per checkpointing mode, on the same recipe, thread count and precision (fp32).
 
 Each round runs, for every recipe and mode, the trainer and the eager reference one after the other
-(the order alternates between rounds), each in its own process, and takes the median of its
-in-process step times (the first logging.skip_first steps excluded). The eager run reads the trainer
+(the order alternates between rounds), each in its own process, and takes its fastest in-process step
+(the first logging.skip_first steps excluded: the step least disturbed by other load on a shared
+machine) and its median step. The eager run reads the trainer
 run's summary.json, so both have the same resolved recipe and checkpointing plan. Per mode it reports
-step time, tokens/s, the speed ratio (trainer tokens/s / eager tokens/s: median and min-max over the
-rounds), the trainer's tracked peak and both processes' peak RSS; and the trainer's full/none step-time
+fastest-step time, tokens/s, the speed ratio (trainer tokens/s / eager tokens/s from the fastest
+steps: median and min-max over the rounds; and the ratio of the median steps), the trainer's tracked peak and both processes' peak RSS; and the trainer's full/none step-time
 ratio. Writes <out>.md (table), <out>.json (every run) and <out>.png (ratios with their spread).
 
 Usage: bench/vs_eager.py [--trainer build/trainer] [--rounds 3] [--steps 12] [--threads 2]
@@ -52,7 +53,10 @@ def trainer_run(trainer, recipe, sets, steps, threads, workdir):
     rss = measure(args)
     with open(os.path.join(run_dir, "summary.json")) as f:
         s = json.load(f)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        step_ms = [r["step_ms"] for r in map(json.loads, f) if "event" not in r]
     return {"median_step_ms": s["median_step_ms"], "median_tokens_per_s": s["median_tokens_per_s"],
+            "min_step_ms": min(step_ms[s["warmup_steps_excluded"]:] or step_ms),
             "tracked_peak_bytes": s["peak_allocated_bytes"], "peak_rss_bytes": rss,
             "final_loss": s["final_loss"], "summary": os.path.join(run_dir, "summary.json"),
             "cpu": s["environment"].get("cpu", {}).get("cpu_model", platform.processor())}
@@ -65,6 +69,7 @@ def eager_run(summary, steps, threads):
     rss = measure(args, out)
     r = json.loads(out["stdout"].strip().splitlines()[-1])
     r["peak_rss_bytes"] = rss
+    r["min_step_ms"] = min(r["step_ms"][2:])  # the trainer's logging.skip_first (COMMON)
     return r
 
 
@@ -92,8 +97,12 @@ def one_round(a, rnd, recipe, mode):
             tr = trainer_run(a.trainer, recipe, MODES[mode], a.steps, a.threads, d)
         tr.pop("summary")
         return {"round": rnd, "recipe": recipe, "mode": mode, "trainer": tr,
-                "eager": {k: ea[k] for k in ("median_step_ms", "median_tokens_per_s", "peak_rss_bytes", "losses")},
-                "ratio": tr["median_tokens_per_s"] / ea["median_tokens_per_s"]}
+                "eager": {k: ea[k] for k in ("median_step_ms", "min_step_ms", "median_tokens_per_s", "peak_rss_bytes",
+                                             "losses")},
+                # tokens/s ratio from each run's fastest step (the least disturbed by other load), and
+                # from its median step
+                "ratio": ea["min_step_ms"] / tr["min_step_ms"],
+                "median_ratio": tr["median_tokens_per_s"] / ea["median_tokens_per_s"]}
 
 
 def mib(b):
@@ -101,30 +110,33 @@ def mib(b):
 
 
 def table(runs, recipes, modes):
-    lines = ["| recipe | mode | trainer ms/step | eager ms/step | trainer tok/s | eager tok/s | speed ratio (median, min-max) "
-             "| trainer tracked peak MiB | trainer RSS MiB | eager RSS MiB |", "|" + "---|" * 10]
+    lines = ["| recipe | mode | trainer ms/step (fastest) | eager ms/step (fastest) | trainer tok/s | eager tok/s | speed ratio (median, min-max) "
+             "| ratio of medians | trainer tracked peak MiB | trainer RSS MiB | eager RSS MiB |", "|" + "---|" * 11]
     summary = {}
     for recipe in recipes:
         for mode in modes:
             rs = [r for r in runs if r["recipe"] == recipe and r["mode"] == mode]
             med = lambda f: statistics.median(f(r) for r in rs)
             ratios = [r["ratio"] for r in rs]
-            row = {"trainer_ms": med(lambda r: r["trainer"]["median_step_ms"]),
-                   "eager_ms": med(lambda r: r["eager"]["median_step_ms"]),
-                   "trainer_tps": med(lambda r: r["trainer"]["median_tokens_per_s"]),
-                   "eager_tps": med(lambda r: r["eager"]["median_tokens_per_s"]),
+            tokens = rs[0]["trainer"]["median_tokens_per_s"] * rs[0]["trainer"]["median_step_ms"] / 1e3
+            row = {"trainer_ms": med(lambda r: r["trainer"]["min_step_ms"]),
+                   "eager_ms": med(lambda r: r["eager"]["min_step_ms"]),
+                   "median_ratio": med(lambda r: r["median_ratio"]),
                    "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                    "tracked": med(lambda r: r["trainer"]["tracked_peak_bytes"]),
                    "trainer_rss": med(lambda r: r["trainer"]["peak_rss_bytes"]),
                    "eager_rss": med(lambda r: r["eager"]["peak_rss_bytes"])}
+            row["trainer_tps"], row["eager_tps"] = tokens / row["trainer_ms"] * 1e3, tokens / row["eager_ms"] * 1e3
             summary[f"{recipe}/{mode}"] = row
             lines.append(f"| {recipe} | {mode} | {row['trainer_ms']:.1f} | {row['eager_ms']:.1f} | {row['trainer_tps']:.0f} "
                          f"| {row['eager_tps']:.0f} | {row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) "
+                         f"| {row['median_ratio']:.2f}x "
                          f"| {mib(row['tracked'])} | {mib(row['trainer_rss'])} | {mib(row['eager_rss'])} |")
     for recipe in recipes:
         if f"{recipe}/none" in summary and f"{recipe}/full" in summary:
             r = summary[f"{recipe}/full"]["trainer_ms"] / summary[f"{recipe}/none"]["trainer_ms"]
-            lines.append(f"\n{recipe}: trainer full / none step time = {r:.3f}")
+            e = summary[f"{recipe}/full"]["eager_ms"] / summary[f"{recipe}/none"]["eager_ms"]
+            lines.append(f"\n{recipe}: full / none step time: trainer {r:.3f}, eager {e:.3f}")
             summary[f"{recipe}/full_over_none"] = r
     return "\n".join(lines) + "\n", summary
 
@@ -168,8 +180,9 @@ def main():
         for recipe in recipes:
             for mode in modes:
                 r = one_round(a, rnd, recipe, mode)
-                print(f"round {rnd} {recipe:5s} {mode:10s} trainer {r['trainer']['median_step_ms']:7.1f} ms  "
-                      f"eager {r['eager']['median_step_ms']:7.1f} ms  ratio {r['ratio']:.3f}", flush=True)
+                print(f"round {rnd} {recipe:5s} {mode:10s} trainer {r['trainer']['min_step_ms']:7.1f} ms  "
+                      f"eager {r['eager']['min_step_ms']:7.1f} ms  ratio {r['ratio']:.3f} (medians: "
+                      f"{r['trainer']['median_step_ms']:.1f} / {r['eager']['median_step_ms']:.1f})", flush=True)
                 runs.append(r)
     md, summary = table(runs, recipes, modes)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
