@@ -2,6 +2,7 @@
 // by k), eval without recompute, accumulation, inputs without grad, several outputs, no leaks,
 // the pre-recompute hook, the recompute check, and the segment plans.
 #include "catch.h"
+#include <ATen/record_function.h>
 #include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -334,4 +335,43 @@ TEST_CASE("the forward's autocast state is re-applied during recompute, and the 
   CHECK(seen[1]);  // recompute saw the forward's autocast state
   CHECK_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
   CHECK(w.grad().defined());
+}
+
+namespace {
+thread_local int64_t t_linears = 0;  // aten::linear calls on this thread while a LinearCounter lives
+struct LinearCounter {
+  at::CallbackHandle handle;
+  LinearCounter() {
+    t_linears = 0;
+    handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
+        [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+          if (std::string_view(fn.name()) == "aten::linear") ++t_linears;
+          return nullptr;
+        }));
+  }
+  ~LinearCounter() { at::removeCallback(handle); }
+};
+int64_t linears_in_step(const config::RunConfig& cfg) {
+  LinearCounter counter;
+  run_once(cfg);
+  return t_linears;
+}
+}  // namespace
+
+TEST_CASE("a recomputed segment does not re-run its last block's output projection") {
+  for (const std::string arch : {"gpt2", "llama"}) {
+    INFO(arch);
+    const int64_t L = 5;
+    const int64_t none = linears_in_step(small(arch, 0.0, {"checkpointing.mode=none"}));
+    CHECK(none == 4 * L + 1);  // four per block, and the head
+    // Every block its own segment: each recompute re-runs qkv, proj and fc, not out.
+    CHECK(linears_in_step(small(arch, 0.0, {"checkpointing.mode=full", "checkpointing.skip_last=false"})) ==
+          none + 3 * L);
+    // Segments of 2, 2, 1 blocks: only each segment's last block skips its output projection.
+    CHECK(linears_in_step(small(arch, 0.0, {"checkpointing.mode=interval", "checkpointing.interval=2",
+                                            "checkpointing.skip_last=false"})) == none + 4 * L - 3);
+    // check_recompute compares the recomputed outputs with the forward's: everything is re-run.
+    CHECK(linears_in_step(small(arch, 0.0, {"checkpointing.mode=full", "checkpointing.skip_last=false",
+                                            "checkpointing.check_recompute=true"})) == none + 4 * L);
+  }
 }

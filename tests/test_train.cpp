@@ -517,6 +517,7 @@ TEST_CASE("MFU's peak is the compute dtype's: datasheet on known GPUs, measured 
   CHECK(train::datasheet_peak("NVIDIA A100-SXM4-80GB", "bf16") == 312e12);
   CHECK(train::datasheet_peak("NVIDIA L40S", "bf16") == 362e12);
   CHECK_FALSE(train::datasheet_peak("Tesla V100-SXM2-16GB", "bf16").has_value());  // no bf16 tensor cores
+  CHECK(train::datasheet_peak("Tesla V100-SXM2-16GB", "fp16") == 125e12);
   CHECK_FALSE(train::datasheet_peak("Some Future GPU", "bf16").has_value());
   const auto over = train::peak_flops(torch::kCPU, "bf16", 2.5);
   CHECK(over.flops == 2.5e12);

@@ -243,20 +243,21 @@ auto timed(const Saved& s, std::optional<c10::Device> cuda, F&& f) {
 }
 
 // A linear's backward from its input `a`, with the same kernels autograd uses for addmm(b, a2d, W^T)
-// / mm(a2d, W^T): dW = gy^T a and db = sum_rows(gy) into result's slots 1 + at and 1 + at + 1 (where
-// the graph needs them); returns gy as rows. linear_input_grad: da = gy W.
-at::Tensor linear_param_grads(AutogradContext* ctx, const at::Tensor& gy, const at::Tensor& a, const at::Tensor& W,
-                              const at::Tensor* b, size_t at, variable_list& result) {
+// / mm(a2d, W^T): dW = gy^T a and db = sum_rows(gy) (each only when asked for), da = gy W.
+struct LinearGrads {
+  at::Tensor gy2, dW, db;  // gy2: gy as rows (N columns)
+  at::Tensor da(const at::Tensor& W, at::IntArrayRef a_sizes, at::ScalarType a_dtype) const {
+    return gy2.mm(W.to(gy2.scalar_type())).view(a_sizes).to(a_dtype);
+  }
+};
+LinearGrads linear_param_grads(const at::Tensor& gy, const at::Tensor& a, const at::Tensor& W, const at::Tensor& b,
+                               bool want_dW, bool want_db) {
   const int64_t N = W.size(0), K = W.size(1);
   const auto cdt = gy.scalar_type();  // compute dtype (differs from W's under autocast)
-  auto gy2 = gy.reshape({-1, N});
-  if (ctx->needs_input_grad(at)) result[1 + at] = gy2.t().mm(a.detach().to(cdt).reshape({-1, K})).to(W.scalar_type());
-  if (b && ctx->needs_input_grad(at + 1)) result[1 + at + 1] = gy2.sum(0).to(b->scalar_type());
-  return gy2;
-}
-
-at::Tensor linear_input_grad(const at::Tensor& gy2, const at::Tensor& W, at::IntArrayRef a_sizes, at::ScalarType a_dtype) {
-  return gy2.mm(W.to(gy2.scalar_type())).view(a_sizes).to(a_dtype);
+  LinearGrads g{gy.reshape({-1, N}), {}, {}};
+  if (want_dW) g.dW = g.gy2.t().mm(a.detach().to(cdt).reshape({-1, K})).to(W.scalar_type());
+  if (want_db) g.db = g.gy2.sum(0).to(b.scalar_type());
+  return g;
 }
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
@@ -332,7 +333,11 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     }
     check_outputs(*saved, {a});
 
-    const auto gy2 = linear_param_grads(ctx, gy, a, W, has_bias ? &saved->params.back() : nullptr, n_in + n_cheap, result);
+    const size_t w_at = n_in + n_cheap;  // W's input index (its slot is 1 + w_at), then b's
+    const auto lin = linear_param_grads(gy, a, W, has_bias ? saved->params.back() : at::Tensor(),
+                                        ctx->needs_input_grad(w_at), has_bias && ctx->needs_input_grad(w_at + 1));
+    result[1 + w_at] = lin.dW;
+    if (has_bias) result[1 + w_at + 1] = lin.db;
 
     // Then the cheap op's backward. Its output's values are not needed any more, only its graph:
     // keep the graph edge and drop the tensor, so the recomputed output is freed before da and the
@@ -345,7 +350,7 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     const auto a_dtype = a.scalar_type();
     a.reset();
     if (differentiable) {
-      auto da = linear_input_grad(gy2, W, a_sizes, a_dtype);
+      auto da = lin.da(W, a_sizes, a_dtype);
       torch::autograd::edge_list outputs;
       for (const auto& w : wrt) outputs.push_back(torch::autograd::impl::gradient_edge(w));
       auto grads = torch::autograd::Engine::get_default_engine().execute(
@@ -376,14 +381,13 @@ struct OutputFreeLinearFunction : torch::autograd::Function<OutputFreeLinearFunc
     const auto& W = saved[1];
     const auto bias = ctx->saved_data["bias"];
     const at::Tensor b = bias.isTensor() ? bias.toTensor() : at::Tensor();
-    variable_list result(b.defined() ? 3 : 2);  // a, W, b? (the helper's slots are one further on)
+    variable_list result(b.defined() ? 3 : 2);  // a, W, b?
     const auto& gy = grad_outputs[0];
     if (!gy.defined()) return result;
-    variable_list shifted(4);
-    const auto gy2 = linear_param_grads(ctx, gy, a, W, b.defined() ? &b : nullptr, 1, shifted);
-    result[1] = shifted[2];
-    if (b.defined()) result[2] = shifted[3];
-    if (ctx->needs_input_grad(0)) result[0] = linear_input_grad(gy2, W, a.sizes(), a.scalar_type());
+    const auto lin = linear_param_grads(gy, a, W, b, ctx->needs_input_grad(1), b.defined() && ctx->needs_input_grad(2));
+    result[1] = lin.dW;
+    if (b.defined()) result[2] = lin.db;
+    if (ctx->needs_input_grad(0)) result[0] = lin.da(W, a.sizes(), a.scalar_type());
     return result;
   }
 };

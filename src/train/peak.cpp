@@ -12,18 +12,18 @@ namespace {
 
 struct Datasheet {
   const char* name_part;  // matched as a substring of the device name; the first match wins
-  double bf16_tflops, fp32_tflops;
+  double bf16_tflops, fp16_tflops, fp32_tflops;  // 0: no such tensor-core path
 };
 
-// Dense peaks (no sparsity) from the vendors' datasheets, TFLOP/s: bf16 (fp16 is the same on all of
-// these; V100's column is fp16, it has no bf16) and plain fp32.
-// Longer names first, so "H100 PCIe" is not taken for an SXM part.
+// Dense peaks (no sparsity) from the vendors' datasheets, TFLOP/s: bf16 and fp16 tensor cores, plain
+// fp32 (no TF32). Longer names first, so "H100 PCIe" is not taken for an SXM part.
 const std::vector<Datasheet> kDatasheets = {
-    {"H100 PCIe", 756.0, 51.0},  {"H100 NVL", 835.0, 60.0}, {"H100", 989.0, 67.0},  {"H200", 989.0, 67.0},
-    {"H800", 989.0, 67.0},       {"GH200", 989.0, 67.0},    {"B200", 2250.0, 80.0}, {"A100", 312.0, 19.5},
-    {"A800", 312.0, 19.5},       {"L40S", 362.0, 91.6},     {"L40", 181.0, 90.5},   {"L4", 121.0, 30.3},
-    {"A10G", 70.0, 31.2},        {"A10", 125.0, 31.2},      {"RTX 4090", 165.2, 82.6},
-    {"RTX 3090", 71.0, 35.6},    {"A6000", 155.0, 38.7},    {"V100", 125.0, 15.7},
+    {"H100 PCIe", 756, 756, 51},     {"H100 NVL", 835, 835, 60},   {"H100", 989, 989, 67},
+    {"H200", 989, 989, 67},          {"H800", 989, 989, 67},       {"GH200", 989, 989, 67},
+    {"B200", 2250, 2250, 80},        {"A100", 312, 312, 19.5},     {"A800", 312, 312, 19.5},
+    {"L40S", 362, 362, 91.6},        {"L40", 181, 181, 90.5},      {"L4", 121, 121, 30.3},
+    {"A10G", 70, 70, 31.2},          {"A10", 125, 125, 31.2},      {"RTX 4090", 165.2, 165.2, 82.6},
+    {"RTX 3090", 71, 71, 35.6},      {"A6000", 155, 155, 38.7},    {"V100", 0, 125, 15.7},
 };
 
 std::string cuda_device_name(torch::Device device) {
@@ -40,8 +40,8 @@ c10::ScalarType scalar_type(const std::string& dtype) {
 std::optional<double> datasheet_peak(const std::string& device_name, const std::string& dtype) {
   for (const auto& d : kDatasheets)
     if (device_name.find(d.name_part) != std::string::npos) {
-      if (dtype == "bf16" && std::string(d.name_part) == "V100") return std::nullopt;  // no bf16 tensor cores
-      return (dtype == "fp32" ? d.fp32_tflops : d.bf16_tflops) * 1e12;
+      const double tflops = dtype == "fp32" ? d.fp32_tflops : dtype == "fp16" ? d.fp16_tflops : d.bf16_tflops;
+      return tflops > 0 ? std::optional<double>(tflops * 1e12) : std::nullopt;
     }
   return std::nullopt;
 }

@@ -77,7 +77,7 @@ int stop_from_counts(const double* c) {
   return c[0] > 0.0 ? kStopIo : c[1] > 0.0 ? SIGTERM : c[2] > 0.0 ? SIGINT : 0;
 }
 
-// Packs [this rank's mean loss, its gradient-norm value, its found-inf flag, its stop counts], sums it
+// Packs [this rank's mean loss, its gradient-norm value, its found-inf flag, with a poll its stop counts], sums it
 // over ranks (one all-reduce of a device tensor; the norm value is a share of the squared norm with an
 // engine, the norm itself without one, i.e. at world 1), moves the loss scale on (fp16, on the device,
 // from the agreed flag), then reads all of it, with the new scale, in one host read.
@@ -87,18 +87,21 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
   const auto f64 = [&](const torch::Tensor& t) {
     return t.defined() ? t.reshape({1}).to(torch::kDouble) : torch::zeros({1}, loss.options());  // loss: float64
   };
-  auto packed = torch::cat({f64(loss), f64(norm), f64(found_inf), stop_counts(poll ? poll() : 0, loss.options())});
+  std::vector<torch::Tensor> parts{f64(loss), f64(norm), f64(found_inf)};
+  if (poll) parts.push_back(stop_counts(poll(), loss.options()));  // [3, 6): only where a loop polls
+  auto packed = torch::cat(parts);
   const int64_t world = engine ? engine->comm().world() : 1;
   if (world > 1) engine->comm().all_reduce_sum(packed, "loss, gradient norm and found-inf reduction").wait();
+  const auto scale_at = static_cast<size_t>(packed.size(0));
   if (scaler) {
     scaler->update(packed[2]);
     packed = torch::cat({packed, scaler->scale_tensor().to(torch::kDouble)});
   }
   const std::vector<double> v = read_to_host(packed);
   if (world > 1) engine->comm().check("loss, gradient norm and found-inf reduction");
-  if (scaler) scaler->observe(v[6]);
+  if (scaler) scaler->observe(v[scale_at]);
   return {world > 1 ? v[0] / static_cast<double>(world) : v[0], engine ? std::sqrt(v[1]) : v[1], v[2] > 0.0,
-          stop_from_counts(&v[3])};
+          poll ? stop_from_counts(&v[3]) : 0};
 }
 
 // A batch tensor on `device`. CUDA: staged through pinned memory and copied without blocking; a copy
