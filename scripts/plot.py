@@ -8,6 +8,9 @@ kind "batch" (sweep_batch.sh):
                            that did not fit are marked with x (at the memory limit), and the limit is
                            drawn as a horizontal line when there is one;
   throughput_vs_batch.png  tokens/s vs micro-batch, one line per mode.
+kind "budget" (bench/budget_vs_uniform.py):
+  step_time_vs_budget.png  median step time vs activation budget: mode budget, and the best uniform
+                           mode that fits each budget (labelled with its name).
 kind "interval" (sweep_interval.sh):
   activation_vs_k.png      measured and predicted activation peak vs interval k (mode none as a
                            reference line);
@@ -34,8 +37,8 @@ def load(path):
         sys.exit(f"plot.py: cannot read {path}: {e.strerror}")
     except ValueError as e:
         sys.exit(f"plot.py: {path} is not valid JSON: {e}")
-    if not isinstance(doc, dict) or doc.get("kind") not in ("batch", "interval") or not isinstance(doc.get("rows"), list):
-        sys.exit(f"plot.py: {path} is not a sweep result (needs \"kind\": \"batch\" or \"interval\" and \"rows\")")
+    if not isinstance(doc, dict) or doc.get("kind") not in ("batch", "interval", "budget") or not isinstance(doc.get("rows"), list):
+        sys.exit(f"plot.py: {path} is not a sweep result (needs \"kind\": \"batch\", \"interval\" or \"budget\" and \"rows\")")
     return doc
 
 
@@ -153,6 +156,20 @@ def plot_interval(doc, out, plt):
     return paths
 
 
+def plot_budget(doc, out, plt):
+    rows = sorted(doc["rows"], key=lambda r: r["budget_bytes"])
+    fig, ax = plt.subplots(figsize=(8, 5))
+    x = [r["budget_bytes"] / MIB for r in rows]
+    ax.plot(x, [r["budget_step_ms"] for r in rows], "o-", color="C0", label="mode budget (per-block schedule)")
+    best = [(r["budget_bytes"] / MIB, r["best_uniform_step_ms"], r["best_uniform"]) for r in rows if r.get("best_uniform")]
+    if best:
+        ax.plot([b[0] for b in best], [b[1] for b in best], "s--", color="C1", label="best uniform mode that fits")
+        for bx, by, name in best:
+            ax.annotate(name, (bx, by), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    return [finish(fig, ax, os.path.join(out, "step_time_vs_budget.png"), "activation budget (MiB)",
+                   "median step time (ms)", f"Step time vs activation budget\n{subtitle(doc)}", plt)]
+
+
 def main():
     ap = argparse.ArgumentParser(description="Plot a sweep_batch.sh / sweep_interval.sh results.json.")
     ap.add_argument("results", metavar="RESULTS.json")
@@ -170,7 +187,7 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(out, exist_ok=True)
-    paths = (plot_batch if doc["kind"] == "batch" else plot_interval)(doc, out, plt)
+    paths = {"batch": plot_batch, "interval": plot_interval, "budget": plot_budget}[doc["kind"]](doc, out, plt)
     for p in paths:
         print(p)
 

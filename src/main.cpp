@@ -28,6 +28,7 @@ struct Cli {
   std::vector<std::string> overrides;
   std::string resume;
   bool help_config = false;
+  bool no_profile = false;
   std::string plan_memory, plan_out;
   int64_t plan_world = 0;
   sl::interop::ExportRequest export_req;
@@ -41,6 +42,8 @@ void add_commands(CLI::App& app, Cli& cli) {
   auto add_run_options = [&](CLI::App* cmd) {
     cmd->add_option("-c,--config", cli.config_path, "YAML recipe, e.g. configs/tiny.yaml");
     cmd->add_option("-s,--set", cli.overrides, "override a recipe key: --set section.key=value (repeatable)");
+    cmd->add_flag("--no-profile", cli.no_profile, "checkpointing.mode budget: solve from the FLOP formula's costs, "
+                                                  "not a profiling pass (= --set checkpointing.profile_costs=false)");
   };
   auto add_resume = [&](CLI::App* cmd) {
     cmd->add_option("--resume", cli.resume, "continue from a saved training state: auto (the newest valid one of the run "
@@ -98,7 +101,9 @@ int dispatch(const Cli& cli) {
   if (cli.export_cmd->parsed()) return run_export(cli.export_req);
   if (cli.config_path.empty())
     throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
-  auto cfg = sl::config::load(cli.config_path, cli.overrides);
+  auto overrides = cli.overrides;
+  if (cli.no_profile) overrides.push_back("checkpointing.profile_costs=false");
+  auto cfg = sl::config::load(cli.config_path, overrides);
   if (cli.plan_cmd->parsed()) return run_plan(cfg, cli);
   cfg.resume = cli.resume;
   // Install before any tensor exists so every CPU tensor is counted.

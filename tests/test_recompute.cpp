@@ -17,6 +17,7 @@
 #include "precision/autocast.h"
 #include "recompute/policy.h"
 #include "train/trainer.h"
+#include "measure.h"
 
 using namespace sl;
 
@@ -260,21 +261,8 @@ TEST_CASE("segment plans") {
 }
 
 namespace {
-// activation_peak_bytes of the second optimizer step (the first one creates the optimizer state),
-// measured with the tracking allocator through the trainer's own step.
 int64_t measured_activation_peak(const config::RunConfig& cfg) {
-  memory::TrackingCPUAllocator::install();
-  torch::manual_seed(0);
-  model::GPT m(cfg.model, torch::kCPU);
-  recompute::Policy policy(cfg.checkpointing, m);
-  auto opt = train::make_optimizer(m, cfg.train);
-  memory::Tracker tracker(torch::kCPU);
-  std::shared_ptr<data::TokenSource> src = data::make_synthetic(20000, cfg.model.vocab_size, 5);
-  data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
-  const train::ForwardFn fwd = [&](const torch::Tensor& idx) { return policy.forward(idx); };
-  train::StepResult r;
-  for (int i = 0; i < 2; ++i) r = train::train_step(fwd, m, *opt, {loader.next()}, 1.0, torch::kCPU, tracker);
-  return r.activation_peak_bytes();
+  return test::measured_activation_peak(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer));
 }
 
 config::RunConfig twelve_layers(std::vector<std::string> extra) {

@@ -136,11 +136,13 @@ const std::vector<Field>& fields() {
       field(&R::train, &T::threads, "train", "threads", "CPU intra-op threads; 0 = all cores"),
       field(&R::train, &T::on_nonfinite, "train", "on_nonfinite", "fp32/bf16 gradients with NaN/Inf (finite loss): abort (exit 6 before the optimizer step) | skip (weights untouched, a skip event)"),
 
-      field(&R::checkpointing, &C::mode, "checkpointing", "mode", "none | full | interval | sqrt | selective"),
+      field(&R::checkpointing, &C::mode, "checkpointing", "mode", "none | full | interval | sqrt | selective | budget (per block keep / selective parts / recompute, the least recompute time under checkpointing.budget)"),
       field(&R::checkpointing, &C::interval, "checkpointing", "interval", "interval mode: k consecutive blocks per segment"),
       field(&R::checkpointing, &C::segments, "checkpointing", "segments", "interval mode alternative: number of segments (give interval or segments, not both)"),
       field(&R::checkpointing, &C::recompute, "checkpointing", "recompute", "selective mode: parts to recompute, any of [attention, mlp, norm]"),
       field(&R::checkpointing, &C::skip_last, "checkpointing", "skip_last", "keep the last segment's activations (recomputing them saves nothing at peak)"),
+      field(&R::checkpointing, &C::budget, "checkpointing", "budget", "budget mode: activation memory per step (under zero3 the gathered units count too): a size such as 6GiB, or a share such as 90% of what memory.limit leaves after model states, batch and buffers; \"\" = 100% of that"),
+      field(&R::checkpointing, &C::profile_costs, "checkpointing", "profile_costs", "budget mode: time each kind of block's parts in a short pass of real forwards at the run's shape and precision; false (or `trainer --no-profile`) = the FLOP formula"),
       field(&R::checkpointing, &C::preserve_rng, "checkpointing", "preserve_rng", "replay the forward's RNG state during recompute (exact dropout)"),
       field(&R::checkpointing, &C::check_recompute, "checkpointing", "check_recompute", "verify recomputed outputs match the forward's shapes and dtypes"),
 
@@ -367,6 +369,27 @@ int64_t parse_bytes(const std::string& text, const std::string& key) {
 
 int64_t memory_limit_bytes(const RunConfig& cfg) { return parse_bytes(cfg.memory.limit, "memory.limit"); }
 
+Budget parse_budget(const RunConfig& cfg) {
+  const std::string& text = cfg.checkpointing.budget;
+  if (text.empty()) return {0, 1.0};
+  if (text.back() == '%') {
+    double pct = 0;
+    try {
+      size_t used = 0;
+      pct = std::stod(text.substr(0, text.size() - 1), &used);
+      if (used != text.size() - 1) pct = -1;
+    } catch (const std::exception&) {
+      pct = -1;
+    }
+    if (!(pct > 0 && pct <= 100))
+      throw ConfigError(fmt::format("checkpointing.budget: '{}' is not a share in (0%, 100%], e.g. 90%", text));
+    return {0, pct / 100.0};
+  }
+  const int64_t bytes = parse_bytes(text, "checkpointing.budget");
+  if (bytes <= 0) throw ConfigError("checkpointing.budget: must be a positive size such as 6GiB, or a share such as 90%");
+  return {bytes, 0.0};
+}
+
 int64_t mlp_hidden(const ModelConfig& m) {
   if (m.mlp_hidden > 0) return m.mlp_hidden;
   if (m.arch == "llama") return round_up(2 * 4 * m.n_embd / 3, 256);
@@ -563,7 +586,16 @@ void validate_train(const RunConfig& c) {
 void validate_checkpointing(const RunConfig& c) {
   const auto& m = c.model;
   const auto& k = c.checkpointing;
-  one_of("checkpointing.mode", k.mode, {"none", "full", "interval", "sqrt", "selective"});
+  one_of("checkpointing.mode", k.mode, {"none", "full", "interval", "sqrt", "selective", "budget"});
+  if (k.mode == "budget") {
+    const Budget b = parse_budget(c);
+    if (b.share > 0 && parse_bytes(c.memory.limit, "memory.limit") == 0)
+      fail("checkpointing.budget", fmt::format("{} is a share of memory.limit, which is not set: give memory.limit "
+                                               "(e.g. 80GiB) or a size such as checkpointing.budget: 6GiB",
+                                               k.budget.empty() ? std::string("\"\" (100%)") : k.budget));
+  } else if (!k.budget.empty()) {
+    fail("checkpointing.budget", fmt::format("is only used with checkpointing.mode: budget (mode is '{}')", k.mode));
+  }
   if (k.interval < 0) fail("checkpointing.interval", "must be >= 0");
   if (k.segments < 0) fail("checkpointing.segments", "must be >= 0");
   if (k.mode == "interval") {

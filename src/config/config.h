@@ -65,6 +65,10 @@ struct CheckpointingConfig {
   int64_t segments = 0;
   std::vector<std::string> recompute = {};
   bool skip_last = true;
+  // budget mode: the activation memory a step may use, a size ("6GiB") or a share of what memory.limit
+  // leaves after the model states, batch and buffers ("90%"); "" = 100% (needs memory.limit).
+  std::string budget = "";
+  bool profile_costs = true;  // budget mode: time the block's parts in a short pass (false: FLOP formula)
   bool preserve_rng = true;
   bool check_recompute = false;
 };
@@ -156,6 +160,12 @@ std::vector<std::string> preset_names();
 int64_t parse_bytes(const std::string& text, const std::string& key);
 // memory.limit in bytes; 0 = no limit.
 int64_t memory_limit_bytes(const RunConfig& cfg);
+// checkpointing.budget parsed: a size in bytes, or a share in (0, 1] (share > 0 only for "N%" and "").
+struct Budget {
+  int64_t bytes = 0;
+  double share = 0.0;
+};
+Budget parse_budget(const RunConfig& cfg);
 
 // The MLP inner size after defaults (4*d for gpt2, LLaMA's 2/3*4d rounded up to 256 for llama).
 int64_t mlp_hidden(const ModelConfig& model);

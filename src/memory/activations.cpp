@@ -168,8 +168,91 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   return e;
 }
 
+ChainModel chain_model(const config::RunConfig& cfg, LowpMatmul lowp) {
+  const Sizes z = sizes_of(cfg, lowp);
+  const auto L = static_cast<size_t>(cfg.model.n_layer);
+  const auto tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len);
+  ChainModel m;
+  std::array<double, recompute::kPartSets> kept{}, backward{};
+  for (int b = 0; b < recompute::kPartSets; ++b) {
+    SegmentCounts parts;
+    parts.attention = (b & recompute::kPartAttention) != 0;
+    parts.mlp = (b & recompute::kPartMlp) != 0;
+    parts.norm = (b & recompute::kPartNorm) != 0;
+    kept[static_cast<size_t>(b)] = tok * block_bytes(z, parts);
+    backward[static_cast<size_t>(b)] = tok * backward_bytes(z, parts);
+  }
+  m.kept.assign(L, kept);
+  m.backward.assign(L, backward);
+  m.weights.assign(L, block_cast_bytes(cfg.model, z));
+  m.input = tok * z.r * z.C;
+  m.forward = tok * forward_block_bytes(z);
+  m.head = tok * head_bytes(z);
+  m.head_input = tok * z.c * z.C;
+  m.head_weights = z.c < z.f && !z.lowp_params ? z.c * z.V * z.C : 0.0;
+  if (cfg.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(cfg.model.vocab_size * cfg.model.n_embd);
+  return m;
+}
+
+namespace {
+
+// Moments F (segment first passes and the end of the forward) and A; `held` ends as what the forward
+// keeps for backward, `kept_weights` as the kept blocks' weight copies.
+double forward_moments(const ChainModel& m, const recompute::Plan& plan, double& held, double& kept_weights) {
+  double all_weights = 0, peak = 0;
+  for (double w : m.weights) all_weights += w;
+  held = kept_weights = 0;
+  for (const auto& seg : plan.segments) {
+    if (seg.checkpointed) {
+      held += m.input;
+      peak = std::max(peak, all_weights + m.head_weights + held + m.forward);
+      continue;
+    }
+    for (int64_t b = seg.begin; b < seg.end; ++b) {
+      held += m.kept[static_cast<size_t>(b)][plan.parts_of(b)];
+      kept_weights += m.weights[static_cast<size_t>(b)];
+    }
+  }
+  peak = std::max(peak, all_weights + m.head_weights + held + m.head - m.head_input);
+  return std::max(peak, kept_weights + m.head_weights + held + m.head);
+}
+
+}  // namespace
+
+double chain_peak(const ChainModel& m, const recompute::Plan& plan) {
+  double held = 0, kept_weights = 0;
+  double peak = forward_moments(m, plan, held, kept_weights);
+  for (auto seg = plan.segments.rbegin(); seg != plan.segments.rend(); ++seg) {
+    if (seg->checkpointed) {  // B: held is what comes before the segment, plus its input
+      held -= m.input;
+      double saved = 0, weights = 0, worst_backward = 0;
+      for (int64_t b = seg->begin; b < seg->end; ++b) {
+        saved += m.kept[static_cast<size_t>(b)][0];
+        weights += m.weights[static_cast<size_t>(b)];
+        worst_backward = std::max(worst_backward, m.backward[static_cast<size_t>(b)][0]);
+      }
+      peak = std::max(peak, weights + m.tied_grad + held + m.input + saved + worst_backward);
+      continue;
+    }
+    for (int64_t b = seg->end - 1; b >= seg->begin; --b) {  // D: the block and every unit before it
+      const auto i = static_cast<size_t>(b);
+      const auto parts = plan.parts_of(b);
+      peak = std::max(peak, kept_weights + m.tied_grad + held + m.backward[i][parts]);
+      held -= m.kept[i][parts];
+      kept_weights -= m.weights[i];
+    }
+  }
+  return peak;
+}
+
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
-  return estimate_activation_peak(cfg, segment_counts(plan), lowp_matmul_path(cfg));
+  const auto lowp = lowp_matmul_path(cfg);
+  if (plan.mode != "budget") return estimate_activation_peak(cfg, segment_counts(plan), lowp);
+  // The per-token terms of a plain block; the moments by walking the plan.
+  ActivationEstimate e = estimate_activation_peak(cfg, SegmentCounts{}, lowp);
+  e.moment_f = e.moment_a = e.moment_d = e.moment_b = 0;
+  e.peak_bytes = static_cast<int64_t>(chain_peak(chain_model(cfg, lowp), plan));
+  return e;
 }
 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg) {

@@ -54,7 +54,9 @@
 // Measured against it: tests/test_planner.cpp, README "Activation memory".
 #pragma once
 #include <cstdint>
+#include <array>
 #include <string>
+#include <vector>
 
 #include "config/config.h"
 #include "memory/cpu_features.h"
@@ -92,6 +94,29 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg);  // O(1) in n_layer
 // With the CPU's low-precision matmul path given (`lowp` is ignored for fp32).
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const SegmentCounts& seg, LowpMatmul lowp);
+
+// The same terms per block, for plans whose blocks differ (checkpointing.mode: budget), in bytes of one
+// micro-batch (tok times the per-token sizes above). Index b of kept/backward is a bit set of
+// selective parts (recompute::kPartAttention | kPartMlp | kPartNorm), 0 = plain.
+struct ChainModel {
+  std::vector<std::array<double, recompute::kPartSets>> kept;      // S of block i with parts b
+  std::vector<std::array<double, recompute::kPartSets>> backward;  // T of block i with parts b
+  std::vector<double> weights;  // W of block i (autocast's copies; 0 in fp32)
+  double input = 0;        // fC: what a checkpointed segment keeps (its input)
+  double forward = 0;      // Fb: a block run without saving, beyond its input
+  double head = 0;         // E
+  double head_input = 0;   // cC: E less this at the end of the forward (moment F)
+  double head_weights = 0; // Wh
+  double tied_grad = 0;    // G
+};
+ChainModel chain_model(const config::RunConfig& cfg, LowpMatmul lowp);
+// The activation peak of a plan by walking it: the forward (every checkpointed segment's first pass
+// and the end, moment F; the start of backward, A), then the backward from the last unit to the first
+// (each kept block's backward, D, with what the blocks before it keep; each checkpointed segment's
+// recompute and backward, B, with the segment inputs and kept blocks before it). For the uniform plans
+// it gives estimate_activation_peak's moments, except B, which it takes per segment (the formula's B
+// uses the largest segment with every segment input: at most n*fC*tok more).
+double chain_peak(const ChainModel& m, const recompute::Plan& plan);
 
 // The path a recipe's low-precision matmuls take: on CPU cpu_features()'s, on CUDA native.
 LowpMatmul lowp_matmul_path(const config::RunConfig& cfg);

@@ -7,6 +7,7 @@
 
 #include "log/metrics.h"
 #include "model/gpt.h"
+#include "recompute/budget.h"
 #include "recompute/policy.h"
 
 namespace sl::memory {
@@ -113,7 +114,10 @@ std::vector<int64_t> unit_param_counts(const config::ModelConfig& m) {
   return units;
 }
 
-PeakPrediction predict_peak(const config::RunConfig& cfg) {
+namespace {
+
+// Everything but the activations.
+PeakPrediction predict_states(const config::RunConfig& cfg) {
   PeakPrediction p;
   const int64_t n = total_params(cfg.model);
   const int64_t N = std::max<int64_t>(1, cfg.world_size);
@@ -139,15 +143,42 @@ PeakPrediction predict_peak(const config::RunConfig& cfg) {
   const int64_t group = largest_group_params(cfg, n), shard = ceil_div(group, N);
   p.adamw_temp_bytes = 2 * 4 * (sh == "none" ? largest_param(cfg.model) : shard);
   if (N > 1 || sh != "none") p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh == "none" ? group : shard);
+  return p;
+}
+
+}  // namespace
+
+PeakPrediction predict_peak(const config::RunConfig& cfg) {
+  if (cfg.checkpointing.mode == "budget") return predict_peak(cfg, recompute::plan_for(cfg));
+  PeakPrediction p = predict_states(cfg);
   p.activations = estimate_activation_peak(cfg);
   return p;
+}
+
+PeakPrediction predict_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
+  PeakPrediction p = predict_states(cfg);
+  p.activations = estimate_activation_peak(cfg, plan);
+  return p;
+}
+
+int64_t activation_budget_bytes(const config::RunConfig& cfg) {
+  const auto budget = config::parse_budget(cfg);
+  const PeakPrediction p = predict_states(cfg);
+  int64_t bytes = budget.bytes;
+  if (budget.share > 0) {
+    const int64_t room = config::memory_limit_bytes(cfg) - p.model_states_bytes() - p.buffer_bytes - p.batch_bytes;
+    bytes = static_cast<int64_t>(budget.share * static_cast<double>(room));
+  }
+  return bytes - p.transient_bytes;
 }
 
 int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, int64_t cap) {
   auto fits = [&](int64_t b) {
     auto c = cfg;
     c.train.micro_batch = b;
-    return predict_peak(c).peak_bytes() <= memory_bytes;
+    if (c.checkpointing.mode != "budget") return predict_peak(c).peak_bytes() <= memory_bytes;
+    const auto plan = recompute::try_budget_plan(c, recompute::formula_costs(c), "formula", "GFLOP");
+    return plan && predict_peak(c, *plan).peak_bytes() <= memory_bytes;
   };
   if (!fits(1)) return 0;
   int64_t lo = 1, hi = cap;  // fits(lo); find the largest
@@ -199,7 +230,17 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   for (const auto& [name, ck] : plan_modes(cfg)) {
     auto c = cfg;
     c.checkpointing = ck;
-    const auto p = predict_peak(c);
+    std::optional<recompute::Plan> schedule;
+    if (ck.mode == "budget") {
+      schedule = recompute::try_budget_plan(c, recompute::formula_costs(c), "formula", "GFLOP");
+      j["budget_schedule"] = schedule ? schedule->to_json() : Json(nullptr);
+      j["budget_bytes"] = activation_budget_bytes(c);
+      if (!schedule) {
+        j["modes"].push_back({{"mode", name}, {"fits_budget", false}});
+        continue;
+      }
+    }
+    const auto p = schedule ? predict_peak(c, *schedule) : predict_peak(c);
     Json row = {{"mode", name},
                 {"activation_peak_bytes", p.activations.peak_bytes},
                 {"peak_bytes", p.peak_bytes()}};
@@ -250,6 +291,11 @@ std::string format_plan(const Json& j) {
                      : std::string("\nPer checkpointing mode (give --memory SIZE for the largest micro-batch):\n");
   std::vector<std::pair<std::string, std::string>> modes;
   for (const auto& m : j["modes"]) {
+    if (!m.contains("activation_peak_bytes")) {
+      modes.emplace_back(m["mode"].get<std::string>(),
+                         fmt::format("no schedule fits checkpointing.budget ({} of activations)", bytes(j["budget_bytes"])));
+      continue;
+    }
     std::string v = fmt::format("activations {:>10} | peak {:>10}", bytes(m["activation_peak_bytes"]), bytes(m["peak_bytes"]));
     if (with_memory) {
       const int64_t mb = m["largest_micro_batch"].get<int64_t>();
@@ -259,6 +305,23 @@ std::string format_plan(const Json& j) {
     modes.emplace_back(m["mode"].get<std::string>(), v);
   }
   out += log::format_table(modes);
+  if (j.contains("budget_schedule") && !j["budget_schedule"].is_null()) {
+    const auto& b = j["budget_schedule"];
+    out += fmt::format("Budget schedule ({} of activations, formula costs: recompute {:.3g} of {:.3g} GFLOP a forward; "
+                       "solved in {:.0f} ms):\n",
+                       bytes(b["budget"]["budget_bytes"]), b["budget"]["recompute_cost"].get<double>(),
+                       b["budget"]["forward_cost"].get<double>(), b["budget"]["solve_ms"].get<double>());
+    for (const auto& blk : b["blocks"]) {
+      std::string parts;
+      for (const auto& p : blk["parts"]) parts += (parts.empty() ? " [" : ", ") + p.get<std::string>();
+      const auto& seg = blk["segment"];
+      out += fmt::format("  block {:>3}: {}{}{}\n", blk["block"].get<int64_t>(), blk["choice"].get<std::string>(),
+                         parts.empty() ? "" : parts + "]",
+                         blk["choice"] == "recompute" ? fmt::format(" (segment of blocks {}..{})", seg[0].get<int64_t>(),
+                                                                    seg[1].get<int64_t>() - 1)
+                                                      : std::string());
+    }
+  }
   if (with_memory && j["model_states_bytes"].get<int64_t>() > j["memory_bytes"].get<int64_t>())
     out += fmt::format("Model states alone ({}) exceed {}: no checkpointing mode can fit; this needs more ranks "
                        "with parallel.sharding (zero3 divides all three states by the world size) or lower precision.\n",

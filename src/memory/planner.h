@@ -52,8 +52,17 @@ struct PeakPrediction {
   }
 };
 
-// The recipe's own checkpointing mode and micro-batch, per rank of cfg.world_size. O(1) in n_layer.
+// The recipe's own checkpointing mode and micro-batch, per rank of cfg.world_size. O(1) in n_layer
+// (mode budget: its schedule is solved with formula costs, O(n_layer^2)).
 PeakPrediction predict_peak(const config::RunConfig& cfg);
+// The same for a given plan (a budget schedule chosen from profiled costs).
+PeakPrediction predict_peak(const config::RunConfig& cfg, const recompute::Plan& plan);
+
+// checkpointing.budget as the bytes a budget schedule's activation peak may reach: the size given, or
+// the share of what memory.limit leaves after the model states, buffers and batch; less, under
+// zero2/zero3, the transient (a bucket's full gradient / the gathered units), which the step holds
+// beside the activations. May be <= 0 (nothing fits).
+int64_t activation_budget_bytes(const config::RunConfig& cfg);
 
 // Parameter counts, closed formulas of the model config (gpt2 / llama, biases, tied head, mlp_hidden),
 // saturating at kMaxParams so that byte counts made from them (x16) cannot overflow.

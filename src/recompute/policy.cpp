@@ -2,12 +2,28 @@
 #include "recompute/policy.h"
 
 #include <cmath>
+#include <stdexcept>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "log/metrics.h"
+
 namespace sl::recompute {
+
+std::string parts_name(uint8_t parts) {
+  std::string out;
+  for (auto [bit, name] : {std::pair{kPartAttention, "attention"}, {kPartMlp, "mlp"}, {kPartNorm, "norm"}})
+    if (parts & bit) out += (out.empty() ? "" : ", ") + std::string(name);
+  return out;
+}
+
+uint8_t Plan::parts_of(int64_t block) const {
+  if (mode == "budget") return block_parts.at(static_cast<size_t>(block));
+  if (mode != "selective") return 0;
+  return static_cast<uint8_t>((attention ? kPartAttention : 0) | (mlp ? kPartMlp : 0) | (norm ? kPartNorm : 0));
+}
 
 int64_t Plan::checkpointed_blocks() const {
   int64_t n = 0;
@@ -25,6 +41,19 @@ std::string Plan::describe() const {
     return fmt::format("selective [{}] in every block", parts);
   }
   std::string segs;
+  if (mode == "budget") {
+    for (const auto& s : segments) {
+      if (s.checkpointed) {
+        segs += fmt::format("{}[{}..{}) recomputed", segs.empty() ? "" : ", ", s.begin, s.end);
+        continue;
+      }
+      for (int64_t b = s.begin; b < s.end; ++b) {
+        const auto parts = parts_of(b);
+        segs += fmt::format("{}{} kept{}", segs.empty() ? "" : ", ", b, parts ? " [" + parts_name(parts) + "]" : "");
+      }
+    }
+    return fmt::format("budget {}: {}", log::format_bytes(budget.budget_bytes), segs);
+  }
   for (const auto& s : segments)
     segs += fmt::format("{}[{}..{}){}", segs.empty() ? "" : " ", s.begin, s.end, s.checkpointed ? "" : " kept");
   return fmt::format("{} k={}: {} of {} segments checkpointed: {}", mode, k,
@@ -35,14 +64,35 @@ std::string Plan::describe() const {
 nlohmann::json Plan::to_json() const {
   nlohmann::json segs = nlohmann::json::array();
   for (const auto& s : segments) segs.push_back({{"blocks", {s.begin, s.end}}, {"checkpointed", s.checkpointed}});
-  return {{"mode", mode},
+  nlohmann::json j = {{"mode", mode},
           {"k", k},
           {"segments", segs},
           {"checkpointed_blocks", checkpointed_blocks()},
           {"selective", {{"attention", attention}, {"mlp", mlp}, {"norm", norm}}}};
+  if (mode != "budget") return j;
+  nlohmann::json blocks = nlohmann::json::array();
+  for (const auto& s : segments)
+    for (int64_t b = s.begin; b < s.end; ++b) {
+      nlohmann::json parts = nlohmann::json::array();
+      for (auto [bit, name] : {std::pair{kPartAttention, "attention"}, {kPartMlp, "mlp"}, {kPartNorm, "norm"}})
+        if (!s.checkpointed && (parts_of(b) & bit)) parts.push_back(name);
+      blocks.push_back({{"block", b}, {"choice", s.checkpointed ? "recompute" : parts.empty() ? "keep" : "selective"},
+                        {"parts", parts}, {"segment", {s.begin, s.end}}});
+    }
+  j["blocks"] = blocks;
+  j["budget"] = {{"budget_bytes", budget.budget_bytes},
+                 {"quantum_bytes", budget.quantum_bytes},
+                 {"predicted_activation_peak_bytes", budget.predicted_peak_bytes},
+                 {"recompute_cost", budget.recompute_cost},
+                 {"forward_cost", budget.forward_cost},
+                 {"cost_source", budget.cost_source},
+                 {"cost_unit", budget.cost_unit},
+                 {"solve_ms", budget.solve_ms}};
+  return j;
 }
 
 Plan make_plan(const config::CheckpointingConfig& cfg, int64_t L) {
+  if (cfg.mode == "budget") throw std::logic_error("make_plan: a budget plan comes from recompute::solve_budget");
   Plan p;
   p.mode = cfg.mode;
   auto split = [&](int64_t k) {
@@ -75,7 +125,10 @@ Plan make_plan(const config::CheckpointingConfig& cfg, int64_t L) {
 }
 
 Policy::Policy(const config::CheckpointingConfig& cfg, model::GPT model)
-    : cfg_(cfg), model_(std::move(model)), plan_(make_plan(cfg, model_->cfg.n_layer)) {
+    : Policy(cfg, model, make_plan(cfg, model->cfg.n_layer)) {}
+
+Policy::Policy(const config::CheckpointingConfig& cfg, model::GPT model, Plan plan)
+    : cfg_(cfg), model_(std::move(model)), plan_(std::move(plan)) {
   opts_.preserve_rng = cfg.preserve_rng;
   opts_.check_recompute = cfg.check_recompute;
 }
@@ -111,9 +164,11 @@ torch::Tensor Policy::block_forward_unhooked(model::BlockImpl& block, const torc
     };
     return block.forward_with(x, rope, linear_after);
   }
-  if (plan_.mode != "selective") return block.forward(x, rope);
+  const uint8_t parts = plan_.parts_of(block.layer);
+  if (parts == 0) return block.forward(x, rope);
   static const char* kPartNames[] = {"norm1->qkv", "attention->proj", "norm2->fc", "act->out"};
-  const bool recompute[] = {plan_.norm, plan_.attention, plan_.norm, plan_.mlp};
+  const bool recompute[] = {(parts & kPartNorm) != 0, (parts & kPartAttention) != 0, (parts & kPartNorm) != 0,
+                            (parts & kPartMlp) != 0};
   auto linear_after = [&](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
                           const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W, const torch::Tensor& b) {
     const auto i = static_cast<size_t>(part);
@@ -166,7 +221,7 @@ double Policy::recompute_flops_per_token(int64_t seq_len) const {
   double flops = static_cast<double>(plan_.checkpointed_blocks()) * (2.0 * block_matmul + attn_fwd);
   if (!cfg_.check_recompute)
     for (const auto& seg : plan_.segments) flops -= seg.checkpointed ? 2.0 * static_cast<double>(b->w_out.numel()) : 0.0;
-  if (plan_.attention) flops += static_cast<double>(c.n_layer) * attn_fwd;
+  for (int64_t l = 0; l < c.n_layer; ++l) flops += (plan_.parts_of(l) & kPartAttention) ? attn_fwd : 0.0;
   return flops;
 }
 

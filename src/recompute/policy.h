@@ -20,17 +20,37 @@ struct Segment {
   bool checkpointed = false;
 };
 
+// Selective parts as bits (a block's set of parts recomputed inside it).
+inline constexpr uint8_t kPartAttention = 1, kPartMlp = 2, kPartNorm = 4;
+inline constexpr int kPartSets = 8;
+std::string parts_name(uint8_t parts);  // "attention, mlp" / "" for none
+
+// How a budget plan was chosen (recompute/budget.h).
+struct BudgetInfo {
+  int64_t budget_bytes = 0;        // the activation budget the schedule was solved for
+  int64_t quantum_bytes = 0;       // the solver's memory step (its error bound is n_layer of them)
+  int64_t predicted_peak_bytes = 0;
+  double recompute_cost = 0;       // the schedule's recompute time in cost_unit
+  double forward_cost = 0;         // one forward of all blocks in cost_unit (for scale)
+  std::string cost_source, cost_unit;  // profile / formula; ms / GFLOP
+  double solve_ms = 0;
+};
+
 struct Plan {
   std::string mode = "none";
   int64_t k = 0;  // blocks per segment (full: 1; interval/sqrt: k; none/selective: 0)
   std::vector<Segment> segments;
   bool attention = false, mlp = false, norm = false;  // selective parts
+  std::vector<uint8_t> block_parts;  // budget: selective parts of each block (kept blocks only)
+  BudgetInfo budget;                 // budget: how the schedule was chosen
+  uint8_t parts_of(int64_t block) const;  // the selective parts block `block` recomputes
   int64_t checkpointed_blocks() const;
   std::string describe() const;  // one line for the start-up table
   nlohmann::json to_json() const;
 };
 
-// Segments for a config and a block count. skip_last keeps the last segment's activations.
+// Segments for a config and a block count. skip_last keeps the last segment's activations. Not for
+// mode budget, whose plan comes from recompute/budget.h.
 Plan make_plan(const config::CheckpointingConfig& cfg, int64_t n_layer);
 
 // Called around each unit of the forward (unit 0 the embeddings, 1..L the blocks, L+1 the final
@@ -45,7 +65,8 @@ struct UnitHooks {
 
 class Policy {
  public:
-  Policy(const config::CheckpointingConfig& cfg, model::GPT model);
+  Policy(const config::CheckpointingConfig& cfg, model::GPT model);  // make_plan's plan
+  Policy(const config::CheckpointingConfig& cfg, model::GPT model, Plan plan);
 
   torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> logits (B, T, V)
   const Plan& plan() const { return plan_; }

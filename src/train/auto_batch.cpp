@@ -6,6 +6,7 @@
 
 #include "memory/planner.h"
 #include "precision/autocast.h"
+#include "recompute/budget.h"
 #include "recompute/policy.h"
 
 namespace sl::train {
@@ -15,8 +16,13 @@ bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::
   c.train.micro_batch = micro_batch;
   try {
     torch::manual_seed(static_cast<uint64_t>(c.train.seed));
+    // budget: the schedule for this micro-batch (formula costs); none fits: neither does the batch
+    const auto plan = c.checkpointing.mode == "budget"
+                          ? recompute::try_budget_plan(c, recompute::formula_costs(c), "formula", "GFLOP")
+                          : std::optional<recompute::Plan>(recompute::make_plan(c.checkpointing, c.model.n_layer));
+    if (!plan) return false;
     model::GPT m(c.model, device);
-    recompute::Policy policy(c.checkpointing, m);
+    recompute::Policy policy(c.checkpointing, m, *plan);
     auto opt = make_optimizer(m, c.train);
     memory::Tracker tracker(device);
     precision::LossScaler scaler(c.precision, device);

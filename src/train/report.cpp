@@ -138,7 +138,7 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
           {"median_recompute_ms", median(st.recompute_ms)},
           {"median_activation_peak_bytes", static_cast<int64_t>(median(st.act_peaks))},
           {"predicted_activation_peak_bytes", s.predicted.peak_bytes},
-          {"predicted_peak_bytes", memory::predict_peak(s.cfg).peak_bytes()},  // per rank, from the planner
+          {"predicted_peak_bytes", memory::predict_peak(s.cfg, s.policy->plan()).peak_bytes()},  // per rank, from the planner
           {"wall_s", wall_s},
           {"peak_allocated_bytes", st.peak_bytes},
           {"memory_breakdown",

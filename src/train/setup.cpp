@@ -17,6 +17,7 @@
 
 #include "memory/cpu_features.h"
 #include "memory/planner.h"
+#include "recompute/budget.h"
 #include "precision/autocast.h"
 
 namespace sl::train {
@@ -178,6 +179,14 @@ void choose_micro_batch(Session& s) {
                  found.predicted, trials.dump(), found.micro_batch, found.grad_accum, cfg.train.global_batch);
 }
 
+// The run's checkpointing plan; mode budget solves it from profiled (or formula) costs of this run's
+// shape, device and precision.
+recompute::Plan run_plan(const config::RunConfig& cfg, model::GPT& model, torch::Device device) {
+  if (cfg.checkpointing.mode != "budget") return recompute::make_plan(cfg.checkpointing, cfg.model.n_layer);
+  if (!cfg.checkpointing.profile_costs) return recompute::plan_for(cfg);
+  return recompute::budget_plan(cfg, recompute::profile_costs(cfg, model, device), "profile", "ms");
+}
+
 void build_model(Session& s) {
   const auto& cfg = s.cfg;
   torch::manual_seed(static_cast<uint64_t>(cfg.train.seed));
@@ -192,7 +201,7 @@ void build_model(Session& s) {
                                std::string(e.what_without_backtrace()).substr(0, 200), memory::oom_advice(cfg, s.limit)));
   }
   s.model->train();
-  s.policy = std::make_unique<recompute::Policy>(cfg.checkpointing, s.model);
+  s.policy = std::make_unique<recompute::Policy>(cfg.checkpointing, s.model, run_plan(cfg, s.model, s.device));
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
   // ends) would keep every unit's weights alive after the unit's fp32 storage is freed.
   if (cfg.parallel.sharding == "zero3") at::autocast::set_autocast_cache_enabled(false);

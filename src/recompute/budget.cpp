@@ -1,0 +1,299 @@
+// checkpointing.mode: budget: the dynamic program, its cost sources and the recipe's plan.
+#include "recompute/budget.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include "errors.h"
+#include "log/metrics.h"
+#include "memory/planner.h"
+#include "precision/autocast.h"
+
+namespace sl::recompute {
+
+double BlockCost::parts(uint8_t set) const {
+  return ((set & kPartAttention) ? attention : 0.0) + ((set & kPartMlp) ? mlp : 0.0) + ((set & kPartNorm) ? norm : 0.0);
+}
+
+double schedule_cost(const std::vector<Segment>& segments, const std::vector<uint8_t>& block_parts,
+                     const std::vector<BlockCost>& costs) {
+  double total = 0;
+  for (const auto& s : segments) {
+    for (int64_t b = s.begin; b < s.end; ++b) {
+      const auto& c = costs[static_cast<size_t>(b)];
+      total += s.checkpointed ? c.forward : c.parts(block_parts[static_cast<size_t>(b)]);
+    }
+    if (s.checkpointed) total -= costs[static_cast<size_t>(s.end - 1)].output;
+  }
+  return total;
+}
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// One DP entry's way in: from state `from` of the position `len` blocks back (0: one kept block).
+struct Back {
+  int32_t from = -1;
+  int32_t len = 0;
+  uint8_t parts = 0;
+};
+
+// The DP table over positions 0..L and quantized held memory 0..Q-1.
+struct Table {
+  int64_t L, Q;
+  std::vector<double> cost;
+  std::vector<Back> back;
+  Table(int64_t l, int64_t q) : L(l), Q(q), cost(static_cast<size_t>((l + 1) * q), kInf), back(cost.size()) {}
+  size_t at(int64_t i, int64_t h) const { return static_cast<size_t>(i * Q + h); }
+  void relax(int64_t i, int64_t h, double c, Back b) {
+    if (c < cost[at(i, h)]) cost[at(i, h)] = c, back[at(i, h)] = b;
+  }
+};
+
+// The memory bounds of the walk (memory::chain_peak) in the DP's terms. `held` is the quantized
+// memory kept so far (kept blocks' weight copies included), in bytes.
+struct Bounds {
+  const memory::ChainModel& m;
+  double budget, all_weights = 0;
+  bool kept_fits(double held_after, int64_t b, uint8_t parts) const {  // D
+    return held_after + m.tied_grad + m.backward[static_cast<size_t>(b)][parts] <= budget;
+  }
+  bool first_pass_fits(double held_in) const { return all_weights + m.head_weights + held_in + m.forward <= budget; }  // F
+  bool recompute_fits(double held_in, double saved, double worst_backward) const {  // B
+    return m.tied_grad + held_in + saved + worst_backward <= budget;
+  }
+  bool end_fits(double held) const {  // F at the end of the forward, and A
+    return all_weights + m.head_weights + held + m.head - m.head_input <= budget && m.head_weights + held + m.head <= budget;
+  }
+};
+
+// From every reachable state at position i: block i kept (each set of selective parts), or a
+// checkpointed segment [i, j) for every j that fits.
+void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<BlockCost>& costs, const Bounds& fit,
+            double delta) {
+  auto quanta = [delta](double bytes) { return static_cast<int64_t>(std::ceil(std::max(0.0, bytes) / delta)); };
+  const auto bi = static_cast<size_t>(i);
+  const int64_t input_q = quanta(m.input);
+  for (int64_t h = 0; h < t.Q; ++h) {
+    const double c = t.cost[t.at(i, h)];
+    if (c == kInf) continue;
+    for (int s = 0; s < kPartSets; ++s) {
+      const int64_t h2 = h + quanta(m.kept[bi][static_cast<size_t>(s)] + m.weights[bi]);
+      if (h2 >= t.Q || !fit.kept_fits(static_cast<double>(h2) * delta, i, static_cast<uint8_t>(s))) continue;
+      t.relax(i + 1, h2, c + costs[bi].parts(static_cast<uint8_t>(s)), {static_cast<int32_t>(h), 0, static_cast<uint8_t>(s)});
+    }
+    const int64_t hin = h + input_q;
+    const double held_in = static_cast<double>(hin) * delta;
+    if (hin >= t.Q || !fit.first_pass_fits(held_in)) continue;
+    double saved = 0, forward = 0, worst_backward = 0;
+    for (int64_t j = i + 1; j <= t.L; ++j) {
+      const auto b = static_cast<size_t>(j - 1);
+      saved += m.kept[b][0] + m.weights[b];
+      forward += costs[b].forward;
+      worst_backward = std::max(worst_backward, m.backward[b][0]);
+      if (!fit.recompute_fits(held_in, saved, worst_backward)) break;  // only grows with j
+      t.relax(j, hin, c + forward - costs[b].output, {static_cast<int32_t>(h), static_cast<int32_t>(j - i), 0});
+    }
+  }
+}
+
+void read_back(const Table& t, int64_t h, Schedule& out) {
+  out.block_parts.assign(static_cast<size_t>(t.L), 0);
+  for (int64_t i = t.L; i > 0;) {
+    const Back b = t.back[t.at(i, h)];
+    if (b.len == 0) {
+      out.segments.push_back({i - 1, i, false});
+      out.block_parts[static_cast<size_t>(i - 1)] = b.parts;
+      i -= 1;
+    } else {
+      out.segments.push_back({i - b.len, i, true});
+      i -= b.len;
+    }
+    h = b.from;
+  }
+  std::reverse(out.segments.begin(), out.segments.end());
+}
+
+Plan as_plan(const Schedule& s) {
+  Plan p;
+  p.mode = "budget";
+  p.segments = s.segments;
+  p.block_parts = s.block_parts;
+  return p;
+}
+
+}  // namespace
+
+Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>& costs, double budget_bytes, int64_t quanta) {
+  Schedule out;
+  const auto L = static_cast<int64_t>(costs.size());
+  if (!(budget_bytes > 0) || L == 0 || quanta < 1) return out;
+  const double delta = budget_bytes / static_cast<double>(quanta);
+  out.quantum_bytes = delta;
+  Table t(L, quanta + 1);
+  Bounds fit{m, budget_bytes};
+  for (double w : m.weights) fit.all_weights += w;
+  t.cost[t.at(0, 0)] = 0;
+  for (int64_t i = 0; i < L; ++i) expand(t, i, m, costs, fit, delta);
+  int64_t best = -1;
+  for (int64_t h = 0; h < t.Q; ++h)  // least cost; on a tie the least memory
+    if (t.cost[t.at(L, h)] < (best < 0 ? kInf : t.cost[t.at(L, best)]) && fit.end_fits(static_cast<double>(h) * delta))
+      best = h;
+  if (best < 0) return out;
+  read_back(t, best, out);
+  out.feasible = true;
+  out.cost = t.cost[t.at(L, best)];
+  out.peak_bytes = memory::chain_peak(m, as_plan(out));
+  return out;
+}
+
+namespace {
+
+bool runs_on_cuda(const config::RunConfig& cfg) {
+  return cfg.train.device == "cuda" || (cfg.train.device == "auto" && torch::cuda::is_available());
+}
+
+}  // namespace
+
+std::vector<BlockCost> formula_costs(const config::RunConfig& cfg) {
+  const auto& mc = cfg.model;
+  const bool llama = mc.arch == "llama";
+  const double tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len), T = static_cast<double>(cfg.train.seq_len);
+  const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::mlp_hidden(mc));
+  const double c = cfg.precision.compute == "fp32" ? 4.0 : 2.0, f = 4.0;
+  const double balance = runs_on_cuda(cfg) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
+  const double matmul = 2 * tok * (4 * C * C + (llama ? 3 : 2) * C * H);
+  BlockCost b;
+  b.attention = 4 * tok * T * C / 1e9;
+  b.norm = 2 * (2 * C * f) * tok * balance / 1e9;                    // two norms: read and write C each
+  b.mlp = (llama ? 3 * H : 2 * H) * c * tok * balance / 1e9;         // GELU: H in, H out; SwiGLU: 2H in, H out
+  const double residual = 2 * (3 * C * f) * tok * balance / 1e9;     // two residual adds
+  b.output = 2 * tok * C * H / 1e9;
+  b.forward = matmul / 1e9 + b.attention + b.norm + b.mlp + residual;
+  return std::vector<BlockCost>(static_cast<size_t>(mc.n_layer), b);
+}
+
+namespace {
+
+// A block like the model's, with its own weights (drawn from a generator of its own, so the run's
+// random stream is untouched; under zero3 the model's blocks hold no whole weights).
+model::Block profiling_block(const config::RunConfig& cfg, torch::Device device, at::Generator& gen) {
+  model::Block block(cfg.model, 0, device, /*defer_params=*/true);
+  torch::NoGradGuard no_grad;
+  for (auto& item : block->named_parameters()) {
+    auto& p = item.value();
+    auto value = item.key().rfind("ln", 0) == 0 && item.key().back() == 'w'
+                     ? torch::ones(p.sizes())
+                     : torch::randn(p.sizes(), gen, torch::TensorOptions().dtype(torch::kFloat32)) * cfg.model.init_std;
+    p.set_data(value.to(device));
+  }
+  return block;
+}
+
+struct PieceTimes {
+  std::vector<double> forward, output, attention, mlp, norm;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+std::vector<BlockCost> profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(cfg.train.seed));
+  auto block = profiling_block(cfg, device, gen);
+  auto x = torch::randn({cfg.train.micro_batch, cfg.train.seq_len, cfg.model.n_embd}, gen,
+                        torch::TensorOptions().dtype(torch::kFloat32)).to(device);
+  const auto rope = model->rope(cfg.train.seq_len);
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
+  auto timed = [&](auto&& fn) {
+    sync();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto out = fn();
+    sync();
+    return std::pair{out, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
+  };
+  torch::NoGradGuard no_grad;
+  precision::AutocastGuard autocast(device.type(), precision::compute_dtype(cfg.precision.compute));
+  PieceTimes t;
+  for (int rep = 0; rep < 6; ++rep) {  // the first warms up
+    double attention = 0, mlp = 0, norm = 0, output = 0;
+    const model::LinearAfter timed_parts = [&](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& in,
+                                               const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b) {
+      auto [a, cheap_ms] = timed([&] { return cheap(in); });
+      auto [y, linear_ms] = timed([&] { return at::linear(a, W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt); });
+      (part == model::Part::attention_proj ? attention : part == model::Part::act_out ? mlp : norm) += cheap_ms;
+      if (part == model::Part::act_out) output = linear_ms;
+      return y;
+    };
+    const double forward = timed([&] { return block->forward_with(x, rope, timed_parts); }).second;
+    if (rep == 0) continue;
+    t.forward.push_back(forward), t.output.push_back(output), t.attention.push_back(attention);
+    t.mlp.push_back(mlp), t.norm.push_back(norm);
+  }
+  BlockCost b{median(t.forward), median(t.output), median(t.attention), median(t.mlp), median(t.norm)};
+  return std::vector<BlockCost>(static_cast<size_t>(cfg.model.n_layer), b);
+}
+
+std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const std::vector<BlockCost>& costs,
+                                    const std::string& source, const std::string& unit) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t budget = memory::activation_budget_bytes(cfg);
+  const auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
+  const Schedule s = solve_budget(mem, costs, static_cast<double>(budget));
+  if (!s.feasible) return std::nullopt;
+  Plan p = as_plan(s);
+  p.budget = {budget, static_cast<int64_t>(std::ceil(s.quantum_bytes)), static_cast<int64_t>(s.peak_bytes), s.cost, 0.0,
+              source, unit, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
+  for (const auto& c : costs) p.budget.forward_cost += c.forward;
+  return p;
+}
+
+namespace {
+
+// The least activation budget any schedule fits (bisection on the solver's feasibility, 1 % steps).
+int64_t least_budget(const config::RunConfig& cfg) {
+  const auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
+  const auto costs = formula_costs(cfg);
+  double lo = 0, hi = 1;
+  while (!solve_budget(mem, costs, hi, 1024).feasible && hi < 1e18) hi *= 2;
+  while (hi - lo > 0.01 * hi) {
+    const double mid = (lo + hi) / 2;
+    (solve_budget(mem, costs, mid, 1024).feasible ? hi : lo) = mid;
+  }
+  return static_cast<int64_t>(hi);
+}
+
+}  // namespace
+
+Plan budget_plan(const config::RunConfig& cfg, const std::vector<BlockCost>& costs, const std::string& source,
+                 const std::string& unit) {
+  if (auto p = try_budget_plan(cfg, costs, source, unit)) return *p;
+  const int64_t budget = memory::activation_budget_bytes(cfg);
+  throw ConfigError(fmt::format(
+      "checkpointing.budget: no schedule fits {} of activations at micro-batch {} x {} tokens (checkpointing.budget "
+      "'{}'{}); the least any schedule needs is about {}. Raise the budget (or memory.limit), or lower "
+      "train.micro_batch and raise train.grad_accum",
+      log::format_bytes(std::max<int64_t>(0, budget)), cfg.train.micro_batch, cfg.train.seq_len,
+      cfg.checkpointing.budget.empty() ? "100%" : cfg.checkpointing.budget,
+      cfg.parallel.sharding == "zero3" ? ", less zero3's gathered units" : "", log::format_bytes(least_budget(cfg))));
+}
+
+Plan plan_for(const config::RunConfig& cfg) {
+  if (cfg.checkpointing.mode != "budget") return make_plan(cfg.checkpointing, cfg.model.n_layer);
+  return budget_plan(cfg, formula_costs(cfg), "formula", "GFLOP");
+}
+
+}  // namespace sl::recompute

@@ -1,0 +1,78 @@
+// checkpointing.mode: budget: per block, keep its activations, keep them but recompute some selective
+// parts, or recompute it inside a checkpointed segment, so that the predicted activation peak stays
+// within the budget and the recompute time is least. Solved exactly by dynamic programming over the
+// chain of blocks (memory quantized, with the error bound below), costs from a profiling pass of real
+// block forwards or from a FLOP formula.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "config/config.h"
+#include "memory/activations.h"
+#include "model/gpt.h"
+#include "recompute/policy.h"
+
+namespace sl::recompute {
+
+// What re-running a block's pieces costs, in one unit for the whole chain (ms or GFLOP).
+struct BlockCost {
+  double forward = 0;    // the whole block's forward: a block inside a checkpointed segment
+  double output = 0;     // its MLP output projection, which a segment's last block skips
+  double attention = 0;  // selective parts: the attention core (SDPA)
+  double mlp = 0;        // the MLP activation
+  double norm = 0;       // both norms
+  double parts(uint8_t set) const;  // the selective parts in `set` (kPartAttention | ...)
+};
+
+struct Schedule {
+  bool feasible = false;
+  std::vector<Segment> segments;     // kept blocks (one segment each) and checkpointed segments
+  std::vector<uint8_t> block_parts;  // selective parts of each kept block
+  double cost = 0;                   // recompute cost of the schedule
+  double peak_bytes = 0;             // memory::chain_peak of it
+  double quantum_bytes = 0;
+};
+
+// The least-cost schedule whose activation peak (memory::chain_peak's walk) is at most budget_bytes.
+// Dynamic programming over blocks left to right; the state is the memory the blocks so far keep for
+// backward, in quanta of budget_bytes / quanta bytes, each block's share rounded up. Every check a
+// moment makes adds exact bytes to that rounded-up state, so the schedule found never exceeds the
+// budget; and since each block adds one rounding (< 1 quantum), any schedule whose peak is at most
+// budget_bytes - n_layer * quantum is seen: the cost found is at most that of the best such schedule.
+// With autocast's weight copies (bf16/fp16 with fp32 parameters), a kept block's copies count in the
+// forward moments too (conservative there). O(L^2 * quanta) time, O(L * quanta) memory.
+Schedule solve_budget(const memory::ChainModel& mem, const std::vector<BlockCost>& costs, double budget_bytes,
+                      int64_t quanta = 16384);
+
+// The cost of any schedule (the same sum the solver minimizes): kept blocks' selective parts, and per
+// checkpointed segment its blocks' forwards less the last block's output projection.
+double schedule_cost(const std::vector<Segment>& segments, const std::vector<uint8_t>& block_parts,
+                     const std::vector<BlockCost>& costs);
+
+// Costs from the model's FLOPs (GFLOP per micro-batch): matmuls 2 FLOPs per multiply-add, attention
+// 4*T*C per token, elementwise parts (norms, activation) as bytes moved times a device balance (a byte
+// costs 20 FLOPs on a CPU, 300 on a GPU). Used by `trainer plan` and with checkpointing.profile_costs false.
+std::vector<BlockCost> formula_costs(const config::RunConfig& cfg);
+
+// Costs measured (ms): each piece of one block's forward timed at the run's micro-batch, sequence
+// length, device and precision (median of 5 after a warm-up). The blocks of this model all have the
+// same shapes, so one block stands for all (a model with differing blocks would time each kind).
+std::vector<BlockCost> profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device);
+
+// The recipe's budget plan from costs (unit "ms" or "GFLOP", source "profile" or "formula"): nullopt
+// when no schedule fits the budget.
+std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const std::vector<BlockCost>& costs,
+                                    const std::string& source, const std::string& unit);
+// The same, throwing ConfigError naming checkpointing.budget when no schedule fits, with the smallest
+// activation peak any schedule reaches.
+Plan budget_plan(const config::RunConfig& cfg, const std::vector<BlockCost>& costs, const std::string& source,
+                 const std::string& unit);
+
+// The plan a recipe runs: make_plan's, or for mode budget budget_plan with formula costs.
+Plan plan_for(const config::RunConfig& cfg);
+
+}  // namespace sl::recompute

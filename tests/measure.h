@@ -1,0 +1,32 @@
+// The trainer's own step, measured: activation_peak_bytes of the second of two optimizer steps (the
+// first one creates the optimizer state) of a fresh model under a checkpointing plan, with the
+// tracking allocator. Shared by the recompute and budget tests.
+#pragma once
+#include <torch/torch.h>
+
+#include "config/config.h"
+#include "data/loader.h"
+#include "memory/tracker.h"
+#include "memory/tracking_allocator.h"
+#include "model/gpt.h"
+#include "recompute/policy.h"
+#include "train/trainer.h"
+
+namespace sl::test {
+
+inline int64_t measured_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
+  memory::TrackingCPUAllocator::install();
+  torch::manual_seed(0);
+  model::GPT m(cfg.model, torch::kCPU);
+  recompute::Policy policy(cfg.checkpointing, m, plan);
+  auto opt = train::make_optimizer(m, cfg.train);
+  memory::Tracker tracker(torch::kCPU);
+  std::shared_ptr<data::TokenSource> src = data::make_synthetic(20000, cfg.model.vocab_size, 5);
+  data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
+  const train::ForwardFn fwd = [&](const torch::Tensor& idx) { return policy.forward(idx); };
+  train::StepResult r;
+  for (int i = 0; i < 2; ++i) r = train::train_step(fwd, m, *opt, {loader.next()}, 1.0, torch::kCPU, tracker);
+  return r.activation_peak_bytes();
+}
+
+}  // namespace sl::test

@@ -1,0 +1,347 @@
+// checkpointing.mode: budget: the dynamic program against a brute-force search of every schedule, the
+// chain walk against the uniform formula, measured peaks within the budget with gradients bitwise equal
+// to none, zero3's gathered units counted, the recipe keys and a run's summary.
+#include "catch.h"
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <functional>
+#include <random>
+#include <set>
+
+#include "config/config.h"
+#include "data/loader.h"
+#include "errors.h"
+#include "memory/activations.h"
+#include "memory/planner.h"
+#include "memory/tracker.h"
+#include "memory/tracking_allocator.h"
+#include "model/gpt.h"
+#include "recompute/budget.h"
+#include "recompute/policy.h"
+#include "measure.h"
+#include "runs.h"
+#include "test_util.h"
+#include "train/trainer.h"
+
+using namespace sl;
+
+namespace {
+
+// Every schedule of an L-block chain: each block kept with one of the 8 sets of selective parts, or
+// part of a checkpointed segment of any length.
+void each_schedule(int64_t L, const std::function<void(const recompute::Plan&)>& visit) {
+  recompute::Plan p;
+  p.mode = "budget";
+  p.block_parts.assign(static_cast<size_t>(L), 0);
+  std::function<void(int64_t)> from = [&](int64_t i) {
+    if (i == L) return visit(p);
+    for (int s = 0; s < recompute::kPartSets; ++s) {
+      p.segments.push_back({i, i + 1, false});
+      p.block_parts[static_cast<size_t>(i)] = static_cast<uint8_t>(s);
+      from(i + 1);
+      p.segments.pop_back();
+    }
+    p.block_parts[static_cast<size_t>(i)] = 0;
+    for (int64_t j = i + 1; j <= L; ++j) {
+      p.segments.push_back({i, j, true});
+      from(j);
+      p.segments.pop_back();
+    }
+  };
+  from(0);
+}
+
+// A random chain: integer byte sizes (so a 1-byte quantum is exact), selective parts that save memory
+// and cost time, blocks that differ.
+struct Chain {
+  memory::ChainModel mem;
+  std::vector<recompute::BlockCost> costs;
+};
+
+Chain random_chain(int64_t L, std::mt19937& rng, bool weights) {
+  std::uniform_int_distribution<int> size(20, 120), small(1, 30), cost(1, 50);
+  Chain c;
+  for (int64_t i = 0; i < L; ++i) {
+    std::array<double, recompute::kPartSets> kept{}, backward{};
+    const double full = size(rng), t = small(rng);
+    const double save[] = {static_cast<double>(small(rng)), static_cast<double>(small(rng)), static_cast<double>(small(rng))};
+    for (int s = 0; s < recompute::kPartSets; ++s) {
+      kept[static_cast<size_t>(s)] = full;
+      for (int bit = 0; bit < 3; ++bit)
+        if (s & (1 << bit)) kept[static_cast<size_t>(s)] -= save[bit] / 2;
+      kept[static_cast<size_t>(s)] = std::max(1.0, std::floor(kept[static_cast<size_t>(s)]));
+      backward[static_cast<size_t>(s)] = t + ((s & recompute::kPartMlp) ? small(rng) % 5 : 0);
+    }
+    c.mem.kept.push_back(kept);
+    c.mem.backward.push_back(backward);
+    c.mem.weights.push_back(weights ? small(rng) : 0);
+    recompute::BlockCost b;
+    b.attention = cost(rng), b.mlp = cost(rng), b.norm = cost(rng), b.output = cost(rng);
+    b.forward = b.attention + b.mlp + b.norm + b.output + cost(rng);
+    c.costs.push_back(b);
+  }
+  c.mem.input = small(rng), c.mem.forward = size(rng), c.mem.head = size(rng), c.mem.head_input = small(rng) / 2;
+  c.mem.head_weights = weights ? small(rng) : 0, c.mem.tied_grad = small(rng);
+  return c;
+}
+
+struct Evaluated {
+  double peak, cost;
+};
+
+std::vector<Evaluated> all_schedules(const Chain& c) {
+  std::vector<Evaluated> out;
+  each_schedule(static_cast<int64_t>(c.costs.size()), [&](const recompute::Plan& p) {
+    out.push_back({memory::chain_peak(c.mem, p), recompute::schedule_cost(p.segments, p.block_parts, c.costs)});
+  });
+  return out;
+}
+
+double brute_best(const std::vector<Evaluated>& all, double budget) {
+  double best = std::numeric_limits<double>::infinity();
+  for (const auto& e : all)
+    if (e.peak <= budget) best = std::min(best, e.cost);
+  return best;
+}
+
+recompute::Plan plan_of(const recompute::Schedule& s) {
+  recompute::Plan p;
+  p.mode = "budget";
+  p.segments = s.segments;
+  p.block_parts = s.block_parts;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("the DP finds what a brute-force search of every schedule finds (L <= 6, random chains)") {
+  std::mt19937 rng(7);
+  int compared = 0, infeasible = 0;
+  for (int64_t L = 1; L <= 6; ++L) {
+    for (int trial = 0; trial < (L == 6 ? 3 : 8); ++trial) {
+      const Chain c = random_chain(L, rng, false);
+      const auto all = all_schedules(c);
+      double lo = std::numeric_limits<double>::infinity(), hi = 0;
+      for (const auto& e : all) lo = std::min(lo, e.peak), hi = std::max(hi, e.peak);
+      for (int k = 0; k <= 6; ++k) {
+        const double budget = std::floor(lo - 5 + (hi - lo + 10) * k / 6.0);
+        if (budget <= 0) continue;
+        const double best = brute_best(all, budget);
+        INFO(fmt::format("L={} trial={} budget={} brute={}", L, trial, budget, best));
+        // A 1-byte quantum on integer sizes: exact.
+        const auto exact = recompute::solve_budget(c.mem, c.costs, budget, static_cast<int64_t>(budget));
+        REQUIRE(exact.feasible == std::isfinite(best));
+        if (!exact.feasible) {
+          ++infeasible;
+          continue;
+        }
+        CHECK(exact.cost == Approx(best).margin(1e-9));
+        CHECK(memory::chain_peak(c.mem, plan_of(exact)) <= budget);
+        CHECK(exact.cost == Approx(recompute::schedule_cost(exact.segments, exact.block_parts, c.costs)));
+        // A coarse quantum: never over the budget, never worse than the best schedule L quanta below it.
+        const auto coarse = recompute::solve_budget(c.mem, c.costs, budget, 64);
+        const double below = brute_best(all, budget - static_cast<double>(L) * coarse.quantum_bytes);
+        if (std::isfinite(below)) REQUIRE(coarse.feasible);
+        if (coarse.feasible) {
+          CHECK(memory::chain_peak(c.mem, plan_of(coarse)) <= budget);
+          CHECK(coarse.cost >= best - 1e-9);
+          CHECK(coarse.cost <= below + 1e-9);
+        }
+        ++compared;
+      }
+    }
+  }
+  CHECK(compared > 150);
+  CHECK(infeasible > 0);
+}
+
+TEST_CASE("with autocast's weight copies the DP stays within the budget and no better than the brute force") {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 6; ++trial) {
+    const Chain c = random_chain(5, rng, true);
+    const auto all = all_schedules(c);
+    double lo = std::numeric_limits<double>::infinity(), hi = 0;
+    for (const auto& e : all) lo = std::min(lo, e.peak), hi = std::max(hi, e.peak);
+    for (int k = 1; k <= 4; ++k) {
+      const double budget = std::floor(lo + (hi - lo) * k / 4.0);
+      const auto s = recompute::solve_budget(c.mem, c.costs, budget, static_cast<int64_t>(budget));
+      REQUIRE(s.feasible);
+      CHECK(memory::chain_peak(c.mem, plan_of(s)) <= budget);
+      CHECK(s.cost >= brute_best(all, budget) - 1e-9);
+    }
+  }
+}
+
+TEST_CASE("the chain walk gives the formula's peak for every uniform plan: gpt2 and llama, fp32 and bf16") {
+  const std::vector<std::vector<std::string>> modes = {
+      {"checkpointing.mode=none"},
+      {"checkpointing.mode=full"},
+      {"checkpointing.mode=full", "checkpointing.skip_last=false"},
+      {"checkpointing.mode=interval", "checkpointing.interval=2"},
+      {"checkpointing.mode=interval", "checkpointing.interval=4", "checkpointing.skip_last=false"},
+      {"checkpointing.mode=sqrt"},
+      {"checkpointing.mode=selective", "checkpointing.recompute=[attention, mlp, norm]"},
+      {"checkpointing.mode=selective", "checkpointing.recompute=[mlp]"},
+      {"checkpointing.mode=selective", "checkpointing.recompute=[attention]"},
+  };
+  for (const std::string arch : {"gpt2", "llama"})
+    for (const std::string compute : {"fp32", "bf16"})
+      for (const auto& mode : modes) {
+        std::vector<std::string> sets = {"model.arch=" + arch, "model.n_layer=10", "model.n_embd=64",
+                                         "train.seq_len=64", "train.micro_batch=3", "precision.compute=" + compute,
+                                         "train.device=cpu"};
+        if (arch == "llama") sets.insert(sets.end(), {"model.bias=false", "model.tie_embeddings=false"});
+        sets.insert(sets.end(), mode.begin(), mode.end());
+        const auto cfg = config::load_string("", sets);
+        const auto plan = recompute::make_plan(cfg.checkpointing, cfg.model.n_layer);
+        const auto lowp = memory::lowp_matmul_path(cfg);
+        const auto formula = memory::estimate_activation_peak(cfg, memory::segment_counts(plan), lowp);
+        const auto mem = memory::chain_model(cfg, lowp);
+        const double walk = memory::chain_peak(mem, plan);
+        const auto n = static_cast<double>(memory::segment_counts(plan).checkpointed);
+        INFO(fmt::format("{} {} {}: walk {} formula {}", arch, compute, fmt::join(mode, " "), walk, formula.peak_bytes));
+        CHECK(walk <= static_cast<double>(formula.peak_bytes) + 1);
+        CHECK(walk >= static_cast<double>(formula.peak_bytes) - n * mem.input - 1);
+      }
+}
+
+namespace {
+
+config::RunConfig six_layers(std::vector<std::string> extra) {
+  std::vector<std::string> sets = {"model.n_layer=6", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
+                                   "train.micro_batch=4", "train.device=cpu"};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return config::load_string("", sets);
+}
+
+struct Gradients {
+  double loss = 0;
+  std::vector<torch::Tensor> grads;
+};
+
+// One forward/backward of a fresh model under `plan`: the same init, batch and dropout stream for every plan.
+Gradients gradients(const config::RunConfig& cfg, const recompute::Plan& plan) {
+  torch::manual_seed(0);
+  model::GPT m(cfg.model, torch::kCPU);
+  m->train();
+  recompute::Policy policy(cfg.checkpointing, m, plan);
+  std::shared_ptr<data::TokenSource> src = data::make_synthetic(20000, cfg.model.vocab_size, 5);
+  data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
+  torch::manual_seed(1234);
+  Gradients out;
+  out.loss = train::forward_backward([&](const torch::Tensor& idx) { return policy.forward(idx); }, {loader.next()},
+                                     torch::kCPU, {}).item<double>();
+  for (const auto& p : m->parameters()) out.grads.push_back(p.grad().clone());
+  return out;
+}
+
+bool uniform(const recompute::Plan& p) {
+  std::set<std::string> kinds;
+  for (const auto& s : p.segments)
+    for (int64_t b = s.begin; b < s.end; ++b)
+      kinds.insert(s.checkpointed ? fmt::format("segment of {}", s.end - s.begin) : fmt::format("kept {}", p.parts_of(b)));
+  return kinds.size() == 1;
+}
+
+}  // namespace
+
+TEST_CASE("budget runs: measured activation peak within the budget (+5%), gradients bitwise equal to none") {
+  auto none_cfg = six_layers({"model.dropout=0.1"});
+  const auto none = gradients(none_cfg, recompute::plan_for(none_cfg));
+  const double none_peak = static_cast<double>(memory::estimate_activation_peak(six_layers({})).peak_bytes);
+  const double full_peak =
+      static_cast<double>(memory::estimate_activation_peak(six_layers({"checkpointing.mode=full"})).peak_bytes);
+  int mixed = 0;
+  for (int k = 0; k <= 4; ++k) {
+    const auto budget = static_cast<int64_t>(full_peak + (none_peak - full_peak) * k / 4.0);
+    const auto sets = std::vector<std::string>{"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget)};
+    const auto cfg = six_layers(sets);
+    const auto plan = recompute::plan_for(cfg);
+    INFO(fmt::format("budget {}: {}", budget, plan.describe()));
+    REQUIRE(plan.budget.predicted_peak_bytes <= budget);
+    CHECK(memory::estimate_activation_peak(cfg, plan).peak_bytes == plan.budget.predicted_peak_bytes);
+    // Memory without dropout (the planner's model: SDPA's flash path); gradients with it (RNG replay).
+    const auto measured = test::measured_activation_peak(cfg, plan);
+    INFO("measured " << measured);
+    CHECK(static_cast<double>(measured) <= 1.05 * static_cast<double>(budget));
+    CHECK(std::abs(static_cast<double>(measured - plan.budget.predicted_peak_bytes)) <=
+          0.05 * static_cast<double>(measured));
+    auto dropout_cfg = six_layers({"model.dropout=0.1"});
+    dropout_cfg.checkpointing = cfg.checkpointing;
+    const auto with = gradients(dropout_cfg, plan);
+    REQUIRE(with.loss == none.loss);
+    REQUIRE(with.grads.size() == none.grads.size());
+    for (size_t i = 0; i < with.grads.size(); ++i) REQUIRE(torch::equal(with.grads[i], none.grads[i]));
+    mixed += uniform(plan) ? 0 : 1;
+  }
+  CHECK(mixed >= 2);  // between full and none the schedule is not one uniform choice
+}
+
+TEST_CASE("a larger budget never costs more recompute, and the schedule a recipe gets is printed and logged") {
+  double last = std::numeric_limits<double>::infinity();
+  for (const char* b : {"3MiB", "5MiB", "8MiB", "12MiB", "20MiB"}) {
+    const auto plan = recompute::plan_for(six_layers({"checkpointing.mode=budget", std::string("checkpointing.budget=") + b}));
+    CHECK(plan.budget.recompute_cost <= last + 1e-9);
+    last = plan.budget.recompute_cost;
+    const auto j = plan.to_json();
+    CHECK(j["blocks"].size() == 6);
+    CHECK(j["budget"]["cost_source"] == "formula");
+    CHECK(plan.describe().rfind("budget ", 0) == 0);
+  }
+}
+
+TEST_CASE("budget recipe keys: a share needs memory.limit, sizes and shares parse, other modes refuse a budget") {
+  auto load = [](std::vector<std::string> sets) {
+    sets.insert(sets.begin(), {"model.n_layer=6", "train.device=cpu"});
+    return config::load_string("", sets);
+  };
+  CHECK_THROWS_WITH(load({"checkpointing.mode=budget"}), Catch::Contains("memory.limit"));
+  CHECK_THROWS_WITH(load({"checkpointing.mode=budget", "checkpointing.budget=90%"}),
+                    Catch::Contains("checkpointing.budget"));
+  CHECK_THROWS_WITH(load({"checkpointing.mode=budget", "checkpointing.budget=150%", "memory.limit=1GiB"}),
+                    Catch::Contains("(0%, 100%]"));
+  CHECK_THROWS_WITH(load({"checkpointing.mode=full", "checkpointing.budget=1GiB"}),
+                    Catch::Contains("only used with checkpointing.mode: budget"));
+  CHECK(config::parse_budget(load({"checkpointing.mode=budget", "checkpointing.budget=2GiB"})).bytes == (int64_t{2} << 30));
+  const auto share = load({"checkpointing.mode=budget", "checkpointing.budget=50%", "memory.limit=1GiB"});
+  const auto p = memory::predict_peak(share);
+  const int64_t room = (int64_t{1} << 30) - p.model_states_bytes() - p.buffer_bytes - p.batch_bytes;
+  CHECK(memory::activation_budget_bytes(share) == room / 2);
+  // Too small for any schedule: a ConfigError naming the key and the least that fits.
+  CHECK_THROWS_WITH(recompute::plan_for(load({"checkpointing.mode=budget", "checkpointing.budget=1KiB"})),
+                    Catch::Contains("the least any schedule needs"));
+}
+
+TEST_CASE("under zero3 the budget counts the gathered units") {
+  auto cfg = six_layers({"checkpointing.mode=budget", "checkpointing.budget=12MiB", "parallel.sharding=zero3"});
+  cfg.world_size = 2;
+  CHECK(memory::predict_peak(cfg).transient_bytes > 0);
+  CHECK(memory::activation_budget_bytes(cfg) == (int64_t{12} << 20) - memory::predict_peak(cfg).transient_bytes);
+  const auto plan = recompute::plan_for(cfg);
+  CHECK(plan.budget.budget_bytes == (int64_t{12} << 20) - memory::predict_peak(cfg).transient_bytes);
+  CHECK(memory::predict_peak(cfg).activation_phase_bytes() <= int64_t{12} << 20);
+}
+
+TEST_CASE("a budget run on two ranks under zero3: each rank's activation phase within the budget, same losses as none") {
+  static const char* kRecipe = R"(
+model: {n_layer: 6, n_embd: 64, n_head: 4, dropout: 0.0}
+data: {source: synthetic, synthetic_tokens: 40000}
+train: {seq_len: 64, micro_batch: 4, grad_accum: 1, steps: 3, eval_interval: 0, device: cpu, lr: 1.0e-3}
+parallel: {sharding: zero3}
+logging: {progress: false, interval: 1}
+state: {at_end: false}
+)";
+  test::Runner runs(kRecipe, "budget-zero3");
+  const int64_t budget = 6 << 20;
+  const auto none = test::summary(runs.train(2, ""));
+  const auto run = runs.train(2, fmt::format("--set checkpointing.mode=budget --set checkpointing.budget={}B", budget));
+  const auto s = test::summary(run);
+  INFO(s.dump(1));
+  CHECK(s["checkpointing"]["mode"] == "budget");
+  CHECK(s["checkpointing"]["budget"]["cost_source"] == "profile");
+  CHECK(s["checkpointing"]["budget"]["cost_unit"] == "ms");
+  CHECK(s["median_activation_peak_bytes"].get<double>() <= 1.05 * budget);
+  CHECK(s["final_loss"].get<double>() == Approx(none["final_loss"].get<double>()).epsilon(1e-6));
+}
