@@ -167,7 +167,7 @@ def plot_budget(doc, out, plt):
         for bx, by, name in best:
             ax.annotate(name, (bx, by), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
     return [finish(fig, ax, os.path.join(out, "step_time_vs_budget.png"), "activation budget (MiB)",
-                   "median step time (ms)", f"Step time vs activation budget\n{subtitle(doc)}", plt)]
+                   "step time (ms): fastest step of a run, median over rounds", f"Step time vs activation budget\n{subtitle(doc)}", plt)]
 
 
 def main():

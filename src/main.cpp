@@ -103,6 +103,8 @@ int dispatch(const Cli& cli) {
     throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
   auto overrides = cli.overrides;
   if (cli.no_profile) overrides.push_back("checkpointing.profile_costs=false");
+  // plan --memory: the memory to fit, also what a share budget (checkpointing.budget: 90%) is a share of
+  if (cli.plan_cmd->parsed() && !cli.plan_memory.empty()) overrides.push_back("memory.limit=" + cli.plan_memory);
   auto cfg = sl::config::load(cli.config_path, overrides);
   if (cli.plan_cmd->parsed()) return run_plan(cfg, cli);
   cfg.resume = cli.resume;

@@ -174,6 +174,21 @@ TEST_CASE("with autocast's weight copies the DP stays within the budget and no b
   }
 }
 
+TEST_CASE("while a segment is recomputed, the kept blocks before it still hold their weight copies") {
+  memory::ChainModel m;
+  m.kept = {{100, 90, 80, 70, 60, 50, 40, 30}, {100, 90, 80, 70, 60, 50, 40, 30}, {100, 90, 80, 70, 60, 50, 40, 30}};
+  m.backward.assign(3, {10, 10, 12, 12, 10, 10, 12, 12});
+  m.weights = {7, 11, 13};
+  m.input = 5, m.forward = 20, m.head = 30, m.head_input = 4, m.head_weights = 3, m.tied_grad = 2;
+  recompute::Plan p;
+  p.mode = "budget";
+  p.segments = {{0, 1, false}, {1, 3, true}};
+  p.block_parts = {0, 0, 0};
+  // B of segment [1, 3): block 0's weights and saved tensors, the segment's weights, input, saved tensors
+  // and worst backward, the tied gradient.
+  CHECK(memory::chain_peak(m, p) == 7 + 100 + 11 + 13 + 5 + 200 + 10 + 2);
+}
+
 TEST_CASE("the chain walk gives the formula's peak for every uniform plan: gpt2 and llama, fp32 and bf16") {
   const std::vector<std::vector<std::string>> modes = {
       {"checkpointing.mode=none"},
@@ -324,7 +339,7 @@ TEST_CASE("under zero3 the budget counts the gathered units") {
   CHECK(memory::predict_peak(cfg).activation_phase_bytes() <= int64_t{12} << 20);
 }
 
-TEST_CASE("a budget run on two ranks under zero3: each rank's activation phase within the budget, same losses as none") {
+TEST_CASE("a budget run on two ranks under zero3: the activation peak with the gathered units within the budget, none's losses") {
   static const char* kRecipe = R"(
 model: {n_layer: 6, n_embd: 64, n_head: 4, dropout: 0.0}
 data: {source: synthetic, synthetic_tokens: 40000}
@@ -344,4 +359,52 @@ state: {at_end: false}
   CHECK(s["checkpointing"]["budget"]["cost_unit"] == "ms");
   CHECK(s["median_activation_peak_bytes"].get<double>() <= 1.05 * budget);
   CHECK(s["final_loss"].get<double>() == Approx(none["final_loss"].get<double>()).epsilon(1e-6));
+}
+
+TEST_CASE("micro_batch: auto with a budget: the largest micro-batch at which some schedule fits, solved per size") {
+  auto cfg = six_layers({"checkpointing.mode=budget", "checkpointing.budget=80%", "memory.limit=24MiB",
+                         "train.micro_batch=auto", "train.global_batch=64"});
+  cfg.train.micro_batch = 1;
+  const int64_t limit = config::memory_limit_bytes(cfg);
+  const int64_t mb = memory::largest_micro_batch(cfg, limit, 64);
+  REQUIRE(mb > 1);
+  REQUIRE(mb < 64);
+  auto at = [&](int64_t b) {
+    auto c = cfg;
+    c.train.micro_batch = b;
+    return recompute::try_budget_plan(c, recompute::formula_costs(c), "formula", "GFLOP");
+  };
+  const auto chosen = at(mb);
+  REQUIRE(chosen);
+  auto c = cfg;
+  c.train.micro_batch = mb;
+  CHECK(memory::predict_peak(c, *chosen).peak_bytes() <= limit);
+  CHECK_FALSE(at(mb + 1));  // one more sequence: no schedule fits 80% of what the limit leaves
+  // A smaller micro-batch gets a schedule of its own, with less recompute.
+  CHECK(at(mb / 2)->budget.recompute_cost < chosen->budget.recompute_cost);
+}
+
+TEST_CASE("trainer plan shows a budget recipe's schedule block by block, and says when none fits") {
+  test::TempDir dir("budget-plan");
+  const auto out = (dir.path / "plan.json").string();
+  const std::string base = "plan --config configs/tiny.yaml --set model.n_layer=6 --set checkpointing.mode=budget --out " + out;
+  auto r = test::trainer(base + " --set checkpointing.budget=40MiB");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("Budget schedule (40.0 MiB of activations"));
+  CHECK_THAT(r.output, Catch::Contains("block   5:"));
+  const auto j = nlohmann::json::parse(test::read_text(out));
+  CHECK(j["budget_schedule"]["blocks"].size() == 6);
+  CHECK(j["modes"][0]["activation_peak_bytes"].get<int64_t>() <= (int64_t{40} << 20));
+  r = test::trainer(base + " --set checkpointing.budget=1MiB");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("no schedule fits checkpointing.budget"));
+  // A run with that budget stops before writing anything: exit 2, naming the key.
+  const auto run_dir = (dir.path / "run").string();
+  r = test::trainer("--config configs/tiny.yaml --set model.n_layer=6 --set checkpointing.mode=budget "
+                    "--set checkpointing.budget=1MiB --set logging.dir=" + run_dir);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("checkpointing.budget: no schedule fits"));
+  CHECK_FALSE(std::filesystem::exists(run_dir));
 }

@@ -223,7 +223,7 @@ double chain_peak(const ChainModel& m, const recompute::Plan& plan) {
   double held = 0, kept_weights = 0;
   double peak = forward_moments(m, plan, held, kept_weights);
   for (auto seg = plan.segments.rbegin(); seg != plan.segments.rend(); ++seg) {
-    if (seg->checkpointed) {  // B: held is what comes before the segment, plus its input
+    if (seg->checkpointed) {  // B: what comes before the segment (kept blocks' weight copies too), its input
       held -= m.input;
       double saved = 0, weights = 0, worst_backward = 0;
       for (int64_t b = seg->begin; b < seg->end; ++b) {
@@ -231,7 +231,7 @@ double chain_peak(const ChainModel& m, const recompute::Plan& plan) {
         weights += m.weights[static_cast<size_t>(b)];
         worst_backward = std::max(worst_backward, m.backward[static_cast<size_t>(b)][0]);
       }
-      peak = std::max(peak, weights + m.tied_grad + held + m.input + saved + worst_backward);
+      peak = std::max(peak, kept_weights + weights + m.tied_grad + held + m.input + saved + worst_backward);
       continue;
     }
     for (int64_t b = seg->end - 1; b >= seg->begin; --b) {  // D: the block and every unit before it

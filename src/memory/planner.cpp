@@ -190,6 +190,31 @@ int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, 
   return lo;
 }
 
+namespace {
+
+// One row of the plan report: a mode's activation and total peak, and with memory_bytes the largest
+// micro-batch. A budget mode also writes its schedule (or null: none fits) into the report.
+Json mode_row(const std::string& name, const config::RunConfig& c, int64_t memory_bytes, int64_t per_rank, Json& report) {
+  std::optional<recompute::Plan> schedule;
+  if (c.checkpointing.mode == "budget") {
+    schedule = recompute::try_budget_plan(c, recompute::formula_costs(c), "formula", "GFLOP");
+    report["budget_schedule"] = schedule ? schedule->to_json() : Json(nullptr);
+    report["budget_bytes"] = activation_budget_bytes(c);
+    if (!schedule) return {{"mode", name}, {"fits_budget", false}};
+  }
+  const auto p = schedule ? predict_peak(c, *schedule) : predict_peak(c);
+  Json row = {{"mode", name}, {"activation_peak_bytes", p.activations.peak_bytes}, {"peak_bytes", p.peak_bytes()}};
+  if (memory_bytes > 0) {
+    const int64_t mb = largest_micro_batch(c, memory_bytes);
+    row["largest_micro_batch"] = mb;
+    row["grad_accum_for_global_batch"] = mb > 0 ? Json((per_rank + mb - 1) / mb) : Json(nullptr);
+    row["fits_recipe_micro_batch"] = p.peak_bytes() <= memory_bytes;
+  }
+  return row;
+}
+
+}  // namespace
+
 Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   auto cfg = recipe;
   const bool auto_batch = cfg.train.micro_batch == 0;  // train.micro_batch: auto
@@ -202,7 +227,10 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
     cfg.train.micro_batch = std::max<int64_t>(1, memory_bytes > 0 ? largest_micro_batch(cfg, memory_bytes, per_rank) : 1);
     cfg.train.grad_accum = (per_rank + cfg.train.micro_batch - 1) / cfg.train.micro_batch;
   }
-  const auto base = predict_peak(cfg);
+  // The breakdown's states, batch and kernels do not depend on the mode (a budget may fit nothing).
+  auto base_cfg = cfg;
+  if (cfg.checkpointing.mode == "budget") base_cfg.checkpointing = config::CheckpointingConfig{};
+  const auto base = predict_peak(base_cfg);
   Json j = {{"recipe", cfg.recipe_name},
             {"params", total_params(cfg.model)},
             {"world_size", cfg.world_size},
@@ -230,27 +258,7 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   for (const auto& [name, ck] : plan_modes(cfg)) {
     auto c = cfg;
     c.checkpointing = ck;
-    std::optional<recompute::Plan> schedule;
-    if (ck.mode == "budget") {
-      schedule = recompute::try_budget_plan(c, recompute::formula_costs(c), "formula", "GFLOP");
-      j["budget_schedule"] = schedule ? schedule->to_json() : Json(nullptr);
-      j["budget_bytes"] = activation_budget_bytes(c);
-      if (!schedule) {
-        j["modes"].push_back({{"mode", name}, {"fits_budget", false}});
-        continue;
-      }
-    }
-    const auto p = schedule ? predict_peak(c, *schedule) : predict_peak(c);
-    Json row = {{"mode", name},
-                {"activation_peak_bytes", p.activations.peak_bytes},
-                {"peak_bytes", p.peak_bytes()}};
-    if (memory_bytes > 0) {
-      const int64_t mb = largest_micro_batch(c, memory_bytes);
-      row["largest_micro_batch"] = mb;
-      row["grad_accum_for_global_batch"] = mb > 0 ? Json((per_rank + mb - 1) / mb) : Json(nullptr);
-      row["fits_recipe_micro_batch"] = p.peak_bytes() <= memory_bytes;
-    }
-    j["modes"].push_back(row);
+    j["modes"].push_back(mode_row(name, c, memory_bytes, per_rank, j));
   }
   return j;
 }
@@ -342,7 +350,7 @@ std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
   }
   if (out.empty())
     return fmt::format("the planner predicts nothing fits {} (model states alone: {}); shard or lower precision",
-                       log::format_bytes(limit_bytes), log::format_bytes(predict_peak(cfg).model_states_bytes()));
+                       log::format_bytes(limit_bytes), log::format_bytes(predict_states(cfg).model_states_bytes()));
   return "the planner predicts these fit " + log::format_bytes(limit_bytes) + ": " + out +
          " (set train.micro_batch / train.grad_accum / checkpointing.mode accordingly)";
 }

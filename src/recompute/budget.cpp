@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
@@ -17,6 +18,8 @@
 #include "precision/autocast.h"
 
 namespace sl::recompute {
+
+int64_t budget_quanta(int64_t n_layer) { return std::max<int64_t>(16384, 16 * n_layer); }
 
 double BlockCost::parts(uint8_t set) const {
   return ((set & kPartAttention) ? attention : 0.0) + ((set & kPartMlp) ? mlp : 0.0) + ((set & kPartNorm) ? norm : 0.0);
@@ -136,6 +139,7 @@ Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>&
   Schedule out;
   const auto L = static_cast<int64_t>(costs.size());
   if (!(budget_bytes > 0) || L == 0 || quanta < 1) return out;
+  if (quanta >= std::numeric_limits<int32_t>::max()) throw std::invalid_argument("solve_budget: quanta must fit in int32");
   const double delta = budget_bytes / static_cast<double>(quanta);
   out.quantum_bytes = delta;
   Table t(L, quanta + 1);
@@ -212,6 +216,7 @@ double median(std::vector<double> v) {
 std::vector<BlockCost> profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(cfg.train.seed));
   auto block = profiling_block(cfg, device, gen);
+  block->eval();  // no dropout: the profile draws nothing from the run's generators
   auto x = torch::randn({cfg.train.micro_batch, cfg.train.seq_len, cfg.model.n_embd}, gen,
                         torch::TensorOptions().dtype(torch::kFloat32)).to(device);
   const auto rope = model->rope(cfg.train.seq_len);
@@ -238,7 +243,8 @@ std::vector<BlockCost> profile_costs(const config::RunConfig& cfg, model::GPT& m
       if (part == model::Part::act_out) output = linear_ms;
       return y;
     };
-    const double forward = timed([&] { return block->forward_with(x, rope, timed_parts); }).second;
+    timed([&] { return block->forward_with(x, rope, timed_parts); });
+    const double forward = timed([&] { return block->forward(x, rope); }).second;  // without the parts' syncs
     if (rep == 0) continue;
     t.forward.push_back(forward), t.output.push_back(output), t.attention.push_back(attention);
     t.mlp.push_back(mlp), t.norm.push_back(norm);
@@ -252,7 +258,7 @@ std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const std::vec
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t budget = memory::activation_budget_bytes(cfg);
   const auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
-  const Schedule s = solve_budget(mem, costs, static_cast<double>(budget));
+  const Schedule s = solve_budget(mem, costs, static_cast<double>(budget), budget_quanta(cfg.model.n_layer));
   if (!s.feasible) return std::nullopt;
   Plan p = as_plan(s);
   p.budget = {budget, static_cast<int64_t>(std::ceil(s.quantum_bytes)), static_cast<int64_t>(s.peak_bytes), s.cost, 0.0,
@@ -268,10 +274,11 @@ int64_t least_budget(const config::RunConfig& cfg) {
   const auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
   const auto costs = formula_costs(cfg);
   double lo = 0, hi = 1;
-  while (!solve_budget(mem, costs, hi, 1024).feasible && hi < 1e18) hi *= 2;
+  const int64_t quanta = budget_quanta(static_cast<int64_t>(costs.size())) / 4;
+  while (!solve_budget(mem, costs, hi, quanta).feasible && hi < 1e18) hi *= 2;
   while (hi - lo > 0.01 * hi) {
     const double mid = (lo + hi) / 2;
-    (solve_budget(mem, costs, mid, 1024).feasible ? hi : lo) = mid;
+    (solve_budget(mem, costs, mid, quanta).feasible ? hi : lo) = mid;
   }
   return static_cast<int64_t>(hi);
 }
@@ -281,14 +288,24 @@ int64_t least_budget(const config::RunConfig& cfg) {
 Plan budget_plan(const config::RunConfig& cfg, const std::vector<BlockCost>& costs, const std::string& source,
                  const std::string& unit) {
   if (auto p = try_budget_plan(cfg, costs, source, unit)) return *p;
-  const int64_t budget = memory::activation_budget_bytes(cfg);
+  const int64_t budget = memory::activation_budget_bytes(cfg), least = least_budget(cfg);
+  // What checkpointing.budget would have to say: the activations plus the transient it also counts.
+  const int64_t transient = memory::predict_peak(cfg, make_plan({}, cfg.model.n_layer)).transient_bytes;
+  const auto share = config::parse_budget(cfg).share;
+  std::string needed = log::format_bytes(least + transient);
+  if (share > 0) {
+    const double room = static_cast<double>(memory::activation_budget_bytes(cfg) + transient) / share;
+    needed = room > 0 ? fmt::format("{:.0f}% ({})", std::ceil(100.0 * static_cast<double>(least + transient) / room), needed)
+                      : "more than memory.limit leaves after the model states";
+  }
   throw ConfigError(fmt::format(
       "checkpointing.budget: no schedule fits {} of activations at micro-batch {} x {} tokens (checkpointing.budget "
-      "'{}'{}); the least any schedule needs is about {}. Raise the budget (or memory.limit), or lower "
-      "train.micro_batch and raise train.grad_accum",
+      "'{}'{}); the least any schedule needs is about {} of activations, i.e. checkpointing.budget: {}. Raise the "
+      "budget (or memory.limit), or lower train.micro_batch and raise train.grad_accum",
       log::format_bytes(std::max<int64_t>(0, budget)), cfg.train.micro_batch, cfg.train.seq_len,
       cfg.checkpointing.budget.empty() ? "100%" : cfg.checkpointing.budget,
-      cfg.parallel.sharding == "zero3" ? ", less zero3's gathered units" : "", log::format_bytes(least_budget(cfg))));
+      transient > 0 ? fmt::format(", less the {} the sharding holds beside them", log::format_bytes(transient)) : "",
+      log::format_bytes(least), needed));
 }
 
 Plan plan_for(const config::RunConfig& cfg) {

@@ -47,6 +47,9 @@ struct Schedule {
 // forward moments too (conservative there). O(L^2 * quanta) time, O(L * quanta) memory.
 Schedule solve_budget(const memory::ChainModel& mem, const std::vector<BlockCost>& costs, double budget_bytes,
                       int64_t quanta = 16384);
+// The quanta a recipe's schedule is solved with: 16384, or 16 per block for deeper chains (every kept
+// block takes at least one quantum, so the rounding stays below 1/16 of the budget).
+int64_t budget_quanta(int64_t n_layer);
 
 // The cost of any schedule (the same sum the solver minimizes): kept blocks' selective parts, and per
 // checkpointed segment its blocks' forwards less the last block's output projection.

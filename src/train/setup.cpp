@@ -179,12 +179,27 @@ void choose_micro_batch(Session& s) {
                  found.predicted, trials.dump(), found.micro_batch, found.grad_accum, cfg.train.global_batch);
 }
 
+// Every rank solves with rank 0's profiled costs: timing noise must not give ranks different schedules
+// (under zero3 the parameter all-gathers follow the schedule).
+std::vector<recompute::BlockCost> rank0_costs(parallel::Comm& comm, const std::vector<recompute::BlockCost>& mine) {
+  std::vector<double> flat;
+  for (const auto& c : mine) flat.insert(flat.end(), {c.forward, c.output, c.attention, c.mlp, c.norm});
+  const auto all = comm.all_gather(flat, "profiled block costs");
+  std::vector<recompute::BlockCost> out;
+  for (size_t i = 0; i < mine.size(); ++i)
+    out.push_back({all[5 * i], all[5 * i + 1], all[5 * i + 2], all[5 * i + 3], all[5 * i + 4]});
+  return out;
+}
+
 // The run's checkpointing plan; mode budget solves it from profiled (or formula) costs of this run's
 // shape, device and precision.
-recompute::Plan run_plan(const config::RunConfig& cfg, model::GPT& model, torch::Device device) {
+recompute::Plan run_plan(const Session& s) {
+  const auto& cfg = s.cfg;
   if (cfg.checkpointing.mode != "budget") return recompute::make_plan(cfg.checkpointing, cfg.model.n_layer);
   if (!cfg.checkpointing.profile_costs) return recompute::plan_for(cfg);
-  return recompute::budget_plan(cfg, recompute::profile_costs(cfg, model, device), "profile", "ms");
+  auto model = s.model;
+  const auto costs = rank0_costs(*s.comm, recompute::profile_costs(cfg, model, s.device));
+  return recompute::budget_plan(cfg, costs, "profile", "ms");
 }
 
 void build_model(Session& s) {
@@ -201,7 +216,7 @@ void build_model(Session& s) {
                                std::string(e.what_without_backtrace()).substr(0, 200), memory::oom_advice(cfg, s.limit)));
   }
   s.model->train();
-  s.policy = std::make_unique<recompute::Policy>(cfg.checkpointing, s.model, run_plan(cfg, s.model, s.device));
+  s.policy = std::make_unique<recompute::Policy>(cfg.checkpointing, s.model, run_plan(s));
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
   // ends) would keep every unit's weights alive after the unit's fp32 storage is freed.
   if (cfg.parallel.sharding == "zero3") at::autocast::set_autocast_cache_enabled(false);
@@ -279,7 +294,9 @@ void print_settings(const Session& s) {
 
 void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit) {
   const auto capacity = limit > 0 ? memory::Capacity{limit, "memory.limit"} : memory::device_capacity(device);
-  const memory::PeakPrediction p = memory::predict_peak(cfg);
+  auto states_cfg = cfg;  // model states do not depend on the checkpointing mode (a budget is checked below)
+  states_cfg.checkpointing = config::CheckpointingConfig{};
+  const memory::PeakPrediction p = memory::predict_peak(states_cfg);
   const int64_t states = p.model_states_bytes();
   if (capacity.bytes <= 0 || states <= capacity.bytes) return;
   const int64_t params = memory::total_params(cfg.model);
@@ -308,6 +325,8 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   s->limit = config::memory_limit_bytes(s->cfg);
   s->tracker->set_limit(s->limit);  // before the model exists: the limit covers everything, as on a GPU
   check_model_states_fit(s->cfg, s->device, s->limit);
+  // A budget no schedule fits stops here (exit 2), before a model or a run directory exists.
+  if (s->cfg.checkpointing.mode == "budget" && s->cfg.train.micro_batch > 0) recompute::plan_for(s->cfg);
   if (s->cfg.train.micro_batch == 0) choose_micro_batch(*s);
   const auto& t = s->cfg.train;
   const auto seed = static_cast<uint64_t>(t.seed);
