@@ -50,19 +50,26 @@ struct Back {
 };
 
 // The DP table over positions 0..L and quantized held memory 0..Q-1.
+// The DP table over positions 0..L and memory buckets 0..Q-1 (bucket = floor(held / delta)). Each
+// entry keeps its least-cost path (on a tie the one holding less) with that path's exact bytes.
 struct Table {
   int64_t L, Q;
-  std::vector<double> cost;
+  double delta;
+  std::vector<double> cost, held;
   std::vector<Back> back;
-  Table(int64_t l, int64_t q) : L(l), Q(q), cost(static_cast<size_t>((l + 1) * q), kInf), back(cost.size()) {}
+  Table(int64_t l, int64_t q, double d)
+      : L(l), Q(q), delta(d), cost(static_cast<size_t>((l + 1) * q), kInf), held(cost.size(), 0.0), back(cost.size()) {}
   size_t at(int64_t i, int64_t h) const { return static_cast<size_t>(i * Q + h); }
-  void relax(int64_t i, int64_t h, double c, Back b) {
-    if (c < cost[at(i, h)]) cost[at(i, h)] = c, back[at(i, h)] = b;
+  void relax(int64_t i, double bytes, double c, Back b) {
+    const auto h = static_cast<int64_t>(std::floor(bytes / delta));
+    if (h < 0 || h >= Q) return;
+    const size_t k = at(i, h);
+    if (c < cost[k] || (c == cost[k] && bytes < held[k])) cost[k] = c, held[k] = bytes, back[k] = b;
   }
 };
 
-// The memory bounds of the walk (memory::chain_peak) in the DP's terms. `held` is the quantized
-// memory kept so far (kept blocks' weight copies included), in bytes.
+// The memory bounds of the walk (memory::chain_peak) in the DP's terms. `held` is the memory a path
+// keeps so far (kept blocks' weight copies included), in bytes.
 struct Bounds {
   const memory::ChainModel& m;
   double budget, all_weights = 0;
@@ -80,22 +87,19 @@ struct Bounds {
 
 // From every reachable state at position i: block i kept (each set of selective parts), or a
 // checkpointed segment [i, j) for every j that fits.
-void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<BlockCost>& costs, const Bounds& fit,
-            double delta) {
-  auto quanta = [delta](double bytes) { return static_cast<int64_t>(std::ceil(std::max(0.0, bytes) / delta)); };
+void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<BlockCost>& costs, const Bounds& fit) {
   const auto bi = static_cast<size_t>(i);
-  const int64_t input_q = quanta(m.input);
   for (int64_t h = 0; h < t.Q; ++h) {
-    const double c = t.cost[t.at(i, h)];
+    const double c = t.cost[t.at(i, h)], held = t.held[t.at(i, h)];
     if (c == kInf) continue;
+    const Back from{static_cast<int32_t>(h), 0, 0};
     for (int s = 0; s < kPartSets; ++s) {
-      const int64_t h2 = h + quanta(m.kept[bi][static_cast<size_t>(s)] + m.weights[bi]);
-      if (h2 >= t.Q || !fit.kept_fits(static_cast<double>(h2) * delta, i, static_cast<uint8_t>(s))) continue;
-      t.relax(i + 1, h2, c + costs[bi].parts(static_cast<uint8_t>(s)), {static_cast<int32_t>(h), 0, static_cast<uint8_t>(s)});
+      const double after = held + m.kept[bi][static_cast<size_t>(s)] + m.weights[bi];
+      if (!fit.kept_fits(after, i, static_cast<uint8_t>(s))) continue;
+      t.relax(i + 1, after, c + costs[bi].parts(static_cast<uint8_t>(s)), {from.from, 0, static_cast<uint8_t>(s)});
     }
-    const int64_t hin = h + input_q;
-    const double held_in = static_cast<double>(hin) * delta;
-    if (hin >= t.Q || !fit.first_pass_fits(held_in)) continue;
+    const double held_in = held + m.input;
+    if (!fit.first_pass_fits(held_in)) continue;
     double saved = 0, forward = 0, worst_backward = 0;
     for (int64_t j = i + 1; j <= t.L; ++j) {
       const auto b = static_cast<size_t>(j - 1);
@@ -103,7 +107,7 @@ void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<
       forward += costs[b].forward;
       worst_backward = std::max(worst_backward, m.backward[b][0]);
       if (!fit.recompute_fits(held_in, saved, worst_backward)) break;  // only grows with j
-      t.relax(j, hin, c + forward - costs[b].output, {static_cast<int32_t>(h), static_cast<int32_t>(j - i), 0});
+      t.relax(j, held_in, c + forward - costs[b].output, {from.from, static_cast<int32_t>(j - i), 0});
     }
   }
 }
@@ -142,14 +146,14 @@ Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>&
   if (quanta >= std::numeric_limits<int32_t>::max()) throw std::invalid_argument("solve_budget: quanta must fit in int32");
   const double delta = budget_bytes / static_cast<double>(quanta);
   out.quantum_bytes = delta;
-  Table t(L, quanta + 1);
+  Table t(L, quanta + 1, delta);
   Bounds fit{m, budget_bytes};
   for (double w : m.weights) fit.all_weights += w;
   t.cost[t.at(0, 0)] = 0;
-  for (int64_t i = 0; i < L; ++i) expand(t, i, m, costs, fit, delta);
+  for (int64_t i = 0; i < L; ++i) expand(t, i, m, costs, fit);
   int64_t best = -1;
   for (int64_t h = 0; h < t.Q; ++h)  // least cost; on a tie the least memory
-    if (t.cost[t.at(L, h)] < (best < 0 ? kInf : t.cost[t.at(L, best)]) && fit.end_fits(static_cast<double>(h) * delta))
+    if (t.cost[t.at(L, h)] < (best < 0 ? kInf : t.cost[t.at(L, best)]) && fit.end_fits(t.held[t.at(L, h)]))
       best = h;
   if (best < 0) return out;
   read_back(t, best, out);

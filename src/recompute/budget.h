@@ -38,17 +38,19 @@ struct Schedule {
 };
 
 // The least-cost schedule whose activation peak (memory::chain_peak's walk) is at most budget_bytes.
-// Dynamic programming over blocks left to right; the state is the memory the blocks so far keep for
-// backward, in quanta of budget_bytes / quanta bytes, each block's share rounded up. Every check a
-// moment makes adds exact bytes to that rounded-up state, so the schedule found never exceeds the
-// budget; and since each block adds one rounding (< 1 quantum), any schedule whose peak is at most
-// budget_bytes - n_layer * quantum is seen: the cost found is at most that of the best such schedule.
-// With autocast's weight copies (bf16/fp16 with fp32 parameters), a kept block's copies count in the
-// forward moments too (conservative there). O(L^2 * quanta) time, O(L * quanta) memory.
+// Dynamic programming over blocks left to right. The state is the memory the blocks so far keep for
+// backward, in buckets of budget_bytes / quanta bytes; each bucket keeps its least-cost path (on a tie
+// the one holding less) with that path's exact bytes, and every moment is checked with exact bytes, so
+// the schedule found never exceeds the budget. Error bound: two paths in one bucket differ by less than
+// a quantum, so after i choices the DP holds, for any schedule, a path of no greater cost holding at
+// most i quanta more; any schedule whose peak is at most budget_bytes - n_layer * quantum is therefore
+// matched or beaten. With autocast's weight copies (bf16/fp16 with fp32 parameters), a kept block's
+// copies count in the forward moments too (conservative there). O(L^2 * quanta) time, O(L * quanta)
+// memory (28 bytes a state). quanta must be below 2^31.
 Schedule solve_budget(const memory::ChainModel& mem, const std::vector<BlockCost>& costs, double budget_bytes,
                       int64_t quanta = 16384);
-// The quanta a recipe's schedule is solved with: 16384, or 16 per block for deeper chains (every kept
-// block takes at least one quantum, so the rounding stays below 1/16 of the budget).
+// The quanta a recipe's schedule is solved with: 16384, or 16 per block for deeper chains (the error
+// bound, n_layer quanta, stays below 1/16 of the budget).
 int64_t budget_quanta(int64_t n_layer);
 
 // The cost of any schedule (the same sum the solver minimizes): kept blocks' selective parts, and per
