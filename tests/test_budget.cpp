@@ -372,7 +372,7 @@ TEST_CASE("micro_batch: auto with a budget: the largest micro-batch at which som
   auto at = [&](int64_t b) {
     auto c = cfg;
     c.train.micro_batch = b;
-    return recompute::try_budget_plan(c, recompute::formula_costs(c), "formula", "GFLOP");
+    return recompute::formula_plan(c);
   };
   const auto chosen = at(mb);
   REQUIRE(chosen);
@@ -407,4 +407,22 @@ TEST_CASE("trainer plan shows a budget recipe's schedule block by block, and say
   CHECK(r.code == 2);
   CHECK_THAT(r.output, Catch::Contains("checkpointing.budget: no schedule fits"));
   CHECK_FALSE(std::filesystem::exists(run_dir));
+}
+
+TEST_CASE("a budget run prints its schedule at start and logs it; --no-profile solves from the formula") {
+  test::TempDir dir("budget-run");
+  const auto run_dir = dir.path / "run";
+  const auto r = test::trainer("--config configs/tiny.yaml --set model.n_layer=6 --set train.steps=1 "
+                               "--set train.eval_interval=0 --set state.at_end=false --set checkpointing.mode=budget "
+                               "--set checkpointing.budget=40MiB --no-profile --set logging.dir=" + run_dir.string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.output, Catch::Contains("| checkpointing plan"));
+  CHECK_THAT(r.output, Catch::Contains("budget 40.0 MiB: "));
+  const auto s = test::summary(run_dir);
+  CHECK(s["checkpointing"]["budget"]["cost_source"] == "formula");
+  CHECK(s["checkpointing"]["budget"]["cost_unit"] == "GFLOP");
+  CHECK(s["checkpointing"]["blocks"].size() == 6);
+  CHECK(s["predicted_activation_peak_bytes"] == s["checkpointing"]["budget"]["predicted_activation_peak_bytes"]);
+  CHECK(s["predicted_activation_peak_bytes"].get<int64_t>() <= (int64_t{40} << 20));
 }

@@ -7,12 +7,13 @@
 #include <torch/cuda.h>
 
 namespace sl::memory {
-namespace {
 
 bool runs_on_cuda(const config::RunConfig& cfg) {
   const auto& d = cfg.train.device;
   return d == "cuda" || (d == "auto" && torch::cuda::is_available());
 }
+
+namespace {
 
 // Per-token byte sizes of one recipe under one matmul path.
 struct Sizes {

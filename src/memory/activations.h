@@ -118,6 +118,9 @@ ChainModel chain_model(const config::RunConfig& cfg, LowpMatmul lowp);
 // uses the largest segment with every segment input: at most n*fC*tok more).
 double chain_peak(const ChainModel& m, const recompute::Plan& plan);
 
+// Whether the recipe runs on CUDA (train.device cuda, or auto with a GPU present).
+bool runs_on_cuda(const config::RunConfig& cfg);
+
 // The path a recipe's low-precision matmuls take: on CPU cpu_features()'s, on CUDA native.
 LowpMatmul lowp_matmul_path(const config::RunConfig& cfg);
 

@@ -177,7 +177,7 @@ int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, 
     auto c = cfg;
     c.train.micro_batch = b;
     if (c.checkpointing.mode != "budget") return predict_peak(c).peak_bytes() <= memory_bytes;
-    const auto plan = recompute::try_budget_plan(c, recompute::formula_costs(c), "formula", "GFLOP");
+    const auto plan = recompute::formula_plan(c);
     return plan && predict_peak(c, *plan).peak_bytes() <= memory_bytes;
   };
   if (!fits(1)) return 0;
@@ -197,7 +197,7 @@ namespace {
 Json mode_row(const std::string& name, const config::RunConfig& c, int64_t memory_bytes, int64_t per_rank, Json& report) {
   std::optional<recompute::Plan> schedule;
   if (c.checkpointing.mode == "budget") {
-    schedule = recompute::try_budget_plan(c, recompute::formula_costs(c), "formula", "GFLOP");
+    schedule = recompute::formula_plan(c);
     report["budget_schedule"] = schedule ? schedule->to_json() : Json(nullptr);
     report["budget_bytes"] = activation_budget_bytes(c);
     if (!schedule) return {{"mode", name}, {"fits_budget", false}};

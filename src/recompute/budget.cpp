@@ -49,7 +49,6 @@ struct Back {
   uint8_t parts = 0;
 };
 
-// The DP table over positions 0..L and quantized held memory 0..Q-1.
 // The DP table over positions 0..L and memory buckets 0..Q-1 (bucket = floor(held / delta)). Each
 // entry keeps its least-cost path (on a tie the one holding less) with that path's exact bytes.
 struct Table {
@@ -92,11 +91,11 @@ void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<
   for (int64_t h = 0; h < t.Q; ++h) {
     const double c = t.cost[t.at(i, h)], held = t.held[t.at(i, h)];
     if (c == kInf) continue;
-    const Back from{static_cast<int32_t>(h), 0, 0};
+    const auto from = static_cast<int32_t>(h);
     for (int s = 0; s < kPartSets; ++s) {
       const double after = held + m.kept[bi][static_cast<size_t>(s)] + m.weights[bi];
       if (!fit.kept_fits(after, i, static_cast<uint8_t>(s))) continue;
-      t.relax(i + 1, after, c + costs[bi].parts(static_cast<uint8_t>(s)), {from.from, 0, static_cast<uint8_t>(s)});
+      t.relax(i + 1, after, c + costs[bi].parts(static_cast<uint8_t>(s)), {from, 0, static_cast<uint8_t>(s)});
     }
     const double held_in = held + m.input;
     if (!fit.first_pass_fits(held_in)) continue;
@@ -107,7 +106,7 @@ void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<
       forward += costs[b].forward;
       worst_backward = std::max(worst_backward, m.backward[b][0]);
       if (!fit.recompute_fits(held_in, saved, worst_backward)) break;  // only grows with j
-      t.relax(j, held_in, c + forward - costs[b].output, {from.from, static_cast<int32_t>(j - i), 0});
+      t.relax(j, held_in, c + forward - costs[b].output, {from, static_cast<int32_t>(j - i), 0});
     }
   }
 }
@@ -163,21 +162,13 @@ Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>&
   return out;
 }
 
-namespace {
-
-bool runs_on_cuda(const config::RunConfig& cfg) {
-  return cfg.train.device == "cuda" || (cfg.train.device == "auto" && torch::cuda::is_available());
-}
-
-}  // namespace
-
-std::vector<BlockCost> formula_costs(const config::RunConfig& cfg) {
+Costs formula_costs(const config::RunConfig& cfg) {
   const auto& mc = cfg.model;
   const bool llama = mc.arch == "llama";
   const double tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len), T = static_cast<double>(cfg.train.seq_len);
   const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::mlp_hidden(mc));
   const double c = cfg.precision.compute == "fp32" ? 4.0 : 2.0, f = 4.0;
-  const double balance = runs_on_cuda(cfg) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
+  const double balance = memory::runs_on_cuda(cfg) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
   const double matmul = 2 * tok * (4 * C * C + (llama ? 3 : 2) * C * H);
   BlockCost b;
   b.attention = 4 * tok * T * C / 1e9;
@@ -186,7 +177,7 @@ std::vector<BlockCost> formula_costs(const config::RunConfig& cfg) {
   const double residual = 2 * (3 * C * f) * tok * balance / 1e9;     // two residual adds
   b.output = 2 * tok * C * H / 1e9;
   b.forward = matmul / 1e9 + b.attention + b.norm + b.mlp + residual;
-  return std::vector<BlockCost>(static_cast<size_t>(mc.n_layer), b);
+  return {std::vector<BlockCost>(static_cast<size_t>(mc.n_layer), b), "formula", "GFLOP"};
 }
 
 namespace {
@@ -217,7 +208,7 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
-std::vector<BlockCost> profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device) {
+Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(cfg.train.seed));
   auto block = profiling_block(cfg, device, gen);
   block->eval();  // no dropout: the profile draws nothing from the run's generators
@@ -254,29 +245,30 @@ std::vector<BlockCost> profile_costs(const config::RunConfig& cfg, model::GPT& m
     t.mlp.push_back(mlp), t.norm.push_back(norm);
   }
   BlockCost b{median(t.forward), median(t.output), median(t.attention), median(t.mlp), median(t.norm)};
-  return std::vector<BlockCost>(static_cast<size_t>(cfg.model.n_layer), b);
+  return {std::vector<BlockCost>(static_cast<size_t>(cfg.model.n_layer), b), "profile", "ms"};
 }
 
-std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const std::vector<BlockCost>& costs,
-                                    const std::string& source, const std::string& unit) {
+std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const Costs& costs) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t budget = memory::activation_budget_bytes(cfg);
   const auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
-  const Schedule s = solve_budget(mem, costs, static_cast<double>(budget), budget_quanta(cfg.model.n_layer));
+  const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(cfg.model.n_layer));
   if (!s.feasible) return std::nullopt;
   Plan p = as_plan(s);
   p.budget = {budget, static_cast<int64_t>(std::ceil(s.quantum_bytes)), static_cast<int64_t>(s.peak_bytes), s.cost, 0.0,
-              source, unit, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
-  for (const auto& c : costs) p.budget.forward_cost += c.forward;
+              costs.source, costs.unit, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
+  for (const auto& c : costs.blocks) p.budget.forward_cost += c.forward;
   return p;
 }
+
+std::optional<Plan> formula_plan(const config::RunConfig& cfg) { return try_budget_plan(cfg, formula_costs(cfg)); }
 
 namespace {
 
 // The least activation budget any schedule fits (bisection on the solver's feasibility, 1 % steps).
 int64_t least_budget(const config::RunConfig& cfg) {
   const auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
-  const auto costs = formula_costs(cfg);
+  const auto costs = formula_costs(cfg).blocks;
   double lo = 0, hi = 1;
   const int64_t quanta = budget_quanta(static_cast<int64_t>(costs.size())) / 4;
   while (!solve_budget(mem, costs, hi, quanta).feasible && hi < 1e18) hi *= 2;
@@ -289,16 +281,15 @@ int64_t least_budget(const config::RunConfig& cfg) {
 
 }  // namespace
 
-Plan budget_plan(const config::RunConfig& cfg, const std::vector<BlockCost>& costs, const std::string& source,
-                 const std::string& unit) {
-  if (auto p = try_budget_plan(cfg, costs, source, unit)) return *p;
+Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
+  if (auto p = try_budget_plan(cfg, costs)) return *p;
   const int64_t budget = memory::activation_budget_bytes(cfg), least = least_budget(cfg);
   // What checkpointing.budget would have to say: the activations plus the transient it also counts.
   const int64_t transient = memory::predict_peak(cfg, make_plan({}, cfg.model.n_layer)).transient_bytes;
   const auto share = config::parse_budget(cfg).share;
   std::string needed = log::format_bytes(least + transient);
   if (share > 0) {
-    const double room = static_cast<double>(memory::activation_budget_bytes(cfg) + transient) / share;
+    const double room = static_cast<double>(budget + transient) / share;
     needed = room > 0 ? fmt::format("{:.0f}% ({})", std::ceil(100.0 * static_cast<double>(least + transient) / room), needed)
                       : "more than memory.limit leaves after the model states";
   }
@@ -314,7 +305,7 @@ Plan budget_plan(const config::RunConfig& cfg, const std::vector<BlockCost>& cos
 
 Plan plan_for(const config::RunConfig& cfg) {
   if (cfg.checkpointing.mode != "budget") return make_plan(cfg.checkpointing, cfg.model.n_layer);
-  return budget_plan(cfg, formula_costs(cfg), "formula", "GFLOP");
+  return budget_plan(cfg, formula_costs(cfg));
 }
 
 }  // namespace sl::recompute

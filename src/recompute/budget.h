@@ -28,6 +28,12 @@ struct BlockCost {
   double parts(uint8_t set) const;  // the selective parts in `set` (kPartAttention | ...)
 };
 
+// Per-block costs and where they came from: source "profile" (unit ms) or "formula" (unit GFLOP).
+struct Costs {
+  std::vector<BlockCost> blocks;
+  std::string source, unit;
+};
+
 struct Schedule {
   bool feasible = false;
   std::vector<Segment> segments;     // kept blocks (one segment each) and checkpointed segments
@@ -61,21 +67,20 @@ double schedule_cost(const std::vector<Segment>& segments, const std::vector<uin
 // Costs from the model's FLOPs (GFLOP per micro-batch): matmuls 2 FLOPs per multiply-add, attention
 // 4*T*C per token, elementwise parts (norms, activation) as bytes moved times a device balance (a byte
 // costs 20 FLOPs on a CPU, 300 on a GPU). Used by `trainer plan` and with checkpointing.profile_costs false.
-std::vector<BlockCost> formula_costs(const config::RunConfig& cfg);
+Costs formula_costs(const config::RunConfig& cfg);
 
 // Costs measured (ms): each piece of one block's forward timed at the run's micro-batch, sequence
 // length, device and precision (median of 5 after a warm-up). The blocks of this model all have the
 // same shapes, so one block stands for all (a model with differing blocks would time each kind).
-std::vector<BlockCost> profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device);
+Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device);
 
-// The recipe's budget plan from costs (unit "ms" or "GFLOP", source "profile" or "formula"): nullopt
-// when no schedule fits the budget.
-std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const std::vector<BlockCost>& costs,
-                                    const std::string& source, const std::string& unit);
+// The recipe's budget plan from costs: nullopt when no schedule fits the budget.
+std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const Costs& costs);
+// The same with formula costs (`trainer plan`, the micro-batch searches).
+std::optional<Plan> formula_plan(const config::RunConfig& cfg);
 // The same, throwing ConfigError naming checkpointing.budget when no schedule fits, with the smallest
 // activation peak any schedule reaches.
-Plan budget_plan(const config::RunConfig& cfg, const std::vector<BlockCost>& costs, const std::string& source,
-                 const std::string& unit);
+Plan budget_plan(const config::RunConfig& cfg, const Costs& costs);
 
 // The plan a recipe runs: make_plan's, or for mode budget budget_plan with formula costs.
 Plan plan_for(const config::RunConfig& cfg);

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -12,17 +13,17 @@
 
 namespace sl::recompute {
 
-std::string parts_name(uint8_t parts) {
-  std::string out;
+std::vector<std::string> part_names(uint8_t parts) {
+  std::vector<std::string> out;
   for (auto [bit, name] : {std::pair{kPartAttention, "attention"}, {kPartMlp, "mlp"}, {kPartNorm, "norm"}})
-    if (parts & bit) out += (out.empty() ? "" : ", ") + std::string(name);
+    if (parts & bit) out.emplace_back(name);
   return out;
 }
 
+std::string parts_name(uint8_t parts) { return fmt::format("{}", fmt::join(part_names(parts), ", ")); }
+
 uint8_t Plan::parts_of(int64_t block) const {
-  if (mode == "budget") return block_parts.at(static_cast<size_t>(block));
-  if (mode != "selective") return 0;
-  return static_cast<uint8_t>((attention ? kPartAttention : 0) | (mlp ? kPartMlp : 0) | (norm ? kPartNorm : 0));
+  return block_parts.empty() ? 0 : block_parts.at(static_cast<size_t>(block));
 }
 
 int64_t Plan::checkpointed_blocks() const {
@@ -34,12 +35,7 @@ int64_t Plan::checkpointed_blocks() const {
 
 std::string Plan::describe() const {
   if (mode == "none") return "none";
-  if (mode == "selective") {
-    std::string parts;
-    for (auto [on, name] : {std::pair{attention, "attention"}, {mlp, "mlp"}, {norm, "norm"}})
-      if (on) parts += (parts.empty() ? "" : ", ") + std::string(name);
-    return fmt::format("selective [{}] in every block", parts);
-  }
+  if (mode == "selective") return fmt::format("selective [{}] in every block", parts_name(parts_of(0)));
   std::string segs;
   if (mode == "budget") {
     for (const auto& s : segments) {
@@ -73,9 +69,7 @@ nlohmann::json Plan::to_json() const {
   nlohmann::json blocks = nlohmann::json::array();
   for (const auto& s : segments)
     for (int64_t b = s.begin; b < s.end; ++b) {
-      nlohmann::json parts = nlohmann::json::array();
-      for (auto [bit, name] : {std::pair{kPartAttention, "attention"}, {kPartMlp, "mlp"}, {kPartNorm, "norm"}})
-        if (!s.checkpointed && (parts_of(b) & bit)) parts.push_back(name);
+      const auto parts = part_names(s.checkpointed ? 0 : parts_of(b));
       blocks.push_back({{"block", b}, {"choice", s.checkpointed ? "recompute" : parts.empty() ? "keep" : "selective"},
                         {"parts", parts}, {"segment", {s.begin, s.end}}});
     }
@@ -112,12 +106,14 @@ Plan make_plan(const config::CheckpointingConfig& cfg, int64_t L) {
     for (int64_t i = 0; i < n; ++i) p.segments.push_back({i * size, i == n - 1 ? L : (i + 1) * size, true});
   } else {
     p.segments.push_back({0, L, false});
-    p.attention = p.mlp = p.norm = false;
+    p.attention = p.mlp = p.norm = false;  // selective (none: all false)
     for (const auto& part : cfg.recompute) {
       p.attention |= part == "attention";
       p.mlp |= part == "mlp";
       p.norm |= part == "norm";
     }
+    const auto parts = static_cast<uint8_t>((p.attention ? kPartAttention : 0) | (p.mlp ? kPartMlp : 0) | (p.norm ? kPartNorm : 0));
+    p.block_parts.assign(static_cast<size_t>(L), parts);
     return p;
   }
   if (cfg.skip_last) p.segments.back().checkpointed = false;

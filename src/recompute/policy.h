@@ -23,7 +23,8 @@ struct Segment {
 // Selective parts as bits (a block's set of parts recomputed inside it).
 inline constexpr uint8_t kPartAttention = 1, kPartMlp = 2, kPartNorm = 4;
 inline constexpr int kPartSets = 8;
-std::string parts_name(uint8_t parts);  // "attention, mlp" / "" for none
+std::vector<std::string> part_names(uint8_t parts);  // {"attention", "mlp"}; {} for none
+std::string parts_name(uint8_t parts);               // "attention, mlp"; "" for none
 
 // How a budget plan was chosen (recompute/budget.h).
 struct BudgetInfo {
@@ -41,7 +42,7 @@ struct Plan {
   int64_t k = 0;  // blocks per segment (full: 1; interval/sqrt: k; none/selective: 0)
   std::vector<Segment> segments;
   bool attention = false, mlp = false, norm = false;  // selective parts
-  std::vector<uint8_t> block_parts;  // budget: selective parts of each block (kept blocks only)
+  std::vector<uint8_t> block_parts;  // selective parts of each block (kept blocks only; empty = none)
   BudgetInfo budget;                 // budget: how the schedule was chosen
   uint8_t parts_of(int64_t block) const;  // the selective parts block `block` recomputes
   int64_t checkpointed_blocks() const;

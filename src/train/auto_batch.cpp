@@ -18,7 +18,7 @@ bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::
     torch::manual_seed(static_cast<uint64_t>(c.train.seed));
     // budget: the schedule for this micro-batch (formula costs); none fits: neither does the batch
     const auto plan = c.checkpointing.mode == "budget"
-                          ? recompute::try_budget_plan(c, recompute::formula_costs(c), "formula", "GFLOP")
+                          ? recompute::formula_plan(c)
                           : std::optional<recompute::Plan>(recompute::make_plan(c.checkpointing, c.model.n_layer));
     if (!plan) return false;
     model::GPT m(c.model, device);

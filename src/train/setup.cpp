@@ -181,14 +181,13 @@ void choose_micro_batch(Session& s) {
 
 // Every rank solves with rank 0's profiled costs: timing noise must not give ranks different schedules
 // (under zero3 the parameter all-gathers follow the schedule).
-std::vector<recompute::BlockCost> rank0_costs(parallel::Comm& comm, const std::vector<recompute::BlockCost>& mine) {
+recompute::Costs rank0_costs(parallel::Comm& comm, recompute::Costs mine) {
   std::vector<double> flat;
-  for (const auto& c : mine) flat.insert(flat.end(), {c.forward, c.output, c.attention, c.mlp, c.norm});
-  const auto all = comm.all_gather(flat, "profiled block costs");
-  std::vector<recompute::BlockCost> out;
-  for (size_t i = 0; i < mine.size(); ++i)
-    out.push_back({all[5 * i], all[5 * i + 1], all[5 * i + 2], all[5 * i + 3], all[5 * i + 4]});
-  return out;
+  for (const auto& c : mine.blocks) flat.insert(flat.end(), {c.forward, c.output, c.attention, c.mlp, c.norm});
+  const auto all = comm.all_gather(flat, "profiled block costs");  // rank 0's come first
+  for (size_t i = 0; i < mine.blocks.size(); ++i)
+    mine.blocks[i] = {all[5 * i], all[5 * i + 1], all[5 * i + 2], all[5 * i + 3], all[5 * i + 4]};
+  return mine;
 }
 
 // The run's checkpointing plan; mode budget solves it from profiled (or formula) costs of this run's
@@ -199,7 +198,7 @@ recompute::Plan run_plan(const Session& s) {
   if (!cfg.checkpointing.profile_costs) return recompute::plan_for(cfg);
   auto model = s.model;
   const auto costs = rank0_costs(*s.comm, recompute::profile_costs(cfg, model, s.device));
-  return recompute::budget_plan(cfg, costs, "profile", "ms");
+  return recompute::budget_plan(cfg, costs);
 }
 
 void build_model(Session& s) {
