@@ -1,10 +1,12 @@
 // Model: preset parameter counts (built on the meta device, no memory), shapes, causality, init.
 #include <cmath>
+#include <limits>
 
 #include "catch.h"
 #include <torch/torch.h>
 
 #include "config/config.h"
+#include "model/attention.h"
 #include "model/gelu.h"
 #include "model/gpt.h"
 
@@ -157,4 +159,72 @@ TEST_CASE("fused GELU (tanh form) equals ATen's gelu(x, tanh) and its gradient t
   CHECK_FALSE(model::gelu_tanh_fused(x.to(torch::kBFloat16)));
   CHECK_FALSE(model::gelu_tanh_fused(x.view({2, -1}).t()));
   CHECK(torch::equal(model::gelu_tanh(x.to(torch::kBFloat16)), at::gelu(x.to(torch::kBFloat16), "tanh")));
+}
+
+namespace {
+// Causal attention in double precision through plain ATen ops (scores, mask, softmax, product): the
+// reference the fused kernel is checked against.
+torch::Tensor attention_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t T = q.size(2);
+  auto s = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(3)));
+  auto mask = torch::ones({T, T}, torch::kBool).triu(1);
+  auto p = torch::softmax(s.masked_fill(mask, -std::numeric_limits<double>::infinity()), -1);
+  auto y = torch::matmul(p, v);  // (B, nh, T, hd)
+  return y.transpose(1, 2).reshape({q.size(0), T, -1});
+}
+}  // namespace
+
+TEST_CASE("fused causal attention equals softmax(q k^T / sqrt(hd) + mask) v and its gradients") {
+  torch::manual_seed(5);
+  // T below, at, and across the 64-row blocks; q, k, v as strided views of one QKV buffer (GPT-2) and
+  // as separate contiguous tensors (LLaMA's rotated q, k); large logits for the softmax's max shift.
+  struct Case {
+    int64_t B, nh, T, hd;
+    bool views;
+    double logit_scale;
+  };
+  for (const Case c : {Case{2, 3, 1, 16, true, 1}, Case{2, 2, 64, 32, true, 1}, Case{1, 4, 150, 64, true, 1},
+                       Case{2, 2, 129, 16, false, 1}, Case{1, 2, 70, 8, false, 8}}) {
+    CAPTURE(c.B, c.nh, c.T, c.hd, c.views, c.logit_scale);
+    const int64_t C = c.nh * c.hd;
+    torch::Tensor q, k, v, leaf;
+    if (c.views) {
+      leaf = (torch::randn({c.B, c.T, 3 * C}) * c.logit_scale).requires_grad_(true);
+      auto parts = leaf.split(C, 2);
+      auto heads = [&](const torch::Tensor& t) { return t.view({c.B, c.T, c.nh, c.hd}).transpose(1, 2); };
+      q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+    } else {
+      leaf = (torch::randn({3, c.B, c.nh, c.T, c.hd}) * c.logit_scale).requires_grad_(true);
+      q = leaf[0], k = leaf[1], v = leaf[2];
+    }
+    REQUIRE(model::causal_attention_fused(q, k, v));
+    const auto y = model::causal_attention(q, k, v);
+    REQUIRE(y.sizes() == torch::IntArrayRef{c.B, c.T, C});
+    CHECK(y.is_contiguous());
+    auto qd = q.detach().to(torch::kDouble).requires_grad_(true), kd = k.detach().to(torch::kDouble).requires_grad_(true),
+         vd = v.detach().to(torch::kDouble).requires_grad_(true);
+    const auto want = attention_reference(qd, kd, vd);
+    CHECK(torch::allclose(y.to(torch::kDouble), want, 1e-5, 1e-5 * c.logit_scale * c.logit_scale));
+    // Gradients for an arbitrary upstream gradient.
+    const auto dy = torch::randn_like(y);
+    const auto got = torch::autograd::grad({y}, {q, k, v}, {dy});
+    const auto ref = torch::autograd::grad({want}, {qd, kd, vd}, {dy.to(torch::kDouble)});
+    for (int i = 0; i < 3; ++i) {
+      CAPTURE(i);
+      CHECK(torch::allclose(got[i].to(torch::kDouble), ref[i], 1e-4, 1e-4 * c.logit_scale));
+    }
+    // No thread count changes a bit (each (batch, head) is one thread's, in a fixed order), and a second
+    // call (a recompute) gives the same bits.
+    const int threads = torch::get_num_threads();
+    torch::set_num_threads(1);
+    const auto y1 = model::causal_attention(q, k, v);
+    const auto got1 = torch::autograd::grad({y1}, {q, k, v}, {dy});
+    torch::set_num_threads(threads);
+    CHECK(torch::equal(y1, y));
+    for (int i = 0; i < 3; ++i) CHECK(torch::equal(got1[i], got[i]));
+  }
+  // Anything but fp32 CPU tensors with unit stride along hd is SDPA's.
+  const auto x = torch::randn({1, 2, 8, 4});
+  CHECK_FALSE(model::causal_attention_fused(x.to(torch::kBFloat16), x, x));
+  CHECK_FALSE(model::causal_attention_fused(x.transpose(2, 3), x, x));
 }

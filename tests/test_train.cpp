@@ -24,6 +24,7 @@
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
 #include "recompute/policy.h"
+#include "train/optimizer.h"
 #include "train/peak.h"
 #include "train/schedule.h"
 #include "test_util.h"
@@ -86,6 +87,47 @@ TEST_CASE("LR: linear warm-up, cosine to min_lr at the last step") {
   CHECK(train::lr_at(t, 109) == Approx(1e-4));
   CHECK(train::lr_at(t, 60) == Approx(1e-4 + 0.5 * 9e-4 * (1 + std::cos(M_PI * 50.0 / 99.0))));
   for (int64_t s = 10; s < 109; ++s) CHECK(train::lr_at(t, s + 1) <= train::lr_at(t, s));
+}
+
+TEST_CASE("the fused AdamW step equals torch::optim::AdamW::step to float rounding, on AdamW's own state") {
+  // Two identical parameter sets: one stepped by LibTorch's AdamW, one by adamw_step. A matrix that
+  // decays, a vector that does not, and a parameter that never gets a gradient (both skip it).
+  torch::manual_seed(11);
+  const std::vector<torch::Tensor> init = {torch::randn({64, 300}), torch::randn({300}), torch::randn({7})};
+  auto make = [&] {
+    std::vector<torch::Tensor> ps;
+    for (const auto& t : init) ps.push_back(t.clone().requires_grad_(true));
+    config::TrainConfig t;
+    t.lr = 3e-3, t.weight_decay = 0.1, t.beta1 = 0.9, t.beta2 = 0.95;
+    return std::make_pair(ps, train::make_adamw({ps[0]}, {ps[1], ps[2]}, t));
+  };
+  auto [ref_p, ref_opt] = make();
+  auto [got_p, got_opt] = make();
+  for (int step = 1; step <= 6; ++step) {
+    for (int i = 0; i < 2; ++i) {
+      const auto g = torch::randn_like(init[i]) * (i + 1);
+      ref_p[i].mutable_grad() = g.clone();
+      got_p[i].mutable_grad() = g.clone();
+    }
+    ref_opt->step();
+    train::adamw_step(*got_opt);
+  }
+  for (int i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    CHECK(torch::allclose(got_p[i], ref_p[i], 1e-6, 1e-7));
+    auto& want = static_cast<torch::optim::AdamWParamState&>(*ref_opt->state().at(ref_p[i].unsafeGetTensorImpl()));
+    auto& got = static_cast<torch::optim::AdamWParamState&>(*got_opt->state().at(got_p[i].unsafeGetTensorImpl()));
+    CHECK(got.step() == 6);
+    CHECK(want.step() == 6);
+    INFO("max |diff|: p " << (got_p[i] - ref_p[i]).abs().max().item<float>() << " m "
+                          << (got.exp_avg() - want.exp_avg()).abs().max().item<float>() << " v "
+                          << (got.exp_avg_sq() - want.exp_avg_sq()).abs().max().item<float>());
+    CHECK(torch::allclose(got.exp_avg(), want.exp_avg(), 1e-6, 1e-6));  // g up to ~6: float rounding of 0.9 m + 0.1 g
+    CHECK(torch::allclose(got.exp_avg_sq(), want.exp_avg_sq(), 1e-6, 1e-10));
+  }
+  CHECK(torch::equal(got_p[2], init[2]));  // no gradient: untouched, and no state made
+  CHECK(got_opt->state().count(got_p[2].unsafeGetTensorImpl()) == 0);
+  CHECK_FALSE(torch::equal(got_p[0], init[0]));
 }
 
 TEST_CASE("AdamW decays matrices only, and its state is two moments per parameter") {
@@ -500,7 +542,8 @@ TEST_CASE("logging.profile_step writes one step's Chrome trace with the GEMMs an
   CHECK(seen["aten::addmm"] + seen["aten::mm"] > 0);
   CHECK(seen["sublinear::optimizer_step"] == 1);  // one step recorded, not two
   CHECK(seen["sublinear::host_read"] == 1);
-  CHECK(seen["aten::_scaled_dot_product_flash_attention_for_cpu"] == 2 * 2);  // 2 blocks: forward + recompute
+  CHECK(seen["sublinear::causal_attention"] == 2 * 2);  // 2 blocks: forward + recompute
+  CHECK(seen["sublinear::causal_attention_backward"] == 2);
   train::finish(*s, st, std::move(o));
   const auto ev = test::events(dir.path / "run" / "metrics.jsonl", "profile");
   REQUIRE(ev.size() == 1);

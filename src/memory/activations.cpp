@@ -23,6 +23,7 @@ struct Sizes {
   double r = 4.0;           // the residual stream: fp32, or c with a low-precision compute copy of the parameters
   bool lowp_params = false;
   double acc = 0;           // the emulated path's fp32 matmul accumulator, per output element
+  bool fused_attention = false;  // the CPU fp32 attention kernel (model/attention.h): output in (B, T, C)
 };
 
 Sizes sizes_of(const config::RunConfig& cfg, LowpMatmul lowp) {
@@ -36,16 +37,21 @@ Sizes sizes_of(const config::RunConfig& cfg, LowpMatmul lowp) {
   z.lowp_params = cfg.precision.param_dtype != "fp32";
   z.r = z.lowp_params ? z.c : z.f;
   z.acc = lowp_on && lowp == LowpMatmul::emulated ? 4.0 : 0.0;
+  z.fused_attention = !lowp_on && !runs_on_cuda(cfg);
   return z;
 }
 
 // S: what one block keeps for backward, after the selective savings.
 double block_bytes(const Sizes& z, const SegmentCounts& seg) {
   const double C = z.C, H = z.H, f = z.f, c = z.c;
-  double S = z.r * 2 * C + (z.llama ? f * (2 + z.nh) + c * (9 * C + 4 * H) : f * (4 + z.nh) + c * (6 * C + 2 * H));
+  // llama's attention output is kept twice on SDPA's path (its strided output, and the projection's
+  // contiguous copy); the fused CPU kernel writes it contiguous, one tensor for both.
+  const double attn_out = z.llama && !z.fused_attention ? 2 * C : C;
+  double S = z.r * 2 * C + (z.llama ? f * (2 + z.nh) + c * (7 * C + 4 * H) : f * (4 + z.nh) + c * (5 * C + 2 * H)) +
+             c * attn_out;
   if (seg.norm) S -= c * 2 * C + f * (z.llama ? 2 : 4);
   if (seg.mlp) S -= c * (z.llama ? 2 * H : H);
-  if (seg.attention) S -= c * (z.llama ? 2 * C : C) + f * z.nh;
+  if (seg.attention) S -= c * attn_out + f * z.nh;
   // The recomputed attention keeps its inputs; llama's rotated q, k are fp32 there (bf16 q times the
   // fp32 RoPE table), where SDPA would have kept its own compute-dtype copies.
   if (seg.attention && z.llama) S += (f - c) * 2 * C;

@@ -1,8 +1,8 @@
 #include "model/gelu.h"
+#include "model/fast_exp.h"
 
 #include <array>
 #include <cstdint>
-#include <cstring>
 
 #include <ATen/TensorIterator.h>
 #include <ATen/record_function.h>
@@ -14,28 +14,6 @@ namespace {
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kCubic = 0.044715f;
-
-// e^x for x in [-87, 88] (clamped), within ~2 ulp: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split
-// of ln2), e^r by its degree-6 Taylor polynomial (remainder below 1.2e-7 relative), 2^n from the
-// exponent bits. Branch-free, so the loops below vectorize (this file is built with
-// -fno-trapping-math for that).
-inline float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // sigmoid(2 z(x)) = 0.5 (1 + tanh z(x)).
 inline float gate(float x) {

@@ -1,5 +1,6 @@
 // GPT model: parameters, GPT-2 style init, and the forward pass built from named block parts.
 #include "model/gpt.h"
+#include "model/attention.h"
 #include "model/gelu.h"
 
 #include <cmath>
@@ -135,8 +136,9 @@ std::array<torch::Tensor, 3> BlockImpl::heads(const torch::Tensor& qkv, const Ro
 
 torch::Tensor BlockImpl::attention_core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const {
   const int64_t B = q.size(0), T = q.size(2);
-  auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt,
-                                            /*dropout_p=*/is_training() ? dropout : 0.0, /*is_causal=*/true);
+  const double dropout_p = is_training() ? dropout : 0.0;
+  if (dropout_p == 0.0 && causal_attention_fused(q, k, v)) return causal_attention(q, k, v);  // (B, T, C)
+  auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, dropout_p, /*is_causal=*/true);
   return y.transpose(1, 2).contiguous().view({B, T, n_embd});  // (B, T, C)
 }
 

@@ -1,5 +1,6 @@
 // AdamW as every training path builds it: matrices (dim >= 2) decay with train.weight_decay, vectors
-// do not. The tensors are the model's parameters, or a rank's shards of them under ZeRO.
+// do not. The tensors are the model's parameters, or a rank's shards of them under ZeRO. Every path
+// steps it with adamw_step.
 #pragma once
 #include <memory>
 #include <vector>
@@ -22,5 +23,12 @@ inline std::unique_ptr<torch::optim::AdamW> make_adamw(std::vector<torch::Tensor
   groups.emplace_back(std::move(no_decay), opts(0.0));
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(t.lr));
 }
+
+// One AdamW step, the update torch::optim::AdamW::step makes (decoupled weight decay, bias-corrected
+// moments), on its own state objects (so saving and loading see no difference). fp32 CPU parameters
+// take one fused pass per tensor over parameter, gradient and both moments (the step count stays on
+// the host); anything else (CUDA, amsgrad) takes AdamW::step itself. Parameters without a gradient
+// are skipped, as AdamW::step skips them.
+void adamw_step(torch::optim::AdamW& opt);
 
 }  // namespace sl::train

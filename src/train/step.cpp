@@ -245,7 +245,7 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   r.nonfinite_grads = !r.skipped && !std::isfinite(r.grad_norm);
   if (!r.skipped && !r.nonfinite_grads) {
     RECORD_FUNCTION("sublinear::optimizer_step", std::vector<c10::IValue>{});
-    opt.step();
+    adamw_step(opt);
     if (engine) engine->after_step();
   }
   r.ms = ms_since(t0);

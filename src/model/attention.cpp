@@ -1,0 +1,304 @@
+#include "model/attention.h"
+#include "model/fast_exp.h"
+#include "model/small_gemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+#include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/torch.h>
+
+namespace sl::model {
+namespace {
+
+constexpr int64_t kRowBlock = 64;  // query rows per block of scores (the scratch holds one)
+constexpr int kLanes = 8;          // independent accumulators per reduction, so the loops vectorize
+
+// ---- per-row kernels: one clone per instruction set (AVX2 + FMA, baseline), picked at load time ----
+
+// Scores s[0, valid) of one query row (its keys up to the diagonal) become probabilities; s[valid, n)
+// are set to 0. Returns the row's log-sum-exp.
+__attribute__((target_clones("arch=x86-64-v3", "default"))) float softmax_row(float* s, int64_t valid, int64_t n) {
+  float lane[kLanes];
+  for (float& l : lane) l = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  for (; j + kLanes <= valid; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] = s[j + l] > lane[l] ? s[j + l] : lane[l];
+  float mx = lane[0];
+  for (int l = 1; l < kLanes; ++l) mx = std::max(mx, lane[l]);
+  for (; j < valid; ++j) mx = std::max(mx, s[j]);
+
+  for (float& l : lane) l = 0.0f;
+  j = 0;
+  for (; j + kLanes <= valid; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float e = exp_approx(s[j + l] - mx);
+      s[j + l] = e;
+      lane[l] += e;
+    }
+  float sum = 0.0f;
+  for (float l : lane) sum += l;
+  for (; j < valid; ++j) {
+    s[j] = exp_approx(s[j] - mx);
+    sum += s[j];
+  }
+  const float inv = 1.0f / sum;
+  for (j = 0; j < valid; ++j) s[j] *= inv;
+  for (; j < n; ++j) s[j] = 0.0f;
+  return mx + std::log(sum);
+}
+
+// Backward's probabilities from the saved log-sum-exp: s[j] = exp(s[j] - lse) up to the diagonal, 0 after.
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void probs_row(float* s, float lse, int64_t valid,
+                                                                           int64_t n) {
+  int64_t j = 0;
+  for (; j < valid; ++j) s[j] = exp_approx(s[j] - lse);
+  for (; j < n; ++j) s[j] = 0.0f;
+}
+
+// Gradient of the scores (before the scale), up to the diagonal: dp[j] = p[j] (dp[j] - d), d = the row's
+// sum of dO * O; 0 after it (dp holds nothing there yet).
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void dscore_row(const float* p, float* dp, float d,
+                                                                            int64_t valid, int64_t n) {
+  int64_t j = 0;
+  for (; j < valid; ++j) dp[j] = p[j] * (dp[j] - d);
+  for (; j < n; ++j) dp[j] = 0.0f;
+}
+
+// dst[c * rows + r] = src[r * ld + c]: hd x T from T rows of hd, in 8 x 8 blocks (both sides stay in cache).
+void transpose_rows(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+  constexpr int64_t kB = 8;
+  for (int64_t r0 = 0; r0 < rows; r0 += kB)
+    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
+      const int64_t r1 = std::min(rows, r0 + kB), c1 = std::min(cols, c0 + kB);
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * ld + c];
+    }
+}
+
+__attribute__((target_clones("arch=x86-64-v3", "default"))) float dot(const float* a, const float* b, int64_t n) {
+  float lane[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] += a[j + l] * b[j + l];
+  float sum = 0.0f;
+  for (float l : lane) sum += l;
+  for (; j < n; ++j) sum += a[j] * b[j];
+  return sum;
+}
+
+// ---- one (batch, head) ----
+
+// The rows of one (batch, head) of a (B, nh, T, hd) tensor: row t at p + t * ld.
+struct Rows {
+  float* p;
+  int64_t ld;
+  float* row(int64_t t) const { return p + t * ld; }
+};
+
+struct Head {
+  Rows q, k, v, o;
+  float* lse;  // (T)
+};
+
+struct HeadGrad {
+  Rows dout, dq, dk, dv;
+};
+
+struct Shape {
+  int64_t T, hd;
+  float scale;
+};
+
+// Query rows [i0, i0 + m) see keys [0, i0 + m): the block's m x n score matrix, n = i0 + m.
+struct Block {
+  int64_t i0, m, n;
+};
+
+Block block_at(int64_t i0, int64_t T) {
+  const int64_t m = std::min(kRowBlock, T - i0);
+  return {i0, m, i0 + m};
+}
+
+// s = scale q_blk k^T for the block's keys up to each row's diagonal (m x n, row stride n); kt: k^T.
+void scores(const Head& x, const Shape& sh, const Block& blk, const float* kt, float* s) {
+  small_gemm({blk.m, blk.n, sh.hd, Causal::cols_to_diag, blk.i0}, sh.scale, {x.q.row(blk.i0), x.q.ld, 1}, kt, sh.T,
+             s, blk.n, /*accumulate=*/false);
+}
+
+// o = softmax(scale q k^T + causal mask) v, lse = its rows' log-sum-exp.
+// Scratch: s (kRowBlock * T floats), kt (hd * T).
+void forward_head(const Head& x, const Shape& sh, float* s, float* kt) {
+  transpose_rows(x.k.p, x.k.ld, sh.T, sh.hd, kt);
+  for (int64_t i0 = 0; i0 < sh.T; i0 += kRowBlock) {
+    const Block blk = block_at(i0, sh.T);
+    scores(x, sh, blk, kt, s);
+    for (int64_t r = 0; r < blk.m; ++r) x.lse[i0 + r] = softmax_row(s + r * blk.n, i0 + r + 1, blk.n);
+    small_gemm({blk.m, sh.hd, blk.n, Causal::k_to_diag, i0}, 1.0f, {s, blk.n, 1}, x.v.p, x.v.ld, x.o.row(i0), x.o.ld,
+               false);
+  }
+}
+
+struct BackwardScratch {
+  float *p, *dp;  // kRowBlock * T each
+  float *kt, *vt; // hd * T each
+  float* d;       // T
+};
+
+// The flash backward, block by block from the last (which sees every key, so it initializes dk and dv):
+// p from the saved lse; dv += p^T dout; dp = dout v^T; ds = p (dp - rowsum(dout * o));
+// dq = scale ds k; dk += scale ds^T q.
+void backward_head(const Head& x, const HeadGrad& g, const Shape& sh, const BackwardScratch& w) {
+  for (int64_t t = 0; t < sh.T; ++t) w.d[t] = dot(g.dout.row(t), x.o.row(t), sh.hd);
+  transpose_rows(x.k.p, x.k.ld, sh.T, sh.hd, w.kt);
+  transpose_rows(x.v.p, x.v.ld, sh.T, sh.hd, w.vt);
+  const int64_t last = (sh.T - 1) / kRowBlock * kRowBlock;
+  for (int64_t i0 = last; i0 >= 0; i0 -= kRowBlock) {
+    const Block blk = block_at(i0, sh.T);
+    const bool acc = i0 != last;
+    scores(x, sh, blk, w.kt, w.p);
+    for (int64_t r = 0; r < blk.m; ++r) probs_row(w.p + r * blk.n, x.lse[i0 + r], i0 + r + 1, blk.n);
+    const MatA p_t{w.p, 1, blk.n}, ds{w.dp, blk.n, 1}, ds_t{w.dp, 1, blk.n};
+    small_gemm({blk.n, sh.hd, blk.m, Causal::k_from_diag, i0}, 1.0f, p_t, g.dout.row(i0), g.dout.ld, g.dv.p, g.dv.ld,
+               acc);
+    small_gemm({blk.m, blk.n, sh.hd, Causal::cols_to_diag, i0}, 1.0f, {g.dout.row(i0), g.dout.ld, 1}, w.vt, sh.T,
+               w.dp, blk.n, false);
+    for (int64_t r = 0; r < blk.m; ++r)
+      dscore_row(w.p + r * blk.n, w.dp + r * blk.n, w.d[i0 + r], i0 + r + 1, blk.n);
+    small_gemm({blk.m, sh.hd, blk.n, Causal::k_to_diag, i0}, sh.scale, ds, x.k.p, x.k.ld, g.dq.row(i0), g.dq.ld,
+               false);
+    small_gemm({blk.n, sh.hd, blk.m, Causal::k_from_diag, i0}, sh.scale, ds_t, x.q.row(i0), x.q.ld, g.dk.p, g.dk.ld,
+               acc);
+  }
+}
+
+// ---- whole tensors ----
+
+// A (B, nh, T, hd) tensor with unit stride along hd, addressed per (batch, head).
+struct Strided {
+  float* base;
+  int64_t sb, sh, st;
+  Rows at(int64_t b, int64_t h) const { return {base + b * sb + h * sh, st}; }
+};
+
+Strided strided(const torch::Tensor& t) {
+  TORCH_INTERNAL_ASSERT(t.dim() == 4 && t.stride(3) == 1);
+  return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// A (B, T, nh, hd) buffer seen as (B, nh, T, hd): the layout of the output and of the gradients.
+torch::Tensor heads_view(const torch::Tensor& btc, int64_t nh) {
+  return btc.view({btc.size(0), btc.size(1), nh, -1}).transpose(1, 2);
+}
+
+// Runs fn(b, h, tid) for every (batch, head) on ATen's intra-op threads; tid indexes per-thread scratch.
+// The split happens inside libtorch (a TensorIterator over the head indices): at::parallel_for is a
+// header template whose OpenMP pragma would be compiled here, in a file built without OpenMP.
+template <class Fn>
+void for_each_head(int64_t B, int64_t nh, Fn fn) {
+  const int threads = at::get_num_threads();
+  const auto index = torch::arange(B * nh, torch::kLong);
+  auto iter = at::TensorIteratorConfig().add_const_input(index).build();
+  iter.for_each([&](char** data, const int64_t* strides, int64_t n, int64_t) {
+    const int tid = at::get_thread_num();
+    TORCH_INTERNAL_ASSERT(tid < threads);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t head = *reinterpret_cast<const int64_t*>(data[0] + i * strides[0]);
+      fn(head / nh, head % nh, tid);
+    }
+  }, /*grain_size=*/1);
+}
+
+Shape shape_of(const torch::Tensor& q) {
+  const int64_t hd = q.size(3);
+  return {q.size(2), hd, static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
+}
+
+// (output (B, T, nh * hd), lse (B, nh, T)).
+std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& q, const torch::Tensor& k,
+                                                           const torch::Tensor& v) {
+  RECORD_FUNCTION("sublinear::causal_attention", std::vector<c10::IValue>{});
+  const int64_t B = q.size(0), nh = q.size(1);
+  const Shape sh = shape_of(q);
+  auto out = torch::empty({B, sh.T, nh * sh.hd}, q.options());
+  auto lse = torch::empty({B, nh, sh.T}, q.options());
+  const int64_t per_thread = (kRowBlock + sh.hd) * sh.T;
+  auto scratch = torch::empty({at::get_num_threads(), per_thread}, q.options());
+  const Strided Q = strided(q), K = strided(k), V = strided(v), O = strided(heads_view(out, nh));
+  float* L = lse.data_ptr<float>();
+  float* S = scratch.data_ptr<float>();
+  for_each_head(B, nh, [&](int64_t b, int64_t h, int tid) {
+    const Head x{Q.at(b, h), K.at(b, h), V.at(b, h), O.at(b, h), L + (b * nh + h) * sh.T};
+    float* w = S + tid * per_thread;
+    forward_head(x, sh, w, w + kRowBlock * sh.T);
+  });
+  return {out, lse};
+}
+
+// (dq, dk, dv), each (B, nh, T, hd) viewing a (B, T, nh, hd) buffer.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> attention_backward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+    const torch::Tensor& lse, const torch::Tensor& grad) {
+  RECORD_FUNCTION("sublinear::causal_attention_backward", std::vector<c10::IValue>{});
+  const int64_t B = q.size(0), nh = q.size(1);
+  const Shape sh = shape_of(q);
+  auto dout = heads_view(grad.contiguous(), nh);
+  auto dq = heads_view(torch::empty({B, sh.T, nh * sh.hd}, q.options()), nh);
+  auto dk = heads_view(torch::empty({B, sh.T, nh * sh.hd}, q.options()), nh);
+  auto dv = heads_view(torch::empty({B, sh.T, nh * sh.hd}, q.options()), nh);
+  const int64_t per_thread = (2 * kRowBlock + 2 * sh.hd + 1) * sh.T;
+  auto scratch = torch::empty({at::get_num_threads(), per_thread}, q.options());
+  const Strided Q = strided(q), K = strided(k), V = strided(v), O = strided(heads_view(out, nh));
+  const Strided dO = strided(dout), dQ = strided(dq), dK = strided(dk), dV = strided(dv);
+  float* L = lse.data_ptr<float>();
+  float* S = scratch.data_ptr<float>();
+  for_each_head(B, nh, [&](int64_t b, int64_t h, int tid) {
+    const Head x{Q.at(b, h), K.at(b, h), V.at(b, h), O.at(b, h), L + (b * nh + h) * sh.T};
+    const HeadGrad g{dO.at(b, h), dQ.at(b, h), dK.at(b, h), dV.at(b, h)};
+    float* w = S + tid * per_thread;
+    const int64_t block = kRowBlock * sh.T, head = sh.hd * sh.T;
+    backward_head(x, g, sh, {w, w + block, w + 2 * block, w + 2 * block + head, w + 2 * block + 2 * head});
+  });
+  return {dq, dk, dv};
+}
+
+struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
+                               const torch::Tensor& k, const torch::Tensor& v) {
+    auto [out, lse] = attention_forward(q, k, v);
+    ctx->save_for_backward({q, k, v, out, lse});
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    const auto s = ctx->get_saved_variables();
+    auto [dq, dk, dv] = attention_backward(s[0], s[1], s[2], s[3], s[4], grads[0]);
+    return {dq, dk, dv};
+  }
+};
+
+bool fused_operand(const torch::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.layout() == torch::kStrided && t.dim() == 4 &&
+         t.stride(3) == 1 && t.stride(2) >= t.size(3);
+}
+
+}  // namespace
+
+bool causal_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  return fused_operand(q) && fused_operand(k) && fused_operand(v) && q.sizes() == k.sizes() && q.sizes() == v.sizes();
+}
+
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  TORCH_CHECK(causal_attention_fused(q, k, v), "causal_attention: q, k, v must be fp32 CPU (B, nh, T, hd) tensors");
+  const bool grad = torch::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  if (!grad) return std::get<0>(attention_forward(q, k, v));
+  return CausalAttentionFunction::apply(q, k, v);
+}
+
+}  // namespace sl::model

@@ -1,0 +1,109 @@
+#include "train/optimizer.h"
+
+#include <cmath>
+
+#include <ATen/TensorIterator.h>
+#include <torch/torch.h>
+
+namespace sl::train {
+namespace {
+
+// The per-element constants of one parameter's update.
+struct AdamWCoeffs {
+  float decay;         // 1 - lr * weight_decay
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  float inv_sqrt_bc2;  // 1 / sqrt(1 - beta2^step)
+  float eps;
+  float neg_step;      // -lr / (1 - beta1^step)
+};
+
+AdamWCoeffs coeffs(const torch::optim::AdamWOptions& o, int64_t step) {
+  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step)), bc2 = 1.0 - std::pow(b2, static_cast<double>(step));
+  return {static_cast<float>(1.0 - o.lr() * o.weight_decay()),
+          static_cast<float>(b1),
+          static_cast<float>(1.0 - b1),
+          static_cast<float>(b2),
+          static_cast<float>(1.0 - b2),
+          static_cast<float>(1.0 / std::sqrt(bc2)),
+          static_cast<float>(o.eps()),
+          static_cast<float>(-o.lr() / bc1)};
+}
+
+// m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2; p = decay p - step m / (sqrt(v / bc2) + eps).
+// AVX2 + FMA and baseline clones (this file is built with -fno-math-errno so sqrt vectorizes).
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void adamw_kernel(float* p, float* m, float* v,
+                                                                              const float* g, int64_t n,
+                                                                              const AdamWCoeffs& k) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float mi = m[i] * k.beta1 + gi * k.one_minus_beta1;
+    const float vi = v[i] * k.beta2 + gi * gi * k.one_minus_beta2;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] * k.decay + k.neg_step * mi / (std::sqrt(vi) * k.inv_sqrt_bc2 + k.eps);
+  }
+}
+
+bool fused_eligible(const torch::optim::AdamW& opt) {
+  for (const auto& group : opt.param_groups()) {
+    if (static_cast<const torch::optim::AdamWOptions&>(group.options()).amsgrad()) return false;
+    for (const auto& p : group.params())
+      if (!p.device().is_cpu() || p.scalar_type() != torch::kFloat32 || !p.is_contiguous()) return false;
+  }
+  return true;
+}
+
+// The parameter's state, made as AdamW::step makes it on the first step: step 0, zero moments.
+torch::optim::AdamWParamState& state_of(torch::optim::AdamW& opt, const torch::Tensor& p) {
+  auto& slot = opt.state()[p.unsafeGetTensorImpl()];
+  if (!slot) {
+    auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+    fresh->step(0);
+    fresh->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    fresh->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    slot = std::move(fresh);
+  }
+  return static_cast<torch::optim::AdamWParamState&>(*slot);
+}
+
+// One parameter, split over ATen's intra-op threads by a TensorIterator (each element on its own).
+void fused_update(const torch::Tensor& p, const torch::Tensor& g, torch::optim::AdamWParamState& st,
+                  const AdamWCoeffs& k) {
+  auto iter = at::TensorIteratorConfig()
+                  .add_output(p)
+                  .add_output(st.exp_avg())
+                  .add_output(st.exp_avg_sq())
+                  .add_const_input(g)
+                  .check_all_same_dtype(true)
+                  .resize_outputs(false)
+                  .build();
+  iter.for_each([&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {
+    for (int64_t j = 0; j < size1; ++j) {
+      auto at = [&](int t) { return data[t] + j * strides[4 + t]; };
+      adamw_kernel(reinterpret_cast<float*>(at(0)), reinterpret_cast<float*>(at(1)), reinterpret_cast<float*>(at(2)),
+                   reinterpret_cast<const float*>(at(3)), size0, k);
+    }
+  }, /*grain_size=*/1 << 14);
+}
+
+}  // namespace
+
+void adamw_step(torch::optim::AdamW& opt) {
+  if (!fused_eligible(opt)) {
+    opt.step();
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& group : opt.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      auto& st = state_of(opt, p);
+      st.step(st.step() + 1);
+      fused_update(p, p.grad().contiguous(), st, coeffs(o, st.step()));
+    }
+  }
+}
+
+}  // namespace sl::train
