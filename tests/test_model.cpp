@@ -183,8 +183,11 @@ TEST_CASE("fused causal attention equals softmax(q k^T / sqrt(hd) + mask) v and 
     bool views;
     double logit_scale;
   };
+  // hd 24 and 80 end on a half tile (8 columns), hd 12 on scalar columns; T 2, 5 and 68 leave tiles of
+  // 2, 5 and 4 rows.
   for (const Case c : {Case{2, 3, 1, 16, true, 1}, Case{2, 2, 64, 32, true, 1}, Case{1, 4, 150, 64, true, 1},
-                       Case{2, 2, 129, 16, false, 1}, Case{1, 2, 70, 8, false, 8}}) {
+                       Case{2, 2, 129, 16, false, 1}, Case{1, 2, 70, 8, false, 8}, Case{1, 2, 5, 24, true, 1},
+                       Case{2, 1, 68, 12, false, 1}, Case{1, 1, 2, 80, true, 2}, Case{1, 1, 100, 128, true, 1}}) {
     CAPTURE(c.B, c.nh, c.T, c.hd, c.views, c.logit_scale);
     const int64_t C = c.nh * c.hd;
     torch::Tensor q, k, v, leaf;

@@ -1,5 +1,5 @@
-// Analytic activation-memory model for this GPT under a recompute plan (dropout 0: SDPA's flash path,
-// or on the CPU in fp32 the fused attention, which keeps the same tensors). It predicts what the trainer reports as activation_peak_bytes (peak allocated bytes minus
+// Analytic activation-memory model for this GPT under a recompute plan (dropout 0: SDPA's flash
+// path, or on the CPU in fp32 the fused attention, which keeps the same tensors). It predicts what the trainer reports as activation_peak_bytes (peak allocated bytes minus
 // parameters, gradients and optimizer states) for one micro-batch.
 //
 // Written below in bytes per token: element counts times f = 4 (fp32) or c, the compute dtype's size
@@ -17,7 +17,8 @@
 //                                        silu H, product H. On the CPU in fp32 the fused attention
 //                                        (model/attention.h) writes its output contiguous: C, so 8C + 4H.
 // Selective recompute removes: norm: both norm outputs (2C) and the statistics; mlp: the activation
-//   output (gpt2 H, llama silu + product 2H); attention: the attention output (gpt2 C, llama 2C) and
+//   output (gpt2 H, llama silu + product 2H); attention: the attention output (gpt2 C, llama 2C, or
+//   C on the fused CPU path) and
 //   the log-sum-exp, but llama's recomputed attention keeps its inputs q, k as the fp32 tensors RoPE
 //   made (bf16 q times the fp32 table): + (f - c)2C.
 // Around the blocks, at the start of backward: E = fC + 2cC + (2f + c)V (last block output, final norm

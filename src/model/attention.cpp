@@ -62,7 +62,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) void probs_row(float
 }
 
 // Gradient of the scores (before the scale), up to the diagonal: dp[j] = p[j] (dp[j] - d), d = the row's
-// sum of dO * O; 0 after it (dp holds nothing there yet).
+// sum of dO * O; 0 after it (where dp holds, at most up to the next whole vector, masked products).
 __attribute__((target_clones("arch=x86-64-v3", "default"))) void dscore_row(const float* p, float* dp, float d,
                                                                             int64_t valid, int64_t n) {
   int64_t j = 0;
@@ -182,8 +182,8 @@ void backward_head(const Head& x, const HeadGrad& g, const Shape& sh, const Back
 // A (B, nh, T, hd) tensor with unit stride along hd, addressed per (batch, head).
 struct Strided {
   float* base;
-  int64_t sb, sh, st;
-  Rows at(int64_t b, int64_t h) const { return {base + b * sb + h * sh, st}; }
+  int64_t s_batch, s_head, s_row;
+  Rows at(int64_t b, int64_t h) const { return {base + b * s_batch + h * s_head, s_row}; }
 };
 
 Strided strided(const torch::Tensor& t) {
@@ -200,13 +200,12 @@ torch::Tensor heads_view(const torch::Tensor& btc, int64_t nh) {
 // The split happens inside libtorch (a TensorIterator over the head indices): at::parallel_for is a
 // header template whose OpenMP pragma would be compiled here, in a file built without OpenMP.
 template <class Fn>
-void for_each_head(int64_t B, int64_t nh, Fn fn) {
-  const int threads = at::get_num_threads();
+void for_each_head(int64_t B, int64_t nh, int threads, Fn fn) {
   const auto index = torch::arange(B * nh, torch::kLong);
   auto iter = at::TensorIteratorConfig().add_const_input(index).build();
-  iter.for_each([&](char** data, const int64_t* strides, int64_t n, int64_t) {
+  iter.for_each([&](char** data, const int64_t* strides, int64_t n, int64_t size1) {
     const int tid = at::get_thread_num();
-    TORCH_INTERNAL_ASSERT(tid < threads);
+    TORCH_INTERNAL_ASSERT(tid < threads && size1 == 1);  // scratch rows; a 1-D iterator
     for (int64_t i = 0; i < n; ++i) {
       const int64_t head = *reinterpret_cast<const int64_t*>(data[0] + i * strides[0]);
       fn(head / nh, head % nh, tid);
@@ -227,12 +226,13 @@ std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& 
   const Shape sh = shape_of(q);
   auto out = torch::empty({B, sh.T, nh * sh.hd}, q.options());
   auto lse = torch::empty({B, nh, sh.T}, q.options());
+  const int threads = at::get_num_threads();
   const int64_t per_thread = (kRowBlock + sh.hd) * sh.T;
-  auto scratch = torch::empty({at::get_num_threads(), per_thread}, q.options());
+  auto scratch = torch::empty({threads, per_thread}, q.options());
   const Strided Q = strided(q), K = strided(k), V = strided(v), O = strided(heads_view(out, nh));
   float* L = lse.data_ptr<float>();
   float* S = scratch.data_ptr<float>();
-  for_each_head(B, nh, [&](int64_t b, int64_t h, int tid) {
+  for_each_head(B, nh, threads, [&](int64_t b, int64_t h, int tid) {
     const Head x{Q.at(b, h), K.at(b, h), V.at(b, h), O.at(b, h), L + (b * nh + h) * sh.T};
     float* w = S + tid * per_thread;
     forward_head(x, sh, w, w + kRowBlock * sh.T);
@@ -251,13 +251,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> attention_backward(
   auto dq = heads_view(torch::empty({B, sh.T, nh * sh.hd}, q.options()), nh);
   auto dk = heads_view(torch::empty({B, sh.T, nh * sh.hd}, q.options()), nh);
   auto dv = heads_view(torch::empty({B, sh.T, nh * sh.hd}, q.options()), nh);
+  const int threads = at::get_num_threads();
   const int64_t per_thread = (2 * kRowBlock + 2 * sh.hd + 1) * sh.T;
-  auto scratch = torch::empty({at::get_num_threads(), per_thread}, q.options());
+  auto scratch = torch::empty({threads, per_thread}, q.options());
   const Strided Q = strided(q), K = strided(k), V = strided(v), O = strided(heads_view(out, nh));
   const Strided dO = strided(dout), dQ = strided(dq), dK = strided(dk), dV = strided(dv);
   float* L = lse.data_ptr<float>();
   float* S = scratch.data_ptr<float>();
-  for_each_head(B, nh, [&](int64_t b, int64_t h, int tid) {
+  for_each_head(B, nh, threads, [&](int64_t b, int64_t h, int tid) {
     const Head x{Q.at(b, h), K.at(b, h), V.at(b, h), O.at(b, h), L + (b * nh + h) * sh.T};
     const HeadGrad g{dO.at(b, h), dQ.at(b, h), dK.at(b, h), dV.at(b, h)};
     float* w = S + tid * per_thread;
@@ -277,6 +278,7 @@ struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFuncti
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    TORCH_CHECK(!torch::GradMode::is_enabled(), "causal_attention: double backward is not supported");
     const auto s = ctx->get_saved_variables();
     auto [dq, dk, dv] = attention_backward(s[0], s[1], s[2], s[3], s[4], grads[0]);
     return {dq, dk, dv};

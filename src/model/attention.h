@@ -15,7 +15,7 @@ namespace sl::model {
 // output and the per-row log-sum-exp (B, nh, T), the same tensors SDPA's flash path saves, so the
 // activation memory is the planner's flash figure. Each (batch, head) is computed by one thread in a
 // fixed order with the project's own GEMM tiles (small_gemm.h): the bits do not depend on the thread
-// count, and a recompute gives the same bits.
+// count, and a recompute gives the same bits. Its backward is not differentiable (no double backward).
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
 // True when causal_attention takes q, k, v (all fp32, CPU, strided, unit stride along hd).

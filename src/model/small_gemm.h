@@ -2,7 +2,8 @@
 // through any row and column strides (so A or A^T), B row-major, and the causal structure of a
 // block of attention used to skip what the mask zeroes. Register-tiled (6 rows x 16 columns of C),
 // no packing: the operands of one (batch, head) sit in L1/L2. AVX2 + FMA and baseline clones, picked
-// at load time. Results depend only on the operands: a fixed summation order per element, no threads.
+// at load time. A fixed summation order per element and no threads: on one machine the bits depend
+// only on the operands (across machines they differ: the AVX2 clone fuses multiply-adds).
 #pragma once
 #include <cstdint>
 

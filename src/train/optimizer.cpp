@@ -45,11 +45,23 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) void adamw_kernel(fl
   }
 }
 
-bool fused_eligible(const torch::optim::AdamW& opt) {
+bool fp32_cpu_contiguous(const torch::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous();
+}
+
+// Every parameter, gradient and existing moment is a contiguous fp32 CPU tensor (the kernel reads
+// them as flat arrays), and no group uses amsgrad.
+bool fused_eligible(torch::optim::AdamW& opt) {
   for (const auto& group : opt.param_groups()) {
     if (static_cast<const torch::optim::AdamWOptions&>(group.options()).amsgrad()) return false;
-    for (const auto& p : group.params())
-      if (!p.device().is_cpu() || p.scalar_type() != torch::kFloat32 || !p.is_contiguous()) return false;
+    for (const auto& p : group.params()) {
+      if (!fp32_cpu_contiguous(p)) return false;
+      if (p.grad().defined() && (!p.grad().device().is_cpu() || p.grad().scalar_type() != torch::kFloat32)) return false;
+      const auto it = opt.state().find(p.unsafeGetTensorImpl());
+      if (it == opt.state().end()) continue;
+      const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      if (!fp32_cpu_contiguous(st.exp_avg()) || !fp32_cpu_contiguous(st.exp_avg_sq())) return false;
+    }
   }
   return true;
 }
