@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "catch.h"
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include "config/config.h"
@@ -154,11 +155,54 @@ TEST_CASE("fused GELU (tanh form) equals ATen's gelu(x, tanh) and its gradient t
   torch::set_num_threads(1);
   CHECK(torch::equal(model::gelu_tanh(x), got));
   torch::set_num_threads(threads);
-  CHECK(torch::equal(model::gelu_tanh(x.narrow(0, 5, 1000)), got.narrow(0, 5, 1000)));
+  // An unaligned start and a partial last vector (the tail goes through the same vector code).
+  CHECK(torch::equal(model::gelu_tanh(x.narrow(0, 5, 1003)), got.narrow(0, 5, 1003)));
+  auto xs = x.narrow(0, 3, 13).clone().requires_grad_(true);
+  model::gelu_tanh(xs).backward(g.narrow(0, 3, 13));
+  CHECK(torch::equal(xs.grad(), xr.grad().narrow(0, 3, 13)));
+  // A NaN stays NaN (the exp's clamp must not turn it into a number a NaN check would miss).
+  CHECK(torch::isnan(model::gelu_tanh(torch::full({11}, std::nanf("")))).all().item<bool>());
   // Anything but contiguous fp32 on the CPU is ATen's.
   CHECK_FALSE(model::gelu_tanh_fused(x.to(torch::kBFloat16)));
   CHECK_FALSE(model::gelu_tanh_fused(x.view({2, -1}).t()));
   CHECK(torch::equal(model::gelu_tanh(x.to(torch::kBFloat16)), at::gelu(x.to(torch::kBFloat16), "tanh")));
+}
+
+TEST_CASE("fused GELU with the fc bias equals gelu_tanh(x + b); its bias gradient is dx summed over rows") {
+  torch::manual_seed(4);
+  // 77 rows (pieces of 32 rows and a partial one), H 45 (5 whole vectors and a partial one).
+  for (const int64_t H : {45, 64}) {
+    CAPTURE(H);
+    auto x = (torch::randn({7, 11, H}) * 3).requires_grad_(true);
+    auto b = torch::randn({H}).requires_grad_(true);
+    REQUIRE(model::gelu_tanh_bias_fused(x, b));
+    const auto y = model::gelu_tanh_bias(x, b);
+    auto xb = (x.detach() + b.detach()).requires_grad_(true);
+    const auto want = model::gelu_tanh(xb);
+    CHECK(torch::equal(y, want));  // the same sum x + b, then the same kernel
+    const auto g = torch::randn_like(y);
+    const auto grads = torch::autograd::grad({y}, {x, b}, {g});
+    const auto dx = torch::autograd::grad({want}, {xb}, {g})[0];
+    CHECK(torch::equal(grads[0], dx));
+    CHECK(torch::allclose(grads[1], dx.sum(std::vector<int64_t>{0, 1}), 1e-5, 1e-5));
+    // The bias gradient's bits do not depend on the thread count (fixed pieces, summed in order).
+    const int threads = torch::get_num_threads();
+    torch::set_num_threads(1);
+    const auto grads1 = torch::autograd::grad({model::gelu_tanh_bias(x, b)}, {x, b}, {g});
+    torch::set_num_threads(threads);
+    CHECK(torch::equal(grads1[0], grads[0]));
+    CHECK(torch::equal(grads1[1], grads[1]));
+  }
+  // Not fused: another dtype, no bias, CPU autocast (the model then keeps the bias in its linear).
+  const auto x = torch::randn({4, 8});
+  CHECK_FALSE(model::gelu_tanh_bias_fused(x.to(torch::kBFloat16), torch::randn({8})));
+  CHECK_FALSE(model::gelu_tanh_bias_fused(x, torch::Tensor()));
+  {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    const bool fused = model::gelu_tanh_bias_fused(x, torch::randn({8}));
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    CHECK_FALSE(fused);
+  }
 }
 
 namespace {
@@ -225,9 +269,20 @@ TEST_CASE("fused causal attention equals softmax(q k^T / sqrt(hd) + mask) v and 
     torch::set_num_threads(threads);
     CHECK(torch::equal(y1, y));
     for (int i = 0; i < 3; ++i) CHECK(torch::equal(got1[i], got[i]));
+    if (c.views) {
+      // The packed form reads the same heads in place from the (B, T, 3C) tensor: the same bits, and its
+      // one gradient is what the split's backward concatenates from the three.
+      REQUIRE(model::causal_attention_packed_fused(leaf, c.nh));
+      const auto yp = model::causal_attention_packed(leaf, c.nh);
+      CHECK(torch::equal(yp, y));
+      const auto gp = torch::autograd::grad({yp}, {leaf}, {dy});
+      auto btc = [&](const torch::Tensor& t) { return t.transpose(1, 2).reshape({c.B, c.T, C}); };
+      CHECK(torch::equal(gp[0], torch::cat({btc(got[0]), btc(got[1]), btc(got[2])}, 2)));
+    }
   }
   // Anything but fp32 CPU tensors with unit stride along hd is SDPA's.
   const auto x = torch::randn({1, 2, 8, 4});
   CHECK_FALSE(model::causal_attention_fused(x.to(torch::kBFloat16), x, x));
   CHECK_FALSE(model::causal_attention_fused(x.transpose(2, 3), x, x));
+  CHECK_FALSE(model::causal_attention_packed_fused(torch::randn({1, 8, 12}), 5));  // 12 is not 3 * 5 * hd
 }

@@ -1,14 +1,14 @@
 #include "model/attention.h"
 #include "model/fast_exp.h"
+#include "model/intra_op.h"
 #include "model/small_gemm.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <array>
 #include <tuple>
 
-#include <ATen/Parallel.h>
-#include <ATen/TensorIterator.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/torch.h>
@@ -197,20 +197,12 @@ torch::Tensor heads_view(const torch::Tensor& btc, int64_t nh) {
 }
 
 // Runs fn(b, h, tid) for every (batch, head) on ATen's intra-op threads; tid indexes per-thread scratch.
-// The split happens inside libtorch (a TensorIterator over the head indices): at::parallel_for is a
-// header template whose OpenMP pragma would be compiled here, in a file built without OpenMP.
 template <class Fn>
 void for_each_head(int64_t B, int64_t nh, int threads, Fn fn) {
-  const auto index = torch::arange(B * nh, torch::kLong);
-  auto iter = at::TensorIteratorConfig().add_const_input(index).build();
-  iter.for_each([&](char** data, const int64_t* strides, int64_t n, int64_t size1) {
-    const int tid = at::get_thread_num();
-    TORCH_INTERNAL_ASSERT(tid < threads && size1 == 1);  // scratch rows; a 1-D iterator
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t head = *reinterpret_cast<const int64_t*>(data[0] + i * strides[0]);
-      fn(head / nh, head % nh, tid);
-    }
-  }, /*grain_size=*/1);
+  for_each_index(B * nh, [&](int64_t head, int tid) {
+    TORCH_INTERNAL_ASSERT(tid < threads);  // scratch rows
+    fn(head / nh, head % nh, tid);
+  });
 }
 
 Shape shape_of(const torch::Tensor& q) {
@@ -240,17 +232,14 @@ std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& 
   return {out, lse};
 }
 
-// (dq, dk, dv), each (B, nh, T, hd) viewing a (B, T, nh, hd) buffer.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> attention_backward(
-    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
-    const torch::Tensor& lse, const torch::Tensor& grad) {
+// Writes dq, dk, dv: (B, nh, T, hd) views, unit stride along hd (of one (B, T, 3C) buffer or of three).
+void attention_backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& out, const torch::Tensor& lse, const torch::Tensor& grad,
+                        const torch::Tensor& dq, const torch::Tensor& dk, const torch::Tensor& dv) {
   RECORD_FUNCTION("sublinear::causal_attention_backward", std::vector<c10::IValue>{});
   const int64_t B = q.size(0), nh = q.size(1);
   const Shape sh = shape_of(q);
   auto dout = heads_view(grad.contiguous(), nh);
-  auto dq = heads_view(torch::empty({B, sh.T, nh * sh.hd}, q.options()), nh);
-  auto dk = heads_view(torch::empty({B, sh.T, nh * sh.hd}, q.options()), nh);
-  auto dv = heads_view(torch::empty({B, sh.T, nh * sh.hd}, q.options()), nh);
   const int threads = at::get_num_threads();
   const int64_t per_thread = (2 * kRowBlock + 2 * sh.hd + 1) * sh.T;
   auto scratch = torch::empty({threads, per_thread}, q.options());
@@ -265,7 +254,17 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> attention_backward(
     const int64_t block = kRowBlock * sh.T, head = sh.hd * sh.T;
     backward_head(x, g, sh, {w, w + block, w + 2 * block, w + 2 * block + head, w + 2 * block + 2 * head});
   });
-  return {dq, dk, dv};
+}
+
+// The three (B, nh, T, hd) heads of a (B, T, 3C) [q | k | v] tensor, read in place.
+std::array<torch::Tensor, 3> packed_heads(const torch::Tensor& qkv, int64_t nh) {
+  const int64_t C = qkv.size(2) / 3;
+  return {heads_view(qkv.narrow(2, 0, C), nh), heads_view(qkv.narrow(2, C, C), nh),
+          heads_view(qkv.narrow(2, 2 * C, C), nh)};
+}
+
+void no_double_backward() {
+  TORCH_CHECK(!torch::GradMode::is_enabled(), "causal_attention: double backward is not supported");
 }
 
 struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFunction> {
@@ -278,10 +277,37 @@ struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFuncti
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
-    TORCH_CHECK(!torch::GradMode::is_enabled(), "causal_attention: double backward is not supported");
+    no_double_backward();
     const auto s = ctx->get_saved_variables();
-    auto [dq, dk, dv] = attention_backward(s[0], s[1], s[2], s[3], s[4], grads[0]);
+    const int64_t nh = s[0].size(1);
+    auto grad_buffer = [&] { return heads_view(torch::empty_like(s[3]), nh); };  // (B, T, C) like the output
+    auto dq = grad_buffer(), dk = grad_buffer(), dv = grad_buffer();
+    attention_backward(s[0], s[1], s[2], s[3], s[4], grads[0], dq, dk, dv);
     return {dq, dk, dv};
+  }
+};
+
+// The same on the QKV projection's output: one input, one gradient (B, T, 3C) written in place of the
+// split's backward concatenation.
+struct PackedAttentionFunction : torch::autograd::Function<PackedAttentionFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& qkv, int64_t nh) {
+    auto [q, k, v] = packed_heads(qkv, nh);
+    auto [out, lse] = attention_forward(q, k, v);
+    ctx->save_for_backward({qkv, out, lse});
+    ctx->saved_data["nh"] = nh;
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
+    no_double_backward();
+    const auto s = ctx->get_saved_variables();
+    const int64_t nh = ctx->saved_data["nh"].toInt();
+    auto [q, k, v] = packed_heads(s[0], nh);
+    auto dqkv = torch::empty_like(s[0], at::MemoryFormat::Contiguous);
+    auto [dq, dk, dv] = packed_heads(dqkv, nh);
+    attention_backward(q, k, v, s[1], s[2], grads[0], dq, dk, dv);
+    return {dqkv, torch::Tensor()};
   }
 };
 
@@ -301,6 +327,22 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const bool grad = torch::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   if (!grad) return std::get<0>(attention_forward(q, k, v));
   return CausalAttentionFunction::apply(q, k, v);
+}
+
+bool causal_attention_packed_fused(const torch::Tensor& qkv, int64_t n_head) {
+  if (qkv.dim() != 3 || n_head <= 0 || qkv.size(2) % (3 * n_head) != 0) return false;
+  auto [q, k, v] = packed_heads(qkv, n_head);
+  return causal_attention_fused(q, k, v);
+}
+
+torch::Tensor causal_attention_packed(const torch::Tensor& qkv, int64_t n_head) {
+  TORCH_CHECK(causal_attention_packed_fused(qkv, n_head),
+              "causal_attention_packed: qkv must be an fp32 CPU (B, T, 3 * n_head * hd) tensor, unit stride last");
+  if (!torch::GradMode::is_enabled() || !qkv.requires_grad()) {
+    auto [q, k, v] = packed_heads(qkv, n_head);
+    return std::get<0>(attention_forward(q, k, v));
+  }
+  return PackedAttentionFunction::apply(qkv, n_head);
 }
 
 }  // namespace sl::model

@@ -21,4 +21,12 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // True when causal_attention takes q, k, v (all fp32, CPU, strided, unit stride along hd).
 bool causal_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
+// The same attention on the QKV projection's output qkv (B, T, 3C), [q | k | v] along the last dimension
+// with unit stride there: the heads are read in place, and backward writes the one gradient (B, T, 3C)
+// that splitting qkv into q, k, v would have concatenated from three. Saves qkv, the output and lse.
+torch::Tensor causal_attention_packed(const torch::Tensor& qkv, int64_t n_head);
+
+// True when causal_attention_packed takes qkv (fp32 CPU, last dimension a multiple of 3 * n_head).
+bool causal_attention_packed_fused(const torch::Tensor& qkv, int64_t n_head);
+
 }  // namespace sl::model

@@ -1,10 +1,13 @@
 #include "model/gelu.h"
 #include "model/fast_exp.h"
+#include "model/intra_op.h"
 
-#include <array>
+#include <algorithm>
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
-#include <ATen/TensorIterator.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/torch.h>
@@ -14,6 +17,9 @@ namespace {
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kCubic = 0.044715f;
+constexpr int64_t kRowChunk = 32;  // rows per piece of the bias form (its bias gradient sums per piece)
+
+// ---- one row of n elements: y = gelu(x + b), dx = g gelu'(x + b), db += dx; b may be null ----
 
 // sigmoid(2 z(x)) = 0.5 (1 + tanh z(x)).
 inline float gate(float x) {
@@ -21,46 +27,109 @@ inline float gate(float x) {
   return 1.0f / (1.0f + exp_approx(-2.0f * z));
 }
 
-// One clone per instruction set, picked when the library loads (GCC function multi-versioning):
-// AVX2 + FMA (x86-64-v3) where the CPU has them, baseline x86-64 elsewhere.
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void forward_kernel(const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * gate(x[i]);
+// d/dx [x s] with s = sigmoid(2 z): s + x s (1 - s) 2 z', z' = sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+inline float gelu_grad(float g, float v) {
+  const float s = gate(v);
+  const float dz = kSqrt2OverPi * (1.0f + 3.0f * kCubic * v * v);
+  return g * (s + v * s * (1.0f - s) * 2.0f * dz);
 }
 
-// d/dx [x s] with s = sigmoid(2 z): s + x s (1 - s) 2 z', z' = sqrt(2/pi) (1 + 3 * 0.044715 x^2).
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void backward_kernel(const float* g, const float* x,
-                                                                                   float* dx, int64_t n) {
+// Baseline x86-64, for CPUs without AVX2 + FMA.
+void forward_scalar(const float* x, const float* b, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i], s = gate(v);
-    const float dz = kSqrt2OverPi * (1.0f + 3.0f * kCubic * v * v);
-    dx[i] = g[i] * (s + v * s * (1.0f - s) * 2.0f * dz);
+    const float v = b ? x[i] + b[i] : x[i];
+    y[i] = v * gate(v);
   }
 }
 
-// Runs kernel(out, in...) over contiguous fp32 tensors through a TensorIterator: its for_each
-// splits the elements over ATen's intra-op threads (inside libtorch, whose OpenMP this file need not
-// be built with). Each element is computed on its own, so the split and thread count change nothing.
-template <class Kernel>
-void elementwise(const torch::Tensor& out, std::initializer_list<torch::Tensor> in, Kernel kernel) {
-  at::TensorIteratorConfig config;
-  config.add_output(out);
-  for (const auto& t : in) config.add_const_input(t);
-  auto iter = config.check_all_same_dtype(true).build();
-  const int nt = iter.ntensors();
-  iter.for_each([&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {
-    for (int64_t j = 0; j < size1; ++j) {
-      std::array<char*, 3> ptrs{};
-      for (int k = 0; k < nt; ++k) ptrs[k] = data[k] + j * strides[nt + k];
-      kernel(ptrs, size0);  // the operands are contiguous: inner strides of sizeof(float)
-    }
-  }, /*grain_size=*/1 << 14);
+void backward_scalar(const float* g, const float* x, const float* b, float* dx, float* db, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    dx[i] = gelu_grad(g[i], b ? x[i] + b[i] : x[i]);
+    if (db) db[i] += dx[i];
+  }
 }
+
+#if defined(__x86_64__)
+// The same on 8 lanes (AVX2 + FMA). The last partial vector is loaded and stored under a mask and goes
+// through the same arithmetic, so no element's bits depend on where a row or a piece starts.
+__attribute__((target("avx2,fma"))) inline __m256 gate8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 a = _mm256_set1_ps(-2.0f * kSqrt2OverPi), c = _mm256_set1_ps(-2.0f * kSqrt2OverPi * kCubic);
+  const __m256 minus_2z = _mm256_mul_ps(x, _mm256_fmadd_ps(c, _mm256_mul_ps(x, x), a));
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp_approx8(minus_2z)));
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 gelu_grad8(__m256 g, __m256 v) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 s = gate8(v);
+  // 2 z' = 2 sqrt(2/pi) + 6 sqrt(2/pi) 0.044715 x^2
+  const __m256 two_dz = _mm256_fmadd_ps(_mm256_set1_ps(6.0f * kSqrt2OverPi * kCubic), _mm256_mul_ps(v, v),
+                                        _mm256_set1_ps(2.0f * kSqrt2OverPi));
+  const __m256 slope = _mm256_mul_ps(_mm256_mul_ps(v, s), _mm256_mul_ps(_mm256_sub_ps(one, s), two_dz));
+  return _mm256_mul_ps(g, _mm256_add_ps(s, slope));
+}
+
+// Lanes [i, i + 8) of p, or those below n under `mask` for the last partial vector.
+struct Lanes {
+  __m256i mask;
+  bool partial;
+  __attribute__((target("avx2,fma"))) __m256 load(const float* p) const {
+    return partial ? _mm256_maskload_ps(p, mask) : _mm256_loadu_ps(p);
+  }
+  __attribute__((target("avx2,fma"))) void store(float* p, __m256 v) const {
+    if (partial)
+      _mm256_maskstore_ps(p, mask, v);
+    else
+      _mm256_storeu_ps(p, v);
+  }
+};
+
+__attribute__((target("avx2,fma"))) void forward_avx2(const float* x, const float* b, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const Lanes l{lanes_below(n - i), i + 8 > n};
+    __m256 v = l.load(x + i);
+    if (b) v = _mm256_add_ps(v, l.load(b + i));
+    l.store(y + i, _mm256_mul_ps(v, gate8(v)));
+  }
+}
+
+__attribute__((target("avx2,fma"))) void backward_avx2(const float* g, const float* x, const float* b, float* dx,
+                                                        float* db, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const Lanes l{lanes_below(n - i), i + 8 > n};
+    __m256 v = l.load(x + i);
+    if (b) v = _mm256_add_ps(v, l.load(b + i));
+    const __m256 d = gelu_grad8(l.load(g + i), v);
+    l.store(dx + i, d);
+    if (db) l.store(db + i, _mm256_add_ps(l.load(db + i), d));
+  }
+}
+#endif
+
+// AVX2 + FMA where the CPU has them (x86-64-v3), baseline elsewhere.
+void forward_row(const float* x, const float* b, float* y, int64_t n) {
+#if defined(__x86_64__)
+  if (cpu_has_avx2_fma()) return forward_avx2(x, b, y, n);
+#endif
+  forward_scalar(x, b, y, n);
+}
+
+void backward_row(const float* g, const float* x, const float* b, float* dx, float* db, int64_t n) {
+#if defined(__x86_64__)
+  if (cpu_has_avx2_fma()) return backward_avx2(g, x, b, dx, db, n);
+#endif
+  backward_scalar(g, x, b, dx, db, n);
+}
+
+// ---- whole tensors ----
+
+float* f32(const torch::Tensor& t) { return t.data_ptr<float>(); }
 
 torch::Tensor forward_fused(const torch::Tensor& x) {
   RECORD_FUNCTION("sublinear::gelu_tanh", std::vector<c10::IValue>{});
   auto y = torch::empty_like(x);
-  elementwise(y, {x}, [](const std::array<char*, 3>& p, int64_t n) {
-    forward_kernel(reinterpret_cast<const float*>(p[1]), reinterpret_cast<float*>(p[0]), n);
+  for_each_piece({y}, {x}, /*grain=*/1 << 14, [](char** p, int64_t n) {
+    forward_row(reinterpret_cast<const float*>(p[1]), nullptr, reinterpret_cast<float*>(p[0]), n);
   });
   return y;
 }
@@ -68,11 +137,49 @@ torch::Tensor forward_fused(const torch::Tensor& x) {
 torch::Tensor backward_fused(const torch::Tensor& g, const torch::Tensor& x) {
   RECORD_FUNCTION("sublinear::gelu_tanh_backward", std::vector<c10::IValue>{});
   auto dx = torch::empty_like(x);
-  elementwise(dx, {g.contiguous(), x}, [](const std::array<char*, 3>& p, int64_t n) {
-    backward_kernel(reinterpret_cast<const float*>(p[1]), reinterpret_cast<const float*>(p[2]),
-                    reinterpret_cast<float*>(p[0]), n);
+  for_each_piece({dx}, {g.contiguous(), x}, /*grain=*/1 << 14, [](char** p, int64_t n) {
+    backward_row(reinterpret_cast<const float*>(p[1]), reinterpret_cast<const float*>(p[2]), nullptr,
+                 reinterpret_cast<float*>(p[0]), nullptr, n);
   });
   return dx;
+}
+
+// The bias form works on pieces of kRowChunk rows of x seen as (rows, H).
+int64_t chunks_of(int64_t rows) { return (rows + kRowChunk - 1) / kRowChunk; }
+
+torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& b) {
+  RECORD_FUNCTION("sublinear::gelu_tanh", std::vector<c10::IValue>{});
+  auto y = torch::empty_like(x);
+  const int64_t H = b.numel(), rows = x.numel() / H;
+  const float *X = f32(x), *Bp = f32(b);
+  float* Y = f32(y);
+  for_each_index(chunks_of(rows), [&](int64_t c, int) {
+    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
+      forward_row(X + r * H, Bp, Y + r * H, H);
+  });
+  return y;
+}
+
+// (dx, db): db sums dx over rows, each piece into its own row of partial sums, then the pieces in
+// order, so the bits depend on neither the thread count nor the split.
+std::tuple<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor& g, const torch::Tensor& x,
+                                                             const torch::Tensor& b) {
+  RECORD_FUNCTION("sublinear::gelu_tanh_backward", std::vector<c10::IValue>{});
+  const auto gc = g.contiguous();
+  auto dx = torch::empty_like(x);
+  const int64_t H = b.numel(), rows = x.numel() / H, chunks = chunks_of(rows);
+  auto partial = torch::zeros({chunks, H}, x.options());
+  const float *G = f32(gc), *X = f32(x), *Bp = f32(b);
+  float *DX = f32(dx), *P = f32(partial);
+  for_each_index(chunks, [&](int64_t c, int) {
+    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
+      backward_row(G + r * H, X + r * H, Bp, DX + r * H, P + c * H, H);
+  });
+  auto db = torch::zeros({H}, b.options());
+  float* DB = f32(db);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t j = 0; j < H; ++j) DB[j] += P[c * H + j];
+  return {dx, db};
 }
 
 struct GeluTanhFunction : torch::autograd::Function<GeluTanhFunction> {
@@ -88,16 +195,44 @@ struct GeluTanhFunction : torch::autograd::Function<GeluTanhFunction> {
   }
 };
 
+struct GeluTanhBiasFunction : torch::autograd::Function<GeluTanhBiasFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& b) {
+    ctx->save_for_backward({x, b});
+    return forward_bias_fused(x, b);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
+    auto [dx, db] = backward_bias_fused(grads[0], s[0], s[1]);
+    return {dx, db};
+  }
+};
+
+bool fp32_cpu(const torch::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.layout() == torch::kStrided;
+}
+
 }  // namespace
 
-bool gelu_tanh_fused(const torch::Tensor& x) {
-  return x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.layout() == torch::kStrided;
-}
+bool gelu_tanh_fused(const torch::Tensor& x) { return fp32_cpu(x) && x.is_contiguous(); }
 
 torch::Tensor gelu_tanh(const torch::Tensor& x) {
   if (!gelu_tanh_fused(x)) return at::gelu(x, "tanh");
   if (!torch::GradMode::is_enabled() || !x.requires_grad()) return forward_fused(x);
   return GeluTanhFunction::apply(x);
+}
+
+bool gelu_tanh_bias_fused(const torch::Tensor& like, const torch::Tensor& b) {
+  return b.defined() && fp32_cpu(like) && fp32_cpu(b) && b.dim() == 1 && !at::autocast::is_autocast_enabled(at::kCPU);
+}
+
+torch::Tensor gelu_tanh_bias(const torch::Tensor& x, const torch::Tensor& b) {
+  TORCH_CHECK(gelu_tanh_bias_fused(x, b) && x.dim() >= 1 && x.size(-1) == b.size(0),
+              "gelu_tanh_bias: x (..., H) and b (H) must be fp32 CPU tensors, outside CPU autocast");
+  const auto xc = x.contiguous(), bc = b.contiguous();
+  if (!torch::GradMode::is_enabled() || !(x.requires_grad() || b.requires_grad())) return forward_bias_fused(xc, bc);
+  return GeluTanhBiasFunction::apply(xc, bc);
 }
 
 }  // namespace sl::model

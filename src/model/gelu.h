@@ -13,4 +13,16 @@ torch::Tensor gelu_tanh(const torch::Tensor& x);
 // True when gelu_tanh takes the fused kernel for `x`.
 bool gelu_tanh_fused(const torch::Tensor& x);
 
+// gelu_tanh(x + b) for x (..., H) and a bias b (H), with the bias added inside the kernel and its
+// gradient (dx summed over rows) taken in the same pass as dx: the linear before it runs without its
+// bias, which spares ATen's addmm the bias broadcast and its backward the separate column sum. Saves x
+// and b (x is the same size as the x + b gelu_tanh would save). Fused only: callers check
+// gelu_tanh_bias_fused first. The bias gradient sums fixed pieces of rows in a fixed order (its bits
+// depend on neither the thread count nor the split).
+torch::Tensor gelu_tanh_bias(const torch::Tensor& x, const torch::Tensor& b);
+
+// True when gelu_tanh_bias takes activations computed like `like` (its device and dtype; fp32 CPU,
+// outside CPU autocast) with bias b: a model asks before its linear whether the bias goes there or here.
+bool gelu_tanh_bias_fused(const torch::Tensor& like, const torch::Tensor& b);
+
 }  // namespace sl::model

@@ -122,28 +122,33 @@ BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch:
 torch::Tensor BlockImpl::norm1(const torch::Tensor& x) const { return norm(x, ln1_w, ln1_b, llama, eps); }
 torch::Tensor BlockImpl::norm2(const torch::Tensor& x) const { return norm(x, ln2_w, ln2_b, llama, eps); }
 
-std::array<torch::Tensor, 3> BlockImpl::heads(const torch::Tensor& qkv, const Rope& rope) const {
+std::array<torch::Tensor, 3> BlockImpl::heads(const torch::Tensor& qkv) const {
   const int64_t B = qkv.size(0), T = qkv.size(1), hd = n_embd / n_head;
   auto parts = qkv.split(n_embd, /*dim=*/2);  // 3 x (B, T, C)
   auto split = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hd}).transpose(1, 2); };
-  auto q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);  // (B, nh, T, hd)
-  if (llama) {
-    q = apply_rope(q, rope);
-    k = apply_rope(k, rope);
-  }
-  return {q, k, v};
+  return {split(parts[0]), split(parts[1]), split(parts[2])};  // (B, nh, T, hd)
 }
 
-torch::Tensor BlockImpl::attention_core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const {
-  const int64_t B = q.size(0), T = q.size(2);
+std::vector<torch::Tensor> BlockImpl::attention_inputs(const torch::Tensor& qkv, const Rope& rope) const {
+  if (!llama) return {qkv};
+  auto [q, k, v] = heads(qkv);
+  return {apply_rope(q, rope), apply_rope(k, rope), v};
+}
+
+torch::Tensor BlockImpl::attention_core(const std::vector<torch::Tensor>& in) const {
   const double dropout_p = is_training() ? dropout : 0.0;
+  const bool packed = in.size() == 1;
+  if (dropout_p == 0.0 && packed && causal_attention_packed_fused(in[0], n_head))
+    return causal_attention_packed(in[0], n_head);  // (B, T, C)
+  auto [q, k, v] = packed ? heads(in[0]) : std::array<torch::Tensor, 3>{in[0], in[1], in[2]};
   if (dropout_p == 0.0 && causal_attention_fused(q, k, v)) return causal_attention(q, k, v);  // (B, T, C)
+  const int64_t B = q.size(0), T = q.size(2);
   auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, dropout_p, /*is_causal=*/true);
   return y.transpose(1, 2).contiguous().view({B, T, n_embd});  // (B, T, C)
 }
 
-torch::Tensor BlockImpl::mlp_act(const torch::Tensor& u) const {
-  if (!llama) return gelu_tanh(u);
+torch::Tensor BlockImpl::mlp_act(const torch::Tensor& u, const torch::Tensor& fc_bias) const {
+  if (!llama) return fc_bias.defined() ? gelu_tanh_bias(u, fc_bias) : gelu_tanh(u);
   auto gu = u.chunk(2, /*dim=*/-1);  // [gate; up]
   return at::silu(gu[0]) * gu[1];
 }
@@ -152,12 +157,16 @@ torch::Tensor BlockImpl::residual_dropout(const torch::Tensor& y) const { return
 
 torch::Tensor BlockImpl::forward_with(const torch::Tensor& x, const Rope& rope, const LinearAfter& linear_after) {
   auto qkv = linear_after(Part::norm1_qkv, [this](const auto& in) { return norm1(in[0]); }, {x}, {ln1_w, ln1_b}, w_qkv, b_qkv);
-  auto [q, k, v] = heads(qkv, rope);
-  auto y = linear_after(Part::attention_proj, [this](const auto& in) { return attention_core(in[0], in[1], in[2]); },
-                        {q, k, v}, {}, w_proj, b_proj);
+  auto y = linear_after(Part::attention_proj, [this](const auto& in) { return attention_core(in); },
+                        attention_inputs(qkv, rope), {}, w_proj, b_proj);
   auto h = x + residual_dropout(y);
-  auto u = linear_after(Part::norm2_fc, [this](const auto& in) { return norm2(in[0]); }, {h}, {ln2_w, ln2_b}, w_fc, b_fc);
-  auto o = linear_after(Part::act_out, [this](const auto& in) { return mlp_act(in[0]); }, {u}, {}, w_out, b_out);
+  // GPT-2's fc bias goes into the fused GELU where that kernel runs (one pass instead of addmm's bias
+  // broadcast and a separate column sum for its gradient), else into the fc linear.
+  const auto act_bias = !llama && gelu_tanh_bias_fused(h, b_fc) ? b_fc : torch::Tensor();
+  auto u = linear_after(Part::norm2_fc, [this](const auto& in) { return norm2(in[0]); }, {h}, {ln2_w, ln2_b}, w_fc,
+                        act_bias.defined() ? torch::Tensor() : b_fc);
+  auto o = linear_after(Part::act_out, [this, act_bias](const auto& in) { return mlp_act(in[0], act_bias); }, {u},
+                        {act_bias}, w_out, b_out);
   return h + residual_dropout(o);
 }
 

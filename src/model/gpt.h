@@ -33,7 +33,7 @@ using LinearAfter = std::function<torch::Tensor(Part part, const CheapFn& cheap,
                                                 const torch::Tensor& W, const torch::Tensor& b)>;
 
 // One transformer block, written as the four cheap-op -> linear pairs above:
-//   h = x + drop(proj(attention_core(heads(qkv(norm1(x))))));  out = h + drop(fc_out(act(fc(norm2(h)))))
+//   h = x + drop(proj(attention_core(attention_inputs(qkv(norm1(x))))));  out = h + drop(fc_out(act(fc(norm2(h)))))
 struct BlockImpl : torch::nn::Module {
   BlockImpl(const config::ModelConfig& cfg, int64_t layer, torch::Device device, bool defer_params = false);
 
@@ -42,11 +42,16 @@ struct BlockImpl : torch::nn::Module {
 
   torch::Tensor norm1(const torch::Tensor& x) const;
   torch::Tensor norm2(const torch::Tensor& x) const;
-  // (B, T, 3C) qkv projection -> q, k, v as (B, nh, T, hd), rotated when RoPE is on.
-  std::array<torch::Tensor, 3> heads(const torch::Tensor& qkv, const Rope& rope) const;
-  // (B, nh, T, hd) x3 -> (B, T, C): SDPA (softmax, attention dropout) before the projection.
-  torch::Tensor attention_core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const;
-  torch::Tensor mlp_act(const torch::Tensor& u) const;  // (B, T, H) GELU, or (B, T, 2H) -> (B, T, H) SwiGLU
+  // (B, T, 3C) qkv projection -> q, k, v as (B, nh, T, hd) views.
+  std::array<torch::Tensor, 3> heads(const torch::Tensor& qkv) const;
+  // What attention_core reads: GPT-2 the (B, T, 3C) projection itself (the fused kernel reads its heads in
+  // place and returns one gradient for it); LLaMA q and k rotated by RoPE, and v.
+  std::vector<torch::Tensor> attention_inputs(const torch::Tensor& qkv, const Rope& rope) const;
+  // attention_inputs -> (B, T, C): the fused causal kernel (fp32 CPU, no attention dropout) or SDPA.
+  torch::Tensor attention_core(const std::vector<torch::Tensor>& in) const;
+  // (B, T, H) GELU of u + fc_bias (fc_bias: the fc's bias when the fused GELU adds it, else undefined),
+  // or (B, T, 2H) -> (B, T, H) SwiGLU.
+  torch::Tensor mlp_act(const torch::Tensor& u, const torch::Tensor& fc_bias) const;
   torch::Tensor residual_dropout(const torch::Tensor& y) const;
 
   int64_t layer, n_head, n_embd, hidden;

@@ -1,8 +1,8 @@
 #include "train/optimizer.h"
+#include "model/intra_op.h"
 
 #include <cmath>
 
-#include <ATen/TensorIterator.h>
 #include <torch/torch.h>
 
 namespace sl::train {
@@ -79,24 +79,13 @@ torch::optim::AdamWParamState& state_of(torch::optim::AdamW& opt, const torch::T
   return static_cast<torch::optim::AdamWParamState&>(*slot);
 }
 
-// One parameter, split over ATen's intra-op threads by a TensorIterator (each element on its own).
+// One parameter, split over ATen's intra-op threads (each element on its own).
 void fused_update(const torch::Tensor& p, const torch::Tensor& g, torch::optim::AdamWParamState& st,
                   const AdamWCoeffs& k) {
-  auto iter = at::TensorIteratorConfig()
-                  .add_output(p)
-                  .add_output(st.exp_avg())
-                  .add_output(st.exp_avg_sq())
-                  .add_const_input(g)
-                  .check_all_same_dtype(true)
-                  .resize_outputs(false)
-                  .build();
-  iter.for_each([&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {
-    for (int64_t j = 0; j < size1; ++j) {
-      auto at = [&](int t) { return data[t] + j * strides[4 + t]; };
-      adamw_kernel(reinterpret_cast<float*>(at(0)), reinterpret_cast<float*>(at(1)), reinterpret_cast<float*>(at(2)),
-                   reinterpret_cast<const float*>(at(3)), size0, k);
-    }
-  }, /*grain_size=*/1 << 14);
+  model::for_each_piece({p, st.exp_avg(), st.exp_avg_sq()}, {g}, /*grain=*/1 << 14, [&](char** d, int64_t n) {
+    adamw_kernel(reinterpret_cast<float*>(d[0]), reinterpret_cast<float*>(d[1]), reinterpret_cast<float*>(d[2]),
+                 reinterpret_cast<const float*>(d[3]), n, k);
+  });
 }
 
 }  // namespace

@@ -1,0 +1,175 @@
+// The fused CPU kernels against what ATen runs in their place, interleaved, medians of `reps` runs.
+// A benchmark, not a test.
+//   attention: SDPA (ATen's CPU flash kernels) on q, k, v split from one QKV buffer (the model's layout),
+//              the fused kernel on the same views (src/model/attention.cpp), and its packed form on the
+//              QKV buffer itself (one gradient, no split and concatenation);
+//   GELU:      ATen's gelu(x, tanh), the fused gelu_tanh (src/model/gelu.cpp), and for the fc bias ATen's
+//              x + b, gelu and b's gradient (a column sum) against the fused gelu_tanh_bias.
+//   allocator: the tracking CPU allocator's cost (src/memory/tracking_allocator.h): nanoseconds per
+//              allocate + free against LibTorch's default allocator, times the allocations of one
+//              forward + backward of the l12 model, as a share of that step's time. (Timing the step
+//              with and without tracking cannot resolve 2 % on a noisy machine; this can.)
+//   build/bench_kernels [B nh T hd threads reps]   (default: the l12 recipe, 8 4 256 64 2 30; GELU on
+//                                                   (B T, 4 nh hd))
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "config/config.h"
+#include "memory/tracking_allocator.h"
+#include "model/attention.h"
+#include "model/gelu.h"
+#include "model/gpt.h"
+
+namespace {
+
+using namespace sl;
+
+double median_ms(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double time_ms(const std::function<void()>& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A kernel's forward (no autograd) and forward + backward (gradients of `wrt` for upstream dy).
+struct Candidate {
+  std::string name;
+  std::function<torch::Tensor()> run;
+  std::vector<double> fwd, fwd_bwd;
+};
+
+void time_interleaved(std::vector<Candidate>& cs, const std::vector<torch::Tensor>& wrt, const torch::Tensor& dy,
+                      int64_t reps) {
+  for (int64_t r = 0; r < reps + 3; ++r) {
+    const bool keep = r >= 3;  // 3 warm-up rounds
+    for (auto& c : cs) {
+      double f = 0.0;
+      {
+        torch::NoGradGuard no_grad;
+        f = time_ms([&] { c.run(); });
+      }
+      const double fb = time_ms([&] { torch::autograd::grad({c.run()}, wrt, {dy}); });
+      if (keep) c.fwd.push_back(f), c.fwd_bwd.push_back(fb);
+    }
+  }
+}
+
+void print_table(const char* title, const std::vector<Candidate>& cs) {
+  std::printf("\n%s\n| kernel | forward ms | forward + backward ms |\n|---|---|---|\n", title);
+  for (const auto& c : cs) std::printf("| %s | %.2f | %.2f |\n", c.name.c_str(), median_ms(c.fwd), median_ms(c.fwd_bwd));
+}
+
+void bench_attention(int64_t B, int64_t nh, int64_t T, int64_t hd, int64_t reps) {
+  const int64_t C = nh * hd;
+  auto qkv = torch::randn({B, T, 3 * C}).requires_grad_(true);
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, nh, hd}).transpose(1, 2); };
+  std::vector<Candidate> cs;
+  cs.push_back({"SDPA (ATen flash)", [&] {
+                  auto p = qkv.split(C, 2);
+                  auto y = at::scaled_dot_product_attention(heads(p[0]), heads(p[1]), heads(p[2]), std::nullopt, 0.0, true);
+                  return y.transpose(1, 2).contiguous().view({B, T, C});
+                }, {}, {}});
+  cs.push_back({"fused, q k v split", [&] {
+                  auto p = qkv.split(C, 2);
+                  return sl::model::causal_attention(heads(p[0]), heads(p[1]), heads(p[2]));
+                }, {}, {}});
+  cs.push_back({"fused, packed qkv", [&] { return sl::model::causal_attention_packed(qkv, nh); }, {}, {}});
+  time_interleaved(cs, {qkv}, torch::randn({B, T, C}), reps);
+  print_table("causal attention", cs);
+}
+
+void bench_gelu(int64_t rows, int64_t H, int64_t reps) {
+  auto x = torch::randn({rows, H}).requires_grad_(true);
+  auto b = torch::randn({H}).requires_grad_(true);
+  std::vector<Candidate> plain, bias;
+  plain.push_back({"ATen gelu(x, tanh)", [&] { return at::gelu(x, "tanh"); }, {}, {}});
+  plain.push_back({"fused gelu_tanh", [&] { return sl::model::gelu_tanh(x); }, {}, {}});
+  const auto dy = torch::randn({rows, H});
+  time_interleaved(plain, {x}, dy, reps);
+  print_table("GELU", plain);
+  bias.push_back({"ATen x + b, gelu, b's column sum", [&] { return at::gelu(x + b, "tanh"); }, {}, {}});
+  bias.push_back({"fused gelu_tanh_bias", [&] { return sl::model::gelu_tanh_bias(x, b); }, {}, {}});
+  time_interleaved(bias, {x, b}, dy, reps);
+  print_table("GELU with the fc bias", bias);
+}
+
+// Median ns of one allocate + free over sizes from 1 KiB to 8 MiB (the spread of a step's tensors).
+double alloc_free_ns() {
+  const std::vector<int64_t> floats = {256, 4096, 65536, 524288, 2097152};
+  std::vector<double> per;
+  for (int rep = 0; rep < 9; ++rep) {
+    constexpr int kN = 20000;
+    const double ms = time_ms([&] {
+      for (int i = 0; i < kN; ++i) (void)torch::empty({floats[i % floats.size()]});
+    });
+    per.push_back(ms * 1e6 / kN);
+  }
+  return median_ms(per);
+}
+
+// One forward + backward of the l12 GPT-2 (B 8, T 256): median ms, and allocations per step when
+// the tracking allocator is installed.
+struct StepCost {
+  double ms;
+  int64_t allocs;
+};
+
+StepCost model_step(model::GPT& gpt, int64_t reps) {
+  auto idx = torch::randint(0, 256, {8, 256}, torch::kInt64), targets = torch::randint(0, 256, {8, 256}, torch::kInt64);
+  auto& tracker = sl::memory::TrackingCPUAllocator::instance();
+  std::vector<double> ms;
+  int64_t allocs = 0;
+  for (int64_t r = 0; r < reps + 2; ++r) {
+    const int64_t before = tracker.num_allocs();
+    const double t = time_ms([&] {
+      gpt->zero_grad();
+      model::GPTImpl::loss(gpt->forward(idx), targets).backward();
+    });
+    allocs = tracker.num_allocs() - before;
+    if (r >= 2) ms.push_back(t);
+  }
+  return {median_ms(ms), allocs};
+}
+
+void bench_allocator(int64_t reps) {
+  config::ModelConfig c;
+  c.n_layer = 12, c.n_head = 4, c.n_embd = 256, c.vocab_size = 256, c.max_seq_len = 256;
+  model::GPT gpt(c, torch::kCPU);
+  const double plain_ns = alloc_free_ns();
+  const StepCost plain = model_step(gpt, reps);
+  sl::memory::TrackingCPUAllocator::install();  // for the rest of the process
+  const double tracked_ns = alloc_free_ns();
+  const StepCost tracked = model_step(gpt, reps);
+  const double overhead_ms = static_cast<double>(tracked.allocs) * (tracked_ns - plain_ns) * 1e-6;
+  std::printf("\ntracking allocator (l12 forward + backward)\n| | default allocator | tracking allocator |\n|---|---|---|\n");
+  std::printf("| allocate + free, ns (median, 1 KiB-8 MiB) | %.0f | %.0f |\n", plain_ns, tracked_ns);
+  std::printf("| step ms (median of %lld) | %.1f | %.1f |\n", static_cast<long long>(reps), plain.ms, tracked.ms);
+  std::printf("allocations per step %lld: tracking adds %.3f ms, %.3f %% of the step\n",
+              static_cast<long long>(tracked.allocs), overhead_ms, 100.0 * overhead_ms / plain.ms);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto arg = [&](int i, int64_t dflt) { return argc > i ? std::atoll(argv[i]) : dflt; };
+  const int64_t B = arg(1, 8), nh = arg(2, 4), T = arg(3, 256), hd = arg(4, 64), reps = arg(6, 30);
+  torch::set_num_threads(static_cast<int>(arg(5, 2)));
+  std::printf("B %lld nh %lld T %lld hd %lld, %d threads, median of %lld\n", static_cast<long long>(B),
+              static_cast<long long>(nh), static_cast<long long>(T), static_cast<long long>(hd),
+              torch::get_num_threads(), static_cast<long long>(reps));
+  bench_attention(B, nh, T, hd, reps);
+  bench_gelu(B * T, 4 * nh * hd, reps);
+  bench_allocator(std::max<int64_t>(reps / 3, 3));
+  return 0;
+}
