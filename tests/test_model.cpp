@@ -1,6 +1,7 @@
 // Model: preset parameter counts (built on the meta device, no memory), shapes, causality, init.
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include "catch.h"
 #include <ATen/autocast_mode.h>
@@ -166,6 +167,53 @@ TEST_CASE("fused GELU (tanh form) equals ATen's gelu(x, tanh) and its gradient t
   CHECK_FALSE(model::gelu_tanh_fused(x.to(torch::kBFloat16)));
   CHECK_FALSE(model::gelu_tanh_fused(x.view({2, -1}).t()));
   CHECK(torch::equal(model::gelu_tanh(x.to(torch::kBFloat16)), at::gelu(x.to(torch::kBFloat16), "tanh")));
+}
+
+TEST_CASE("a GPT-2 block (fused attention on packed QKV, fc bias in the GELU) equals the block in ATen ops") {
+  // The block as the trainer runs it on fp32 CPU against the textbook composition of ATen ops (SDPA,
+  // addmm biases, ATen's tanh GELU) on copies of the same parameters: output, input gradient and every
+  // parameter gradient, the fc bias's (now summed inside the GELU's backward) included.
+  torch::manual_seed(5);
+  config::ModelConfig c;
+  c.arch = "gpt2", c.n_layer = 1, c.n_head = 3, c.n_embd = 48, c.vocab_size = 50, c.max_seq_len = 40;
+  model::Block block(c, 0, torch::kCPU);
+  {
+    torch::NoGradGuard no_grad;  // non-zero biases and norm weights (they start at 0 and 1)
+    for (auto& p : block->parameters()) p.add_(torch::randn_like(p) * 0.1);
+  }
+  const int64_t B = 2, T = 37, C = c.n_embd, nh = c.n_head;
+  const auto x0 = torch::randn({B, T, C});
+  auto x = x0.clone().requires_grad_(true);
+  REQUIRE(model::gelu_tanh_bias_fused(x, block->b_fc));
+  const auto y = block->forward(x, model::Rope{});
+
+  std::map<std::string, torch::Tensor> ref;
+  for (const auto& p : block->named_parameters()) ref[p.key()] = p.value().detach().clone().requires_grad_(true);
+  auto xr = x0.clone().requires_grad_(true);
+  auto ln = [&](const torch::Tensor& t, const std::string& n) {
+    return at::layer_norm(t, {C}, ref[n + "_w"], ref[n + "_b"], c.norm_eps);
+  };
+  const auto qkv = at::linear(ln(xr, "ln1"), ref["w_qkv"], ref["b_qkv"]);
+  auto heads = [&](const torch::Tensor& t) { return t.reshape({B, T, nh, C / nh}).transpose(1, 2); };
+  const auto parts = qkv.split(C, 2);
+  const auto a = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]), std::nullopt,
+                                                  0.0, true)
+                     .transpose(1, 2)
+                     .reshape({B, T, C});
+  const auto h = xr + at::linear(a, ref["w_proj"], ref["b_proj"]);
+  const auto u = at::linear(ln(h, "ln2"), ref["w_fc"], ref["b_fc"]);
+  const auto want = h + at::linear(at::gelu(u, "tanh"), ref["w_out"], ref["b_out"]);
+  CHECK(torch::allclose(y, want, 1e-5, 1e-5));
+
+  const auto dy = torch::randn_like(want);
+  y.backward(dy);
+  want.backward(dy);
+  CHECK(torch::allclose(x.grad(), xr.grad(), 1e-4, 1e-5));
+  for (const auto& p : block->named_parameters()) {
+    CAPTURE(p.key());
+    REQUIRE(p.value().grad().defined());
+    CHECK(torch::allclose(p.value().grad(), ref[p.key()].grad(), 1e-4, 1e-4));
+  }
 }
 
 TEST_CASE("fused GELU with the fc bias equals gelu_tanh(x + b); its bias gradient is dx summed over rows") {

@@ -330,7 +330,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 }
 
 bool causal_attention_packed_fused(const torch::Tensor& qkv, int64_t n_head) {
-  if (qkv.dim() != 3 || n_head <= 0 || qkv.size(2) % (3 * n_head) != 0) return false;
+  if (qkv.dim() != 3 || qkv.numel() == 0 || n_head <= 0 || qkv.size(2) % (3 * n_head) != 0) return false;
   auto [q, k, v] = packed_heads(qkv, n_head);
   return causal_attention_fused(q, k, v);
 }

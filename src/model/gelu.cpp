@@ -125,6 +125,10 @@ void backward_row(const float* g, const float* x, const float* b, float* dx, flo
 
 float* f32(const torch::Tensor& t) { return t.data_ptr<float>(); }
 
+void no_double_backward() {
+  TORCH_CHECK(!torch::GradMode::is_enabled(), "gelu_tanh: double backward is not supported");
+}
+
 torch::Tensor forward_fused(const torch::Tensor& x) {
   RECORD_FUNCTION("sublinear::gelu_tanh", std::vector<c10::IValue>{});
   auto y = torch::empty_like(x);
@@ -191,6 +195,7 @@ struct GeluTanhFunction : torch::autograd::Function<GeluTanhFunction> {
                                                  torch::autograd::variable_list grads) {
     const auto x = ctx->get_saved_variables()[0];
     if (!grads[0].defined()) return {torch::Tensor()};
+    no_double_backward();
     return {backward_fused(grads[0], x)};
   }
 };
@@ -204,6 +209,7 @@ struct GeluTanhBiasFunction : torch::autograd::Function<GeluTanhBiasFunction> {
                                                  torch::autograd::variable_list grads) {
     const auto s = ctx->get_saved_variables();
     if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
+    no_double_backward();
     auto [dx, db] = backward_bias_fused(grads[0], s[0], s[1]);
     return {dx, db};
   }
@@ -224,7 +230,8 @@ torch::Tensor gelu_tanh(const torch::Tensor& x) {
 }
 
 bool gelu_tanh_bias_fused(const torch::Tensor& like, const torch::Tensor& b) {
-  return b.defined() && fp32_cpu(like) && fp32_cpu(b) && b.dim() == 1 && !at::autocast::is_autocast_enabled(at::kCPU);
+  return b.defined() && fp32_cpu(like) && fp32_cpu(b) && b.dim() == 1 && b.numel() > 0 &&
+         !at::autocast::is_autocast_enabled(at::kCPU);
 }
 
 torch::Tensor gelu_tanh_bias(const torch::Tensor& x, const torch::Tensor& b) {

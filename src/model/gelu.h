@@ -7,7 +7,8 @@
 
 namespace sl::model {
 
-// Differentiable. Saves x for backward, as at::gelu does (the same activation memory).
+// Differentiable (once: no double backward). Saves x for backward, as at::gelu does (the same
+// activation memory).
 torch::Tensor gelu_tanh(const torch::Tensor& x);
 
 // True when gelu_tanh takes the fused kernel for `x`.

@@ -47,7 +47,7 @@ void for_each_piece(std::initializer_list<torch::Tensor> outputs, std::initializ
   TORCH_INTERNAL_ASSERT(nt <= 8);
   iter.for_each([&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {
     for (int64_t j = 0; j < size1; ++j) {
-      char* ptrs[8];
+      char* ptrs[8] = {};
       for (int t = 0; t < nt; ++t) ptrs[t] = data[t] + j * strides[nt + t];
       kernel(ptrs, size0);  // contiguous operands: unit inner strides
     }
