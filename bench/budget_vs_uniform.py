@@ -14,8 +14,10 @@ the part of the step a schedule changes, far less noisy than whole steps. Writes
 scripts/plot.py), <out>.md (table) and, through scripts/plot.py, step_time_vs_budget.png beside them.
 
 Usage: bench/budget_vs_uniform.py [--trainer build/trainer] [--rounds 3] [--steps 8] [--threads 2]
-                                  [--recipe l12] [--out bench/results/budget]
-  l12:    configs/tiny.yaml with 12 layers (d 128, T 128, micro-batch 16).
+                                  [--recipe l12|mixed12] [--out bench/results/budget]
+  l12:     configs/tiny.yaml with 12 layers (d 128, T 128, micro-batch 16).
+  mixed12: the same with blocks of two MLP sizes (model.layer_mlp_hidden): blocks 1, 4, 7, 10 of 16x d
+           (2048), the others 2x d (256): a heterogeneous chain, where one choice for every block fits badly.
 Cost: 19 runs per round, ~3 minutes per round on 2 cores. A benchmark, not a test.
 """
 import argparse
@@ -30,8 +32,11 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2 ** 20
 
+# Blocks of two MLP sizes: every third block (1, 4, 7, 10) 16x d wide, the others 2x d.
+MIXED_WIDTHS = "[256, 2048, 256, 256, 2048, 256, 256, 2048, 256, 256, 2048, 256]"
 RECIPES = {
     "l12": ("configs/tiny.yaml", ["model.n_layer=12", "train.grad_accum=1"]),
+    "mixed12": ("configs/tiny.yaml", ["model.n_layer=12", "train.grad_accum=1", "model.layer_mlp_hidden=" + MIXED_WIDTHS]),
 }
 COMMON = ["train.eval_interval=0", "logging.save_model=false", "state.at_end=false", "logging.skip_first=2",
           "logging.progress=false", "logging.interval=1000", "logging.peak_tflops=1", "precision.compute=fp32"]

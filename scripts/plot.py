@@ -10,7 +10,8 @@ kind "batch" (sweep_batch.sh):
   throughput_vs_batch.png  tokens/s vs micro-batch, one line per mode.
 kind "budget" (bench/budget_vs_uniform.py):
   step_time_vs_budget.png  median step time vs activation budget: mode budget, and the best uniform
-                           mode that fits each budget (labelled with its name).
+                           mode that fits each budget (labelled with its name); recipes other than l12
+                           write step_time_vs_budget_<recipe>.png.
 kind "interval" (sweep_interval.sh):
   activation_vs_k.png      measured and predicted activation peak vs interval k (mode none as a
                            reference line);
@@ -43,7 +44,7 @@ def load(path):
 
 
 def subtitle(doc):
-    parts = [f"recipe {doc.get('config', '?')}"]
+    parts = [f"recipe {doc.get('config', '?')}" + (f" ({doc['recipe']})" if doc.get("recipe") else "")]
     if doc.get("seq_len"):
         parts.append(f"seq len {doc['seq_len']}")
     if doc.get("micro_batch"):
@@ -166,7 +167,8 @@ def plot_budget(doc, out, plt):
         ax.plot([b[0] for b in best], [b[1] for b in best], "s--", color="C1", label="best uniform mode that fits")
         for bx, by, name in best:
             ax.annotate(name, (bx, by), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
-    return [finish(fig, ax, os.path.join(out, "step_time_vs_budget.png"), "activation budget (MiB)",
+    name = "step_time_vs_budget.png" if doc.get("recipe", "l12") == "l12" else f"step_time_vs_budget_{doc['recipe']}.png"
+    return [finish(fig, ax, os.path.join(out, name), "activation budget (MiB)",
                    "step time (ms): fastest step of a run, median over rounds", f"Step time vs activation budget\n{subtitle(doc)}", plt)]
 
 

@@ -1,6 +1,6 @@
 // The trainer's own step, measured: activation_peak_bytes of the second of two optimizer steps (the
-// first one creates the optimizer state) of a fresh model under a checkpointing plan, with the
-// tracking allocator. Shared by the recompute and budget tests.
+// first one creates the optimizer state) of a fresh model under a checkpointing plan, in the recipe's
+// compute precision, with the tracking allocator. Shared by the recompute and budget tests.
 #pragma once
 #include <torch/torch.h>
 
@@ -9,6 +9,7 @@
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
+#include "precision/autocast.h"
 #include "recompute/policy.h"
 #include "train/trainer.h"
 
@@ -16,6 +17,9 @@ namespace sl::test {
 
 inline int64_t measured_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
   memory::TrackingCPUAllocator::install();
+  // Tensors the caller still holds from earlier tracked allocations (e.g. another run's gradients) are
+  // neither model states nor this step's activations.
+  const int64_t held_outside = memory::TrackingCPUAllocator::instance().current_bytes();
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
   recompute::Policy policy(cfg.checkpointing, m, plan);
@@ -25,8 +29,9 @@ inline int64_t measured_activation_peak(const config::RunConfig& cfg, const reco
   data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
   const train::ForwardFn fwd = [&](const torch::Tensor& idx) { return policy.forward(idx); };
   train::StepResult r;
-  for (int i = 0; i < 2; ++i) r = train::train_step(fwd, m, *opt, {loader.next()}, 1.0, torch::kCPU, tracker);
-  return r.activation_peak_bytes();
+  const train::StepPrecision precision{precision::compute_dtype(cfg.precision.compute), nullptr};  // bf16: no scaler
+  for (int i = 0; i < 2; ++i) r = train::train_step(fwd, m, *opt, {loader.next()}, 1.0, torch::kCPU, tracker, precision);
+  return r.activation_peak_bytes() - held_outside;
 }
 
 }  // namespace sl::test

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <functional>
 #include <random>
 #include <set>
@@ -13,6 +14,7 @@
 #include "config/config.h"
 #include "data/loader.h"
 #include "errors.h"
+#include "interop/hf.h"
 #include "memory/activations.h"
 #include "memory/planner.h"
 #include "memory/tracker.h"
@@ -77,12 +79,13 @@ Chain random_chain(int64_t L, std::mt19937& rng, bool weights) {
     c.mem.kept.push_back(kept);
     c.mem.backward.push_back(backward);
     c.mem.weights.push_back(weights ? small(rng) : 0);
+    c.mem.forward.push_back(size(rng));  // blocks differ in what a first pass holds too
     recompute::BlockCost b;
     b.attention = cost(rng), b.mlp = cost(rng), b.norm = cost(rng), b.output = cost(rng);
     b.forward = b.attention + b.mlp + b.norm + b.output + cost(rng);
     c.costs.push_back(b);
   }
-  c.mem.input = small(rng), c.mem.forward = size(rng), c.mem.head = size(rng), c.mem.head_input = small(rng) / 2;
+  c.mem.input = small(rng), c.mem.head = size(rng), c.mem.head_input = small(rng) / 2;
   c.mem.head_weights = weights ? small(rng) : 0, c.mem.tied_grad = small(rng);
   return c;
 }
@@ -179,7 +182,8 @@ TEST_CASE("while a segment is recomputed, the kept blocks before it still hold t
   m.kept = {{100, 90, 80, 70, 60, 50, 40, 30}, {100, 90, 80, 70, 60, 50, 40, 30}, {100, 90, 80, 70, 60, 50, 40, 30}};
   m.backward.assign(3, {10, 10, 12, 12, 10, 10, 12, 12});
   m.weights = {7, 11, 13};
-  m.input = 5, m.forward = 20, m.head = 30, m.head_input = 4, m.head_weights = 3, m.tied_grad = 2;
+  m.forward.assign(3, 20);
+  m.input = 5, m.head = 30, m.head_input = 4, m.head_weights = 3, m.tied_grad = 2;
   recompute::Plan p;
   p.mode = "budget";
   p.segments = {{0, 1, false}, {1, 3, true}};
@@ -425,4 +429,156 @@ TEST_CASE("a budget run prints its schedule at start and logs it; --no-profile s
   CHECK(s["checkpointing"]["blocks"].size() == 6);
   CHECK(s["predicted_activation_peak_bytes"] == s["checkpointing"]["budget"]["predicted_activation_peak_bytes"]);
   CHECK(s["predicted_activation_peak_bytes"].get<int64_t>() <= (int64_t{40} << 20));
+}
+
+namespace {
+
+// Six blocks of two MLP sizes: 1x d at both ends, 8x d in the middle (a heterogeneous chain).
+config::RunConfig mixed_widths(std::vector<std::string> extra) {
+  extra.insert(extra.begin(), "model.layer_mlp_hidden=[64, 512, 512, 512, 512, 64]");
+  return six_layers(extra);
+}
+
+}  // namespace
+
+TEST_CASE("model.layer_mlp_hidden: one size per block, checked; parameter counts and units follow each block's size") {
+  CHECK_THROWS_WITH(six_layers({"model.layer_mlp_hidden=[64, 128]"}),
+                    Catch::Contains("model.layer_mlp_hidden: has 2 entries but model.n_layer is 6"));
+  CHECK_THROWS_WITH(six_layers({"model.layer_mlp_hidden=[64, 64, -1, 64, 64, 64]"}),
+                    Catch::Contains("entry 2 (block 2) is -1"));
+  CHECK_THROWS_WITH(six_layers({"model.layer_mlp_hidden=[64, 64, x, 64, 64, 64]"}),
+                    Catch::Contains("model.layer_mlp_hidden: expected list"));
+  CHECK_THROWS_WITH(mixed_widths({"logging.save_model=true"}), Catch::Contains("logging.save_model"));
+  CHECK_THROWS_WITH(interop::hf_layout(mixed_widths({}).model), Catch::Contains("no Hugging Face layout"));
+  // Entries of 0 take model.mlp_hidden's size; all-equal entries are a uniform model.
+  CHECK(config::uniform_blocks(six_layers({"model.layer_mlp_hidden=[0, 256, 0, 0, 0, 0]"}).model));
+  CHECK_FALSE(config::uniform_blocks(mixed_widths({}).model));
+  for (const std::string arch : {"gpt2", "llama"}) {
+    auto cfg = mixed_widths({"model.arch=" + arch});
+    torch::NoGradGuard no_grad;
+    model::GPT m(cfg.model, torch::kMeta);
+    INFO(arch);
+    CHECK(m->blocks[1]->as<model::BlockImpl>()->w_out.size(1) == 512);
+    CHECK(m->blocks[0]->as<model::BlockImpl>()->w_out.size(1) == 64);
+    CHECK(memory::total_params(cfg.model) == m->num_params());
+    const auto units = memory::unit_param_counts(cfg.model);
+    CHECK(memory::largest_unit_params(cfg.model) == *std::max_element(units.begin(), units.end()));
+  }
+}
+
+TEST_CASE("blocks of differing MLP sizes: predicted activation peaks within 5% of measured for uniform modes and budget "
+          "schedules; budget gradients bitwise equal to none; the schedule treats wide and narrow blocks apart") {
+  for (const std::vector<std::string>& mode : std::vector<std::vector<std::string>>{
+           {"checkpointing.mode=none"},
+           {"checkpointing.mode=full"},
+           {"checkpointing.mode=sqrt"},
+           {"checkpointing.mode=interval", "checkpointing.interval=2", "checkpointing.skip_last=false"},
+           {"checkpointing.mode=selective", "checkpointing.recompute=[mlp]"},
+           {"checkpointing.mode=selective", "checkpointing.recompute=[mlp, norm]"}}) {
+    const auto cfg = mixed_widths(mode);
+    const auto plan = recompute::plan_for(cfg);
+    const auto predicted = memory::estimate_activation_peak(cfg).peak_bytes;
+    CHECK(memory::estimate_activation_peak(cfg, plan).peak_bytes == predicted);
+    const auto measured = test::measured_activation_peak(cfg, plan);
+    INFO(fmt::format("{}: measured {} predicted {}", fmt::join(mode, " "), measured, predicted));
+    CHECK(std::abs(static_cast<double>(measured - predicted)) <= 0.05 * static_cast<double>(measured));
+  }
+  auto none_cfg = mixed_widths({"model.dropout=0.1"});
+  const auto none = gradients(none_cfg, recompute::plan_for(none_cfg));
+  const double none_peak = static_cast<double>(memory::estimate_activation_peak(mixed_widths({})).peak_bytes);
+  const double full_peak =
+      static_cast<double>(memory::estimate_activation_peak(mixed_widths({"checkpointing.mode=full"})).peak_bytes);
+  int apart = 0;
+  for (int k = 1; k <= 3; ++k) {
+    const auto budget = static_cast<int64_t>(full_peak + (none_peak - full_peak) * k / 4.0);
+    const auto cfg = mixed_widths({"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget)});
+    const auto plan = recompute::plan_for(cfg);
+    const auto measured = test::measured_activation_peak(cfg, plan);
+    INFO(fmt::format("budget {}: {}; measured {} predicted {}", budget, plan.describe(), measured,
+                     plan.budget.predicted_peak_bytes));
+    CHECK(static_cast<double>(measured) <= 1.05 * static_cast<double>(budget));
+    CHECK(std::abs(static_cast<double>(measured - plan.budget.predicted_peak_bytes)) <= 0.05 * static_cast<double>(measured));
+    auto dropout_cfg = mixed_widths({"model.dropout=0.1"});
+    dropout_cfg.checkpointing = cfg.checkpointing;
+    const auto with = gradients(dropout_cfg, plan);
+    REQUIRE(with.loss == none.loss);
+    for (size_t i = 0; i < with.grads.size(); ++i) REQUIRE(torch::equal(with.grads[i], none.grads[i]));
+    // What a wide block (1..4) is given differs from what a narrow one (0, 5) is given.
+    std::set<std::string> wide, narrow;
+    for (const auto& s : plan.segments)
+      for (int64_t b = s.begin; b < s.end; ++b)
+        ((b == 0 || b == 5) ? narrow : wide).insert(s.checkpointed ? "R" : fmt::format("K{}", plan.parts_of(b)));
+    apart += wide != narrow ? 1 : 0;
+  }
+  CHECK(apart >= 2);
+}
+
+TEST_CASE("costs per block follow each block's size: the formula, and the profile times each size once") {
+  const auto cfg = mixed_widths({"checkpointing.mode=budget", "checkpointing.budget=8MiB"});
+  const auto f = recompute::formula_costs(cfg);
+  REQUIRE(f.blocks.size() == 6);
+  CHECK(f.blocks[1].mlp == Approx(8 * f.blocks[0].mlp));
+  CHECK(f.blocks[1].output == Approx(8 * f.blocks[0].output));
+  CHECK(f.blocks[1].forward > f.blocks[0].forward);
+  CHECK(f.blocks[0].forward == f.blocks[5].forward);
+  torch::manual_seed(0);
+  model::GPT m(cfg.model, torch::kCPU);
+  const auto p = recompute::profile_costs(cfg, m, torch::kCPU);
+  REQUIRE(p.blocks.size() == 6);
+  CHECK(p.source == "profile");
+  // One timing per size: blocks of one size share it exactly.
+  CHECK(p.blocks[0].forward == p.blocks[5].forward);
+  for (int b = 2; b <= 4; ++b) CHECK(p.blocks[b].forward == p.blocks[1].forward);
+  for (const auto& c : p.blocks) CHECK(c.forward > 0);
+}
+
+TEST_CASE("the profile measures each block's bytes on the device; they agree with the activation model, and a "
+          "schedule solved with them meets its predicted peak") {
+  memory::TrackingCPUAllocator::install();
+  for (const std::vector<std::string>& sets : {std::vector<std::string>{"model.arch=gpt2"},
+                                               {"model.arch=llama", "model.bias=false", "model.tie_embeddings=false"},
+                                               {"model.arch=gpt2", "precision.compute=bf16"}}) {
+    auto all = sets;
+    all.insert(all.end(), {"checkpointing.mode=budget", "checkpointing.budget=8MiB"});
+    const auto cfg = mixed_widths(all);
+    torch::manual_seed(0);
+    model::GPT m(cfg.model, torch::kCPU);
+    const auto costs = recompute::profile_costs(cfg, m, torch::kCPU);
+    REQUIRE(costs.bytes.size() == 6);
+    const auto formula = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
+    const auto solver = recompute::solver_model(cfg, costs);
+    for (size_t b : {size_t{0}, size_t{1}}) {  // a narrow block and a wide one
+      for (size_t p = 0; p < recompute::kPartSets; ++p) {
+        INFO(fmt::format("{} block {} parts {}: kept {} vs {}, backward {} vs {}", fmt::join(sets, " "), b, p,
+                         costs.bytes[b].kept[p], formula.kept[b][p], costs.bytes[b].backward[p], formula.backward[b][p]));
+        // What a block keeps: the model's tensors, and a few KiB it does not count (each recomputed part
+        // saves the CPU generator's 5 KiB state: up to four of them).
+        CHECK(costs.bytes[b].kept[p] == Approx(formula.kept[b][p]).epsilon(0.05).margin(4 * 5056));
+        // The model's backward term is the MLP's moment (for llama an upper bound); the measured one is the
+        // block's worst, which in a narrow block is the attention's.
+        CHECK(costs.bytes[b].backward[p] >= 0.85 * formula.backward[b][p]);
+        CHECK(solver.kept[b][p] == costs.bytes[b].kept[p]);
+        CHECK(solver.backward[b][p] == costs.bytes[b].backward[p]);
+      }
+      INFO(fmt::format("forward {} vs {}", costs.bytes[b].forward, formula.forward[b]));
+      CHECK(costs.bytes[b].forward >= 0.85 * formula.forward[b]);
+    }
+    CHECK(costs.bytes[1].kept[0] > 1.5 * costs.bytes[0].kept[0]);  // the wide blocks keep more
+    CHECK(costs.bytes[5].kept == costs.bytes[0].kept);            // one measurement per size
+  }
+  // Schedules solved with the measured bytes: the step's measured peak within 5% of the predicted one,
+  // and within the budget.
+  for (const auto& [budget, compute] : {std::pair{"4MiB", "fp32"}, {"6MiB", "fp32"}, {"4MiB", "bf16"}}) {
+    const auto cfg = mixed_widths({"checkpointing.mode=budget", std::string("checkpointing.budget=") + budget,
+                                   std::string("precision.compute=") + compute});
+    torch::manual_seed(0);
+    model::GPT m(cfg.model, torch::kCPU);
+    const auto plan = recompute::budget_plan(cfg, recompute::profile_costs(cfg, m, torch::kCPU));
+    CHECK(plan.budget.bytes_source == "profile");
+    const auto measured = test::measured_activation_peak(cfg, plan);
+    INFO(fmt::format("budget {} {}: {}; measured {} predicted {}", budget, compute, plan.describe(), measured,
+                     plan.budget.predicted_peak_bytes));
+    CHECK(plan.budget.predicted_peak_bytes <= plan.budget.budget_bytes);
+    CHECK(std::abs(static_cast<double>(measured - plan.budget.predicted_peak_bytes)) <= 0.05 * static_cast<double>(measured));
+  }
 }

@@ -48,12 +48,16 @@ template <class T> T convert(const YAML::Node& node, const std::string& name) {
                                           : "nothing";
     throw ConfigError(fmt::format("{}: expected {}, got {}{}", name, type_name<T>(), got, where(node)));
   };
-  if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+  if constexpr (std::is_same_v<T, std::vector<std::string>> || std::is_same_v<T, std::vector<int64_t>>) {
     if (!node.IsSequence()) return fail();
     T out;
     for (const auto& item : node) {
       if (!item.IsScalar()) return fail();
-      out.push_back(item.Scalar());
+      try {
+        out.push_back(item.as<typename T::value_type>());
+      } catch (const YAML::Exception&) {
+        return fail();
+      }
     }
     return out;
   } else {
@@ -102,6 +106,7 @@ const std::vector<Field>& fields() {
       field(&R::model, &M::vocab_size, "model", "vocab_size", "vocabulary size; every token id must be below it"),
       field(&R::model, &M::max_seq_len, "model", "max_seq_len", "context length (position table / RoPE table)"),
       field(&R::model, &M::mlp_hidden, "model", "mlp_hidden", "MLP inner size; 0 = 4d (gpt2) or 2/3*4d rounded up to 256 (llama)"),
+      field(&R::model, &M::layer_mlp_hidden, "model", "layer_mlp_hidden", "per-block MLP inner sizes, n_layer entries (0 = model.mlp_hidden's), for models whose blocks differ; [] = every block model.mlp_hidden"),
       field(&R::model, &M::dropout, "model", "dropout", "dropout on embeddings, attention probabilities and residual branches"),
       field(&R::model, &M::bias, "model", "bias", "biases in linear layers and LayerNorm"),
       field(&R::model, &M::tie_embeddings, "model", "tie_embeddings", "LM head shares the token embedding matrix"),
@@ -396,6 +401,17 @@ int64_t mlp_hidden(const ModelConfig& m) {
   return 4 * m.n_embd;
 }
 
+int64_t mlp_hidden(const ModelConfig& m, int64_t layer) {
+  const auto i = static_cast<size_t>(layer);
+  return i < m.layer_mlp_hidden.size() && m.layer_mlp_hidden[i] > 0 ? m.layer_mlp_hidden[i] : mlp_hidden(m);
+}
+
+bool uniform_blocks(const ModelConfig& m) {
+  for (int64_t l = 1; l < static_cast<int64_t>(m.layer_mlp_hidden.size()); ++l)
+    if (mlp_hidden(m, l) != mlp_hidden(m, 0)) return false;
+  return true;
+}
+
 namespace {
 
 // The whole text of a recipe file; a directory or an unreadable file is refused.
@@ -520,6 +536,17 @@ void one_of(const std::string& key, const std::string& v, std::initializer_list<
   fail(key, fmt::format("'{}' is not one of {}", v, list));
 }
 
+// model.layer_mlp_hidden: empty, or one entry per block, each 0 (model.mlp_hidden's) or positive.
+void validate_layer_widths(const ModelConfig& m) {
+  const auto& w = m.layer_mlp_hidden;
+  if (!w.empty() && static_cast<int64_t>(w.size()) != m.n_layer)
+    fail("model.layer_mlp_hidden", fmt::format("has {} entries but model.n_layer is {}: give one MLP size per block "
+                                               "(0 = model.mlp_hidden's), or [] for the same size in every block",
+                                               w.size(), m.n_layer));
+  for (size_t i = 0; i < w.size(); ++i)
+    if (w[i] < 0) fail("model.layer_mlp_hidden", fmt::format("entry {} (block {}) is {}; sizes must be >= 0", i, i, w[i]));
+}
+
 void validate_model(const RunConfig& c) {
   const auto& m = c.model;
   one_of("model.arch", m.arch, {"gpt2", "llama"});
@@ -529,6 +556,12 @@ void validate_model(const RunConfig& c) {
   positive("model.vocab_size", m.vocab_size);
   positive("model.max_seq_len", m.max_seq_len);
   if (m.mlp_hidden < 0) fail("model.mlp_hidden", fmt::format("must be >= 0, got {}", m.mlp_hidden));
+  validate_layer_widths(m);
+  if (!uniform_blocks(m) && (c.logging.save_model || !m.init_from.empty()))
+    fail(c.logging.save_model ? "logging.save_model" : "model.init_from",
+         "Hugging Face's GPT-2 and LLaMA classes give every block one MLP size, so a model with per-block sizes "
+         "(model.layer_mlp_hidden) cannot be written as or read from their checkpoints; set logging.save_model: false "
+         "and model.init_from: \"\" (training states, state.*, save and resume it)");
   if (m.n_embd % m.n_head != 0)
     fail("model.n_embd", fmt::format("{} is not divisible by model.n_head = {}", m.n_embd, m.n_head));
   if (m.arch == "llama" && (m.n_embd / m.n_head) % 2 != 0)

@@ -20,6 +20,7 @@ struct ModelConfig {
   int64_t vocab_size = 256;
   int64_t max_seq_len = 256;
   int64_t mlp_hidden = 0;
+  std::vector<int64_t> layer_mlp_hidden = {};  // per block (n_layer entries, 0 = mlp_hidden's); empty = uniform
   double dropout = 0.0;
   bool bias = true;
   bool tie_embeddings = true;
@@ -169,6 +170,10 @@ Budget parse_budget(const RunConfig& cfg);
 
 // The MLP inner size after defaults (4*d for gpt2, LLaMA's 2/3*4d rounded up to 256 for llama).
 int64_t mlp_hidden(const ModelConfig& model);
+// Block `layer`'s MLP inner size: its model.layer_mlp_hidden entry when that is set and > 0, else mlp_hidden().
+int64_t mlp_hidden(const ModelConfig& model, int64_t layer);
+// Whether every block has the same shape (model.layer_mlp_hidden gives none its own width).
+bool uniform_blocks(const ModelConfig& model);
 
 nlohmann::json to_json(const RunConfig& cfg);
 // Rows "section.key | value" for the start-up table.

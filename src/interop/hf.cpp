@@ -217,6 +217,10 @@ std::vector<int64_t> HfTensor::param_shape() const {
 }
 
 std::vector<HfTensor> hf_layout(const config::ModelConfig& m) {
+  if (!config::uniform_blocks(m))
+    throw ConfigError("model.layer_mlp_hidden: Hugging Face's GPT-2 and LLaMA classes give every block one MLP size, so "
+                      "this model (blocks of differing MLP sizes) has no Hugging Face layout; use its training states "
+                      "(state.*) instead");
   std::vector<HfTensor> out;
   if (m.arch == "llama") llama_layout(m, out);
   else gpt2_layout(m, out);

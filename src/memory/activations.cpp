@@ -26,11 +26,12 @@ struct Sizes {
   bool fused_attention = false;  // the CPU fp32 attention kernel (model/attention.h): output in (B, T, C)
 };
 
-Sizes sizes_of(const config::RunConfig& cfg, LowpMatmul lowp) {
+// The sizes of block `layer` (they differ only in H, with model.layer_mlp_hidden).
+Sizes sizes_of(const config::RunConfig& cfg, LowpMatmul lowp, int64_t layer = 0) {
   const auto& m = cfg.model;
   const bool lowp_on = cfg.precision.compute != "fp32";
   Sizes z;
-  z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::mlp_hidden(m));
+  z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::mlp_hidden(m, layer));
   z.V = static_cast<double>(m.vocab_size), z.nh = static_cast<double>(m.n_head);
   z.llama = m.arch == "llama";
   z.c = lowp_on ? 2.0 : 4.0;
@@ -68,6 +69,11 @@ double backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   return z.r * z.C + (c < z.r ? c * z.C : 0.0) + mlp;
 }
 
+// Wg: the weight gradient of the MLP's output projection (C x H, compute dtype), which autograd holds
+// beside da until the gradient is accumulated: the backward moment's one term that does not scale with
+// the tokens (the same size as da when B*T = C).
+double weight_grad_bytes(const Sizes& z) { return z.c * z.C * z.H; }
+
 // E: the head's tensors at the start of backward.
 double head_bytes(const Sizes& z) { return z.r * z.C + 2 * z.c * z.C + (2 * z.f + z.c) * z.V; }
 
@@ -81,11 +87,10 @@ double forward_block_bytes(const Sizes& z) {
 
 // Under autocast the compute-dtype copies of one block's matmul weights (0 in fp32): cached through
 // the forward, then kept by the linears that saved them until their backward.
-double block_cast_bytes(const config::ModelConfig& m, const Sizes& z) {
+double block_cast_bytes(const Sizes& z) {
   const double c = z.c;
   if (c >= 4.0 || z.lowp_params) return 0;  // the parameters are already in the compute dtype: nothing is cast
-  const double C = static_cast<double>(m.n_embd), H = static_cast<double>(config::mlp_hidden(m));
-  return c * (4 * C * C + (m.arch == "llama" ? 3 : 2) * C * H);
+  return c * (4 * z.C * z.C + (z.llama ? 3 : 2) * z.C * z.H);
 }
 
 std::string path_name(const config::RunConfig& cfg, LowpMatmul lowp) {
@@ -160,7 +165,7 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   e.backward_bytes = backward_bytes(z, seg);
   e.forward_bytes = forward_block_bytes(z);
   const double S = e.block_bytes, T = e.backward_bytes, E = e.head_bytes, fC = z.r * z.C, tok = static_cast<double>(e.tokens);
-  const double Wb = block_cast_bytes(cfg.model, z), Wh = z.c < z.f && !z.lowp_params ? z.c * z.V * z.C : 0.0;
+  const double Wb = block_cast_bytes(z), Wh = z.c < z.f && !z.lowp_params ? z.c * z.V * z.C : 0.0;
   if (cfg.model.tie_embeddings) e.tied_grad_bytes = 4 * cfg.model.vocab_size * cfg.model.n_embd;
   const auto tied = static_cast<double>(e.tied_grad_bytes);
   e.weight_cast_bytes = static_cast<int64_t>(L * Wb + Wh);
@@ -168,32 +173,36 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   // with every block's weight copies still cached.
   e.moment_f = L * Wb + Wh + tok * std::max(fC * n + S * kept + E - z.c * z.C, n > 0 ? fC * n + e.forward_bytes : 0.0);
   e.moment_a = kept * Wb + Wh + tok * (E + fC * n + S * kept);
-  if (seg.kept_blocks > 0) e.moment_d = kept * Wb + tied + tok * (fC * n + S * kept + T);
+  const double Wg = weight_grad_bytes(z);
+  if (seg.kept_blocks > 0) e.moment_d = kept * Wb + tied + Wg + tok * (fC * n + S * kept + T);
   // B also holds the recomputed segment's output: its backward starts from it.
-  if (seg.checkpointed > 0) e.moment_b = k * Wb + tied + tok * (fC * n + S * k + T);
+  if (seg.checkpointed > 0) e.moment_b = k * Wb + tied + Wg + tok * (fC * n + S * k + T);
   e.peak_bytes = static_cast<int64_t>(std::max({e.moment_f, e.moment_a, e.moment_d, e.moment_b}));
   return e;
 }
 
 ChainModel chain_model(const config::RunConfig& cfg, LowpMatmul lowp) {
-  const Sizes z = sizes_of(cfg, lowp);
-  const auto L = static_cast<size_t>(cfg.model.n_layer);
+  const auto L = cfg.model.n_layer;
   const auto tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len);
   ChainModel m;
-  std::array<double, recompute::kPartSets> kept{}, backward{};
-  for (int b = 0; b < recompute::kPartSets; ++b) {
-    SegmentCounts parts;
-    parts.attention = (b & recompute::kPartAttention) != 0;
-    parts.mlp = (b & recompute::kPartMlp) != 0;
-    parts.norm = (b & recompute::kPartNorm) != 0;
-    kept[static_cast<size_t>(b)] = tok * block_bytes(z, parts);
-    backward[static_cast<size_t>(b)] = tok * backward_bytes(z, parts);
+  for (int64_t layer = 0; layer < L; ++layer) {  // the blocks differ only by model.layer_mlp_hidden
+    const Sizes zl = sizes_of(cfg, lowp, layer);
+    std::array<double, recompute::kPartSets> kept{}, backward{};
+    for (int b = 0; b < recompute::kPartSets; ++b) {
+      SegmentCounts parts;
+      parts.attention = (b & recompute::kPartAttention) != 0;
+      parts.mlp = (b & recompute::kPartMlp) != 0;
+      parts.norm = (b & recompute::kPartNorm) != 0;
+      kept[static_cast<size_t>(b)] = tok * block_bytes(zl, parts);
+      backward[static_cast<size_t>(b)] = tok * backward_bytes(zl, parts) + weight_grad_bytes(zl);
+    }
+    m.kept.push_back(kept);
+    m.backward.push_back(backward);
+    m.weights.push_back(block_cast_bytes(zl));
+    m.forward.push_back(tok * forward_block_bytes(zl));
   }
-  m.kept.assign(L, kept);
-  m.backward.assign(L, backward);
-  m.weights.assign(L, block_cast_bytes(cfg.model, z));
+  const Sizes z = sizes_of(cfg, lowp);
   m.input = tok * z.r * z.C;
-  m.forward = tok * forward_block_bytes(z);
   m.head = tok * head_bytes(z);
   m.head_input = tok * z.c * z.C;
   m.head_weights = z.c < z.f && !z.lowp_params ? z.c * z.V * z.C : 0.0;
@@ -212,7 +221,8 @@ double forward_moments(const ChainModel& m, const recompute::Plan& plan, double&
   for (const auto& seg : plan.segments) {
     if (seg.checkpointed) {
       held += m.input;
-      peak = std::max(peak, all_weights + m.head_weights + held + m.forward);
+      for (int64_t b = seg.begin; b < seg.end; ++b)
+        peak = std::max(peak, all_weights + m.head_weights + held + m.forward[static_cast<size_t>(b)]);
       continue;
     }
     for (int64_t b = seg.begin; b < seg.end; ++b) {
@@ -254,8 +264,9 @@ double chain_peak(const ChainModel& m, const recompute::Plan& plan) {
 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
   const auto lowp = lowp_matmul_path(cfg);
-  if (plan.mode != "budget") return estimate_activation_peak(cfg, segment_counts(plan), lowp);
-  // The per-token terms of a plain block; the moments by walking the plan.
+  if (plan.mode != "budget" && config::uniform_blocks(cfg.model)) return estimate_activation_peak(cfg, segment_counts(plan), lowp);
+  // Blocks that differ (a budget schedule, or model.layer_mlp_hidden): the per-token terms of block 0
+  // with no parts recomputed; the moments by walking the plan block by block.
   ActivationEstimate e = estimate_activation_peak(cfg, SegmentCounts{}, lowp);
   e.moment_f = e.moment_a = e.moment_d = e.moment_b = 0;
   e.peak_bytes = static_cast<int64_t>(chain_peak(chain_model(cfg, lowp), plan));
@@ -263,6 +274,7 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
 }
 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg) {
+  if (!config::uniform_blocks(cfg.model)) return estimate_activation_peak(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer));
   return estimate_activation_peak(cfg, segment_counts(cfg.checkpointing, cfg.model.n_layer), lowp_matmul_path(cfg));
 }
 

@@ -30,6 +30,8 @@
 //     llama plain: cH + max(MH, cH) (da; at the product's backward da, its two gradients, less the product)
 //           mlp recomputed: max(2cH + MH, 5cH) (da, recomputed silu; then the product's and silu's
 //           gradients and their concatenation, 2H, while da is still held)
+// Beside T, at that moment, autograd holds Wg = cCH, the output projection's weight gradient (da and dW
+//   of one linear's backward are alive together), a term that does not scale with tok.
 // A block run without saving (a checkpointed segment's first pass) holds Fb beyond its input:
 //   fC (h) + gpt2 max(2cH, (c + M)H) (u, GELU) | llama max(4cH, 2(c + M)H) (u 2H, silu, product).
 // Under autocast, W = one block's compute-dtype weight copies, c(4C^2 + 2CH) gpt2 | c(4C^2 + 3CH)
@@ -39,9 +41,9 @@
 // the peak is the largest of four moments (D only when K > 0, B only when n > 0):
 //   F  end of the forward:  L*W + Wh + tok*max(fC*n + S*K + E - cC,  fC*n + Fb)
 //   A  start of backward:   K*W + Wh + tok*(E + fC*n + S*K)
-//   D  last kept block's backward:            K*W + G + tok*(fC*n + S*K + T)
+//   D  last kept block's backward:            K*W + G + Wg + tok*(fC*n + S*K + T)
 //   B  recompute of the largest segment and its backward (its recomputed output fC included):
-//                                              k*W + G + tok*(fC*n + S*k + T)
+//                                              k*W + G + Wg + tok*(fC*n + S*k + T)
 // where G = 4VC is the LM head's part of a tied embedding's gradient (autograd holds it until the
 // embedding's part arrives; 0 when untied).
 //
@@ -93,19 +95,22 @@ struct ActivationEstimate {
 
 // The recipe's device and precision decide the matmul path (CPU: cpu_features()).
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan);
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg);  // O(1) in n_layer
+// O(1) in n_layer; O(n_layer) for a model whose blocks differ (model.layer_mlp_hidden), whose peak is
+// always the walk's (chain_peak) since the formula's moments assume one block shape.
+ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg);
 // With the CPU's low-precision matmul path given (`lowp` is ignored for fp32).
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const SegmentCounts& seg, LowpMatmul lowp);
 
-// The same terms per block, for plans whose blocks differ (checkpointing.mode: budget), in bytes of one
+// The same terms per block, for plans or models whose blocks differ (checkpointing.mode: budget,
+// model.layer_mlp_hidden: H is the block's own), in bytes of one
 // micro-batch (tok times the per-token sizes above). Index b of kept/backward is a bit set of
 // selective parts (recompute::kPartAttention | kPartMlp | kPartNorm), 0 = plain.
 struct ChainModel {
   std::vector<std::array<double, recompute::kPartSets>> kept;      // S of block i with parts b
-  std::vector<std::array<double, recompute::kPartSets>> backward;  // T of block i with parts b
+  std::vector<std::array<double, recompute::kPartSets>> backward;  // T of block i with parts b, and its Wg
   std::vector<double> weights;  // W of block i (autocast's copies; 0 in fp32)
+  std::vector<double> forward;  // Fb of block i: the block run without saving, beyond its input
   double input = 0;        // fC: what a checkpointed segment keeps (its input)
-  double forward = 0;      // Fb: a block run without saving, beyond its input
   double head = 0;         // E
   double head_input = 0;   // cC: E less this at the end of the forward (moment F)
   double head_weights = 0; // Wh

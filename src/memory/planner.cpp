@@ -46,13 +46,13 @@ int64_t sat_mul(int64_t a, int64_t b) {
 }
 
 struct Dims {
-  int64_t C, H, V, T;  // n_embd, mlp_hidden, vocab_size, max_seq_len
+  int64_t C, H, V, T;  // n_embd, mlp_hidden (of one block), vocab_size, max_seq_len
   bool llama, bias, tied;
 };
 
-Dims dims_of(const config::ModelConfig& m) {
+Dims dims_of(const config::ModelConfig& m, int64_t layer = 0) {
   const bool llama = m.arch == "llama";
-  return {m.n_embd, config::mlp_hidden(m), m.vocab_size, m.max_seq_len, llama, m.bias && !llama, m.tie_embeddings};
+  return {m.n_embd, config::mlp_hidden(m, layer), m.vocab_size, m.max_seq_len, llama, m.bias && !llama, m.tie_embeddings};
 }
 
 // model/gpt.cpp's parameter set, unit by unit.
@@ -69,6 +69,22 @@ int64_t block_params(const Dims& d) {
 
 int64_t head_params(const Dims& d) { return sat_add(d.bias ? 2 * d.C : d.C, d.tied ? 0 : sat_mul(d.V, d.C)); }
 
+// The blocks' parameters: n_layer times one block's, or with per-block MLP sizes their sum (O(n_layer)).
+int64_t all_block_params(const config::ModelConfig& m) {
+  if (config::uniform_blocks(m)) return sat_mul(m.n_layer, block_params(dims_of(m)));
+  int64_t n = 0;
+  for (int64_t l = 0; l < m.n_layer; ++l) n = sat_add(n, block_params(dims_of(m, l)));
+  return n;
+}
+
+// The largest MLP inner size of any block.
+int64_t widest_mlp(const config::ModelConfig& m) {
+  int64_t h = config::mlp_hidden(m);
+  if (!config::uniform_blocks(m))
+    for (int64_t l = 0; l < m.n_layer; ++l) h = std::max(h, config::mlp_hidden(m, l));
+  return h;
+}
+
 // The largest flat group the engine forms: a unit under zero3, else a gradient bucket.
 int64_t largest_group_params(const config::RunConfig& cfg, int64_t n) {
   if (cfg.parallel.sharding == "zero3") return largest_unit_params(cfg.model);
@@ -83,16 +99,18 @@ int64_t dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; 
 
 int64_t total_params(const config::ModelConfig& m) {
   const Dims d = dims_of(m);
-  return sat_add(sat_add(embedding_params(d), sat_mul(m.n_layer, block_params(d))), head_params(d));
+  return sat_add(sat_add(embedding_params(d), all_block_params(m)), head_params(d));
 }
 
 int64_t largest_unit_params(const config::ModelConfig& m) {
-  const Dims d = dims_of(m);
+  Dims d = dims_of(m);
+  d.H = widest_mlp(m);
   return std::max({embedding_params(d), m.n_layer > 0 ? block_params(d) : 0, head_params(d)});
 }
 
 int64_t largest_param(const config::ModelConfig& m) {
-  const Dims d = dims_of(m);
+  Dims d = dims_of(m);
+  d.H = widest_mlp(m);
   return std::max({sat_mul(d.V, d.C), d.llama ? 0 : sat_mul(d.T, d.C), sat_mul(3 * d.C, d.C),
                    sat_mul((d.llama ? 2 : 1) * d.H, d.C)});
 }

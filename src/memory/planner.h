@@ -53,6 +53,7 @@ struct PeakPrediction {
 };
 
 // The recipe's own checkpointing mode and micro-batch, per rank of cfg.world_size. O(1) in n_layer
+// (O(n_layer) with model.layer_mlp_hidden)
 // (mode budget: its schedule is solved with formula costs, O(n_layer^2)).
 PeakPrediction predict_peak(const config::RunConfig& cfg);
 // The same for a given plan (a budget schedule chosen from profiled costs).
@@ -64,7 +65,8 @@ PeakPrediction predict_peak(const config::RunConfig& cfg, const recompute::Plan&
 // beside the activations. May be <= 0 (nothing fits).
 int64_t activation_budget_bytes(const config::RunConfig& cfg);
 
-// Parameter counts, closed formulas of the model config (gpt2 / llama, biases, tied head, mlp_hidden),
+// Parameter counts, closed formulas of the model config (gpt2 / llama, biases, tied head, mlp_hidden;
+// with model.layer_mlp_hidden a sum over the blocks),
 // saturating at kMaxParams so that byte counts made from them (x16) cannot overflow.
 inline constexpr int64_t kMaxParams = INT64_MAX / 64;
 int64_t total_params(const config::ModelConfig& m);

@@ -93,7 +93,7 @@ BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch:
     : layer(layer_index),
       n_head(cfg.n_head),
       n_embd(cfg.n_embd),
-      hidden(config::mlp_hidden(cfg)),
+      hidden(config::mlp_hidden(cfg, layer_index)),
       llama(cfg.arch == "llama"),
       dropout(cfg.dropout),
       eps(cfg.norm_eps) {

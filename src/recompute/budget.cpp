@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <stdexcept>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -15,6 +16,7 @@
 #include "errors.h"
 #include "log/metrics.h"
 #include "memory/planner.h"
+#include "memory/tracker.h"
 #include "precision/autocast.h"
 
 namespace sl::recompute {
@@ -75,7 +77,9 @@ struct Bounds {
   bool kept_fits(double held_after, int64_t b, uint8_t parts) const {  // D
     return held_after + m.tied_grad + m.backward[static_cast<size_t>(b)][parts] <= budget;
   }
-  bool first_pass_fits(double held_in) const { return all_weights + m.head_weights + held_in + m.forward <= budget; }  // F
+  bool first_pass_fits(double held_in, double forward) const {  // F: a segment's first pass, its widest block
+    return all_weights + m.head_weights + held_in + forward <= budget;
+  }
   bool recompute_fits(double held_in, double saved, double worst_backward) const {  // B
     return m.tied_grad + held_in + saved + worst_backward <= budget;
   }
@@ -98,14 +102,15 @@ void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<
       t.relax(i + 1, after, c + costs[bi].parts(static_cast<uint8_t>(s)), {from, 0, static_cast<uint8_t>(s)});
     }
     const double held_in = held + m.input;
-    if (!fit.first_pass_fits(held_in)) continue;
-    double saved = 0, forward = 0, worst_backward = 0;
+    double saved = 0, forward = 0, worst_backward = 0, worst_forward = 0;
     for (int64_t j = i + 1; j <= t.L; ++j) {
       const auto b = static_cast<size_t>(j - 1);
       saved += m.kept[b][0] + m.weights[b];
       forward += costs[b].forward;
       worst_backward = std::max(worst_backward, m.backward[b][0]);
-      if (!fit.recompute_fits(held_in, saved, worst_backward)) break;  // only grows with j
+      worst_forward = std::max(worst_forward, m.forward[b]);
+      // Both only grow with j.
+      if (!fit.first_pass_fits(held_in, worst_forward) || !fit.recompute_fits(held_in, saved, worst_backward)) break;
       t.relax(j, held_in, c + forward - costs[b].output, {from, static_cast<int32_t>(j - i), 0});
     }
   }
@@ -162,11 +167,14 @@ Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>&
   return out;
 }
 
-Costs formula_costs(const config::RunConfig& cfg) {
+namespace {
+
+// formula_costs of block `layer` (blocks differ only by their MLP size).
+BlockCost formula_block_cost(const config::RunConfig& cfg, int64_t layer) {
   const auto& mc = cfg.model;
   const bool llama = mc.arch == "llama";
   const double tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len), T = static_cast<double>(cfg.train.seq_len);
-  const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::mlp_hidden(mc));
+  const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::mlp_hidden(mc, layer));
   const double c = cfg.precision.compute == "fp32" ? 4.0 : 2.0, f = 4.0;
   const double balance = memory::runs_on_cuda(cfg) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
   const double matmul = 2 * tok * (4 * C * C + (llama ? 3 : 2) * C * H);
@@ -177,15 +185,23 @@ Costs formula_costs(const config::RunConfig& cfg) {
   const double residual = 2 * (3 * C * f) * tok * balance / 1e9;     // two residual adds
   b.output = 2 * tok * C * H / 1e9;
   b.forward = matmul / 1e9 + b.attention + b.norm + b.mlp + residual;
-  return {std::vector<BlockCost>(static_cast<size_t>(mc.n_layer), b), "formula", "GFLOP"};
+  return b;
+}
+
+}  // namespace
+
+Costs formula_costs(const config::RunConfig& cfg) {
+  Costs out{{}, "formula", "GFLOP", {}};
+  for (int64_t l = 0; l < cfg.model.n_layer; ++l) out.blocks.push_back(formula_block_cost(cfg, l));
+  return out;
 }
 
 namespace {
 
-// A block like the model's, with its own weights (drawn from a generator of its own, so the run's
-// random stream is untouched; under zero3 the model's blocks hold no whole weights).
-model::Block profiling_block(const config::RunConfig& cfg, torch::Device device, at::Generator& gen) {
-  model::Block block(cfg.model, 0, device, /*defer_params=*/true);
+// A block like the model's block `layer`, with its own weights (drawn from a generator of its own, so
+// the run's random stream is untouched; under zero3 the model's blocks hold no whole weights).
+model::Block profiling_block(const config::RunConfig& cfg, int64_t layer, torch::Device device, at::Generator& gen) {
+  model::Block block(cfg.model, layer, device, /*defer_params=*/true);
   torch::NoGradGuard no_grad;
   for (auto& item : block->named_parameters()) {
     auto& p = item.value();
@@ -206,58 +222,144 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-}  // namespace
-
-Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(cfg.train.seed));
-  auto block = profiling_block(cfg, device, gen);
-  block->eval();  // no dropout: the profile draws nothing from the run's generators
-  auto x = torch::randn({cfg.train.micro_batch, cfg.train.seq_len, cfg.model.n_embd}, gen,
-                        torch::TensorOptions().dtype(torch::kFloat32)).to(device);
-  const auto rope = model->rope(cfg.train.seq_len);
+// Milliseconds fn() takes on `device` (synchronized on CUDA), with its result.
+template <class Fn> auto timed(torch::Device device, Fn&& fn) {
   auto sync = [&] {
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
   };
-  auto timed = [&](auto&& fn) {
-    sync();
-    const auto t0 = std::chrono::steady_clock::now();
-    auto out = fn();
-    sync();
-    return std::pair{out, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
-  };
-  torch::NoGradGuard no_grad;
-  precision::AutocastGuard autocast(device.type(), precision::compute_dtype(cfg.precision.compute));
+  sync();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto out = fn();
+  sync();
+  return std::pair{out, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
+}
+
+// One block's pieces timed: its forward six times (the first warms up), the median of each piece.
+BlockCost time_block(model::Block& block, const torch::Tensor& x, const model::Rope& rope, torch::Device device) {
   PieceTimes t;
-  for (int rep = 0; rep < 6; ++rep) {  // the first warms up
+  for (int rep = 0; rep < 6; ++rep) {
     double attention = 0, mlp = 0, norm = 0, output = 0;
     const model::LinearAfter timed_parts = [&](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& in,
                                                const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b) {
-      auto [a, cheap_ms] = timed([&] { return cheap(in); });
-      auto [y, linear_ms] = timed([&] { return at::linear(a, W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt); });
+      auto [a, cheap_ms] = timed(device, [&] { return cheap(in); });
+      auto [y, linear_ms] = timed(device, [&] { return at::linear(a, W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt); });
       (part == model::Part::attention_proj ? attention : part == model::Part::act_out ? mlp : norm) += cheap_ms;
       if (part == model::Part::act_out) output = linear_ms;
       return y;
     };
-    timed([&] { return block->forward_with(x, rope, timed_parts); });
-    const double forward = timed([&] { return block->forward(x, rope); }).second;  // without the parts' syncs
+    timed(device, [&] { return block->forward_with(x, rope, timed_parts); });
+    const double forward = timed(device, [&] { return block->forward(x, rope); }).second;  // without the parts' syncs
     if (rep == 0) continue;
     t.forward.push_back(forward), t.output.push_back(output), t.attention.push_back(attention);
     t.mlp.push_back(mlp), t.norm.push_back(norm);
   }
-  BlockCost b{median(t.forward), median(t.output), median(t.attention), median(t.mlp), median(t.norm)};
-  return {std::vector<BlockCost>(static_cast<size_t>(cfg.model.n_layer), b), "profile", "ms"};
+  return {median(t.forward), median(t.output), median(t.attention), median(t.mlp), median(t.norm)};
+}
+
+// Bytes allocated on the device now, and the most since reset() (CPU: the tracking allocator; CUDA: the
+// caching allocator's stats).
+struct ByteMeter {
+  memory::Tracker tracker;
+  torch::Device device;
+  bool works() const { return tracker.source() != "untracked"; }
+  void reset() { sync(), tracker.reset_peak(); }
+  double now() const { return sync(), static_cast<double>(tracker.read().allocated_bytes); }
+  double peak() const { return sync(), static_cast<double>(tracker.read().peak_allocated_bytes); }
+  void sync() const {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  }
+};
+
+// One forward and backward of `block` with selective parts `parts`: what the forward keeps, and the
+// most the backward holds beyond it. The parameters' gradients exist beforehand, as in training, so the
+// backward's weight gradients are transients.
+void measure_parts(model::Block& block, uint8_t parts, const torch::Tensor& x, const model::Rope& rope, ByteMeter& meter,
+                   BlockBytes& out) {
+  Options opts;
+  auto in = x.detach().requires_grad_();
+  const double before = meter.now();
+  auto y = parts == 0 ? block->forward(in, rope) : block->forward_with(in, rope, selective_linear_after(parts, 0, opts));
+  const double after = meter.now();
+  out.kept[parts] = std::max(0.0, after - before);
+  auto dy = torch::ones_like(y);  // the residual gradient, part of what the model's backward term holds
+  meter.reset();
+  y.backward(dy);
+  out.backward[parts] = std::max(0.0, meter.peak() - after);
+}
+
+// A block's bytes for every set of selective parts, and without saving (a segment's first pass). Under
+// autocast the block's weight copies are made first, into autocast's cache, where the run's forward
+// keeps them too: what is measured excludes them, as the activation model's block terms do (it counts
+// them apart, memory::ChainModel::weights).
+BlockBytes measure_block(model::Block& block, const torch::Tensor& x, const model::Rope& rope, ByteMeter& meter) {
+  {
+    torch::NoGradGuard no_grad;
+    block->forward(x, rope);  // fills autocast's cache with the weight copies
+  }
+  torch::AutoGradMode grad_on(true);
+  for (auto& p : block->parameters()) p.mutable_grad() = torch::zeros_like(p);
+  BlockBytes out;
+  for (uint8_t parts = 0; parts < kPartSets; ++parts) measure_parts(block, parts, x, rope, meter, out);
+  {
+    torch::NoGradGuard no_grad;
+    const double before = meter.now();
+    meter.reset();
+    block->forward(x, rope);
+    out.forward = std::max(0.0, meter.peak() - before);
+  }
+  for (auto& p : block->parameters()) p.mutable_grad() = torch::Tensor();
+  return out;
+}
+
+}  // namespace
+
+Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(cfg.train.seed));
+  auto x = torch::randn({cfg.train.micro_batch, cfg.train.seq_len, cfg.model.n_embd}, gen,
+                        torch::TensorOptions().dtype(torch::kFloat32)).to(device);
+  const auto rope = model->rope(cfg.train.seq_len);
+  torch::NoGradGuard no_grad;
+  precision::AutocastGuard autocast(device.type(), precision::compute_dtype(cfg.precision.compute));
+  ByteMeter meter{memory::Tracker(device), device};
+  // Blocks differ only by their MLP size (model.layer_mlp_hidden): each size is measured once, on the
+  // first block that has it, and stands for every block of that size.
+  std::map<int64_t, std::pair<BlockCost, BlockBytes>> by_width;
+  Costs out{{}, "profile", "ms", {}};
+  for (int64_t l = 0; l < cfg.model.n_layer; ++l) {
+    const int64_t width = config::mlp_hidden(cfg.model, l);
+    if (!by_width.count(width)) {
+      auto block = profiling_block(cfg, l, device, gen);
+      block->eval();  // no dropout: the profile draws nothing from the run's generators
+      const BlockCost time = time_block(block, x, rope, device);
+      by_width[width] = {time, meter.works() ? measure_block(block, x, rope, meter) : BlockBytes{}};
+    }
+    out.blocks.push_back(by_width[width].first);
+    if (meter.works()) out.bytes.push_back(by_width[width].second);
+  }
+  return out;
+}
+
+memory::ChainModel solver_model(const config::RunConfig& cfg, const Costs& costs) {
+  auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
+  for (size_t i = 0; i < costs.bytes.size() && i < mem.kept.size(); ++i) {
+    mem.kept[i] = costs.bytes[i].kept;
+    mem.backward[i] = costs.bytes[i].backward;
+    mem.forward[i] = costs.bytes[i].forward;
+  }
+  return mem;
 }
 
 std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const Costs& costs) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t budget = memory::activation_budget_bytes(cfg);
-  const auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
+  const auto mem = solver_model(cfg, costs);
   const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(cfg.model.n_layer));
   if (!s.feasible) return std::nullopt;
   Plan p = as_plan(s);
   p.budget = {budget, static_cast<int64_t>(std::ceil(s.quantum_bytes)), static_cast<int64_t>(s.peak_bytes), s.cost, 0.0,
               costs.source, costs.unit, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
   for (const auto& c : costs.blocks) p.budget.forward_cost += c.forward;
+  p.budget.bytes_source = costs.bytes.empty() ? "formula" : "profile";
   return p;
 }
 

@@ -4,6 +4,7 @@
 // chain of blocks (memory quantized, with the error bound below), costs from a profiling pass of real
 // block forwards or from a FLOP formula.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -28,10 +29,22 @@ struct BlockCost {
   double parts(uint8_t set) const;  // the selective parts in `set` (kPartAttention | ...)
 };
 
-// Per-block costs and where they came from: source "profile" (unit ms) or "formula" (unit GFLOP).
+// What one block holds, measured on the run's device and precision, in bytes of one micro-batch, in
+// memory::ChainModel's terms (without autocast's weight copies, which the model counts apart):
+// kept[b] what its forward keeps for backward with selective parts b recomputed (its input included),
+// backward[b] the most its backward holds beyond that, forward what a run without saving holds beyond
+// its input.
+struct BlockBytes {
+  std::array<double, kPartSets> kept{}, backward{};
+  double forward = 0;
+};
+
+// Per-block costs and where they came from: source "profile" (unit ms) or "formula" (unit GFLOP), and
+// per block the bytes the profile measured (empty: the activation formula's, memory::chain_model).
 struct Costs {
   std::vector<BlockCost> blocks;
   std::string source, unit;
+  std::vector<BlockBytes> bytes;
 };
 
 struct Schedule {
@@ -70,9 +83,15 @@ double schedule_cost(const std::vector<Segment>& segments, const std::vector<uin
 Costs formula_costs(const config::RunConfig& cfg);
 
 // Costs measured (ms): each piece of one block's forward timed at the run's micro-batch, sequence
-// length, device and precision (median of 5 after a warm-up). The blocks of this model all have the
-// same shapes, so one block stands for all (a model with differing blocks would time each kind).
+// length, device and precision (median of 5 after a warm-up); and, where the device's allocations are
+// tracked (CPU with the tracking allocator, CUDA), the block's bytes for every set of selective parts
+// (a forward and backward each) and without saving. Blocks differ only by their MLP size
+// (model.layer_mlp_hidden): one block of each size is measured and stands for every block of that size.
 Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device);
+
+// The activation model a schedule is solved with: memory::chain_model, its per-block terms replaced by
+// the measured ones when costs carry them.
+memory::ChainModel solver_model(const config::RunConfig& cfg, const Costs& costs);
 
 // The recipe's budget plan from costs: nullopt when no schedule fits the budget.
 std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const Costs& costs);

@@ -1,6 +1,7 @@
 // Recompute policies: segment plans and the model forward under them.
 #include "recompute/policy.h"
 
+#include <array>
 #include <cmath>
 #include <stdexcept>
 
@@ -81,6 +82,7 @@ nlohmann::json Plan::to_json() const {
                  {"forward_cost", budget.forward_cost},
                  {"cost_source", budget.cost_source},
                  {"cost_unit", budget.cost_unit},
+                 {"bytes_source", budget.bytes_source},
                  {"solve_ms", budget.solve_ms}};
   return j;
 }
@@ -118,6 +120,19 @@ Plan make_plan(const config::CheckpointingConfig& cfg, int64_t L) {
   }
   if (cfg.skip_last) p.segments.back().checkpointed = false;
   return p;
+}
+
+model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts) {
+  static const char* kPartNames[] = {"norm1->qkv", "attention->proj", "norm2->fc", "act->out"};
+  const std::array<bool, 4> recompute = {(parts & kPartNorm) != 0, (parts & kPartAttention) != 0,
+                                         (parts & kPartNorm) != 0, (parts & kPartMlp) != 0};
+  return [recompute, layer, o = &opts](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
+                                       const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W,
+                                       const torch::Tensor& b) {
+    const auto i = static_cast<size_t>(part);
+    if (!recompute[i]) return at::linear(cheap(inputs), W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+    return recompute_then_linear(fmt::format("block {} {}", layer, kPartNames[i]), cheap, inputs, cheap_params, W, b, *o);
+  };
 }
 
 Policy::Policy(const config::CheckpointingConfig& cfg, model::GPT model)
@@ -162,17 +177,7 @@ torch::Tensor Policy::block_forward_unhooked(model::BlockImpl& block, const torc
   }
   const uint8_t parts = plan_.parts_of(block.layer);
   if (parts == 0) return block.forward(x, rope);
-  static const char* kPartNames[] = {"norm1->qkv", "attention->proj", "norm2->fc", "act->out"};
-  const bool recompute[] = {(parts & kPartNorm) != 0, (parts & kPartAttention) != 0, (parts & kPartNorm) != 0,
-                            (parts & kPartMlp) != 0};
-  auto linear_after = [&](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
-                          const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W, const torch::Tensor& b) {
-    const auto i = static_cast<size_t>(part);
-    if (!recompute[i]) return at::linear(cheap(inputs), W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-    return recompute_then_linear(fmt::format("block {} {}", block.layer, kPartNames[i]), cheap, inputs, cheap_params, W,
-                                 b, opts_);
-  };
-  return block.forward_with(x, rope, linear_after);
+  return block.forward_with(x, rope, selective_linear_after(parts, block.layer, opts_));
 }
 
 torch::Tensor Policy::forward(const torch::Tensor& idx) {

@@ -35,6 +35,7 @@ struct BudgetInfo {
   double forward_cost = 0;         // one forward of all blocks in cost_unit (for scale)
   std::string cost_source, cost_unit;  // profile / formula; ms / GFLOP
   double solve_ms = 0;
+  std::string bytes_source = "formula";  // profile (measured per block) / formula (memory/activations.h)
 };
 
 struct Plan {
@@ -49,6 +50,11 @@ struct Plan {
   std::string describe() const;  // one line for the start-up table
   nlohmann::json to_json() const;
 };
+
+// The LinearAfter that runs block `layer` with its selective `parts` recomputed: recompute_then_linear
+// on the chosen cheap-op -> linear pairs, plain linears on the others. What Policy runs in a kept block,
+// and what the budget profile measures; `opts` must outlive the forward it is used in.
+model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts);
 
 // Segments for a config and a block count. skip_last keeps the last segment's activations. Not for
 // mode budget, whose plan comes from recompute/budget.h.

@@ -477,7 +477,7 @@ fs::path state_root(const config::RunConfig& cfg, const fs::path& run_dir) {
 const std::vector<std::string>& math_keys() {
   static const std::vector<std::string> keys = {
       "model.arch", "model.n_layer", "model.n_head", "model.n_embd", "model.vocab_size", "model.max_seq_len",
-      "model.mlp_hidden", "model.dropout", "model.bias", "model.tie_embeddings", "model.norm_eps", "model.rope_theta",
+      "model.mlp_hidden", "model.layer_mlp_hidden", "model.dropout", "model.bias", "model.tie_embeddings", "model.norm_eps", "model.rope_theta",
       "model.init_std", "data.source", "data.raw_dtype", "data.path", "data.val_path", "data.val_fraction", "data.synthetic_tokens",
       "train.seq_len", "train.global_batch", "train.lr", "train.min_lr", "train.warmup_steps", "train.weight_decay",
       "train.beta1", "train.beta2", "train.grad_clip", "train.seed", "precision.compute", "precision.param_dtype",

@@ -184,9 +184,19 @@ void choose_micro_batch(Session& s) {
 recompute::Costs rank0_costs(parallel::Comm& comm, recompute::Costs mine) {
   std::vector<double> flat;
   for (const auto& c : mine.blocks) flat.insert(flat.end(), {c.forward, c.output, c.attention, c.mlp, c.norm});
+  for (const auto& b : mine.bytes) {
+    flat.insert(flat.end(), b.kept.begin(), b.kept.end());
+    flat.insert(flat.end(), b.backward.begin(), b.backward.end());
+    flat.push_back(b.forward);
+  }
   const auto all = comm.all_gather(flat, "profiled block costs");  // rank 0's come first
-  for (size_t i = 0; i < mine.blocks.size(); ++i)
-    mine.blocks[i] = {all[5 * i], all[5 * i + 1], all[5 * i + 2], all[5 * i + 3], all[5 * i + 4]};
+  auto next = all.begin();
+  for (auto& c : mine.blocks) c = {next[0], next[1], next[2], next[3], next[4]}, next += 5;
+  for (auto& b : mine.bytes) {
+    std::copy(next, next + recompute::kPartSets, b.kept.begin()), next += recompute::kPartSets;
+    std::copy(next, next + recompute::kPartSets, b.backward.begin()), next += recompute::kPartSets;
+    b.forward = *next++;
+  }
   return mine;
 }
 
@@ -215,7 +225,10 @@ void build_model(Session& s) {
                                std::string(e.what_without_backtrace()).substr(0, 200), memory::oom_advice(cfg, s.limit)));
   }
   s.model->train();
-  s.policy = std::make_unique<recompute::Policy>(cfg.checkpointing, s.model, run_plan(s));
+  const int64_t model_peak = s.tracker->read().peak_allocated_bytes;
+  auto plan = run_plan(s);  // the budget profile resets the peak to measure its own
+  s.tracker->reset_peak();
+  s.policy = std::make_unique<recompute::Policy>(cfg.checkpointing, s.model, std::move(plan));
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
   // ends) would keep every unit's weights alive after the unit's fp32 storage is freed.
   if (cfg.parallel.sharding == "zero3") at::autocast::set_autocast_cache_enabled(false);
@@ -223,7 +236,7 @@ void build_model(Session& s) {
     s.engine = std::make_unique<parallel::Engine>(s.model, cfg, s.comm);
     s.engine->attach(*s.policy);
   }
-  s.build_peak_bytes = s.tracker->read().peak_allocated_bytes - before_build;
+  s.build_peak_bytes = std::max(model_peak, s.tracker->read().peak_allocated_bytes) - before_build;
   s.opt = s.engine ? s.engine->make_optimizer(cfg.train) : make_optimizer(s.model, cfg.train);
   s.scaler = std::make_unique<precision::LossScaler>(cfg.precision, s.device);
   s.precision = {precision::compute_dtype(cfg.precision.compute), s.scaler.get()};
@@ -247,6 +260,8 @@ void describe(Session& s) {
   s.flops_per_token = flops_per_token(*s.model, cfg.train.seq_len);
   s.recompute_flops_per_token = s.policy->recompute_flops_per_token(cfg.train.seq_len);
   s.predicted = memory::estimate_activation_peak(cfg, s.policy->plan());
+  // A budget schedule solved with profiled bytes: its peak by those bytes, the model it was solved with.
+  if (s.policy->plan().budget.bytes_source == "profile") s.predicted.peak_bytes = s.policy->plan().budget.predicted_peak_bytes;
   const PeakFlops peak = peak_flops(s.device, cfg.precision.compute, cfg.logging.peak_tflops);
   s.peak_flops = peak.flops;
   s.environment = {{"torch_version", TORCH_VERSION},
