@@ -466,6 +466,20 @@ TEST_CASE("model.layer_mlp_hidden: one size per block, checked; parameter counts
   }
 }
 
+TEST_CASE("recompute FLOPs per token count each recomputed block's own MLP size") {
+  const auto cfg = mixed_widths({"checkpointing.mode=full"});  // blocks 0..4 recomputed, 5 kept
+  torch::NoGradGuard no_grad;
+  model::GPT m(cfg.model, torch::kMeta);
+  const recompute::Policy policy(cfg.checkpointing, m);
+  const double C = 64, T = 64;
+  double expected = 0;
+  for (int64_t l = 0; l < 5; ++l) {
+    const auto H = static_cast<double>(config::mlp_hidden(cfg.model, l));
+    expected += 2 * (4 * C * C + 2 * C * H) + 4 * T * C - 2 * C * H;  // every segment's one block skips w_out
+  }
+  CHECK(policy.recompute_flops_per_token(64) == Approx(expected));
+}
+
 TEST_CASE("blocks of differing MLP sizes: predicted activation peaks within 5% of measured for uniform modes and budget "
           "schedules; budget gradients bitwise equal to none; the schedule treats wide and narrow blocks apart") {
   for (const std::vector<std::string>& mode : std::vector<std::vector<std::string>>{

@@ -216,12 +216,17 @@ torch::Tensor Policy::forward(const torch::Tensor& idx) {
 double Policy::recompute_flops_per_token(int64_t seq_len) const {
   const auto& c = model_->cfg;
   const double attn_fwd = 4.0 * static_cast<double>(seq_len) * static_cast<double>(c.n_embd);
-  double block_matmul = 0.0;
-  const auto* b = (*model_->blocks)[0]->as<model::BlockImpl>();
-  for (const auto* w : {&b->w_qkv, &b->w_proj, &b->w_fc, &b->w_out}) block_matmul += static_cast<double>(w->numel());
-  double flops = static_cast<double>(plan_.checkpointed_blocks()) * (2.0 * block_matmul + attn_fwd);
-  if (!cfg_.check_recompute)
-    for (const auto& seg : plan_.segments) flops -= seg.checkpointed ? 2.0 * static_cast<double>(b->w_out.numel()) : 0.0;
+  auto block = [&](int64_t l) { return (*model_->blocks)[static_cast<size_t>(l)]->as<model::BlockImpl>(); };
+  double flops = 0.0;
+  for (const auto& seg : plan_.segments) {  // each recomputed block's own matmuls (blocks may differ in MLP size)
+    if (!seg.checkpointed) continue;
+    for (int64_t l = seg.begin; l < seg.end; ++l) {
+      const auto* b = block(l);
+      for (const auto* w : {&b->w_qkv, &b->w_proj, &b->w_fc, &b->w_out}) flops += 2.0 * static_cast<double>(w->numel());
+      flops += attn_fwd;
+    }
+    if (!cfg_.check_recompute) flops -= 2.0 * static_cast<double>(block(seg.end - 1)->w_out.numel());
+  }
   for (int64_t l = 0; l < c.n_layer; ++l) flops += (plan_.parts_of(l) & kPartAttention) ? attn_fwd : 0.0;
   return flops;
 }
