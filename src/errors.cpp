@@ -3,6 +3,17 @@
 
 namespace sl {
 
+void throw_as(int code, const std::string& what) {
+  switch (code) {
+    case kExitConfig: throw ConfigError(what);
+    case kExitData: throw DataError(what);
+    case kExitOom: throw OomError(what);
+    case kExitNonFinite: throw NonFiniteError(what);
+    case kExitIo: throw IoError(what);
+    default: throw Error(code, what);
+  }
+}
+
 const char* exit_code_name(int code) {
   switch (code) {
     case kExitOk: return "ok";

@@ -39,6 +39,10 @@ struct OomError : Error {
   explicit OomError(const std::string& what) : Error(kExitOom, what) {}
 };
 
+// Throws the Error of exit code `code` (ConfigError for kExitConfig, IoError for kExitIo, ...; Error
+// itself for the others): how an error one rank hit is raised again on the ranks that agreed on it.
+[[noreturn]] void throw_as(int code, const std::string& what);
+
 // Short name of an exit code for logs ("ok", "config_error", ...).
 const char* exit_code_name(int code);
 

@@ -10,10 +10,12 @@ implementation this project did not write), independently of the trainer's own l
                                        flat ranges "<field>/<name>/<begin>:<end>", from any rank file)
                                        and check the pieces cover every element exactly once; print a
                                        JSON summary on stdout
-  state_compare.py compare A B         assemble both states and require the same parameters and
+  state_compare.py compare A B [B2 ...]
+                                       assemble both states and require the same parameters and
                                        AdamW moments, bit for bit (whatever the world size and sharding
                                        each was saved at), and the same step, AdamW step, data sampler
-                                       positions and loop counters in meta.json
+                                       positions and loop counters in meta.json; each B against A,
+                                       one JSON summary line each (in one process: torch loads once)
   state_compare.py dump STATE_DIR FIELD/PARAM OUT
                                        write the assembled tensor (e.g. param/wte) to OUT as raw
                                        little-endian float32 bytes, flattened
@@ -192,8 +194,9 @@ def main(argv):
     try:
         if len(argv) == 3 and argv[1] == "check":
             check(argv[2])
-        elif len(argv) == 4 and argv[1] == "compare":
-            compare(argv[2], argv[3])
+        elif len(argv) >= 4 and argv[1] == "compare":
+            for b in argv[3:]:
+                compare(argv[2], b)
         elif len(argv) == 5 and argv[1] == "dump":
             dump(argv[2], argv[3], argv[4])
         else:

@@ -1,4 +1,5 @@
-// Model: preset parameter counts (built on the meta device, no memory), shapes, causality, init.
+// Model: preset parameter counts (built on the meta device, no memory), shapes, causality, init; the
+// fused CPU kernels against ATen, and their baseline clones against their AVX2 + FMA clones.
 #include <cmath>
 #include <limits>
 #include <map>
@@ -8,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "config/config.h"
+#include "memory/cpu_features.h"
 #include "model/attention.h"
 #include "model/gelu.h"
 #include "model/gpt.h"
@@ -333,4 +335,106 @@ TEST_CASE("fused causal attention equals softmax(q k^T / sqrt(hd) + mask) v and 
   CHECK_FALSE(model::causal_attention_fused(x.to(torch::kBFloat16), x, x));
   CHECK_FALSE(model::causal_attention_fused(x.transpose(2, 3), x, x));
   CHECK_FALSE(model::causal_attention_packed_fused(torch::randn({1, 8, 12}), 5));  // 12 is not 3 * 5 * hd
+}
+
+namespace {
+
+// While alive, the fused kernels run the clone asked for (baseline forced, or the CPU's vector clone);
+// the setting before is restored after.
+class KernelClone {
+ public:
+  explicit KernelClone(bool baseline) : before_(memory::force_baseline_kernels(baseline)) {}
+  ~KernelClone() { memory::force_baseline_kernels(before_); }
+  KernelClone(const KernelClone&) = delete;
+  KernelClone& operator=(const KernelClone&) = delete;
+
+ private:
+  bool before_;
+};
+
+// Whether the AVX2 + FMA clones can run on this CPU; where they cannot, says so (the test then checks
+// the baseline clone only, against the reference).
+bool vector_clones_run_here() {
+  if (memory::cpu_has_avx2_fma()) return true;
+  WARN("this CPU has no AVX2 + FMA: the vector clones cannot run here; only the baseline clone is checked");
+  return false;
+}
+
+// Output and q, k, v gradients of the fused attention on one clone.
+std::vector<torch::Tensor> attention_on(bool baseline, const torch::Tensor& q, const torch::Tensor& k,
+                                        const torch::Tensor& v, const torch::Tensor& dy) {
+  KernelClone clone(baseline);
+  REQUIRE(memory::vector_kernels() == (!baseline && memory::cpu_has_avx2_fma()));
+  const auto y = model::causal_attention(q, k, v);
+  auto out = torch::autograd::grad({y}, {q, k, v}, {dy});
+  out.insert(out.begin(), y);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("fused attention: the baseline clone equals the AVX2 + FMA clone within 2e-6 relative (+1e-6 absolute) "
+          "forward, 1e-5 (+1e-5) backward; both match the double-precision reference") {
+  // Shapes whose rows end on scalar columns (hd 12), half tiles (hd 24) and partial row tiles (T 5, 70),
+  // across the 64-row blocks (T 70, 129).
+  torch::manual_seed(8);
+  const bool vector = vector_clones_run_here();
+  for (const auto& [B, nh, T, hd] : std::vector<std::array<int64_t, 4>>{{2, 3, 70, 12}, {1, 2, 129, 24}, {1, 1, 5, 80}}) {
+    CAPTURE(B, nh, T, hd);
+    auto leaf = torch::randn({3, B, nh, T, hd}).requires_grad_(true);
+    const auto q = leaf[0], k = leaf[1], v = leaf[2];
+    const auto dy = torch::randn({B, T, nh * hd});
+    const auto base = attention_on(/*baseline=*/true, q, k, v, dy);
+    // Against the reference: the baseline clone is as correct as the vector one is (same bounds as the
+    // fused-attention test above).
+    auto qd = q.detach().to(torch::kDouble).requires_grad_(true), kd = k.detach().to(torch::kDouble).requires_grad_(true),
+         vd = v.detach().to(torch::kDouble).requires_grad_(true);
+    const auto want = attention_reference(qd, kd, vd);
+    const auto ref = torch::autograd::grad({want}, {qd, kd, vd}, {dy.to(torch::kDouble)});
+    CHECK(torch::allclose(base[0].to(torch::kDouble), want, 1e-5, 1e-5));
+    for (int i = 0; i < 3; ++i) CHECK(torch::allclose(base[i + 1].to(torch::kDouble), ref[i], 1e-4, 1e-4));
+    if (!vector) continue;
+    const auto vec = attention_on(/*baseline=*/false, q, k, v, dy);
+    INFO("max |baseline - vector|: output " << (base[0] - vec[0]).abs().max().item<float>() << ", dq "
+                                            << (base[1] - vec[1]).abs().max().item<float>());
+    CHECK(torch::allclose(base[0], vec[0], 2e-6, 1e-6));
+    for (int i = 1; i < 4; ++i) CHECK(torch::allclose(base[i], vec[i], 1e-5, 1e-5));
+    // Both clones did run: the vector one's fused multiply-adds round differently somewhere.
+    CHECK_FALSE(torch::equal(base[0], vec[0]));
+  }
+}
+
+TEST_CASE("fused GELU: the baseline clone equals the AVX2 + FMA clone within 1e-6 relative (+1e-7 absolute), "
+          "forward and backward, with and without the fc bias (its gradient, a sum over rows: 1e-5)") {
+  torch::manual_seed(9);
+  const bool vector = vector_clones_run_here();
+  // 7 x 11 rows of H 45 (whole vectors and a partial one), typical values and the saturated tails.
+  const auto x0 = torch::cat({torch::randn({7, 11, 40}) * 3, torch::linspace(-30, 30, 7 * 11 * 5).view({7, 11, 5})}, 2);
+  const auto b0 = torch::randn({45});
+  const auto g = torch::randn_like(x0);
+  // (y, dx) of the plain form and (y, dx, db) of the bias form, on one clone.
+  auto run = [&](bool baseline) {
+    KernelClone clone(baseline);
+    auto x = x0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
+    const auto y = model::gelu_tanh(x);
+    const auto dx = torch::autograd::grad({y}, {x}, {g})[0];
+    const auto yb = model::gelu_tanh_bias(x, b);
+    const auto gb = torch::autograd::grad({yb}, {x, b}, {g});
+    return std::vector<torch::Tensor>{y, dx, yb, gb[0], gb[1]};
+  };
+  const auto base = run(/*baseline=*/true);
+  // The baseline against ATen (the bounds of the fused-GELU test above).
+  CHECK(torch::allclose(base[0], at::gelu(x0, "tanh"), 2e-6, 5e-7));
+  CHECK(torch::allclose(base[1], at::gelu_backward(g, x0, "tanh"), 1e-5, 5e-6));
+  CHECK(torch::allclose(base[2], at::gelu(x0 + b0, "tanh"), 2e-6, 5e-7));
+  if (!vector) return;
+  const auto vec = run(/*baseline=*/false);
+  for (size_t i = 0; i < base.size(); ++i) {
+    CAPTURE(i);
+    INFO("max |baseline - vector| " << (base[i] - vec[i]).abs().max().item<float>());
+    // db sums 77 rows of dx-sized terms: its rounding grows with the sum (measured 1.4e-6 absolute).
+    const double tol = i == 4 ? 1e-5 : 1e-6, abs_tol = i == 4 ? 1e-5 : 1e-7;
+    CHECK(torch::allclose(base[i], vec[i], tol, abs_tol));
+  }
+  CHECK_FALSE(torch::equal(base[1], vec[1]));  // both clones did run
 }

@@ -4,7 +4,9 @@
 // and a state re-shards: saved at world 2 / zero3 and loaded at world 1, or saved at world 1 and loaded
 // at world 2 under zero1 / zero2 / zero3, the loaded parameters and AdamW moments are exactly the saved
 // ones (saved again at the new layout and compared by tests/state_compare.py through the reference
-// `safetensors` package), and training goes on within the world-size tolerance of tests/test_parallel.cpp.
+// `safetensors` package), and training goes on within the world-size tolerance of tests/test_parallel.cpp;
+// at odd world sizes too: zero1/2/3 states saved at world 3 go to world 2, from there back to world 3,
+// and to world 1, exactly.
 //
 // Kill points come from a std::mt19937 whose seed is printed on failure (INFO "seed"); set
 // SUBLINEAR_TEST_SEED to replay one.
@@ -13,11 +15,15 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "catch.h"
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "log/run_dir.h"
 #include "test_util.h"
 
 using namespace sl;
@@ -301,4 +307,126 @@ TEST_CASE("re-sharding: a world 1 state resumed at world 2 under zero1, zero2, z
     run_ok(2, w2 + dir_arg(cont) + " --resume " + saved.string());
     check_within_tolerance(records_after(cont / "metrics.jsonl", kSaved), want);
   }
+}
+
+namespace {
+
+// Odd world sizes: a global batch of 12 is 3 ranks x 4 = 2 x 6 = 1 x 12, one micro-batch each. With
+// 0.05 MiB buckets (zero1/2) as with zero3's units, most groups are not a multiple of 2 or 3 elements:
+// shards end inside parameters and the last rank's shard ends in padding, differently at each world.
+const std::string kOdd = kReshard + " --set train.grad_accum=1 --set parallel.bucket_mb=0.05";
+std::string micro_batch_at(int world) { return fmt::format(" --set train.micro_batch={}", 12 / world); }
+
+// `state_compare.py compare A B...`: each B holds A's parameters and moments, bitwise. Their summaries.
+std::vector<json> require_same_states(const fs::path& a, const std::vector<fs::path>& bs) {
+  std::string args = fmt::format("compare {}", a.string());  // (GCC 12's -Wstringop-overflow misfires on "..." + string)
+  for (const auto& b : bs) args += fmt::format(" {}", b.string());
+  const auto r = test::state_compare(args);
+  INFO("state_compare.py " << args << ":\n" << r.output);
+  REQUIRE(r.code == 0);
+  std::vector<json> out;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);)
+    if (!line.empty() && line[0] == '{') out.push_back(json::parse(line));
+  REQUIRE(out.size() == bs.size());
+  for (const auto& s : out) {
+    CHECK(s.at("equal") == true);
+    CHECK(s.at("elements_compared").get<int64_t>() > 0);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("re-sharding at odd world sizes: zero1/2/3 states go 3 -> 2 -> 3 and 3 -> 1 with the saved parameters and moments exactly") {
+  test::TempDir dir("reshard-odd");
+  for (const std::string stage : {"zero1", "zero2", "zero3"}) {
+    INFO("parallel.sharding " << stage);
+    const std::string sets = kOdd + " --set parallel.sharding=" + stage;
+    // World 3 to 10 steps, saving at 6 and 10: the saved state and the uninterrupted run.
+    const auto src = dir.path / (stage + "-w3");
+    run_ok(3, sets + micro_batch_at(3) + dir_arg(src));
+    const auto saved = src / kSavedDir;
+    REQUIRE(fs::exists(saved / "rank-00002.safetensors"));
+    // The state `from` loaded at `world` with train.steps = the saved step (nothing trains) and saved
+    // again at that world (state.at_end) under <dir>/<stage>-<name>.
+    const auto resave = [&](int world, const fs::path& from, const std::string& name) {
+      const auto into = dir.path / (stage + "-" + name);
+      run_ok(world, sets + micro_batch_at(world) + fmt::format(" --set train.steps={}", kSaved) +
+                        dir_arg(into.string() + "-run") + " --set state.dir=" + into.string() + " --resume " + from.string());
+      return into / fmt::format("step-{:08d}", kSaved);
+    };
+    const auto w2 = resave(2, saved, "3to2");
+    const auto w3 = resave(3, w2, "3to2to3");  // a world-2 state of this stage back at world 3
+    const auto w1 = resave(1, saved, "3to1");
+    const auto s = require_same_states(saved, {w2, w3, w1});
+    CHECK(s[0]["a"]["world_size"] == 3);
+    CHECK(s[0]["a"]["ranged_tensors"].get<int64_t>() > 0);  // each rank wrote its own shard
+    const int worlds[] = {2, 3, 1};
+    for (size_t i = 0; i < s.size(); ++i) {
+      INFO("state " << i << ": " << s[i].dump());
+      CHECK(s[i]["b"]["world_size"] == worlds[i]);
+      CHECK(s[i]["b"]["sharding"] == stage);
+    }
+    CHECK(s[0]["b"]["ranged_tensors"].get<int64_t>() > 0);
+    CHECK(s[1]["b"]["ranged_tensors"] == s[0]["a"]["ranged_tensors"]);  // the world-3 layout again
+    CHECK(s[2]["b"]["ranged_tensors"] == 0);
+
+    // Training continues from the world-3 state at world 1 (no engine: sharding none) within the
+    // world-size tolerance of the world-3 run.
+    const auto cont = dir.path / (stage + "-3to1-continue");
+    run_ok(1, kOdd + micro_batch_at(1) + dir_arg(cont) + " --resume " + saved.string());
+    check_within_tolerance(records_after(cont / "metrics.jsonl", kSaved), records_after(src / "metrics.jsonl", kSaved));
+  }
+}
+
+TEST_CASE("the default directories: --resume auto picks this recipe's newest run, exact name, numeric order") {
+  test::TempDir dir("newest-run");
+  const auto runs = dir.path / "runs";
+  auto make = [&](const std::string& name, bool with_state) {
+    fs::create_directories(runs / name);
+    if (with_state) fs::create_directories(runs / name / "state");
+  };
+  make("tiny-20260101-120000", true);
+  make("tiny-20260101-120000-9", true);
+  make("tiny-20260101-120000-10", true);   // after -9 (as text it sorts before)
+  make("tiny-long-20270101-000000", true);  // recipe tiny-long, newer: never tiny's
+  make("tiny-20280101-000000", false);      // newer, but no state to resume
+  make("tiny-20260101-120000-x", true);     // not a default name
+  make("tinyish-20290101-000000", true);
+  CHECK(log::newest_run_with_state(runs, "tiny") == runs / "tiny-20260101-120000-10");
+  CHECK(log::newest_run_with_state(runs, "tiny-long") == runs / "tiny-long-20270101-000000");
+  CHECK(log::newest_run_with_state(runs, "tin").empty());
+  CHECK(log::newest_run_with_state(dir.path / "nowhere", "tiny").empty());
+  make("tiny-20260102-000000", true);  // a later second wins over any suffix
+  CHECK(log::newest_run_with_state(runs, "tiny") == runs / "tiny-20260102-000000");
+}
+
+TEST_CASE("a run directory is held by one process: a second --resume auto on it exits 2 naming the holder; "
+          "the lock goes with a kill -9") {
+  test::TempDir dir("run-lock");
+  const auto run_dir = dir.path / "run";
+  const std::string args = kCommon + " --set train.steps=100000 --set state.every=2" + dir_arg(run_dir) + " --resume auto";
+  auto first = test::trainer_background(args, dir.path / "first.log");
+  REQUIRE(first->running());
+  const pid_t holder = first->pid;
+  const bool saved = test::poll_until([&] { return fs::exists(run_dir / "state" / "latest") || first->exited(); },
+                                      std::chrono::seconds(120));
+  INFO("first:\n" << first->output());
+  REQUIRE(saved);
+  REQUIRE_FALSE(first->exited());
+  const auto second = test::trainer(args);
+  INFO("second:\n" << second.output);
+  CHECK(second.code == 2);
+  CHECK(second.output.find("is in use by another trainer") != std::string::npos);
+  CHECK(second.output.find(fmt::format("pid {} ", holder)) != std::string::npos);
+  first->signal(SIGKILL);
+  first->wait();
+  REQUIRE(first->killed_by(SIGKILL));
+  const auto steps = test::step_records_now(run_dir / "metrics.jsonl");
+  // After the kill the lock is free: the same command resumes.
+  const auto third = test::trainer(kCommon + " --set train.steps=" + std::to_string(steps + 1) + dir_arg(run_dir) + " --resume auto");
+  INFO("third:\n" << third.output);
+  CHECK(third.code == 0);
+  CHECK(test::events(run_dir / "metrics.jsonl", "resume").size() == 1);
 }

@@ -1,7 +1,9 @@
 // safetensors files and checksums (src/state/safetensors.h): round trips bitwise, files exchanged
 // with the reference implementation (the Python `safetensors` package, tests/safetensors_check.py),
 // truncated and corrupt files refused with the file named, and failed writes leaving no temporary
-// and the previous file intact (disk full on a 1 MiB tmpfs when mounting one is allowed).
+// and the previous file intact (disk full on a 1 MiB tmpfs when mounting one is allowed: the case is
+// tagged [diskfull], ctest entry safetensors_diskfull, reported as skipped where it cannot mount); and
+// the skip plumbing itself (a skipped case makes the process exit 77).
 #include <sys/mount.h>
 
 #include <cstring>
@@ -14,7 +16,9 @@
 #include <torch/torch.h>
 
 #include "errors.h"
+#include "config/config.h"
 #include "state/safetensors.h"
+#include "train/device.h"
 #include "test_util.h"
 
 using namespace sl;
@@ -388,7 +392,7 @@ TEST_CASE("safetensors writes are atomic: failures throw IoError and leave no te
   }
 }
 
-TEST_CASE("safetensors on a full disk: IoError, no temporary, the previous file intact") {
+TEST_CASE("safetensors on a full disk: IoError, no temporary, the previous file intact", "[diskfull]") {
   test::TempDir dir("st-full");
   test::TmpfsMount mnt(dir.path / "mnt", "1m");
   if (!mnt.mounted) {
@@ -408,4 +412,67 @@ TEST_CASE("safetensors on a full disk: IoError, no temporary, the previous file 
   CHECK(f.crc32() == before.crc32);
   CHECK(f.metadata().at("step") == "1");
   CHECK(torch::equal(f.view("x"), small));
+}
+
+// The skip plumbing (tests/catch.h, tests/main.cpp) that the disk-full case above relies on, run in
+// child processes of this executable: hidden cases that skip, fail, pass.
+TEST_CASE("skip probe: skips", "[.skip-probe][skips]") { SUBLINEAR_SKIP("probe: this case cannot run here"); }
+TEST_CASE("skip probe: passes", "[.skip-probe][passes]") { CHECK(1 + 1 == 2); }
+TEST_CASE("skip probe: fails, then skips", "[.skip-probe][fails]") {
+  CHECK(1 + 1 == 3);
+  SUBLINEAR_SKIP("probe: skipped after a failure");
+}
+
+TEST_CASE("a case that cannot run makes its test process exit 77 (ctest: skipped), never 0; a failure wins") {
+  const auto self = fs::read_symlink("/proc/self/exe").string();
+  // A skip alone, and a skip beside a passing case: exit 77, the reason on stdout.
+  for (const std::string spec : {"[.skip-probe][skips]", "[.skip-probe]~[fails]"}) {
+    const auto r = test::run(self + " '" + spec + "'");
+    INFO(spec << ":\n" << r.output);
+    CHECK(r.code == test::kSkipExitCode);
+    CHECK(r.output.find("SKIPPED (exit 77): probe: this case cannot run here") != std::string::npos);
+  }
+  // A failed assertion (before a skip, or in another case): Catch's failure status (2.x: the number of
+  // failures; 3.7: 42), not 77.
+  for (const std::string spec : {"[.skip-probe][fails]", "[.skip-probe]"}) {
+    const auto r = test::run(self + " '" + spec + "'");
+    INFO(spec << ":\n" << r.output);
+    CHECK(r.code != 0);
+    CHECK(r.code != test::kSkipExitCode);
+  }
+  // Nothing skipped: 0, as before.
+  const auto passes = test::run(self + " '[.skip-probe][passes]'");
+  INFO(passes.output);
+  CHECK(passes.code == 0);
+}
+
+TEST_CASE("a tensor on a device that is not the CPU is staged to host by the writer: in bounded pieces, bitwise") {
+  // The lazy test device (train.device: lazy): is_cpu() false, data_ptr() null, so any write from its
+  // memory would fail or write garbage. 80 MiB of fp32: two staging pieces (64 MiB, then 16 MiB).
+  config::TrainConfig t;
+  t.device = "lazy";
+  const auto lazy = train::resolve_device(t);
+  REQUIRE_FALSE(lazy.is_cpu());
+  test::TempDir dir("st-device");
+  const int64_t n = (int64_t{80} << 20) / 4;
+  const auto host = torch::arange(n, torch::kFloat32).mul_(0.5).sub_(7.0);
+  const auto small = torch::randn({7, 3}, torch::kFloat64);
+  const auto on_device = host.to(lazy), strided = small.to(lazy).t();  // a transposed (strided) view too
+  REQUIRE(on_device.device().type() == c10::kLazy);
+  REQUIRE(memory::kHostStagingBytes < on_device.numel() * 4);
+  // The chunks themselves: host memory, at most the bound each, together the tensor's bytes.
+  std::vector<size_t> pieces;
+  std::string bytes;
+  state::for_each_host_chunk(on_device, [&](const void* p, size_t len) {
+    pieces.push_back(len);
+    bytes.append(static_cast<const char*>(p), len);
+  });
+  CHECK(pieces == std::vector<size_t>{size_t{64} << 20, size_t{16} << 20});
+  CHECK(std::memcmp(bytes.data(), host.const_data_ptr(), bytes.size()) == 0);
+  // A file written straight from device tensors reads back bitwise.
+  const auto path = dir.path / "device.safetensors";
+  state::write_safetensors(path, {{"big", on_device}, {"small_t", strided}});
+  const state::SafetensorsFile f(path);
+  CHECK(torch::equal(f.view("big"), host));
+  CHECK(torch::equal(f.view("small_t"), small.t().contiguous()));
 }

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # test_scripts.sh: the sweep scripts end to end on configs/tiny.yaml (short real runs, one thread):
 #   - sweep_batch.sh --modes none,full --steps 2 --max-batch 4 without a limit (every size fits),
-#   - the same with --limit 28MiB, where mode none stops fitting below 4 and full does not
-#     (skipped, and said so, when the trainer has no memory.limit key),
+#   - the same with --limit 28MiB, where mode none stops fitting below 4 and full does not,
 #   - sweep_interval.sh --steps 2 (L + 1 runs),
 #   - argument errors exit 2, a failing trainer run exits 1 naming its log,
 #   - scripts/tokens.py: raw (numpy .tofile, as nanoGPT writes) -> llm.c -> raw is byte-identical for
 #     uint16 and uint32, the llm.c file has the right header, bad inputs exit 3 and leave no output,
-#     nor does a copy that fails midway.
+#     nor does a copy that fails midway,
+#   - scripts/run_ctest.sh (what scripts/test.sh runs) on a hand-written ctest directory: skipped
+#     tests (exit 77, SKIP_RETURN_CODE) are counted and named with their reasons, ctest's exit status
+#     is kept.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
 # at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
@@ -62,14 +64,13 @@ assert d["limit_bytes"] is None
 assert all(r["peak_bytes"] > 0 and r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and r["step_ms"] > 0
            and r["predicted_activation_peak_bytes"] > 0 for r in d["rows"]), d["rows"]'
 
-# 2. With a limit (needs the trainer's memory.limit). On tiny (steps 2) the peaks are about
+# 2. With a limit (memory.limit). On tiny (steps 2) the peaks are about
 #    none: 18, 22, 27, 31 MiB and full: 15, 17, 20 MiB at micro-batch 1, 2, 3, 4: under 28 MiB none
 #    fails at 4 (then bisects to 3) and full fits up to 4.
-if "$TRAINER" --help-config 2>/dev/null | grep -Eq '^[[:space:]]+limit[[:space:]]'; then
-  check "sweep_batch.sh --limit 28MiB runs" "$BATCH" configs/tiny.yaml --modes none,full --steps 2 \
-    --max-batch 4 --limit 28MiB --out "$TMP/limit"
-  check "sweep_batch.sh --limit 28MiB: outputs" outputs_ok "$TMP/limit" batch
-  check "sweep_batch.sh --limit 28MiB: some size fails, full fits more than none" pycheck "$TMP/limit/results.json" '
+check "sweep_batch.sh --limit 28MiB runs" "$BATCH" configs/tiny.yaml --modes none,full --steps 2 \
+  --max-batch 4 --limit 28MiB --out "$TMP/limit"
+check "sweep_batch.sh --limit 28MiB: outputs" outputs_ok "$TMP/limit" batch
+check "sweep_batch.sh --limit 28MiB: some size fails, full fits more than none" pycheck "$TMP/limit/results.json" '
 lim = 28 * 2**20
 assert d["limit_bytes"] == lim, d["limit_bytes"]
 bad = [r for r in d["rows"] if not r["fits"]]
@@ -78,9 +79,6 @@ assert all(r["peak_bytes"] <= lim for r in d["rows"] if r["fits"])
 n, f = d["largest"]["none"], d["largest"]["full"]
 assert n is not None and 1 <= n < 4 and f == 4, d["largest"]
 assert any(r["mode"] == "none" and r["micro_batch"] == n + 1 and not r["fits"] for r in d["rows"])'
-else
-  echo "SKIPPED: the --limit sweep ($TRAINER has no memory.limit key)"
-fi
 
 # 3. Interval sweep: none plus k = 1..L.
 check "sweep_interval.sh runs" "$INTERVAL" configs/tiny.yaml --steps 2 --out "$TMP/interval"
@@ -165,6 +163,30 @@ else:
   [[ -z "$(ls -A "$TMP/cut" | grep -v '^in\.bin$')" ]] || { ls -A "$TMP/cut"; return 1; }
 }
 check "tokens.py: a copy that fails midway leaves neither OUT nor a temporary" converter_cleans_up
+
+# 5. scripts/run_ctest.sh: ctest on a hand-written test directory (no CMake project needed).
+ctest_summary() {  # one skipped test with a reason, one passing; then a failing one too
+  local dir="$TMP/ctest" out
+  mkdir -p "$dir"
+  cat > "$dir/CTestTestfile.cmake" <<'CTEST'
+add_test(passes "sh" "-c" "exit 0")
+add_test(cannot_run "sh" "-c" "echo 'SKIPPED (exit 77): no tmpfs here'; exit 77")
+set_tests_properties(cannot_run PROPERTIES SKIP_RETURN_CODE 77)
+CTEST
+  out="$("$ROOT/scripts/run_ctest.sh" "$dir" 2>&1)" || { echo "exit $? with a skipped test:"; echo "$out"; return 1; }
+  [[ "$(tail -n 2 <<< "$out")" == $'tests skipped: 1 (cannot_run)\n  cannot_run: no tmpfs here' ]] \
+    || { echo "unexpected summary:"; echo "$out"; return 1; }
+  echo 'add_test(fails "sh" "-c" "exit 3")' >> "$dir/CTestTestfile.cmake"
+  local rc=0
+  out="$("$ROOT/scripts/run_ctest.sh" "$dir" 2>&1)" || rc=$?
+  ((rc == 8)) || { echo "exit $rc with a failing test (ctest's is 8):"; echo "$out"; return 1; }
+  grep -qx 'tests skipped: 1 (cannot_run)' <<< "$out" || { echo "no skip count:"; echo "$out"; return 1; }
+  rm -f "$dir/CTestTestfile.cmake"
+  echo 'add_test(passes "sh" "-c" "exit 0")' > "$dir/CTestTestfile.cmake"
+  out="$("$ROOT/scripts/run_ctest.sh" "$dir" 2>&1)" && [[ "$(tail -n 1 <<< "$out")" == "tests skipped: 0" ]] \
+    || { echo "nothing skipped:"; echo "$out"; return 1; }
+}
+check "run_ctest.sh: skipped tests counted and named with their reasons, ctest's exit status kept" ctest_summary
 
 echo "$passed passed, $failed failed"
 ((failed == 0))

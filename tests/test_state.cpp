@@ -10,7 +10,12 @@
 //  - SIGTERM / SIGINT finish the step, save (reason "signal") and exit 143 / 130; resuming is bitwise;
 //  - --resume auto on a fresh directory starts at step 0; on a finished run it trains nothing;
 //  - the files are plain safetensors: the reference package reads every tensor, meta.json's CRC-32 is
-//    zlib.crc32 of each file, and param/wte is bitwise the final weights' (model/model.safetensors).
+//    zlib.crc32 of each file, and param/wte is bitwise the final weights' (model/model.safetensors);
+//  - a same-step save replaces the old one only once it is in place (a failure puts the old back, a
+//    crash mid-replacement is finished by recover_replaced);
+//  - meta.json's own CRC-32 catches a changed value (--resume PATH exits 2 naming it, auto skips it),
+//    format-1 states without it still load; pieces that hold the same elements twice are refused;
+//  - --resume PATH from an earlier state moves the later ones into <root>/abandoned/, naming each.
 #include <sys/mount.h>
 
 #include <cerrno>
@@ -27,6 +32,7 @@
 #include <torch/torch.h>
 
 #include "state/safetensors.h"
+#include "state/state.h"
 #include "test_util.h"
 
 using namespace sl;
@@ -254,7 +260,7 @@ TEST_CASE("a corrupt or truncated newest state is skipped by --resume auto; --re
   }
 }
 
-TEST_CASE("a disk that fills up during a save: exit 7, the earlier state intact and loadable, no temporary left") {
+TEST_CASE("a disk that fills up during a save: exit 7, the earlier state intact and loadable, no temporary left", "[diskfull]") {
   test::TempDir dir("state-full");
   // The size of one state of this recipe.
   const auto probe = dir.path / "probe";
@@ -429,4 +435,148 @@ TEST_CASE("the state files are plain safetensors: the reference package reads th
   const std::string bytes = test::read_text(raw);
   REQUIRE(bytes.size() == static_cast<size_t>(wte.numel()) * 4);
   CHECK(std::memcmp(bytes.data(), wte.data_ptr<float>(), bytes.size()) == 0);
+}
+
+// ---- replacing, checking and setting aside whole states ----
+
+namespace {
+
+void write_text(const fs::path& p, const std::string& text) {
+  fs::create_directories(p.parent_path());
+  std::ofstream(p) << text;
+}
+
+}  // namespace
+
+TEST_CASE("install_state_dir replaces a same-step save only once the new one is in place; recover_replaced finishes a cut-short replacement") {
+  test::TempDir dir("state-install");
+  const auto root = dir.path / "state";
+  const auto step5 = root / step_name(5);
+  write_text(step5 / "a", "old");
+
+  SECTION("a new save of the same step replaces the old; nothing is left beside it") {
+    write_text(root / ".new.tmp" / "a", "new");
+    state::install_state_dir(root / ".new.tmp", step5);
+    CHECK(test::read_text(step5 / "a") == "new");
+    CHECK(names_in(root) == std::vector<std::string>{step_name(5)});
+  }
+  SECTION("a replacement that cannot be put in place leaves the old save where it was, and says so") {
+    try {
+      state::install_state_dir(root / ".missing.tmp", step5);
+      FAIL("install_state_dir of a missing directory returned");
+    } catch (const IoError& e) {
+      INFO(e.what());
+      CHECK(has(e.what(), (root / ".missing.tmp").string()));
+      CHECK(has(e.what(), "is back in place"));
+    }
+    CHECK(test::read_text(step5 / "a") == "old");
+    CHECK(names_in(root) == std::vector<std::string>{step_name(5)});
+  }
+  SECTION("after a crash between moving the old aside and putting the new in place, the old goes back") {
+    fs::rename(step5, root / ("." + step_name(5) + ".old"));
+    state::recover_replaced(root);
+    CHECK(test::read_text(step5 / "a") == "old");
+    CHECK(names_in(root) == std::vector<std::string>{step_name(5)});
+  }
+  SECTION("after a crash once the new one was in place, the old copy is removed and the new kept") {
+    write_text(root / ("." + step_name(5) + ".old") / "a", "older");
+    state::recover_replaced(root);
+    CHECK(test::read_text(step5 / "a") == "old");
+    CHECK(names_in(root) == std::vector<std::string>{step_name(5)});
+  }
+}
+
+TEST_CASE("meta.json carries its own CRC-32: a changed value is refused by --resume PATH and skipped by --resume auto") {
+  const auto& want = reference();
+  test::TempDir dir("state-meta");
+  const auto run = dir.path / "run";
+  const std::string args = kArgs + " --set state.every=4" + dir_arg(run);  // keeps steps 8 and 12
+  run_ok(args);
+  const auto root = run / "state";
+  const auto meta_path = root / step_name(12) / "meta.json";
+  json meta = json::parse(test::read_text(meta_path));
+  REQUIRE(meta.at("format_version") == state::kFormatVersion);
+  REQUIRE(meta.contains("meta_crc32"));
+
+  SECTION("AdamW's step count changed by one: exit 2 naming meta.json; auto resumes from step 8, bitwise") {
+    meta["optimizer"]["adamw_step"] = meta["optimizer"]["adamw_step"].get<int64_t>() + 1;
+    std::ofstream(meta_path) << meta.dump(2);
+    const auto r = test::trainer(args + " --resume " + (root / step_name(12)).string());
+    INFO(r.output);
+    CHECK(r.code == 2);
+    CHECK(has(r.output, meta_path.string()));
+    CHECK(has(r.output, "meta_crc32"));
+    const auto a = run_ok(args + " --resume auto");
+    INFO(a.output);
+    CHECK(has(a.output, "skipping state " + (root / step_name(12)).string()));
+    const auto resumes = test::events(run / "metrics.jsonl", "resume");
+    REQUIRE(!resumes.empty());
+    CHECK(resumes.back()["step"] == 8);
+    CHECK(test::trace_diff(test::trace(run / "metrics.jsonl"), want) == "");
+  }
+  SECTION("a format-1 meta.json (written before the checksum existed) is still read") {
+    meta["format_version"] = 1;
+    meta.erase("meta_crc32");
+    std::ofstream(meta_path) << meta.dump(2);
+    const auto r = run_ok(args + " --resume " + (root / step_name(12)).string());
+    const auto resumes = test::events(run / "metrics.jsonl", "resume");
+    REQUIRE(!resumes.empty());
+    CHECK(resumes.back()["step"] == 12);
+  }
+}
+
+TEST_CASE("a state whose files hold the same elements twice is refused, naming the overlap") {
+  test::TempDir dir("state-overlap");
+  const auto a = torch::arange(0, 6, torch::kFloat32), b = torch::arange(100, 106, torch::kFloat32);
+  state::write_safetensors(dir.path / "rank-00000.safetensors", {{"param/w/0:6", a}});
+  state::write_safetensors(dir.path / "rank-00001.safetensors", {{"param/w/4:10", b}});
+  const json meta = {{"files", {{{"name", "rank-00000.safetensors"}}, {{"name", "rank-00001.safetensors"}}}}};
+  const state::Reader reader(dir.path, meta);
+  torch::Tensor dst = torch::zeros({10});
+  // Either half alone reads fine: the overlap is only a problem for a range that spans it.
+  reader.read("param", {"w", 0, 4, {}}, dst.narrow(0, 0, 4));
+  CHECK(torch::equal(dst.narrow(0, 0, 4), a.narrow(0, 0, 4)));
+  try {
+    reader.read("param", {"w", 0, 10, {}}, dst);
+    FAIL("an overlapping read returned");
+  } catch (const state::StateFileError& e) {
+    INFO(e.what());
+    CHECK(has(e.what(), "more than once"));
+    CHECK(has(e.what(), "[4, 6)"));
+  }
+}
+
+TEST_CASE("--resume PATH from an earlier state sets the later states aside in abandoned/; --resume auto then follows the new run") {
+  const auto& want = reference();
+  test::TempDir dir("state-abandon");
+  const auto run = dir.path / "run";
+  const std::string args = kArgs + " --set state.every=3 --set state.keep=0" + dir_arg(run);  // 3, 6, 9, 12
+  run_ok(args);
+  const auto root = run / "state";
+  const std::vector<std::string> all = {"latest", step_name(3), step_name(6), step_name(9), step_name(12)};
+  REQUIRE(names_in(root) == all);
+
+  const auto r = run_ok(args + " --resume " + (root / step_name(3)).string());
+  INFO(r.output);
+  for (const int step : {6, 9, 12}) {
+    CHECK(has(r.output, (root / step_name(step)).string() + " is from a trajectory this run abandons"));
+    CHECK(fs::exists(root / "abandoned" / step_name(step) / "meta.json"));
+  }
+  CHECK(names_in(root / "abandoned") == std::vector<std::string>{step_name(6), step_name(9), step_name(12)});
+  // The new trajectory's states are in place and `latest` names its newest; the run is bitwise the
+  // uninterrupted one (the abandoned trajectory was the same math, so this checks the resume too).
+  std::vector<std::string> now = all;
+  now.insert(now.begin(), "abandoned");
+  CHECK(names_in(root) == now);
+  CHECK(test::read_text(root / "latest") == step_name(12) + "\n");
+  CHECK(test::trace_diff(test::trace(run / "metrics.jsonl"), want) == "");
+
+  // --resume auto sees only the new trajectory: it resumes from the new step 12 and moves nothing.
+  const auto a = run_ok(args + " --resume auto");
+  INFO(a.output);
+  CHECK_FALSE(has(a.output, "abandons"));
+  const auto resumes = test::events(run / "metrics.jsonl", "resume");
+  REQUIRE(!resumes.empty());
+  CHECK(resumes.back()["step"] == 12);
+  CHECK(names_in(root / "abandoned").size() == 3);
 }

@@ -12,11 +12,13 @@
 #include <thread>
 
 #include "catch.h"
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include "config/config.h"
 #include "data/loader.h"
+#include "memory/cpu_features.h"
 #include "memory/tracker.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
@@ -128,6 +130,52 @@ TEST_CASE("the fused AdamW step equals torch::optim::AdamW::step to float roundi
   CHECK(torch::equal(got_p[2], init[2]));  // no gradient: untouched, and no state made
   CHECK(got_opt->state().count(got_p[2].unsafeGetTensorImpl()) == 0);
   CHECK_FALSE(torch::equal(got_p[0], init[0]));
+}
+
+TEST_CASE("the fused AdamW update is bitwise the same on the baseline clone and the AVX2 + FMA clone", "[avx2]") {
+  // DDP replicas on different CPU kinds must step identical weights. Sizes whose tails are not whole
+  // vectors (1, 7, 13, 1031, 16389 = 2^14 + 5: a second piece of 5), a decayed and an undecayed group,
+  // gradients of several scales, 5 steps with a changing learning rate.
+  if (!memory::cpu_has_avx2_fma())
+    SUBLINEAR_SKIP("this CPU has no AVX2 + FMA: the vector clone cannot run here; nothing to compare the baseline with");
+  torch::manual_seed(12);
+  const std::vector<std::vector<int64_t>> shapes = {{1}, {7}, {13}, {1031}, {16389}, {37, 29}};
+  std::vector<torch::Tensor> init;
+  for (const auto& s : shapes) init.push_back(torch::randn(s));
+  auto make = [&] {
+    std::vector<torch::Tensor> ps;
+    for (const auto& t : init) ps.push_back(t.clone().requires_grad_(true));
+    config::TrainConfig t;
+    t.lr = 3e-3, t.weight_decay = 0.1, t.beta1 = 0.9, t.beta2 = 0.95;
+    return std::make_pair(ps, train::make_adamw({ps[4], ps[5]}, {ps[0], ps[1], ps[2], ps[3]}, t));
+  };
+  auto [base_p, base_opt] = make();
+  auto [vec_p, vec_opt] = make();
+  const bool before = memory::force_baseline_kernels(false);
+  for (int step = 1; step <= 5; ++step) {
+    for (size_t i = 0; i < init.size(); ++i) {
+      const auto g = torch::randn_like(init[i]) * std::pow(10.0, static_cast<double>(i % 3) - 1.0);
+      base_p[i].mutable_grad() = g.clone();
+      vec_p[i].mutable_grad() = g.clone();
+    }
+    for (auto* opt : {base_opt.get(), vec_opt.get()})
+      for (auto& group : opt->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(3e-3 / step);
+    memory::force_baseline_kernels(true);
+    train::adamw_step(*base_opt);
+    memory::force_baseline_kernels(false);
+    train::adamw_step(*vec_opt);
+  }
+  memory::force_baseline_kernels(before);
+  for (size_t i = 0; i < init.size(); ++i) {
+    CAPTURE(i);
+    auto& b = static_cast<torch::optim::AdamWParamState&>(*base_opt->state().at(base_p[i].unsafeGetTensorImpl()));
+    auto& v = static_cast<torch::optim::AdamWParamState&>(*vec_opt->state().at(vec_p[i].unsafeGetTensorImpl()));
+    INFO("max |baseline - vector| of p " << (base_p[i] - vec_p[i]).abs().max().item<float>());
+    CHECK(torch::equal(base_p[i], vec_p[i]));
+    CHECK(torch::equal(b.exp_avg(), v.exp_avg()));
+    CHECK(torch::equal(b.exp_avg_sq(), v.exp_avg_sq()));
+    CHECK_FALSE(torch::equal(base_p[i], init[i]));  // they did step
+  }
 }
 
 TEST_CASE("AdamW decays matrices only, and its state is two moments per parameter") {
@@ -572,4 +620,37 @@ TEST_CASE("MFU's peak is the compute dtype's: datasheet on known GPUs, measured 
   const auto bf16 = train::peak_flops(torch::kCPU, "bf16", 0.0);  // its own rate, whatever the CPU's bf16 path
   CHECK(bf16.source == "measured_bf16_gemm");
   CHECK(bf16.flops > 1e8);
+}
+
+TEST_CASE("the GEMM probe for MFU's peak draws nothing from the run's generators: the same losses with and without "
+          "it, dropout 0.1") {
+  // In process: the default CPU generator's state is what it was.
+  torch::manual_seed(42);
+  const auto before = at::detail::getDefaultCPUGenerator().get_state();
+  train::measure_gemm_flops(torch::kCPU);
+  CHECK(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), before));
+  // A trainer run of the tiny recipe with dropout: logging.peak_tflops 0 (the probe runs between the
+  // model's init and the first step) against a given peak: every step's loss and gradient norm bitwise equal.
+  test::TempDir dir("peak-rng");
+  auto run = [&](const std::string& name, const std::string& peak_tflops) {
+    const auto run_dir = dir.path / name;
+    const auto r = test::trainer("--config configs/tiny.yaml --set model.dropout=0.1 --set train.steps=3 "
+                                 "--set train.grad_accum=1 --set train.eval_interval=0 --set state.at_end=false "
+                                 "--set logging.progress=false --set logging.peak_tflops=" + peak_tflops +
+                                 " --set logging.dir=" + run_dir.string());
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    return run_dir;
+  };
+  const auto measured = run("measured", "0"), given = run("given", "1");
+  const auto source = [](const std::filesystem::path& d) {
+    return json::parse(test::read_text(d / "summary.json"))["model"]["peak_flops_source"].get<std::string>();
+  };
+  CHECK(source(measured) == "measured_fp32_gemm");
+  CHECK(source(given) == "logging.peak_tflops");
+  const auto steps = test::step_records(measured / "metrics.jsonl");
+  CHECK(steps.size() == 3);
+  const std::string diff = test::bitwise_diff(steps, test::step_records(given / "metrics.jsonl"));
+  INFO(diff);
+  CHECK(diff.empty());
 }

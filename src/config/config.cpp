@@ -137,7 +137,7 @@ const std::vector<Field>& fields() {
       field(&R::train, &T::eval_interval, "train", "eval_interval", "eval loss on the held-out split every N steps and at the end; 0 = never"),
       field(&R::train, &T::eval_batches, "train", "eval_batches", "micro-batches per eval"),
       field(&R::train, &T::seed, "train", "seed", "seeds initialization, dropout and batch sampling"),
-      field(&R::train, &T::device, "train", "device", "auto | cpu | cuda (auto = cuda when available)"),
+      field(&R::train, &T::device, "train", "device", "auto | cpu | cuda (auto = cuda when available) | lazy (a TEST device: LibTorch's lazy-tensor TorchScript backend, not the CPU but running on it; world 1, fp32, no sharding, no memory.limit, no budget mode)"),
       field(&R::train, &T::threads, "train", "threads", "CPU intra-op threads; 0 = all cores"),
       field(&R::train, &T::on_nonfinite, "train", "on_nonfinite", "fp32/bf16 gradients with NaN/Inf (finite loss): abort (exit 6 before the optimizer step) | skip (weights untouched, a skip event)"),
 
@@ -172,7 +172,7 @@ const std::vector<Field>& fields() {
       field(&R::logging, &LoggingConfig::skip_first, "logging", "skip_first", "warm-up steps excluded from the medians in summary.json"),
       field(&R::logging, &LoggingConfig::peak_tflops, "logging", "peak_tflops", "device peak TFLOP/s for MFU in the compute dtype; 0 = a datasheet peak for known CUDA devices, else a GEMM rate in precision.compute measured at start"),
       field(&R::logging, &LoggingConfig::progress, "logging", "progress", "progress bar when stdout is a terminal"),
-      field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final parameters to <run dir>/model.pt (torch::save archive, names as in the model; sharded runs gather them first)"),
+      field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final weights to <run dir>/model/{model.safetensors, config.json} in Hugging Face layout, fp32 (zero3 streams them unit by unit)"),
       field(&R::logging, &LoggingConfig::profile_step, "logging", "profile_step", "record this optimizer step (1-based; rank 0) with LibTorch's profiler into <run dir>/profile.json (Chrome trace); 0 = off"),
       field(&R::logging, &LoggingConfig::overwrite, "logging", "overwrite", "allow a run directory that already holds a run's logs (they are replaced); false = refuse with exit 2"),
 
@@ -611,7 +611,7 @@ void validate_train(const RunConfig& c) {
   if (!(t.grad_clip >= 0.0)) fail("train.grad_clip", "must be >= 0 (0 = off)");
   if (t.eval_interval < 0) fail("train.eval_interval", "must be >= 0 (0 = never)");
   positive("train.eval_batches", t.eval_batches);
-  one_of("train.device", t.device, {"auto", "cpu", "cuda"});
+  one_of("train.device", t.device, {"auto", "cpu", "cuda", "lazy"});
   if (t.threads < 0) fail("train.threads", "must be >= 0 (0 = all cores)");
   one_of("train.on_nonfinite", t.on_nonfinite, {"abort", "skip"});
 }
@@ -691,6 +691,22 @@ void validate_precision(const RunConfig& c) {
   if (pr.max_skipped_steps < 0) fail("precision.max_skipped_steps", "must be >= 0 (0 = never give up)");
 }
 
+// train.device: lazy exists to run the device-generic code on a device that is not the CPU (tests):
+// one process, fp32, no sharding, and nothing that reads device memory statistics.
+void validate_lazy_device(const RunConfig& c) {
+  if (c.train.device != "lazy") return;
+  const auto why = [&](const std::string& key, const std::string& what) {
+    fail(key, fmt::format("{}; train.device: lazy is a test device that runs one process in fp32", what));
+  };
+  if (c.world_size > 1) why("train.device", fmt::format("lazy runs at world size 1, not {}", c.world_size));
+  if (c.parallel.sharding != "none") why("parallel.sharding", "must be none with train.device: lazy");
+  if (c.precision.compute != "fp32" || c.precision.param_dtype != "fp32")
+    why("precision.compute", "must be fp32 (and precision.param_dtype fp32) with train.device: lazy");
+  if (parse_bytes(c.memory.limit, "memory.limit") > 0) why("memory.limit", "must be 0 with train.device: lazy (no memory statistics)");
+  if (c.train.micro_batch == 0) why("train.micro_batch", "auto needs memory statistics, which train.device: lazy has not");
+  if (c.checkpointing.mode == "budget") why("checkpointing.mode", "budget profiles device memory, which train.device: lazy has not");
+}
+
 void validate_devices_and_logging(const RunConfig& c) {
   const auto& t = c.train;
   one_of("parallel.backend", c.parallel.backend, {"auto", "gloo", "nccl"});
@@ -700,6 +716,7 @@ void validate_devices_and_logging(const RunConfig& c) {
     fail("parallel.backend", "nccl needs CUDA tensors; use gloo (or auto) with train.device: cpu");
   positive("parallel.timeout_s", c.parallel.timeout_s);
 
+  validate_lazy_device(c);
   if (parse_bytes(c.memory.limit, "memory.limit") > 0 && !c.memory.track_cpu && t.device == "cpu")
     fail("memory.limit", "on CPU the limit is enforced by the tracking allocator: keep memory.track_cpu: true");
   positive("logging.interval", c.logging.interval);

@@ -302,7 +302,7 @@ Written write_hf(const fs::path& file, const config::ModelConfig& m, at::ScalarT
       if (!writer) continue;
       try {
         const at::Tensor v = t.param.empty() ? torch::zeros(t.shape) : source.values(t).reshape(t.param_shape());
-        writer->append((t.transposed ? v.t() : v).to(dtype).contiguous());
+        writer->append((t.transposed ? v.t() : v).to(dtype));  // on its device: the writer stages it to host
       } catch (...) {
         failed = std::current_exception();
         writer.reset();  // removes the temporary

@@ -24,6 +24,12 @@ struct Sizes {
   bool lowp_params = false;
   double acc = 0;           // the emulated path's fp32 matmul accumulator, per output element
   bool fused_attention = false;  // the CPU fp32 attention kernel (model/attention.h): output in (B, T, C)
+  // model.dropout > 0 (see "Dropout" in activations.h):
+  bool dropout = false;
+  double mask = 0;              // bytes per element of a residual branch's dropout mask
+  double embed_mask = 0;        // ... of the embeddings' dropout mask
+  bool math_attention = false;  // SDPA's math path (CPU with dropout): fp32 T x T matrices
+  double T = 0;                 // sequence length: the math path keeps nh * T elements per token per matrix
 };
 
 // The sizes of block `layer` (they differ only in H, with model.layer_mlp_hidden).
@@ -39,8 +45,31 @@ Sizes sizes_of(const config::RunConfig& cfg, LowpMatmul lowp, int64_t layer = 0)
   z.r = z.lowp_params ? z.c : z.f;
   z.acc = lowp_on && lowp == LowpMatmul::emulated ? 4.0 : 0.0;
   z.fused_attention = !lowp_on && !runs_on_cuda(cfg);
+  z.dropout = m.dropout > 0;
+  if (z.dropout) {
+    // CUDA's fused dropout keeps a bool mask; the CPU's keeps its noise tensor, in the input's dtype
+    // (a branch's output: the compute dtype; the embeddings: the parameters').
+    z.mask = runs_on_cuda(cfg) ? 1.0 : z.c;
+    z.embed_mask = runs_on_cuda(cfg) ? 1.0 : z.r;
+    z.math_attention = !runs_on_cuda(cfg);
+  }
+  z.T = static_cast<double>(cfg.train.seq_len);
   return z;
 }
+
+// What the attention keeps for backward on SDPA's flash path or the fused CPU kernel, beyond the
+// norm's output: qkv (its views q, k, v are saved), llama's rotated q and k, the log-sum-exp, and
+// llama's second copy of the output on SDPA's path (the first, C, is counted apart).
+double flash_attention_bytes(const Sizes& z) {
+  const double C = z.C, c = z.c;
+  const double attn_out = z.llama && !z.fused_attention ? 2 * C : C;
+  return c * 3 * C + (z.llama ? c * 2 * C : 0.0) + z.f * z.nh + c * (attn_out - C);
+}
+
+// What SDPA's math path (attention dropout on the CPU) keeps instead, all fp32 (it computes in fp32
+// whatever the inputs): the scaled q and k and a copy of v, C each, and three nh x T matrices per token
+// (the softmax, the dropout noise, the dropped probabilities). qkv and the rotated q, k are not kept.
+double math_attention_bytes(const Sizes& z) { return 3 * z.C * z.f + 3 * z.nh * z.T * z.f; }
 
 // S: what one block keeps for backward, after the selective savings.
 double block_bytes(const Sizes& z, const SegmentCounts& seg) {
@@ -56,6 +85,10 @@ double block_bytes(const Sizes& z, const SegmentCounts& seg) {
   // The recomputed attention keeps its inputs; llama's rotated q, k are fp32 there (bf16 q times the
   // fp32 RoPE table), where SDPA would have kept its own compute-dtype copies.
   if (seg.attention && z.llama) S += (f - c) * 2 * C;
+  // A plain attention with dropout on the CPU: the math path's tensors in place of the flash path's.
+  if (!seg.attention && z.math_attention) S += math_attention_bytes(z) - flash_attention_bytes(z);
+  // The two residual branches' dropout masks.
+  if (z.dropout) S += 2 * C * z.mask;
   return S;
 }
 
@@ -65,8 +98,22 @@ double backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   double mlp = 0;
   if (!z.llama) mlp = seg.mlp ? c * H + std::max(M, c) * H : (c + M) * H;
   else mlp = seg.mlp ? std::max((2 * c + M) * H, 5 * c * H) : c * H + std::max(M, c) * H;
-  // The residual gradient, and under autocast its compute-dtype copy for the block's last linear.
-  return z.r * z.C + (c < z.r ? c * z.C : 0.0) + mlp;
+  // The residual gradient, and the branch's own gradient where it is a tensor apart: under autocast
+  // its compute-dtype copy for the block's last linear; with dropout the gradient times the mask.
+  return z.r * z.C + (c < z.r || z.dropout ? c * z.C : 0.0) + mlp;
+}
+
+// With SDPA's math path (CPU dropout), the attention's backward can hold more than the MLP's: at its
+// softmax's backward the block still keeps its input x, norm1's output and statistics (unless the norm
+// is recomputed), the scaled q and k and the softmax (2C + nh T, fp32), a recomputed attention's inputs
+// and output; beside them the residual gradient and two nh x T gradients. Returned relative to S, as T
+// is (0 without the math path).
+double attention_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
+  if (!z.math_attention) return 0;
+  const double C = z.C, c = z.c, f = z.f, nhT = z.nh * z.T;
+  double held = z.r * C + (seg.norm ? 0.0 : c * C + f * (z.llama ? 1 : 2)) + 2 * C * f + 3 * nhT * f + z.r * C;
+  if (seg.attention) held += c * 3 * C + (z.llama ? f * 2 * C : 0.0) + c * C;
+  return held - block_bytes(z, seg);
 }
 
 // Wg: the weight gradient of the MLP's output projection (C x H, compute dtype), which autograd holds
@@ -81,8 +128,15 @@ double head_bytes(const Sizes& z) { return z.r * z.C + 2 * z.c * z.C + (2 * z.f 
 // checkpointed segment's first pass): h, then gpt2 u and GELU (or u and the accumulator), llama u
 // 2H, silu and product (or u and its accumulator).
 double forward_block_bytes(const Sizes& z) {
-  const double H = z.H, c = z.c, M = z.acc;
-  return z.r * z.C + (z.llama ? std::max(4 * c * H, 2 * (c + M) * H) : std::max(2 * c * H, (c + M) * H));
+  const double C = z.C, H = z.H, c = z.c, f = z.f, M = z.acc;
+  const double mlp = z.r * C + (z.llama ? std::max(4 * c * H, 2 * (c + M) * H) : std::max(2 * c * H, (c + M) * H));
+  if (!z.math_attention) return mlp;
+  // SDPA's math path with dropout: qkv (and llama's rotated q, k), the fp32 copies of q, k, v it makes
+  // from lower-precision inputs, the scaled q and k, and three nh x T matrices at once (the softmax, the
+  // noise, their product).
+  const double attention = c * 3 * C + (z.llama ? f * 2 * C : 0.0) + (c < f ? 3 * C * f : 0.0) + 2 * C * f +
+                           3 * z.nh * z.T * f;
+  return std::max(mlp, attention);
 }
 
 // Under autocast the compute-dtype copies of one block's matmul weights (0 in fp32): cached through
@@ -164,19 +218,23 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   e.head_bytes = head_bytes(z);
   e.backward_bytes = backward_bytes(z, seg);
   e.forward_bytes = forward_block_bytes(z);
+  e.attention_backward_bytes = attention_backward_bytes(z, seg);
   const double S = e.block_bytes, T = e.backward_bytes, E = e.head_bytes, fC = z.r * z.C, tok = static_cast<double>(e.tokens);
+  e.embed_mask_bytes = static_cast<int64_t>(tok * z.embed_mask * z.C);
+  const auto always = static_cast<double>(e.embed_mask_bytes);
   const double Wb = block_cast_bytes(z), Wh = z.c < z.f && !z.lowp_params ? z.c * z.V * z.C : 0.0;
   if (cfg.model.tie_embeddings) e.tied_grad_bytes = 4 * cfg.model.vocab_size * cfg.model.n_embd;
   const auto tied = static_cast<double>(e.tied_grad_bytes);
   e.weight_cast_bytes = static_cast<int64_t>(L * Wb + Wh);
   // F: end of the forward (the head, before its gradients) or a checkpointed block's first pass,
   // with every block's weight copies still cached.
-  e.moment_f = L * Wb + Wh + tok * std::max(fC * n + S * kept + E - z.c * z.C, n > 0 ? fC * n + e.forward_bytes : 0.0);
-  e.moment_a = kept * Wb + Wh + tok * (E + fC * n + S * kept);
-  const double Wg = weight_grad_bytes(z);
-  if (seg.kept_blocks > 0) e.moment_d = kept * Wb + tied + Wg + tok * (fC * n + S * kept + T);
+  e.moment_f = always + L * Wb + Wh + tok * std::max(fC * n + S * kept + E - z.c * z.C, n > 0 ? fC * n + e.forward_bytes : 0.0);
+  e.moment_a = always + kept * Wb + Wh + tok * (E + fC * n + S * kept);
+  // A block's backward: the MLP's moment (T and Wg), or the math attention's where it holds more.
+  const double backward = std::max(weight_grad_bytes(z) + tok * T, tok * e.attention_backward_bytes);
+  if (seg.kept_blocks > 0) e.moment_d = always + kept * Wb + tied + backward + tok * (fC * n + S * kept);
   // B also holds the recomputed segment's output: its backward starts from it.
-  if (seg.checkpointed > 0) e.moment_b = k * Wb + tied + Wg + tok * (fC * n + S * k + T);
+  if (seg.checkpointed > 0) e.moment_b = always + k * Wb + tied + backward + tok * (fC * n + S * k);
   e.peak_bytes = static_cast<int64_t>(std::max({e.moment_f, e.moment_a, e.moment_d, e.moment_b}));
   return e;
 }
@@ -194,7 +252,8 @@ ChainModel chain_model(const config::RunConfig& cfg, LowpMatmul lowp) {
       parts.mlp = (b & recompute::kPartMlp) != 0;
       parts.norm = (b & recompute::kPartNorm) != 0;
       kept[static_cast<size_t>(b)] = tok * block_bytes(zl, parts);
-      backward[static_cast<size_t>(b)] = tok * backward_bytes(zl, parts) + weight_grad_bytes(zl);
+      backward[static_cast<size_t>(b)] =
+          std::max(tok * backward_bytes(zl, parts) + weight_grad_bytes(zl), tok * attention_backward_bytes(zl, parts));
     }
     m.kept.push_back(kept);
     m.backward.push_back(backward);
@@ -207,6 +266,7 @@ ChainModel chain_model(const config::RunConfig& cfg, LowpMatmul lowp) {
   m.head_input = tok * z.c * z.C;
   m.head_weights = z.c < z.f && !z.lowp_params ? z.c * z.V * z.C : 0.0;
   if (cfg.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(cfg.model.vocab_size * cfg.model.n_embd);
+  m.held = tok * z.embed_mask * z.C;
   return m;
 }
 
@@ -259,7 +319,7 @@ double chain_peak(const ChainModel& m, const recompute::Plan& plan) {
       kept_weights -= m.weights[i];
     }
   }
-  return peak;
+  return m.held + peak;  // what every moment holds besides
 }
 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {

@@ -1,6 +1,7 @@
-// Analytic activation-memory model for this GPT under a recompute plan (dropout 0: SDPA's flash
-// path, or on the CPU in fp32 the fused attention, which keeps the same tensors). It predicts what the trainer reports as activation_peak_bytes (peak allocated bytes minus
-// parameters, gradients and optimizer states) for one micro-batch.
+// Analytic activation-memory model for this GPT under a recompute plan (SDPA's flash path, or on the
+// CPU in fp32 the fused attention, which keeps the same tensors; dropout's terms below). It predicts
+// what the trainer reports as activation_peak_bytes (peak allocated bytes minus parameters, gradients
+// and optimizer states) for one micro-batch.
 //
 // Written below in bytes per token: element counts times f = 4 (fp32) or c, the compute dtype's size
 // (fp32 4, bf16/fp16 2).
@@ -47,6 +48,22 @@
 // where G = 4VC is the LM head's part of a tied embedding's gradient (autograd holds it until the
 // embedding's part arrives; 0 when untied).
 //
+// Dropout (model.dropout > 0) adds, per token:
+//   Me, in all four moments: the embeddings' dropout mask, C times 1 byte on CUDA (its fused kernel's
+//     bool mask) or r on the CPU (the noise tensor it multiplies by, in its input's dtype);
+//   to S: the two residual branches' masks, 2C times 1 (CUDA) or c (CPU);
+//   to T: the branch's gradient times the mask, cC, a tensor apart from the residual gradient (under
+//     autocast it takes the place of the compute-dtype copy, so only fp32 grows);
+//   on the CPU, attention dropout: neither the fused kernel nor SDPA's CPU flash kernel takes it, so
+//     SDPA's math path runs, in fp32 whatever its inputs. S keeps 3Cf + 3 nh T f (scaled q and k, a
+//     copy of v; the softmax, the noise, their product) instead of qkv, llama's rotated q, k, the
+//     log-sum-exp and llama's second output copy (a recomputed attention keeps its inputs, as without
+//     dropout). Its backward holds Ta (at the softmax's backward: x, norm1's output and statistics, the
+//     scaled q, k and the softmax, a recomputed attention's inputs and output, the residual gradient
+//     and two nh x T gradients, less S), taken in D and B where it exceeds Wg + T; a block run
+//     without saving holds the larger of Fb and Fa = cC(3) + the fp32 copies + 2Cf + 3 nh T f.
+//   CUDA's flash and memory-efficient kernels take dropout without keeping a mask: only the masks change.
+//
 // The CPU path (memory/cpu_features.h) sets M. bf16 matmuls on CPU take one of three kernels:
 //   native   (oneDNN brgemm with avx512_bf16 / AMX / avx_ne_convert): M = 0 (small per-thread blocks)
 //   emulated (oneDNN gemm:jit:bf16 on AVX-512 without bf16 instructions, e.g. a Cascade Lake Xeon):
@@ -87,7 +104,9 @@ struct ActivationEstimate {
   double head_bytes = 0;             // E per token
   double backward_bytes = 0;         // T per token
   double forward_bytes = 0;          // F_block per token
+  double attention_backward_bytes = 0;  // Ta per token (0 off SDPA's math path)
   double moment_f = 0, moment_a = 0, moment_d = 0, moment_b = 0;  // whole moments, in bytes
+  int64_t embed_mask_bytes = 0;      // Me, in every moment
   int64_t tied_grad_bytes = 0;       // in moments D and B
   int64_t weight_cast_bytes = 0;     // autocast's low-precision copies of all matmul weights
   int64_t peak_bytes = 0;            // max(F, A, D, B)
@@ -115,6 +134,7 @@ struct ChainModel {
   double head_input = 0;   // cC: E less this at the end of the forward (moment F)
   double head_weights = 0; // Wh
   double tied_grad = 0;    // G
+  double held = 0;         // Me: held at every moment (the embeddings' dropout mask)
 };
 ChainModel chain_model(const config::RunConfig& cfg, LowpMatmul lowp);
 // The activation peak of a plan by walking it: the forward (every checkpointed segment's first pass

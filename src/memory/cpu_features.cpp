@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <fstream>
@@ -138,8 +139,37 @@ nlohmann::json CpuFeatures::to_json() const {
           {"native_bf16", native_bf16},
           {"amx", amx},
           {"bf16_matmul", to_string(bf16_matmul)},
-          {"fp16_matmul", to_string(fp16_matmul)}};
+          {"fp16_matmul", to_string(fp16_matmul)},
+          {"fused_kernels", kernel_clone_name()}};
 }
+
+namespace {
+
+// Set from SUBLINEAR_FORCE_BASELINE when first asked; force_baseline_kernels changes it.
+std::atomic<bool>& baseline_forced() {
+  static std::atomic<bool> forced{[] {
+    const std::string v = env("SUBLINEAR_FORCE_BASELINE");
+    return !v.empty() && v != "0";
+  }()};
+  return forced;
+}
+
+}  // namespace
+
+bool cpu_has_avx2_fma() {
+#if defined(__x86_64__)
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+bool vector_kernels() { return cpu_has_avx2_fma() && !baseline_forced().load(std::memory_order_relaxed); }
+
+bool force_baseline_kernels(bool on) { return baseline_forced().exchange(on, std::memory_order_relaxed); }
+
+std::string kernel_clone_name() { return vector_kernels() ? "avx2_fma" : "baseline"; }
 
 const CpuFeatures& cpu_features() {
   static const CpuFeatures f = detect();

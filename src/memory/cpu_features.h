@@ -42,6 +42,26 @@ struct CpuFeatures {
 // This process's CPU, detected once.
 const CpuFeatures& cpu_features();
 
+// ---- which clone of the fused CPU kernels runs ----
+// The project's fused CPU kernels (causal attention and its GEMM tiles, GELU, AdamW) are each built
+// twice: an AVX2 + FMA clone (x86-64-v3) and a baseline x86-64 clone. The vector clone runs where the
+// CPU has AVX2 and FMA, unless the baseline is forced: SUBLINEAR_FORCE_BASELINE=1 in the environment
+// (read once, at the first kernel call; unset, empty or 0: not forced; any other value forces it), or
+// force_baseline_kernels(true) (the tests run both clones in one process). Attention and GELU results
+// differ between the clones by float rounding (the vector clone fuses multiply-adds); AdamW's update is
+// bitwise the same on both (src/train/optimizer.cpp), so data-parallel replicas on different CPU kinds
+// keep identical weights.
+
+// The CPU runs AVX2 and FMA (x86-64-v3): the vector clones can run here.
+bool cpu_has_avx2_fma();
+// The vector clones run now: cpu_has_avx2_fma() and the baseline not forced. Cheap (a relaxed load).
+bool vector_kernels();
+// Forces the baseline clones (on) or lets the vector clones run where the CPU has them (off); returns
+// the setting it replaces. Takes effect at the next kernel call: do not switch while a kernel runs.
+bool force_baseline_kernels(bool on);
+// "avx2_fma" or "baseline": the clone vector_kernels() picks now (summary.json's environment.cpu).
+std::string kernel_clone_name();
+
 // Whether oneDNN's ISA cap `cap` (an ONEDNN_MAX_CPU_ISA value, any case; "" = none) allows `isa`
 // (a name of the same list). An unknown cap allows everything, as oneDNN ignores it.
 bool onednn_isa_allows(const std::string& cap, const std::string& isa);

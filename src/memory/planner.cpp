@@ -1,5 +1,6 @@
 // Memory planner: model states + activation model + batch, largest micro-batch, the plan report.
 #include "memory/planner.h"
+#include "memory/staging.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -161,6 +162,7 @@ PeakPrediction predict_states(const config::RunConfig& cfg) {
   const int64_t group = largest_group_params(cfg, n), shard = ceil_div(group, N);
   p.adamw_temp_bytes = 2 * 4 * (sh == "none" ? largest_param(cfg.model) : shard);
   if (N > 1 || sh != "none") p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh == "none" ? group : shard);
+  p.host_staging_bytes = host_staging_bytes(4 * largest_param(cfg.model));  // fp32 masters and moments
   return p;
 }
 
@@ -268,6 +270,7 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
             {"logits_and_loss_bytes", static_cast<int64_t>(base.activations.tokens * 4 * 3 * cfg.model.vocab_size)},
             {"buffers_bytes", base.buffer_bytes},
             {"optimizer_step_temp_bytes", base.optimizer_phase_bytes()},
+            {"host_staging_bytes", base.host_staging_bytes},
             {"matmul_path", base.activations.matmul_path},
             {"precision", cfg.precision.compute},
             {"param_dtype", cfg.precision.param_dtype},
@@ -307,6 +310,7 @@ std::string format_plan(const Json& j) {
       {"input batch", bytes(j["batch_bytes"])},
       {"logits and loss buffers (in activations)", bytes(j["logits_and_loss_bytes"])},
       {"optimizer step temporaries (after backward)", bytes(j["optimizer_step_temp_bytes"])},
+      {"host staging of a save (GPU runs; host RAM)", bytes(j["host_staging_bytes"])},
       {"matmul kernels (activation model)", j["matmul_path"].get<std::string>()},
       {"micro-batch x seq_len", fmt::format("{} x {} (global batch {})", j["micro_batch"].get<int64_t>(),
                                             j["seq_len"].get<int64_t>(), j["global_batch"].get<int64_t>())},

@@ -43,6 +43,9 @@ struct PeakPrediction {
   int64_t buffer_bytes = 0;  // the model's non-parameter buffers (RoPE cos/sin tables)
   int64_t adamw_temp_bytes = 0;  // AdamW's two temporaries of its largest tensor
   int64_t grad_norm_temp_bytes = 0;  // the gradient norm's float64 chunk (sharded engine only)
+  // Host memory (not in the device peak): a save or the final-weights export on a non-CPU device
+  // stages one bounded piece at a time (memory/staging.h); CPU runs write from the tensors themselves.
+  int64_t host_staging_bytes = 0;
   ActivationEstimate activations;
   int64_t model_states_bytes() const { return params_bytes + grads_bytes + optimizer_bytes; }
   int64_t activation_phase_bytes() const { return transient_bytes + activations.peak_bytes; }

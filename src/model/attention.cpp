@@ -1,4 +1,5 @@
 #include "model/attention.h"
+#include "model/clones.h"
 #include "model/fast_exp.h"
 #include "model/intra_op.h"
 #include "model/small_gemm.h"
@@ -19,11 +20,11 @@ namespace {
 constexpr int64_t kRowBlock = 64;  // query rows per block of scores (the scratch holds one)
 constexpr int kLanes = 8;          // independent accumulators per reduction, so the loops vectorize
 
-// ---- per-row kernels: one clone per instruction set (AVX2 + FMA, baseline), picked at load time ----
+// ---- per-row kernels: one clone per instruction set (AVX2 + FMA, baseline), picked per call (clones.h) ----
 
 // Scores s[0, valid) of one query row (its keys up to the diagonal) become probabilities; s[valid, n)
 // are set to 0. Returns the row's log-sum-exp.
-__attribute__((target_clones("arch=x86-64-v3", "default"))) float softmax_row(float* s, int64_t valid, int64_t n) {
+SL_KERNEL_BODY float softmax_row_body(float* s, int64_t valid, int64_t n) {
   float lane[kLanes];
   for (float& l : lane) l = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
@@ -52,23 +53,24 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) float softmax_row(fl
   for (; j < n; ++j) s[j] = 0.0f;
   return mx + std::log(sum);
 }
+SL_KERNEL_CLONES(float, softmax_row, (float* s, int64_t valid, int64_t n), (s, valid, n))
 
 // Backward's probabilities from the saved log-sum-exp: s[j] = exp(s[j] - lse) up to the diagonal, 0 after.
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void probs_row(float* s, float lse, int64_t valid,
-                                                                           int64_t n) {
+SL_KERNEL_BODY void probs_row_body(float* s, float lse, int64_t valid, int64_t n) {
   int64_t j = 0;
   for (; j < valid; ++j) s[j] = exp_approx(s[j] - lse);
   for (; j < n; ++j) s[j] = 0.0f;
 }
+SL_KERNEL_CLONES(void, probs_row, (float* s, float lse, int64_t valid, int64_t n), (s, lse, valid, n))
 
 // Gradient of the scores (before the scale), up to the diagonal: dp[j] = p[j] (dp[j] - d), d = the row's
 // sum of dO * O; 0 after it (where dp holds, at most up to the next whole vector, masked products).
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void dscore_row(const float* p, float* dp, float d,
-                                                                            int64_t valid, int64_t n) {
+SL_KERNEL_BODY void dscore_row_body(const float* p, float* dp, float d, int64_t valid, int64_t n) {
   int64_t j = 0;
   for (; j < valid; ++j) dp[j] = p[j] * (dp[j] - d);
   for (; j < n; ++j) dp[j] = 0.0f;
 }
+SL_KERNEL_CLONES(void, dscore_row, (const float* p, float* dp, float d, int64_t valid, int64_t n), (p, dp, d, valid, n))
 
 // dst[c * rows + r] = src[r * ld + c]: hd x T from T rows of hd, in 8 x 8 blocks (both sides stay in cache).
 void transpose_rows(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
@@ -81,7 +83,7 @@ void transpose_rows(const float* src, int64_t ld, int64_t rows, int64_t cols, fl
     }
 }
 
-__attribute__((target_clones("arch=x86-64-v3", "default"))) float dot(const float* a, const float* b, int64_t n) {
+SL_KERNEL_BODY float dot_body(const float* a, const float* b, int64_t n) {
   float lane[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes)
@@ -91,6 +93,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) float dot(const floa
   for (; j < n; ++j) sum += a[j] * b[j];
   return sum;
 }
+SL_KERNEL_CLONES(float, dot, (const float* a, const float* b, int64_t n), (a, b, n))
 
 // ---- one (batch, head) ----
 

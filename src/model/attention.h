@@ -4,7 +4,8 @@
 // strided views, small_gemm.h), takes the softmax in place, and writes its output rows straight into
 // the (B, T, C) layout the output projection reads. Backward recomputes each block's probabilities
 // from the saved log-sum-exp, as the flash algorithm does. Other tensors (CUDA, bf16, fp16, attention
-// dropout) keep at::scaled_dot_product_attention.
+// dropout) keep at::scaled_dot_product_attention. Its row kernels and GEMM tiles have AVX2 + FMA and
+// baseline clones (model/clones.h): results differ between the clones by float rounding.
 #pragma once
 #include <torch/types.h>
 

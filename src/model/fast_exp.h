@@ -33,11 +33,7 @@ inline float exp_approx(float x) {
 }
 
 #if defined(__x86_64__)
-// True where the CPU runs AVX2 and FMA (x86-64-v3): the kernels below are called only then.
-inline bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
+// The AVX2 forms below are called only where memory::vector_kernels() says so (memory/cpu_features.h).
 
 // exp_approx on 8 lanes, the same steps. NaN stays NaN (max/min return their second operand then).
 // GCC's own vectorization of the scalar form above runs 2-3x slower than this (blends around the

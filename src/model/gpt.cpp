@@ -66,9 +66,8 @@ torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const torch::
 
 // Rotates pairs (x[i], x[i + hd/2]) of x (B, nh, T, hd) by the angles in cos/sin (T, hd/2).
 torch::Tensor apply_rope(const torch::Tensor& x, const Rope& rope) {
-  auto halves = x.chunk(2, /*dim=*/-1);
-  const auto& x1 = halves[0];
-  const auto& x2 = halves[1];
+  const int64_t half = x.size(-1) / 2;  // narrow, not chunk: see BlockImpl::heads
+  const auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
   return torch::cat({x1 * rope.cos - x2 * rope.sin, x1 * rope.sin + x2 * rope.cos}, /*dim=*/-1);
 }
 
@@ -76,6 +75,12 @@ torch::Tensor apply_rope(const torch::Tensor& x, const Rope& rope) {
 
 void init_parameter(const config::ModelConfig& cfg, const std::string& name, torch::Tensor t) {
   torch::NoGradGuard no_grad;
+  if (!t.device().is_cpu()) {  // drawn on the CPU generator, then copied: one tensor of host memory at a time
+    auto host = torch::empty(t.sizes(), t.options().device(torch::kCPU));
+    init_parameter(cfg, name, host);
+    t.copy_(host);
+    return;
+  }
   const auto dot = name.rfind('.');
   const std::string leaf = dot == std::string::npos ? name : name.substr(dot + 1);
   if (leaf == "w_proj" || leaf == "w_out") {  // residual projections: GPT-2's 1/sqrt(2 L) scaling
@@ -124,9 +129,10 @@ torch::Tensor BlockImpl::norm2(const torch::Tensor& x) const { return norm(x, ln
 
 std::array<torch::Tensor, 3> BlockImpl::heads(const torch::Tensor& qkv) const {
   const int64_t B = qkv.size(0), T = qkv.size(1), hd = n_embd / n_head;
-  auto parts = qkv.split(n_embd, /*dim=*/2);  // 3 x (B, T, C)
-  auto split = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hd}).transpose(1, 2); };
-  return {split(parts[0]), split(parts[1]), split(parts[2])};  // (B, nh, T, hd)
+  // narrow, not split/chunk: the same views, and on the lazy test device split's outputs feed later ops
+  // wrong (their results come back as CPU tensors; LibTorch 2.11), which narrow's do not.
+  auto part = [&](int64_t i) { return qkv.narrow(2, i * n_embd, n_embd).view({B, T, n_head, hd}).transpose(1, 2); };
+  return {part(0), part(1), part(2)};  // (B, nh, T, hd)
 }
 
 std::vector<torch::Tensor> BlockImpl::attention_inputs(const torch::Tensor& qkv, const Rope& rope) const {
@@ -149,8 +155,8 @@ torch::Tensor BlockImpl::attention_core(const std::vector<torch::Tensor>& in) co
 
 torch::Tensor BlockImpl::mlp_act(const torch::Tensor& u, const torch::Tensor& fc_bias) const {
   if (!llama) return fc_bias.defined() ? gelu_tanh_bias(u, fc_bias) : gelu_tanh(u);
-  auto gu = u.chunk(2, /*dim=*/-1);  // [gate; up]
-  return at::silu(gu[0]) * gu[1];
+  const int64_t H = u.size(-1) / 2;  // [gate; up] (narrow, not chunk: see heads)
+  return at::silu(u.narrow(-1, 0, H)) * u.narrow(-1, H, H);
 }
 
 torch::Tensor BlockImpl::residual_dropout(const torch::Tensor& y) const { return torch::dropout(y, dropout, is_training()); }
@@ -225,7 +231,12 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+  const auto flat = logits.reshape({-1, logits.size(-1)});
+  // The lazy test device cannot differentiate cross_entropy_loss (its TorchScript graph hands
+  // nll_loss_backward a float64 gradient; LibTorch 2.11): there, the two ops cross_entropy_loss is
+  // made of (log_softmax, then nll_loss), which it differentiates.
+  if (logits.device().type() == c10::kLazy) return at::nll_loss(at::log_softmax(flat, 1), targets.reshape({-1}));
+  return at::cross_entropy_loss(flat, targets.reshape({-1}));
 }
 
 std::string unit_name(const config::ModelConfig& m, int64_t unit) {

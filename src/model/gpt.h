@@ -77,7 +77,9 @@ std::string unit_name(const config::ModelConfig& m, int64_t unit);  // "embeddin
 
 // Initializes parameter `name` ("wte", "blocks.3.w_proj", ...) in place, as the constructor does: normal
 // (init_std; w_proj and w_out init_std / sqrt(2 n_layer)), norm weights 1, biases 0. Draws from the
-// default generator, so the order of calls decides the values.
+// CPU's default generator whatever t's device (a tensor on CUDA or the lazy device is drawn on the
+// host, one tensor at a time, and copied), so the order of calls decides the values and the same seed
+// gives the same weights on every device.
 void init_parameter(const config::ModelConfig& cfg, const std::string& name, torch::Tensor t);
 // A parameter built with defer_params that has not been given memory yet.
 inline bool is_deferred(const torch::Tensor& p) { return p.numel() > 0 && p.storage().data() == nullptr; }

@@ -1,4 +1,5 @@
 #include "model/small_gemm.h"
+#include "model/clones.h"
 
 #include <algorithm>
 #include <cstring>
@@ -66,11 +67,8 @@ __attribute__((always_inline)) inline void row_tile(const MatA& a, const float* 
   if (col < n_end) tile_scalar(R, static_cast<int>(n_end - col), a, b + col, ldb, k0, k1, c + col, ldc, alpha, accumulate);
 }
 
-}  // namespace
-
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void small_gemm(const GemmShape& s, float alpha, MatA a,
-                                                                            const float* b, int64_t ldb, float* c,
-                                                                            int64_t ldc, bool accumulate) {
+SL_KERNEL_BODY void small_gemm_body(const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c,
+                                    int64_t ldc, bool accumulate) {
   for (int64_t r0 = 0; r0 < s.M; r0 += kRows) {
     const int R = static_cast<int>(std::min<int64_t>(kRows, s.M - r0));
     const int64_t last = r0 + R - 1;  // the tile's last row
@@ -91,5 +89,12 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) void small_gemm(cons
     }
   }
 }
+
+}  // namespace
+
+SL_KERNEL_CLONES(void, small_gemm,
+                 (const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c, int64_t ldc,
+                  bool accumulate),
+                 (s, alpha, a, b, ldb, c, ldc, accumulate))
 
 }  // namespace sl::model

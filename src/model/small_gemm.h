@@ -2,8 +2,8 @@
 // through any row and column strides (so A or A^T), B row-major, and the causal structure of a
 // block of attention used to skip what the mask zeroes. Register-tiled (6 rows x 16 columns of C),
 // no packing: the operands of one (batch, head) sit in L1/L2. AVX2 + FMA and baseline clones, picked
-// at load time. A fixed summation order per element and no threads: on one machine the bits depend
-// only on the operands (across machines they differ: the AVX2 clone fuses multiply-adds).
+// per call (model/clones.h). A fixed summation order per element and no threads: with one clone the
+// bits depend only on the operands (the two clones differ by rounding: the AVX2 one fuses multiply-adds).
 #pragma once
 #include <cstdint>
 

@@ -282,6 +282,37 @@ std::vector<double> Comm::all_gather(const std::vector<double>& v, const std::st
   return {out.data_ptr<double>(), out.data_ptr<double>() + n * env_.world};
 }
 
+Comm::Failure Comm::agree_on_failure(int code, const std::string& message, const std::string& what) {
+  if (!distributed()) return code == 0 ? Failure{} : Failure{code, 0, message};
+  const std::string key = fmt::format("failure/{}/", agreements_++);
+  try {
+    if (code != 0) store_->set(key + std::to_string(env_.rank), std::vector<uint8_t>(message.begin(), message.end()));
+  } catch (const std::exception& e) {
+    fail(what, fmt::format("posting this rank's error to the store: {}", e.what()));
+  }
+  const auto codes = all_gather(std::vector<double>{static_cast<double>(code)}, what);
+  for (int64_t r = 0; r < env_.world; ++r) {
+    const int c = static_cast<int>(codes[static_cast<size_t>(r)]);
+    if (c == 0) continue;
+    if (r == env_.rank) return {c, r, message};
+    std::vector<uint8_t> text;
+    try {
+      text = store_->get(key + std::to_string(r));
+    } catch (const std::exception& e) {
+      fail(what, fmt::format("rank {} failed (exit {}) and its message could not be read: {}", r, c, e.what()));
+    }
+    return {c, r, std::string(text.begin(), text.end())};
+  }
+  return {};
+}
+
+void Comm::fail_together(int code, const std::string& message, const std::string& what) {
+  const Failure f = agree_on_failure(code, message, what);
+  if (f.code == 0) return;
+  if (f.rank == env_.rank) throw_as(f.code, f.message);
+  throw_as(f.code, fmt::format("rank {}: {} failed: {}", f.rank, what, f.message));
+}
+
 void Comm::barrier(const std::string& what) {
   if (!distributed()) return;
   // A one-element all-reduce: a barrier that goes through the same transport and timeout as the data.

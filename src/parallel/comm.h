@@ -99,6 +99,21 @@ class Comm {
   std::vector<double> all_gather(const std::vector<double>& v, const std::string& what);
   void barrier(const std::string& what);
 
+  // Every rank learns the first failure of a stretch some ranks may have failed alone (rank 0 writing
+  // a file, checking a state): each passes its own outcome (code 0 = it went well, else its exit code
+  // and message) and gets back the lowest failing rank's, the same on every rank (code 0 when none
+  // failed). A failing rank posts its message to the store before the one collective (an all-gather of
+  // codes), so the others read it after without waiting. Every rank must call it at the same point.
+  struct Failure {
+    int code = 0;        // 0: no rank failed
+    int64_t rank = -1;   // the lowest failing rank
+    std::string message;  // its message, as it gave it
+  };
+  Failure agree_on_failure(int code, const std::string& message, const std::string& what);
+  // agree_on_failure, then every rank throws the agreed failure (throw_as: the failing rank's exit
+  // code; its message, which the other ranks prefix with "rank R: ... failed: "). Returns when none failed.
+  void fail_together(int code, const std::string& message, const std::string& what);
+
   // NCCL: throws DistError when ProcessGroupNCCL's watchdog found a failed or timed-out collective
   // (waits do not block the host, so errors surface here; call it after a host read). A host-side
   // flag check, no wait. Gloo (whose waits throw themselves) and one process: nothing.
@@ -116,6 +131,7 @@ class Comm {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> pg_;
   std::string failure_;
+  int64_t agreements_ = 0;  // agree_on_failure calls so far: each posts under its own store keys
 };
 
 }  // namespace sl::parallel

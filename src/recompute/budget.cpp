@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <stdexcept>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -151,7 +152,7 @@ Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>&
   const double delta = budget_bytes / static_cast<double>(quanta);
   out.quantum_bytes = delta;
   Table t(L, quanta + 1, delta);
-  Bounds fit{m, budget_bytes};
+  Bounds fit{m, budget_bytes - m.held};  // every moment also holds m.held
   for (double w : m.weights) fit.all_weights += w;
   t.cost[t.at(0, 0)] = 0;
   for (int64_t i = 0; i < L; ++i) expand(t, i, m, costs, fit);
@@ -311,6 +312,32 @@ BlockBytes measure_block(model::Block& block, const torch::Tensor& x, const mode
   return out;
 }
 
+// While alive the default generators (CPU, and the run's CUDA device) may be drawn from; their states
+// go back on destruction, so what ran meanwhile leaves the run's dropout stream where it was.
+class GeneratorsKept {
+ public:
+  explicit GeneratorsKept(torch::Device device) {
+    keep(torch::Device(torch::kCPU));
+    if (device.is_cuda()) keep(device);
+  }
+  ~GeneratorsKept() {
+    for (auto& [gen, state] : kept_) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    }
+  }
+  GeneratorsKept(const GeneratorsKept&) = delete;
+  GeneratorsKept& operator=(const GeneratorsKept&) = delete;
+
+ private:
+  void keep(torch::Device d) {
+    at::Generator gen = at::globalContext().defaultGenerator(d);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    kept_.emplace_back(gen, gen.get_state());
+  }
+  std::vector<std::pair<at::Generator, at::Tensor>> kept_;
+};
+
 }  // namespace
 
 Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device) {
@@ -321,6 +348,7 @@ Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Devi
   torch::NoGradGuard no_grad;
   precision::AutocastGuard autocast(device.type(), precision::compute_dtype(cfg.precision.compute));
   ByteMeter meter{memory::Tracker(device), device};
+  GeneratorsKept rng(device);  // the blocks train as the run's do (dropout draws), then the stream goes back
   // Blocks differ only by their MLP size (model.layer_mlp_hidden): each size is measured once, on the
   // first block that has it, and stands for every block of that size.
   std::map<int64_t, std::pair<BlockCost, BlockBytes>> by_width;
@@ -329,7 +357,7 @@ Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Devi
     const int64_t width = config::mlp_hidden(cfg.model, l);
     if (!by_width.count(width)) {
       auto block = profiling_block(cfg, l, device, gen);
-      block->eval();  // no dropout: the profile draws nothing from the run's generators
+      block->train();  // as the run trains it: dropout's masks, and on the CPU SDPA's math path with them
       const BlockCost time = time_block(block, x, rope, device);
       by_width[width] = {time, meter.works() ? measure_block(block, x, rope, meter) : BlockBytes{}};
     }

@@ -12,6 +12,7 @@
 #include <bit>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <system_error>
@@ -114,16 +115,13 @@ class AtomicFile {
 
 namespace {
 
-// Checks the tensors of write_safetensors; returns them contiguous, in the given order.
-std::vector<at::Tensor> prepare_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
-  std::vector<at::Tensor> out;
+// Checks the tensors of write_safetensors (any device: the writer stages them to host itself).
+void check_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
   for (const auto& [name, t] : tensors) {
     if (!t.defined()) throw std::invalid_argument(fmt::format("write_safetensors: tensor {} is undefined", name));
-    if (!t.device().is_cpu() || t.layout() != at::kStrided)
-      throw std::invalid_argument(fmt::format("write_safetensors: tensor {} is not a dense CPU tensor", name));
-    out.push_back(t.contiguous());
+    if (t.layout() != at::kStrided)
+      throw std::invalid_argument(fmt::format("write_safetensors: tensor {} is not a dense (strided) tensor", name));
   }
-  return out;
 }
 
 // The header JSON padded with spaces to a multiple of 8 bytes; offsets follow the given order.
@@ -287,6 +285,26 @@ uint32_t crc32_file(const std::filesystem::path& path) {
   return crc;
 }
 
+void for_each_host_chunk(const at::Tensor& t, const std::function<void(const void*, size_t)>& sink) {
+  if (t.numel() == 0) return;
+  if (t.device().is_cpu()) {  // written from its own memory (a contiguous copy first when strided)
+    const at::Tensor c = t.contiguous();
+    sink(c.const_data_ptr(), c.nbytes());
+    return;
+  }
+  // Device tensor: a contiguous flat view on the device (one device copy when strided), then bounded
+  // pieces copied to host one at a time (.to(kCPU) waits for its copy, so the piece is filled when
+  // sink reads it; each is freed before the next is made).
+  const at::Tensor flat = t.contiguous().reshape({-1});
+  const int64_t item = static_cast<int64_t>(flat.element_size());
+  const int64_t per_piece = std::max<int64_t>(1, memory::kHostStagingBytes / item);
+  for (int64_t pos = 0; pos < flat.numel(); pos += per_piece) {
+    const int64_t n = std::min(per_piece, flat.numel() - pos);
+    const at::Tensor piece = flat.narrow(0, pos, n).to(at::kCPU).contiguous();
+    sink(piece.const_data_ptr(), static_cast<size_t>(n * item));
+  }
+}
+
 int64_t SafetensorsWriter::Spec::nbytes() const {
   int64_t n = static_cast<int64_t>(c10::elementSize(dtype));
   for (int64_t d : shape) n *= d;
@@ -309,10 +327,9 @@ SafetensorsWriter::~SafetensorsWriter() = default;
 void SafetensorsWriter::append(const at::Tensor& t) {
   if (next_ >= specs_.size()) throw std::logic_error("SafetensorsWriter: more tensors than the header lists");
   const Spec& sp = specs_[next_];
-  if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != sp.dtype || t.sizes().vec() != sp.shape)
+  if (!t.defined() || t.layout() != at::kStrided || t.scalar_type() != sp.dtype || t.sizes().vec() != sp.shape)
     throw std::logic_error(fmt::format("SafetensorsWriter: tensor {} does not match its header entry", sp.name));
-  const at::Tensor c = t.contiguous();
-  file_->write(c.data_ptr(), c.nbytes());
+  for_each_host_chunk(t, [&](const void* data, size_t n) { file_->write(data, n); });
   ++next_;
 }
 
@@ -325,11 +342,11 @@ FileDigest SafetensorsWriter::commit() {
 FileDigest write_safetensors(const std::filesystem::path& path,
                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                              const std::map<std::string, std::string>& metadata) {
-  const auto data = prepare_tensors(tensors);
+  check_tensors(tensors);
   std::vector<SafetensorsWriter::Spec> specs;
-  for (size_t i = 0; i < data.size(); ++i) specs.push_back({tensors[i].first, data[i].scalar_type(), data[i].sizes().vec()});
+  for (const auto& [name, t] : tensors) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
   SafetensorsWriter out(path, std::move(specs), metadata);
-  for (const auto& t : data) out.append(t);
+  for (const auto& named : tensors) out.append(named.second);
   return out.commit();
 }
 

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -16,6 +17,7 @@
 #include <c10/core/ScalarType.h>
 
 #include "errors.h"
+#include "memory/staging.h"
 
 namespace sl::state {
 
@@ -34,10 +36,22 @@ struct FileDigest {
   uint32_t crc32 = 0;
 };
 
+// Host staging: the one place a tensor leaves its device for a file. Every writer of this project
+// (training states, final weights, export) goes through for_each_host_chunk, so no caller stages
+// by hand and no device tensor can reach a write(2) by mistake. Contract:
+//   - a CPU tensor is handed to `sink` from its own memory (contiguous: no copy; strided: one
+//     contiguous copy of that tensor);
+//   - a tensor on any other device (CUDA, the lazy test device) is made contiguous on its device
+//     (strided: one device copy of that tensor), then copied to host piece by piece, each piece at most
+//     memory::kHostStagingBytes and freed before the next; `sink` sees each piece after its copy finished.
+// So the host memory a save adds is host_staging_bytes(largest tensor), never a second copy of a
+// rank's states (memory/staging.h: the bound, which the planner counts).
+void for_each_host_chunk(const at::Tensor& t, const std::function<void(const void*, size_t)>& sink);
+
 // Writes a safetensors file atomically (`path` + ".tmp", checked writes, fsync, close, rename) and
-// returns the size and CRC-32 of the whole file, computed while writing. Tensors: CPU; F32, F64,
-// BF16, F16, I64, I32, U8, BOOL; laid out in the order given, each written from its own memory
-// (non-contiguous ones are made contiguous first). Names must be unique and not "__metadata__";
+// returns the size and CRC-32 of the whole file, computed while writing. Tensors: dense, on any
+// device (staged to host by for_each_host_chunk); F32, F64, BF16, F16, I64, I32, U8, BOOL; laid out
+// in the order given. Names must be unique and not "__metadata__";
 // a bad argument throws std::invalid_argument before any file is created. `metadata` goes into
 // "__metadata__" when non-empty. On a failed write the temporary is removed and IoError is thrown:
 // "writing <path> failed: <system error>".
@@ -49,7 +63,8 @@ class AtomicFile;
 
 // A safetensors file written one tensor at a time, so that only one tensor needs to be in memory:
 // the header (names, dtypes, shapes, in file order) is fixed by the constructor, append() writes the
-// next tensor's bytes (its dtype and shape must match), commit() publishes the file (fsync, rename).
+// next tensor's bytes (its dtype and shape must match; any device: staged by for_each_host_chunk),
+// commit() publishes the file (fsync, rename).
 // Atomic like write_safetensors: destruction before commit(), or any failed write, removes the
 // temporary (IoError). Bad specs throw std::invalid_argument before any file is created.
 class SafetensorsWriter {

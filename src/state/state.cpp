@@ -40,6 +40,33 @@ int64_t step_of(const std::string& name) {
   return r.ec == std::errc() && r.ptr == name.data() + name.size() ? v : -1;
 }
 
+// ---- meta.json's own checksum ----
+
+constexpr const char* kMetaChecksum = "meta_crc32";
+
+// CRC-32 of the compact dump of everything in meta.json but the checksum itself (JSON objects dump
+// with sorted keys and round-trip numbers exactly, so a parsed copy dumps to the same bytes).
+uint32_t meta_crc(Json meta) {
+  meta.erase(kMetaChecksum);
+  const std::string text = meta.dump();
+  return crc32(text.data(), text.size());
+}
+
+Json with_checksum(Json meta) {
+  meta[kMetaChecksum] = meta_crc(meta);
+  return meta;
+}
+
+// "" when meta.json's checksum holds; format 1 states (written before it existed) have none.
+std::string check_meta_crc(const Json& meta, const fs::path& path) {
+  if (meta.at("format_version").get<int>() < 2) return "";
+  if (!meta.contains(kMetaChecksum) || !meta.at(kMetaChecksum).is_number_unsigned())
+    return fmt::format("{} has no {} (corrupt)", path.string(), kMetaChecksum);
+  if (meta.at(kMetaChecksum).get<uint32_t>() != meta_crc(meta))
+    return fmt::format("{} fails its CRC-32 check ({}: a value in it was changed; corrupt)", path.string(), kMetaChecksum);
+  return "";
+}
+
 // ---- tensor names: "<field>/<param>" or "<field>/<param>/<begin>:<end>" ----
 
 struct Piece {
@@ -111,6 +138,14 @@ OptSlot opt_slot(torch::optim::AdamW& opt, const parallel::Span& sp) {
   throw std::logic_error("state: no optimizer tensor holds parameter " + sp.param);
 }
 
+// The optimizer tensor of a span: without an engine the model's parameter itself (found by name: a
+// tensor on a device without storage, such as the lazy test device, has no storage to compare),
+// with one the shard piece whose storage holds it.
+OptSlot slot_of(train::Session& s, const parallel::Span& sp) {
+  if (!s.engine) return {s.model->named_parameters()[sp.param], 0};
+  return opt_slot(*s.opt, sp);
+}
+
 torch::optim::AdamWParamState* adam_state(torch::optim::AdamW& opt, const torch::Tensor& p) {
   auto it = opt.state().find(p.unsafeGetTensorImpl());
   return it == opt.state().end() ? nullptr : static_cast<torch::optim::AdamWParamState*>(it->second.get());
@@ -137,7 +172,7 @@ void add_model_states(train::Session& s, Named& out) {
     auto as_saved = [&](const torch::Tensor& flat) { return sp.begin == 0 && sp.end == numel ? flat.view(shape) : flat; };
     out.emplace_back(tensor_name("param", sp, numel), as_saved(sp.values));
     if (!moments) continue;
-    const OptSlot slot = opt_slot(*s.opt, sp);
+    const OptSlot slot = slot_of(s, sp);
     auto* st = adam_state(*s.opt, slot.param);
     const int64_t len = sp.end - sp.begin;
     out.emplace_back(tensor_name("exp_avg", sp, numel), as_saved(st->exp_avg().view({-1}).narrow(0, slot.offset, len)));
@@ -204,29 +239,33 @@ Json meta_json(train::Session& s, const train::LoopState& st, const std::vector<
           {"files", files}};
 }
 
-// Runs `fn` on rank 0 and makes its failure every rank's IoError (the others would otherwise wait
-// in the next collective).
+// Runs `fn` on rank 0 and makes its failure every rank's, with rank 0's exit code and message (an exception
+// that is not an Error is an IoError); the others would otherwise wait in the next collective.
 template <class F>
 void on_rank0_together(train::Session& s, const std::string& what, F&& fn) {
+  int code = kExitOk;
   std::string error;
   if (s.rank0()) {
     try {
       fn();
+    } catch (const Error& e) {
+      code = e.code, error = e.what();
     } catch (const std::exception& e) {
-      error = e.what();
+      code = kExitIo, error = e.what();
     }
   }
-  if (s.world() > 1 && s.comm->all_reduce_max(error.empty() ? 0.0 : 1.0, what) > 0.0 && error.empty())
-    error = fmt::format("rank 0 failed: {} (see its error)", what);
-  if (!error.empty()) throw IoError(error);
+  s.comm->fail_together(code, error, what);
 }
 
 void make_fresh_dir(const fs::path& root, const fs::path& tmp) {
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) throw IoError(fmt::format("state.dir: cannot create {} ({})", root.string(), ec.message()));
-  for (const auto& e : fs::directory_iterator(root))  // earlier saves cut short by a crash
-    if (e.path().filename().string().rfind(".step-", 0) == 0) fs::remove_all(e.path(), ec);
+  recover_replaced(root);
+  for (const auto& e : fs::directory_iterator(root)) {  // earlier saves cut short by a crash
+    const std::string n = e.path().filename().string();
+    if (n.rfind(".step-", 0) == 0 && n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0) fs::remove_all(e.path(), ec);
+  }
   fs::create_directory(tmp, ec);
   if (ec) throw IoError(fmt::format("state.dir: cannot create {} ({})", tmp.string(), ec.message()));
 }
@@ -258,20 +297,19 @@ void prune(const fs::path& root, int64_t keep, const std::string& newest) {
     if (const int64_t step = step_of(e.path().filename().string()); step >= 0) states.emplace_back(step, e.path());
   std::sort(states.rbegin(), states.rend());
   for (size_t i = static_cast<size_t>(keep); i < states.size(); ++i)
-    if (states[i].second.filename() != newest) fs::remove_all(states[i].second);
+    if (states[i].second.filename() != newest) {
+      spdlog::info("state.keep {}: removing the older state {}", keep, states[i].second.string());
+      fs::remove_all(states[i].second);
+    }
 }
 
 // Rank 0, after every rank file is on disk: meta.json, then the rename, then `latest`.
 void publish(train::Session& s, const train::LoopState& st, const fs::path& root, const fs::path& tmp,
              const std::vector<double>& digests) {
   const std::string name = step_dir_name(st.steps_done);
-  write_file_atomic(tmp / "meta.json", meta_json(s, st, digests).dump(2) + "\n");
+  write_file_atomic(tmp / "meta.json", with_checksum(meta_json(s, st, digests)).dump(2) + "\n");
   fsync_dir(tmp);
-  fs::remove_all(root / name);  // an earlier save of the same step (a resumed run that stopped there again)
-  std::error_code ec;
-  fs::rename(tmp, root / name, ec);
-  if (ec) throw IoError(fmt::format("state: cannot rename {} to {} ({})", tmp.string(), name, ec.message()));
-  fsync_dir(root);
+  install_state_dir(tmp, root / name);
   write_file_atomic(root / "latest", name + "\n");
   fsync_dir(root);
   prune(root, s.cfg.state.keep, name);
@@ -301,8 +339,10 @@ std::string check_state(const fs::path& dir, Json& meta) {
     std::ifstream in(mp);
     meta = Json::parse(in);
     if (meta.value("format", "") != "sublinear-training-state") return fmt::format("{} is not a sublinear state", mp.string());
-    if (meta.at("format_version").get<int>() != kFormatVersion)
-      return fmt::format("{} has format_version {}, this build reads {}", mp.string(), meta.at("format_version").dump(), kFormatVersion);
+    const int version = meta.at("format_version").get<int>();
+    if (version < 1 || version > kFormatVersion)
+      return fmt::format("{} has format_version {}, this build reads 1 to {}", mp.string(), meta.at("format_version").dump(), kFormatVersion);
+    if (std::string why = check_meta_crc(meta, mp); !why.empty()) return why;
     return check_files(dir, meta);
   } catch (const std::exception& e) {
     return fmt::format("{} cannot be read ({})", mp.string(), e.what());
@@ -335,6 +375,7 @@ std::vector<fs::path> candidates(const fs::path& root) {
 // The newest valid state under root; none there at all: not found. States that are all unusable are
 // refused rather than silently starting over.
 Found find_auto(const fs::path& root) {
+  recover_replaced(root);
   const auto dirs = candidates(root);
   for (const auto& dir : dirs) {
     Found f{dir, -1, nullptr};
@@ -390,7 +431,7 @@ void load_params(const Reader& r, train::Session& s) {
 void load_moments(const Reader& r, train::Session& s, int64_t step) {
   if (step == 0 || !r.has("exp_avg")) return;
   for (const auto& sp : owned_spans(s)) {
-    const OptSlot slot = opt_slot(*s.opt, sp);
+    const OptSlot slot = slot_of(s, sp);
     auto* st = adam_state(*s.opt, slot.param);
     if (!st) {
       auto fresh = std::make_unique<torch::optim::AdamWParamState>();
@@ -444,7 +485,7 @@ bool Reader::has(const std::string& field) const {
 }
 
 void Reader::read(const std::string& field, const parallel::Span& sp, torch::Tensor dst) const {
-  int64_t covered = 0;
+  std::vector<std::pair<int64_t, int64_t>> pieces;  // [a, b) of sp copied, to check they tile it exactly
   const auto it = index_.find({field, sp.param});
   if (it != index_.end())
     for (const auto& e : it->second) {
@@ -453,11 +494,20 @@ void Reader::read(const std::string& field, const parallel::Span& sp, torch::Ten
       const int64_t a = std::max(begin, sp.begin), b = std::min(end, sp.end);
       if (a >= b) continue;
       dst.narrow(0, a - sp.begin, b - a).copy_(src.narrow(0, a - begin, b - a));
-      covered += b - a;
+      pieces.emplace_back(a, b);
     }
-  if (covered != sp.end - sp.begin)
+  std::sort(pieces.begin(), pieces.end());
+  int64_t covered = sp.begin;
+  for (const auto& [a, b] : pieces) {
+    if (a < covered)
+      throw StateFileError(fmt::format("state: the files hold elements [{}, {}) of {} of {} more than once (overlapping "
+                                       "pieces; the state is corrupt or mixes two saves)", a, std::min(b, covered), field, sp.param));
+    if (a > covered) break;
+    covered = b;
+  }
+  if (covered != sp.end)
     throw StateFileError(fmt::format("state: {} of {} elements [{}, {}) are not in the state's files", field, sp.param,
-                                     sp.begin, sp.end));
+                                     std::max(covered, sp.begin), sp.end));
 }
 
 torch::Tensor Reader::rng(int64_t rank, const std::string& which) const {
@@ -466,9 +516,93 @@ torch::Tensor Reader::rng(int64_t rank, const std::string& which) const {
   return {};
 }
 
+void install_state_dir(const fs::path& tmp, const fs::path& dir) {
+  const fs::path old = dir.parent_path() / ("." + dir.filename().string() + ".old");
+  std::error_code ec;
+  const bool replacing = fs::exists(dir, ec);
+  if (replacing) {
+    fs::remove_all(old, ec);  // a leftover from an earlier crash whose step-N is in place (recover_replaced)
+    fs::rename(dir, old, ec);
+    if (ec)
+      throw IoError(fmt::format("state: cannot move the earlier save {} aside ({}); it is untouched", dir.string(), ec.message()));
+  }
+  fs::rename(tmp, dir, ec);
+  if (ec) {
+    const std::string why = ec.message();
+    std::string fate = "no earlier save of this step existed";
+    if (replacing) {
+      fs::rename(old, dir, ec);
+      fate = ec ? fmt::format("the earlier save of this step is kept as {} ({})", old.string(), ec.message())
+                : fmt::format("the earlier save {} is back in place", dir.string());
+    }
+    throw IoError(fmt::format("state: cannot rename {} to {} ({}); {}", tmp.string(), dir.string(), why, fate));
+  }
+  fsync_dir(dir.parent_path());
+  if (!replacing) return;
+  spdlog::info("state: replaced the earlier save of {}; removing it ({})", dir.filename().string(), old.string());
+  fs::remove_all(old, ec);
+  if (ec) spdlog::warn("state: could not remove {} ({}); delete it by hand", old.string(), ec.message());
+}
+
+void recover_replaced(const fs::path& root) {
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return;
+  std::vector<fs::path> olds;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() == 18 && n[0] == '.' && step_of(n.substr(1, 13)) >= 0 && n.compare(14, 4, ".old") == 0) olds.push_back(e.path());
+  }
+  for (const auto& old : olds) {
+    const fs::path dir = root / old.filename().string().substr(1, 13);
+    if (fs::exists(dir, ec)) {
+      spdlog::info("state: {} was replaced by a complete save; removing the old copy {}", dir.string(), old.string());
+      fs::remove_all(old, ec);
+    } else {
+      spdlog::warn("state: a save of {} was cut short while replacing it; putting the earlier save back from {}",
+                   dir.string(), old.string());
+      fs::rename(old, dir, ec);
+      if (ec) throw IoError(fmt::format("state: cannot rename {} back to {} ({})", old.string(), dir.string(), ec.message()));
+    }
+  }
+}
+
+std::vector<fs::path> set_aside_other_trajectories(const fs::path& root, const Found& resumed) {
+  std::vector<fs::path> moved;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return moved;
+  std::vector<fs::path> other;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const int64_t step = step_of(e.path().filename().string());
+    if (step > resumed.step || (step == resumed.step && !fs::equivalent(e.path(), resumed.dir, ec))) other.push_back(e.path());
+  }
+  std::sort(other.begin(), other.end());
+  const fs::path aside = root / "abandoned";
+  for (const auto& dir : other) {
+    fs::create_directories(aside, ec);
+    fs::path to = aside / dir.filename();
+    for (int k = 2; fs::exists(to, ec); ++k) to = aside / fmt::format("{}-{}", dir.filename().string(), k);
+    fs::rename(dir, to, ec);
+    if (ec) throw IoError(fmt::format("state: cannot move {} (not on the resumed trajectory) to {} ({})", dir.string(), to.string(), ec.message()));
+    spdlog::warn("--resume from step {}: {} is from a trajectory this run abandons; moved to {} (delete it when no longer needed)",
+                 resumed.step, dir.string(), to.string());
+    moved.push_back(to);
+  }
+  const bool here = fs::equivalent(resumed.dir.parent_path(), root, ec);
+  if (here && read_latest(root) != resumed.dir.filename().string()) {
+    write_file_atomic(root / "latest", resumed.dir.filename().string() + "\n");
+    fsync_dir(root);
+  } else if (!here && !moved.empty() && fs::exists(root / "latest", ec)) {
+    fs::remove(root / "latest", ec);
+    fsync_dir(root);
+  }
+  return moved;
+}
+
 Found find_local(const std::string& resume, const fs::path& root) {
   return resume == "auto" ? find_auto(root) : find_path(resume);
 }
+
+fs::path step_dir(const fs::path& root, int64_t step) { return root / step_dir_name(step); }
 
 fs::path state_root(const config::RunConfig& cfg, const fs::path& run_dir) {
   return cfg.state.dir.empty() ? run_dir / "state" : fs::path(cfg.state.dir);
@@ -502,20 +636,19 @@ void check_recipe(const Json& meta, const config::RunConfig& cfg) {
 
 Found find_state(const std::string& resume, const fs::path& root, parallel::Comm& comm) {
   Found f;
+  int code = kExitOk;
   std::string error;
   if (comm.rank() == 0) {
     try {
       f = find_local(resume, root);
     } catch (const Error& e) {
-      error = e.what();
+      code = e.code, error = e.what();
     }
   }
-  double step = static_cast<double>(f.step);
-  if (comm.world() > 1) {  // rank 0 chose; a failure there is every rank's
-    step = comm.all_reduce_max(error.empty() ? step : -2.0, "--resume choice");
-    if (comm.rank() != 0 && step == -2.0) error = "rank 0 could not find the state to resume (see its error)";
-  }
-  if (!error.empty() || step == -2.0) throw StateFileError(error);
+  // Rank 0 chose; a failure there is every rank's, with its exit code and message.
+  comm.fail_together(code, error, "--resume choice");
+  if (comm.world() == 1) return f;
+  const double step = comm.all_reduce_max(static_cast<double>(f.step), "--resume choice");  // -1: none found
   if (comm.rank() != 0 && step >= 0) {
     f.step = static_cast<int64_t>(step);
     f.dir = chosen_dir(resume, root, f.step);
@@ -557,6 +690,7 @@ void load(const Found& found, train::Session& s, train::LoopState& st) {
   }
   load_rng(reader, s);
   load_counters(found.meta, s, st);
+  on_rank0_together(s, "setting aside the abandoned states", [&] { set_aside_other_trajectories(state_root(s.cfg, s.run_dir), found); });
 }
 
 }  // namespace sl::state

@@ -36,10 +36,13 @@ struct LoopState;
 
 namespace sl::state {
 
-inline constexpr int kFormatVersion = 1;
+// 2: meta.json carries meta_crc32, the CRC-32 of its own content (format 1 states are still read).
+inline constexpr int kFormatVersion = 2;
 
 // Where this run's states live: state.dir, else <run dir>/state.
 std::filesystem::path state_root(const config::RunConfig& cfg, const std::filesystem::path& run_dir);
+// <root>/step-NNNNNNNN: where the state after `step` steps is saved.
+std::filesystem::path step_dir(const std::filesystem::path& root, int64_t step);
 
 // A saved state chosen by --resume and checked on rank 0 (meta.json, every file's size and CRC-32).
 struct Found {
@@ -96,8 +99,24 @@ struct Saved {
 // IoError on every rank when any rank's write failed; the previous state stays intact.
 Saved save(train::Session& s, const train::LoopState& st);
 
+// Puts the complete state directory `tmp` in place as `dir` (rank 0, in publish). A state already at
+// `dir` (the same step saved again) is renamed aside to .<name>.old first and removed, with a log line
+// naming it, only after the new one is in place and the directory synced; if the new one cannot be
+// put in place the old one goes back. A good state is never removed before its replacement is
+// durable. IoError (with what became of the old copy) on failure.
+void install_state_dir(const std::filesystem::path& tmp, const std::filesystem::path& dir);
+// After a crash inside install_state_dir: a .step-N.old whose step-N is missing goes back; one whose
+// step-N is in place is removed (with a log line). Rank 0, before looking for or writing states.
+void recover_replaced(const std::filesystem::path& root);
+// A run resumed from step S continues a trajectory that the states of this root newer than S (or at
+// S but not the resumed one) are not on: they are moved into <root>/abandoned/ (never deleted), each
+// with a warning naming it, and `latest` names the resumed state (or is removed when the resumed state
+// lies elsewhere), so --resume auto and state.keep only ever see this trajectory. Returns the moved.
+std::vector<std::filesystem::path> set_aside_other_trajectories(const std::filesystem::path& root, const Found& resumed);
+
 // Loads a found state into a built session: parameters (re-sharded to this run's layout), AdamW
-// moments and step, loss scaler, RNG states, data samplers, and the loop's counters.
+// moments and step, loss scaler, RNG states, data samplers, and the loop's counters; then (rank 0)
+// set_aside_other_trajectories in this run's state root.
 void load(const Found& found, train::Session& s, train::LoopState& st);
 
 }  // namespace sl::state

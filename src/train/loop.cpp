@@ -239,6 +239,18 @@ Outcome unexpected_outcome(Session& s, const LoopState& st, const std::string& w
   return o;
 }
 
+// What a failed save leaves to resume from, for its message: said only after looking at the disk.
+std::string earlier_state_note(const Session& s, const LoopState& st) {
+  if (st.last_saved_step < 0) return "No earlier state exists";
+  if (st.last_saved_step == st.steps_done) return "";  // the same step: the error says where its earlier save is
+  const auto dir = state::step_dir(state::state_root(s.cfg, s.run_dir), st.last_saved_step);
+  std::error_code ec;
+  if (!std::filesystem::exists(dir / "meta.json", ec))
+    return fmt::format("The state of step {} is no longer at {}; check the state directory", st.last_saved_step, dir.string());
+  return fmt::format("The state of step {} is intact at {}; resume from it with --resume auto once there is space",
+                     st.last_saved_step, dir.string());
+}
+
 // Saves the training state after this step (state/state.h) and records it; a failed save is an
 // IoError (exit 7) naming the state that stays.
 void save_state(Session& s, LoopState& st, log::ProgressBar& bar, const char* why) {
@@ -247,10 +259,7 @@ void save_state(Session& s, LoopState& st, log::ProgressBar& bar, const char* wh
     saved = state::save(s, st);
   } catch (const IoError& e) {
     throw IoError(fmt::format("saving the training state after step {} failed: {}. {}", st.steps_done, e.what(),
-                              st.last_saved_step >= 0 ? fmt::format("The state of step {} is intact; resume from it "
-                                                                    "with --resume auto once there is space",
-                                                                    st.last_saved_step)
-                                                      : std::string("No earlier state exists")));
+                              earlier_state_note(s, st)));
   }
   st.last_saved_step = st.steps_done;
   st.state_bytes = saved.bytes;
@@ -266,7 +275,8 @@ void save_state(Session& s, LoopState& st, log::ProgressBar& bar, const char* wh
 
 // Stops the run after this step for `stop` (agreed): saves the state on a signal (state.on_signal).
 Outcome stop_run(Session& s, LoopState& st, log::ProgressBar& bar, int stop) {
-  if (stop != kStopIo && s.cfg.state.on_signal) save_state(s, st, bar, "signal");
+  // At world > 1 a stop can be agreed after the last step's `every` save (run_steps): not saved twice.
+  if (stop != kStopIo && s.cfg.state.on_signal && st.last_saved_step != st.steps_done) save_state(s, st, bar, "signal");
   return stop_outcome(s, st, stop);
 }
 

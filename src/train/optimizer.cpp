@@ -1,4 +1,5 @@
 #include "train/optimizer.h"
+#include "model/clones.h"
 #include "model/intra_op.h"
 
 #include <cmath>
@@ -31,10 +32,12 @@ AdamWCoeffs coeffs(const torch::optim::AdamWOptions& o, int64_t step) {
 }
 
 // m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2; p = decay p - step m / (sqrt(v / bc2) + eps).
-// AVX2 + FMA and baseline clones (this file is built with -fno-math-errno so sqrt vectorizes).
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void adamw_kernel(float* p, float* m, float* v,
-                                                                              const float* g, int64_t n,
-                                                                              const AdamWCoeffs& k) {
+// AVX2 + FMA and baseline clones (model/clones.h), bitwise equal: every operation is a separately
+// rounded IEEE multiply, add, divide or square root in the order written, in every lane and the scalar
+// tail alike. That holds because this file is built with -ffp-contract=off (CMakeLists.txt): otherwise
+// GCC fuses a * b + c into one FMA (one rounding) in the AVX2 clone and not in the baseline one, and
+// data-parallel replicas on different CPU kinds would drift apart. (-fno-math-errno lets sqrt vectorize.)
+SL_KERNEL_BODY void adamw_kernel_body(float* p, float* m, float* v, const float* g, int64_t n, const AdamWCoeffs& k) {
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i];
     const float mi = m[i] * k.beta1 + gi * k.one_minus_beta1;
@@ -44,6 +47,8 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) void adamw_kernel(fl
     p[i] = p[i] * k.decay + k.neg_step * mi / (std::sqrt(vi) * k.inv_sqrt_bc2 + k.eps);
   }
 }
+SL_KERNEL_CLONES(void, adamw_kernel, (float* p, float* m, float* v, const float* g, int64_t n, const AdamWCoeffs& k),
+                 (p, m, v, g, n, k))
 
 bool fp32_cpu_contiguous(const torch::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous();

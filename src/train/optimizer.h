@@ -28,7 +28,9 @@ inline std::unique_ptr<torch::optim::AdamW> make_adamw(std::vector<torch::Tensor
 // moments), on its own state objects (so saving and loading see no difference). fp32 CPU parameters
 // take one fused pass per tensor over parameter, gradient and both moments (the step count stays on
 // the host); anything else (CUDA, amsgrad) takes AdamW::step itself. Parameters without a gradient
-// are skipped, as AdamW::step skips them.
+// are skipped, as AdamW::step skips them. The fused pass gives the same bits on every x86-64 CPU: its
+// AVX2 + FMA and baseline clones agree bitwise (memory/cpu_features.h), so data-parallel replicas on
+// different CPU kinds step their weights identically.
 void adamw_step(torch::optim::AdamW& opt);
 
 }  // namespace sl::train

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
 
@@ -54,11 +55,21 @@ PeakFlops peak_flops(torch::Device device, const std::string& dtype, double over
   return {measure_gemm_flops(device, scalar_type(dtype)), dtype, "measured_" + dtype + "_gemm"};
 }
 
+namespace {
+
+// An n x n operand in `dtype` on `device`, drawn on the host from `gen`: a generator of the
+// measurement's own, so the default generators (the run's dropout stream) are not touched.
+torch::Tensor gemm_operand(int64_t n, at::Generator& gen, torch::Device device, c10::ScalarType dtype) {
+  return torch::randn({n, n}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(device, dtype);
+}
+
+}  // namespace
+
 double measure_gemm_flops(torch::Device device, c10::ScalarType dtype) {
   torch::NoGradGuard no_grad;
   const int64_t n = 1024;
-  const auto opts = torch::TensorOptions().device(device).dtype(dtype);
-  auto a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/1024);
+  auto a = gemm_operand(n, gen, device, dtype), b = gemm_operand(n, gen, device, dtype);
   auto wait = [&] {
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
   };

@@ -45,7 +45,7 @@ Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
   }
   source.values = [&](const interop::HfTensor& t) {  // fp32: the masters under a low-precision compute copy
     const auto flat = s.engine ? s.engine->param_values(t.param) : params[t.param].detach().view({-1});
-    return flat.narrow(0, t.begin(), t.end() - t.begin()).to(torch::kCPU);
+    return flat.narrow(0, t.begin(), t.end() - t.begin());  // on the run's device: the writer stages it to host
   };
   try {
     const auto w = interop::write_hf(s.runlog->dir() / "model" / "model.safetensors", s.cfg.model, torch::kFloat, source,
@@ -63,6 +63,22 @@ Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
     o.message = fmt::format("writing the final weights: {}", e.what());
   }
   return nullptr;
+}
+
+// A stretch some ranks may have failed alone, entered with exit code `entry_code` on every rank: the
+// first rank whose outcome changed in it (Comm::agree_on_failure) gives every rank its exit code and
+// message (another rank's named). Unchanged when none changed. A collective that fails here is a
+// distributed failure.
+void agree_outcome(Session& s, Outcome& o, int entry_code, const std::string& what) {
+  try {
+    const auto f = s.comm->agree_on_failure(o.code != entry_code ? o.code : kExitOk, o.message, what);
+    if (f.code == kExitOk || f.rank == s.launch.rank) return;
+    o.code = f.code;
+    o.message = fmt::format("rank {}: {} failed: {}", f.rank, what, f.message);
+  } catch (const Error& e) {
+    o.code = e.code;
+    o.message = e.what();
+  }
 }
 
 // Per-rank memory, gathered to rank 0 (skipped when a peer failed: the collective could not pair).
@@ -179,9 +195,17 @@ void print_closing_line(const Session& s, const LoopState& st, const Outcome& o)
 }  // namespace
 
 int finish(Session& s, const LoopState& st, Outcome o) {
+  // Ranks that left the loop together stay together: what one rank alone fails at from here on (rank 0
+  // writing the final weights or the summary) becomes every rank's outcome before the next collective
+  // or the exit, so no rank waits in a collective another never joins and all exit with one code.
+  const bool together = ranks_aligned(o.code) && s.world() > 1;
+  int entry = o.code;
   Json final_weights = save_final_model(s, st, o);
+  if (together) agree_outcome(s, o, entry, "writing the final weights");
+  entry = o.code;
   Json parallel = parallel_report(s, st, o);
   write_summary(s, summary_json(s, st, o, std::move(parallel), std::move(final_weights), st.wall_s), o);
+  if (together && ranks_aligned(entry)) agree_outcome(s, o, entry, "writing summary.json");
   print_closing_line(s, st, o);
   return o.code;
 }

@@ -21,6 +21,7 @@
 #include "errors.h"
 #include "interop/hf.h"
 #include "log/metrics.h"
+#include "log/run_dir.h"
 #include "memory/activations.h"
 #include "memory/tracker.h"
 #include "model/gpt.h"
@@ -55,6 +56,7 @@ struct Session {
   StepPrecision precision;
   std::unique_ptr<log::RunLog> runlog;
   std::string run_dir;
+  std::unique_ptr<log::RunDirLock> run_lock;  // rank 0: held from set-up to exit (log/run_dir.h)
   double flops_per_token = 0, recompute_flops_per_token = 0, peak_flops = 0;
   memory::ActivationEstimate predicted;
   nlohmann::json resolved, environment, model_info;  // summary.json's config, environment, model

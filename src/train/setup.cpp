@@ -1,6 +1,7 @@
 // A run's set-up: device, rendezvous, run directory, --resume's state, micro-batch search, model,
 // policy, engine, optimizer, run log (see run.h), and restoring a saved state into it.
 #include "train/run.h"
+#include "train/device.h"
 #include "train/peak.h"
 
 #include <chrono>
@@ -15,6 +16,7 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "log/run_dir.h"
 #include "memory/cpu_features.h"
 #include "memory/planner.h"
 #include "recompute/budget.h"
@@ -44,27 +46,10 @@ std::string default_run_dir(const Session& s) {
   return suffix == 1.0 ? base : fmt::format("{}-{}", base, static_cast<int64_t>(suffix));
 }
 
-// --resume auto with the default logging.dir and state.dir: the newest runs/<recipe>-* directory that
-// holds saved states ("" when none does). Names sort by their timestamp.
-std::string newest_run_with_state(const config::RunConfig& cfg) {
-  std::string best;
-  std::error_code ec;
-  if (!std::filesystem::is_directory("runs", ec)) return best;
-  for (const auto& e : std::filesystem::directory_iterator("runs")) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind(cfg.recipe_name + "-", 0) == 0 && std::filesystem::is_directory(e.path() / "state", ec) &&
-        e.path().string() > best)
-      best = e.path().string();
-  }
-  return best;
-}
-
 // Rank 0 alone touches the run directory. When its check failed (error non-empty there), every rank
-// throws the same ConfigError now instead of waiting in the next collective for parallel.timeout_s.
-void fail_together(parallel::Comm& comm, std::string error, const std::string& what) {
-  if (comm.world() > 1 && comm.all_reduce_max(error.empty() ? 0.0 : 1.0, what) > 0.0 && error.empty())
-    error = fmt::format("rank 0 failed the {} (see its error)", what);
-  if (!error.empty()) throw ConfigError(error);
+// throws the same ConfigError now, with rank 0's message, instead of waiting in the next collective.
+void fail_together(parallel::Comm& comm, const std::string& error, const std::string& what) {
+  comm.fail_together(error.empty() ? kExitOk : kExitConfig, error, what);
 }
 
 // ---- setup ----
@@ -85,8 +70,25 @@ void init_process(Session& s) {
 void choose_run_dir(Session& s) {
   const auto& cfg = s.cfg;
   if (!cfg.logging.dir.empty()) s.run_dir = cfg.logging.dir;
-  else if (cfg.resume == "auto" && cfg.state.dir.empty()) s.run_dir = newest_run_with_state(cfg);
+  else if (cfg.resume == "auto" && cfg.state.dir.empty()) s.run_dir = log::newest_run_with_state("runs", cfg.recipe_name).string();
   if (s.run_dir.empty()) s.run_dir = default_run_dir(s);
+}
+
+// Rank 0 locks the run directory (log::RunDirLock) before anything reads or writes in it: an existing
+// one (a resumed or reused run) at once, before --resume looks at its states; a new one when it is
+// created (open_run_log), so a failed start leaves no empty directory behind. A refusal is every rank's.
+void lock_run_dir(Session& s, bool create) {
+  int code = kExitOk;
+  std::string error;
+  if (s.rank0() && !s.run_lock) {
+    std::error_code ec;
+    try {
+      if (create || std::filesystem::is_directory(s.run_dir, ec)) s.run_lock = std::make_unique<log::RunDirLock>(s.run_dir);
+    } catch (const Error& e) {
+      code = e.code, error = e.what();
+    }
+  }
+  s.comm->fail_together(code, error, "run directory lock");
 }
 
 // --resume: find the state (rank 0 checks its files) and refuse a recipe that changes its math.
@@ -244,6 +246,7 @@ void build_model(Session& s) {
 }
 
 void open_run_log(Session& s) {
+  lock_run_dir(s, /*create=*/true);
   std::string error;
   try {
     s.runlog = std::make_unique<log::RunLog>(s.run_dir, s.rank0(), s.cfg.logging.overwrite, s.resume_from.step);
@@ -332,6 +335,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   // Data first: a bad file fails here, before a run directory or a model exists.
   s->splits = data::open_splits(s->cfg);
   choose_run_dir(*s);
+  lock_run_dir(*s, /*create=*/false);
   find_resume_point(*s);
   open_init_from(*s);
   check_run_dir_early(*s);

@@ -15,6 +15,7 @@
 #include "parallel/comm.h"
 #include "parallel/engine.h"
 #include "precision/autocast.h"
+#include "train/device.h"
 #include "train/optimizer.h"
 
 namespace sl::train {
@@ -104,14 +105,6 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
           poll ? stop_from_counts(&v[3]) : 0};
 }
 
-// A batch tensor on `device`. CUDA: staged through pinned memory and copied without blocking; a copy
-// from pageable memory waits for the stream to finish everything queued before it (a host
-// synchronization per tensor per micro-batch).
-torch::Tensor to_device(const torch::Tensor& t, torch::Device device) {
-  if (!device.is_cuda()) return t.to(device);
-  return t.pin_memory().to(device, /*non_blocking=*/true);
-}
-
 // Zeroes the gradients (kept allocated, so peak - model states is the activation peak).
 void zero_grads(torch::optim::AdamW& opt, parallel::Engine* engine) {
   if (engine)
@@ -130,15 +123,6 @@ std::vector<torch::Tensor> local_grads(model::GPT& model) {
 }  // namespace
 
 const char* current_phase() { return t_phase; }
-
-torch::Device resolve_device(const config::TrainConfig& t, int64_t local_rank) {
-  const bool has_cuda = torch::cuda::is_available();
-  if (t.device == "cuda" && !has_cuda)
-    throw ConfigError("train.device: 'cuda' was asked for but no CUDA device is available; use cpu or auto");
-  if (t.device == "cuda" || (t.device == "auto" && has_cuda))
-    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
-  return torch::Device(torch::kCPU);
-}
 
 std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t) {
   std::vector<torch::Tensor> decay, no_decay;
@@ -160,7 +144,9 @@ torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data:
     }
     t_phase = "backward";
     if (engine) engine->begin_backward(&b == &micro.back());
-    ((precision.scaler ? precision.scaler->scale_loss(loss) : loss) / n).backward();
+    // Divided by a 0-d tensor, not a double: the same float division on CPU and CUDA, and the form the
+    // lazy test device differentiates (a double scalar there reaches nll_loss_backward as float64).
+    ((precision.scaler ? precision.scaler->scale_loss(loss) : loss) / torch::scalar_tensor(n, loss.options())).backward();
     if (engine) engine->end_backward();
     const auto l = loss.detach().to(torch::kDouble);
     total = total.defined() ? total + l : l;
@@ -248,6 +234,7 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
     adamw_step(opt);
     if (engine) engine->after_step();
   }
+  end_step(device);
   r.ms = ms_since(t0);
   r.mem = tracker.read();
   if (engine) {

@@ -28,10 +28,6 @@ namespace sl::train {
 // (reported with an out-of-memory failure).
 const char* current_phase();
 
-// Resolves train.device ("auto" = CUDA when available); CUDA is device `local_rank` (one GPU per
-// local rank). Throws ConfigError when cuda is asked for and none is present.
-torch::Device resolve_device(const config::TrainConfig& t, int64_t local_rank = 0);
-
 // AdamW with two groups: matrices (dim >= 2) decay with train.weight_decay, vectors do not.
 std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t);
 
