@@ -50,6 +50,19 @@ double max_abs_diff(const fs::path& a, const fs::path& b) {
   return worst;
 }
 
+// Largest |loss difference| over the steps and evals of two runs, which must have the same steps.
+double largest_loss_difference(const test::RunTrace& got, const test::RunTrace& want) {
+  REQUIRE(got.steps.size() == want.steps.size());
+  REQUIRE(got.evals.size() == want.evals.size());
+  double worst = 0;
+  for (size_t i = 0; i < got.steps.size(); ++i) {
+    CHECK(got.steps[i].step == want.steps[i].step);
+    worst = std::max(worst, std::abs(got.steps[i].loss - want.steps[i].loss));
+  }
+  for (size_t i = 0; i < got.evals.size(); ++i) worst = std::max(worst, std::abs(got.evals[i].second - want.evals[i].second));
+  return worst;
+}
+
 // Starts the lazy run, SIGKILLs it once metrics.jsonl holds `k` step records, and returns the records then.
 size_t kill_after(const std::string& args, const fs::path& run_dir, size_t k) {
   auto proc = test::trainer_background(args, run_dir.string() + ".killed.log");
@@ -94,15 +107,7 @@ TEST_CASE("train.device lazy (not the CPU): saves, kill -9, --resume auto, final
   CHECK(summary.at("environment").at("device") == "lazy");
 
   // Every step once, each loss (and eval) within kLossTol of the CPU run's.
-  const auto got = test::trace(lazy_dir / "metrics.jsonl");
-  REQUIRE(got.steps.size() == want.steps.size());
-  double worst = 0;
-  for (size_t i = 0; i < got.steps.size(); ++i) {
-    CHECK(got.steps[i].step == want.steps[i].step);
-    worst = std::max(worst, std::abs(got.steps[i].loss - want.steps[i].loss));
-  }
-  REQUIRE(got.evals.size() == want.evals.size());
-  for (size_t i = 0; i < got.evals.size(); ++i) worst = std::max(worst, std::abs(got.evals[i].second - want.evals[i].second));
+  const double worst = largest_loss_difference(test::trace(lazy_dir / "metrics.jsonl"), want);
   WARN("largest |loss difference| lazy vs CPU over " << kSteps << " steps and the evals: " << worst);
   CHECK(worst <= kLossTol);
 
