@@ -187,9 +187,11 @@ TEST_CASE("a corrupt or truncated newest state is skipped by --resume auto; --re
   test::TempDir dir("state-corrupt");
   const auto run = dir.path / "run";
   const std::string args = kArgs + " --set state.every=4" + dir_arg(run);  // keeps steps 8 and 12
-  run_ok(args);
+  const auto first = run_ok(args);
   const auto root = run / "state";
   CHECK(names_in(root) == std::vector<std::string>{"latest", step_name(8), step_name(12)});
+  // Nothing is deleted without a log line naming it: state.keep 2 removed step 4.
+  CHECK(has(first.output, "state.keep 2: removing the older state " + (root / step_name(4)).string()));
   CHECK(test::read_text(root / "latest") == step_name(12) + "\n");
   // The saves did not perturb the run: bitwise the run that never saved.
   CHECK(test::trace_diff(test::trace(run / "metrics.jsonl"), want) == "");
