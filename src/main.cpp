@@ -16,8 +16,9 @@
 #include "errors.h"
 #include "interop/export.h"
 #include "log/metrics.h"
-#include "memory/planner.h"
+#include "log/run_dir.h"
 #include "memory/tracking_allocator.h"
+#include "planner/planner.h"
 #include "train/trainer.h"
 
 namespace {
@@ -87,9 +88,9 @@ int run_plan(sl::config::RunConfig cfg, const Cli& cli) {
   }
   const int64_t memory = cli.plan_memory.empty() ? sl::config::memory_limit_bytes(cfg)
                                                  : sl::config::parse_bytes(cli.plan_memory, "--memory");
-  const auto report = sl::memory::plan(cfg, memory);
-  fmt::print("{}", sl::memory::format_plan(report));
-  const std::filesystem::path out = cli.plan_out.empty() ? "runs/" + cfg.recipe_name + "-plan.json" : cli.plan_out;
+  const auto report = sl::planner::plan(cfg, memory);
+  fmt::print("{}", sl::planner::format_plan(report));
+  const std::filesystem::path out = cli.plan_out.empty() ? sl::log::default_plan_path(cfg.recipe_name) : std::filesystem::path(cli.plan_out);
   if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
   sl::log::write_json_file(out, report);
   fmt::print("wrote {}\n", out.string());

@@ -17,11 +17,11 @@
 #include "errors.h"
 #include "interop/hf.h"
 #include "memory/activations.h"
-#include "memory/planner.h"
+#include "planner/planner.h"
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
-#include "recompute/budget.h"
+#include "budget/budget.h"
 #include "recompute/policy.h"
 #include "measure.h"
 #include "runs.h"
@@ -36,7 +36,7 @@ namespace {
 // part of a checkpointed segment of any length.
 void each_schedule(int64_t L, const std::function<void(const recompute::Plan&)>& visit) {
   recompute::Plan p;
-  p.mode = "budget";
+  p.mode = config::RecomputeMode::kBudget;
   p.block_parts.assign(static_cast<size_t>(L), 0);
   std::function<void(int64_t)> from = [&](int64_t i) {
     if (i == L) return visit(p);
@@ -60,7 +60,7 @@ void each_schedule(int64_t L, const std::function<void(const recompute::Plan&)>&
 // and cost time, blocks that differ.
 struct Chain {
   memory::ChainModel mem;
-  std::vector<recompute::BlockCost> costs;
+  std::vector<budget::BlockCost> costs;
 };
 
 Chain random_chain(int64_t L, std::mt19937& rng, bool weights) {
@@ -81,7 +81,7 @@ Chain random_chain(int64_t L, std::mt19937& rng, bool weights) {
     c.mem.backward.push_back(backward);
     c.mem.weights.push_back(weights ? small(rng) : 0);
     c.mem.forward.push_back(size(rng));  // blocks differ in what a first pass holds too
-    recompute::BlockCost b;
+    budget::BlockCost b;
     b.attention = cost(rng), b.mlp = cost(rng), b.norm = cost(rng), b.output = cost(rng);
     b.forward = b.attention + b.mlp + b.norm + b.output + cost(rng);
     c.costs.push_back(b);
@@ -98,7 +98,7 @@ struct Evaluated {
 std::vector<Evaluated> all_schedules(const Chain& c) {
   std::vector<Evaluated> out;
   each_schedule(static_cast<int64_t>(c.costs.size()), [&](const recompute::Plan& p) {
-    out.push_back({memory::chain_peak(c.mem, p), recompute::schedule_cost(p.segments, p.block_parts, c.costs)});
+    out.push_back({memory::chain_peak(c.mem, p), budget::schedule_cost(p.segments, p.block_parts, c.costs)});
   });
   return out;
 }
@@ -110,9 +110,9 @@ double brute_best(const std::vector<Evaluated>& all, double budget) {
   return best;
 }
 
-recompute::Plan plan_of(const recompute::Schedule& s) {
+recompute::Plan plan_of(const budget::Schedule& s) {
   recompute::Plan p;
-  p.mode = "budget";
+  p.mode = config::RecomputeMode::kBudget;
   p.segments = s.segments;
   p.block_parts = s.block_parts;
   return p;
@@ -135,7 +135,7 @@ TEST_CASE("the DP finds what a brute-force search of every schedule finds (L <= 
         const double best = brute_best(all, budget);
         INFO(fmt::format("L={} trial={} budget={} brute={}", L, trial, budget, best));
         // A 1-byte quantum on integer sizes: exact.
-        const auto exact = recompute::solve_budget(c.mem, c.costs, budget, static_cast<int64_t>(budget));
+        const auto exact = budget::solve_budget(c.mem, c.costs, budget, static_cast<int64_t>(budget));
         REQUIRE(exact.feasible == std::isfinite(best));
         if (!exact.feasible) {
           ++infeasible;
@@ -143,9 +143,9 @@ TEST_CASE("the DP finds what a brute-force search of every schedule finds (L <= 
         }
         CHECK(exact.cost == Approx(best).margin(1e-9));
         CHECK(memory::chain_peak(c.mem, plan_of(exact)) <= budget);
-        CHECK(exact.cost == Approx(recompute::schedule_cost(exact.segments, exact.block_parts, c.costs)));
+        CHECK(exact.cost == Approx(budget::schedule_cost(exact.segments, exact.block_parts, c.costs)));
         // A coarse quantum: never over the budget, never worse than the best schedule L quanta below it.
-        const auto coarse = recompute::solve_budget(c.mem, c.costs, budget, 64);
+        const auto coarse = budget::solve_budget(c.mem, c.costs, budget, 64);
         const double below = brute_best(all, budget - static_cast<double>(L) * coarse.quantum_bytes);
         if (std::isfinite(below)) REQUIRE(coarse.feasible);
         if (coarse.feasible) {
@@ -170,7 +170,7 @@ TEST_CASE("with autocast's weight copies the DP stays within the budget and no b
     for (const auto& e : all) lo = std::min(lo, e.peak), hi = std::max(hi, e.peak);
     for (int k = 1; k <= 4; ++k) {
       const double budget = std::floor(lo + (hi - lo) * k / 4.0);
-      const auto s = recompute::solve_budget(c.mem, c.costs, budget, static_cast<int64_t>(budget));
+      const auto s = budget::solve_budget(c.mem, c.costs, budget, static_cast<int64_t>(budget));
       REQUIRE(s.feasible);
       CHECK(memory::chain_peak(c.mem, plan_of(s)) <= budget);
       CHECK(s.cost >= brute_best(all, budget) - 1e-9);
@@ -186,7 +186,7 @@ TEST_CASE("while a segment is recomputed, the kept blocks before it still hold t
   m.forward.assign(3, 20);
   m.input = 5, m.head = 30, m.head_input = 4, m.head_weights = 3, m.tied_grad = 2;
   recompute::Plan p;
-  p.mode = "budget";
+  p.mode = config::RecomputeMode::kBudget;
   p.segments = {{0, 1, false}, {1, 3, true}};
   p.block_parts = {0, 0, 0};
   // B of segment [1, 3): block 0's weights and saved tensors, the segment's weights, input, saved tensors
@@ -269,7 +269,7 @@ bool uniform(const recompute::Plan& p) {
 
 TEST_CASE("budget runs: measured activation peak within the budget (+5%), gradients bitwise equal to none") {
   auto none_cfg = six_layers({"model.dropout=0.1"});
-  const auto none = gradients(none_cfg, recompute::plan_for(none_cfg));
+  const auto none = gradients(none_cfg, budget::plan_for(none_cfg));
   const double none_peak = static_cast<double>(memory::estimate_activation_peak(six_layers({})).peak_bytes);
   const double full_peak =
       static_cast<double>(memory::estimate_activation_peak(six_layers({"checkpointing.mode=full"})).peak_bytes);
@@ -278,7 +278,7 @@ TEST_CASE("budget runs: measured activation peak within the budget (+5%), gradie
     const auto budget = static_cast<int64_t>(full_peak + (none_peak - full_peak) * k / 4.0);
     const auto sets = std::vector<std::string>{"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget)};
     const auto cfg = six_layers(sets);
-    const auto plan = recompute::plan_for(cfg);
+    const auto plan = budget::plan_for(cfg);
     INFO(fmt::format("budget {}: {}", budget, plan.describe()));
     REQUIRE(plan.budget.predicted_peak_bytes <= budget);
     CHECK(memory::estimate_activation_peak(cfg, plan).peak_bytes == plan.budget.predicted_peak_bytes);
@@ -302,7 +302,7 @@ TEST_CASE("budget runs: measured activation peak within the budget (+5%), gradie
 TEST_CASE("a larger budget never costs more recompute, and the schedule a recipe gets is printed and logged") {
   double last = std::numeric_limits<double>::infinity();
   for (const char* b : {"3MiB", "5MiB", "8MiB", "12MiB", "20MiB"}) {
-    const auto plan = recompute::plan_for(six_layers({"checkpointing.mode=budget", std::string("checkpointing.budget=") + b}));
+    const auto plan = budget::plan_for(six_layers({"checkpointing.mode=budget", std::string("checkpointing.budget=") + b}));
     CHECK(plan.budget.recompute_cost <= last + 1e-9);
     last = plan.budget.recompute_cost;
     const auto j = plan.to_json();
@@ -326,22 +326,22 @@ TEST_CASE("budget recipe keys: a share needs memory.limit, sizes and shares pars
                     Catch::Contains("only used with checkpointing.mode: budget"));
   CHECK(config::parse_budget(load({"checkpointing.mode=budget", "checkpointing.budget=2GiB"})).bytes == (int64_t{2} << 30));
   const auto share = load({"checkpointing.mode=budget", "checkpointing.budget=50%", "memory.limit=1GiB"});
-  const auto p = memory::predict_peak(share);
+  const auto p = planner::predict_peak(share);
   const int64_t room = (int64_t{1} << 30) - p.model_states_bytes() - p.buffer_bytes - p.batch_bytes;
   CHECK(memory::activation_budget_bytes(share) == room / 2);
   // Too small for any schedule: a ConfigError naming the key and the least that fits.
-  CHECK_THROWS_WITH(recompute::plan_for(load({"checkpointing.mode=budget", "checkpointing.budget=1KiB"})),
+  CHECK_THROWS_WITH(budget::plan_for(load({"checkpointing.mode=budget", "checkpointing.budget=1KiB"})),
                     Catch::Contains("the least any schedule needs"));
 }
 
 TEST_CASE("under zero3 the budget counts the gathered units") {
   auto cfg = six_layers({"checkpointing.mode=budget", "checkpointing.budget=12MiB", "parallel.sharding=zero3"});
   cfg.world_size = 2;
-  CHECK(memory::predict_peak(cfg).transient_bytes > 0);
-  CHECK(memory::activation_budget_bytes(cfg) == (int64_t{12} << 20) - memory::predict_peak(cfg).transient_bytes);
-  const auto plan = recompute::plan_for(cfg);
-  CHECK(plan.budget.budget_bytes == (int64_t{12} << 20) - memory::predict_peak(cfg).transient_bytes);
-  CHECK(memory::predict_peak(cfg).activation_phase_bytes() <= int64_t{12} << 20);
+  CHECK(planner::predict_peak(cfg).transient_bytes > 0);
+  CHECK(memory::activation_budget_bytes(cfg) == (int64_t{12} << 20) - planner::predict_peak(cfg).transient_bytes);
+  const auto plan = budget::plan_for(cfg);
+  CHECK(plan.budget.budget_bytes == (int64_t{12} << 20) - planner::predict_peak(cfg).transient_bytes);
+  CHECK(planner::predict_peak(cfg).activation_phase_bytes() <= int64_t{12} << 20);
 }
 
 TEST_CASE("a budget run on two ranks under zero3: the activation peak with the gathered units within the budget, none's losses") {
@@ -371,13 +371,13 @@ TEST_CASE("micro_batch: auto with a budget: the largest micro-batch at which som
                          "train.micro_batch=auto", "train.global_batch=64"});
   cfg.train.micro_batch = 1;
   const int64_t limit = config::memory_limit_bytes(cfg);
-  const int64_t mb = memory::largest_micro_batch(cfg, limit, 64);
+  const int64_t mb = planner::largest_micro_batch(cfg, limit, 64);
   REQUIRE(mb > 1);
   REQUIRE(mb < 64);
   auto at = [&](int64_t b) {
     auto c = cfg;
     c.train.micro_batch = b;
-    return recompute::formula_plan(c);
+    return budget::formula_plan(c);
   };
   const auto chosen = at(mb);
   REQUIRE(chosen);
@@ -491,7 +491,7 @@ TEST_CASE("blocks of differing MLP sizes: predicted activation peaks within 5% o
            {"checkpointing.mode=selective", "checkpointing.recompute=[mlp]"},
            {"checkpointing.mode=selective", "checkpointing.recompute=[mlp, norm]"}}) {
     const auto cfg = mixed_widths(mode);
-    const auto plan = recompute::plan_for(cfg);
+    const auto plan = budget::plan_for(cfg);
     const auto predicted = memory::estimate_activation_peak(cfg).peak_bytes;
     CHECK(memory::estimate_activation_peak(cfg, plan).peak_bytes == predicted);
     const auto measured = test::measured_activation_peak(cfg, plan);
@@ -499,7 +499,7 @@ TEST_CASE("blocks of differing MLP sizes: predicted activation peaks within 5% o
     CHECK(std::abs(static_cast<double>(measured - predicted)) <= 0.05 * static_cast<double>(measured));
   }
   auto none_cfg = mixed_widths({"model.dropout=0.1"});
-  const auto none = gradients(none_cfg, recompute::plan_for(none_cfg));
+  const auto none = gradients(none_cfg, budget::plan_for(none_cfg));
   const double none_peak = static_cast<double>(memory::estimate_activation_peak(mixed_widths({})).peak_bytes);
   const double full_peak =
       static_cast<double>(memory::estimate_activation_peak(mixed_widths({"checkpointing.mode=full"})).peak_bytes);
@@ -507,7 +507,7 @@ TEST_CASE("blocks of differing MLP sizes: predicted activation peaks within 5% o
   for (int k = 1; k <= 3; ++k) {
     const auto budget = static_cast<int64_t>(full_peak + (none_peak - full_peak) * k / 4.0);
     const auto cfg = mixed_widths({"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget)});
-    const auto plan = recompute::plan_for(cfg);
+    const auto plan = budget::plan_for(cfg);
     const auto measured = test::measured_activation_peak(cfg, plan);
     INFO(fmt::format("budget {}: {}; measured {} predicted {}", budget, plan.describe(), measured,
                      plan.budget.predicted_peak_bytes));
@@ -530,7 +530,7 @@ TEST_CASE("blocks of differing MLP sizes: predicted activation peaks within 5% o
 
 TEST_CASE("costs per block follow each block's size: the formula, and the profile times each size once") {
   const auto cfg = mixed_widths({"checkpointing.mode=budget", "checkpointing.budget=8MiB"});
-  const auto f = recompute::formula_costs(cfg);
+  const auto f = budget::formula_costs(cfg);
   REQUIRE(f.blocks.size() == 6);
   CHECK(f.blocks[1].mlp == Approx(8 * f.blocks[0].mlp));
   CHECK(f.blocks[1].output == Approx(8 * f.blocks[0].output));
@@ -538,7 +538,7 @@ TEST_CASE("costs per block follow each block's size: the formula, and the profil
   CHECK(f.blocks[0].forward == f.blocks[5].forward);
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
-  const auto p = recompute::profile_costs(cfg, m, torch::kCPU);
+  const auto p = budget::profile_costs(cfg, m, torch::kCPU);
   REQUIRE(p.blocks.size() == 6);
   CHECK(p.source == "profile");
   // One timing per size: blocks of one size share it exactly.
@@ -558,10 +558,10 @@ TEST_CASE("the profile measures each block's bytes on the device; they agree wit
     const auto cfg = mixed_widths(all);
     torch::manual_seed(0);
     model::GPT m(cfg.model, torch::kCPU);
-    const auto costs = recompute::profile_costs(cfg, m, torch::kCPU);
+    const auto costs = budget::profile_costs(cfg, m, torch::kCPU);
     REQUIRE(costs.bytes.size() == 6);
     const auto formula = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
-    const auto solver = recompute::solver_model(cfg, costs);
+    const auto solver = budget::solver_model(cfg, costs);
     for (size_t b : {size_t{0}, size_t{1}}) {  // a narrow block and a wide one
       for (size_t p = 0; p < recompute::kPartSets; ++p) {
         INFO(fmt::format("{} block {} parts {}: kept {} vs {}, backward {} vs {}", fmt::join(sets, " "), b, p,
@@ -588,7 +588,7 @@ TEST_CASE("the profile measures each block's bytes on the device; they agree wit
                                    std::string("precision.compute=") + compute});
     torch::manual_seed(0);
     model::GPT m(cfg.model, torch::kCPU);
-    const auto plan = recompute::budget_plan(cfg, recompute::profile_costs(cfg, m, torch::kCPU));
+    const auto plan = budget::budget_plan(cfg, budget::profile_costs(cfg, m, torch::kCPU));
     CHECK(plan.budget.bytes_source == "profile");
     const auto measured = test::measured_activation_peak(cfg, plan);
     INFO(fmt::format("budget {} {}: {}; measured {} predicted {}", budget, compute, plan.describe(), measured,
@@ -627,11 +627,11 @@ TEST_CASE("with dropout 0.1 the profiled schedule keeps the measured activation 
     const auto before = at::detail::getDefaultCPUGenerator().get_state();
     model::GPT m(cfg.model, torch::kCPU);
     const auto after_init = at::detail::getDefaultCPUGenerator().get_state();
-    const auto costs = recompute::profile_costs(cfg, m, torch::kCPU);
+    const auto costs = budget::profile_costs(cfg, m, torch::kCPU);
     CHECK(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), after_init));  // no draw left behind
     CHECK_FALSE(torch::equal(after_init, before));  // (the init did draw: the check above can see a draw)
     REQUIRE(costs.bytes.size() == 6);
-    const auto plan = recompute::budget_plan(cfg, costs);
+    const auto plan = budget::budget_plan(cfg, costs);
     const auto measured = test::measured_activation_peak(cfg, plan);
     INFO(fmt::format("budget {}: {}; predicted {}, measured {}", budget, plan.describe(), plan.budget.predicted_peak_bytes,
                      measured));

@@ -81,7 +81,7 @@ TEST_CASE("tiny recipe trains, lowers the loss and writes both JSON logs") {
   for (const char* key : {"torch_version", "device", "threads", "world_size", "memory_source"})
     CHECK(summary["environment"].contains(key));
   CHECK(summary["environment"]["memory_source"] == "cpu_tracking_allocator");
-  // The CPU and the capabilities that change memory or speed (memory/cpu_features.h).
+  // The CPU and the capabilities that change memory or speed (device/cpu_features.h).
   for (const char* key : {"cpu_model", "aten_cpu_capability", "avx512_bf16", "amx_bf16", "bf16_matmul", "fp16_matmul"})
     CHECK(summary["environment"]["cpu"].contains(key));
   CHECK_FALSE(summary["environment"]["cpu"]["cpu_model"].get<std::string>().empty());

@@ -20,7 +20,7 @@
 #include <torch/torch.h>
 
 #include "config/config.h"
-#include "memory/planner.h"
+#include "planner/planner.h"
 #include "runs.h"
 #include "test_util.h"
 

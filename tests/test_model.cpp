@@ -9,7 +9,7 @@
 #include <torch/torch.h>
 
 #include "config/config.h"
-#include "memory/cpu_features.h"
+#include "device/cpu_features.h"
 #include "model/attention.h"
 #include "model/gelu.h"
 #include "model/gpt.h"
@@ -343,8 +343,8 @@ namespace {
 // the setting before is restored after.
 class KernelClone {
  public:
-  explicit KernelClone(bool baseline) : before_(memory::force_baseline_kernels(baseline)) {}
-  ~KernelClone() { memory::force_baseline_kernels(before_); }
+  explicit KernelClone(bool baseline) : before_(device::force_baseline_kernels(baseline)) {}
+  ~KernelClone() { device::force_baseline_kernels(before_); }
   KernelClone(const KernelClone&) = delete;
   KernelClone& operator=(const KernelClone&) = delete;
 
@@ -355,7 +355,7 @@ class KernelClone {
 // Whether the AVX2 + FMA clones can run on this CPU; where they cannot, says so (the test then checks
 // the baseline clone only, against the reference).
 bool vector_clones_run_here() {
-  if (memory::cpu_has_avx2_fma()) return true;
+  if (device::cpu_has_avx2_fma()) return true;
   WARN("this CPU has no AVX2 + FMA: the vector clones cannot run here; only the baseline clone is checked");
   return false;
 }
@@ -364,7 +364,7 @@ bool vector_clones_run_here() {
 std::vector<torch::Tensor> attention_on(bool baseline, const torch::Tensor& q, const torch::Tensor& k,
                                         const torch::Tensor& v, const torch::Tensor& dy) {
   KernelClone clone(baseline);
-  REQUIRE(memory::vector_kernels() == (!baseline && memory::cpu_has_avx2_fma()));
+  REQUIRE(device::vector_kernels() == (!baseline && device::cpu_has_avx2_fma()));
   const auto y = model::causal_attention(q, k, v);
   auto out = torch::autograd::grad({y}, {q, k, v}, {dy});
   out.insert(out.begin(), y);

@@ -32,7 +32,7 @@
 #include "config/config.h"
 #include "errors.h"
 #include "interop/hf.h"
-#include "memory/planner.h"
+#include "planner/planner.h"
 #include "model/gpt.h"
 #include "runs.h"
 #include "test_util.h"

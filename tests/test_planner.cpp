@@ -1,7 +1,7 @@
 // Memory limit, out-of-memory handling and the planner: the simulated limit throws what CUDA throws,
 // an OOM run exits 4 with its event and summary, `trainer plan` writes plan.json, and predicted peaks
 // are within 5% of measured ones for both architectures, fp32 and bf16, every checkpointing mode and
-// several batch sizes, on every CPU path bf16 can take (memory/cpu_features.h: this CPU's in process,
+// several batch sizes, on every CPU path bf16 can take (device/cpu_features.h: this CPU's in process,
 // the others in a child process with oneDNN capped), and for a weight-heavy shape at world 1 and 2.
 #include <algorithm>
 #include <cctype>
@@ -17,14 +17,13 @@
 #include "config/config.h"
 #include "data/loader.h"
 #include "errors.h"
-#include "memory/cpu_features.h"
-#include "memory/planner.h"
-#include "memory/tracker.h"
+#include "device/cpu_features.h"
+#include "planner/planner.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
-#include "precision/autocast.h"
-#include "recompute/policy.h"
+#include "recompute/plan.h"
 #include "test_util.h"
+#include "train/probe.h"
 #include "train/trainer.h"
 
 using namespace sl;
@@ -55,22 +54,16 @@ TEST_CASE("the simulated limit throws c10::OutOfMemoryError and leaves the count
 }
 
 namespace {
-// Peak of the second optimizer step, measured through the trainer's step with the tracking allocator.
+// Peak of the second optimizer step, measured through the trainer's step with the tracking allocator:
+// a probe step (train/probe.h) on the CPU, seed 0, grad_clip 1.0, no loss scaler, a synthetic loader.
 int64_t measured_peak(const config::RunConfig& cfg) {
   memory::TrackingCPUAllocator::install();
-  torch::manual_seed(0);
-  memory::Tracker tracker(torch::kCPU);
-  const int64_t before = tracker.read().allocated_bytes;
-  model::GPT m(cfg.model, torch::kCPU);
-  recompute::Policy policy(cfg.checkpointing, m);
-  auto opt = train::make_optimizer(m, cfg.train);
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(50000, cfg.model.vocab_size, 5);
   data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
-  const train::ForwardFn fwd = [&](const torch::Tensor& idx) { return policy.forward(idx); };
-  const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), nullptr};
-  train::StepResult r;
-  for (int i = 0; i < 2; ++i) r = train::train_step(fwd, m, *opt, {loader.next()}, 1.0, torch::kCPU, tracker, prec);
-  return r.mem.peak_allocated_bytes - before;
+  const auto r = train::probe_step(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer),
+                                   {.loss_scaler = false, .grad_clip = 1.0, .seed = 0, .loader = &loader});
+  REQUIRE_FALSE(r.oom);
+  return r.last.mem.peak_allocated_bytes - r.allocated_before;
 }
 }  // namespace
 
@@ -128,7 +121,7 @@ void check_recipes(const std::vector<Recipe>& recipes) {
         sets.push_back("train.micro_batch=" + std::to_string(b));
         auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", sets);
         const double measured = static_cast<double>(measured_peak(cfg));
-        const double predicted = static_cast<double>(memory::predict_peak(cfg).peak_bytes());
+        const double predicted = static_cast<double>(planner::predict_peak(cfg).peak_bytes());
         const double err = (predicted - measured) / measured;
         const std::string what = fmt::format("{} {} B={}: measured {} predicted {} ({:+.1f}%)", rec.name,
                                              fmt::join(mode, " "), b, measured, predicted, 100 * err);
@@ -136,7 +129,7 @@ void check_recipes(const std::vector<Recipe>& recipes) {
         CHECK(std::abs(err) <= kBound);
         if (std::abs(err) >= std::abs(worst)) worst = err, worst_case = what;
       }
-    fmt::print("planner [{}] worst: {}\n", memory::to_string(memory::cpu_features().bf16_matmul), worst_case);
+    fmt::print("planner [{}] worst: {}\n", device::to_string(device::cpu_features().bf16_matmul), worst_case);
   }
 }
 
@@ -145,7 +138,7 @@ void check_recipes(const std::vector<Recipe>& recipes) {
 TEST_CASE("predicted peak is within 5% of the measured peak: gpt2 and llama, fp32 and bf16, every mode") {
   // On the aten path (AVX2-only CPUs) bf16 matmuls are ~10x slower: its smallest batches only (the
   // larger ones were measured within 3% when the model was made).
-  const bool slow_bf16 = memory::cpu_features().bf16_matmul == memory::LowpMatmul::aten;
+  const bool slow_bf16 = device::cpu_features().bf16_matmul == device::LowpMatmul::aten;
   auto recipes = activation_recipes(Set::all);
   if (slow_bf16) {
     recipes.erase(recipes.begin(), recipes.begin() + 3);  // the bf16 ones
@@ -156,13 +149,13 @@ TEST_CASE("predicted peak is within 5% of the measured peak: gpt2 and llama, fp3
 
 // Run by the next test in a child process whose environment caps the libraries (hidden otherwise).
 TEST_CASE("bf16 recipes on this process's CPU path", "[.cpu-path]") {
-  fmt::print("CPU_FEATURES {}\n", memory::cpu_features().to_json().dump());
+  fmt::print("CPU_FEATURES {}\n", device::cpu_features().to_json().dump());
   std::fflush(stdout);
   check_recipes(activation_recipes(Set::lowp));
 }
 
 TEST_CASE("bf16 recipes on this process's CPU path, smallest batch", "[.cpu-path-quick]") {
-  fmt::print("CPU_FEATURES {}\n", memory::cpu_features().to_json().dump());
+  fmt::print("CPU_FEATURES {}\n", device::cpu_features().to_json().dump());
   std::fflush(stdout);
   check_recipes(activation_recipes(Set::lowp_quick));
 }
@@ -193,27 +186,27 @@ TEST_CASE("the bf16 model holds on the AVX2 path") { check_capped_cpu_path("AVX2
 
 // Its own ctest entry (planner_avx512): reported as skipped on a CPU without AVX-512.
 TEST_CASE("the bf16 model holds on AVX-512 without bf16 instructions", "[avx512]") {
-  if (!memory::cpu_features().avx512)
+  if (!device::cpu_features().avx512)
     SUBLINEAR_SKIP("this CPU has no AVX-512: the emulated oneDNN bf16 path (AVX512_CORE_VNNI) cannot be reached here");
   check_capped_cpu_path("AVX512_CORE_VNNI", "onednn_emulated", "[.cpu-path]");
 }
 
 TEST_CASE("the CPU features follow the libraries' caps and name the CPU") {
-  const auto& f = memory::cpu_features();
+  const auto& f = device::cpu_features();
   const auto j = f.to_json();
   for (const char* key : {"cpu_model", "aten_cpu_capability", "onednn_max_cpu_isa", "avx512_bf16", "amx_bf16",
                           "native_bf16", "bf16_matmul"})
     CHECK(j.contains(key));
   CHECK(!f.aten_capability.empty());
   // The path is what the flags say: oneDNN's bf16 kernels with the instructions, without them, or none.
-  if (!f.onednn_bf16) CHECK(f.bf16_matmul == memory::LowpMatmul::aten);
-  else CHECK(f.bf16_matmul == (f.native_bf16 ? memory::LowpMatmul::native : memory::LowpMatmul::emulated));
-  CHECK(memory::onednn_isa_allows("", "avx512_core_bf16"));
-  CHECK(memory::onednn_isa_allows("AVX512_CORE_VNNI", "avx512_core"));
-  CHECK_FALSE(memory::onednn_isa_allows("AVX512_CORE_VNNI", "avx512_core_bf16"));
-  CHECK_FALSE(memory::onednn_isa_allows("avx512_core_vnni", "avx2_vnni_2"));
-  CHECK(memory::onednn_isa_allows("AVX512_CORE_AMX", "avx512_core_bf16"));
-  CHECK_FALSE(memory::onednn_isa_allows("AVX2", "avx512_core"));
+  if (!f.onednn_bf16) CHECK(f.bf16_matmul == device::LowpMatmul::aten);
+  else CHECK(f.bf16_matmul == (f.native_bf16 ? device::LowpMatmul::native : device::LowpMatmul::emulated));
+  CHECK(device::onednn_isa_allows("", "avx512_core_bf16"));
+  CHECK(device::onednn_isa_allows("AVX512_CORE_VNNI", "avx512_core"));
+  CHECK_FALSE(device::onednn_isa_allows("AVX512_CORE_VNNI", "avx512_core_bf16"));
+  CHECK_FALSE(device::onednn_isa_allows("avx512_core_vnni", "avx2_vnni_2"));
+  CHECK(device::onednn_isa_allows("AVX512_CORE_AMX", "avx512_core_bf16"));
+  CHECK_FALSE(device::onednn_isa_allows("AVX2", "avx512_core"));
   // ATen's own cap changes its answer too (every CPU the suite supports has AVX2).
   const auto self = std::filesystem::read_symlink("/proc/self/exe").string();
   for (const std::string cap : {"avx2", "default"}) {
@@ -229,7 +222,7 @@ TEST_CASE("the CPU features follow the libraries' caps and name the CPU") {
 }
 
 TEST_CASE("print the CPU features", "[.cpu-features]") {
-  fmt::print("CPU_FEATURES {}\n", memory::cpu_features().to_json().dump());
+  fmt::print("CPU_FEATURES {}\n", device::cpu_features().to_json().dump());
 }
 
 TEST_CASE("a run past memory.limit exits 4 with an oom event, a summary and advice from the planner") {
@@ -258,7 +251,7 @@ TEST_CASE("a run past memory.limit exits 4 with an oom event, a summary and advi
 
   // The planner's advice holds: full checkpointing at the suggested micro-batch runs under the same limit.
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {"checkpointing.mode=full"});
-  const int64_t mb = memory::largest_micro_batch(cfg, 60LL << 20);
+  const int64_t mb = planner::largest_micro_batch(cfg, 60LL << 20);
   REQUIRE(mb > 0);
   auto ok = test::trainer("--config configs/tiny.yaml --set memory.limit=60MiB --set train.steps=2 "
                           "--set checkpointing.mode=full --set train.micro_batch=" + std::to_string(mb) +
@@ -335,7 +328,7 @@ TEST_CASE("micro_batch: auto finds what a brute-force search finds, keeping the 
 
 TEST_CASE("per-rank model states follow the ZeRO formulas") {
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {});
-  const auto one = memory::predict_peak(cfg);
+  const auto one = planner::predict_peak(cfg);
   const int64_t n = memory::total_params(cfg.model);
   CHECK(one.params_bytes == 4 * n);
   CHECK(one.model_states_bytes() == 16 * n);
@@ -345,17 +338,18 @@ TEST_CASE("per-rank model states follow the ZeRO formulas") {
   const int64_t largest = *std::max_element(units.begin(), units.end());
   cfg.world_size = 4;
   const int64_t P = 4 * n, G = 4 * n, O = 8 * n;
-  for (const std::string stage : {"none", "zero1", "zero2", "zero3"}) {
+  using config::Sharding;
+  for (const Sharding stage : {Sharding::kNone, Sharding::kZero1, Sharding::kZero2, Sharding::kZero3}) {
     INFO(stage);
     cfg.parallel.sharding = stage;
-    const auto p = memory::predict_peak(cfg);
-    const int64_t expect = stage == "none"    ? P + G + O
-                           : stage == "zero1" ? P + G + O / 4
-                           : stage == "zero2" ? P + (G + O) / 4
-                                              : (P + G + O) / 4;
+    const auto p = planner::predict_peak(cfg);
+    const int64_t expect = stage == Sharding::kNone    ? P + G + O
+                           : stage == Sharding::kZero1 ? P + G + O / 4
+                           : stage == Sharding::kZero2 ? P + (G + O) / 4
+                                                       : (P + G + O) / 4;
     CHECK(std::abs(p.model_states_bytes() - expect) <= 4);  // integer division per state
     CHECK(p.activations.peak_bytes == one.activations.peak_bytes);  // activations are per rank already
-    if (stage == "zero3") CHECK(p.transient_bytes == 3 * 4 * largest);  // parameters, gradient, prefetched parameters
+    if (stage == Sharding::kZero3) CHECK(p.transient_bytes == 3 * 4 * largest);  // parameters, gradient, prefetched parameters
   }
   // trainer plan --world-size reports per rank.
   test::TempDir dir("plan-world");
@@ -383,7 +377,7 @@ TEST_CASE("weight-heavy shape, world 1: predicted peak within 5%, gpt2 and llama
     sets.insert(sets.end(), variant.begin(), variant.end());
     auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", sets);
     const double measured = static_cast<double>(measured_peak(cfg));
-    const auto p = memory::predict_peak(cfg);
+    const auto p = planner::predict_peak(cfg);
     INFO(fmt::format("{}", fmt::join(variant, " ")) << ": measured " << measured << " predicted " << p.peak_bytes());
     CHECK(std::abs(static_cast<double>(p.peak_bytes()) - measured) <= kBound * measured);
     CHECK(p.model_states_bytes() > 0.85 * measured);
@@ -445,11 +439,12 @@ TEST_CASE("parameter counts are closed formulas equal to the model's, gpt2 and l
 
 TEST_CASE("the planner does O(1) work in n_layer: a billion layers are predicted at once") {
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {"model.n_layer=1000000000"});
-  for (const std::string mode : {"none", "full", "sqrt", "selective"}) {
+  using config::RecomputeMode;
+  for (const RecomputeMode mode : {RecomputeMode::kNone, RecomputeMode::kFull, RecomputeMode::kSqrt, RecomputeMode::kSelective}) {
     cfg.checkpointing.mode = mode;
     // Finishing at all is the check: a per-layer loop (or a meta-device model) over 1e9 layers takes
     // minutes and gigabytes. No timing is asserted here (timings belong in bench/).
-    const auto p = memory::predict_peak(cfg);
+    const auto p = planner::predict_peak(cfg);
     INFO(mode);
     CHECK(p.params_bytes == 4 * memory::total_params(cfg.model));
     CHECK(p.peak_bytes() > p.model_states_bytes());
@@ -469,17 +464,18 @@ TEST_CASE("the O(1) segment counts equal the plan's for every mode") {
   for (bool skip : {true, false}) {
     config::CheckpointingConfig c;
     c.skip_last = skip;
-    for (const std::string mode : {"none", "full", "sqrt"}) c.mode = mode, cks.push_back(c);
-    c.mode = "interval";
+    for (const config::RecomputeMode mode : {config::RecomputeMode::kNone, config::RecomputeMode::kFull, config::RecomputeMode::kSqrt})
+      c.mode = mode, cks.push_back(c);
+    c.mode = config::RecomputeMode::kInterval;
     for (int64_t k : {1, 2, 3, 5}) c.interval = k, c.segments = 0, cks.push_back(c);
     for (int64_t n : {1, 2, 3}) c.interval = 0, c.segments = n, cks.push_back(c);
-    c.mode = "selective";
+    c.mode = config::RecomputeMode::kSelective;
     c.recompute = {"attention", "norm"};
     cks.push_back(c);
   }
   for (const auto& c : cks)
     for (int64_t L : {3, 4, 5, 7, 12, 13}) {
-      if (c.mode == "interval" && c.segments > L) continue;
+      if (c.mode == config::RecomputeMode::kInterval && c.segments > L) continue;
       INFO(c.mode << " interval " << c.interval << " segments " << c.segments << " skip_last " << c.skip_last << " L " << L);
       const auto fast = memory::segment_counts(c, L), slow = memory::segment_counts(recompute::make_plan(c, L));
       CHECK(fast.checkpointed == slow.checkpointed);
@@ -501,10 +497,10 @@ TEST_CASE("the shipped GPU recipes fit what their headers say, at the world size
     INFO(c.recipe);
     auto cfg = config::load(test::kSourceDir + "/configs/" + c.recipe + ".yaml", {});
     cfg.world_size = c.world;
-    const auto p = memory::predict_peak(cfg);
+    const auto p = planner::predict_peak(cfg);
     CHECK(p.peak_bytes() <= c.memory);
     CHECK(std::abs(static_cast<double>(p.peak_bytes()) / (1 << 30) - c.peak_gib) < 0.05);
-    CHECK(memory::largest_micro_batch(cfg, c.memory) == c.largest_micro_batch);
+    CHECK(planner::largest_micro_batch(cfg, c.memory) == c.largest_micro_batch);
     CHECK(cfg.train.micro_batch * cfg.train.grad_accum * c.world * cfg.train.seq_len == c.tokens_per_step);
   }
 }

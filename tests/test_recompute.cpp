@@ -243,20 +243,20 @@ TEST_CASE("segment plans") {
     for (const auto& g : p.segments) s += fmt::format("[{},{}){}", g.begin, g.end, g.checkpointed ? "*" : "");
     return s;
   };
-  c.mode = "interval", c.interval = 3;
+  c.mode = config::RecomputeMode::kInterval, c.interval = 3;
   CHECK(segs(recompute::make_plan(c, 10)) == "[0,3)*[3,6)*[6,9)*[9,10)");
   c.skip_last = false;
   CHECK(segs(recompute::make_plan(c, 10)) == "[0,3)*[3,6)*[6,9)*[9,10)*");
   c.interval = 0, c.segments = 3;
   CHECK(segs(recompute::make_plan(c, 10)) == "[0,3)*[3,6)*[6,10)*");
-  c.mode = "sqrt", c.segments = 0;
+  c.mode = config::RecomputeMode::kSqrt, c.segments = 0;
   CHECK(recompute::make_plan(c, 12).k == 3);
   CHECK(recompute::make_plan(c, 32).k == 6);
-  c.mode = "full", c.skip_last = true;
+  c.mode = config::RecomputeMode::kFull, c.skip_last = true;
   auto full = recompute::make_plan(c, 4);
   CHECK(full.segments.size() == 4);
   CHECK(full.checkpointed_blocks() == 3);
-  c.mode = "none";
+  c.mode = config::RecomputeMode::kNone;
   CHECK(recompute::make_plan(c, 4).checkpointed_blocks() == 0);
 }
 

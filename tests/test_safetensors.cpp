@@ -18,7 +18,7 @@
 #include "errors.h"
 #include "config/config.h"
 #include "state/safetensors.h"
-#include "train/device.h"
+#include "device/device.h"
 #include "test_util.h"
 
 using namespace sl;
@@ -451,7 +451,7 @@ TEST_CASE("a tensor on a device that is not the CPU is staged to host by the wri
   // memory would fail or write garbage. 80 MiB of fp32: two staging pieces (64 MiB, then 16 MiB).
   config::TrainConfig t;
   t.device = "lazy";
-  const auto lazy = train::resolve_device(t);
+  const auto lazy = device::resolve_device(t);
   REQUIRE_FALSE(lazy.is_cpu());
   test::TempDir dir("st-device");
   const int64_t n = (int64_t{80} << 20) / 4;
@@ -459,7 +459,7 @@ TEST_CASE("a tensor on a device that is not the CPU is staged to host by the wri
   const auto small = torch::randn({7, 3}, torch::kFloat64);
   const auto on_device = host.to(lazy), strided = small.to(lazy).t();  // a transposed (strided) view too
   REQUIRE(on_device.device().type() == c10::kLazy);
-  REQUIRE(memory::kHostStagingBytes < on_device.numel() * 4);
+  REQUIRE(device::kHostStagingBytes < on_device.numel() * 4);
   // The chunks themselves: host memory, at most the bound each, together the tensor's bytes.
   std::vector<size_t> pieces;
   std::string bytes;

@@ -9,7 +9,10 @@
 #     nor does a copy that fails midway,
 #   - scripts/run_ctest.sh (what scripts/test.sh runs) on a hand-written ctest directory: skipped
 #     tests (exit 77, SKIP_RETURN_CODE) are counted and named with their reasons, ctest's exit status
-#     is kept.
+#     is kept,
+#   - scripts/check_design.py: passes on this tree; fails naming an include against the layer order, an
+#     unplaced folder, a torch header in the torch-free bottom; fails naming a string comparison with a sharding
+#     stage outside src/config.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
 # at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
@@ -187,6 +190,49 @@ CTEST
     || { echo "nothing skipped:"; echo "$out"; return 1; }
 }
 check "run_ctest.sh: skipped tests counted and named with their reasons, ctest's exit status kept" ctest_summary
+
+# 6. scripts/check_design.py: this tree passes; a tree with one string comparison of a stage fails
+#    naming it; the same comparison inside src/config (the parser) is allowed.
+design_rules() {
+  local out
+  out="$(python3 "$ROOT/scripts/check_design.py" "$ROOT" 2>&1)" || { echo "this tree fails:"; echo "$out"; return 1; }
+  local tree="$TMP/design"
+  mkdir -p "$tree/src/parallel" "$tree/src/config"
+  echo 'bool zero3(const Cfg& c) { return c.parallel.sharding == "zero3"; }' > "$tree/src/config/parse.cpp"
+  python3 "$ROOT/scripts/check_design.py" "$tree" > /dev/null || { echo "src/config is the parser's: allowed"; return 1; }
+  echo 'if (sharding_ != "none") gather();  // a name' > "$tree/src/parallel/engine.cpp"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "a comparison passed:"; echo "$out"; return 1; }
+  grep -q '^src/parallel/engine.cpp:1: ' <<< "$out" || { echo "the comparison is not named:"; echo "$out"; return 1; }
+}
+check "check_design.py: no mode or stage name compared outside src/config" design_rules
+
+# 7. scripts/check_design.py's layers: an include that points up the order (memory -> budget) fails
+#    naming the file and both folders; the same include pointing down (budget -> memory) passes; a
+#    folder the order does not place fails; a torch header reached from the torch-free bottom fails
+#    with the chain of includes that reaches it.
+layer_rules() {
+  local tree="$TMP/layers" out
+  mkdir -p "$tree/src/memory" "$tree/src/budget" "$tree/src/config"
+  echo '#pragma once' > "$tree/src/memory/activations.h"
+  echo '#pragma once' > "$tree/src/budget/budget.h"
+  echo '#include "memory/activations.h"' > "$tree/src/budget/budget.cpp"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" || { echo "a downward include failed:"; echo "$out"; return 1; }
+  echo '#include "budget/budget.h"' > "$tree/src/memory/footprint.cpp"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "an upward include passed:"; echo "$out"; return 1; }
+  grep -q '^src/memory/footprint.cpp: includes budget/budget.h: memory is below budget$' <<< "$out" ||
+    { echo "the upward include is not named:"; echo "$out"; return 1; }
+  rm "$tree/src/memory/footprint.cpp"
+  mkdir -p "$tree/src/misc" && echo 'int x;' > "$tree/src/misc/x.cpp"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "an unplaced folder passed:"; echo "$out"; return 1; }
+  grep -q '^src/misc/: folder not in LAYERS' <<< "$out" || { echo "the unplaced folder is not named:"; echo "$out"; return 1; }
+  rm -r "$tree/src/misc"
+  printf '#pragma once\n#include "memory/activations.h"\n' > "$tree/src/config/config.h"
+  printf '#pragma once\n#include <torch/types.h>\n' > "$tree/src/memory/activations.h"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "torch in the bottom passed:"; echo "$out"; return 1; }
+  grep -q '^src/config/config.h -> memory/activations.h: includes a torch header$' <<< "$out" ||
+    { echo "the torch chain is not named:"; echo "$out"; return 1; }
+}
+check "check_design.py: includes follow the layer order; the bottom is torch-free" layer_rules
 
 echo "$passed passed, $failed failed"
 ((failed == 0))

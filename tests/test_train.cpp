@@ -18,7 +18,7 @@
 
 #include "config/config.h"
 #include "data/loader.h"
-#include "memory/cpu_features.h"
+#include "device/cpu_features.h"
 #include "memory/tracker.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
@@ -26,8 +26,8 @@
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
 #include "recompute/policy.h"
-#include "train/optimizer.h"
-#include "train/peak.h"
+#include "optim/optimizer.h"
+#include "train/peak_flops.h"
 #include "train/schedule.h"
 #include "test_util.h"
 #include "train/run.h"
@@ -101,7 +101,7 @@ TEST_CASE("the fused AdamW step equals torch::optim::AdamW::step to float roundi
     for (const auto& t : init) ps.push_back(t.clone().requires_grad_(true));
     config::TrainConfig t;
     t.lr = 3e-3, t.weight_decay = 0.1, t.beta1 = 0.9, t.beta2 = 0.95;
-    return std::make_pair(ps, train::make_adamw({ps[0]}, {ps[1], ps[2]}, t));
+    return std::make_pair(ps, optim::make_adamw({ps[0]}, {ps[1], ps[2]}, t));
   };
   auto [ref_p, ref_opt] = make();
   auto [got_p, got_opt] = make();
@@ -112,7 +112,7 @@ TEST_CASE("the fused AdamW step equals torch::optim::AdamW::step to float roundi
       got_p[i].mutable_grad() = g.clone();
     }
     ref_opt->step();
-    train::adamw_step(*got_opt);
+    optim::adamw_step(*got_opt);
   }
   for (int i = 0; i < 2; ++i) {
     CAPTURE(i);
@@ -136,7 +136,7 @@ TEST_CASE("the fused AdamW update is bitwise the same on the baseline clone and 
   // DDP replicas on different CPU kinds must step identical weights. Sizes whose tails are not whole
   // vectors (1, 7, 13, 1031, 16389 = 2^14 + 5: a second piece of 5), a decayed and an undecayed group,
   // gradients of several scales, 5 steps with a changing learning rate.
-  if (!memory::cpu_has_avx2_fma())
+  if (!device::cpu_has_avx2_fma())
     SUBLINEAR_SKIP("this CPU has no AVX2 + FMA: the vector clone cannot run here; nothing to compare the baseline with");
   torch::manual_seed(12);
   const std::vector<std::vector<int64_t>> shapes = {{1}, {7}, {13}, {1031}, {16389}, {37, 29}};
@@ -147,11 +147,11 @@ TEST_CASE("the fused AdamW update is bitwise the same on the baseline clone and 
     for (const auto& t : init) ps.push_back(t.clone().requires_grad_(true));
     config::TrainConfig t;
     t.lr = 3e-3, t.weight_decay = 0.1, t.beta1 = 0.9, t.beta2 = 0.95;
-    return std::make_pair(ps, train::make_adamw({ps[4], ps[5]}, {ps[0], ps[1], ps[2], ps[3]}, t));
+    return std::make_pair(ps, optim::make_adamw({ps[4], ps[5]}, {ps[0], ps[1], ps[2], ps[3]}, t));
   };
   auto [base_p, base_opt] = make();
   auto [vec_p, vec_opt] = make();
-  const bool before = memory::force_baseline_kernels(false);
+  const bool before = device::force_baseline_kernels(false);
   for (int step = 1; step <= 5; ++step) {
     for (size_t i = 0; i < init.size(); ++i) {
       const auto g = torch::randn_like(init[i]) * std::pow(10.0, static_cast<double>(i % 3) - 1.0);
@@ -160,12 +160,12 @@ TEST_CASE("the fused AdamW update is bitwise the same on the baseline clone and 
     }
     for (auto* opt : {base_opt.get(), vec_opt.get()})
       for (auto& group : opt->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(3e-3 / step);
-    memory::force_baseline_kernels(true);
-    train::adamw_step(*base_opt);
-    memory::force_baseline_kernels(false);
-    train::adamw_step(*vec_opt);
+    device::force_baseline_kernels(true);
+    optim::adamw_step(*base_opt);
+    device::force_baseline_kernels(false);
+    optim::adamw_step(*vec_opt);
   }
-  memory::force_baseline_kernels(before);
+  device::force_baseline_kernels(before);
   for (size_t i = 0; i < init.size(); ++i) {
     CAPTURE(i);
     auto& b = static_cast<torch::optim::AdamWParamState&>(*base_opt->state().at(base_p[i].unsafeGetTensorImpl()));

@@ -3,6 +3,7 @@
 #include "config/config.h"
 
 #include <cmath>
+#include <concepts>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -32,8 +33,14 @@ std::string where(const YAML::Node& node) {
   return fmt::format(" (line {})", node.Mark().line + 1);
 }
 
+// A named choice (choices.h): read from a string, written as it.
+template <class T> concept Choice = requires(std::string_view name) {
+  { T::parse(name) } -> std::same_as<std::optional<T>>;
+};
+
 template <class T> const char* type_name() {
-  if constexpr (std::is_same_v<T, bool>) return "bool";
+  if constexpr (Choice<T>) return "string";
+  else if constexpr (std::is_same_v<T, bool>) return "bool";
   else if constexpr (std::is_integral_v<T>) return "integer";
   else if constexpr (std::is_floating_point_v<T>) return "number";
   else if constexpr (std::is_same_v<T, std::string>) return "string";
@@ -60,6 +67,11 @@ template <class T> T convert(const YAML::Node& node, const std::string& name) {
       }
     }
     return out;
+  } else if constexpr (Choice<T>) {
+    // Checked here, where the recipe is read: past the parser a choice is a value, never a name.
+    const auto text = convert<std::string>(node, name);
+    if (const auto v = T::parse(text)) return *v;
+    throw ConfigError(fmt::format("{}: '{}' is not one of {}{}", name, text, choice_list<T>(), where(node)));
   } else {
     if (!node.IsScalar()) return fail();
     try {
@@ -79,15 +91,15 @@ Field field(S RunConfig::*sec, T S::*mem, const char* section, const char* key, 
   return f;
 }
 
-// train.micro_batch is an integer or "auto" (stored as 0): the largest that fits memory.limit.
+// train.micro_batch is an integer or "auto": the largest that fits memory.limit (MicroBatch).
 Field micro_batch_field() {
   Field f{"train", "micro_batch", "integer|auto",
           "sequences per forward/backward B; auto = the largest that fits memory.limit, keeping train.global_batch",
           {}, {}};
   f.set = [](RunConfig& c, const YAML::Node& n) {
-    c.train.micro_batch = n.IsScalar() && n.Scalar() == "auto" ? 0 : convert<int64_t>(n, "train.micro_batch");
+    c.train.micro_batch = n.IsScalar() && n.Scalar() == "auto" ? MicroBatch::automatic() : MicroBatch(convert<int64_t>(n, "train.micro_batch"));
   };
-  f.get = [](const RunConfig& c) { return c.train.micro_batch == 0 ? Json("auto") : Json(c.train.micro_batch); };
+  f.get = [](const RunConfig& c) { return Json(c.train.micro_batch); };
   return f;
 }
 
@@ -506,7 +518,7 @@ static void check_global_batch(const RunConfig& c) {
   auto fail = [](const std::string& key, const std::string& msg) { throw ConfigError(fmt::format("{}: {}", key, msg)); };
   const auto& t = c.train;
   const int64_t world = std::max<int64_t>(1, c.world_size);
-  if (t.micro_batch == 0) {
+  if (t.micro_batch.is_auto()) {
     if (t.global_batch % world != 0)
       fail("train.global_batch", fmt::format("{} is not divisible by WORLD_SIZE {}: micro_batch: auto gives every rank "
                                              "global_batch / WORLD_SIZE sequences per step; pick a multiple of the world size",
@@ -589,10 +601,11 @@ void validate_train(const RunConfig& c) {
   const auto& m = c.model;
   const auto& t = c.train;
   positive("train.seq_len", t.seq_len);
-  if (t.micro_batch < 0) fail("train.micro_batch", fmt::format("must be > 0 or auto, got {}", t.micro_batch));
+  if (!t.micro_batch.is_auto() && t.micro_batch <= 0)
+    fail("train.micro_batch", fmt::format("must be > 0 or auto, got {}", t.micro_batch.value()));
   positive("train.grad_accum", t.grad_accum);
   if (t.global_batch < 0) fail("train.global_batch", "must be >= 0 (0 = micro_batch * grad_accum * WORLD_SIZE)");
-  if (t.micro_batch == 0) {
+  if (t.micro_batch.is_auto()) {
     if (t.global_batch == 0)
       fail("train.micro_batch", "auto needs train.global_batch: the sequences per optimizer step to keep");
     if (parse_bytes(c.memory.limit, "memory.limit") == 0 && t.device != "cuda")
@@ -619,19 +632,19 @@ void validate_train(const RunConfig& c) {
 void validate_checkpointing(const RunConfig& c) {
   const auto& m = c.model;
   const auto& k = c.checkpointing;
-  one_of("checkpointing.mode", k.mode, {"none", "full", "interval", "sqrt", "selective", "budget"});
-  if (k.mode == "budget") {
+  const bool budget = k.mode == RecomputeMode::kBudget;
+  if (budget) {
     const Budget b = parse_budget(c);
     if (b.share > 0 && parse_bytes(c.memory.limit, "memory.limit") == 0)
       fail("checkpointing.budget", fmt::format("{} is a share of memory.limit, which is not set: give memory.limit "
                                                "(e.g. 80GiB) or a size such as checkpointing.budget: 6GiB",
                                                k.budget.empty() ? std::string("\"\" (100%)") : k.budget));
   } else if (!k.budget.empty()) {
-    fail("checkpointing.budget", fmt::format("is only used with checkpointing.mode: budget (mode is '{}')", k.mode));
+    fail("checkpointing.budget", fmt::format("is only used with checkpointing.mode: budget (mode is '{}')", k.mode.name()));
   }
   if (k.interval < 0) fail("checkpointing.interval", "must be >= 0");
   if (k.segments < 0) fail("checkpointing.segments", "must be >= 0");
-  if (k.mode == "interval") {
+  if (k.mode == RecomputeMode::kInterval) {
     if ((k.interval > 0) == (k.segments > 0))
       fail("checkpointing.interval", "interval mode needs exactly one of checkpointing.interval or checkpointing.segments");
     if (k.interval > m.n_layer)
@@ -640,35 +653,35 @@ void validate_checkpointing(const RunConfig& c) {
       fail("checkpointing.segments", fmt::format("{} is more than model.n_layer = {}", k.segments, m.n_layer));
   } else if (k.interval > 0 || k.segments > 0) {
     fail(k.interval > 0 ? "checkpointing.interval" : "checkpointing.segments",
-         fmt::format("is only used with checkpointing.mode: interval (mode is '{}')", k.mode));
+         fmt::format("is only used with checkpointing.mode: interval (mode is '{}')", k.mode.name()));
   }
   for (const auto& part : k.recompute)
     if (part != "attention" && part != "mlp" && part != "norm")
       fail("checkpointing.recompute", fmt::format("'{}' is not one of attention | mlp | norm", part));
-  if (k.mode == "selective" && k.recompute.empty())
+  if (k.mode == RecomputeMode::kSelective && k.recompute.empty())
     fail("checkpointing.recompute", "selective mode needs a list, e.g. [attention, mlp, norm]");
-  if (k.mode != "selective" && !k.recompute.empty())
-    fail("checkpointing.recompute", fmt::format("is only used with checkpointing.mode: selective (mode is '{}')", k.mode));
+  if (k.mode != RecomputeMode::kSelective && !k.recompute.empty())
+    fail("checkpointing.recompute", fmt::format("is only used with checkpointing.mode: selective (mode is '{}')", k.mode.name()));
 }
 
 // precision.param_dtype / reduce_dtype: a low-precision compute copy of the parameters needs fp32 masters
 // somewhere, and the engine keeps them in the optimizer's shard (zero1/2/3, also at world size 1).
 void validate_param_dtypes(const RunConfig& c) {
   const auto& pr = c.precision;
-  const std::string& sh = c.parallel.sharding;
+  const Sharding sh = c.parallel.sharding;
   one_of("precision.param_dtype", pr.param_dtype, {"fp32", "bf16", "fp16"});
   one_of("precision.reduce_dtype", pr.reduce_dtype, {"fp32", "bf16", "fp16"});
   if (pr.param_dtype != "fp32" && pr.param_dtype != pr.compute)
     fail("precision.param_dtype", fmt::format("{} needs precision.compute: {} (it is '{}')", pr.param_dtype, pr.param_dtype, pr.compute));
-  if (pr.param_dtype != "fp32" && sh == "none")
+  if (pr.param_dtype != "fp32" && sh.replicated())
     fail("precision.param_dtype", fmt::format("{} keeps fp32 master weights in the optimizer's shard: set parallel.sharding "
                                               "to zero1, zero2 or zero3 (any world size, 1 included)", pr.param_dtype));
   if (pr.reduce_dtype != "fp32" && pr.reduce_dtype != pr.param_dtype)
     fail("precision.reduce_dtype", fmt::format("{} needs precision.param_dtype: {} (it is '{}')", pr.reduce_dtype,
                                                pr.reduce_dtype, pr.param_dtype));
-  if (pr.reduce_dtype != "fp32" && sh != "zero2" && sh != "zero3")
+  if (pr.reduce_dtype != "fp32" && !sh.shards_grads())
     fail("precision.reduce_dtype", fmt::format("{} applies to the reduce-scatter of parallel.sharding zero2 or zero3 "
-                                               "(sharding is '{}'); use fp32", pr.reduce_dtype, sh));
+                                               "(sharding is '{}'); use fp32", pr.reduce_dtype, sh.name()));
 }
 
 void validate_precision(const RunConfig& c) {
@@ -699,18 +712,17 @@ void validate_lazy_device(const RunConfig& c) {
     fail(key, fmt::format("{}; train.device: lazy is a test device that runs one process in fp32", what));
   };
   if (c.world_size > 1) why("train.device", fmt::format("lazy runs at world size 1, not {}", c.world_size));
-  if (c.parallel.sharding != "none") why("parallel.sharding", "must be none with train.device: lazy");
+  if (!c.parallel.sharding.replicated()) why("parallel.sharding", "must be none with train.device: lazy");
   if (c.precision.compute != "fp32" || c.precision.param_dtype != "fp32")
     why("precision.compute", "must be fp32 (and precision.param_dtype fp32) with train.device: lazy");
   if (parse_bytes(c.memory.limit, "memory.limit") > 0) why("memory.limit", "must be 0 with train.device: lazy (no memory statistics)");
-  if (c.train.micro_batch == 0) why("train.micro_batch", "auto needs memory statistics, which train.device: lazy has not");
-  if (c.checkpointing.mode == "budget") why("checkpointing.mode", "budget profiles device memory, which train.device: lazy has not");
+  if (c.train.micro_batch.is_auto()) why("train.micro_batch", "auto needs memory statistics, which train.device: lazy has not");
+  if (c.checkpointing.mode == RecomputeMode::kBudget) why("checkpointing.mode", "budget profiles device memory, which train.device: lazy has not");
 }
 
 void validate_devices_and_logging(const RunConfig& c) {
   const auto& t = c.train;
   one_of("parallel.backend", c.parallel.backend, {"auto", "gloo", "nccl"});
-  one_of("parallel.sharding", c.parallel.sharding, {"none", "zero1", "zero2", "zero3"});
   if (!(c.parallel.bucket_mb > 0.0)) fail("parallel.bucket_mb", "must be > 0");
   if (c.parallel.backend == "nccl" && t.device == "cpu")
     fail("parallel.backend", "nccl needs CUDA tensors; use gloo (or auto) with train.device: cpu");

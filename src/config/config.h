@@ -8,6 +8,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "config/choices.h"
+
 namespace sl::config {
 
 // Field docs live in the key table in config.cpp (printed by `trainer --help-config`).
@@ -41,7 +43,7 @@ struct DataConfig {
 
 struct TrainConfig {
   int64_t seq_len = 128;
-  int64_t micro_batch = 8;  // 0 = auto
+  MicroBatch micro_batch = 8;  // a number, or auto (choices.h)
   int64_t grad_accum = 1;
   int64_t global_batch = 0;
   int64_t steps = 100;
@@ -61,7 +63,7 @@ struct TrainConfig {
 };
 
 struct CheckpointingConfig {
-  std::string mode = "none";
+  RecomputeMode mode = RecomputeMode::kNone;
   int64_t interval = 0;
   int64_t segments = 0;
   std::vector<std::string> recompute = {};
@@ -88,7 +90,7 @@ struct PrecisionConfig {
 
 struct ParallelConfig {
   std::string backend = "auto";   // auto | gloo | nccl
-  std::string sharding = "none";  // none (DDP) | zero1 | zero2 | zero3
+  Sharding sharding = Sharding::kNone;  // none (DDP) | zero1 | zero2 | zero3
   double bucket_mb = 25.0;        // DDP gradient bucket size (MiB)
   int64_t timeout_s = 600;
 };

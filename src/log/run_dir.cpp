@@ -40,6 +40,21 @@ std::pair<std::string, long long> run_order(const std::string& rest) {
 
 }  // namespace
 
+fs::path default_run_dir(const std::string& recipe, std::time_t start, int64_t suffix) {
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&start));
+  const std::string name = fmt::format("{}-{}", recipe, text);
+  return kRunsDir / (suffix == 1 ? name : fmt::format("{}-{}", name, suffix));
+}
+
+int64_t free_run_suffix(const std::string& recipe, std::time_t start) {
+  int64_t suffix = 1;
+  while (fs::exists(default_run_dir(recipe, start, suffix))) ++suffix;
+  return suffix;
+}
+
+fs::path default_plan_path(const std::string& recipe) { return kRunsDir / (recipe + "-plan.json"); }
+
 fs::path newest_run_with_state(const fs::path& runs, const std::string& recipe) {
   fs::path best;
   std::pair<std::string, long long> best_order{"", 0};

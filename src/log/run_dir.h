@@ -1,10 +1,23 @@
-// Run directories: which earlier run --resume auto continues (default directories), and the lock that
-// lets one process at a time use a run directory.
+// Run directories: the default names (written and read here only), which earlier run --resume auto
+// continues, and the lock that lets one process at a time use a run directory.
 #pragma once
+#include <cstdint>
+#include <ctime>
 #include <filesystem>
 #include <string>
 
 namespace sl::log {
+
+// Where runs go when logging.dir is not given (relative to the working directory).
+inline const std::filesystem::path kRunsDir = "runs";
+
+// runs/<recipe>-YYYYMMDD-HHMMSS (local time of `start`), or with -N after it for suffix N >= 2 (runs
+// started in the same second). newest_run_with_state reads these names back.
+std::filesystem::path default_run_dir(const std::string& recipe, std::time_t start, int64_t suffix = 1);
+// The first suffix (1, 2, ...) whose default run directory does not exist yet.
+int64_t free_run_suffix(const std::string& recipe, std::time_t start);
+// runs/<recipe>-plan.json: where `trainer plan` writes its report without --out.
+std::filesystem::path default_plan_path(const std::string& recipe);
 
 // The newest run of recipe `recipe` under `runs` (runs/<recipe>-YYYYMMDD-HHMMSS, or -N after it for
 // runs started in the same second, N >= 2) whose `state` directory exists; "" when there is none.

@@ -33,7 +33,7 @@ struct Sizes {
 };
 
 // The sizes of block `layer` (they differ only in H, with model.layer_mlp_hidden).
-Sizes sizes_of(const config::RunConfig& cfg, LowpMatmul lowp, int64_t layer = 0) {
+Sizes sizes_of(const config::RunConfig& cfg, device::LowpMatmul lowp, int64_t layer = 0) {
   const auto& m = cfg.model;
   const bool lowp_on = cfg.precision.compute != "fp32";
   Sizes z;
@@ -43,7 +43,7 @@ Sizes sizes_of(const config::RunConfig& cfg, LowpMatmul lowp, int64_t layer = 0)
   z.c = lowp_on ? 2.0 : 4.0;
   z.lowp_params = cfg.precision.param_dtype != "fp32";
   z.r = z.lowp_params ? z.c : z.f;
-  z.acc = lowp_on && lowp == LowpMatmul::emulated ? 4.0 : 0.0;
+  z.acc = lowp_on && lowp == device::LowpMatmul::emulated ? 4.0 : 0.0;
   z.fused_attention = !lowp_on && !runs_on_cuda(cfg);
   z.dropout = m.dropout > 0;
   if (z.dropout) {
@@ -147,9 +147,9 @@ double block_cast_bytes(const Sizes& z) {
   return c * (4 * z.C * z.C + (z.llama ? 3 : 2) * z.C * z.H);
 }
 
-std::string path_name(const config::RunConfig& cfg, LowpMatmul lowp) {
+std::string path_name(const config::RunConfig& cfg, device::LowpMatmul lowp) {
   if (cfg.precision.compute == "fp32") return "fp32";
-  return runs_on_cuda(cfg) ? "cuda" : to_string(lowp);
+  return runs_on_cuda(cfg) ? "cuda" : device::to_string(lowp);
 }
 
 // n segments of k blocks, the last of last_size blocks (make_plan's layout), all checkpointed but the
@@ -164,9 +164,9 @@ SegmentCounts split_counts(int64_t k, int64_t n, int64_t last_size, bool skip_la
 
 }  // namespace
 
-LowpMatmul lowp_matmul_path(const config::RunConfig& cfg) {
-  if (runs_on_cuda(cfg)) return LowpMatmul::native;
-  return cpu_features().matmul_path(cfg.precision.compute);
+device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg) {
+  if (runs_on_cuda(cfg)) return device::LowpMatmul::native;
+  return device::cpu_features().matmul_path(cfg.precision.compute);
 }
 
 SegmentCounts segment_counts(const recompute::Plan& plan) {
@@ -184,30 +184,17 @@ SegmentCounts segment_counts(const recompute::Plan& plan) {
 }
 
 SegmentCounts segment_counts(const config::CheckpointingConfig& ck, int64_t L) {
-  auto split = [&](int64_t k) {
-    k = std::min(k, L);  // one segment of all L blocks when k >= L
-    const int64_t n = (L + k - 1) / k;
-    return split_counts(k, n, L - (n - 1) * k, ck.skip_last);
-  };
-  if (ck.mode == "full") return split(1);
-  if (ck.mode == "sqrt") return split(std::max<int64_t>(1, std::llround(std::sqrt(static_cast<double>(L)))));
-  if (ck.mode == "interval" && ck.interval > 0) return split(ck.interval);
-  if (ck.mode == "interval") {  // n segments of L / n blocks, the last one takes the remainder
-    const int64_t n = ck.segments, size = L / n;
-    return split_counts(size, n, L - (n - 1) * size, ck.skip_last);
-  }
+  const recompute::UniformRule r = recompute::uniform_rule(ck, L);
+  if (r.checkpointed) return split_counts(std::min(r.size, L), r.count, r.last, r.skip_last);
   SegmentCounts s;
   s.kept_blocks = L;
-  if (ck.mode == "selective")
-    for (const auto& part : ck.recompute) {
-      s.attention |= part == "attention";
-      s.mlp |= part == "mlp";
-      s.norm |= part == "norm";
-    }
+  s.attention = (r.parts & recompute::kPartAttention) != 0;
+  s.mlp = (r.parts & recompute::kPartMlp) != 0;
+  s.norm = (r.parts & recompute::kPartNorm) != 0;
   return s;
 }
 
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const SegmentCounts& seg, LowpMatmul lowp) {
+ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const SegmentCounts& seg, device::LowpMatmul lowp) {
   const Sizes z = sizes_of(cfg, lowp);
   const auto n = static_cast<double>(seg.checkpointed), kept = static_cast<double>(seg.kept_blocks);
   const auto k = static_cast<double>(seg.largest_checkpointed), L = static_cast<double>(cfg.model.n_layer);
@@ -239,7 +226,7 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   return e;
 }
 
-ChainModel chain_model(const config::RunConfig& cfg, LowpMatmul lowp) {
+ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp) {
   const auto L = cfg.model.n_layer;
   const auto tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len);
   ChainModel m;
@@ -324,7 +311,7 @@ double chain_peak(const ChainModel& m, const recompute::Plan& plan) {
 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
   const auto lowp = lowp_matmul_path(cfg);
-  if (plan.mode != "budget" && config::uniform_blocks(cfg.model)) return estimate_activation_peak(cfg, segment_counts(plan), lowp);
+  if (!plan.mode.solved() && config::uniform_blocks(cfg.model)) return estimate_activation_peak(cfg, segment_counts(plan), lowp);
   // Blocks that differ (a budget schedule, or model.layer_mlp_hidden): the per-token terms of block 0
   // with no parts recomputed; the moments by walking the plan block by block.
   ActivationEstimate e = estimate_activation_peak(cfg, SegmentCounts{}, lowp);

@@ -64,7 +64,7 @@
 //     without saving holds the larger of Fb and Fa = cC(3) + the fp32 copies + 2Cf + 3 nh T f.
 //   CUDA's flash and memory-efficient kernels take dropout without keeping a mask: only the masks change.
 //
-// The CPU path (memory/cpu_features.h) sets M. bf16 matmuls on CPU take one of three kernels:
+// The CPU path (device/cpu_features.h) sets M. bf16 matmuls on CPU take one of three kernels:
 //   native   (oneDNN brgemm with avx512_bf16 / AMX / avx_ne_convert): M = 0 (small per-thread blocks)
 //   emulated (oneDNN gemm:jit:bf16 on AVX-512 without bf16 instructions, e.g. a Cascade Lake Xeon):
 //            M = 4 bytes per output element: each matmul fills an fp32 accumulator the size of its
@@ -80,8 +80,8 @@
 #include <vector>
 
 #include "config/config.h"
-#include "memory/cpu_features.h"
-#include "recompute/policy.h"
+#include "device/cpu_features.h"
+#include "recompute/plan.h"
 
 namespace sl::memory {
 
@@ -99,7 +99,7 @@ SegmentCounts segment_counts(const config::CheckpointingConfig& ck, int64_t n_la
 
 struct ActivationEstimate {
   int64_t tokens = 0;                // B * T
-  std::string matmul_path;           // "fp32", "cuda", or the CPU's LowpMatmul path
+  std::string matmul_path;           // "fp32", "cuda", or the CPU's device::LowpMatmul path
   double block_bytes = 0;            // S per token, after selective savings
   double head_bytes = 0;             // E per token
   double backward_bytes = 0;         // T per token
@@ -118,7 +118,7 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
 // always the walk's (chain_peak) since the formula's moments assume one block shape.
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg);
 // With the CPU's low-precision matmul path given (`lowp` is ignored for fp32).
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const SegmentCounts& seg, LowpMatmul lowp);
+ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const SegmentCounts& seg, device::LowpMatmul lowp);
 
 // The same terms per block, for plans or models whose blocks differ (checkpointing.mode: budget,
 // model.layer_mlp_hidden: H is the block's own), in bytes of one
@@ -136,7 +136,7 @@ struct ChainModel {
   double tied_grad = 0;    // G
   double held = 0;         // Me: held at every moment (the embeddings' dropout mask)
 };
-ChainModel chain_model(const config::RunConfig& cfg, LowpMatmul lowp);
+ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp);
 // The activation peak of a plan by walking it: the forward (every checkpointed segment's first pass
 // and the end, moment F; the start of backward, A), then the backward from the last unit to the first
 // (each kept block's backward, D, with what the blocks before it keep; each checkpointed segment's
@@ -149,6 +149,6 @@ double chain_peak(const ChainModel& m, const recompute::Plan& plan);
 bool runs_on_cuda(const config::RunConfig& cfg);
 
 // The path a recipe's low-precision matmuls take: on CPU cpu_features()'s, on CUDA native.
-LowpMatmul lowp_matmul_path(const config::RunConfig& cfg);
+device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg);
 
 }  // namespace sl::memory

@@ -33,7 +33,7 @@ inline float exp_approx(float x) {
 }
 
 #if defined(__x86_64__)
-// The AVX2 forms below are called only where memory::vector_kernels() says so (memory/cpu_features.h).
+// The AVX2 forms below are called only where device::vector_kernels() says so (device/cpu_features.h).
 
 // exp_approx on 8 lanes, the same steps. NaN stays NaN (max/min return their second operand then).
 // GCC's own vectorization of the scalar form above runs 2-3x slower than this (blends around the

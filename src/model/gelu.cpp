@@ -1,7 +1,4 @@
 #include "model/gelu.h"
-#include "model/fast_exp.h"
-#include "model/intra_op.h"
-#include "memory/cpu_features.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -12,6 +9,10 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/torch.h>
+
+#include "device/cpu_features.h"
+#include "model/fast_exp.h"
+#include "model/intra_op.h"
 
 namespace sl::model {
 namespace {
@@ -108,17 +109,17 @@ __attribute__((target("avx2,fma"))) void backward_avx2(const float* g, const flo
 #endif
 
 // AVX2 + FMA where the CPU has them (x86-64-v3) and the baseline is not forced, baseline otherwise
-// (memory::vector_kernels(), asked per row).
+// (device::vector_kernels(), asked per row).
 void forward_row(const float* x, const float* b, float* y, int64_t n) {
 #if defined(__x86_64__)
-  if (memory::vector_kernels()) return forward_avx2(x, b, y, n);
+  if (device::vector_kernels()) return forward_avx2(x, b, y, n);
 #endif
   forward_scalar(x, b, y, n);
 }
 
 void backward_row(const float* g, const float* x, const float* b, float* dx, float* db, int64_t n) {
 #if defined(__x86_64__)
-  if (memory::vector_kernels()) return backward_avx2(g, x, b, dx, db, n);
+  if (device::vector_kernels()) return backward_avx2(g, x, b, dx, db, n);
 #endif
   backward_scalar(g, x, b, dx, db, n);
 }

@@ -2,7 +2,7 @@
 // written as x * sigmoid(2 z) (the same function) with one exp per element: a fused forward and
 // backward kernel for contiguous fp32 CPU tensors, where ATen's tanh-based kernel spends most of its
 // time in tanh. Other tensors (CUDA, bf16, fp16, strided) go to at::gelu(x, "tanh"). An AVX2 + FMA
-// form and a baseline one, picked per call (memory::vector_kernels()); they differ by float rounding.
+// form and a baseline one, picked per call (device::vector_kernels()); they differ by float rounding.
 #pragma once
 #include <torch/types.h>
 

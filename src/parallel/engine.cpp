@@ -11,8 +11,8 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
-#include "memory/planner.h"
-#include "train/optimizer.h"
+#include "memory/footprint.h"
+#include "optim/optimizer.h"
 
 namespace sl::parallel {
 namespace {
@@ -68,7 +68,7 @@ Engine::Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<C
       world_(comm_->world()),
       device_(comm_->device()),
       deferred_(!model_->parameters().empty() && model::is_deferred(model_->parameters().front())) {
-  if (deferred_ && sharding_ != "zero3")
+  if (deferred_ && !sharding_.shards_params())
     throw std::logic_error("Engine: a deferred model is materialized by zero3 only");
   torch::NoGradGuard no_grad;
   if (!deferred_)
@@ -97,7 +97,7 @@ bool Engine::low_precision_copy() const { return param_dtype_ != at::kFloat; }
 Engine::Layout Engine::plan_groups(const config::RunConfig& cfg, const std::vector<std::vector<model::NamedParam>>& units) const {
   Layout l;
   l.group_of_unit.assign(units.size(), -1);
-  if (sharding_ == "zero3") {
+  if (sharding_.shards_params()) {
     for (auto u = static_cast<int64_t>(units.size()) - 1; u >= 0; --u) {
       l.group_of_unit[static_cast<size_t>(u)] = static_cast<int64_t>(l.members.size());
       l.members.push_back(units[static_cast<size_t>(u)]);
@@ -139,14 +139,14 @@ std::unique_ptr<Engine::Group> Engine::make_group(const std::string& name, std::
   g->padded = round_up(g->numel, world_);
   g->shard = g->padded / world_;
   const auto opts = fp32_options();
-  if (sharding_ == "none" || sharding_ == "zero1") {
+  if (!sharding_.shards_grads()) {
     g->flat_grad = torch::zeros({g->padded}, opts);
     if (!low_precision_copy())  // else the gradient hook adds each .grad (compute dtype) into it
       for (size_t i = 0; i < g->params.size(); ++i)
         g->params[i].mutable_grad() = g->flat_grad.narrow(0, g->offsets[i], g->params[i].numel()).view(g->params[i].sizes());
   }
-  if (sharding_ == "none") return g;
-  g->shard_grad = sharding_ == "zero1" ? g->flat_grad.narrow(0, rank_ * g->shard, g->shard) : torch::zeros({g->shard}, opts);
+  if (sharding_.replicated()) return g;
+  g->shard_grad = sharding_ == config::Sharding::kZero1 ? g->flat_grad.narrow(0, rank_ * g->shard, g->shard) : torch::zeros({g->shard}, opts);
   if (!deferred_) {
     auto flat = torch::zeros({g->padded}, opts);
     for (size_t i = 0; i < g->params.size(); ++i)
@@ -161,17 +161,17 @@ std::unique_ptr<Engine::Group> Engine::make_group(const std::string& name, std::
 // frees flat_param's memory until the unit is gathered.
 void Engine::shard_and_bind(Group& g, torch::Tensor flat) {
   g.shard_param = flat.narrow(0, rank_ * g.shard, g.shard);
-  if (sharding_ == "zero3" || low_precision_copy()) g.shard_param = g.shard_param.clone();
+  if (sharding_.shards_params() || low_precision_copy()) g.shard_param = g.shard_param.clone();
   if (low_precision_copy()) {
     // zero3 frees flat_param at once (below): only its storage is kept, so the fp32 values go first.
-    const bool keep_values = sharding_ != "zero3";
+    const bool keep_values = !sharding_.shards_params();
     torch::Tensor copy = keep_values ? flat.to(param_dtype_) : torch::Tensor();
     flat = keep_values ? copy : (flat.reset(), torch::empty({g.padded}, fp32_options().dtype(param_dtype_)));
   }
   g.flat_param = flat;
   for (size_t i = 0; i < g.params.size(); ++i)
     g.params[i].set_data(g.flat_param.narrow(0, g.offsets[i], g.params[i].numel()).view(g.params[i].sizes()));
-  if (sharding_ == "zero3") {
+  if (sharding_.shards_params()) {
     g.gathered = true;
     release_group(g);
   }
@@ -197,7 +197,7 @@ void Engine::materialize_units(const std::vector<std::vector<model::NamedParam>>
 // buckets that hold its parameters); parameter name -> (group, index).
 void Engine::index_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit) {
   unit_groups_.assign(units.size(), {});
-  if (sharding_ == "zero3") {
+  if (sharding_.shards_params()) {
     for (size_t u = 0; u < units.size(); ++u) unit_groups_[u].push_back(static_cast<size_t>(group_of_unit[u]));
     if (model_->cfg.tie_embeddings)  // the head reads the token embedding
       unit_groups_[static_cast<size_t>(model::head_unit(model_->cfg))].push_back(
@@ -230,12 +230,12 @@ void Engine::build_groups(const config::RunConfig& cfg) {
 void Engine::on_param_grad(size_t gi, size_t i) {
   auto& grp = *groups_[gi];
   auto& p = grp.params[i];
-  if (sharding_ == "zero1" && low_precision_copy()) {
+  if (sharding_ == config::Sharding::kZero1 && low_precision_copy()) {
     if (p.grad().defined()) {  // accumulated in fp32 over the micro-batches
       grp.flat_grad.narrow(0, grp.offsets[i], p.numel()).view(p.sizes()).add_(p.grad());
       p.mutable_grad().reset();
     }
-  } else if (sharding_ == "zero2" || sharding_ == "zero3") {
+  } else if (sharding_.shards_grads()) {
     // No gradient reached this parameter in this backward (e.g. an unused input of a
     // checkpointed piece): it contributes zeros, which the group buffer already holds.
     if (!grp.flat_grad.defined()) {
@@ -269,7 +269,7 @@ torch::TensorOptions Engine::fp32_options() const { return torch::TensorOptions(
 
 std::unique_ptr<torch::optim::AdamW> Engine::make_optimizer(const config::TrainConfig& t) {
   std::vector<torch::Tensor> decay, no_decay;
-  if (sharding_ == "none") {
+  if (sharding_.replicated()) {
     for (const auto& p : model_->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
   } else {
     for (auto& gp : groups_) {
@@ -286,11 +286,11 @@ std::unique_ptr<torch::optim::AdamW> Engine::make_optimizer(const config::TrainC
       piece(g.decay, g.numel, no_decay);
     }
   }
-  return train::make_adamw(std::move(decay), std::move(no_decay), t);
+  return optim::make_adamw(std::move(decay), std::move(no_decay), t);
 }
 
 void Engine::attach(recompute::Policy& policy) {
-  if (sharding_ != "zero3") return;
+  if (!sharding_.shards_params()) return;
   recompute::UnitHooks h;
   h.before = [this](int64_t u) { unit_before(u); };
   h.after = [this](int64_t u, const torch::Tensor& in, const torch::Tensor& out, bool needs) {
@@ -304,7 +304,7 @@ void Engine::zero_grad() {
   release_all();  // a prefetch left behind by a forward that did not finish
   gathers_ = 0;
   torch::NoGradGuard no_grad;
-  for (auto& g : groups_) (sharding_ == "none" || sharding_ == "zero1" ? g->flat_grad : g->shard_grad).zero_();
+  for (auto& g : groups_) (!sharding_.shards_grads() ? g->flat_grad : g->shard_grad).zero_();
 }
 
 void Engine::begin_backward(bool last) {
@@ -322,7 +322,7 @@ void Engine::launch_ready() {
 void Engine::launch(size_t gi) {
   auto& g = *groups_[gi];
   if (in_backward_ && last_micro_) ++launched_from_hooks_;
-  if (sharding_ == "none" || sharding_ == "zero1") {
+  if (!sharding_.shards_grads()) {
     if (last_micro_ && world_ > 1) g.pending = comm_->all_reduce_sum(g.flat_grad, "gradient all-reduce of " + g.name);
     return;
   }
@@ -331,7 +331,7 @@ void Engine::launch(size_t gi) {
     g.flat_grad = torch::zeros({g.padded}, g.shard_grad.options().dtype(reduce_dtype_));
     add_transient(grad_buffer_bytes(g));
   }
-  if (sharding_ == "zero3") release_group(g);  // its backward is over
+  if (sharding_.shards_params()) release_group(g);  // its backward is over
   // In place: the output is this rank's slice of the group's gradient buffer.
   g.rs_out = g.flat_grad.narrow(0, rank_ * g.shard, g.shard);
   g.pending = comm_->reduce_scatter_sum(g.rs_out, g.flat_grad, "gradient reduce-scatter of " + g.name);
@@ -359,7 +359,7 @@ void Engine::end_backward() {
   in_backward_ = false;
   for (auto& g : groups_) g->ready = g->params.size();  // parameters that got no gradient count as ready
   launch_ready();
-  if (sharding_ == "none" || sharding_ == "zero1") {
+  if (!sharding_.shards_grads()) {
     for (size_t gi = 0; gi < groups_.size(); ++gi) finish(gi);
   } else {
     finish_in_flight();
@@ -368,13 +368,13 @@ void Engine::end_backward() {
   if (!last_micro_ || world_ == 1) return;
   torch::NoGradGuard no_grad;
   const double inv = 1.0 / static_cast<double>(world_);
-  for (auto& g : groups_) (sharding_ == "none" || sharding_ == "zero1" ? g->flat_grad : g->shard_grad).mul_(inv);
+  for (auto& g : groups_) (!sharding_.shards_grads() ? g->flat_grad : g->shard_grad).mul_(inv);
 }
 
 std::vector<torch::Tensor> Engine::grads() const {
   std::vector<torch::Tensor> out;
   for (const auto& g : groups_)
-    out.push_back(sharding_ == "none" ? g->flat_grad : g->shard_grad);
+    out.push_back(sharding_.replicated() ? g->flat_grad : g->shard_grad);
   return out;
 }
 
@@ -382,11 +382,11 @@ torch::Tensor Engine::grad_norm_sq_share() {
   torch::NoGradGuard no_grad;
   const auto gs = grads();
   // none: every rank holds the same averaged gradient; one copy of its norm goes into the sum.
-  if (sharding_ == "none" && rank_ != 0) return torch::zeros({}, gs.front().options().dtype(torch::kDouble));
+  if (sharding_.replicated() && rank_ != 0) return torch::zeros({}, gs.front().options().dtype(torch::kDouble));
   // Accumulated in float64: the norm (and so the clip factor) must not depend on how the gradient is
   // cut into buckets or shards, or the stages would drift apart by rounding (visible under bf16).
   // Chunk by chunk: a float64 norm converts its input first, and a whole group's float64 copy is
-  // twice the group's gradient (memory/planner.h counts one chunk's copy).
+  // twice the group's gradient (memory/footprint.h counts one chunk's copy).
   std::vector<torch::Tensor> norms;
   for (const auto& t : gs)
     for (int64_t off = 0; off < t.numel(); off += memory::kGradNormChunk)
@@ -403,7 +403,7 @@ void Engine::clip(double max_norm, double norm) {
 }
 
 void Engine::after_step() {
-  if (sharding_ != "zero1" && sharding_ != "zero2") return;
+  if (sharding_.replicated() || sharding_.shards_params()) return;
   torch::NoGradGuard no_grad;
   std::vector<Pending> works;
   for (auto& g : groups_)  // in place: the input is this rank's slot of the output (as FSDP does)
@@ -424,21 +424,21 @@ torch::Tensor Engine::compute_shard(Group& g) {
 StateBytes Engine::state_bytes() const {
   StateBytes s;
   for (const auto& g : groups_) {
-    if (sharding_ == "none") {
+    if (sharding_.replicated()) {
       for (const auto& p : g->params) s.params += static_cast<int64_t>(p.nbytes());
     } else {
       // fp32 masters of the shard (zero3) or the whole group (zero1/2); plus a low-precision compute copy's full group
-      s.params += sharding_ == "zero3" ? g->shard * 4
+      s.params += sharding_.shards_params() ? g->shard * 4
                   : low_precision_copy() ? g->shard * 4 + g->padded * c10::elementSize(param_dtype_)
                                          : g->padded * 4;
     }
-    s.grads += (sharding_ == "none" || sharding_ == "zero1" ? g->padded : g->shard) * 4;
+    s.grads += (!sharding_.shards_grads() ? g->padded : g->shard) * 4;
   }
   return s;
 }
 
 std::vector<Span> Engine::owned_spans() const {
-  if (sharding_ == "none") return held_spans();
+  if (sharding_.replicated()) return held_spans();
   std::vector<Span> out;
   for (const auto& gp : groups_) {
     const auto& g = *gp;
@@ -452,7 +452,7 @@ std::vector<Span> Engine::owned_spans() const {
 }
 
 std::vector<Span> Engine::held_spans() const {
-  if (sharding_ == "zero3" || low_precision_copy()) return owned_spans();
+  if (sharding_.shards_params() || low_precision_copy()) return owned_spans();
   std::vector<Span> out;
   for (const auto& gp : groups_)
     for (size_t i = 0; i < gp->params.size(); ++i)
@@ -461,12 +461,12 @@ std::vector<Span> Engine::held_spans() const {
 }
 
 void Engine::gather_all() {
-  if (sharding_ != "zero3") return;
+  if (!sharding_.shards_params()) return;
   for (auto& g : groups_) gather_group(*g);
 }
 
 void Engine::release_all() {
-  if (sharding_ != "zero3") return;
+  if (!sharding_.shards_params()) return;
   for (auto& g : groups_) release_group(*g);
 }
 
@@ -474,7 +474,7 @@ void Engine::gather_unit(int64_t unit) {
   torch::NoGradGuard no_grad;
   if (low_precision_copy()) {
     for (size_t gi : unit_groups_[static_cast<size_t>(unit)]) gather_master(*groups_[gi]);
-  } else if (sharding_ == "zero3") {
+  } else if (sharding_.shards_params()) {
     gather(unit);
   }
 }
@@ -486,7 +486,7 @@ void Engine::release_unit(int64_t unit) {
       if (g.master_full.defined()) add_transient(-g.bytes());
       g.master_full.reset();
     }
-  } else if (sharding_ == "zero3") {
+  } else if (sharding_.shards_params()) {
     release(unit);
   }
 }
@@ -612,7 +612,7 @@ void Engine::unit_flush() {
 // Backward prefetch: while `unit`'s backward runs, start the all-gather of the block before it, whose
 // backward (or recompute) comes next, so the transfer overlaps this unit's compute. The embeddings need
 // no parameters in backward and are never prefetched. At most a third unit's parameters exist beside a
-// unit's parameters and gradient (memory/planner.cpp counts it). Hooks run in the same order on every
+// unit's parameters and gradient (memory/footprint.cpp counts it). Hooks run in the same order on every
 // rank, so the all-gathers pair up.
 void Engine::prefetch_backward(int64_t unit) {
   const int64_t next = unit - 1;

@@ -31,8 +31,8 @@
 #include <torch/optim/adamw.h>
 
 #include "config/config.h"
-#include "parallel/comm.h"
 #include "model/gpt.h"
+#include "parallel/comm.h"
 #include "recompute/policy.h"
 
 namespace sl::parallel {
@@ -59,7 +59,7 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  const std::string& sharding() const { return sharding_; }
+  config::Sharding sharding() const { return sharding_; }
   Comm& comm() { return *comm_; }
 
   // AdamW over what this rank updates: the model's parameters (none) or its shards (zero*), with
@@ -152,7 +152,7 @@ class Engine {
 
   model::GPT model_;
   std::shared_ptr<Comm> comm_;
-  std::string sharding_;
+  config::Sharding sharding_;
   at::ScalarType param_dtype_, reduce_dtype_;
   int64_t rank_, world_;
   c10::Device device_;

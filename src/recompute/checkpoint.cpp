@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 
 #include "errors.h"
+#include "log/clock.h"
 
 namespace sl::recompute {
 namespace {

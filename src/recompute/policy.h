@@ -12,53 +12,14 @@
 #include "config/config.h"
 #include "model/gpt.h"
 #include "recompute/checkpoint.h"
+#include "recompute/plan.h"
 
 namespace sl::recompute {
-
-struct Segment {
-  int64_t begin = 0, end = 0;  // blocks [begin, end)
-  bool checkpointed = false;
-};
-
-// Selective parts as bits (a block's set of parts recomputed inside it).
-inline constexpr uint8_t kPartAttention = 1, kPartMlp = 2, kPartNorm = 4;
-inline constexpr int kPartSets = 8;
-std::vector<std::string> part_names(uint8_t parts);  // {"attention", "mlp"}; {} for none
-std::string parts_name(uint8_t parts);               // "attention, mlp"; "" for none
-
-// How a budget plan was chosen (recompute/budget.h).
-struct BudgetInfo {
-  int64_t budget_bytes = 0;        // the activation budget the schedule was solved for
-  int64_t quantum_bytes = 0;       // the solver's memory step (its error bound is n_layer of them)
-  int64_t predicted_peak_bytes = 0;
-  double recompute_cost = 0;       // the schedule's recompute time in cost_unit
-  double forward_cost = 0;         // one forward of all blocks in cost_unit (for scale)
-  std::string cost_source, cost_unit;  // profile / formula; ms / GFLOP
-  double solve_ms = 0;
-  std::string bytes_source = "formula";  // profile (measured per block) / formula (memory/activations.h)
-};
-
-struct Plan {
-  std::string mode = "none";
-  int64_t k = 0;  // blocks per segment (full: 1; interval/sqrt: k; none/selective: 0)
-  std::vector<Segment> segments;
-  bool attention = false, mlp = false, norm = false;  // selective parts
-  std::vector<uint8_t> block_parts;  // selective parts of each block (kept blocks only; empty = none)
-  BudgetInfo budget;                 // budget: how the schedule was chosen
-  uint8_t parts_of(int64_t block) const;  // the selective parts block `block` recomputes
-  int64_t checkpointed_blocks() const;
-  std::string describe() const;  // one line for the start-up table
-  nlohmann::json to_json() const;
-};
 
 // The LinearAfter that runs block `layer` with its selective `parts` recomputed: recompute_then_linear
 // on the chosen cheap-op -> linear pairs, plain linears on the others. What Policy runs in a kept block,
 // and what the budget profile measures; `opts` must outlive the forward it is used in.
 model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts);
-
-// Segments for a config and a block count. skip_last keeps the last segment's activations. Not for
-// mode budget, whose plan comes from recompute/budget.h.
-Plan make_plan(const config::CheckpointingConfig& cfg, int64_t n_layer);
 
 // Called around each unit of the forward (unit 0 the embeddings, 1..L the blocks, L+1 the final
 // norm and head), in the first forward and again when a block is recomputed. ZeRO-3 gathers a unit's

@@ -297,7 +297,7 @@ void for_each_host_chunk(const at::Tensor& t, const std::function<void(const voi
   // sink reads it; each is freed before the next is made).
   const at::Tensor flat = t.contiguous().reshape({-1});
   const int64_t item = static_cast<int64_t>(flat.element_size());
-  const int64_t per_piece = std::max<int64_t>(1, memory::kHostStagingBytes / item);
+  const int64_t per_piece = std::max<int64_t>(1, device::kHostStagingBytes / item);
   for (int64_t pos = 0; pos < flat.numel(); pos += per_piece) {
     const int64_t n = std::min(per_piece, flat.numel() - pos);
     const at::Tensor piece = flat.narrow(0, pos, n).to(at::kCPU).contiguous();

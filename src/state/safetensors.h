@@ -16,8 +16,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
+#include "device/staging.h"
 #include "errors.h"
-#include "memory/staging.h"
 
 namespace sl::state {
 
@@ -43,9 +43,9 @@ struct FileDigest {
 //     contiguous copy of that tensor);
 //   - a tensor on any other device (CUDA, the lazy test device) is made contiguous on its device
 //     (strided: one device copy of that tensor), then copied to host piece by piece, each piece at most
-//     memory::kHostStagingBytes and freed before the next; `sink` sees each piece after its copy finished.
+//     device::kHostStagingBytes and freed before the next; `sink` sees each piece after its copy finished.
 // So the host memory a save adds is host_staging_bytes(largest tensor), never a second copy of a
-// rank's states (memory/staging.h: the bound, which the planner counts).
+// rank's states (device/staging.h: the bound, which the planner counts).
 void for_each_host_chunk(const at::Tensor& t, const std::function<void(const void*, size_t)>& sink);
 
 // Writes a safetensors file atomically (`path` + ".tmp", checked writes, fsync, close, rename) and

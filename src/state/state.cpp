@@ -17,15 +17,16 @@
 #include <torch/version.h>
 
 #include "errors.h"
+#include "log/clock.h"
+#include "state/components.h"
 #include "state/safetensors.h"
-#include "train/run.h"
 
 namespace sl::state {
 namespace {
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
+using log::Clock;
 
 const char* const kFields[] = {"param", "exp_avg", "exp_avg_sq"};
 
@@ -74,11 +75,6 @@ struct Piece {
   int64_t begin = 0, end = -1;  // end -1: the whole parameter
 };
 
-std::string tensor_name(const std::string& field, const parallel::Span& sp, int64_t numel) {
-  if (sp.begin == 0 && sp.end == numel) return field + "/" + sp.param;
-  return fmt::format("{}/{}/{}:{}", field, sp.param, sp.begin, sp.end);
-}
-
 std::optional<Piece> parse_name(const std::string& name) {
   const auto slash = name.find('/');
   if (slash == std::string::npos) return std::nullopt;
@@ -96,97 +92,7 @@ std::optional<Piece> parse_name(const std::string& name) {
   return p;
 }
 
-// ---- what this rank holds ----
-
-std::vector<parallel::Span> model_spans(const train::Session& s) {
-  std::vector<parallel::Span> out;
-  for (const auto& item : s.model->named_parameters())
-    out.push_back({item.key(), 0, item.value().numel(), item.value().detach().view({-1})});
-  return out;
-}
-
-std::vector<parallel::Span> owned_spans(const train::Session& s) { return s.engine ? s.engine->owned_spans() : model_spans(s); }
-std::vector<parallel::Span> held_spans(const train::Session& s) { return s.engine ? s.engine->held_spans() : model_spans(s); }
-
-// Parameters and optimizer states are replicated on every rank unless sharded: rank 0 writes them.
-bool writes_model_states(const train::Session& s) { return s.cfg.parallel.sharding != "none" || s.rank0(); }
-
-// Every parameter's shape, from a model on the meta device (ZeRO-3 frees the real ones between units).
-std::map<std::string, std::vector<int64_t>> param_shapes(const config::ModelConfig& m) {
-  torch::NoGradGuard no_grad;
-  model::GPT meta(m, torch::kMeta);
-  std::map<std::string, std::vector<int64_t>> out;
-  for (const auto& item : meta->named_parameters()) out[item.key()] = item.value().sizes().vec();
-  return out;
-}
-
-// The optimizer tensor whose storage holds a span (a parameter itself, or a ZeRO shard piece), and
-// the span's offset in it.
-struct OptSlot {
-  torch::Tensor param;
-  int64_t offset = 0;
-};
-
-OptSlot opt_slot(torch::optim::AdamW& opt, const parallel::Span& sp) {
-  const auto* storage = sp.values.storage().unsafeGetStorageImpl();
-  const int64_t at = sp.values.storage_offset(), len = sp.end - sp.begin;
-  for (auto& group : opt.param_groups())
-    for (auto& p : group.params())
-      if (p.storage().unsafeGetStorageImpl() == storage && at >= p.storage_offset() &&
-          at + len <= p.storage_offset() + p.numel())
-        return {p, at - p.storage_offset()};
-  throw std::logic_error("state: no optimizer tensor holds parameter " + sp.param);
-}
-
-// The optimizer tensor of a span: without an engine the model's parameter itself (found by name: a
-// tensor on a device without storage, such as the lazy test device, has no storage to compare),
-// with one the shard piece whose storage holds it.
-OptSlot slot_of(train::Session& s, const parallel::Span& sp) {
-  if (!s.engine) return {s.model->named_parameters()[sp.param], 0};
-  return opt_slot(*s.opt, sp);
-}
-
-torch::optim::AdamWParamState* adam_state(torch::optim::AdamW& opt, const torch::Tensor& p) {
-  auto it = opt.state().find(p.unsafeGetTensorImpl());
-  return it == opt.state().end() ? nullptr : static_cast<torch::optim::AdamWParamState*>(it->second.get());
-}
-
-// The AdamW step count every parameter shares (0 before the first step).
-int64_t adam_step(torch::optim::AdamW& opt) {
-  for (auto& group : opt.param_groups())
-    for (auto& p : group.params())
-      if (auto* st = adam_state(opt, p)) return st->step();
-  return 0;
-}
-
 // ---- saving ----
-
-using Named = std::vector<std::pair<std::string, torch::Tensor>>;
-
-void add_model_states(train::Session& s, Named& out) {
-  const auto shapes = param_shapes(s.cfg.model);
-  const bool moments = adam_step(*s.opt) > 0;
-  for (const auto& sp : owned_spans(s)) {
-    const auto& shape = shapes.at(sp.param);
-    const int64_t numel = c10::multiply_integers(shape);
-    auto as_saved = [&](const torch::Tensor& flat) { return sp.begin == 0 && sp.end == numel ? flat.view(shape) : flat; };
-    out.emplace_back(tensor_name("param", sp, numel), as_saved(sp.values));
-    if (!moments) continue;
-    const OptSlot slot = slot_of(s, sp);
-    auto* st = adam_state(*s.opt, slot.param);
-    const int64_t len = sp.end - sp.begin;
-    out.emplace_back(tensor_name("exp_avg", sp, numel), as_saved(st->exp_avg().view({-1}).narrow(0, slot.offset, len)));
-    out.emplace_back(tensor_name("exp_avg_sq", sp, numel), as_saved(st->exp_avg_sq().view({-1}).narrow(0, slot.offset, len)));
-  }
-}
-
-Named rank_tensors(train::Session& s) {
-  Named out;
-  if (writes_model_states(s)) add_model_states(s, out);
-  out.emplace_back("rng/cpu", at::globalContext().defaultGenerator(torch::kCPU).get_state());
-  if (s.device.is_cuda()) out.emplace_back("rng/cuda", at::globalContext().defaultGenerator(s.device).get_state());
-  return out;
-}
 
 std::string project_version() { return SUBLINEAR_VERSION; }
 
@@ -211,7 +117,9 @@ Json math_values(const Json& recipe, int64_t global) {
   return out;
 }
 
-Json meta_json(train::Session& s, const train::LoopState& st, const std::vector<double>& digests) {
+// meta.json: the state's identity (format, versions, world size, sharding, recipe and its math), every
+// rank file's size and CRC-32, and each part's entries (components.h).
+Json meta_json(Parts& s, const Counters& st, const std::vector<double>& digests) {
   Json files = Json::array();
   for (int64_t r = 0; r < s.world(); ++r)
     files.push_back({{"name", rank_file_name(r)},
@@ -219,30 +127,33 @@ Json meta_json(train::Session& s, const train::LoopState& st, const std::vector<
                      {"crc32", static_cast<uint32_t>(digests[static_cast<size_t>(3 * r + 2)])}});
   const Json recipe = config::to_json(s.cfg);
   const Json math = math_values(recipe, global_batch(s.cfg));
-  Json scaler = nullptr;
-  if (s.scaler->enabled()) scaler = {{"scale", s.scaler->scale()}, {"growth_tracker", s.scaler->growth_tracker()}};
-  return {{"format", "sublinear-training-state"},
-          {"format_version", kFormatVersion},
-          {"sublinear_version", project_version()},
-          {"torch_version", TORCH_VERSION},
-          {"step", st.steps_done},
-          {"world_size", s.world()},
-          {"sharding", s.cfg.parallel.sharding},
-          {"recipe", recipe},
-          {"math", math},
-          {"math_hash", fmt::format("{:08x}", crc32(math.dump().data(), math.dump().size()))},
-          {"optimizer", {{"adamw_step", adam_step(*s.opt)}}},
-          {"loss_scaler", scaler},
-          {"data", {{"train_sampler", s.train_loader->position()}, {"val_sampler", s.val_loader->position()}}},
-          {"loop", {{"skipped_steps", st.skipped_steps}, {"consecutive_skips", st.consecutive_skips},
-                    {"last_val", std::isfinite(st.last_val) ? Json(st.last_val) : Json(nullptr)}}},
-          {"files", files}};
+  Json meta = {{"format", "sublinear-training-state"},
+               {"format_version", kFormatVersion},
+               {"sublinear_version", project_version()},
+               {"torch_version", TORCH_VERSION},
+               {"world_size", s.world()},
+               {"sharding", s.cfg.parallel.sharding},
+               {"recipe", recipe},
+               {"math", math},
+               {"math_hash", fmt::format("{:08x}", crc32(math.dump().data(), math.dump().size()))},
+               {"files", files}};
+  Counters counters = st;
+  for (const auto& part : components(s, counters)) part->add_meta(meta);
+  return meta;
+}
+
+// This rank's file: each part's tensors.
+Named rank_tensors(Parts& s, const Counters& st) {
+  Named out;
+  Counters counters = st;
+  for (const auto& part : components(s, counters)) part->add_tensors(out);
+  return out;
 }
 
 // Runs `fn` on rank 0 and makes its failure every rank's, with rank 0's exit code and message (an exception
 // that is not an Error is an IoError); the others would otherwise wait in the next collective.
 template <class F>
-void on_rank0_together(train::Session& s, const std::string& what, F&& fn) {
+void on_rank0_together(Parts& s, const std::string& what, F&& fn) {
   int code = kExitOk;
   std::string error;
   if (s.rank0()) {
@@ -271,11 +182,11 @@ void make_fresh_dir(const fs::path& root, const fs::path& tmp) {
 }
 
 // Every rank writes its file; returns [ok, bytes, crc32] of every rank.
-std::vector<double> write_rank_files(train::Session& s, const fs::path& tmp) {
+std::vector<double> write_rank_files(Parts& s, const Counters& st, const fs::path& tmp) {
   std::vector<double> mine{1.0, 0.0, 0.0};
   std::string error;
   try {
-    const FileDigest d = write_safetensors(tmp / rank_file_name(s.launch.rank), rank_tensors(s));
+    const FileDigest d = write_safetensors(tmp / rank_file_name(s.launch.rank), rank_tensors(s, st));
     mine = {1.0, static_cast<double>(d.bytes), static_cast<double>(d.crc32)};
   } catch (const std::exception& e) {
     error = e.what();
@@ -304,7 +215,7 @@ void prune(const fs::path& root, int64_t keep, const std::string& newest) {
 }
 
 // Rank 0, after every rank file is on disk: meta.json, then the rename, then `latest`.
-void publish(train::Session& s, const train::LoopState& st, const fs::path& root, const fs::path& tmp,
+void publish(Parts& s, const Counters& st, const fs::path& root, const fs::path& tmp,
              const std::vector<double>& digests) {
   const std::string name = step_dir_name(st.steps_done);
   write_file_atomic(tmp / "meta.json", with_checksum(meta_json(s, st, digests)).dump(2) + "\n");
@@ -422,52 +333,6 @@ fs::path chosen_dir(const std::string& resume, const fs::path& root, int64_t ste
 }
 
 // ---- loading ----
-
-void load_params(const Reader& r, train::Session& s) {
-  for (const auto& sp : held_spans(s)) r.read("param", sp, sp.values);
-  if (s.engine) s.engine->params_loaded();
-}
-
-void load_moments(const Reader& r, train::Session& s, int64_t step) {
-  if (step == 0 || !r.has("exp_avg")) return;
-  for (const auto& sp : owned_spans(s)) {
-    const OptSlot slot = slot_of(s, sp);
-    auto* st = adam_state(*s.opt, slot.param);
-    if (!st) {
-      auto fresh = std::make_unique<torch::optim::AdamWParamState>();
-      fresh->step(step);
-      fresh->exp_avg(torch::zeros_like(slot.param, at::MemoryFormat::Contiguous));
-      fresh->exp_avg_sq(torch::zeros_like(slot.param, at::MemoryFormat::Contiguous));
-      st = fresh.get();
-      s.opt->state()[slot.param.unsafeGetTensorImpl()] = std::move(fresh);
-    }
-    const int64_t len = sp.end - sp.begin;
-    r.read("exp_avg", sp, st->exp_avg().view({-1}).narrow(0, slot.offset, len));
-    r.read("exp_avg_sq", sp, st->exp_avg_sq().view({-1}).narrow(0, slot.offset, len));
-  }
-}
-
-void load_rng(const Reader& r, train::Session& s) {
-  auto set = [&](c10::Device device, const std::string& which) {
-    at::Generator gen = at::globalContext().defaultGenerator(device);  // shares the default generator
-    if (auto saved = r.rng(s.launch.rank, which); saved.defined()) gen.set_state(saved);
-  };
-  set(torch::kCPU, "cpu");
-  if (s.device.is_cuda()) set(s.device, "cuda");
-}
-
-void load_counters(const Json& meta, train::Session& s, train::LoopState& st) {
-  st.steps_done = meta.at("step").get<int64_t>();
-  const auto& loop = meta.at("loop");
-  st.skipped_steps = loop.at("skipped_steps").get<int64_t>();
-  st.consecutive_skips = loop.at("consecutive_skips").get<int64_t>();
-  st.last_val = loop.at("last_val").is_null() ? NAN : loop.at("last_val").get<double>();
-  s.train_loader->restore(meta.at("data").at("train_sampler").get<uint64_t>());
-  s.val_loader->restore(meta.at("data").at("val_sampler").get<uint64_t>());
-  const auto& sc = meta.at("loss_scaler");
-  if (!sc.is_null() && s.scaler->enabled())
-    s.scaler->restore(sc.at("scale").get<double>(), sc.at("growth_tracker").get<int64_t>());
-}
 
 }  // namespace
 
@@ -658,13 +523,13 @@ Found find_state(const std::string& resume, const fs::path& root, parallel::Comm
   return f;
 }
 
-Saved save(train::Session& s, const train::LoopState& st) {
+Saved save(Parts& s, const Counters& st) {
   const auto t0 = Clock::now();
   const fs::path root = state_root(s.cfg, s.run_dir);
   const std::string name = step_dir_name(st.steps_done);
   const fs::path tmp = root / ("." + name + ".tmp");
   on_rank0_together(s, "state directory", [&] { make_fresh_dir(root, tmp); });
-  const std::vector<double> digests = write_rank_files(s, tmp);
+  const std::vector<double> digests = write_rank_files(s, st, tmp);
   on_rank0_together(s, "state publish", [&] {
     try {
       publish(s, st, root, tmp, digests);
@@ -676,20 +541,13 @@ Saved save(train::Session& s, const train::LoopState& st) {
   });
   Saved out{root / name, 0, 0};
   for (int64_t r = 0; r < s.world(); ++r) out.bytes += static_cast<int64_t>(digests[static_cast<size_t>(3 * r + 1)]);
-  out.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  out.ms = log::ms_since(t0);
   return out;
 }
 
-void load(const Found& found, train::Session& s, train::LoopState& st) {
+void load(const Found& found, Parts& s, Counters& st) {
   const Reader reader(found.dir, found.meta);
-  const int64_t step = found.meta.at("optimizer").at("adamw_step").get<int64_t>();
-  {
-    torch::NoGradGuard no_grad;
-    load_params(reader, s);
-    load_moments(reader, s, step);
-  }
-  load_rng(reader, s);
-  load_counters(found.meta, s, st);
+  for (const auto& part : components(s, st)) part->load(found.meta, reader);
   on_rank0_together(s, "setting aside the abandoned states", [&] { set_aside_other_trajectories(state_root(s.cfg, s.run_dir), found); });
 }
 

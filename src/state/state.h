@@ -15,6 +15,7 @@
 // [begin, end) of the flattened parameter), field = param | exp_avg | exp_avg_sq; loading reads any
 // element range from whichever files hold it, which is how a state re-shards.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -24,17 +25,48 @@
 
 #include <nlohmann/json.hpp>
 
+#include <c10/core/Device.h>
+#include <torch/optim/adamw.h>
+
 #include "config/config.h"
+#include "data/loader.h"
+#include "model/gpt.h"
 #include "parallel/comm.h"
 #include "parallel/engine.h"
+#include "precision/loss_scaler.h"
 #include "state/safetensors.h"
 
-namespace sl::train {
-struct Session;
-struct LoopState;
-}  // namespace sl::train
-
 namespace sl::state {
+
+// What a training state is made of, as a run holds it: the only things save() and load() read or
+// write. The run (train/) lends them for the call; nothing here outlives it.
+//   model + engine   the parameters: whole (engine null: world 1 without sharding) or the element
+//                    spans this rank's optimizer updates (engine->owned_spans()), re-sharded on load
+//   opt              AdamW's moments of those spans and its step count
+//   scaler           the dynamic loss scale and its growth tracker (fp16)
+//   loaders          the train and validation samplers' positions
+//   device           which RNG states to save (CPU always, CUDA on a GPU)
+struct Parts {
+  const config::RunConfig& cfg;
+  parallel::LaunchEnv launch;
+  parallel::Comm* comm = nullptr;
+  c10::Device device{c10::kCPU};
+  model::GPT model{nullptr};
+  parallel::Engine* engine = nullptr;
+  torch::optim::AdamW* opt = nullptr;
+  precision::LossScaler* scaler = nullptr;
+  data::Loader* train_loader = nullptr;
+  data::Loader* val_loader = nullptr;
+  std::string run_dir;  // state.dir's default root is <run_dir>/state
+  int64_t world() const { return launch.world; }
+  bool rank0() const { return launch.rank == 0; }
+};
+
+// The loop's counters a state carries (the training loop's LoopState extends it).
+struct Counters {
+  int64_t steps_done = 0, skipped_steps = 0, consecutive_skips = 0;
+  double last_val = NAN;  // the newest validation loss (NaN: none yet)
+};
 
 // 2: meta.json carries meta_crc32, the CRC-32 of its own content (format 1 states are still read).
 inline constexpr int kFormatVersion = 2;
@@ -97,7 +129,7 @@ struct Saved {
 };
 // Saves the state after st.steps_done steps (a collective: every rank calls it at the same step).
 // IoError on every rank when any rank's write failed; the previous state stays intact.
-Saved save(train::Session& s, const train::LoopState& st);
+Saved save(Parts& s, const Counters& st);
 
 // Puts the complete state directory `tmp` in place as `dir` (rank 0, in publish). A state already at
 // `dir` (the same step saved again) is renamed aside to .<name>.old first and removed, with a log line
@@ -114,9 +146,9 @@ void recover_replaced(const std::filesystem::path& root);
 // lies elsewhere), so --resume auto and state.keep only ever see this trajectory. Returns the moved.
 std::vector<std::filesystem::path> set_aside_other_trajectories(const std::filesystem::path& root, const Found& resumed);
 
-// Loads a found state into a built session: parameters (re-sharded to this run's layout), AdamW
+// Loads a found state into a built run's parts: parameters (re-sharded to this run's layout), AdamW
 // moments and step, loss scaler, RNG states, data samplers, and the loop's counters; then (rank 0)
 // set_aside_other_trajectories in this run's state root.
-void load(const Found& found, train::Session& s, train::LoopState& st);
+void load(const Found& found, Parts& s, Counters& st);
 
 }  // namespace sl::state

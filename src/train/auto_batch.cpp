@@ -1,39 +1,25 @@
 // train.micro_batch: auto: probe micro-batches with real steps of a fresh model, bisecting over the
 // divisors of the per-rank batch from the planner's guess.
-#include "train/trainer.h"
 
 #include <torch/torch.h>
 
-#include "memory/planner.h"
-#include "precision/autocast.h"
-#include "recompute/budget.h"
-#include "recompute/policy.h"
+#include "budget/budget.h"
+#include "planner/planner.h"
+#include "recompute/plan.h"
+#include "train/probe.h"
+#include "train/trainer.h"
 
 namespace sl::train {
 
 bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::Device device) {
   auto c = cfg;
   c.train.micro_batch = micro_batch;
-  try {
-    torch::manual_seed(static_cast<uint64_t>(c.train.seed));
-    // budget: the schedule for this micro-batch (formula costs); none fits: neither does the batch
-    const auto plan = c.checkpointing.mode == "budget"
-                          ? recompute::formula_plan(c)
-                          : std::optional<recompute::Plan>(recompute::make_plan(c.checkpointing, c.model.n_layer));
-    if (!plan) return false;
-    model::GPT m(c.model, device);
-    recompute::Policy policy(c.checkpointing, m, *plan);
-    auto opt = make_optimizer(m, c.train);
-    memory::Tracker tracker(device);
-    precision::LossScaler scaler(c.precision, device);
-    const StepPrecision prec{precision::compute_dtype(c.precision.compute), &scaler};
-    const ForwardFn fwd = [&policy](const torch::Tensor& idx) { return policy.forward(idx); };
-    auto x = torch::randint(0, c.model.vocab_size, {micro_batch, c.train.seq_len}, torch::kInt64);
-    for (int i = 0; i < 2; ++i) train_step(fwd, m, *opt, {{x, x}}, c.train.grad_clip, device, tracker, prec);
-    return true;
-  } catch (const c10::OutOfMemoryError&) {
-    return false;
-  }
+  // budget: the schedule for this micro-batch (formula costs); none fits: neither does the batch
+  const auto plan = c.checkpointing.mode.solved()
+                        ? budget::formula_plan(c)
+                        : std::optional<recompute::Plan>(recompute::make_plan(c.checkpointing, c.model.n_layer));
+  if (!plan) return false;
+  return !probe_step(c, *plan, {.device = device}).oom;  // train.seed, train.grad_clip, a loss scaler
 }
 
 BatchSearch find_micro_batch(const config::RunConfig& cfg, torch::Device device) {
@@ -45,7 +31,7 @@ BatchSearch find_micro_batch(const config::RunConfig& cfg, torch::Device device)
   const int64_t limit = config::memory_limit_bytes(cfg);
   auto planned = cfg;
   planned.train.micro_batch = 1;
-  r.predicted = limit > 0 ? memory::largest_micro_batch(planned, limit, global) : global;
+  r.predicted = limit > 0 ? planner::largest_micro_batch(planned, limit, global) : global;
   auto fits = [&](size_t i) {
     const bool ok = micro_batch_fits(cfg, divisors[i], device);
     r.trials.emplace_back(divisors[i], ok);

@@ -1,6 +1,5 @@
 // The step loop (see run.h): optimizer steps from where the run stands, eval, saves, stop flags,
 // events; every failure becomes an Outcome.
-#include "train/run.h"
 
 #include <algorithm>
 #include <atomic>
@@ -14,15 +13,18 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
-#include "memory/planner.h"
+#include "log/clock.h"
 #include "memory/tracking_allocator.h"
+#include "planner/planner.h"
 #include "train/profile.h"
+#include "train/run.h"
 #include "train/schedule.h"
 
 namespace sl::train {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using log::Clock;
+using log::ms_since;
 using Json = nlohmann::json;
 
 std::atomic<int> g_signal{0};
@@ -42,8 +44,6 @@ struct SignalGuard {
     std::signal(SIGTERM, old_term);
   }
 };
-
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
 // ---- the step loop ----
 
@@ -219,7 +219,7 @@ Outcome oom_outcome(Session& s, const LoopState& st, const std::string& what) {
   const int64_t requested = s.device.is_cpu() ? memory::TrackingCPUAllocator::instance().last_refused_bytes() : -1;
   const char* phase = current_phase();
   o.message = fmt::format("out of memory in {} at step {} ({}). To fit, {}", phase, st.steps_done + 1, what.substr(0, 300),
-                          memory::oom_advice(s.cfg, s.limit));
+                          planner::oom_advice(s.cfg, s.limit));
   o.oom = {{"step", st.steps_done + 1},
            {"phase", phase},
            {"requested_bytes", requested >= 0 ? Json(requested) : Json(nullptr)},
@@ -256,7 +256,8 @@ std::string earlier_state_note(const Session& s, const LoopState& st) {
 void save_state(Session& s, LoopState& st, log::ProgressBar& bar, const char* why) {
   state::Saved saved;
   try {
-    saved = state::save(s, st);
+    auto parts = state_parts(s);
+    saved = state::save(parts, st);
   } catch (const IoError& e) {
     throw IoError(fmt::format("saving the training state after step {} failed: {}. {}", st.steps_done, e.what(),
                               earlier_state_note(s, st)));

@@ -9,7 +9,7 @@
 #include <torch/torch.h>
 
 #include "interop/hf.h"
-#include "memory/planner.h"
+#include "planner/planner.h"
 #include "train/run.h"
 
 namespace sl::train {

@@ -48,6 +48,7 @@ struct Session {
   nlohmann::json batch_search = nullptr;  // train.micro_batch: auto's trials
   std::unique_ptr<data::Loader> train_loader, val_loader;
   model::GPT model{nullptr};
+  recompute::Plan plan;  // the checkpointing plan resolved from the recipe (budget: formula costs; see run_plan)
   std::unique_ptr<recompute::Policy> policy;
   std::unique_ptr<parallel::Engine> engine;  // world > 1 or sharding: DDP / ZeRO
   std::unique_ptr<torch::optim::AdamW> opt;
@@ -68,19 +69,21 @@ struct Session {
   int64_t tokens_per_step() const { return cfg.train.micro_batch * cfg.train.grad_accum * cfg.train.seq_len * world(); }
 };
 
-// What the step loop accumulates for the summary. steps_done, skipped_steps, consecutive_skips and
-// last_val are also part of a saved training state (state/state.h).
-struct LoopState {
-  int64_t steps_done = 0, skipped_steps = 0, consecutive_skips = 0;
+// What the step loop accumulates for the summary. Its state::Counters (steps_done, skipped_steps,
+// consecutive_skips, last_val) are also part of a saved training state (state/state.h).
+struct LoopState : state::Counters {
   int64_t last_saved_step = -1;  // the newest state on disk (-1: none yet)
   int64_t state_bytes = 0;       // size of the newest state
   std::vector<double> save_ms;   // wall time of every save
   int64_t peak_bytes = 0, transient_peak = 0, rest_bytes = 0, gathers = 0;
   ModelStateBytes states_at_peak;
-  double last_loss = NAN, last_val = NAN;
+  double last_loss = NAN;
   double wall_s = 0;  // the loop's wall-clock time
   std::vector<double> step_ms, tok_s, samp_s, mfus, recompute_ms, act_peaks;  // after logging.skip_first
 };
+
+// The session's parts a training state is made of, lent to state::save / state::load.
+state::Parts state_parts(Session& s);
 
 // How the loop ended: the exit code, its message, and the oom record when it ran out of memory.
 struct Outcome {

@@ -1,8 +1,5 @@
 // A run's set-up: device, rendezvous, run directory, --resume's state, micro-batch search, model,
 // policy, engine, optimizer, run log (see run.h), and restoring a saved state into it.
-#include "train/run.h"
-#include "train/device.h"
-#include "train/peak.h"
 
 #include <chrono>
 #include <ctime>
@@ -16,34 +13,31 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "budget/budget.h"
+#include "device/cpu_features.h"
+#include "device/device.h"
+#include "log/clock.h"
 #include "log/run_dir.h"
-#include "memory/cpu_features.h"
-#include "memory/planner.h"
-#include "recompute/budget.h"
+#include "planner/planner.h"
 #include "precision/autocast.h"
+#include "train/peak_flops.h"
+#include "train/run.h"
 
 namespace sl::train {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using log::Clock;
+using log::ms_since;
 using Json = nlohmann::json;
 
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-// runs/<recipe>-<timestamp>, with -2, -3, ... when a run started in the same second already has it.
-// Rank 0 picks the time and the suffix, so every rank names the same directory.
+// log::default_run_dir. Rank 0 picks the time and the suffix, so every rank names the same directory.
 std::string default_run_dir(const Session& s) {
   double stamp = s.rank0() ? static_cast<double>(std::time(nullptr)) : 0.0;
   if (s.world() > 1) stamp = s.comm->all_reduce_max(stamp, "run directory name");
-  const std::time_t now = static_cast<std::time_t>(stamp);
-  char text[32];
-  std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
-  const std::string base = fmt::format("runs/{}-{}", s.cfg.recipe_name, text);
-  double suffix = 1.0;
-  if (s.rank0())
-    while (std::filesystem::exists(suffix == 1.0 ? base : fmt::format("{}-{}", base, suffix))) suffix += 1.0;
+  const auto start = static_cast<std::time_t>(stamp);
+  double suffix = s.rank0() ? static_cast<double>(log::free_run_suffix(s.cfg.recipe_name, start)) : 0.0;
   if (s.world() > 1) suffix = s.comm->all_reduce_max(suffix, "run directory name");
-  return suffix == 1.0 ? base : fmt::format("{}-{}", base, static_cast<int64_t>(suffix));
+  return log::default_run_dir(s.cfg.recipe_name, start, static_cast<int64_t>(suffix)).string();
 }
 
 // Rank 0 alone touches the run directory. When its check failed (error non-empty there), every rank
@@ -58,7 +52,7 @@ void init_process(Session& s) {
   s.launch = parallel::LaunchEnv::from_env();
   s.cfg.world_size = s.launch.world;
   config::validate(s.cfg);  // train.global_batch against the real world size
-  s.device = resolve_device(s.cfg.train, s.launch.local_rank);
+  s.device = device::resolve_device(s.cfg.train, s.launch.local_rank);
   if (s.device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(s.device);  // one GPU per local rank
   if (s.cfg.train.threads > 0) at::set_num_threads(static_cast<int>(s.cfg.train.threads));
   // Rendezvous before reading data or building the model: a missing peer fails fast (exit 5).
@@ -66,11 +60,11 @@ void init_process(Session& s) {
 }
 
 // The run directory: logging.dir, or (--resume auto) the newest earlier run of this recipe with
-// saved states, or a new runs/<recipe>-<timestamp>.
+// saved states, or a new runs/<recipe>-<timestamp> (log/run_dir.h).
 void choose_run_dir(Session& s) {
   const auto& cfg = s.cfg;
   if (!cfg.logging.dir.empty()) s.run_dir = cfg.logging.dir;
-  else if (cfg.resume == "auto" && cfg.state.dir.empty()) s.run_dir = log::newest_run_with_state("runs", cfg.recipe_name).string();
+  else if (cfg.resume == "auto" && cfg.state.dir.empty()) s.run_dir = log::newest_run_with_state(log::kRunsDir, cfg.recipe_name).string();
   if (s.run_dir.empty()) s.run_dir = default_run_dir(s);
 }
 
@@ -173,7 +167,7 @@ void choose_micro_batch(Session& s) {
                     {"grad_accum", found.grad_accum}, {"global_batch", cfg.train.global_batch}};
   if (found.micro_batch == 0)
     throw OomError(fmt::format("train.micro_batch: auto: not even micro-batch 1 fits memory.limit {}; {}",
-                               cfg.memory.limit, memory::oom_advice(cfg, s.limit)));
+                               cfg.memory.limit, planner::oom_advice(cfg, s.limit)));
   cfg.train.micro_batch = found.micro_batch;
   cfg.train.grad_accum = found.grad_accum;
   if (s.rank0())
@@ -183,7 +177,7 @@ void choose_micro_batch(Session& s) {
 
 // Every rank solves with rank 0's profiled costs: timing noise must not give ranks different schedules
 // (under zero3 the parameter all-gathers follow the schedule).
-recompute::Costs rank0_costs(parallel::Comm& comm, recompute::Costs mine) {
+budget::Costs rank0_costs(parallel::Comm& comm, budget::Costs mine) {
   std::vector<double> flat;
   for (const auto& c : mine.blocks) flat.insert(flat.end(), {c.forward, c.output, c.attention, c.mlp, c.norm});
   for (const auto& b : mine.bytes) {
@@ -202,29 +196,30 @@ recompute::Costs rank0_costs(parallel::Comm& comm, recompute::Costs mine) {
   return mine;
 }
 
-// The run's checkpointing plan; mode budget solves it from profiled (or formula) costs of this run's
-// shape, device and precision.
+// The run's checkpointing plan: the one setup() resolved from the recipe (make_plan's rule, or mode
+// budget's schedule from formula costs), or with checkpointing.profile_costs the schedule solved from
+// the block costs profiled on this model, device and precision (the formula schedule was the check,
+// before any weight existed, that some schedule fits).
 recompute::Plan run_plan(const Session& s) {
   const auto& cfg = s.cfg;
-  if (cfg.checkpointing.mode != "budget") return recompute::make_plan(cfg.checkpointing, cfg.model.n_layer);
-  if (!cfg.checkpointing.profile_costs) return recompute::plan_for(cfg);
+  if (!cfg.checkpointing.mode.solved() || !cfg.checkpointing.profile_costs) return s.plan;
   auto model = s.model;
-  const auto costs = rank0_costs(*s.comm, recompute::profile_costs(cfg, model, s.device));
-  return recompute::budget_plan(cfg, costs);
+  const auto costs = rank0_costs(*s.comm, budget::profile_costs(cfg, model, s.device));
+  return budget::budget_plan(cfg, costs);
 }
 
 void build_model(Session& s) {
   const auto& cfg = s.cfg;
   torch::manual_seed(static_cast<uint64_t>(cfg.train.seed));
   // zero3: no rank ever holds the whole model; the engine draws each unit's values in turn and keeps its shard.
-  const bool deferred = cfg.parallel.sharding == "zero3";
+  const bool deferred = cfg.parallel.sharding.shards_params();
   s.tracker->reset_peak();
   const int64_t before_build = s.tracker->read().allocated_bytes;
   try {
     s.model = model::GPT(cfg.model, s.device, deferred);
   } catch (const c10::OutOfMemoryError& e) {  // before the run directory exists: nothing to clean up
     throw OomError(fmt::format("out of memory while building the model ({}). To fit, {}",
-                               std::string(e.what_without_backtrace()).substr(0, 200), memory::oom_advice(cfg, s.limit)));
+                               std::string(e.what_without_backtrace()).substr(0, 200), planner::oom_advice(cfg, s.limit)));
   }
   s.model->train();
   const int64_t model_peak = s.tracker->read().peak_allocated_bytes;
@@ -233,8 +228,8 @@ void build_model(Session& s) {
   s.policy = std::make_unique<recompute::Policy>(cfg.checkpointing, s.model, std::move(plan));
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
   // ends) would keep every unit's weights alive after the unit's fp32 storage is freed.
-  if (cfg.parallel.sharding == "zero3") at::autocast::set_autocast_cache_enabled(false);
-  if (s.world() > 1 || cfg.parallel.sharding != "none") {
+  if (cfg.parallel.sharding.shards_params()) at::autocast::set_autocast_cache_enabled(false);
+  if (s.world() > 1 || !cfg.parallel.sharding.replicated()) {
     s.engine = std::make_unique<parallel::Engine>(s.model, cfg, s.comm);
     s.engine->attach(*s.policy);
   }
@@ -275,7 +270,7 @@ void describe(Session& s) {
                    {"rank", s.launch.rank},
                    {"backend", s.comm->backend()},
                    {"memory_source", s.tracker->source()},
-                   {"cpu", memory::cpu_features().to_json()}};  // the CPU paths that change memory and speed
+                   {"cpu", device::cpu_features().to_json()}};  // the CPU paths that change memory and speed
   s.model_info = {{"params", s.model->num_params()},
                   {"matmul_params", s.model->num_matmul_params()},
                   {"flops_per_token", s.flops_per_token},
@@ -294,7 +289,7 @@ void print_settings(const Session& s) {
   rows.emplace_back("threads", std::to_string(at::get_num_threads()));
   if (s.engine)
     rows.emplace_back("data parallel", fmt::format("{} rank(s), backend {}, sharding {}", s.world(), s.comm->backend(),
-                                                   cfg.parallel.sharding));
+                                                   cfg.parallel.sharding.name()));
   rows.emplace_back("checkpointing plan", s.policy->plan().describe());
   rows.emplace_back("predicted activation peak",
                     fmt::format("{} per micro-batch", log::format_bytes(s.predicted.peak_bytes)));
@@ -313,7 +308,8 @@ void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, 
   const auto capacity = limit > 0 ? memory::Capacity{limit, "memory.limit"} : memory::device_capacity(device);
   auto states_cfg = cfg;  // model states do not depend on the checkpointing mode (a budget is checked below)
   states_cfg.checkpointing = config::CheckpointingConfig{};
-  const memory::PeakPrediction p = memory::predict_peak(states_cfg);
+  if (states_cfg.train.micro_batch.is_auto()) states_cfg.train.micro_batch = 1;  // the states do not depend on it
+  const memory::PeakPrediction p = planner::predict_peak(states_cfg);
   const int64_t states = p.model_states_bytes();
   if (capacity.bytes <= 0 || states <= capacity.bytes) return;
   const int64_t params = memory::total_params(cfg.model);
@@ -324,7 +320,7 @@ void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, 
       "smaller model.n_embd, or parallel.sharding: zero3 over at least {} ranks (it divides all three states by the "
       "world size); precision.compute does not shrink these fp32 states",
       params, log::format_bytes(states), log::format_bytes(p.params_bytes), log::format_bytes(p.grads_bytes),
-      log::format_bytes(p.optimizer_bytes), cfg.parallel.sharding, std::max<int64_t>(1, cfg.world_size),
+      log::format_bytes(p.optimizer_bytes), cfg.parallel.sharding.name(), std::max<int64_t>(1, cfg.world_size),
       capacity.source, log::format_bytes(capacity.bytes), ranks_needed));
 }
 
@@ -343,9 +339,10 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   s->limit = config::memory_limit_bytes(s->cfg);
   s->tracker->set_limit(s->limit);  // before the model exists: the limit covers everything, as on a GPU
   check_model_states_fit(s->cfg, s->device, s->limit);
-  // A budget no schedule fits stops here (exit 2), before a model or a run directory exists.
-  if (s->cfg.checkpointing.mode == "budget" && s->cfg.train.micro_batch > 0) recompute::plan_for(s->cfg);
-  if (s->cfg.train.micro_batch == 0) choose_micro_batch(*s);
+  if (s->cfg.train.micro_batch.is_auto()) choose_micro_batch(*s);
+  // The plan, resolved once before a model exists; a budget no schedule fits stops here (exit 2),
+  // before a model or a run directory exists.
+  s->plan = budget::plan_for(s->cfg);
   const auto& t = s->cfg.train;
   const auto seed = static_cast<uint64_t>(t.seed);
   s->train_loader = std::make_unique<data::Loader>(s->splits.train, t.micro_batch, t.seq_len, seed, s->launch.rank, s->world());
@@ -358,10 +355,25 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   return s;
 }
 
+state::Parts state_parts(Session& s) {
+  return {.cfg = s.cfg,
+          .launch = s.launch,
+          .comm = s.comm.get(),
+          .device = s.device,
+          .model = s.model,
+          .engine = s.engine.get(),
+          .opt = s.opt.get(),
+          .scaler = s.scaler.get(),
+          .train_loader = s.train_loader.get(),
+          .val_loader = s.val_loader.get(),
+          .run_dir = s.run_dir};
+}
+
 void restore(Session& s, LoopState& st) {
   if (!s.resume_from.found()) return;
   const auto t0 = Clock::now();
-  s.load_peak_bytes = peak_during(*s.tracker, [&] { state::load(s.resume_from, s, st); });
+  auto parts = state_parts(s);
+  s.load_peak_bytes = peak_during(*s.tracker, [&] { state::load(s.resume_from, parts, st); });
   const double load_ms = ms_since(t0);
   // Already on disk where this run saves (a resume into another state.dir saves its own copy at the end).
   std::error_code ec;

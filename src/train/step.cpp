@@ -1,6 +1,5 @@
 // One optimizer step: forward/backward over the micro-batches, gradient checks, clipping, AdamW;
 // evaluation; model-state bytes; FLOP counts.
-#include "train/trainer.h"
 
 #include <algorithm>
 #include <chrono>
@@ -11,23 +10,22 @@
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
+#include "device/device.h"
 #include "errors.h"
+#include "log/clock.h"
+#include "optim/optimizer.h"
 #include "parallel/comm.h"
 #include "parallel/engine.h"
 #include "precision/autocast.h"
-#include "train/device.h"
-#include "train/optimizer.h"
+#include "train/trainer.h"
 
 namespace sl::train {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using log::Clock;
+using log::ms_since;
 
 thread_local const char* t_phase = "setup";
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 // The global L2 norm of `grads` as a 0-d device tensor (fp32 like the gradients: the arithmetic of
 // torch::nn::utils::clip_grad_norm_) and, when clip > 0, the gradients scaled by
@@ -127,7 +125,7 @@ const char* current_phase() { return t_phase; }
 std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t) {
   std::vector<torch::Tensor> decay, no_decay;
   for (const auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  return make_adamw(std::move(decay), std::move(no_decay), t);
+  return optim::make_adamw(std::move(decay), std::move(no_decay), t);
 }
 
 torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
@@ -135,7 +133,7 @@ torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data:
   const double n = static_cast<double>(micro.size());
   torch::Tensor total;  // float64 on the device: the same sum the host made of each loss's value
   for (const auto& b : micro) {
-    auto x = to_device(b.x, device), y = to_device(b.y, device);
+    auto x = device::to_device(b.x, device), y = device::to_device(b.y, device);
     t_phase = "forward";
     torch::Tensor loss;
     {
@@ -163,9 +161,9 @@ double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch:
   for (int64_t i = 0; i < batches; ++i) {
     auto b = loader.next();
     precision::AutocastGuard guard(device.type(), autocast);
-    auto x = to_device(b.x, device);
+    auto x = device::to_device(b.x, device);
     const auto logits = forward ? forward(x) : model->forward(x);
-    const auto l = model::GPTImpl::loss(logits, to_device(b.y, device)).to(torch::kDouble);
+    const auto l = model::GPTImpl::loss(logits, device::to_device(b.y, device)).to(torch::kDouble);
     total = total.defined() ? total + l : l;
   }
   model->train();
@@ -231,10 +229,10 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   r.nonfinite_grads = !r.skipped && !std::isfinite(r.grad_norm);
   if (!r.skipped && !r.nonfinite_grads) {
     RECORD_FUNCTION("sublinear::optimizer_step", std::vector<c10::IValue>{});
-    adamw_step(opt);
+    optim::adamw_step(opt);
     if (engine) engine->after_step();
   }
-  end_step(device);
+  device::end_step(device);
   r.ms = ms_since(t0);
   r.mem = tracker.read();
   if (engine) {

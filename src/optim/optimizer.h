@@ -9,7 +9,7 @@
 
 #include "config/config.h"
 
-namespace sl::train {
+namespace sl::optim {
 
 inline std::unique_ptr<torch::optim::AdamW> make_adamw(std::vector<torch::Tensor> decay,
                                                        std::vector<torch::Tensor> no_decay,
@@ -29,8 +29,8 @@ inline std::unique_ptr<torch::optim::AdamW> make_adamw(std::vector<torch::Tensor
 // take one fused pass per tensor over parameter, gradient and both moments (the step count stays on
 // the host); anything else (CUDA, amsgrad) takes AdamW::step itself. Parameters without a gradient
 // are skipped, as AdamW::step skips them. The fused pass gives the same bits on every x86-64 CPU: its
-// AVX2 + FMA and baseline clones agree bitwise (memory/cpu_features.h), so data-parallel replicas on
+// AVX2 + FMA and baseline clones agree bitwise (device/cpu_features.h), so data-parallel replicas on
 // different CPU kinds step their weights identically.
 void adamw_step(torch::optim::AdamW& opt);
 
-}  // namespace sl::train
+}  // namespace sl::optim

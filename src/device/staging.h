@@ -1,11 +1,11 @@
 // Host staging of tensors that leave the process (state files, final weights, export): the bound
 // every writer keeps, in one place so the writer (state/safetensors.cpp, for_each_host_chunk) and the
-// planner (memory/planner.cpp, PeakPrediction::host_staging_bytes) agree. Torch-free.
+// planner (memory/footprint.cpp, PeakPrediction::host_staging_bytes) agree. Torch-free.
 #pragma once
 #include <algorithm>
 #include <cstdint>
 
-namespace sl::memory {
+namespace sl::device {
 
 // A tensor on a non-CPU device is copied to host in pieces of at most this many bytes, one piece
 // alive at a time.
@@ -17,4 +17,4 @@ inline int64_t host_staging_bytes(int64_t largest_tensor_bytes) {
   return std::min(largest_tensor_bytes, kHostStagingBytes);
 }
 
-}  // namespace sl::memory
+}  // namespace sl::device

@@ -1,5 +1,5 @@
 // The run's device (see device.h).
-#include "train/device.h"
+#include "device/device.h"
 
 #include <mutex>
 
@@ -10,7 +10,7 @@
 
 #include "errors.h"
 
-namespace sl::train {
+namespace sl::device {
 
 c10::Device resolve_device(const config::TrainConfig& t, int64_t local_rank) {
   if (t.device == "lazy") {  // config.cpp (validate_lazy_device) allows it at world 1, fp32 only
@@ -39,4 +39,4 @@ void end_step(c10::Device device) {
   executor->MarkStep(backend);
 }
 
-}  // namespace sl::train
+}  // namespace sl::device

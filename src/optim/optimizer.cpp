@@ -1,4 +1,4 @@
-#include "train/optimizer.h"
+#include "optim/optimizer.h"
 #include "model/clones.h"
 #include "model/intra_op.h"
 
@@ -6,7 +6,7 @@
 
 #include <torch/torch.h>
 
-namespace sl::train {
+namespace sl::optim {
 namespace {
 
 // The per-element constants of one parameter's update.
@@ -112,4 +112,4 @@ void adamw_step(torch::optim::AdamW& opt) {
   }
 }
 
-}  // namespace sl::train
+}  // namespace sl::optim

@@ -17,7 +17,15 @@
 #include "model/gpt.h"
 #include "recompute/policy.h"
 
-namespace sl::recompute {
+namespace sl::budget {
+
+// The per-block plan's vocabulary (recompute/plan.h): a schedule is one of its plans.
+using recompute::kPartAttention;
+using recompute::kPartMlp;
+using recompute::kPartNorm;
+using recompute::kPartSets;
+using recompute::Plan;
+using recompute::Segment;
 
 // What re-running a block's pieces costs, in one unit for the whole chain (ms or GFLOP).
 struct BlockCost {
@@ -104,4 +112,4 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs);
 // The plan a recipe runs: make_plan's, or for mode budget budget_plan with formula costs.
 Plan plan_for(const config::RunConfig& cfg);
 
-}  // namespace sl::recompute
+}  // namespace sl::budget

@@ -1,5 +1,5 @@
 // checkpointing.mode: budget: the dynamic program, its cost sources and the recipe's plan.
-#include "recompute/budget.h"
+#include "budget/budget.h"
 
 #include <algorithm>
 #include <chrono>
@@ -15,12 +15,16 @@
 #include <torch/torch.h>
 
 #include "errors.h"
+#include "log/clock.h"
 #include "log/metrics.h"
-#include "memory/planner.h"
+#include "memory/footprint.h"
 #include "memory/tracker.h"
 #include "precision/autocast.h"
 
-namespace sl::recompute {
+namespace sl::budget {
+
+using recompute::Options;
+using recompute::selective_linear_after;
 
 int64_t budget_quanta(int64_t n_layer) { return std::max<int64_t>(16384, 16 * n_layer); }
 
@@ -136,7 +140,7 @@ void read_back(const Table& t, int64_t h, Schedule& out) {
 
 Plan as_plan(const Schedule& s) {
   Plan p;
-  p.mode = "budget";
+  p.mode = config::RecomputeMode::kBudget;
   p.segments = s.segments;
   p.block_parts = s.block_parts;
   return p;
@@ -229,10 +233,10 @@ template <class Fn> auto timed(torch::Device device, Fn&& fn) {
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
   };
   sync();
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = log::Clock::now();
   auto out = fn();
   sync();
-  return std::pair{out, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
+  return std::pair{out, log::ms_since(t0)};
 }
 
 // One block's pieces timed: its forward six times (the first warms up), the median of each piece.
@@ -378,14 +382,14 @@ memory::ChainModel solver_model(const config::RunConfig& cfg, const Costs& costs
 }
 
 std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const Costs& costs) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = log::Clock::now();
   const int64_t budget = memory::activation_budget_bytes(cfg);
   const auto mem = solver_model(cfg, costs);
   const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(cfg.model.n_layer));
   if (!s.feasible) return std::nullopt;
   Plan p = as_plan(s);
   p.budget = {budget, static_cast<int64_t>(std::ceil(s.quantum_bytes)), static_cast<int64_t>(s.peak_bytes), s.cost, 0.0,
-              costs.source, costs.unit, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
+              costs.source, costs.unit, log::ms_since(t0)};
   for (const auto& c : costs.blocks) p.budget.forward_cost += c.forward;
   p.budget.bytes_source = costs.bytes.empty() ? "formula" : "profile";
   return p;
@@ -415,7 +419,7 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
   if (auto p = try_budget_plan(cfg, costs)) return *p;
   const int64_t budget = memory::activation_budget_bytes(cfg), least = least_budget(cfg);
   // What checkpointing.budget would have to say: the activations plus the transient it also counts.
-  const int64_t transient = memory::predict_peak(cfg, make_plan({}, cfg.model.n_layer)).transient_bytes;
+  const int64_t transient = memory::predict_peak(cfg, recompute::make_plan({}, cfg.model.n_layer)).transient_bytes;
   const auto share = config::parse_budget(cfg).share;
   std::string needed = log::format_bytes(least + transient);
   if (share > 0) {
@@ -434,8 +438,8 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
 }
 
 Plan plan_for(const config::RunConfig& cfg) {
-  if (cfg.checkpointing.mode != "budget") return make_plan(cfg.checkpointing, cfg.model.n_layer);
+  if (!cfg.checkpointing.mode.solved()) return recompute::make_plan(cfg.checkpointing, cfg.model.n_layer);
   return budget_plan(cfg, formula_costs(cfg));
 }
 
-}  // namespace sl::recompute
+}  // namespace sl::budget

@@ -1,4 +1,4 @@
-#include "train/peak.h"
+#include "train/peak_flops.h"
 
 #include <algorithm>
 #include <chrono>
@@ -7,6 +7,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
+
+#include "log/clock.h"
 
 namespace sl::train {
 namespace {

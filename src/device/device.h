@@ -16,7 +16,7 @@
 
 #include "config/config.h"
 
-namespace sl::train {
+namespace sl::device {
 
 // Resolves train.device ("auto" = CUDA when available). Throws ConfigError when cuda is asked for and
 // none is present.
@@ -28,4 +28,4 @@ at::Tensor to_device(const at::Tensor& t, c10::Device device);
 // After an optimizer step: lazy runs the step's recorded graph and starts a new one; others nothing.
 void end_step(c10::Device device);
 
-}  // namespace sl::train
+}  // namespace sl::device

@@ -12,7 +12,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-namespace sl::memory {
+namespace sl::device {
 
 // How a low-precision (bf16 / fp16) matmul runs on CPU under autocast.
 enum class LowpMatmul {
@@ -49,7 +49,7 @@ const CpuFeatures& cpu_features();
 // (read once, at the first kernel call; unset, empty or 0: not forced; any other value forces it), or
 // force_baseline_kernels(true) (the tests run both clones in one process). Attention and GELU results
 // differ between the clones by float rounding (the vector clone fuses multiply-adds); AdamW's update is
-// bitwise the same on both (src/train/optimizer.cpp), so data-parallel replicas on different CPU kinds
+// bitwise the same on both (src/optim/optimizer.cpp), so data-parallel replicas on different CPU kinds
 // keep identical weights.
 
 // The CPU runs AVX2 and FMA (x86-64-v3): the vector clones can run here.
@@ -66,4 +66,4 @@ std::string kernel_clone_name();
 // (a name of the same list). An unknown cap allows everything, as oneDNN ignores it.
 bool onednn_isa_allows(const std::string& cap, const std::string& isa);
 
-}  // namespace sl::memory
+}  // namespace sl::device

@@ -1,9 +1,8 @@
-// Memory planner: predicts a recipe's peak device memory without making tensors (parameter counts
-// are closed formulas, O(1) in n_layer): model states (fp32 weights, gradients, AdamW's two
-// moments), the activation peak of the checkpointing plan (memory/activations.h), the input batch,
-// and the optimizer step's temporaries; finds the largest micro-batch that fits a memory size. Used
-// by `trainer plan`, by the model-state check before any weight is made, by the out-of-memory
-// message, and by train.micro_batch: auto.
+// A step's memory footprint, predicted without making tensors (parameter counts are closed formulas,
+// O(1) in n_layer): model states (fp32 weights, gradients, AdamW's two moments), the activation peak
+// of a checkpointing plan (memory/activations.h), the input batch, and the optimizer step's
+// temporaries. The planner (planner/planner.h) applies it to a recipe's own plan and searches
+// micro-batches with it; the budget solver (budget/budget.h) takes its room for activations from it.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -44,7 +43,7 @@ struct PeakPrediction {
   int64_t adamw_temp_bytes = 0;  // AdamW's two temporaries of its largest tensor
   int64_t grad_norm_temp_bytes = 0;  // the gradient norm's float64 chunk (sharded engine only)
   // Host memory (not in the device peak): a save or the final-weights export on a non-CPU device
-  // stages one bounded piece at a time (memory/staging.h); CPU runs write from the tensors themselves.
+  // stages one bounded piece at a time (device/staging.h); CPU runs write from the tensors themselves.
   int64_t host_staging_bytes = 0;
   ActivationEstimate activations;
   int64_t model_states_bytes() const { return params_bytes + grads_bytes + optimizer_bytes; }
@@ -55,11 +54,10 @@ struct PeakPrediction {
   }
 };
 
-// The recipe's own checkpointing mode and micro-batch, per rank of cfg.world_size. O(1) in n_layer
-// (O(n_layer) with model.layer_mlp_hidden)
-// (mode budget: its schedule is solved with formula costs, O(n_layer^2)).
-PeakPrediction predict_peak(const config::RunConfig& cfg);
-// The same for a given plan (a budget schedule chosen from profiled costs).
+// Model states, sharding transients, batch, buffers, optimizer temporaries and host staging of the
+// recipe, per rank of cfg.world_size: every term but the activations. O(1) in n_layer.
+PeakPrediction predict_states(const config::RunConfig& cfg);
+// The whole prediction for a given plan (planner::predict_peak resolves the recipe's own).
 PeakPrediction predict_peak(const config::RunConfig& cfg, const recompute::Plan& plan);
 
 // checkpointing.budget as the bytes a budget schedule's activation peak may reach: the size given, or
@@ -83,17 +81,5 @@ int64_t bucket_cap_params(const config::RunConfig& cfg);
 // Parameters per sharding unit: [0] embeddings (token + position tables), [1..L] the blocks,
 // [L+1] the final norm (+ LM head when untied). Counted on a meta-device model: O(n_layer).
 std::vector<int64_t> unit_param_counts(const config::ModelConfig& m);
-
-// Largest micro-batch (<= cap) whose predicted peak fits `memory_bytes`; 0 when not even 1 fits.
-int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, int64_t cap = 1 << 16);
-
-// The `trainer plan` report: breakdown at the recipe's micro-batch for every checkpointing mode,
-// and with memory_bytes > 0 the largest micro-batch per mode and the accumulation that keeps the
-// recipe's global batch.
-nlohmann::json plan(const config::RunConfig& cfg, int64_t memory_bytes);
-std::string format_plan(const nlohmann::json& plan);
-
-// One-line advice for an out-of-memory failure under `limit_bytes`: what the planner predicts fits.
-std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes);
 
 }  // namespace sl::memory

@@ -1,5 +1,5 @@
 // CPU features and the low-precision matmul path the libraries take (see cpu_features.h).
-#include "memory/cpu_features.h"
+#include "device/cpu_features.h"
 
 #include <algorithm>
 #include <array>
@@ -16,7 +16,7 @@
 #include <ATen/cpu/Utils.h>
 #include <nlohmann/json.hpp>
 
-namespace sl::memory {
+namespace sl::device {
 namespace {
 
 std::string lower(std::string s) {
@@ -176,4 +176,4 @@ const CpuFeatures& cpu_features() {
   return f;
 }
 
-}  // namespace sl::memory
+}  // namespace sl::device

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""check_design.py: design rules that the compiler cannot see, checked in CI (ctest entry `design`).
+
+1. Named choices are resolved once, by the recipe parser (src/config/choices.h): outside src/config no
+   code compares a string with a checkpointing mode or sharding stage name (`mode == "budget"`,
+   `sharding != "none"`); it compares typed values or asks them (`sharding.shards_params()`).
+2. Layers point one way: a file in src/<folder>/ includes headers of its own folder and of the folders
+   below it in LAYERS (docs/architecture.md, "Layers"), never of a folder above it; src/main.cpp and
+   src/errors.h sit outside the order (the top and the bottom). A folder missing from LAYERS fails too,
+   so a new folder is placed on purpose.
+3. The bottom is torch-free: no file in TORCH_FREE includes a torch, ATen or c10 header, directly or
+   through a project header.
+
+Usage: scripts/check_design.py [ROOT] [--edges]   (ROOT: the repository, default: this script's
+parent's parent; --edges also prints every include edge between folders with its count)
+Prints each violation as FILE:LINE: text, then a count per rule; exits 1 when any rule is broken.
+"""
+import pathlib
+import re
+import sys
+
+CHOICE_NAMES = ["none", "full", "interval", "sqrt", "selective", "budget", "zero1", "zero2", "zero3"]
+NAMES = "|".join(CHOICE_NAMES)
+# A string literal that is one of the names, on either side of == or !=.
+COMPARISON = re.compile(r'(==|!=)\s*"(%s)"|"(%s)"\s*(==|!=)' % (NAMES, NAMES))
+
+
+# Bottom first. Each folder may include its own headers and those of the folders listed before it.
+LAYERS = [
+    "config",     # the recipe: keys, typed choices, validation (torch-free)
+    "log",        # formatting, metrics.jsonl, the run directory (torch-free)
+    "device",     # what runs where: device choice, the CPU's instruction set, host staging
+    "model",      # GPT-2 / LLaMA and their kernels
+    "precision",  # autocast and the loss scaler
+    "recompute",  # activation checkpointing: the per-block plan and the engine that runs it
+    "memory",     # the memory model (activations, model states) and the tracking allocator
+    "budget",     # the budget solver: the fastest per-block plan under a memory budget
+    "planner",    # predicted peak of a recipe, largest micro-batch, `trainer plan`, OOM advice
+    "data",       # token files and the loaders
+    "optim",      # AdamW and its fused kernel
+    "parallel",   # c10d: DDP and ZeRO-1/2/3
+    "state",      # training state: save, load, re-shard (of the components that declare it)
+    "interop",    # Hugging Face weights in and out
+    "train",      # the run: setup, the loop, the step, reports
+]
+# Files that include no torch header, directly or through the project headers they include.
+TORCH_FREE = ["src/config/*", "src/log/*", "src/recompute/plan.*", "src/memory/activations.h", "src/memory/footprint.h"]
+TORCH = re.compile(r'#include\s*<(torch|ATen|c10)/')
+INCLUDE = re.compile(r'#include\s*"([^"]+)"')
+
+
+def sources(root: pathlib.Path):
+    for path in sorted((root / "src").rglob("*")):
+        if path.suffix in (".cpp", ".h") and path.is_file():
+            yield path
+
+
+def choice_comparisons(root: pathlib.Path):
+    found = []
+    for path in sources(root):
+        rel = path.relative_to(root)
+        if rel.parts[:2] == ("src", "config"):
+            continue  # the parser: where names become values
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//", 1)[0]
+            if COMPARISON.search(code):
+                found.append(f"{rel}:{n}: {line.strip()}")
+    return found
+
+
+def includes(path: pathlib.Path):
+    for line in path.read_text().splitlines():
+        m = INCLUDE.match(line.strip())
+        if m:
+            yield m.group(1)
+
+
+def folder_of(rel: pathlib.PurePath):
+    """src/<folder>/file -> folder; None for files directly in src/."""
+    return rel.parts[1] if len(rel.parts) > 2 else None
+
+
+def folder_edges(root: pathlib.Path):
+    """{(from, to): count} over includes of project headers in another folder."""
+    edges = {}
+    for path in sources(root):
+        src = folder_of(path.relative_to(root))
+        for inc in includes(path):
+            dst = inc.split("/", 1)[0] if "/" in inc else None
+            if src and dst and dst != src and (root / "src" / inc).exists():
+                edges[(src, dst)] = edges.get((src, dst), 0) + 1
+    return edges
+
+
+def layer_violations(root: pathlib.Path):
+    found = []
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    folders = sorted({folder_of(p.relative_to(root)) for p in sources(root)} - {None})
+    for f in folders:
+        if f not in rank:
+            found.append(f"src/{f}/: folder not in LAYERS (scripts/check_design.py): place it in the order")
+    for path in sources(root):
+        rel = path.relative_to(root)
+        src = folder_of(rel)
+        for inc in includes(path):
+            dst = inc.split("/", 1)[0] if "/" in inc else None
+            if src in rank and dst in rank and rank[dst] > rank[src]:
+                found.append(f"{rel}: includes {inc}: {src} is below {dst}")
+    return found
+
+
+def torch_includes(root: pathlib.Path):
+    """Files in TORCH_FREE that reach a torch header, with the chain of includes that gets there."""
+    found = []
+    for pattern in TORCH_FREE:
+        for path in sorted(root.glob(pattern)):
+            seen, todo = set(), [(path, [str(path.relative_to(root))])]
+            while todo:
+                p, chain = todo.pop()
+                if p in seen or not p.exists():
+                    continue
+                seen.add(p)
+                text = p.read_text()
+                if TORCH.search(text):
+                    found.append(" -> ".join(chain) + ": includes a torch header")
+                    break
+                for inc in includes(p):
+                    todo.append((root / "src" / inc, chain + [inc]))
+    return found
+
+
+def main() -> int:
+    args = [a for a in sys.argv[1:] if a != "--edges"]
+    root = pathlib.Path(args[0]) if args else pathlib.Path(__file__).resolve().parent.parent
+    broken = 0
+    comparisons = choice_comparisons(root)
+    for c in comparisons:
+        print(c)
+    print(f"string comparisons with a mode or stage name outside src/config: {len(comparisons)} (must be 0)")
+    broken += bool(comparisons)
+
+    if "--edges" in sys.argv:
+        for (a, b), n in sorted(folder_edges(root).items()):
+            print(f"edge {a} -> {b}: {n}")
+    layers = layer_violations(root)
+    for v in layers:
+        print(v)
+    print(f"includes against the layer order ({' < '.join(LAYERS)}): {len(layers)} (must be 0)")
+    broken += bool(layers)
+
+    torch = torch_includes(root)
+    for t in torch:
+        print(t)
+    print(f"torch headers in the torch-free bottom: {len(torch)} (must be 0)")
+    broken += bool(torch)
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

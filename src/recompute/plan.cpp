@@ -1,0 +1,142 @@
+// The per-block plan: the rule from checkpointing.mode to segments, and its descriptions.
+#include "recompute/plan.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <utility>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "log/metrics.h"
+
+namespace sl::recompute {
+
+std::vector<std::string> part_names(uint8_t parts) {
+  std::vector<std::string> out;
+  for (auto [bit, name] : {std::pair{kPartAttention, "attention"}, {kPartMlp, "mlp"}, {kPartNorm, "norm"}})
+    if (parts & bit) out.emplace_back(name);
+  return out;
+}
+
+std::string parts_name(uint8_t parts) { return fmt::format("{}", fmt::join(part_names(parts), ", ")); }
+
+uint8_t Plan::parts_of(int64_t block) const {
+  return block_parts.empty() ? 0 : block_parts.at(static_cast<size_t>(block));
+}
+
+int64_t Plan::checkpointed_blocks() const {
+  int64_t n = 0;
+  for (const auto& s : segments)
+    if (s.checkpointed) n += s.end - s.begin;
+  return n;
+}
+
+std::string Plan::describe() const {
+  if (mode == config::RecomputeMode::kNone) return "none";
+  if (mode == config::RecomputeMode::kSelective) return fmt::format("selective [{}] in every block", parts_name(parts_of(0)));
+  std::string segs;
+  if (mode.solved()) {
+    for (const auto& s : segments) {
+      if (s.checkpointed) {
+        segs += fmt::format("{}[{}..{}) recomputed", segs.empty() ? "" : ", ", s.begin, s.end);
+        continue;
+      }
+      for (int64_t b = s.begin; b < s.end; ++b) {
+        const auto parts = parts_of(b);
+        segs += fmt::format("{}{} kept{}", segs.empty() ? "" : ", ", b, parts ? " [" + parts_name(parts) + "]" : "");
+      }
+    }
+    return fmt::format("budget {}: {}", log::format_bytes(budget.budget_bytes), segs);
+  }
+  for (const auto& s : segments)
+    segs += fmt::format("{}[{}..{}){}", segs.empty() ? "" : " ", s.begin, s.end, s.checkpointed ? "" : " kept");
+  return fmt::format("{} k={}: {} of {} segments checkpointed: {}", mode.name(), k,
+                     std::count_if(segments.begin(), segments.end(), [](const Segment& s) { return s.checkpointed; }),
+                     segments.size(), segs);
+}
+
+nlohmann::json Plan::to_json() const {
+  nlohmann::json segs = nlohmann::json::array();
+  for (const auto& s : segments) segs.push_back({{"blocks", {s.begin, s.end}}, {"checkpointed", s.checkpointed}});
+  nlohmann::json j = {{"mode", mode},
+          {"k", k},
+          {"segments", segs},
+          {"checkpointed_blocks", checkpointed_blocks()},
+          {"selective", {{"attention", attention}, {"mlp", mlp}, {"norm", norm}}}};
+  if (!mode.solved()) return j;
+  nlohmann::json blocks = nlohmann::json::array();
+  for (const auto& s : segments)
+    for (int64_t b = s.begin; b < s.end; ++b) {
+      const auto parts = part_names(s.checkpointed ? 0 : parts_of(b));
+      blocks.push_back({{"block", b}, {"choice", s.checkpointed ? "recompute" : parts.empty() ? "keep" : "selective"},
+                        {"parts", parts}, {"segment", {s.begin, s.end}}});
+    }
+  j["blocks"] = blocks;
+  j["budget"] = {{"budget_bytes", budget.budget_bytes},
+                 {"quantum_bytes", budget.quantum_bytes},
+                 {"predicted_activation_peak_bytes", budget.predicted_peak_bytes},
+                 {"recompute_cost", budget.recompute_cost},
+                 {"forward_cost", budget.forward_cost},
+                 {"cost_source", budget.cost_source},
+                 {"cost_unit", budget.cost_unit},
+                 {"bytes_source", budget.bytes_source},
+                 {"solve_ms", budget.solve_ms}};
+  return j;
+}
+
+uint8_t parts_of(const std::vector<std::string>& names) {
+  uint8_t parts = 0;
+  for (const auto& n : names) parts |= n == "attention" ? kPartAttention : n == "mlp" ? kPartMlp : n == "norm" ? kPartNorm : 0;
+  return parts;
+}
+
+UniformRule uniform_rule(const config::CheckpointingConfig& cfg, int64_t L) {
+  if (cfg.mode.solved()) throw std::logic_error("uniform_rule: a budget plan comes from budget::solve_budget");
+  using Mode = config::RecomputeMode;
+  UniformRule r;
+  r.skip_last = cfg.skip_last;
+  auto split = [&](int64_t k) {  // segments of k blocks, the last one takes what is left
+    r.checkpointed = true;
+    r.size = k;
+    r.count = (L + k - 1) / k;
+    r.last = L - (r.count - 1) * k;
+  };
+  if (cfg.mode == Mode::kFull) {
+    split(1);
+  } else if (cfg.mode == Mode::kSqrt) {
+    split(std::max<int64_t>(1, std::llround(std::sqrt(static_cast<double>(L)))));
+  } else if (cfg.mode == Mode::kInterval && cfg.interval > 0) {
+    split(cfg.interval);
+  } else if (cfg.mode == Mode::kInterval) {  // checkpoint_sequential style: n segments of L / n blocks, the last one takes the remainder
+    r.checkpointed = true;
+    r.count = cfg.segments;
+    r.size = L / r.count;
+    r.last = L - (r.count - 1) * r.size;
+  } else {  // none, selective: every block keeps its activations
+    r.size = r.last = L;
+    r.parts = parts_of(cfg.recompute);
+  }
+  return r;
+}
+
+Plan make_plan(const config::CheckpointingConfig& cfg, int64_t L) {
+  const UniformRule r = uniform_rule(cfg, L);
+  Plan p;
+  p.mode = cfg.mode;
+  if (!r.checkpointed) {
+    p.segments.push_back({0, L, false});
+    p.attention = (r.parts & kPartAttention) != 0;
+    p.mlp = (r.parts & kPartMlp) != 0;
+    p.norm = (r.parts & kPartNorm) != 0;
+    p.block_parts.assign(static_cast<size_t>(L), r.parts);
+    return p;
+  }
+  p.k = r.size;
+  for (int64_t i = 0; i < r.count; ++i) p.segments.push_back({i * r.size, i == r.count - 1 ? L : (i + 1) * r.size, true});
+  if (r.skip_last) p.segments.back().checkpointed = false;
+  return p;
+}
+
+}  // namespace sl::recompute

@@ -1,0 +1,237 @@
+// The parts of a training state (see components.h): each one's entries, tensors and loading.
+#include "state/components.h"
+
+#include <cmath>
+#include <map>
+
+#include <ATen/Context.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+namespace sl::state {
+
+std::string tensor_name(const std::string& field, const parallel::Span& sp, int64_t numel) {
+  if (sp.begin == 0 && sp.end == numel) return field + "/" + sp.param;
+  return fmt::format("{}/{}/{}:{}", field, sp.param, sp.begin, sp.end);
+}
+
+namespace {
+
+using Json = nlohmann::json;
+
+// ---- model states: parameters and AdamW moments, by element span ----
+
+std::vector<parallel::Span> model_spans(const Parts& s) {
+  std::vector<parallel::Span> out;
+  for (const auto& item : s.model->named_parameters())
+    out.push_back({item.key(), 0, item.value().numel(), item.value().detach().view({-1})});
+  return out;
+}
+
+std::vector<parallel::Span> owned_spans(const Parts& s) { return s.engine ? s.engine->owned_spans() : model_spans(s); }
+std::vector<parallel::Span> held_spans(const Parts& s) { return s.engine ? s.engine->held_spans() : model_spans(s); }
+
+// Parameters and optimizer states are replicated on every rank unless sharded: rank 0 writes them.
+bool writes_model_states(const Parts& s) { return !s.cfg.parallel.sharding.replicated() || s.rank0(); }
+
+// Every parameter's shape, from a model on the meta device (ZeRO-3 frees the real ones between units).
+std::map<std::string, std::vector<int64_t>> param_shapes(const config::ModelConfig& m) {
+  torch::NoGradGuard no_grad;
+  model::GPT meta(m, torch::kMeta);
+  std::map<std::string, std::vector<int64_t>> out;
+  for (const auto& item : meta->named_parameters()) out[item.key()] = item.value().sizes().vec();
+  return out;
+}
+
+// The optimizer tensor whose storage holds a span (a parameter itself, or a ZeRO shard piece), and
+// the span's offset in it.
+struct OptSlot {
+  torch::Tensor param;
+  int64_t offset = 0;
+};
+
+OptSlot opt_slot(torch::optim::AdamW& opt, const parallel::Span& sp) {
+  const auto* storage = sp.values.storage().unsafeGetStorageImpl();
+  const int64_t at = sp.values.storage_offset(), len = sp.end - sp.begin;
+  for (auto& group : opt.param_groups())
+    for (auto& p : group.params())
+      if (p.storage().unsafeGetStorageImpl() == storage && at >= p.storage_offset() &&
+          at + len <= p.storage_offset() + p.numel())
+        return {p, at - p.storage_offset()};
+  throw std::logic_error("state: no optimizer tensor holds parameter " + sp.param);
+}
+
+// The optimizer tensor of a span: without an engine the model's parameter itself (found by name: a
+// tensor on a device without storage, such as the lazy test device, has no storage to compare),
+// with one the shard piece whose storage holds it.
+OptSlot slot_of(Parts& s, const parallel::Span& sp) {
+  if (!s.engine) return {s.model->named_parameters()[sp.param], 0};
+  return opt_slot(*s.opt, sp);
+}
+
+torch::optim::AdamWParamState* adam_state(torch::optim::AdamW& opt, const torch::Tensor& p) {
+  auto it = opt.state().find(p.unsafeGetTensorImpl());
+  return it == opt.state().end() ? nullptr : static_cast<torch::optim::AdamWParamState*>(it->second.get());
+}
+
+// The AdamW step count every parameter shares (0 before the first step).
+int64_t adam_step(torch::optim::AdamW& opt) {
+  for (auto& group : opt.param_groups())
+    for (auto& p : group.params())
+      if (auto* st = adam_state(opt, p)) return st->step();
+  return 0;
+}
+
+void add_model_states(Parts& s, Named& out) {
+  const auto shapes = param_shapes(s.cfg.model);
+  const bool moments = adam_step(*s.opt) > 0;
+  for (const auto& sp : owned_spans(s)) {
+    const auto& shape = shapes.at(sp.param);
+    const int64_t numel = c10::multiply_integers(shape);
+    auto as_saved = [&](const torch::Tensor& flat) { return sp.begin == 0 && sp.end == numel ? flat.view(shape) : flat; };
+    out.emplace_back(tensor_name("param", sp, numel), as_saved(sp.values));
+    if (!moments) continue;
+    const OptSlot slot = slot_of(s, sp);
+    auto* st = adam_state(*s.opt, slot.param);
+    const int64_t len = sp.end - sp.begin;
+    out.emplace_back(tensor_name("exp_avg", sp, numel), as_saved(st->exp_avg().view({-1}).narrow(0, slot.offset, len)));
+    out.emplace_back(tensor_name("exp_avg_sq", sp, numel), as_saved(st->exp_avg_sq().view({-1}).narrow(0, slot.offset, len)));
+  }
+}
+
+void load_params(const Reader& r, Parts& s) {
+  for (const auto& sp : held_spans(s)) r.read("param", sp, sp.values);
+  if (s.engine) s.engine->params_loaded();
+}
+
+void load_moments(const Reader& r, Parts& s, int64_t step) {
+  if (step == 0 || !r.has("exp_avg")) return;
+  for (const auto& sp : owned_spans(s)) {
+    const OptSlot slot = slot_of(s, sp);
+    auto* st = adam_state(*s.opt, slot.param);
+    if (!st) {
+      auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+      fresh->step(step);
+      fresh->exp_avg(torch::zeros_like(slot.param, at::MemoryFormat::Contiguous));
+      fresh->exp_avg_sq(torch::zeros_like(slot.param, at::MemoryFormat::Contiguous));
+      st = fresh.get();
+      s.opt->state()[slot.param.unsafeGetTensorImpl()] = std::move(fresh);
+    }
+    const int64_t len = sp.end - sp.begin;
+    r.read("exp_avg", sp, st->exp_avg().view({-1}).narrow(0, slot.offset, len));
+    r.read("exp_avg_sq", sp, st->exp_avg_sq().view({-1}).narrow(0, slot.offset, len));
+  }
+}
+
+class ModelStates final : public Component {
+ public:
+  explicit ModelStates(Parts& s) : s_(s) {}
+  void add_meta(Json& meta) const override { meta["optimizer"] = {{"adamw_step", adam_step(*s_.opt)}}; }
+  void add_tensors(Named& out) const override {
+    if (writes_model_states(s_)) add_model_states(s_, out);
+  }
+  void load(const Json& meta, const Reader& r) override {
+    torch::NoGradGuard no_grad;
+    load_params(r, s_);
+    load_moments(r, s_, meta.at("optimizer").at("adamw_step").get<int64_t>());
+  }
+
+ private:
+  Parts& s_;
+};
+
+// ---- RNG: the default generators of the CPU and (on CUDA) the run's GPU ----
+
+class Rng final : public Component {
+ public:
+  explicit Rng(Parts& s) : s_(s) {}
+  void add_meta(Json& /*meta*/) const override {}
+  void add_tensors(Named& out) const override {
+    out.emplace_back("rng/cpu", at::globalContext().defaultGenerator(torch::kCPU).get_state());
+    if (s_.device.is_cuda()) out.emplace_back("rng/cuda", at::globalContext().defaultGenerator(s_.device).get_state());
+  }
+  void load(const Json& /*meta*/, const Reader& r) override {
+    auto set = [&](c10::Device device, const std::string& which) {
+      at::Generator gen = at::globalContext().defaultGenerator(device);  // shares the default generator
+      if (auto saved = r.rng(s_.launch.rank, which); saved.defined()) gen.set_state(saved);
+    };
+    set(torch::kCPU, "cpu");
+    if (s_.device.is_cuda()) set(s_.device, "cuda");
+  }
+
+ private:
+  Parts& s_;
+};
+
+// ---- the loop's counters ----
+
+class Loop final : public Component {
+ public:
+  explicit Loop(Counters& c) : c_(c) {}
+  void add_meta(Json& meta) const override {
+    meta["step"] = c_.steps_done;
+    meta["loop"] = {{"skipped_steps", c_.skipped_steps},
+                    {"consecutive_skips", c_.consecutive_skips},
+                    {"last_val", std::isfinite(c_.last_val) ? Json(c_.last_val) : Json(nullptr)}};
+  }
+  void load(const Json& meta, const Reader& /*r*/) override {
+    c_.steps_done = meta.at("step").get<int64_t>();
+    const auto& loop = meta.at("loop");
+    c_.skipped_steps = loop.at("skipped_steps").get<int64_t>();
+    c_.consecutive_skips = loop.at("consecutive_skips").get<int64_t>();
+    c_.last_val = loop.at("last_val").is_null() ? NAN : loop.at("last_val").get<double>();
+  }
+
+ private:
+  Counters& c_;
+};
+
+// ---- the data samplers' positions ----
+
+class Samplers final : public Component {
+ public:
+  explicit Samplers(Parts& s) : s_(s) {}
+  void add_meta(Json& meta) const override {
+    meta["data"] = {{"train_sampler", s_.train_loader->position()}, {"val_sampler", s_.val_loader->position()}};
+  }
+  void load(const Json& meta, const Reader& /*r*/) override {
+    s_.train_loader->restore(meta.at("data").at("train_sampler").get<uint64_t>());
+    s_.val_loader->restore(meta.at("data").at("val_sampler").get<uint64_t>());
+  }
+
+ private:
+  Parts& s_;
+};
+
+// ---- the dynamic loss scale (fp16) ----
+
+class LossScale final : public Component {
+ public:
+  explicit LossScale(Parts& s) : s_(s) {}
+  void add_meta(Json& meta) const override {
+    Json scaler = nullptr;
+    if (s_.scaler->enabled()) scaler = {{"scale", s_.scaler->scale()}, {"growth_tracker", s_.scaler->growth_tracker()}};
+    meta["loss_scaler"] = scaler;
+  }
+  void load(const Json& meta, const Reader& /*r*/) override {
+    const auto& sc = meta.at("loss_scaler");
+    if (!sc.is_null() && s_.scaler->enabled()) s_.scaler->restore(sc.at("scale").get<double>(), sc.at("growth_tracker").get<int64_t>());
+  }
+
+ private:
+  Parts& s_;
+};
+
+}  // namespace
+
+std::vector<std::unique_ptr<Component>> components(Parts& parts, Counters& counters) {
+  std::vector<std::unique_ptr<Component>> out;
+  out.push_back(std::make_unique<ModelStates>(parts));
+  out.push_back(std::make_unique<Rng>(parts));
+  out.push_back(std::make_unique<Loop>(counters));
+  out.push_back(std::make_unique<Samplers>(parts));
+  out.push_back(std::make_unique<LossScale>(parts));
+  return out;
+}
+
+}  // namespace sl::state

@@ -1,0 +1,46 @@
+// The probe step (train/probe.h): set-up in the trainer's order, then `steps` real train_steps.
+#include "train/probe.h"
+
+#include <optional>
+
+#include <torch/torch.h>
+
+#include "memory/tracker.h"
+#include "model/gpt.h"
+#include "precision/autocast.h"
+#include "precision/loss_scaler.h"
+#include "recompute/policy.h"
+
+namespace sl::train {
+
+ProbeResult probe_step(const config::RunConfig& cfg, const recompute::Plan& plan, const ProbeOptions& opts) {
+  ProbeResult out;
+  const torch::Device device = opts.device;
+  try {
+    memory::Tracker tracker(device);
+    // Tensors the caller still holds (e.g. another run's gradients) are neither this model's states
+    // nor this step's activations.
+    out.allocated_before = tracker.read().allocated_bytes;
+    torch::manual_seed(opts.seed.value_or(static_cast<uint64_t>(cfg.train.seed)));
+    model::GPT m(cfg.model, device);
+    recompute::Policy policy(cfg.checkpointing, m, plan);
+    auto opt = make_optimizer(m, cfg.train);
+    std::optional<precision::LossScaler> scaler;
+    if (opts.loss_scaler) scaler.emplace(cfg.precision, device);
+    const StepPrecision prec{precision::compute_dtype(cfg.precision.compute), scaler ? &*scaler : nullptr};
+    const ForwardFn fwd = [&policy](const torch::Tensor& idx) { return policy.forward(idx); };
+    const double clip = opts.grad_clip.value_or(cfg.train.grad_clip);
+    torch::Tensor x;
+    if (!opts.loader)
+      x = torch::randint(0, cfg.model.vocab_size, {cfg.train.micro_batch, cfg.train.seq_len}, torch::kInt64);
+    for (int i = 0; i < opts.steps; ++i) {
+      const data::Batch batch = opts.loader ? opts.loader->next() : data::Batch{x, x};
+      out.last = train_step(fwd, m, *opt, {batch}, clip, device, tracker, prec);
+    }
+  } catch (const c10::OutOfMemoryError&) {
+    out.oom = true;
+  }
+  return out;
+}
+
+}  // namespace sl::train
