@@ -32,7 +32,7 @@ LAYERS = [
     "device",     # what runs where: device choice, the CPU's instruction set, host staging
     "model",      # GPT-2 / LLaMA and their kernels
     "precision",  # autocast and the loss scaler
-    "recompute",  # activation checkpointing: the per-block plan and the engine that runs it
+    "checkpointing",  # activation checkpointing: the per-block plan (torch-free) and the engine that runs it
     "memory",     # the memory model (activations, model states) and the tracking allocator
     "budget",     # the budget solver: the fastest per-block plan under a memory budget
     "planner",    # predicted peak of a recipe, largest micro-batch, `trainer plan`, OOM advice
@@ -44,7 +44,7 @@ LAYERS = [
     "train",      # the run: setup, the loop, the step, reports
 ]
 # Files that include no torch header, directly or through the project headers they include.
-TORCH_FREE = ["src/config/*", "src/log/*", "src/recompute/plan.*", "src/memory/activations.h", "src/memory/footprint.h"]
+TORCH_FREE = ["src/config/*", "src/log/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h"]
 TORCH = re.compile(r'#include\s*<(torch|ATen|c10)/')
 INCLUDE = re.compile(r'#include\s*"([^"]+)"')
 

@@ -22,7 +22,7 @@
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
 #include "budget/budget.h"
-#include "recompute/policy.h"
+#include "checkpointing/runner.h"
 #include "measure.h"
 #include "runs.h"
 #include "test_util.h"
@@ -34,13 +34,13 @@ namespace {
 
 // Every schedule of an L-block chain: each block kept with one of the 8 sets of selective parts, or
 // part of a checkpointed segment of any length.
-void each_schedule(int64_t L, const std::function<void(const recompute::Plan&)>& visit) {
-  recompute::Plan p;
-  p.mode = config::RecomputeMode::kBudget;
+void each_schedule(int64_t L, const std::function<void(const checkpointing::Plan&)>& visit) {
+  checkpointing::Plan p;
+  p.mode = config::CheckpointingMode::kBudget;
   p.block_parts.assign(static_cast<size_t>(L), 0);
   std::function<void(int64_t)> from = [&](int64_t i) {
     if (i == L) return visit(p);
-    for (int s = 0; s < recompute::kPartSets; ++s) {
+    for (int s = 0; s < checkpointing::kPartSets; ++s) {
       p.segments.push_back({i, i + 1, false});
       p.block_parts[static_cast<size_t>(i)] = static_cast<uint8_t>(s);
       from(i + 1);
@@ -67,15 +67,15 @@ Chain random_chain(int64_t L, std::mt19937& rng, bool weights) {
   std::uniform_int_distribution<int> size(20, 120), small(1, 30), cost(1, 50);
   Chain c;
   for (int64_t i = 0; i < L; ++i) {
-    std::array<double, recompute::kPartSets> kept{}, backward{};
+    std::array<double, checkpointing::kPartSets> kept{}, backward{};
     const double full = size(rng), t = small(rng);
     const double save[] = {static_cast<double>(small(rng)), static_cast<double>(small(rng)), static_cast<double>(small(rng))};
-    for (int s = 0; s < recompute::kPartSets; ++s) {
+    for (int s = 0; s < checkpointing::kPartSets; ++s) {
       kept[static_cast<size_t>(s)] = full;
       for (int bit = 0; bit < 3; ++bit)
         if (s & (1 << bit)) kept[static_cast<size_t>(s)] -= save[bit] / 2;
       kept[static_cast<size_t>(s)] = std::max(1.0, std::floor(kept[static_cast<size_t>(s)]));
-      backward[static_cast<size_t>(s)] = t + ((s & recompute::kPartMlp) ? small(rng) % 5 : 0);
+      backward[static_cast<size_t>(s)] = t + ((s & checkpointing::kPartMlp) ? small(rng) % 5 : 0);
     }
     c.mem.kept.push_back(kept);
     c.mem.backward.push_back(backward);
@@ -97,7 +97,7 @@ struct Evaluated {
 
 std::vector<Evaluated> all_schedules(const Chain& c) {
   std::vector<Evaluated> out;
-  each_schedule(static_cast<int64_t>(c.costs.size()), [&](const recompute::Plan& p) {
+  each_schedule(static_cast<int64_t>(c.costs.size()), [&](const checkpointing::Plan& p) {
     out.push_back({memory::chain_peak(c.mem, p), budget::schedule_cost(p.segments, p.block_parts, c.costs)});
   });
   return out;
@@ -110,9 +110,9 @@ double brute_best(const std::vector<Evaluated>& all, double budget) {
   return best;
 }
 
-recompute::Plan plan_of(const budget::Schedule& s) {
-  recompute::Plan p;
-  p.mode = config::RecomputeMode::kBudget;
+checkpointing::Plan plan_of(const budget::Schedule& s) {
+  checkpointing::Plan p;
+  p.mode = config::CheckpointingMode::kBudget;
   p.segments = s.segments;
   p.block_parts = s.block_parts;
   return p;
@@ -185,8 +185,8 @@ TEST_CASE("while a segment is recomputed, the kept blocks before it still hold t
   m.weights = {7, 11, 13};
   m.forward.assign(3, 20);
   m.input = 5, m.head = 30, m.head_input = 4, m.head_weights = 3, m.tied_grad = 2;
-  recompute::Plan p;
-  p.mode = config::RecomputeMode::kBudget;
+  checkpointing::Plan p;
+  p.mode = config::CheckpointingMode::kBudget;
   p.segments = {{0, 1, false}, {1, 3, true}};
   p.block_parts = {0, 0, 0};
   // B of segment [1, 3): block 0's weights and saved tensors, the segment's weights, input, saved tensors
@@ -215,7 +215,7 @@ TEST_CASE("the chain walk gives the formula's peak for every uniform plan: gpt2 
         if (arch == "llama") sets.insert(sets.end(), {"model.bias=false", "model.tie_embeddings=false"});
         sets.insert(sets.end(), mode.begin(), mode.end());
         const auto cfg = config::load_string("", sets);
-        const auto plan = recompute::make_plan(cfg.checkpointing, cfg.model.n_layer);
+        const auto plan = checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer);
         const auto lowp = memory::lowp_matmul_path(cfg);
         const auto formula = memory::estimate_activation_peak(cfg, memory::segment_counts(plan), lowp);
         const auto mem = memory::chain_model(cfg, lowp);
@@ -242,22 +242,22 @@ struct Gradients {
 };
 
 // One forward/backward of a fresh model under `plan`: the same init, batch and dropout stream for every plan.
-Gradients gradients(const config::RunConfig& cfg, const recompute::Plan& plan) {
+Gradients gradients(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
   m->train();
-  recompute::Policy policy(cfg.checkpointing, m, plan);
+  checkpointing::Runner runner(cfg.checkpointing, m, plan);
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(20000, cfg.model.vocab_size, 5);
   data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
   torch::manual_seed(1234);
   Gradients out;
-  out.loss = train::forward_backward([&](const torch::Tensor& idx) { return policy.forward(idx); }, {loader.next()},
+  out.loss = train::forward_backward([&](const torch::Tensor& idx) { return runner.forward(idx); }, {loader.next()},
                                      torch::kCPU, {}).item<double>();
   for (const auto& p : m->parameters()) out.grads.push_back(p.grad().clone());
   return out;
 }
 
-bool uniform(const recompute::Plan& p) {
+bool uniform(const checkpointing::Plan& p) {
   std::set<std::string> kinds;
   for (const auto& s : p.segments)
     for (int64_t b = s.begin; b < s.end; ++b)
@@ -471,14 +471,14 @@ TEST_CASE("recompute FLOPs per token count each recomputed block's own MLP size"
   const auto cfg = mixed_widths({"checkpointing.mode=full"});  // blocks 0..4 recomputed, 5 kept
   torch::NoGradGuard no_grad;
   model::GPT m(cfg.model, torch::kMeta);
-  const recompute::Policy policy(cfg.checkpointing, m);
+  const checkpointing::Runner runner(cfg.checkpointing, m);
   const double C = 64, T = 64;
   double expected = 0;
   for (int64_t l = 0; l < 5; ++l) {
     const auto H = static_cast<double>(config::mlp_hidden(cfg.model, l));
     expected += 2 * (4 * C * C + 2 * C * H) + 4 * T * C - 2 * C * H;  // every segment's one block skips w_out
   }
-  CHECK(policy.recompute_flops_per_token(64) == Approx(expected));
+  CHECK(runner.recompute_flops_per_token(64) == Approx(expected));
 }
 
 TEST_CASE("blocks of differing MLP sizes: predicted activation peaks within 5% of measured for uniform modes and budget "
@@ -563,7 +563,7 @@ TEST_CASE("the profile measures each block's bytes on the device; they agree wit
     const auto formula = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
     const auto solver = budget::solver_model(cfg, costs);
     for (size_t b : {size_t{0}, size_t{1}}) {  // a narrow block and a wide one
-      for (size_t p = 0; p < recompute::kPartSets; ++p) {
+      for (size_t p = 0; p < checkpointing::kPartSets; ++p) {
         INFO(fmt::format("{} block {} parts {}: kept {} vs {}, backward {} vs {}", fmt::join(sets, " "), b, p,
                          costs.bytes[b].kept[p], formula.kept[b][p], costs.bytes[b].backward[p], formula.backward[b][p]));
         // What a block keeps: the model's tensors, and a few KiB it does not count (each recomputed part

@@ -21,7 +21,7 @@
 #include "planner/planner.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
-#include "recompute/plan.h"
+#include "checkpointing/plan.h"
 #include "test_util.h"
 #include "train/probe.h"
 #include "train/trainer.h"
@@ -60,7 +60,7 @@ int64_t measured_peak(const config::RunConfig& cfg) {
   memory::TrackingCPUAllocator::install();
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(50000, cfg.model.vocab_size, 5);
   data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
-  const auto r = train::probe_step(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer),
+  const auto r = train::probe_step(cfg, checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer),
                                    {.loss_scaler = false, .grad_clip = 1.0, .seed = 0, .loader = &loader});
   REQUIRE_FALSE(r.oom);
   return r.last.mem.peak_allocated_bytes - r.allocated_before;
@@ -439,8 +439,8 @@ TEST_CASE("parameter counts are closed formulas equal to the model's, gpt2 and l
 
 TEST_CASE("the planner does O(1) work in n_layer: a billion layers are predicted at once") {
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {"model.n_layer=1000000000"});
-  using config::RecomputeMode;
-  for (const RecomputeMode mode : {RecomputeMode::kNone, RecomputeMode::kFull, RecomputeMode::kSqrt, RecomputeMode::kSelective}) {
+  using config::CheckpointingMode;
+  for (const CheckpointingMode mode : {CheckpointingMode::kNone, CheckpointingMode::kFull, CheckpointingMode::kSqrt, CheckpointingMode::kSelective}) {
     cfg.checkpointing.mode = mode;
     // Finishing at all is the check: a per-layer loop (or a meta-device model) over 1e9 layers takes
     // minutes and gigabytes. No timing is asserted here (timings belong in bench/).
@@ -464,20 +464,20 @@ TEST_CASE("the O(1) segment counts equal the plan's for every mode") {
   for (bool skip : {true, false}) {
     config::CheckpointingConfig c;
     c.skip_last = skip;
-    for (const config::RecomputeMode mode : {config::RecomputeMode::kNone, config::RecomputeMode::kFull, config::RecomputeMode::kSqrt})
+    for (const config::CheckpointingMode mode : {config::CheckpointingMode::kNone, config::CheckpointingMode::kFull, config::CheckpointingMode::kSqrt})
       c.mode = mode, cks.push_back(c);
-    c.mode = config::RecomputeMode::kInterval;
+    c.mode = config::CheckpointingMode::kInterval;
     for (int64_t k : {1, 2, 3, 5}) c.interval = k, c.segments = 0, cks.push_back(c);
     for (int64_t n : {1, 2, 3}) c.interval = 0, c.segments = n, cks.push_back(c);
-    c.mode = config::RecomputeMode::kSelective;
+    c.mode = config::CheckpointingMode::kSelective;
     c.recompute = {"attention", "norm"};
     cks.push_back(c);
   }
   for (const auto& c : cks)
     for (int64_t L : {3, 4, 5, 7, 12, 13}) {
-      if (c.mode == config::RecomputeMode::kInterval && c.segments > L) continue;
+      if (c.mode == config::CheckpointingMode::kInterval && c.segments > L) continue;
       INFO(c.mode << " interval " << c.interval << " segments " << c.segments << " skip_last " << c.skip_last << " L " << L);
-      const auto fast = memory::segment_counts(c, L), slow = memory::segment_counts(recompute::make_plan(c, L));
+      const auto fast = memory::segment_counts(c, L), slow = memory::segment_counts(checkpointing::make_plan(c, L));
       CHECK(fast.checkpointed == slow.checkpointed);
       CHECK(fast.kept_blocks == slow.kept_blocks);
       CHECK(fast.largest_checkpointed == slow.largest_checkpointed);

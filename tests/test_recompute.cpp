@@ -15,7 +15,7 @@
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
 #include "precision/autocast.h"
-#include "recompute/policy.h"
+#include "checkpointing/runner.h"
 #include "train/trainer.h"
 #include "measure.h"
 
@@ -36,13 +36,13 @@ struct Result {
   std::vector<torch::Tensor> grads;
 };
 
-// One forward/backward of a fresh model (same init, same batch, same dropout stream) under a policy,
+// One forward/backward of a fresh model (same init, same batch, same dropout stream) under a runner,
 // with the forward under the recipe's precision.compute autocast.
 Result run_once(const config::RunConfig& cfg, int64_t micro_batches = 1) {
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
   m->train();
-  recompute::Policy policy(cfg.checkpointing, m);
+  checkpointing::Runner runner(cfg.checkpointing, m);
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(4000, 256, 5);
   data::Loader loader(src, 2, cfg.train.seq_len, 9);
   std::vector<data::Batch> batches;
@@ -50,7 +50,7 @@ Result run_once(const config::RunConfig& cfg, int64_t micro_batches = 1) {
   torch::manual_seed(1234);  // the dropout stream
   Result r;
   const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), nullptr};
-  r.loss = train::forward_backward([&](const torch::Tensor& idx) { return policy.forward(idx); }, batches, torch::kCPU,
+  r.loss = train::forward_backward([&](const torch::Tensor& idx) { return runner.forward(idx); }, batches, torch::kCPU,
                                    prec).item<double>();
   for (const auto& p : m->parameters()) r.grads.push_back(p.grad().clone());
   return r;
@@ -140,14 +140,14 @@ TEST_CASE("the comparison can fail: without RNG replay dropout masks differ") {
 TEST_CASE("under NoGradGuard nothing is saved or recomputed") {
   auto cfg = small("gpt2", 0.0, {"checkpointing.mode=full", "checkpointing.skip_last=false"});
   model::GPT m(cfg.model, torch::kCPU);
-  recompute::Policy policy(cfg.checkpointing, m);
+  checkpointing::Runner runner(cfg.checkpointing, m);
   auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
   torch::NoGradGuard no_grad;
-  auto out = policy.forward(idx);
+  auto out = runner.forward(idx);
   CHECK_FALSE(out.requires_grad());
   CHECK_FALSE(out.grad_fn());
   CHECK(torch::equal(out, m->forward(idx)));
-  CHECK(policy.take_stats().recomputes == 0);
+  CHECK(runner.take_stats().recomputes == 0);
 }
 
 TEST_CASE("checkpoint(): inputs without grad still give parameter grads; several outputs") {
@@ -165,8 +165,8 @@ TEST_CASE("checkpoint(): inputs without grad still give parameter grads; several
   w.mutable_grad().reset();
   other.mutable_grad().reset();
 
-  recompute::Options opts;
-  auto outs = recompute::checkpoint("test", fn, {x, other}, {w}, opts);
+  checkpointing::Options opts;
+  auto outs = checkpointing::checkpoint("test", fn, {x, other}, {w}, opts);
   REQUIRE(outs.size() == 2);
   (outs[0].sum() + outs[1].pow(2).sum()).backward();
   CHECK(torch::equal(w.grad(), gw));
@@ -181,16 +181,16 @@ TEST_CASE("a forward whose graph is dropped without backward frees everything") 
     DYNAMIC_SECTION(join(mode)) {
       auto cfg = small("gpt2", 0.1, mode);
       model::GPT m(cfg.model, torch::kCPU);
-      recompute::Policy policy(cfg.checkpointing, m);
+      checkpointing::Runner runner(cfg.checkpointing, m);
       auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
       const int64_t base = alloc.current_bytes();
       {
-        auto loss = model::GPTImpl::loss(policy.forward(idx), idx);
+        auto loss = model::GPTImpl::loss(runner.forward(idx), idx);
         CHECK(alloc.current_bytes() > base);
       }
       CHECK(alloc.current_bytes() == base);
       {
-        auto loss = model::GPTImpl::loss(policy.forward(idx), idx);
+        auto loss = model::GPTImpl::loss(runner.forward(idx), idx);
         loss.backward();
       }
       int64_t grads = 0;
@@ -203,15 +203,15 @@ TEST_CASE("a forward whose graph is dropped without backward frees everything") 
 TEST_CASE("the pre-recompute hook runs before each recompute, last segment first") {
   auto cfg = small("gpt2", 0.0, {"checkpointing.mode=interval", "checkpointing.interval=2"});  // [0,2) [2,4) [4,5) kept
   model::GPT m(cfg.model, torch::kCPU);
-  recompute::Policy policy(cfg.checkpointing, m);
+  checkpointing::Runner runner(cfg.checkpointing, m);
   std::vector<std::string> calls;
-  policy.set_pre_recompute_hook([&](const std::string& name) { calls.push_back(name); });
+  runner.set_pre_recompute_hook([&](const std::string& name) { calls.push_back(name); });
   auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
-  model::GPTImpl::loss(policy.forward(idx), idx).backward();
+  model::GPTImpl::loss(runner.forward(idx), idx).backward();
   REQUIRE(calls.size() == 2);
   CHECK(calls[0] == "segment 1 (blocks 2..3)");
   CHECK(calls[1] == "segment 0 (blocks 0..1)");
-  auto stats = policy.take_stats();
+  auto stats = runner.take_stats();
   CHECK(stats.recomputes == 2);
   CHECK(stats.recompute_ms > 0.0);
 }
@@ -220,9 +220,9 @@ TEST_CASE("check_recompute names the segment whose recompute differs") {
   auto cfg = small("gpt2", 0.3, {"checkpointing.mode=full", "checkpointing.preserve_rng=false",
                                  "checkpointing.check_recompute=true"});
   model::GPT m(cfg.model, torch::kCPU);
-  recompute::Policy policy(cfg.checkpointing, m);
+  checkpointing::Runner runner(cfg.checkpointing, m);
   auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
-  auto loss = model::GPTImpl::loss(policy.forward(idx), idx);
+  auto loss = model::GPTImpl::loss(runner.forward(idx), idx);
   try {
     loss.backward();
     FAIL("no error");
@@ -231,38 +231,38 @@ TEST_CASE("check_recompute names the segment whose recompute differs") {
   }
   // With the RNG replayed the same check passes.
   auto ok = small("gpt2", 0.3, {"checkpointing.mode=full", "checkpointing.check_recompute=true"});
-  recompute::Policy p2(ok.checkpointing, m);
+  checkpointing::Runner p2(ok.checkpointing, m);
   CHECK_NOTHROW(model::GPTImpl::loss(p2.forward(idx), idx).backward());
 }
 
 TEST_CASE("segment plans") {
   config::CheckpointingConfig c;
   // "[begin,end)" per segment, "*" when checkpointed.
-  auto segs = [](const recompute::Plan& p) {
+  auto segs = [](const checkpointing::Plan& p) {
     std::string s;
     for (const auto& g : p.segments) s += fmt::format("[{},{}){}", g.begin, g.end, g.checkpointed ? "*" : "");
     return s;
   };
-  c.mode = config::RecomputeMode::kInterval, c.interval = 3;
-  CHECK(segs(recompute::make_plan(c, 10)) == "[0,3)*[3,6)*[6,9)*[9,10)");
+  c.mode = config::CheckpointingMode::kInterval, c.interval = 3;
+  CHECK(segs(checkpointing::make_plan(c, 10)) == "[0,3)*[3,6)*[6,9)*[9,10)");
   c.skip_last = false;
-  CHECK(segs(recompute::make_plan(c, 10)) == "[0,3)*[3,6)*[6,9)*[9,10)*");
+  CHECK(segs(checkpointing::make_plan(c, 10)) == "[0,3)*[3,6)*[6,9)*[9,10)*");
   c.interval = 0, c.segments = 3;
-  CHECK(segs(recompute::make_plan(c, 10)) == "[0,3)*[3,6)*[6,10)*");
-  c.mode = config::RecomputeMode::kSqrt, c.segments = 0;
-  CHECK(recompute::make_plan(c, 12).k == 3);
-  CHECK(recompute::make_plan(c, 32).k == 6);
-  c.mode = config::RecomputeMode::kFull, c.skip_last = true;
-  auto full = recompute::make_plan(c, 4);
+  CHECK(segs(checkpointing::make_plan(c, 10)) == "[0,3)*[3,6)*[6,10)*");
+  c.mode = config::CheckpointingMode::kSqrt, c.segments = 0;
+  CHECK(checkpointing::make_plan(c, 12).k == 3);
+  CHECK(checkpointing::make_plan(c, 32).k == 6);
+  c.mode = config::CheckpointingMode::kFull, c.skip_last = true;
+  auto full = checkpointing::make_plan(c, 4);
   CHECK(full.segments.size() == 4);
   CHECK(full.checkpointed_blocks() == 3);
-  c.mode = config::RecomputeMode::kNone;
-  CHECK(recompute::make_plan(c, 4).checkpointed_blocks() == 0);
+  c.mode = config::CheckpointingMode::kNone;
+  CHECK(checkpointing::make_plan(c, 4).checkpointed_blocks() == 0);
 }
 
 namespace {
 int64_t measured_activation_peak(const config::RunConfig& cfg) {
-  return test::measured_activation_peak(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer));
+  return test::measured_activation_peak(cfg, checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer));
 }
 
 config::RunConfig twelve_layers(std::vector<std::string> extra) {
@@ -279,14 +279,14 @@ TEST_CASE("activation memory, 12 layers, fp32, dropout 0: the seeds' claims and 
   auto check_mode = [&](const std::vector<std::string>& mode, double max_ratio) {
     auto cfg = twelve_layers(mode);
     const double got = static_cast<double>(measured_activation_peak(cfg));
-    const auto predicted = memory::estimate_activation_peak(cfg, recompute::make_plan(cfg.checkpointing, 12));
+    const auto predicted = memory::estimate_activation_peak(cfg, checkpointing::make_plan(cfg.checkpointing, 12));
     INFO(join(mode) << ": measured " << got << " bytes, predicted " << predicted.peak_bytes << ", none " << none);
     CHECK(got <= max_ratio * none);
     CHECK(std::abs(got - static_cast<double>(predicted.peak_bytes)) <= 0.10 * got);
     return got;
   };
   {
-    const auto predicted = memory::estimate_activation_peak(none_cfg, recompute::make_plan(none_cfg.checkpointing, 12));
+    const auto predicted = memory::estimate_activation_peak(none_cfg, checkpointing::make_plan(none_cfg.checkpointing, 12));
     CHECK(std::abs(none - static_cast<double>(predicted.peak_bytes)) <= 0.05 * none);
   }
   // full keeps L block inputs + one block's internals: <= 20% of none.
@@ -309,11 +309,11 @@ TEST_CASE("the forward's autocast state is re-applied during recompute, and the 
     seen.push_back(at::autocast::is_autocast_enabled(at::kCPU));
     return std::vector<torch::Tensor>{in[0].mm(w).relu()};
   };
-  recompute::Options opts;
+  checkpointing::Options opts;
   torch::Tensor out;
   at::autocast::set_autocast_enabled(at::kCPU, true);
   at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-  out = recompute::checkpoint("amp", fn, {torch::randn({4, 8})}, {w}, opts)[0];
+  out = checkpointing::checkpoint("amp", fn, {torch::randn({4, 8})}, {w}, opts)[0];
   at::autocast::set_autocast_enabled(at::kCPU, false);
   at::autocast::clear_cache();
   CHECK(out.scalar_type() == at::kBFloat16);

@@ -25,7 +25,7 @@
 #include "parallel/engine.h"
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
-#include "recompute/policy.h"
+#include "checkpointing/runner.h"
 #include "optim/optimizer.h"
 #include "train/peak_flops.h"
 #include "train/schedule.h"
@@ -476,7 +476,7 @@ struct Counter {
 };
 }  // namespace syncs
 
-// One rank of an in-process world-2 run (a thread): Comm, policy, engine, optimizer and scaler as
+// One rank of an in-process world-2 run (a thread): Comm, runner, engine, optimizer and scaler as
 // setup() makes them, then `steps` train_steps of 2 micro-batches; returns its host syncs in them.
 // Each step polls the rank's stop reason `stops[rank][step]` and records the agreed one in `agreed`.
 int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int port, int64_t steps,
@@ -484,15 +484,15 @@ int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int
   parallel::LaunchEnv env;
   env.rank = rank, env.world = 2, env.local_rank = rank, env.local_world = 2, env.master_port = port;
   auto comm = std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU);
-  recompute::Policy policy(cfg.checkpointing, m);
+  checkpointing::Runner runner(cfg.checkpointing, m);
   parallel::Engine engine(m, cfg, comm);
-  engine.attach(policy);
+  engine.attach(runner);
   auto opt = engine.make_optimizer(cfg.train);
   precision::LossScaler scaler(cfg.precision, torch::kCPU);
   const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), &scaler};
   memory::Tracker tracker(torch::kCPU);
   data::Loader loader(data::make_synthetic(20000, 256, 3), 2, 32, 100 + static_cast<uint64_t>(rank));
-  const train::ForwardFn forward = [&](const torch::Tensor& idx) { return policy.forward(idx); };
+  const train::ForwardFn forward = [&](const torch::Tensor& idx) { return runner.forward(idx); };
   syncs::Counter::reset();
   for (int64_t s = 0; s < steps; ++s) {
     const train::StopPoll poll = [&] { return stops[s]; };

@@ -23,8 +23,8 @@
 
 namespace sl::budget {
 
-using recompute::Options;
-using recompute::selective_linear_after;
+using checkpointing::Options;
+using checkpointing::selective_linear_after;
 
 int64_t budget_quanta(int64_t n_layer) { return std::max<int64_t>(16384, 16 * n_layer); }
 
@@ -140,7 +140,7 @@ void read_back(const Table& t, int64_t h, Schedule& out) {
 
 Plan as_plan(const Schedule& s) {
   Plan p;
-  p.mode = config::RecomputeMode::kBudget;
+  p.mode = config::CheckpointingMode::kBudget;
   p.segments = s.segments;
   p.block_parts = s.block_parts;
   return p;
@@ -419,7 +419,7 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
   if (auto p = try_budget_plan(cfg, costs)) return *p;
   const int64_t budget = memory::activation_budget_bytes(cfg), least = least_budget(cfg);
   // What checkpointing.budget would have to say: the activations plus the transient it also counts.
-  const int64_t transient = memory::predict_peak(cfg, recompute::make_plan({}, cfg.model.n_layer)).transient_bytes;
+  const int64_t transient = memory::predict_peak(cfg, checkpointing::make_plan({}, cfg.model.n_layer)).transient_bytes;
   const auto share = config::parse_budget(cfg).share;
   std::string needed = log::format_bytes(least + transient);
   if (share > 0) {
@@ -438,7 +438,7 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
 }
 
 Plan plan_for(const config::RunConfig& cfg) {
-  if (!cfg.checkpointing.mode.solved()) return recompute::make_plan(cfg.checkpointing, cfg.model.n_layer);
+  if (!cfg.checkpointing.mode.solved()) return checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer);
   return budget_plan(cfg, formula_costs(cfg));
 }
 

@@ -12,20 +12,20 @@
 
 #include <torch/types.h>
 
+#include "checkpointing/runner.h"
 #include "config/config.h"
 #include "memory/activations.h"
 #include "model/gpt.h"
-#include "recompute/policy.h"
 
 namespace sl::budget {
 
-// The per-block plan's vocabulary (recompute/plan.h): a schedule is one of its plans.
-using recompute::kPartAttention;
-using recompute::kPartMlp;
-using recompute::kPartNorm;
-using recompute::kPartSets;
-using recompute::Plan;
-using recompute::Segment;
+// The per-block plan's vocabulary (checkpointing/plan.h): a schedule is one of its plans.
+using checkpointing::kPartAttention;
+using checkpointing::kPartMlp;
+using checkpointing::kPartNorm;
+using checkpointing::kPartSets;
+using checkpointing::Plan;
+using checkpointing::Segment;
 
 // What re-running a block's pieces costs, in one unit for the whole chain (ms or GFLOP).
 struct BlockCost {

@@ -13,14 +13,14 @@ std::optional<Sharding> Sharding::parse(std::string_view name) {
   return std::nullopt;
 }
 
-std::optional<RecomputeMode> RecomputeMode::parse(std::string_view name) {
+std::optional<CheckpointingMode> CheckpointingMode::parse(std::string_view name) {
   for (size_t i = 0; i < kNames.size(); ++i)
-    if (kNames[i] == name) return RecomputeMode(static_cast<Kind>(i));
+    if (kNames[i] == name) return CheckpointingMode(static_cast<Kind>(i));
   return std::nullopt;
 }
 
 void to_json(nlohmann::json& j, const Sharding& s) { j = s.str(); }
-void to_json(nlohmann::json& j, const RecomputeMode& m) { j = m.str(); }
+void to_json(nlohmann::json& j, const CheckpointingMode& m) { j = m.str(); }
 void to_json(nlohmann::json& j, const MicroBatch& m) { j = m.is_auto() ? nlohmann::json("auto") : nlohmann::json(m.value()); }
 
 int64_t MicroBatch::value() const {
@@ -28,6 +28,6 @@ int64_t MicroBatch::value() const {
   return n_;
 }
 std::ostream& operator<<(std::ostream& os, const Sharding& s) { return os << s.name(); }
-std::ostream& operator<<(std::ostream& os, const RecomputeMode& m) { return os << m.name(); }
+std::ostream& operator<<(std::ostream& os, const CheckpointingMode& m) { return os << m.name(); }
 
 }  // namespace sl::config

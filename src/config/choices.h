@@ -1,7 +1,7 @@
 // The recipe's named choices that decide how a run is built, parsed once where the recipe is read:
-// parallel.sharding (Sharding) and checkpointing.mode (RecomputeMode). Past the parser no code sees
+// parallel.sharding (Sharding) and checkpointing.mode (CheckpointingMode). Past the parser no code sees
 // their names: it asks the value what it does (sharding.shards_params()) or compares values
-// (mode == RecomputeMode::kBudget). Comparing one with a string does not compile, and
+// (mode == CheckpointingMode::kBudget). Comparing one with a string does not compile, and
 // scripts/check_design.py keeps src/ free of string comparisons with these names.
 // Torch-free: the planner and the formulas use them too.
 #pragma once
@@ -44,26 +44,26 @@ class Sharding {
 };
 
 // checkpointing.mode: which activations a step keeps and which it recomputes. Its parameters stay in
-// their own keys (checkpointing.interval / segments, recompute, budget) and the recompute::Plan made
-// from them (recompute/policy.h, budget/budget.h).
-class RecomputeMode {
+// their own keys (checkpointing.interval / segments, recompute, budget) and the checkpointing::Plan made
+// from them (checkpointing/runner.h, budget/budget.h).
+class CheckpointingMode {
  public:
   enum Kind : uint8_t { kNone, kFull, kInterval, kSqrt, kSelective, kBudget };
   static constexpr std::array<std::string_view, 6> kNames = {"none", "full", "interval", "sqrt", "selective", "budget"};
 
-  constexpr RecomputeMode() = default;
-  constexpr RecomputeMode(Kind k) : kind_(k) {}  // NOLINT(google-explicit-constructor)
-  static std::optional<RecomputeMode> parse(std::string_view name);
+  constexpr CheckpointingMode() = default;
+  constexpr CheckpointingMode(Kind k) : kind_(k) {}  // NOLINT(google-explicit-constructor)
+  static std::optional<CheckpointingMode> parse(std::string_view name);
 
   constexpr Kind kind() const { return kind_; }
   constexpr std::string_view name() const { return kNames[kind_]; }
   std::string str() const { return std::string(name()); }
 
   // budget: the schedule is solved per block under a memory budget (budget/budget.h); the others
-  // follow one rule for every block (recompute::make_plan).
+  // follow one rule for every block (checkpointing::make_plan).
   constexpr bool solved() const { return kind_ == kBudget; }
 
-  constexpr bool operator==(const RecomputeMode&) const = default;
+  constexpr bool operator==(const CheckpointingMode&) const = default;
   bool operator==(std::string_view) const = delete;
 
  private:
@@ -100,10 +100,10 @@ template <class Choice> std::string choice_list() {
 
 // JSON: the name, as in the recipe (logs, summary.json, state metadata, plan output).
 void to_json(nlohmann::json& j, const Sharding& s);
-void to_json(nlohmann::json& j, const RecomputeMode& m);
+void to_json(nlohmann::json& j, const CheckpointingMode& m);
 void to_json(nlohmann::json& j, const MicroBatch& m);  // "auto" or the number
 // Streams: the name (test messages; in fmt use .name()).
 std::ostream& operator<<(std::ostream& os, const Sharding& s);
-std::ostream& operator<<(std::ostream& os, const RecomputeMode& m);
+std::ostream& operator<<(std::ostream& os, const CheckpointingMode& m);
 
 }  // namespace sl::config

@@ -103,13 +103,13 @@ Field micro_batch_field() {
   return f;
 }
 
-const std::vector<Field>& fields() {
+namespace {
+
+// The model section's keys, in the order --help-config and the reference list them.
+std::vector<Field> model_fields() {
   using R = RunConfig;
   using M = ModelConfig;
-  using D = DataConfig;
-  using T = TrainConfig;
-  using C = CheckpointingConfig;
-  static const std::vector<Field> table = {
+  return {
       field(&R::model, &M::preset, "model", "preset", "named shape: tiny | gpt2-124m | gpt2-350m | 1.3b | 7b (\"\" = none); keys given next to it override it"),
       field(&R::model, &M::arch, "model", "arch", "gpt2 (LayerNorm, GELU, learned positions) | llama (RMSNorm, SwiGLU, RoPE)"),
       field(&R::model, &M::n_layer, "model", "n_layer", "transformer blocks L"),
@@ -126,14 +126,28 @@ const std::vector<Field>& fields() {
       field(&R::model, &M::rope_theta, "model", "rope_theta", "RoPE base frequency (llama)"),
       field(&R::model, &M::init_std, "model", "init_std", "init std of weights; residual projections use init_std/sqrt(2L)"),
       field(&R::model, &M::init_from, "model", "init_from", "start from Hugging Face weights: a model.safetensors (GPT2LMHeadModel / LlamaForCausalLM names) or a directory holding one; its config.json, when beside it, is checked against the recipe; \"\" = random init"),
+  };
+}
 
+// The data section's keys, in the order --help-config and the reference list them.
+std::vector<Field> data_fields() {
+  using R = RunConfig;
+  using D = DataConfig;
+  return {
       field(&R::data, &D::source, "data", "source", "llmc (llm.c token shard: header + uint16/uint32 tokens; `bin` is its old name) | raw (headerless tokens, nanoGPT's prepare.py output; width from raw_dtype) | text (UTF-8, one token per byte) | synthetic"),
       field(&R::data, &D::raw_dtype, "data", "raw_dtype", "token width of source: raw files: uint16 (nanoGPT) | uint32"),
       field(&R::data, &D::path, "data", "path", "training file (llmc, raw or text), relative to the working directory"),
       field(&R::data, &D::val_path, "data", "val_path", "held-out file of the same kind; \"\" = hold out the last val_fraction of path"),
       field(&R::data, &D::val_fraction, "data", "val_fraction", "share of path held out for eval when val_path is \"\""),
       field(&R::data, &D::synthetic_tokens, "data", "synthetic_tokens", "corpus length in tokens for source: synthetic"),
+  };
+}
 
+// The train section's keys, in the order --help-config and the reference list them.
+std::vector<Field> train_fields() {
+  using R = RunConfig;
+  using T = TrainConfig;
+  return {
       field(&R::train, &T::seq_len, "train", "seq_len", "tokens per sequence T (<= model.max_seq_len)"),
       micro_batch_field(),
       field(&R::train, &T::global_batch, "train", "global_batch", "sequences per optimizer step over all ranks (micro_batch * grad_accum * WORLD_SIZE), kept by micro_batch: auto; 0 = derived"),
@@ -152,7 +166,14 @@ const std::vector<Field>& fields() {
       field(&R::train, &T::device, "train", "device", "auto | cpu | cuda (auto = cuda when available) | lazy (a TEST device: LibTorch's lazy-tensor TorchScript backend, not the CPU but running on it; world 1, fp32, no sharding, no memory.limit, no budget mode)"),
       field(&R::train, &T::threads, "train", "threads", "CPU intra-op threads; 0 = all cores"),
       field(&R::train, &T::on_nonfinite, "train", "on_nonfinite", "fp32/bf16 gradients with NaN/Inf (finite loss): abort (exit 6 before the optimizer step) | skip (weights untouched, a skip event)"),
+  };
+}
 
+// The checkpointing section's keys, in the order --help-config and the reference list them.
+std::vector<Field> checkpointing_fields() {
+  using R = RunConfig;
+  using C = CheckpointingConfig;
+  return {
       field(&R::checkpointing, &C::mode, "checkpointing", "mode", "none | full | interval | sqrt | selective | budget (per block keep / selective parts / recompute, the least recompute time under checkpointing.budget)"),
       field(&R::checkpointing, &C::interval, "checkpointing", "interval", "interval mode: k consecutive blocks per segment"),
       field(&R::checkpointing, &C::segments, "checkpointing", "segments", "interval mode alternative: number of segments (give interval or segments, not both)"),
@@ -162,7 +183,13 @@ const std::vector<Field>& fields() {
       field(&R::checkpointing, &C::profile_costs, "checkpointing", "profile_costs", "budget mode: time each kind of block's parts in a short pass of real forwards at the run's shape and precision; false (or `trainer --no-profile`) = the FLOP formula"),
       field(&R::checkpointing, &C::preserve_rng, "checkpointing", "preserve_rng", "replay the forward's RNG state during recompute (exact dropout)"),
       field(&R::checkpointing, &C::check_recompute, "checkpointing", "check_recompute", "verify recomputed outputs match the forward's shapes and dtypes"),
+  };
+}
 
+// The precision section's keys, in the order --help-config and the reference list them.
+std::vector<Field> precision_fields() {
+  using R = RunConfig;
+  return {
       field(&R::precision, &PrecisionConfig::compute, "precision", "compute", "fp32 | bf16 | fp16: autocast's compute dtype on the run's device; weights and optimizer states stay fp32"),
       field(&R::precision, &PrecisionConfig::param_dtype, "precision", "param_dtype", "fp32 | bf16 | fp16: dtype of the parameters the forward and backward use; not fp32 needs parallel.sharding zero1/2/3 (fp32 master weights and AdamW states stay in the rank's shard; the all-gather moves this dtype) and precision.compute of the same dtype"),
       field(&R::precision, &PrecisionConfig::reduce_dtype, "precision", "reduce_dtype", "fp32 | bf16 | fp16: dtype gradients are reduce-scattered in (zero2/3); not fp32 halves the traffic but rounds every rank's gradient before the sum (lossy)"),
@@ -172,13 +199,33 @@ const std::vector<Field>& fields() {
       field(&R::precision, &PrecisionConfig::backoff_factor, "precision", "backoff_factor", "fp16 dynamic scaling: scale multiplier after a step with non-finite gradients"),
       field(&R::precision, &PrecisionConfig::growth_interval, "precision", "growth_interval", "fp16 dynamic scaling: clean steps between growths"),
       field(&R::precision, &PrecisionConfig::max_skipped_steps, "precision", "max_skipped_steps", "fp16: this many skipped steps in a row mean the run diverged (exit 6); 0 = never give up"),
+  };
+}
+
+// The parallel section's keys, in the order --help-config and the reference list them.
+std::vector<Field> parallel_fields() {
+  using R = RunConfig;
+  return {
       field(&R::parallel, &ParallelConfig::backend, "parallel", "backend", "auto | gloo | nccl (auto: NCCL on CUDA, Gloo on CPU); used when WORLD_SIZE > 1"),
       field(&R::parallel, &ParallelConfig::sharding, "parallel", "sharding", "none (DDP) | zero1 (optimizer states) | zero2 (+ gradients) | zero3 (+ parameters, per block)"),
       field(&R::parallel, &ParallelConfig::bucket_mb, "parallel", "bucket_mb", "sharding none: gradient all-reduce bucket size in MiB (buckets launch from gradient hooks during backward)"),
       field(&R::parallel, &ParallelConfig::timeout_s, "parallel", "timeout_s", "rendezvous and collective timeout in seconds: a dead or hung rank makes the others exit 5 within it"),
+  };
+}
+
+// The memory section's keys, in the order --help-config and the reference list them.
+std::vector<Field> memory_fields() {
+  using R = RunConfig;
+  return {
       field(&R::memory, &MemoryConfig::track_cpu, "memory", "track_cpu", "install the tracking CPU allocator so CPU peak bytes are exact"),
       field(&R::memory, &MemoryConfig::limit, "memory", "limit", "device-memory limit for tensors, e.g. 8GiB (units B, KiB, MiB, GiB, KB, MB, GB); 0 = none. CPU: the tracking allocator refuses past it; CUDA: caps the caching allocator"),
+  };
+}
 
+// The logging section's keys, in the order --help-config and the reference list them.
+std::vector<Field> logging_fields() {
+  using R = RunConfig;
+  return {
       field(&R::logging, &LoggingConfig::dir, "logging", "dir", "run directory; \"\" = runs/<recipe name>-<timestamp>"),
       field(&R::logging, &LoggingConfig::interval, "logging", "interval", "console line every N steps"),
       field(&R::logging, &LoggingConfig::skip_first, "logging", "skip_first", "warm-up steps excluded from the medians in summary.json"),
@@ -187,13 +234,30 @@ const std::vector<Field>& fields() {
       field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final weights to <run dir>/model/{model.safetensors, config.json} in Hugging Face layout, fp32 (zero3 streams them unit by unit)"),
       field(&R::logging, &LoggingConfig::profile_step, "logging", "profile_step", "record this optimizer step (1-based; rank 0) with LibTorch's profiler into <run dir>/profile.json (Chrome trace); 0 = off"),
       field(&R::logging, &LoggingConfig::overwrite, "logging", "overwrite", "allow a run directory that already holds a run's logs (they are replaced); false = refuse with exit 2"),
+  };
+}
 
+// The state section's keys, in the order --help-config and the reference list them.
+std::vector<Field> state_fields() {
+  using R = RunConfig;
+  return {
       field(&R::state, &StateConfig::every, "state", "every", "save the training state every N optimizer steps; 0 = only at the end and on SIGTERM/SIGINT"),
       field(&R::state, &StateConfig::keep, "state", "keep", "newest saved states kept (older ones are deleted after a newer one is complete); 0 = all"),
       field(&R::state, &StateConfig::dir, "state", "dir", "where states are written; \"\" = <run dir>/state"),
       field(&R::state, &StateConfig::at_end, "state", "at_end", "save after the last step"),
       field(&R::state, &StateConfig::on_signal, "state", "on_signal", "on SIGTERM/SIGINT: finish the step, save, then exit 143/130"),
   };
+}
+
+}  // namespace
+
+const std::vector<Field>& fields() {
+  static const std::vector<Field> table = [] {
+    std::vector<Field> all;
+    for (auto section : {model_fields, data_fields, train_fields, checkpointing_fields, precision_fields, parallel_fields, memory_fields, logging_fields, state_fields})
+      for (auto& f : section()) all.push_back(std::move(f));
+    return all;
+  }();
   return table;
 }
 
@@ -632,7 +696,7 @@ void validate_train(const RunConfig& c) {
 void validate_checkpointing(const RunConfig& c) {
   const auto& m = c.model;
   const auto& k = c.checkpointing;
-  const bool budget = k.mode == RecomputeMode::kBudget;
+  const bool budget = k.mode == CheckpointingMode::kBudget;
   if (budget) {
     const Budget b = parse_budget(c);
     if (b.share > 0 && parse_bytes(c.memory.limit, "memory.limit") == 0)
@@ -644,7 +708,7 @@ void validate_checkpointing(const RunConfig& c) {
   }
   if (k.interval < 0) fail("checkpointing.interval", "must be >= 0");
   if (k.segments < 0) fail("checkpointing.segments", "must be >= 0");
-  if (k.mode == RecomputeMode::kInterval) {
+  if (k.mode == CheckpointingMode::kInterval) {
     if ((k.interval > 0) == (k.segments > 0))
       fail("checkpointing.interval", "interval mode needs exactly one of checkpointing.interval or checkpointing.segments");
     if (k.interval > m.n_layer)
@@ -658,9 +722,9 @@ void validate_checkpointing(const RunConfig& c) {
   for (const auto& part : k.recompute)
     if (part != "attention" && part != "mlp" && part != "norm")
       fail("checkpointing.recompute", fmt::format("'{}' is not one of attention | mlp | norm", part));
-  if (k.mode == RecomputeMode::kSelective && k.recompute.empty())
+  if (k.mode == CheckpointingMode::kSelective && k.recompute.empty())
     fail("checkpointing.recompute", "selective mode needs a list, e.g. [attention, mlp, norm]");
-  if (k.mode != RecomputeMode::kSelective && !k.recompute.empty())
+  if (k.mode != CheckpointingMode::kSelective && !k.recompute.empty())
     fail("checkpointing.recompute", fmt::format("is only used with checkpointing.mode: selective (mode is '{}')", k.mode.name()));
 }
 
@@ -717,7 +781,7 @@ void validate_lazy_device(const RunConfig& c) {
     why("precision.compute", "must be fp32 (and precision.param_dtype fp32) with train.device: lazy");
   if (parse_bytes(c.memory.limit, "memory.limit") > 0) why("memory.limit", "must be 0 with train.device: lazy (no memory statistics)");
   if (c.train.micro_batch.is_auto()) why("train.micro_batch", "auto needs memory statistics, which train.device: lazy has not");
-  if (c.checkpointing.mode == RecomputeMode::kBudget) why("checkpointing.mode", "budget profiles device memory, which train.device: lazy has not");
+  if (c.checkpointing.mode == CheckpointingMode::kBudget) why("checkpointing.mode", "budget profiles device memory, which train.device: lazy has not");
 }
 
 void validate_devices_and_logging(const RunConfig& c) {

@@ -63,7 +63,7 @@ struct TrainConfig {
 };
 
 struct CheckpointingConfig {
-  RecomputeMode mode = RecomputeMode::kNone;
+  CheckpointingMode mode = CheckpointingMode::kNone;
   int64_t interval = 0;
   int64_t segments = 0;
   std::vector<std::string> recompute = {};

@@ -169,7 +169,7 @@ device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg) {
   return device::cpu_features().matmul_path(cfg.precision.compute);
 }
 
-SegmentCounts segment_counts(const recompute::Plan& plan) {
+SegmentCounts segment_counts(const checkpointing::Plan& plan) {
   SegmentCounts s;
   for (const auto& seg : plan.segments) {
     if (seg.checkpointed) {
@@ -184,13 +184,13 @@ SegmentCounts segment_counts(const recompute::Plan& plan) {
 }
 
 SegmentCounts segment_counts(const config::CheckpointingConfig& ck, int64_t L) {
-  const recompute::UniformRule r = recompute::uniform_rule(ck, L);
+  const checkpointing::UniformRule r = checkpointing::uniform_rule(ck, L);
   if (r.checkpointed) return split_counts(std::min(r.size, L), r.count, r.last, r.skip_last);
   SegmentCounts s;
   s.kept_blocks = L;
-  s.attention = (r.parts & recompute::kPartAttention) != 0;
-  s.mlp = (r.parts & recompute::kPartMlp) != 0;
-  s.norm = (r.parts & recompute::kPartNorm) != 0;
+  s.attention = (r.parts & checkpointing::kPartAttention) != 0;
+  s.mlp = (r.parts & checkpointing::kPartMlp) != 0;
+  s.norm = (r.parts & checkpointing::kPartNorm) != 0;
   return s;
 }
 
@@ -232,12 +232,12 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp) {
   ChainModel m;
   for (int64_t layer = 0; layer < L; ++layer) {  // the blocks differ only by model.layer_mlp_hidden
     const Sizes zl = sizes_of(cfg, lowp, layer);
-    std::array<double, recompute::kPartSets> kept{}, backward{};
-    for (int b = 0; b < recompute::kPartSets; ++b) {
+    std::array<double, checkpointing::kPartSets> kept{}, backward{};
+    for (int b = 0; b < checkpointing::kPartSets; ++b) {
       SegmentCounts parts;
-      parts.attention = (b & recompute::kPartAttention) != 0;
-      parts.mlp = (b & recompute::kPartMlp) != 0;
-      parts.norm = (b & recompute::kPartNorm) != 0;
+      parts.attention = (b & checkpointing::kPartAttention) != 0;
+      parts.mlp = (b & checkpointing::kPartMlp) != 0;
+      parts.norm = (b & checkpointing::kPartNorm) != 0;
       kept[static_cast<size_t>(b)] = tok * block_bytes(zl, parts);
       backward[static_cast<size_t>(b)] =
           std::max(tok * backward_bytes(zl, parts) + weight_grad_bytes(zl), tok * attention_backward_bytes(zl, parts));
@@ -261,7 +261,7 @@ namespace {
 
 // Moments F (segment first passes and the end of the forward) and A; `held` ends as what the forward
 // keeps for backward, `kept_weights` as the kept blocks' weight copies.
-double forward_moments(const ChainModel& m, const recompute::Plan& plan, double& held, double& kept_weights) {
+double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, double& held, double& kept_weights) {
   double all_weights = 0, peak = 0;
   for (double w : m.weights) all_weights += w;
   held = kept_weights = 0;
@@ -283,7 +283,7 @@ double forward_moments(const ChainModel& m, const recompute::Plan& plan, double&
 
 }  // namespace
 
-double chain_peak(const ChainModel& m, const recompute::Plan& plan) {
+double chain_peak(const ChainModel& m, const checkpointing::Plan& plan) {
   double held = 0, kept_weights = 0;
   double peak = forward_moments(m, plan, held, kept_weights);
   for (auto seg = plan.segments.rbegin(); seg != plan.segments.rend(); ++seg) {
@@ -309,7 +309,7 @@ double chain_peak(const ChainModel& m, const recompute::Plan& plan) {
   return m.held + peak;  // what every moment holds besides
 }
 
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
+ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
   const auto lowp = lowp_matmul_path(cfg);
   if (!plan.mode.solved() && config::uniform_blocks(cfg.model)) return estimate_activation_peak(cfg, segment_counts(plan), lowp);
   // Blocks that differ (a budget schedule, or model.layer_mlp_hidden): the per-token terms of block 0
@@ -321,7 +321,7 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
 }
 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg) {
-  if (!config::uniform_blocks(cfg.model)) return estimate_activation_peak(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer));
+  if (!config::uniform_blocks(cfg.model)) return estimate_activation_peak(cfg, checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer));
   return estimate_activation_peak(cfg, segment_counts(cfg.checkpointing, cfg.model.n_layer), lowp_matmul_path(cfg));
 }
 

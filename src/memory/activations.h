@@ -79,9 +79,9 @@
 #include <string>
 #include <vector>
 
+#include "checkpointing/plan.h"
 #include "config/config.h"
 #include "device/cpu_features.h"
-#include "recompute/plan.h"
 
 namespace sl::memory {
 
@@ -93,7 +93,7 @@ struct SegmentCounts {
   bool attention = false, mlp = false, norm = false;  // selective parts
   bool operator==(const SegmentCounts&) const = default;
 };
-SegmentCounts segment_counts(const recompute::Plan& plan);
+SegmentCounts segment_counts(const checkpointing::Plan& plan);
 // The same from the recipe in O(1) work (no segment list): what make_plan would give.
 SegmentCounts segment_counts(const config::CheckpointingConfig& ck, int64_t n_layer);
 
@@ -113,7 +113,7 @@ struct ActivationEstimate {
 };
 
 // The recipe's device and precision decide the matmul path (CPU: cpu_features()).
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan);
+ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan);
 // O(1) in n_layer; O(n_layer) for a model whose blocks differ (model.layer_mlp_hidden), whose peak is
 // always the walk's (chain_peak) since the formula's moments assume one block shape.
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg);
@@ -123,10 +123,10 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
 // The same terms per block, for plans or models whose blocks differ (checkpointing.mode: budget,
 // model.layer_mlp_hidden: H is the block's own), in bytes of one
 // micro-batch (tok times the per-token sizes above). Index b of kept/backward is a bit set of
-// selective parts (recompute::kPartAttention | kPartMlp | kPartNorm), 0 = plain.
+// selective parts (checkpointing::kPartAttention | kPartMlp | kPartNorm), 0 = plain.
 struct ChainModel {
-  std::vector<std::array<double, recompute::kPartSets>> kept;      // S of block i with parts b
-  std::vector<std::array<double, recompute::kPartSets>> backward;  // T of block i with parts b, and its Wg
+  std::vector<std::array<double, checkpointing::kPartSets>> kept;      // S of block i with parts b
+  std::vector<std::array<double, checkpointing::kPartSets>> backward;  // T of block i with parts b, and its Wg
   std::vector<double> weights;  // W of block i (autocast's copies; 0 in fp32)
   std::vector<double> forward;  // Fb of block i: the block run without saving, beyond its input
   double input = 0;        // fC: what a checkpointed segment keeps (its input)
@@ -143,7 +143,7 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp);
 // recompute and backward, B, with the segment inputs and kept blocks before it). For the uniform plans
 // it gives estimate_activation_peak's moments, except B, which it takes per segment (the formula's B
 // uses the largest segment with every segment input: at most n*fC*tok more).
-double chain_peak(const ChainModel& m, const recompute::Plan& plan);
+double chain_peak(const ChainModel& m, const checkpointing::Plan& plan);
 
 // Whether the recipe runs on CUDA (train.device cuda, or auto with a GPU present).
 bool runs_on_cuda(const config::RunConfig& cfg);

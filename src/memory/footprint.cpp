@@ -133,7 +133,7 @@ PeakPrediction predict_states(const config::RunConfig& cfg) {
   return p;
 }
 
-PeakPrediction predict_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
+PeakPrediction predict_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
   PeakPrediction p = predict_states(cfg);
   p.activations = estimate_activation_peak(cfg, plan);
   return p;

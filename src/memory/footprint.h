@@ -58,7 +58,7 @@ struct PeakPrediction {
 // recipe, per rank of cfg.world_size: every term but the activations. O(1) in n_layer.
 PeakPrediction predict_states(const config::RunConfig& cfg);
 // The whole prediction for a given plan (planner::predict_peak resolves the recipe's own).
-PeakPrediction predict_peak(const config::RunConfig& cfg, const recompute::Plan& plan);
+PeakPrediction predict_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan);
 
 // checkpointing.budget as the bytes a budget schedule's activation peak may reach: the size given, or
 // the share of what memory.limit leaves after the model states, buffers and batch; less, under

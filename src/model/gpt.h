@@ -1,6 +1,6 @@
 // GPT-style decoder: token embedding, learned positions (gpt2) or RoPE (llama), pre-norm Blocks
 // (norm -> attention -> norm -> MLP) in a ModuleList, final norm, LM head (tied or not).
-// The model holds the model and nothing else: no loss scaling, no loop, no recompute policy.
+// The model holds the model and nothing else: no loss scaling, no loop, no checkpointing runner.
 #pragma once
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -26,7 +26,7 @@ struct Rope {
 enum class Part { norm1_qkv, attention_proj, norm2_fc, act_out };
 
 // cheap(inputs) followed by linear(W, b). The block calls it once per Part; the default runs both
-// plainly, a recompute policy passes one that keeps only the cheap op's inputs.
+// plainly, a checkpointing runner passes one that keeps only the cheap op's inputs.
 using CheapFn = std::function<torch::Tensor(const std::vector<torch::Tensor>&)>;
 using LinearAfter = std::function<torch::Tensor(Part part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
                                                 const std::vector<torch::Tensor>& cheap_params,
@@ -67,7 +67,7 @@ TORCH_MODULE(Block);
 
 // The model's units, the one place their layout is defined: unit 0 the embeddings (wte, wpe), units
 // 1..L the blocks, unit L+1 the final norm and the untied head. ZeRO-3 shards, gathers and frees by
-// unit (parallel/engine.cpp), the recompute policy runs the forward unit by unit (recompute/policy.cpp),
+// unit (parallel/engine.cpp), the checkpointing runner runs the forward unit by unit (checkpointing/runner.cpp),
 // the planner sizes them (memory/footprint.cpp) and saved states name parameters as units() does.
 inline constexpr int64_t kEmbeddingUnit = 0;
 inline int64_t block_unit(int64_t layer) { return layer + 1; }

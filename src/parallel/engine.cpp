@@ -289,15 +289,15 @@ std::unique_ptr<torch::optim::AdamW> Engine::make_optimizer(const config::TrainC
   return optim::make_adamw(std::move(decay), std::move(no_decay), t);
 }
 
-void Engine::attach(recompute::Policy& policy) {
+void Engine::attach(checkpointing::Runner& runner) {
   if (!sharding_.shards_params()) return;
-  recompute::UnitHooks h;
+  checkpointing::UnitHooks h;
   h.before = [this](int64_t u) { unit_before(u); };
   h.after = [this](int64_t u, const torch::Tensor& in, const torch::Tensor& out, bool needs) {
     unit_after(u, in, out, needs);
   };
   h.flush = [this] { unit_flush(); };
-  policy.set_unit_hooks(std::move(h));
+  runner.set_unit_hooks(std::move(h));
 }
 
 void Engine::zero_grad() {

@@ -30,10 +30,10 @@
 
 #include <torch/optim/adamw.h>
 
+#include "checkpointing/runner.h"
 #include "config/config.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
-#include "recompute/policy.h"
 
 namespace sl::parallel {
 
@@ -66,7 +66,7 @@ class Engine {
   // train.weight_decay on matrices only.
   std::unique_ptr<torch::optim::AdamW> make_optimizer(const config::TrainConfig& t);
   // zero3: gathers/frees units around the forward (unit 0 embeddings, 1..L blocks, L+1 head).
-  void attach(recompute::Policy& policy);
+  void attach(checkpointing::Runner& runner);
 
   void zero_grad();
   // Around each micro-batch's backward; `last` marks the micro-batch whose gradients are reduced

@@ -6,8 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include "budget/budget.h"
+#include "checkpointing/plan.h"
 #include "log/metrics.h"
-#include "recompute/plan.h"
 
 namespace sl::planner {
 namespace {
@@ -22,13 +22,13 @@ std::vector<std::pair<std::string, config::CheckpointingConfig>> plan_modes(cons
   add(fmt::format("recipe ({})", cfg.checkpointing.mode.name()), cfg.checkpointing);
   config::CheckpointingConfig c;
   c.skip_last = cfg.checkpointing.skip_last;
-  c.mode = config::RecomputeMode::kNone;
+  c.mode = config::CheckpointingMode::kNone;
   add("none", c);
-  c.mode = config::RecomputeMode::kFull;
+  c.mode = config::CheckpointingMode::kFull;
   add("full", c);
-  c.mode = config::RecomputeMode::kSqrt;
+  c.mode = config::CheckpointingMode::kSqrt;
   add("sqrt", c);
-  c.mode = config::RecomputeMode::kSelective;
+  c.mode = config::CheckpointingMode::kSelective;
   c.recompute = {"attention", "mlp", "norm"};
   add("selective [attention, mlp, norm]", c);
   return out;
@@ -74,7 +74,7 @@ namespace {
 // One row of the plan report: a mode's activation and total peak, and with memory_bytes the largest
 // micro-batch. A budget mode also writes its schedule (or null: none fits) into the report.
 Json mode_row(const std::string& name, const config::RunConfig& c, int64_t memory_bytes, int64_t per_rank, Json& report) {
-  std::optional<recompute::Plan> schedule;
+  std::optional<checkpointing::Plan> schedule;
   if (c.checkpointing.mode.solved()) {
     schedule = budget::formula_plan(c);
     report["budget_schedule"] = schedule ? schedule->to_json() : Json(nullptr);

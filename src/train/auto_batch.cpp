@@ -4,8 +4,8 @@
 #include <torch/torch.h>
 
 #include "budget/budget.h"
+#include "checkpointing/plan.h"
 #include "planner/planner.h"
-#include "recompute/plan.h"
 #include "train/probe.h"
 #include "train/trainer.h"
 
@@ -17,7 +17,7 @@ bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::
   // budget: the schedule for this micro-batch (formula costs); none fits: neither does the batch
   const auto plan = c.checkpointing.mode.solved()
                         ? budget::formula_plan(c)
-                        : std::optional<recompute::Plan>(recompute::make_plan(c.checkpointing, c.model.n_layer));
+                        : std::optional<checkpointing::Plan>(checkpointing::make_plan(c.checkpointing, c.model.n_layer));
   if (!plan) return false;
   return !probe_step(c, *plan, {.device = device}).oom;  // train.seed, train.grad_clip, a loss scaler
 }

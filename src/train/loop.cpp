@@ -96,7 +96,7 @@ void check_step(Session& s, LoopState& st, const StepResult& r, int64_t step, lo
   }
 }
 
-Json step_record(const Session& s, const StepResult& r, int64_t step, double lr, const recompute::Stats& rs) {
+Json step_record(const Session& s, const StepResult& r, int64_t step, double lr, const checkpointing::Stats& rs) {
   const double world = static_cast<double>(s.world());
   const double tps = static_cast<double>(s.tokens_per_step()) / (r.ms * 1e-3);
   const auto& t = s.cfg.train;
@@ -198,7 +198,7 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
   check_step(s, st, r, step, bar);
   {
     RECORD_FUNCTION("sublinear::log_step", std::vector<c10::IValue>{});
-    const Json rec = step_record(s, r, step, lr, s.policy->take_stats());
+    const Json rec = step_record(s, r, step, lr, s.runner->take_stats());
     s.runlog->step(rec);
     accumulate(s, st, r, rec, step);
     bar.update(st.steps_done, r.loss);

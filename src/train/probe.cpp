@@ -5,15 +5,15 @@
 
 #include <torch/torch.h>
 
+#include "checkpointing/runner.h"
 #include "memory/tracker.h"
 #include "model/gpt.h"
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
-#include "recompute/policy.h"
 
 namespace sl::train {
 
-ProbeResult probe_step(const config::RunConfig& cfg, const recompute::Plan& plan, const ProbeOptions& opts) {
+ProbeResult probe_step(const config::RunConfig& cfg, const checkpointing::Plan& plan, const ProbeOptions& opts) {
   ProbeResult out;
   const torch::Device device = opts.device;
   try {
@@ -23,12 +23,12 @@ ProbeResult probe_step(const config::RunConfig& cfg, const recompute::Plan& plan
     out.allocated_before = tracker.read().allocated_bytes;
     torch::manual_seed(opts.seed.value_or(static_cast<uint64_t>(cfg.train.seed)));
     model::GPT m(cfg.model, device);
-    recompute::Policy policy(cfg.checkpointing, m, plan);
+    checkpointing::Runner runner(cfg.checkpointing, m, plan);
     auto opt = make_optimizer(m, cfg.train);
     std::optional<precision::LossScaler> scaler;
     if (opts.loss_scaler) scaler.emplace(cfg.precision, device);
     const StepPrecision prec{precision::compute_dtype(cfg.precision.compute), scaler ? &*scaler : nullptr};
-    const ForwardFn fwd = [&policy](const torch::Tensor& idx) { return policy.forward(idx); };
+    const ForwardFn fwd = [&runner](const torch::Tensor& idx) { return runner.forward(idx); };
     const double clip = opts.grad_clip.value_or(cfg.train.grad_clip);
     torch::Tensor x;
     if (!opts.loader)

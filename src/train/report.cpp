@@ -139,7 +139,7 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
   return {{"config", s.resolved},
           {"environment", s.environment},
           {"model", s.model_info},
-          {"checkpointing", s.policy->plan().to_json()},
+          {"checkpointing", s.runner->plan().to_json()},
           {"run_dir", s.run_dir},
           {"steps", st.steps_done},
           {"skipped_steps", st.skipped_steps},
@@ -154,7 +154,7 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
           {"median_recompute_ms", median(st.recompute_ms)},
           {"median_activation_peak_bytes", static_cast<int64_t>(median(st.act_peaks))},
           {"predicted_activation_peak_bytes", s.predicted.peak_bytes},
-          {"predicted_peak_bytes", memory::predict_peak(s.cfg, s.policy->plan()).peak_bytes()},  // per rank, from the planner
+          {"predicted_peak_bytes", memory::predict_peak(s.cfg, s.runner->plan()).peak_bytes()},  // per rank, from the planner
           {"wall_s", wall_s},
           {"peak_allocated_bytes", st.peak_bytes},
           {"memory_breakdown",

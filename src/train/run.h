@@ -1,6 +1,6 @@
 // A training run in named pieces, so each can be read (and tested) alone:
 //   setup()       (setup.cpp) device, rendezvous, data, run directory, --resume's state, the
-//                 model-state check, micro-batch search, model, recompute policy, sharding engine,
+//                 model-state check, micro-batch search, model, checkpointing runner, sharding engine,
 //                 optimizer, run log -> one Session; restore() loads the saved state into it;
 //   train_loop()  (loop.cpp) the optimizer steps from where the run stands, eval, state saves, stop
 //                 flags and events; every failure becomes an Outcome;
@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
+#include "checkpointing/runner.h"
 #include "config/config.h"
 #include "data/loader.h"
 #include "errors.h"
@@ -28,7 +29,6 @@
 #include "parallel/comm.h"
 #include "parallel/engine.h"
 #include "precision/loss_scaler.h"
-#include "recompute/policy.h"
 #include "state/state.h"
 #include "train/trainer.h"
 
@@ -48,8 +48,8 @@ struct Session {
   nlohmann::json batch_search = nullptr;  // train.micro_batch: auto's trials
   std::unique_ptr<data::Loader> train_loader, val_loader;
   model::GPT model{nullptr};
-  recompute::Plan plan;  // the checkpointing plan resolved from the recipe (budget: formula costs; see run_plan)
-  std::unique_ptr<recompute::Policy> policy;
+  checkpointing::Plan plan;  // the checkpointing plan resolved from the recipe (budget: formula costs; see run_plan)
+  std::unique_ptr<checkpointing::Runner> runner;
   std::unique_ptr<parallel::Engine> engine;  // world > 1 or sharding: DDP / ZeRO
   std::unique_ptr<torch::optim::AdamW> opt;
   std::unique_ptr<precision::LossScaler> scaler;

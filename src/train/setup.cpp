@@ -1,5 +1,5 @@
 // A run's set-up: device, rendezvous, run directory, --resume's state, micro-batch search, model,
-// policy, engine, optimizer, run log (see run.h), and restoring a saved state into it.
+// runner, engine, optimizer, run log (see run.h), and restoring a saved state into it.
 
 #include <chrono>
 #include <ctime>
@@ -189,8 +189,8 @@ budget::Costs rank0_costs(parallel::Comm& comm, budget::Costs mine) {
   auto next = all.begin();
   for (auto& c : mine.blocks) c = {next[0], next[1], next[2], next[3], next[4]}, next += 5;
   for (auto& b : mine.bytes) {
-    std::copy(next, next + recompute::kPartSets, b.kept.begin()), next += recompute::kPartSets;
-    std::copy(next, next + recompute::kPartSets, b.backward.begin()), next += recompute::kPartSets;
+    std::copy(next, next + checkpointing::kPartSets, b.kept.begin()), next += checkpointing::kPartSets;
+    std::copy(next, next + checkpointing::kPartSets, b.backward.begin()), next += checkpointing::kPartSets;
     b.forward = *next++;
   }
   return mine;
@@ -200,7 +200,7 @@ budget::Costs rank0_costs(parallel::Comm& comm, budget::Costs mine) {
 // budget's schedule from formula costs), or with checkpointing.profile_costs the schedule solved from
 // the block costs profiled on this model, device and precision (the formula schedule was the check,
 // before any weight existed, that some schedule fits).
-recompute::Plan run_plan(const Session& s) {
+checkpointing::Plan run_plan(const Session& s) {
   const auto& cfg = s.cfg;
   if (!cfg.checkpointing.mode.solved() || !cfg.checkpointing.profile_costs) return s.plan;
   auto model = s.model;
@@ -225,19 +225,19 @@ void build_model(Session& s) {
   const int64_t model_peak = s.tracker->read().peak_allocated_bytes;
   auto plan = run_plan(s);  // the budget profile resets the peak to measure its own
   s.tracker->reset_peak();
-  s.policy = std::make_unique<recompute::Policy>(cfg.checkpointing, s.model, std::move(plan));
+  s.runner = std::make_unique<checkpointing::Runner>(cfg.checkpointing, s.model, std::move(plan));
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
   // ends) would keep every unit's weights alive after the unit's fp32 storage is freed.
   if (cfg.parallel.sharding.shards_params()) at::autocast::set_autocast_cache_enabled(false);
   if (s.world() > 1 || !cfg.parallel.sharding.replicated()) {
     s.engine = std::make_unique<parallel::Engine>(s.model, cfg, s.comm);
-    s.engine->attach(*s.policy);
+    s.engine->attach(*s.runner);
   }
   s.build_peak_bytes = std::max(model_peak, s.tracker->read().peak_allocated_bytes) - before_build;
   s.opt = s.engine ? s.engine->make_optimizer(cfg.train) : make_optimizer(s.model, cfg.train);
   s.scaler = std::make_unique<precision::LossScaler>(cfg.precision, s.device);
   s.precision = {precision::compute_dtype(cfg.precision.compute), s.scaler.get()};
-  s.forward = [policy = s.policy.get()](const torch::Tensor& idx) { return policy->forward(idx); };
+  s.forward = [runner = s.runner.get()](const torch::Tensor& idx) { return runner->forward(idx); };
 }
 
 void open_run_log(Session& s) {
@@ -256,10 +256,10 @@ void open_run_log(Session& s) {
 void describe(Session& s) {
   const auto& cfg = s.cfg;
   s.flops_per_token = flops_per_token(*s.model, cfg.train.seq_len);
-  s.recompute_flops_per_token = s.policy->recompute_flops_per_token(cfg.train.seq_len);
-  s.predicted = memory::estimate_activation_peak(cfg, s.policy->plan());
+  s.recompute_flops_per_token = s.runner->recompute_flops_per_token(cfg.train.seq_len);
+  s.predicted = memory::estimate_activation_peak(cfg, s.runner->plan());
   // A budget schedule solved with profiled bytes: its peak by those bytes, the model it was solved with.
-  if (s.policy->plan().budget.bytes_source == "profile") s.predicted.peak_bytes = s.policy->plan().budget.predicted_peak_bytes;
+  if (s.runner->plan().budget.bytes_source == "profile") s.predicted.peak_bytes = s.runner->plan().budget.predicted_peak_bytes;
   const PeakFlops peak = peak_flops(s.device, cfg.precision.compute, cfg.logging.peak_tflops);
   s.peak_flops = peak.flops;
   s.environment = {{"torch_version", TORCH_VERSION},
@@ -290,7 +290,7 @@ void print_settings(const Session& s) {
   if (s.engine)
     rows.emplace_back("data parallel", fmt::format("{} rank(s), backend {}, sharding {}", s.world(), s.comm->backend(),
                                                    cfg.parallel.sharding.name()));
-  rows.emplace_back("checkpointing plan", s.policy->plan().describe());
+  rows.emplace_back("checkpointing plan", s.runner->plan().describe());
   rows.emplace_back("predicted activation peak",
                     fmt::format("{} per micro-batch", log::format_bytes(s.predicted.peak_bytes)));
   rows.emplace_back("parameters", fmt::format("{} ({:.2f} M)", s.model->num_params(), s.model->num_params() / 1e6));

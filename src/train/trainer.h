@@ -31,7 +31,7 @@ const char* current_phase();
 // AdamW with two groups: matrices (dim >= 2) decay with train.weight_decay, vectors do not.
 std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t);
 
-// idx (B, T) -> logits (B, T, V): the model's forward, or a recompute policy's.
+// idx (B, T) -> logits (B, T, V): the model's forward, or a checkpointing runner's.
 using ForwardFn = std::function<torch::Tensor(const torch::Tensor&)>;
 
 // How a step computes: the forward's autocast dtype (nullopt = fp32) and, for fp16, the loss scaler.
@@ -52,7 +52,7 @@ torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data:
                                const StepPrecision& precision = {}, parallel::Engine* engine = nullptr);
 
 // Mean loss over `batches` batches from `loader`, in eval mode without autograd, through `forward`
-// (default: the model's own forward; ZeRO-3 needs the policy's, which gathers parameters).
+// (default: the model's own forward; ZeRO-3 needs the runner's, which gathers parameters).
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
                 std::optional<c10::ScalarType> autocast = std::nullopt, const ForwardFn& forward = {});
 

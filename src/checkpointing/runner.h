@@ -1,7 +1,8 @@
-// Recompute policies over a GPT: none, full (every block a segment), interval (k blocks per
-// segment, or n segments), sqrt (k = round(sqrt(L))), selective (inside every block, recompute
-// only the named cheap parts: attention core, MLP activation, norms). The plan says which segments
-// are checkpointed; Policy::forward runs the model under it.
+// The checkpointing runner: runs a GPT's forward under a plan (checkpointing/plan.h): none, full
+// (every block a segment), interval (k blocks per segment, or n segments), sqrt (k = round(sqrt(L))),
+// selective (inside every block, recompute only the named cheap parts: attention core, MLP
+// activation, norms), or budget's per-block schedule. The plan says which segments are checkpointed;
+// Runner::forward runs the model under it with the checkpoint engine (checkpointing/checkpoint.h).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -9,15 +10,15 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "checkpointing/checkpoint.h"
+#include "checkpointing/plan.h"
 #include "config/config.h"
 #include "model/gpt.h"
-#include "recompute/checkpoint.h"
-#include "recompute/plan.h"
 
-namespace sl::recompute {
+namespace sl::checkpointing {
 
 // The LinearAfter that runs block `layer` with its selective `parts` recomputed: recompute_then_linear
-// on the chosen cheap-op -> linear pairs, plain linears on the others. What Policy runs in a kept block,
+// on the chosen cheap-op -> linear pairs, plain linears on the others. What Runner runs in a kept block,
 // and what the budget profile measures; `opts` must outlive the forward it is used in.
 model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts);
 
@@ -31,10 +32,10 @@ struct UnitHooks {
   std::function<void()> flush;
 };
 
-class Policy {
+class Runner {
  public:
-  Policy(const config::CheckpointingConfig& cfg, model::GPT model);  // make_plan's plan
-  Policy(const config::CheckpointingConfig& cfg, model::GPT model, Plan plan);
+  Runner(const config::CheckpointingConfig& cfg, model::GPT model);  // make_plan's plan
+  Runner(const config::CheckpointingConfig& cfg, model::GPT model, Plan plan);
 
   torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> logits (B, T, V)
   const Plan& plan() const { return plan_; }
@@ -66,4 +67,4 @@ class Policy {
   UnitHooks hooks_;
 };
 
-}  // namespace sl::recompute
+}  // namespace sl::checkpointing

@@ -1,5 +1,5 @@
-// Recompute policies: segment plans and the model forward under them.
-#include "recompute/policy.h"
+// The checkpointing runner: the model forward under a plan (see runner.h).
+#include "checkpointing/runner.h"
 
 #include <array>
 #include <cmath>
@@ -12,7 +12,7 @@
 
 #include "log/metrics.h"
 
-namespace sl::recompute {
+namespace sl::checkpointing {
 
 model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts) {
   static const char* kPartNames[] = {"norm1->qkv", "attention->proj", "norm2->fc", "act->out"};
@@ -27,16 +27,16 @@ model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Op
   };
 }
 
-Policy::Policy(const config::CheckpointingConfig& cfg, model::GPT model)
-    : Policy(cfg, model, make_plan(cfg, model->cfg.n_layer)) {}
+Runner::Runner(const config::CheckpointingConfig& cfg, model::GPT model)
+    : Runner(cfg, model, make_plan(cfg, model->cfg.n_layer)) {}
 
-Policy::Policy(const config::CheckpointingConfig& cfg, model::GPT model, Plan plan)
+Runner::Runner(const config::CheckpointingConfig& cfg, model::GPT model, Plan plan)
     : cfg_(cfg), model_(std::move(model)), plan_(std::move(plan)) {
   opts_.preserve_rng = cfg.preserve_rng;
   opts_.check_recompute = cfg.check_recompute;
 }
 
-Stats Policy::take_stats() {
+Stats Runner::take_stats() {
   settle_device_times(*opts_.stats);
   Stats s = *opts_.stats;
   *opts_.stats = Stats{};
@@ -44,20 +44,20 @@ Stats Policy::take_stats() {
 }
 
 template <class F>
-torch::Tensor Policy::unit(int64_t u, const torch::Tensor& in, bool needs_params_in_backward, F&& f) {
+torch::Tensor Runner::unit(int64_t u, const torch::Tensor& in, bool needs_params_in_backward, F&& f) {
   if (hooks_.before) hooks_.before(u);
   torch::Tensor out = f();
   if (hooks_.after) hooks_.after(u, in, out, needs_params_in_backward);
   return out;
 }
 
-torch::Tensor Policy::block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope,
+torch::Tensor Runner::block_forward(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope,
                                    bool output_unread) {
   return unit(model::block_unit(block.layer), x, true,
               [&] { return block_forward_unhooked(block, x, rope, output_unread); });
 }
 
-torch::Tensor Policy::block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope,
+torch::Tensor Runner::block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope,
                                              bool output_unread) {
   if (output_unread) {
     auto linear_after = [](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
@@ -72,7 +72,7 @@ torch::Tensor Policy::block_forward_unhooked(model::BlockImpl& block, const torc
   return block.forward_with(x, rope, selective_linear_after(parts, block.layer, opts_));
 }
 
-torch::Tensor Policy::forward(const torch::Tensor& idx) {
+torch::Tensor Runner::forward(const torch::Tensor& idx) {
   // The embedding backward needs the indices only, not the table: its parameters need no re-gather.
   auto x = unit(model::kEmbeddingUnit, torch::Tensor(), false, [&] { return model_->embed(idx); });
   const auto rope = model_->rope(idx.size(1));
@@ -105,7 +105,7 @@ torch::Tensor Policy::forward(const torch::Tensor& idx) {
   return logits;
 }
 
-double Policy::recompute_flops_per_token(int64_t seq_len) const {
+double Runner::recompute_flops_per_token(int64_t seq_len) const {
   const auto& c = model_->cfg;
   const double attn_fwd = 4.0 * static_cast<double>(seq_len) * static_cast<double>(c.n_embd);
   auto block = [&](int64_t l) { return (*model_->blocks)[static_cast<size_t>(l)]->as<model::BlockImpl>(); };
@@ -123,4 +123,4 @@ double Policy::recompute_flops_per_token(int64_t seq_len) const {
   return flops;
 }
 
-}  // namespace sl::recompute
+}  // namespace sl::checkpointing

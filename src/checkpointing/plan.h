@@ -1,7 +1,7 @@
 // The per-block plan of activation checkpointing: which blocks run inside checkpointed segments
 // (their activations recomputed in backward), which keep theirs, and which selective parts a kept
 // block recomputes. Made from the recipe once (make_plan; mode budget: budget/budget.h), then read by
-// the engine (recompute/policy.h), the memory model (memory/activations.h) and the reports.
+// the engine (checkpointing/runner.h), the memory model (memory/activations.h) and the reports.
 // Torch-free: the memory formulas and the planner use it without building a model.
 #pragma once
 #include <cstdint>
@@ -12,7 +12,7 @@
 
 #include "config/config.h"
 
-namespace sl::recompute {
+namespace sl::checkpointing {
 
 struct Segment {
   int64_t begin = 0, end = 0;  // blocks [begin, end)
@@ -38,7 +38,7 @@ struct BudgetInfo {
 };
 
 struct Plan {
-  config::RecomputeMode mode = config::RecomputeMode::kNone;
+  config::CheckpointingMode mode = config::CheckpointingMode::kNone;
   int64_t k = 0;  // blocks per segment (full: 1; interval/sqrt: k; none/selective: 0)
   std::vector<Segment> segments;
   bool attention = false, mlp = false, norm = false;  // selective parts
@@ -69,4 +69,4 @@ uint8_t parts_of(const std::vector<std::string>& names);
 // comes from budget/budget.h.
 Plan make_plan(const config::CheckpointingConfig& cfg, int64_t n_layer);
 
-}  // namespace sl::recompute
+}  // namespace sl::checkpointing

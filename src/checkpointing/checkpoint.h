@@ -18,7 +18,7 @@ namespace c10 {
 struct Event;
 }
 
-namespace sl::recompute {
+namespace sl::checkpointing {
 
 using SegmentFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 using CheapFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
@@ -38,11 +38,11 @@ struct Stats {
 
 // Adds the device spans' elapsed times to recompute_ms and clears them. Reading an event pair does
 // not wait once the device is past its end event: the trainer settles after its one host read per
-// step (Policy::take_stats), when every recompute of the step's backward is done. Called earlier, it
+// step (Runner::take_stats), when every recompute of the step's backward is done. Called earlier, it
 // waits for the last span's end event.
 void settle_device_times(Stats& stats);
 
-// Shared by all pieces that one policy checkpoints.
+// Shared by all pieces that one runner checkpoints.
 struct Options {
   bool preserve_rng = true;     // replay the forward's RNG state (exact dropout)
   bool check_recompute = false; // compare recomputed outputs' shapes, dtypes and value checksums
@@ -70,4 +70,4 @@ at::Tensor recompute_then_linear(const std::string& name, const CheapFn& cheap, 
                                  const std::vector<at::Tensor>& cheap_params, const at::Tensor& W, const at::Tensor& b,
                                  const Options& opts);
 
-}  // namespace sl::recompute
+}  // namespace sl::checkpointing

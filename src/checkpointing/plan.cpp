@@ -1,5 +1,5 @@
 // The per-block plan: the rule from checkpointing.mode to segments, and its descriptions.
-#include "recompute/plan.h"
+#include "checkpointing/plan.h"
 
 #include <cmath>
 #include <stdexcept>
@@ -11,7 +11,7 @@
 
 #include "log/metrics.h"
 
-namespace sl::recompute {
+namespace sl::checkpointing {
 
 std::vector<std::string> part_names(uint8_t parts) {
   std::vector<std::string> out;
@@ -34,8 +34,8 @@ int64_t Plan::checkpointed_blocks() const {
 }
 
 std::string Plan::describe() const {
-  if (mode == config::RecomputeMode::kNone) return "none";
-  if (mode == config::RecomputeMode::kSelective) return fmt::format("selective [{}] in every block", parts_name(parts_of(0)));
+  if (mode == config::CheckpointingMode::kNone) return "none";
+  if (mode == config::CheckpointingMode::kSelective) return fmt::format("selective [{}] in every block", parts_name(parts_of(0)));
   std::string segs;
   if (mode.solved()) {
     for (const auto& s : segments) {
@@ -94,7 +94,7 @@ uint8_t parts_of(const std::vector<std::string>& names) {
 
 UniformRule uniform_rule(const config::CheckpointingConfig& cfg, int64_t L) {
   if (cfg.mode.solved()) throw std::logic_error("uniform_rule: a budget plan comes from budget::solve_budget");
-  using Mode = config::RecomputeMode;
+  using Mode = config::CheckpointingMode;
   UniformRule r;
   r.skip_last = cfg.skip_last;
   auto split = [&](int64_t k) {  // segments of k blocks, the last one takes what is left
@@ -139,4 +139,4 @@ Plan make_plan(const config::CheckpointingConfig& cfg, int64_t L) {
   return p;
 }
 
-}  // namespace sl::recompute
+}  // namespace sl::checkpointing

@@ -1,6 +1,6 @@
 // Checkpoint engine: forward-state capture (RNG, autocast), the segment Function and the
 // recompute-then-linear Function.
-#include "recompute/checkpoint.h"
+#include "checkpointing/checkpoint.h"
 
 #include <chrono>
 #include <cmath>
@@ -18,7 +18,7 @@
 #include "errors.h"
 #include "log/clock.h"
 
-namespace sl::recompute {
+namespace sl::checkpointing {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -441,4 +441,4 @@ at::Tensor linear_without_output(const at::Tensor& a, const at::Tensor& W, const
   return OutputFreeLinearFunction::apply(a, W, at::TensorList(bias));
 }
 
-}  // namespace sl::recompute
+}  // namespace sl::checkpointing
