@@ -150,8 +150,8 @@ TEST_CASE("bad recipes exit 2 with a message naming the key, before any output i
   }
 }
 
-TEST_CASE("the README's recipe reference names every key") {
-  const std::string readme = test::read_text(test::kSourceDir + "/README.md");
+TEST_CASE("the recipe reference (docs/recipes.md) names every key") {
+  const std::string readme = test::read_text(test::kSourceDir + "/docs/recipes.md");
   auto j = config::to_json(config::load_string("", {}));
   for (auto& [sec, keys] : j.items())
     for (auto& [k, v] : keys.items()) {

@@ -10,6 +10,7 @@
 #   - scripts/run_ctest.sh (what scripts/test.sh runs) on a hand-written ctest directory: skipped
 #     tests (exit 77, SKIP_RETURN_CODE) are counted and named with their reasons, ctest's exit status
 #     is kept,
+#   - scripts/check_links.py: passes on this tree; fails naming a missing page and a missing anchor
 #   - scripts/check_design.py: passes on this tree; fails naming an include against the layer order, an
 #     unplaced folder, a torch header in the torch-free bottom; fails naming a string comparison with a sharding
 #     stage outside src/config.
@@ -233,6 +234,24 @@ layer_rules() {
     { echo "the torch chain is not named:"; echo "$out"; return 1; }
 }
 check "check_design.py: includes follow the layer order; the bottom is torch-free" layer_rules
+
+# 8. scripts/check_links.py: this tree passes; a link to a missing page, or to a heading that does
+#    not exist, fails naming the file, line and target; links in code are not links.
+link_rules() {
+  local out
+  out="$(python3 "$ROOT/scripts/check_links.py" "$ROOT" 2>&1)" || { echo "this tree fails:"; echo "$out"; return 1; }
+  local tree="$TMP/links"
+  mkdir -p "$tree/docs"
+  printf '# T\n\nSee [a](docs/a.md#the-part-x).\n\n```\n[not a link](nowhere.md)\n```\n' > "$tree/README.md"
+  printf '# A\n\n## The part `x`\n\n[back](../README.md) and `[code](missing.md)`\n' > "$tree/docs/a.md"
+  out="$(python3 "$ROOT/scripts/check_links.py" "$tree" 2>&1)" || { echo "good links failed:"; echo "$out"; return 1; }
+  printf '# A\n\n## Another part\n\n[back](../README.md) [gone](b.md)\n' > "$tree/docs/a.md"
+  out="$(python3 "$ROOT/scripts/check_links.py" "$tree" 2>&1)" && { echo "broken links passed:"; echo "$out"; return 1; }
+  grep -q '^README.md:3: docs/a.md#the-part-x (no heading with this anchor in a.md)$' <<< "$out" ||
+    { echo "the broken anchor is not named:"; echo "$out"; return 1; }
+  grep -q '^docs/a.md:5: b.md (no such file)$' <<< "$out" || { echo "the missing file is not named:"; echo "$out"; return 1; }
+}
+check "check_links.py: every README and docs/ link resolves" link_rules
 
 echo "$passed passed, $failed failed"
 ((failed == 0))

@@ -153,8 +153,12 @@ std::string weights_label(const std::string& param_dtype, const std::string& sha
 
 }  // namespace
 
-std::string format_plan(const Json& j) {
-  auto bytes = [](const Json& v) { return log::format_bytes(v.get<int64_t>()); };
+namespace {
+
+std::string bytes(const Json& v) { return log::format_bytes(v.get<int64_t>()); }
+
+// The breakdown of the model states, batch and buffers (the same for every mode).
+std::string breakdown_table(const Json& j) {
   std::vector<std::pair<std::string, std::string>> rows = {
       {"parameters", fmt::format("{} ({:.3g} B)", j["params"].get<int64_t>(), j["params"].get<double>() / 1e9)},
       {"ranks x sharding", fmt::format("{} x {} (figures below are per rank)", j["world_size"].get<int64_t>(),
@@ -174,10 +178,11 @@ std::string format_plan(const Json& j) {
       {"micro-batch x seq_len", fmt::format("{} x {} (global batch {})", j["micro_batch"].get<int64_t>(),
                                             j["seq_len"].get<int64_t>(), j["global_batch"].get<int64_t>())},
   };
-  std::string out = log::format_table(rows);
-  const bool with_memory = !j["memory_bytes"].is_null();
-  out += with_memory ? fmt::format("\nPer checkpointing mode, against {}:\n", bytes(j["memory_bytes"]))
-                     : std::string("\nPer checkpointing mode (give --memory SIZE for the largest micro-batch):\n");
+  return log::format_table(rows);
+}
+
+// One row per mode: activation and total peak, and against --memory the largest micro-batch.
+std::string modes_table(const Json& j, bool with_memory) {
   std::vector<std::pair<std::string, std::string>> modes;
   for (const auto& m : j["modes"]) {
     if (!m.contains("activation_peak_bytes")) {
@@ -193,24 +198,40 @@ std::string format_plan(const Json& j) {
     }
     modes.emplace_back(m["mode"].get<std::string>(), v);
   }
-  out += log::format_table(modes);
-  if (j.contains("budget_schedule") && !j["budget_schedule"].is_null()) {
-    const auto& b = j["budget_schedule"];
-    out += fmt::format("Budget schedule ({} of activations, formula costs: recompute {:.3g} of {:.3g} GFLOP a forward; "
-                       "solved in {:.0f} ms):\n",
-                       bytes(b["budget"]["budget_bytes"]), b["budget"]["recompute_cost"].get<double>(),
-                       b["budget"]["forward_cost"].get<double>(), b["budget"]["solve_ms"].get<double>());
-    for (const auto& blk : b["blocks"]) {
-      std::string parts;
-      for (const auto& p : blk["parts"]) parts += (parts.empty() ? " [" : ", ") + p.get<std::string>();
-      const auto& seg = blk["segment"];
-      out += fmt::format("  block {:>3}: {}{}{}\n", blk["block"].get<int64_t>(), blk["choice"].get<std::string>(),
-                         parts.empty() ? "" : parts + "]",
-                         blk["choice"] == "recompute" ? fmt::format(" (segment of blocks {}..{})", seg[0].get<int64_t>(),
-                                                                    seg[1].get<int64_t>() - 1)
-                                                      : std::string());
-    }
+  return log::format_table(modes);
+}
+
+// Mode budget's schedule, block by block ("" when the recipe is not budget mode or nothing fits).
+std::string budget_schedule_text(const Json& j) {
+  if (!j.contains("budget_schedule") || j["budget_schedule"].is_null()) return "";
+  std::string out;
+  const auto& b = j["budget_schedule"];
+  out += fmt::format("Budget schedule ({} of activations, formula costs: recompute {:.3g} of {:.3g} GFLOP a forward; "
+                     "solved in {:.0f} ms):\n",
+                     bytes(b["budget"]["budget_bytes"]), b["budget"]["recompute_cost"].get<double>(),
+                     b["budget"]["forward_cost"].get<double>(), b["budget"]["solve_ms"].get<double>());
+  for (const auto& blk : b["blocks"]) {
+    std::string parts;
+    for (const auto& p : blk["parts"]) parts += (parts.empty() ? " [" : ", ") + p.get<std::string>();
+    const auto& seg = blk["segment"];
+    out += fmt::format("  block {:>3}: {}{}{}\n", blk["block"].get<int64_t>(), blk["choice"].get<std::string>(),
+                       parts.empty() ? "" : parts + "]",
+                       blk["choice"] == "recompute" ? fmt::format(" (segment of blocks {}..{})", seg[0].get<int64_t>(),
+                                                                  seg[1].get<int64_t>() - 1)
+                                                    : std::string());
   }
+  return out;
+}
+
+}  // namespace
+
+std::string format_plan(const Json& j) {
+  std::string out = breakdown_table(j);
+  const bool with_memory = !j["memory_bytes"].is_null();
+  out += with_memory ? fmt::format("\nPer checkpointing mode, against {}:\n", bytes(j["memory_bytes"]))
+                     : std::string("\nPer checkpointing mode (give --memory SIZE for the largest micro-batch):\n");
+  out += modes_table(j, with_memory);
+  out += budget_schedule_text(j);
   if (with_memory && j["model_states_bytes"].get<int64_t>() > j["memory_bytes"].get<int64_t>())
     out += fmt::format("Model states alone ({}) exceed {}: no checkpointing mode can fit; this needs more ranks "
                        "with parallel.sharding (zero3 divides all three states by the world size) or lower precision.\n",
