@@ -1,6 +1,7 @@
 // Recipe loading: good recipes, precedence, and bad recipes each failing with exit code 2 and a
 // message that names the key (and the YAML line where there is one).
 #include <filesystem>
+#include <variant>
 
 #include "catch.h"
 #include <nlohmann/json.hpp>
@@ -207,4 +208,36 @@ TEST_CASE("document markers, a trailing ---, and comment-only text (in memory) s
   CHECK(cfg.recipe_name == "ok");
   // In-memory text without a document stands for the defaults (the tests and --set-only runs use it).
   CHECK(config::to_json(config::load_string("# nothing\n", {})) == config::to_json(config::load_string("", {})));
+}
+
+TEST_CASE("config::choice puts each mode together with the parameters it uses, from any key order") {
+  namespace mode = config::mode;
+  auto ck = [](std::vector<std::string> sets) { return config::load_string("", sets).checkpointing; };
+  CHECK(std::holds_alternative<mode::None>(config::choice(ck({}))));
+  CHECK(std::holds_alternative<mode::Full>(config::choice(ck({"checkpointing.mode=full"}))));
+  CHECK(std::holds_alternative<mode::Sqrt>(config::choice(ck({"checkpointing.mode=sqrt"}))));
+  // The parameter given before the mode, or after it: the same alternative.
+  for (const auto& sets : {std::vector<std::string>{"checkpointing.interval=3", "checkpointing.mode=interval"},
+                           std::vector<std::string>{"checkpointing.mode=interval", "checkpointing.interval=3"}}) {
+    const auto c = config::choice(ck(sets));
+    REQUIRE(std::holds_alternative<mode::Interval>(c));
+    CHECK(std::get<mode::Interval>(c).k == 3);
+    CHECK(std::get<mode::Interval>(c).segments == 0);
+  }
+  const auto seg = config::choice(ck({"checkpointing.mode=interval", "checkpointing.segments=2"}));
+  REQUIRE(std::holds_alternative<mode::Interval>(seg));
+  CHECK(std::get<mode::Interval>(seg).k == 0);
+  CHECK(std::get<mode::Interval>(seg).segments == 2);
+  const auto sel = config::choice(ck({"checkpointing.mode=selective", "checkpointing.recompute=[mlp, norm]"}));
+  REQUIRE(std::holds_alternative<mode::Selective>(sel));
+  CHECK_FALSE(std::get<mode::Selective>(sel).attention);
+  CHECK(std::get<mode::Selective>(sel).mlp);
+  CHECK(std::get<mode::Selective>(sel).norm);
+  const auto bytes = config::choice(ck({"checkpointing.mode=budget", "checkpointing.budget=6GiB", "memory.limit=8GiB"}));
+  REQUIRE(std::holds_alternative<mode::Budget>(bytes));
+  CHECK(std::get<mode::Budget>(bytes).bytes == (int64_t{6} << 30));
+  CHECK(std::get<mode::Budget>(bytes).share == 0.0);
+  const auto share = config::choice(ck({"checkpointing.mode=budget", "checkpointing.budget=90%", "memory.limit=8GiB"}));
+  REQUIRE(std::holds_alternative<mode::Budget>(share));
+  CHECK(std::get<mode::Budget>(share).share == 0.9);
 }

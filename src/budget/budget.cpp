@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <variant>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
@@ -420,7 +421,7 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
   const int64_t budget = memory::activation_budget_bytes(cfg), least = least_budget(cfg);
   // What checkpointing.budget would have to say: the activations plus the transient it also counts.
   const int64_t transient = memory::predict_peak(cfg, checkpointing::make_plan({}, cfg.model.n_layer)).transient_bytes;
-  const auto share = config::parse_budget(cfg).share;
+  const double share = std::get<config::mode::Budget>(config::choice(cfg.checkpointing)).share;
   std::string needed = log::format_bytes(least + transient);
   if (share > 0) {
     const double room = static_cast<double>(budget + transient) / share;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <utility>
+#include <variant>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -86,15 +87,24 @@ nlohmann::json Plan::to_json() const {
   return j;
 }
 
-uint8_t parts_of(const std::vector<std::string>& names) {
-  uint8_t parts = 0;
-  for (const auto& n : names) parts |= n == "attention" ? kPartAttention : n == "mlp" ? kPartMlp : n == "norm" ? kPartNorm : 0;
-  return parts;
+uint8_t parts_of(const config::mode::Selective& s) {
+  return static_cast<uint8_t>((s.attention ? kPartAttention : 0) | (s.mlp ? kPartMlp : 0) | (s.norm ? kPartNorm : 0));
 }
 
+namespace {
+
+// std::visit over the alternatives of a checkpointing choice, one lambda each.
+template <class... F>
+struct Visitor : F... {
+  using F::operator()...;
+};
+template <class... F>
+Visitor(F...) -> Visitor<F...>;
+
+}  // namespace
+
 UniformRule uniform_rule(const config::CheckpointingConfig& cfg, int64_t L) {
-  if (cfg.mode.solved()) throw std::logic_error("uniform_rule: a budget plan comes from budget::solve_budget");
-  using Mode = config::CheckpointingMode;
+  namespace mode = config::mode;
   UniformRule r;
   r.skip_last = cfg.skip_last;
   auto split = [&](int64_t k) {  // segments of k blocks, the last one takes what is left
@@ -103,21 +113,28 @@ UniformRule uniform_rule(const config::CheckpointingConfig& cfg, int64_t L) {
     r.count = (L + k - 1) / k;
     r.last = L - (r.count - 1) * k;
   };
-  if (cfg.mode == Mode::kFull) {
-    split(1);
-  } else if (cfg.mode == Mode::kSqrt) {
-    split(std::max<int64_t>(1, std::llround(std::sqrt(static_cast<double>(L)))));
-  } else if (cfg.mode == Mode::kInterval && cfg.interval > 0) {
-    split(cfg.interval);
-  } else if (cfg.mode == Mode::kInterval) {  // checkpoint_sequential style: n segments of L / n blocks, the last one takes the remainder
-    r.checkpointed = true;
-    r.count = cfg.segments;
-    r.size = L / r.count;
-    r.last = L - (r.count - 1) * r.size;
-  } else {  // none, selective: every block keeps its activations
+  auto kept = [&](uint8_t parts) {  // one segment: every block keeps its activations
     r.size = r.last = L;
-    r.parts = parts_of(cfg.recompute);
-  }
+    r.parts = parts;
+  };
+  std::visit(Visitor{
+                 [&](const mode::None&) { kept(0); },
+                 [&](const mode::Full&) { split(1); },
+                 [&](const mode::Sqrt&) { split(std::max<int64_t>(1, std::llround(std::sqrt(static_cast<double>(L))))); },
+                 [&](const mode::Interval& m) {
+                   if (m.k > 0) return split(m.k);
+                   // checkpoint_sequential style: n segments of L / n blocks, the last one takes the remainder
+                   r.checkpointed = true;
+                   r.count = m.segments;
+                   r.size = L / r.count;
+                   r.last = L - (r.count - 1) * r.size;
+                 },
+                 [&](const mode::Selective& m) { kept(parts_of(m)); },
+                 [&](const mode::Budget&) {
+                   throw std::logic_error("uniform_rule: a budget plan comes from budget::solve_budget");
+                 },
+             },
+             config::choice(cfg));
   return r;
 }
 

@@ -62,8 +62,8 @@ struct UniformRule {
   uint8_t parts = 0;
 };
 UniformRule uniform_rule(const config::CheckpointingConfig& cfg, int64_t n_layer);
-// checkpointing.recompute's names as part bits (kPartAttention | ...).
-uint8_t parts_of(const std::vector<std::string>& names);
+// A selective choice's parts as bits (kPartAttention | ...).
+uint8_t parts_of(const config::mode::Selective& s);
 
 // Segments for a config and a block count: uniform_rule's, listed. Not for mode budget, whose plan
 // comes from budget/budget.h.

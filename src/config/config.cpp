@@ -450,8 +450,30 @@ int64_t parse_bytes(const std::string& text, const std::string& key) {
 
 int64_t memory_limit_bytes(const RunConfig& cfg) { return parse_bytes(cfg.memory.limit, "memory.limit"); }
 
-Budget parse_budget(const RunConfig& cfg) {
-  const std::string& text = cfg.checkpointing.budget;
+Budget parse_budget(const RunConfig& cfg) { return parse_budget(cfg.checkpointing.budget); }
+
+CheckpointingChoice choice(const CheckpointingConfig& ck) {
+  using Mode = CheckpointingMode;
+  switch (ck.mode.kind()) {
+    case Mode::kNone: return mode::None{};
+    case Mode::kFull: return mode::Full{};
+    case Mode::kInterval: return mode::Interval{ck.interval, ck.segments};
+    case Mode::kSqrt: return mode::Sqrt{};
+    case Mode::kSelective: {
+      mode::Selective s;
+      for (const auto& part : ck.recompute) {
+        s.attention |= part == "attention";
+        s.mlp |= part == "mlp";
+        s.norm |= part == "norm";
+      }
+      return s;
+    }
+    case Mode::kBudget: return parse_budget(ck.budget);
+  }
+  throw std::logic_error("choice: a checkpointing mode without an alternative");
+}
+
+Budget parse_budget(const std::string& text) {
   if (text.empty()) return {0, 1.0};
   if (text.back() == '%') {
     double pct = 0;

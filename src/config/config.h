@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -169,6 +170,27 @@ struct Budget {
   double share = 0.0;
 };
 Budget parse_budget(const RunConfig& cfg);
+Budget parse_budget(const std::string& text);  // the same from checkpointing.budget's text
+
+// checkpointing.mode with the parameters that mode uses, one alternative per mode. The recipe keeps
+// the parameters in keys of their own (checkpointing.interval / segments, recompute, budget), so a
+// mode and its parameters can come from different lines or --set flags; choice() puts them together
+// once they are all read, and past it code visits the alternative instead of reading the keys.
+namespace mode {
+struct None {};
+struct Full {};
+struct Interval {
+  int64_t k = 0;         // blocks per segment (0: `segments` is given instead)
+  int64_t segments = 0;  // number of segments, checkpoint_sequential style (0: `k` is given)
+};
+struct Sqrt {};
+struct Selective {
+  bool attention = false, mlp = false, norm = false;  // the parts each block recomputes
+};
+using Budget = config::Budget;  // the activation memory a step may use
+}  // namespace mode
+using CheckpointingChoice = std::variant<mode::None, mode::Full, mode::Interval, mode::Sqrt, mode::Selective, mode::Budget>;
+CheckpointingChoice choice(const CheckpointingConfig& ck);
 
 // The MLP inner size after defaults (4*d for gpt2, LLaMA's 2/3*4d rounded up to 256 for llama).
 int64_t mlp_hidden(const ModelConfig& model);

@@ -1,6 +1,8 @@
 // A step's memory footprint: parameter counts, model states per sharding stage, a plan's whole peak.
 #include "memory/footprint.h"
 
+#include <variant>
+
 #include <torch/torch.h>
 
 #include "device/staging.h"
@@ -140,7 +142,7 @@ PeakPrediction predict_peak(const config::RunConfig& cfg, const checkpointing::P
 }
 
 int64_t activation_budget_bytes(const config::RunConfig& cfg) {
-  const auto budget = config::parse_budget(cfg);
+  const config::Budget budget = std::get<config::mode::Budget>(config::choice(cfg.checkpointing));  // mode budget only
   const PeakPrediction p = predict_states(cfg);
   int64_t bytes = budget.bytes;
   if (budget.share > 0) {

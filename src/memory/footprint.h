@@ -64,7 +64,7 @@ PeakPrediction predict_peak(const config::RunConfig& cfg, const checkpointing::P
 // the share of what memory.limit leaves after the model states, buffers and batch; less, under
 // zero2/zero3, the transient (a bucket's full gradient / the gathered units), which the step holds
 // beside the activations. May be <= 0 (nothing fits).
-int64_t activation_budget_bytes(const config::RunConfig& cfg);
+int64_t activation_budget_bytes(const config::RunConfig& cfg);  // checkpointing.mode budget only
 
 // Parameter counts, closed formulas of the model config (gpt2 / llama, biases, tied head, mlp_hidden;
 // with model.layer_mlp_hidden a sum over the blocks),
