@@ -96,6 +96,8 @@ TEST_CASE("bad recipes exit 2 with a message naming the key, before any output i
       {"unknown key", "model:\n  n_layers: 2\n", "", {"unknown key 'model.n_layers'", "line 2", "n_layer"}},
       {"string for integer", "train:\n  steps: ten\n", "", {"train.steps: expected integer, got 'ten'", "line 2"}},
       {"float for integer", "train:\n  micro_batch: 2.5\n", "", {"train.micro_batch: expected integer"}},
+      {"zero micro-batch (auto is spelled auto)", "train:\n  micro_batch: 0\n", "", {"train.micro_batch: must be > 0 or auto, got 0"}},
+      {"unknown sharding stage", "parallel:\n  sharding: zero4\n", "", {"parallel.sharding: 'zero4' is not one of none | zero1 | zero2 | zero3", "line 2"}},
       {"bad bool", "model:\n  bias: maybe\n", "", {"model.bias: expected bool, got 'maybe'"}},
       {"list for number", "train:\n  lr: [1, 2]\n", "", {"train.lr: expected number, got a list"}},
       {"heads do not divide width", "model:\n  n_embd: 130\n  n_head: 4\n", "", {"model.n_embd", "not divisible by model.n_head"}},

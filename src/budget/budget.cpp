@@ -438,9 +438,14 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
       log::format_bytes(least), needed));
 }
 
-Plan plan_for(const config::RunConfig& cfg) {
+std::optional<Plan> try_plan_for(const config::RunConfig& cfg) {
   if (!cfg.checkpointing.mode.solved()) return checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer);
-  return budget_plan(cfg, formula_costs(cfg));
+  return formula_plan(cfg);
+}
+
+Plan plan_for(const config::RunConfig& cfg) {
+  if (auto p = try_plan_for(cfg)) return *std::move(p);
+  return budget_plan(cfg, formula_costs(cfg));  // none fits: its ConfigError, with the least budget that would
 }
 
 }  // namespace sl::budget

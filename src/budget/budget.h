@@ -111,5 +111,8 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs);
 
 // The plan a recipe runs: make_plan's, or for mode budget budget_plan with formula costs.
 Plan plan_for(const config::RunConfig& cfg);
+// The same, nullopt instead of the ConfigError when no budget schedule fits (probes at other
+// micro-batches: none fits, neither does the batch).
+std::optional<Plan> try_plan_for(const config::RunConfig& cfg);
 
 }  // namespace sl::budget

@@ -7,20 +7,23 @@
 
 namespace sl::config {
 
-std::optional<Sharding> Sharding::parse(std::string_view name) {
-  for (size_t i = 0; i < kNames.size(); ++i)
-    if (kNames[i] == name) return Sharding(static_cast<Stage>(i));
+namespace {
+
+// The choice whose name is `name` (its index in Choice::kNames), nullopt for any other text.
+template <class Choice, class Value>
+std::optional<Choice> by_name(std::string_view name) {
+  for (size_t i = 0; i < Choice::kNames.size(); ++i)
+    if (Choice::kNames[i] == name) return Choice(static_cast<Value>(i));
   return std::nullopt;
 }
 
-std::optional<CheckpointingMode> CheckpointingMode::parse(std::string_view name) {
-  for (size_t i = 0; i < kNames.size(); ++i)
-    if (kNames[i] == name) return CheckpointingMode(static_cast<Kind>(i));
-  return std::nullopt;
-}
+}  // namespace
 
-void to_json(nlohmann::json& j, const Sharding& s) { j = s.str(); }
-void to_json(nlohmann::json& j, const CheckpointingMode& m) { j = m.str(); }
+std::optional<Sharding> Sharding::parse(std::string_view name) { return by_name<Sharding, Stage>(name); }
+std::optional<CheckpointingMode> CheckpointingMode::parse(std::string_view name) { return by_name<CheckpointingMode, Kind>(name); }
+
+void to_json(nlohmann::json& j, const Sharding& s) { j = std::string(s.name()); }
+void to_json(nlohmann::json& j, const CheckpointingMode& m) { j = std::string(m.name()); }
 void to_json(nlohmann::json& j, const MicroBatch& m) { j = m.is_auto() ? nlohmann::json("auto") : nlohmann::json(m.value()); }
 
 int64_t MicroBatch::value() const {

@@ -29,7 +29,6 @@ class Sharding {
 
   constexpr Stage stage() const { return stage_; }
   constexpr std::string_view name() const { return kNames[stage_]; }
-  std::string str() const { return std::string(name()); }
 
   constexpr bool replicated() const { return stage_ == kNone; }       // none: DDP, nothing sharded
   constexpr bool shards_optimizer() const { return stage_ != kNone; }  // zero1+: AdamW moments (and fp32 masters)
@@ -57,7 +56,6 @@ class CheckpointingMode {
 
   constexpr Kind kind() const { return kind_; }
   constexpr std::string_view name() const { return kNames[kind_]; }
-  std::string str() const { return std::string(name()); }
 
   // budget: the schedule is solved per block under a memory budget (budget/budget.h); the others
   // follow one rule for every block (checkpointing::make_plan).

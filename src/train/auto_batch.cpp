@@ -4,7 +4,6 @@
 #include <torch/torch.h>
 
 #include "budget/budget.h"
-#include "checkpointing/plan.h"
 #include "planner/planner.h"
 #include "train/probe.h"
 #include "train/trainer.h"
@@ -14,10 +13,7 @@ namespace sl::train {
 bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::Device device) {
   auto c = cfg;
   c.train.micro_batch = micro_batch;
-  // budget: the schedule for this micro-batch (formula costs); none fits: neither does the batch
-  const auto plan = c.checkpointing.mode.solved()
-                        ? budget::formula_plan(c)
-                        : std::optional<checkpointing::Plan>(checkpointing::make_plan(c.checkpointing, c.model.n_layer));
+  const auto plan = budget::try_plan_for(c);  // budget: this micro-batch's schedule (formula costs)
   if (!plan) return false;
   return !probe_step(c, *plan, {.device = device}).oom;  // train.seed, train.grad_clip, a loss scaler
 }

@@ -48,7 +48,6 @@ struct Session {
   nlohmann::json batch_search = nullptr;  // train.micro_batch: auto's trials
   std::unique_ptr<data::Loader> train_loader, val_loader;
   model::GPT model{nullptr};
-  checkpointing::Plan plan;  // the checkpointing plan resolved from the recipe (budget: formula costs; see run_plan)
   std::unique_ptr<checkpointing::Runner> runner;
   std::unique_ptr<parallel::Engine> engine;  // world > 1 or sharding: DDP / ZeRO
   std::unique_ptr<torch::optim::AdamW> opt;

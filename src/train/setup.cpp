@@ -200,15 +200,15 @@ budget::Costs rank0_costs(parallel::Comm& comm, budget::Costs mine) {
 // budget's schedule from formula costs), or with checkpointing.profile_costs the schedule solved from
 // the block costs profiled on this model, device and precision (the formula schedule was the check,
 // before any weight existed, that some schedule fits).
-checkpointing::Plan run_plan(const Session& s) {
+checkpointing::Plan run_plan(const Session& s, checkpointing::Plan resolved) {
   const auto& cfg = s.cfg;
-  if (!cfg.checkpointing.mode.solved() || !cfg.checkpointing.profile_costs) return s.plan;
+  if (!cfg.checkpointing.mode.solved() || !cfg.checkpointing.profile_costs) return resolved;
   auto model = s.model;
   const auto costs = rank0_costs(*s.comm, budget::profile_costs(cfg, model, s.device));
   return budget::budget_plan(cfg, costs);
 }
 
-void build_model(Session& s) {
+void build_model(Session& s, checkpointing::Plan resolved) {
   const auto& cfg = s.cfg;
   torch::manual_seed(static_cast<uint64_t>(cfg.train.seed));
   // zero3: no rank ever holds the whole model; the engine draws each unit's values in turn and keeps its shard.
@@ -223,7 +223,7 @@ void build_model(Session& s) {
   }
   s.model->train();
   const int64_t model_peak = s.tracker->read().peak_allocated_bytes;
-  auto plan = run_plan(s);  // the budget profile resets the peak to measure its own
+  auto plan = run_plan(s, std::move(resolved));  // the budget profile resets the peak to measure its own
   s.tracker->reset_peak();
   s.runner = std::make_unique<checkpointing::Runner>(cfg.checkpointing, s.model, std::move(plan));
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
@@ -342,12 +342,12 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   if (s->cfg.train.micro_batch.is_auto()) choose_micro_batch(*s);
   // The plan, resolved once before a model exists; a budget no schedule fits stops here (exit 2),
   // before a model or a run directory exists.
-  s->plan = budget::plan_for(s->cfg);
+  auto plan = budget::plan_for(s->cfg);
   const auto& t = s->cfg.train;
   const auto seed = static_cast<uint64_t>(t.seed);
   s->train_loader = std::make_unique<data::Loader>(s->splits.train, t.micro_batch, t.seq_len, seed, s->launch.rank, s->world());
   s->val_loader = std::make_unique<data::Loader>(s->splits.val, t.micro_batch, t.seq_len, seed + 1, s->launch.rank, s->world());
-  build_model(*s);
+  build_model(*s, std::move(plan));
   s->load_peak_bytes = peak_during(*s->tracker, [&] { load_init_from(*s); });
   describe(*s);
   open_run_log(*s);
