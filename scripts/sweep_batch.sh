@@ -136,7 +136,7 @@ fi
 LAUNCH=()
 [[ -n "${LAUNCHER:-}" ]] && read -ra LAUNCH <<< "$LAUNCHER"
 
-if [[ -n "$LIMIT" ]] && ! "$TRAINER" --help-config 2>/dev/null | grep -Eq '^[[:space:]]+limit[[:space:]]'; then
+if [[ -n "$LIMIT" ]] && ! grep -Eq '^[[:space:]]+limit[[:space:]]' <<< "$("$TRAINER" --help-config 2>/dev/null)"; then  # not a pipe: grep -q quitting early would SIGPIPE the trainer under pipefail
   die_usage "--limit needs the trainer's memory.limit key, which $TRAINER does not have (rebuild it)"
 fi
 

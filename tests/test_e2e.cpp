@@ -293,16 +293,17 @@ TEST_CASE("a second run into the same logging.dir is refused unless logging.over
 
 TEST_CASE("a write that fails stops the run with exit 7; metrics.jsonl keeps whole records") {
   // RLIMIT_FSIZE (SIGXFSZ ignored) makes writes past the size fail with EFBIG, the first of them
-  // part-way through a record, like a file system that fills up. 16 KiB: metrics.jsonl fills after ~30
-  // records, summary.json still fits; 4 KiB: summary.json does not fit either.
-  for (const int kib : {16, 4}) {
+  // part-way through a record, like a file system that fills up. `ulimit -f` counts 512-byte blocks
+  // under /bin/sh (dash): 16 blocks (8 KiB): metrics.jsonl fills after ~20 records, summary.json
+  // (~5 KiB) still fits; 6 blocks (3 KiB): config.json (~2.1 KiB) fits, summary.json does not.
+  for (const int blocks : {16, 6}) {
     test::TempDir dir("full");
     const auto run_dir = dir.path / "run";
     auto r = test::run(fmt::format("cd {} && trap '' XFSZ && ulimit -f {} && OMP_NUM_THREADS=1 {} --config configs/tiny.yaml "
                                    "--set train.steps=200 --set train.micro_batch=1 --set train.seq_len=16 "
                                    "--set train.eval_interval=0 --set logging.peak_tflops=1 --set logging.dir={}",
-                                   test::kSourceDir, kib, test::kTrainer, run_dir.string()));
-    INFO(kib << " KiB\n" << r.output);
+                                   test::kSourceDir, blocks, test::kTrainer, run_dir.string()));
+    INFO(blocks << " blocks of 512 bytes\n" << r.output);
     CHECK(r.code == kExitIo);
     CHECK(r.output.find((run_dir / "metrics.jsonl").string()) != std::string::npos);
     CHECK(r.output.find("File too large") != std::string::npos);
@@ -312,7 +313,7 @@ TEST_CASE("a write that fails stops the run with exit 7; metrics.jsonl keeps who
     const auto recs = read_jsonl(run_dir / "metrics.jsonl");  // throws on a partial record
     CHECK(recs.size() < 200);
     for (const auto& f : files_in(run_dir)) CHECK(f.find(".tmp") == std::string::npos);
-    if (kib == 16) {
+    if (blocks == 16) {
       const auto summary = json::parse(test::read_text(run_dir / "summary.json"));
       CHECK(summary["exit_status"]["code"] == kExitIo);
       CHECK(summary["exit_status"]["name"] == "io_error");

@@ -199,6 +199,32 @@ TEST_CASE("kill -9 of both ranks and --resume auto at world 2: bitwise the unint
   }
 }
 
+TEST_CASE("kill -9 and --resume auto with offload: bitwise the uninterrupted run; the state resumes with or without offload") {
+  INFO("seed " << test_seed() << " (SUBLINEAR_TEST_SEED replays it)");
+  test::TempDir dir("resume-offload");
+  // zero3 at world 1 with every kind of state in host memory and the checkpointed inputs too.
+  const std::string plain = kCommon + " --set model.n_layer=3 --set state.every=2 --set parallel.sharding=zero3 "
+                                      "--set checkpointing.mode=full";
+  const std::string offload = plain + " --set offload.optimizer=true --set offload.gradients=true "
+                                      "--set offload.parameters=true --set offload.activations=true";
+  const auto want = uninterrupted(1, offload, dir.path / "ref");
+  // Offload moves bytes only: the run without it is the same run.
+  CHECK(test::trace_diff(uninterrupted(1, plain, dir.path / "plain"), want) == "");
+  const int k = random_in(3, kSteps - 2);
+  INFO("kill after " << k << " step records");
+  const auto run_dir = dir.path / "kill";
+  const Resumed res = kill_and_resume(1, offload, run_dir, static_cast<size_t>(k));
+  INFO("resumed from step " << res.resumed_step);
+  CHECK(test::trace_diff(test::trace(run_dir / "metrics.jsonl"), want) == "");
+  // The state files do not record where the states lived: a state saved with offload resumes without it.
+  // (A first run of 6 steps: inside tiny.yaml's 20 warm-up steps the learning rate does not depend on
+  // train.steps; its end-of-run eval at step 6 is the one record the 12-step run has not.)
+  const auto other = dir.path / "offloaded-then-not";
+  run_ok(1, offload + " --set train.steps=6" + dir_arg(other));
+  run_ok(1, plain + dir_arg(other) + " --resume auto");
+  CHECK(test::bitwise_diff(test::step_records(other / "metrics.jsonl"), want.steps) == "");
+}
+
 namespace {
 
 // Tolerance of tests/test_parallel.cpp for the same steps at another world size: relative difference

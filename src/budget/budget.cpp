@@ -34,9 +34,10 @@ double BlockCost::parts(uint8_t set) const {
 }
 
 double schedule_cost(const std::vector<Segment>& segments, const std::vector<uint8_t>& block_parts,
-                     const std::vector<BlockCost>& costs) {
+                     const std::vector<BlockCost>& costs, double offload_cost) {
   double total = 0;
   for (const auto& s : segments) {
+    if (s.offloaded) total += offload_cost;
     for (int64_t b = s.begin; b < s.end; ++b) {
       const auto& c = costs[static_cast<size_t>(b)];
       total += s.checkpointed ? c.forward : c.parts(block_parts[static_cast<size_t>(b)]);
@@ -55,6 +56,7 @@ struct Back {
   int32_t from = -1;
   int32_t len = 0;
   uint8_t parts = 0;
+  bool offloaded = false;  // a checkpointed segment whose input goes to host memory
 };
 
 // The DP table over positions 0..L and memory buckets 0..Q-1 (bucket = floor(held / delta)). Each
@@ -77,17 +79,20 @@ struct Table {
 
 // The memory bounds of the walk (memory::chain_peak) in the DP's terms. `held` is the memory a path
 // keeps so far (kept blocks' weight copies included), in bytes.
+// With offload allowed, `prefetch` (one segment input) is held beside every backward moment: an
+// offloaded segment's backward brings the previous offloaded segment's input back early, and it stays
+// through the blocks between them (conservative where nothing is offloaded, exact in the walk).
 struct Bounds {
   const memory::ChainModel& m;
-  double budget, all_weights = 0;
+  double budget, all_weights = 0, prefetch = 0;
   bool kept_fits(double held_after, int64_t b, uint8_t parts) const {  // D
-    return held_after + m.tied_grad + m.backward[static_cast<size_t>(b)][parts] <= budget;
+    return held_after + prefetch + m.tied_grad + m.backward[static_cast<size_t>(b)][parts] <= budget;
   }
   bool first_pass_fits(double held_in, double forward) const {  // F: a segment's first pass, its widest block
     return all_weights + m.head_weights + held_in + forward <= budget;
   }
   bool recompute_fits(double held_in, double saved, double worst_backward) const {  // B
-    return m.tied_grad + held_in + saved + worst_backward <= budget;
+    return prefetch + m.tied_grad + held_in + saved + worst_backward <= budget;
   }
   bool end_fits(double held) const {  // F at the end of the forward, and A
     return all_weights + m.head_weights + held + m.head - m.head_input <= budget && m.head_weights + held + m.head <= budget;
@@ -95,8 +100,10 @@ struct Bounds {
 };
 
 // From every reachable state at position i: block i kept (each set of selective parts), or a
-// checkpointed segment [i, j) for every j that fits.
-void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<BlockCost>& costs, const Bounds& fit) {
+// checkpointed segment [i, j) for every j that fits, its input kept on the device or (offload_cost >= 0)
+// in host memory, which holds nothing for backward at the price of the transfers.
+void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<BlockCost>& costs, const Bounds& fit,
+            double offload_cost) {
   const auto bi = static_cast<size_t>(i);
   for (int64_t h = 0; h < t.Q; ++h) {
     const double c = t.cost[t.at(i, h)], held = t.held[t.at(i, h)];
@@ -118,6 +125,8 @@ void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<
       // Both only grow with j.
       if (!fit.first_pass_fits(held_in, worst_forward) || !fit.recompute_fits(held_in, saved, worst_backward)) break;
       t.relax(j, held_in, c + forward - costs[b].output, {from, static_cast<int32_t>(j - i), 0});
+      if (offload_cost >= 0)
+        t.relax(j, held, c + forward - costs[b].output + offload_cost, {from, static_cast<int32_t>(j - i), 0, true});
     }
   }
 }
@@ -131,7 +140,7 @@ void read_back(const Table& t, int64_t h, Schedule& out) {
       out.block_parts[static_cast<size_t>(i - 1)] = b.parts;
       i -= 1;
     } else {
-      out.segments.push_back({i - b.len, i, true});
+      out.segments.push_back({i - b.len, i, true, b.offloaded});
       i -= b.len;
     }
     h = b.from;
@@ -149,7 +158,8 @@ Plan as_plan(const Schedule& s) {
 
 }  // namespace
 
-Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>& costs, double budget_bytes, int64_t quanta) {
+Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>& costs, double budget_bytes, int64_t quanta,
+                      double offload_cost) {
   Schedule out;
   const auto L = static_cast<int64_t>(costs.size());
   if (!(budget_bytes > 0) || L == 0 || quanta < 1) return out;
@@ -159,8 +169,9 @@ Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>&
   Table t(L, quanta + 1, delta);
   Bounds fit{m, budget_bytes - m.held};  // every moment also holds m.held
   for (double w : m.weights) fit.all_weights += w;
+  if (offload_cost >= 0) fit.prefetch = m.input;
   t.cost[t.at(0, 0)] = 0;
-  for (int64_t i = 0; i < L; ++i) expand(t, i, m, costs, fit);
+  for (int64_t i = 0; i < L; ++i) expand(t, i, m, costs, fit, offload_cost);
   int64_t best = -1;
   for (int64_t h = 0; h < t.Q; ++h)  // least cost; on a tie the least memory
     if (t.cost[t.at(L, h)] < (best < 0 ? kInf : t.cost[t.at(L, best)]) && fit.end_fits(t.held[t.at(L, h)]))
@@ -372,6 +383,16 @@ Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Devi
   return out;
 }
 
+double offload_cost(const config::RunConfig& cfg, const Costs& costs, double input_bytes) {
+  const auto& o = cfg.offload;
+  const double exposed_s = 2.0 * input_bytes / (o.bandwidth_gbps * 1e9) * (1.0 - o.overlap);
+  if (costs.unit == "ms") return 1e3 * exposed_s;
+  const double rate = cfg.logging.peak_tflops > 0 ? cfg.logging.peak_tflops * 1e12 * kModelledMfu
+                      : memory::runs_on_cuda(cfg)  ? kFormulaFlopsCuda
+                                                   : kFormulaFlopsCpu;
+  return exposed_s * rate / 1e9;  // GFLOP the device could have run meanwhile
+}
+
 memory::ChainModel solver_model(const config::RunConfig& cfg, const Costs& costs) {
   auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
   for (size_t i = 0; i < costs.bytes.size() && i < mem.kept.size(); ++i) {
@@ -386,7 +407,8 @@ std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const Costs& c
   const auto t0 = log::Clock::now();
   const int64_t budget = memory::activation_budget_bytes(cfg);
   const auto mem = solver_model(cfg, costs);
-  const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(cfg.model.n_layer));
+  const double offload = cfg.offload.activations ? offload_cost(cfg, costs, mem.input) : -1.0;
+  const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(cfg.model.n_layer), offload);
   if (!s.feasible) return std::nullopt;
   Plan p = as_plan(s);
   p.budget = {budget, static_cast<int64_t>(std::ceil(s.quantum_bytes)), static_cast<int64_t>(s.peak_bytes), s.cost, 0.0,
@@ -439,8 +461,10 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
 }
 
 std::optional<Plan> try_plan_for(const config::RunConfig& cfg) {
-  if (!cfg.checkpointing.mode.solved()) return checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer);
-  return formula_plan(cfg);
+  if (cfg.checkpointing.mode.solved()) return formula_plan(cfg);
+  Plan p = checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer);
+  for (auto& s : p.segments) s.offloaded = s.checkpointed && cfg.offload.activations;  // every input, in the uniform modes
+  return p;
 }
 
 Plan plan_for(const config::RunConfig& cfg) {

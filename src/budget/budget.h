@@ -74,8 +74,11 @@ struct Schedule {
 // matched or beaten. With autocast's weight copies (bf16/fp16 with fp32 parameters), a kept block's
 // copies count in the forward moments too (conservative there). O(L^2 * quanta) time, O(L * quanta)
 // memory (28 bytes a state). quanta must be below 2^31.
+// With offload_cost >= 0 (offload.activations) a checkpointed segment may also put its input in host
+// memory: it then keeps nothing on the device for backward and costs offload_cost more; every backward
+// moment is checked with one more segment input on the device (the prefetch, checkpointing/checkpoint.h).
 Schedule solve_budget(const memory::ChainModel& mem, const std::vector<BlockCost>& costs, double budget_bytes,
-                      int64_t quanta = 16384);
+                      int64_t quanta = 16384, double offload_cost = -1.0);
 // The quanta a recipe's schedule is solved with: 16384, or 16 per block for deeper chains (the error
 // bound, n_layer quanta, stays below 1/16 of the budget).
 int64_t budget_quanta(int64_t n_layer);
@@ -83,7 +86,15 @@ int64_t budget_quanta(int64_t n_layer);
 // The cost of any schedule (the same sum the solver minimizes): kept blocks' selective parts, and per
 // checkpointed segment its blocks' forwards less the last block's output projection.
 double schedule_cost(const std::vector<Segment>& segments, const std::vector<uint8_t>& block_parts,
-                     const std::vector<BlockCost>& costs);
+                     const std::vector<BlockCost>& costs, double offload_cost = 0.0);
+
+// The fourth choice's price (offload.activations), in the costs' unit: a segment input's two transfers
+// (to the host in forward, back before its backward) at offload.bandwidth_gbps, the share
+// offload.overlap hides behind compute taken off; in ms, or in the GFLOP the device runs meanwhile
+// (kModelledMfu of logging.peak_tflops, else kFormulaFlopsCpu / kFormulaFlopsCuda).
+inline constexpr double kModelledMfu = 0.5;
+inline constexpr double kFormulaFlopsCpu = 1e11, kFormulaFlopsCuda = 1e14;
+double offload_cost(const config::RunConfig& cfg, const Costs& costs, double input_bytes);
 
 // Costs from the model's FLOPs (GFLOP per micro-batch): matmuls 2 FLOPs per multiply-add, attention
 // 4*T*C per token, elementwise parts (norms, activation) as bytes moved times a device balance (a byte
@@ -109,7 +120,8 @@ std::optional<Plan> formula_plan(const config::RunConfig& cfg);
 // activation peak any schedule reaches.
 Plan budget_plan(const config::RunConfig& cfg, const Costs& costs);
 
-// The plan a recipe runs: make_plan's, or for mode budget budget_plan with formula costs.
+// The plan a recipe runs: make_plan's (with offload.activations every checkpointed input offloaded), or
+// for mode budget budget_plan with formula costs.
 Plan plan_for(const config::RunConfig& cfg);
 // The same, nullopt instead of the ConfigError when no budget schedule fits (probes at other
 // micro-batches: none fits, neither does the batch).

@@ -15,6 +15,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>
 
+#include "device/host.h"
 #include "errors.h"
 #include "log/clock.h"
 
@@ -132,6 +133,7 @@ struct Saved : torch::CustomClassHolder {
     double checksum;
   };
   std::vector<Meta> out_meta;  // only with check_recompute
+  std::shared_ptr<ActivationOffload::Slot> offloaded;  // offload.activations: the inputs on the host
 };
 
 using SavedPtr = c10::intrusive_ptr<Saved>;
@@ -176,9 +178,19 @@ void check_outputs(const Saved& s, const std::vector<at::Tensor>& outs) {
 
 // Forward's bookkeeping, common to both Functions: the inputs as saved variables (autograd checks
 // they were not modified in place), the parameters as handles, the capsule on the node.
+// With offload.activations the inputs go to the host instead (ActivationOffload), outside autograd's
+// saved variables, which would keep them on the device.
 void keep_for_backward(AutogradContext* ctx, const SavedPtr& saved, const std::vector<at::Tensor>& inputs) {
   saved->n_inputs = inputs.size();
-  ctx->save_for_backward(inputs);
+  const auto& off = saved->opts.offload;
+  if (off && !off->recomputing) {
+    saved->offloaded = off->offload(inputs, *saved->opts.stats);
+    std::vector<at::Tensor> kept;
+    for (const auto& t : inputs) kept.push_back(t.requires_grad() ? at::Tensor() : t);
+    ctx->save_for_backward(kept);
+  } else {
+    ctx->save_for_backward(inputs);
+  }
   ctx->saved_data["state"] = at::IValue::make_capsule(saved);
   ctx->set_materialize_grads(false);
 }
@@ -186,14 +198,28 @@ void keep_for_backward(AutogradContext* ctx, const SavedPtr& saved, const std::v
 // The saved inputs, detached, requiring grad where this backward needs their gradient.
 std::vector<at::Tensor> restore_inputs(AutogradContext* ctx, const Saved& s) {
   auto saved = ctx->get_saved_variables();
+  const auto restored = s.offloaded ? s.opts.offload->restore(*s.offloaded, *s.opts.stats) : std::vector<at::Tensor>();
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < s.n_inputs; ++i) {
-    auto t = saved[i].detach();
+    auto t = (restored.empty() || !restored[i].defined() ? saved[i] : restored[i]).detach();
     t.requires_grad_(ctx->needs_input_grad(i));
     out.push_back(t);
   }
   return out;
 }
+
+// Marks a backward's recompute, whose nested pieces keep their inputs on the device (they live only
+// until this backward ends).
+struct RecomputeFlag {
+  explicit RecomputeFlag(ActivationOffload* off) : off(off), prev(off && off->recomputing) {
+    if (off) off->recomputing = true;
+  }
+  ~RecomputeFlag() {
+    if (off) off->recomputing = prev;
+  }
+  ActivationOffload* off;
+  bool prev;
+};
 
 // What to differentiate: the inputs that need a gradient, then those of the first n_params
 // parameters that do, each with its slot in backward's result.
@@ -280,6 +306,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> outs;
     {
       Replay replay(saved->state);
+      RecomputeFlag flag(saved->opts.offload.get());
       outs = timed(*saved, cuda_device(inputs), [&] { return saved->fn(inputs); });
     }
     check_outputs(*saved, outs);
@@ -401,6 +428,69 @@ std::vector<at::Tensor> defined_only(const std::vector<at::Tensor>& ts) {
 }
 
 }  // namespace
+
+// ---- offload.activations ----
+
+struct ActivationOffload::Slot {
+  std::vector<at::Tensor> host;      // per input: its host copy (undefined: kept on the device)
+  std::vector<at::Tensor> restored;  // per input: back on the device (filled by restore or a prefetch)
+  c10::Device device{c10::kCPU};
+  size_t index = 0;                  // in the forward's chain
+};
+
+namespace {
+// The same sizes and strides as `like`, on `device`, or contiguous when `like` is not dense.
+at::Tensor empty_like_layout(const at::Tensor& like, c10::Device device, bool host) {
+  device::HostScope scope(host);
+  const auto opts = like.options().device(device);
+  if (like.is_non_overlapping_and_dense()) return at::empty_strided(like.sizes(), like.strides(), opts);
+  return at::empty(like.sizes(), opts);
+}
+
+void bring_back(ActivationOffload::Slot& slot, Stats& stats) {
+  if (!slot.restored.empty()) return;
+  for (const auto& h : slot.host) {
+    if (!h.defined()) {
+      slot.restored.emplace_back();
+      continue;
+    }
+    auto d = empty_like_layout(h, slot.device, /*host=*/false);
+    d.copy_(h);
+    stats.offload_to_device += static_cast<int64_t>(h.nbytes());
+    slot.restored.push_back(std::move(d));
+  }
+}
+}  // namespace
+
+void ActivationOffload::begin_forward() { chain_.clear(); }
+
+std::shared_ptr<ActivationOffload::Slot> ActivationOffload::offload(const std::vector<at::Tensor>& inputs, Stats& stats) {
+  auto slot = std::make_shared<Slot>();
+  for (const auto& t : inputs) {
+    if (!t.requires_grad()) {
+      slot->host.emplace_back();
+      continue;
+    }
+    slot->device = t.device();
+    auto h = empty_like_layout(t, c10::kCPU, /*host=*/true);
+    h.copy_(t.detach());
+    stats.offload_to_host += static_cast<int64_t>(t.nbytes());
+    slot->host.push_back(std::move(h));
+  }
+  slot->index = chain_.size();
+  chain_.push_back(slot);
+  return slot;
+}
+
+std::vector<at::Tensor> ActivationOffload::restore(Slot& slot, Stats& stats) {
+  bring_back(slot, stats);
+  if (slot.index > 0 && slot.index <= chain_.size())
+    if (auto prev = chain_[slot.index - 1].lock()) bring_back(*prev, stats);  // its backward comes next
+  std::vector<at::Tensor> out = std::move(slot.restored);
+  slot.restored.clear();
+  slot.host.clear();  // the host copy is not needed again: backward runs once
+  return out;
+}
 
 void settle_device_times(Stats& stats) {
   for (const auto& span : stats.device_spans) {

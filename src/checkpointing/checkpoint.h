@@ -34,6 +34,28 @@ struct Stats {
   int64_t recomputes = 0;     // how many pieces were recomputed
   // CUDA: the recomputes whose device time is not in recompute_ms yet (settle_device_times).
   std::vector<DeviceSpan> device_spans;
+  // offload.activations: bytes of checkpointed inputs copied to the host in forward and back in backward.
+  int64_t offload_to_host = 0, offload_to_device = 0;
+};
+
+// offload.activations (device/host.h): a checkpointed piece's inputs that carry gradient (the
+// activations, not constant tables) are copied to host memory in its forward instead of being kept
+// on the device, and copied back when its backward starts; that backward also brings back the inputs
+// of the piece whose backward comes next (the previous piece of the forward), so on a GPU the copy
+// can overlap this piece's recompute. The device then holds at most two pieces' inputs. Only bytes
+// move: the restored tensor has the original's values, sizes and strides.
+class ActivationOffload {
+ public:
+  struct Slot;
+  void begin_forward();  // a new forward: a new chain of pieces
+  std::shared_ptr<Slot> offload(const std::vector<at::Tensor>& inputs, Stats& stats);
+  // The inputs of `slot`'s piece on the device (restored now unless prefetched), and the previous
+  // piece's restored ahead of its backward.
+  std::vector<at::Tensor> restore(Slot& slot, Stats& stats);
+  bool recomputing = false;  // inside a backward's recompute: nested pieces keep their inputs
+
+ private:
+  std::vector<std::weak_ptr<Slot>> chain_;  // this forward's slots, in forward order
 };
 
 // Adds the device spans' elapsed times to recompute_ms and clears them. Reading an event pair does
@@ -48,6 +70,7 @@ struct Options {
   bool check_recompute = false; // compare recomputed outputs' shapes, dtypes and value checksums
   std::function<void(const std::string& name)> pre_recompute_hook;  // runs before each recompute
   std::shared_ptr<Stats> stats = std::make_shared<Stats>();
+  std::shared_ptr<ActivationOffload> offload;  // offload.activations; null = inputs stay on the device
 };
 
 // Runs fn(inputs) and returns its outputs. With grad mode on, only `inputs` (and RNG/autocast state)

@@ -41,7 +41,7 @@ std::string Plan::describe() const {
   if (mode.solved()) {
     for (const auto& s : segments) {
       if (s.checkpointed) {
-        segs += fmt::format("{}[{}..{}) recomputed", segs.empty() ? "" : ", ", s.begin, s.end);
+        segs += fmt::format("{}[{}..{}) recomputed{}", segs.empty() ? "" : ", ", s.begin, s.end, s.offloaded ? ", input offloaded" : "");
         continue;
       }
       for (int64_t b = s.begin; b < s.end; ++b) {
@@ -52,7 +52,8 @@ std::string Plan::describe() const {
     return fmt::format("budget {}: {}", log::format_bytes(budget.budget_bytes), segs);
   }
   for (const auto& s : segments)
-    segs += fmt::format("{}[{}..{}){}", segs.empty() ? "" : " ", s.begin, s.end, s.checkpointed ? "" : " kept");
+    segs += fmt::format("{}[{}..{}){}", segs.empty() ? "" : " ", s.begin, s.end,
+                        s.offloaded ? " offloaded" : s.checkpointed ? "" : " kept");
   return fmt::format("{} k={}: {} of {} segments checkpointed: {}", mode.name(), k,
                      std::count_if(segments.begin(), segments.end(), [](const Segment& s) { return s.checkpointed; }),
                      segments.size(), segs);
@@ -60,7 +61,8 @@ std::string Plan::describe() const {
 
 nlohmann::json Plan::to_json() const {
   nlohmann::json segs = nlohmann::json::array();
-  for (const auto& s : segments) segs.push_back({{"blocks", {s.begin, s.end}}, {"checkpointed", s.checkpointed}});
+  for (const auto& s : segments)
+    segs.push_back({{"blocks", {s.begin, s.end}}, {"checkpointed", s.checkpointed}, {"offloaded", s.offloaded}});
   nlohmann::json j = {{"mode", mode},
           {"k", k},
           {"segments", segs},
@@ -71,7 +73,8 @@ nlohmann::json Plan::to_json() const {
   for (const auto& s : segments)
     for (int64_t b = s.begin; b < s.end; ++b) {
       const auto parts = part_names(s.checkpointed ? 0 : parts_of(b));
-      blocks.push_back({{"block", b}, {"choice", s.checkpointed ? "recompute" : parts.empty() ? "keep" : "selective"},
+      const char* choice = s.offloaded ? "offload" : s.checkpointed ? "recompute" : parts.empty() ? "keep" : "selective";
+      blocks.push_back({{"block", b}, {"choice", choice},
                         {"parts", parts}, {"segment", {s.begin, s.end}}});
     }
   j["blocks"] = blocks;

@@ -17,6 +17,7 @@ namespace sl::checkpointing {
 struct Segment {
   int64_t begin = 0, end = 0;  // blocks [begin, end)
   bool checkpointed = false;
+  bool offloaded = false;  // checkpointed, its input in host memory until its backward (offload.activations)
 };
 
 // Selective parts as bits (a block's set of parts recomputed inside it).

@@ -1,6 +1,7 @@
 // The checkpointing runner: the model forward under a plan (see runner.h).
 #include "checkpointing/runner.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <stdexcept>
@@ -34,6 +35,10 @@ Runner::Runner(const config::CheckpointingConfig& cfg, model::GPT model, Plan pl
     : cfg_(cfg), model_(std::move(model)), plan_(std::move(plan)) {
   opts_.preserve_rng = cfg.preserve_rng;
   opts_.check_recompute = cfg.check_recompute;
+  // offload.activations: the plan's offloaded segments keep their inputs in host memory.
+  // (opts_ itself never offloads: selective pieces of kept blocks keep their inputs.)
+  if (std::any_of(plan_.segments.begin(), plan_.segments.end(), [](const Segment& s) { return s.offloaded; }))
+    offload_ = std::make_shared<ActivationOffload>();
 }
 
 Stats Runner::take_stats() {
@@ -73,6 +78,7 @@ torch::Tensor Runner::block_forward_unhooked(model::BlockImpl& block, const torc
 }
 
 torch::Tensor Runner::forward(const torch::Tensor& idx) {
+  if (offload_) offload_->begin_forward();
   // The embedding backward needs the indices only, not the table: its parameters need no re-gather.
   auto x = unit(model::kEmbeddingUnit, torch::Tensor(), false, [&] { return model_->embed(idx); });
   const auto rope = model_->rope(idx.size(1));
@@ -98,7 +104,9 @@ torch::Tensor Runner::forward(const torch::Tensor& idx) {
       flush();  // a recompute's last block: its backward starts right after this returns
       return std::vector<torch::Tensor>{h};
     };
-    x = checkpoint(fmt::format("segment {} (blocks {}..{})", si, seg.begin, seg.end - 1), fn, {x}, params, opts_)[0];
+    Options opts = opts_;
+    if (seg.offloaded) opts.offload = offload_;
+    x = checkpoint(fmt::format("segment {} (blocks {}..{})", si, seg.begin, seg.end - 1), fn, {x}, params, opts)[0];
   }
   auto logits = unit(model::head_unit(model_->cfg), x, true, [&] { return model_->head(x); });
   flush();

@@ -219,6 +219,22 @@ std::vector<Field> memory_fields() {
   return {
       field(&R::memory, &MemoryConfig::track_cpu, "memory", "track_cpu", "install the tracking CPU allocator so CPU peak bytes are exact"),
       field(&R::memory, &MemoryConfig::limit, "memory", "limit", "device-memory limit for tensors, e.g. 8GiB (units B, KiB, MiB, GiB, KB, MB, GB); 0 = none. CPU: the tracking allocator refuses past it; CUDA: caps the caching allocator"),
+      field(&R::memory, &MemoryConfig::host_limit, "memory", "host_limit", "host-memory limit for offloaded state (offload.*), a size like memory.limit; 0 = none. Past it: exit 4 naming host memory"),
+  };
+}
+
+// The offload section's keys, in the order --help-config and the reference list them.
+std::vector<Field> offload_fields() {
+  using R = RunConfig;
+  using O = OffloadConfig;
+  return {
+      field(&R::offload, &O::optimizer, "offload", "optimizer", "fp32 master weights and AdamW moments in host memory; the AdamW step runs on the host (needs parallel.sharding zero1/2/3, any world size)"),
+      field(&R::offload, &O::gradients, "offload", "gradients", "the gradient shard accumulated in host memory: each group's gradient leaves the device as soon as it is reduced (needs zero2/zero3 and offload.optimizer)"),
+      field(&R::offload, &O::parameters, "offload", "parameters", "no device copy of the weights between uses: each unit is gathered from the host masters before its forward, backward and recompute (needs zero3 and offload.optimizer)"),
+      field(&R::offload, &O::activations, "offload", "activations", "checkpointed blocks' inputs go to host memory in forward and come back one block ahead of their backward (needs a checkpointing mode that checkpoints blocks)"),
+      field(&R::offload, &O::bandwidth_gbps, "offload", "bandwidth_gbps", "host <-> device copy rate per direction in GB/s, for the planner's transfer time (25 = PCIe 4.0 x16 with pinned memory)"),
+      field(&R::offload, &O::overlap, "offload", "overlap", "share of the streamed transfers (gradients, parameters, activations) hidden behind compute in the planner's step time, in [0, 1]"),
+      field(&R::offload, &O::host_gbps, "offload", "host_gbps", "host memory rate in GB/s for the planner's host AdamW time (28 bytes read and written per parameter)"),
   };
 }
 
@@ -254,7 +270,7 @@ std::vector<Field> state_fields() {
 const std::vector<Field>& fields() {
   static const std::vector<Field> table = [] {
     std::vector<Field> all;
-    for (auto section : {model_fields, data_fields, train_fields, checkpointing_fields, precision_fields, parallel_fields, memory_fields, logging_fields, state_fields})
+    for (auto section : {model_fields, data_fields, train_fields, checkpointing_fields, precision_fields, parallel_fields, memory_fields, offload_fields, logging_fields, state_fields})
       for (auto& f : section()) all.push_back(std::move(f));
     return all;
   }();
@@ -449,6 +465,7 @@ int64_t parse_bytes(const std::string& text, const std::string& key) {
 }
 
 int64_t memory_limit_bytes(const RunConfig& cfg) { return parse_bytes(cfg.memory.limit, "memory.limit"); }
+int64_t host_limit_bytes(const RunConfig& cfg) { return parse_bytes(cfg.memory.host_limit, "memory.host_limit"); }
 
 Budget parse_budget(const RunConfig& cfg) { return parse_budget(cfg.checkpointing.budget); }
 
@@ -804,6 +821,7 @@ void validate_lazy_device(const RunConfig& c) {
   if (parse_bytes(c.memory.limit, "memory.limit") > 0) why("memory.limit", "must be 0 with train.device: lazy (no memory statistics)");
   if (c.train.micro_batch.is_auto()) why("train.micro_batch", "auto needs memory statistics, which train.device: lazy has not");
   if (c.checkpointing.mode == CheckpointingMode::kBudget) why("checkpointing.mode", "budget profiles device memory, which train.device: lazy has not");
+  if (c.offload.activations) why("offload.activations", "must be false with train.device: lazy (no host pool to measure)");
 }
 
 void validate_devices_and_logging(const RunConfig& c) {
@@ -823,6 +841,38 @@ void validate_devices_and_logging(const RunConfig& c) {
   if (!(c.logging.peak_tflops >= 0.0)) fail("logging.peak_tflops", "must be >= 0 (0 = measure)");
 }
 
+// offload.*: host placement follows the engine's shard (the masters, moments and gradient shard it
+// keeps per rank), so state offload needs a sharding stage; each kind needs the stage that makes it
+// a per-rank buffer of its own.
+void validate_offload(const RunConfig& c) {
+  const auto& o = c.offload;
+  const Sharding sh = c.parallel.sharding;
+  host_limit_bytes(c);
+  if (o.any_state() && sh.replicated())
+    fail(o.optimizer ? "offload.optimizer" : o.gradients ? "offload.gradients" : "offload.parameters",
+         "places this rank's shard of the model states in host memory: set parallel.sharding to zero1, zero2 or zero3 "
+         "(any world size, 1 included; zero1 at one rank keeps the same numbers as none)");
+  if ((o.gradients || o.parameters) && !o.optimizer)
+    fail(o.gradients ? "offload.gradients" : "offload.parameters",
+         "the host AdamW step reads the gradients and writes the masters there: set offload.optimizer: true too");
+  if (o.gradients && !sh.shards_grads())
+    fail("offload.gradients", fmt::format("streams each reduced gradient group to the host, which parallel.sharding zero2 "
+                                          "or zero3 does (sharding is '{}')", sh.name()));
+  if (o.parameters && !sh.shards_params())
+    fail("offload.parameters", fmt::format("gathers each unit from the host as zero3 gathers it: set parallel.sharding: "
+                                           "zero3 (sharding is '{}')", sh.name()));
+  if (o.optimizer && sh.shards_params() && !o.parameters)
+    fail("offload.parameters", "under zero3 the fp32 masters are the only copy of the weights kept between uses, so "
+                               "offloading the optimizer offloads the parameters: set offload.parameters: true");
+  const auto mode = c.checkpointing.mode;
+  if (o.activations && (mode == CheckpointingMode::kNone || mode == CheckpointingMode::kSelective))
+    fail("offload.activations", fmt::format("offloads the inputs of checkpointed blocks, and mode '{}' checkpoints none: "
+                                            "use full, interval, sqrt or budget", mode.name()));
+  if (!(o.bandwidth_gbps > 0.0)) fail("offload.bandwidth_gbps", "must be > 0");
+  if (!(o.overlap >= 0.0 && o.overlap <= 1.0)) fail("offload.overlap", fmt::format("must be in [0, 1], got {}", o.overlap));
+  if (!(o.host_gbps > 0.0)) fail("offload.host_gbps", "must be > 0");
+}
+
 void validate_state(const RunConfig& c) {
   const auto& st = c.state;
   if (st.every < 0) fail("state.every", fmt::format("must be >= 0 (0 = only at the end and on a signal), got {}", st.every));
@@ -838,6 +888,7 @@ void validate(const RunConfig& c) {
   validate_checkpointing(c);
   validate_precision(c);
   validate_devices_and_logging(c);
+  validate_offload(c);
   validate_state(c);
 }
 

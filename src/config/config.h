@@ -99,6 +99,21 @@ struct ParallelConfig {
 struct MemoryConfig {
   bool track_cpu = true;
   std::string limit = "0";
+  std::string host_limit = "0";  // host memory for offloaded state (offload.*); 0 = none
+};
+
+// Where each kind of state lives (device/host.h): on the device (false) or in host memory (true), and
+// the transfer model the planner prices the moves with.
+struct OffloadConfig {
+  bool optimizer = false;    // fp32 masters + AdamW moments on the host; the AdamW step runs there
+  bool gradients = false;    // the gradient shard accumulated on the host, each group streamed out when reduced
+  bool parameters = false;   // zero3: no device copy between uses; each unit gathered from the host masters
+  bool activations = false;  // checkpointed blocks' inputs on the host between forward and backward
+  double bandwidth_gbps = 25.0;  // host <-> device copy rate per direction (PCIe 4.0 x16, pinned)
+  double overlap = 0.5;          // share of streamed transfers hidden behind compute (not the optimizer's)
+  double host_gbps = 20.0;       // host memory rate of the host AdamW step (28 bytes per parameter)
+  bool any_state() const { return optimizer || gradients || parameters; }
+  bool any() const { return any_state() || activations; }
 };
 
 struct LoggingConfig {
@@ -129,6 +144,7 @@ struct RunConfig {
   PrecisionConfig precision;
   ParallelConfig parallel;
   MemoryConfig memory;
+  OffloadConfig offload;
   LoggingConfig logging;
   StateConfig state;
   std::string recipe_name = "run";
@@ -164,6 +180,8 @@ std::vector<std::string> preset_names();
 int64_t parse_bytes(const std::string& text, const std::string& key);
 // memory.limit in bytes; 0 = no limit.
 int64_t memory_limit_bytes(const RunConfig& cfg);
+// memory.host_limit in bytes; 0 = no limit.
+int64_t host_limit_bytes(const RunConfig& cfg);
 // checkpointing.budget parsed: a size in bytes, or a share in (0, 1] (share > 0 only for "N%" and "").
 struct Budget {
   int64_t bytes = 0;

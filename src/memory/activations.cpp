@@ -254,6 +254,7 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp) {
   m.head_weights = z.c < z.f && !z.lowp_params ? z.c * z.V * z.C : 0.0;
   if (cfg.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(cfg.model.vocab_size * cfg.model.n_embd);
   m.held = tok * z.embed_mask * z.C;
+  m.offload_inputs = cfg.offload.activations && !cfg.checkpointing.mode.solved();  // budget: per segment
   return m;
 }
 
@@ -261,15 +262,17 @@ namespace {
 
 // Moments F (segment first passes and the end of the forward) and A; `held` ends as what the forward
 // keeps for backward, `kept_weights` as the kept blocks' weight copies.
-double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, double& held, double& kept_weights) {
+double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, double& held, double& kept_weights,
+                       double& host) {
   double all_weights = 0, peak = 0;
   for (double w : m.weights) all_weights += w;
-  held = kept_weights = 0;
+  held = kept_weights = host = 0;
   for (const auto& seg : plan.segments) {
     if (seg.checkpointed) {
       held += m.input;
       for (int64_t b = seg.begin; b < seg.end; ++b)
         peak = std::max(peak, all_weights + m.head_weights + held + m.forward[static_cast<size_t>(b)]);
+      if (m.offload_inputs || seg.offloaded) held -= m.input, host += m.input;  // to the host once the first pass is over
       continue;
     }
     for (int64_t b = seg.begin; b < seg.end; ++b) {
@@ -283,12 +286,22 @@ double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, dou
 
 }  // namespace
 
-double chain_peak(const ChainModel& m, const checkpointing::Plan& plan) {
-  double held = 0, kept_weights = 0;
-  double peak = forward_moments(m, plan, held, kept_weights);
+double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host) {
+  double held = 0, kept_weights = 0, offloaded = 0;
+  bool prefetched = false;  // offload: the input of the segment whose backward comes next is on the device
+  double peak = forward_moments(m, plan, held, kept_weights, offloaded);
+  if (host) *host = offloaded;
   for (auto seg = plan.segments.rbegin(); seg != plan.segments.rend(); ++seg) {
     if (seg->checkpointed) {  // B: what comes before the segment (kept blocks' weight copies too), its input
-      held -= m.input;
+      if (m.offload_inputs || seg->offloaded) {  // its input restored (counted below); the previous checkpointed segment's prefetched
+        const bool earlier = std::any_of(plan.segments.begin(), plan.segments.begin() + (plan.segments.rend() - seg - 1),
+                                         [&](const checkpointing::Segment& s) { return s.checkpointed && (m.offload_inputs || s.offloaded); });
+        if (prefetched) held -= m.input;
+        prefetched = earlier;
+        if (earlier) held += m.input;
+      } else {
+        held -= m.input;
+      }
       double saved = 0, weights = 0, worst_backward = 0;
       for (int64_t b = seg->begin; b < seg->end; ++b) {
         saved += m.kept[static_cast<size_t>(b)][0];
@@ -311,17 +324,20 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan) {
 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
   const auto lowp = lowp_matmul_path(cfg);
-  if (!plan.mode.solved() && config::uniform_blocks(cfg.model)) return estimate_activation_peak(cfg, segment_counts(plan), lowp);
-  // Blocks that differ (a budget schedule, or model.layer_mlp_hidden): the per-token terms of block 0
-  // with no parts recomputed; the moments by walking the plan block by block.
+  if (!plan.mode.solved() && config::uniform_blocks(cfg.model) && !cfg.offload.activations)
+    return estimate_activation_peak(cfg, segment_counts(plan), lowp);
+  // Blocks that differ (a budget schedule, or model.layer_mlp_hidden), or offloaded inputs: the
+  // per-token terms of block 0 with no parts recomputed; the moments by walking the plan block by block.
   ActivationEstimate e = estimate_activation_peak(cfg, SegmentCounts{}, lowp);
   e.moment_f = e.moment_a = e.moment_d = e.moment_b = 0;
-  e.peak_bytes = static_cast<int64_t>(chain_peak(chain_model(cfg, lowp), plan));
+  double host = 0;
+  e.peak_bytes = static_cast<int64_t>(chain_peak(chain_model(cfg, lowp), plan, &host));
+  e.host_bytes = static_cast<int64_t>(host);
   return e;
 }
 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg) {
-  if (!config::uniform_blocks(cfg.model)) return estimate_activation_peak(cfg, checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer));
+  if (!config::uniform_blocks(cfg.model) || cfg.offload.activations) return estimate_activation_peak(cfg, checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer));
   return estimate_activation_peak(cfg, segment_counts(cfg.checkpointing, cfg.model.n_layer), lowp_matmul_path(cfg));
 }
 

@@ -110,6 +110,7 @@ struct ActivationEstimate {
   int64_t tied_grad_bytes = 0;       // in moments D and B
   int64_t weight_cast_bytes = 0;     // autocast's low-precision copies of all matmul weights
   int64_t peak_bytes = 0;            // max(F, A, D, B)
+  int64_t host_bytes = 0;            // offload.activations: the checkpointed inputs in host memory at the end of the forward
 };
 
 // The recipe's device and precision decide the matmul path (CPU: cpu_features()).
@@ -135,6 +136,10 @@ struct ChainModel {
   double head_weights = 0; // Wh
   double tied_grad = 0;    // G
   double held = 0;         // Me: held at every moment (the embeddings' dropout mask)
+  // offload.activations: a checkpointed segment's input leaves the device after its first pass and
+  // comes back for its backward, with the previous segment's prefetched (checkpointing/checkpoint.h).
+  // Every checkpointed segment's (the uniform modes); a budget schedule marks its segments itself.
+  bool offload_inputs = false;
 };
 ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp);
 // The activation peak of a plan by walking it: the forward (every checkpointed segment's first pass
@@ -142,8 +147,11 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp);
 // (each kept block's backward, D, with what the blocks before it keep; each checkpointed segment's
 // recompute and backward, B, with the segment inputs and kept blocks before it). For the uniform plans
 // it gives estimate_activation_peak's moments, except B, which it takes per segment (the formula's B
-// uses the largest segment with every segment input: at most n*fC*tok more).
-double chain_peak(const ChainModel& m, const checkpointing::Plan& plan);
+// uses the largest segment with every segment input: at most n*fC*tok more). With offload_inputs, the
+// inputs count only while their segment runs (first pass; recompute and backward, with the previous
+// checkpointed segment's input prefetched beside them); `host` gets what the forward offloaded.
+// Recipes with offload.activations always take the walk.
+double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host = nullptr);
 
 // Whether the recipe runs on CUDA (train.device cuda, or auto with a GPU present).
 bool runs_on_cuda(const config::RunConfig& cfg);

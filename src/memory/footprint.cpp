@@ -105,6 +105,30 @@ std::vector<int64_t> unit_param_counts(const config::ModelConfig& m) {
   return units;
 }
 
+namespace {
+
+// offload.*: the terms the engine keeps on the host instead (parallel/engine.cpp, state_bytes).
+void place_offloaded(const config::RunConfig& cfg, PeakPrediction& p) {
+  const auto& o = cfg.offload;
+  if (!o.optimizer) return;
+  const int64_t n = total_params(cfg.model);
+  const int64_t N = std::max<int64_t>(1, cfg.world_size);
+  const config::Sharding sh = cfg.parallel.sharding;
+  const int64_t cp = dtype_bytes(cfg.precision.param_dtype);
+  p.host_params_bytes = 4 * n / N;
+  p.params_bytes = sh.shards_params() ? 0 : cp * n;  // zero1/2: the whole model in the compute dtype for the all-gather
+  p.host_optimizer_bytes = p.optimizer_bytes;
+  p.optimizer_bytes = 0;
+  p.host_grads_bytes = 4 * n / N;  // the shard itself (offload.gradients) or the host AdamW's copy of it
+  if (o.gradients) p.grads_bytes = 0;
+  // The host AdamW is the fused CPU kernel (optim/optimizer.h): in place, no temporaries.
+  p.host_temp_bytes = o.gradients ? p.grad_norm_temp_bytes : 0;
+  p.adamw_temp_bytes = 0;
+  if (o.gradients) p.grad_norm_temp_bytes = 0;
+}
+
+}  // namespace
+
 PeakPrediction predict_states(const config::RunConfig& cfg) {
   PeakPrediction p;
   const int64_t n = total_params(cfg.model);
@@ -132,6 +156,7 @@ PeakPrediction predict_states(const config::RunConfig& cfg) {
   p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? largest_param(cfg.model) : shard);
   if (N > 1 || !sh.replicated()) p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh.replicated() ? group : shard);
   p.host_staging_bytes = device::host_staging_bytes(4 * largest_param(cfg.model));  // fp32 masters and moments
+  place_offloaded(cfg, p);
   return p;
 }
 

@@ -35,6 +35,11 @@ inline constexpr int64_t kGradNormChunk = int64_t{1} << 20;
 //                gradient norm one float64 chunk (kGradNormChunk elements, or the largest group if
 //                smaller); LibTorch's clip_grad_norm_ (world 1, no sharding) only scalars.
 // Non-parameter buffers (the RoPE tables) count in both.
+// Offload (parallel/engine.h) moves terms to host memory: offload.optimizer the fp32 master shard
+// (zero1/2 keep the whole group on the device in the compute dtype; zero3 nothing), the moments, a
+// host copy of the gradient shard (the host AdamW, a fused in-place CPU kernel, makes no temporaries);
+// offload.gradients the gradient shard and the gradient norm's chunk; offload.activations the
+// checkpointed inputs (memory/activations.h).
 struct PeakPrediction {
   int64_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0;  // held by this rank
   int64_t transient_bytes = 0;  // sharding: gathered parameters / unreduced gradients at the peak
@@ -45,7 +50,13 @@ struct PeakPrediction {
   // Host memory (not in the device peak): a save or the final-weights export on a non-CPU device
   // stages one bounded piece at a time (device/staging.h); CPU runs write from the tensors themselves.
   int64_t host_staging_bytes = 0;
-  ActivationEstimate activations;
+  // offload.* (the terms above then count what stays on the device): the rank's shard of the fp32
+  // masters, of the gradient (its host copy, or the shard itself with offload.gradients) and of the
+  // moments in host memory, and the optimizer step's temporaries there.
+  int64_t host_params_bytes = 0, host_grads_bytes = 0, host_optimizer_bytes = 0, host_temp_bytes = 0;
+  ActivationEstimate activations;  // activations.host_bytes: offload.activations' inputs
+  int64_t host_states_bytes() const { return host_params_bytes + host_grads_bytes + host_optimizer_bytes; }
+  int64_t host_peak_bytes() const { return host_states_bytes() + std::max(activations.host_bytes, host_temp_bytes); }
   int64_t model_states_bytes() const { return params_bytes + grads_bytes + optimizer_bytes; }
   int64_t activation_phase_bytes() const { return transient_bytes + activations.peak_bytes; }
   int64_t optimizer_phase_bytes() const { return std::max(adamw_temp_bytes, grad_norm_temp_bytes); }

@@ -47,6 +47,7 @@ Capacity device_capacity(c10::Device device) {
 Tracker::Tracker(c10::Device device) : device_(device) {}
 
 void Tracker::reset_peak() {
+  if (TrackingCPUAllocator::installed()) TrackingCPUAllocator::instance().reset_host_peak();
   if (device_.is_cuda()) {
     c10::cuda::CUDACachingAllocator::resetPeakStats(device_.index());
   } else {
@@ -68,6 +69,11 @@ Snapshot Tracker::read() const {
     s.peak_allocated_bytes = a.peak_bytes();
     s.reserved_bytes = s.allocated_bytes;
   }
+  if (TrackingCPUAllocator::installed()) {
+    auto& a = TrackingCPUAllocator::instance();
+    s.host_allocated_bytes = a.host_current_bytes();
+    s.host_peak_bytes = a.host_peak_bytes();
+  }
   return s;
 }
 
@@ -84,6 +90,8 @@ void Tracker::set_limit(int64_t bytes) {
     TrackingCPUAllocator::instance().set_limit(bytes);
   }
 }
+
+void Tracker::set_host_limit(int64_t bytes) { TrackingCPUAllocator::instance().set_host_limit(bytes); }
 
 std::string Tracker::source() const {
   if (device_.is_cuda()) return "cuda_caching_allocator";

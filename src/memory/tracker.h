@@ -1,4 +1,4 @@
-// Device memory readings with one meaning on CPU and CUDA: current and peak tensor bytes
+// Device memory readings (and the host pool's, for offloaded state) with one meaning on CPU and CUDA: current and peak tensor bytes
 // (the tracking CPU allocator, or CUDA's caching-allocator stats) and reserved bytes (CUDA only).
 #pragma once
 #include <cstdint>
@@ -12,6 +12,9 @@ struct Snapshot {
   int64_t allocated_bytes = 0;       // tensor bytes live now
   int64_t peak_allocated_bytes = 0;  // highest allocated_bytes since the last reset_peak()
   int64_t reserved_bytes = 0;        // CUDA: held by the caching allocator; CPU: equal to allocated
+  // Host memory of offloaded state (device/host.h), from the tracking allocator's host pool.
+  int64_t host_allocated_bytes = 0;
+  int64_t host_peak_bytes = 0;  // since the last reset_peak()
 };
 
 // What a device can hold at most, and where that number comes from.
@@ -34,6 +37,8 @@ class Tracker {
   // fraction on CUDA. 0 = none.
   void set_limit(int64_t bytes);
   int64_t limit() const { return limit_; }
+  // Applies memory.host_limit to the host pool. 0 = none.
+  void set_host_limit(int64_t bytes);
 
  private:
   c10::Device device_;

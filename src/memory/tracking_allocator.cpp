@@ -5,6 +5,8 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 
+#include "device/host.h"
+
 namespace sl::memory {
 
 namespace {
@@ -23,30 +25,40 @@ void TrackingCPUAllocator::install() {
 
 bool TrackingCPUAllocator::installed() { return g_installed.load(); }
 
+void TrackingCPUAllocator::count(std::atomic<int64_t>& current, std::atomic<int64_t>& peak, int64_t bytes) {
+  const int64_t now = current.fetch_add(bytes) + bytes;
+  int64_t seen = peak.load();
+  while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+  }
+}
+
 c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
   if (nbytes == 0) return {nullptr, nullptr, &free_block, c10::Device(c10::DeviceType::CPU)};
-  const int64_t limit = limit_.load();
-  if (limit > 0 && current_.load() + static_cast<int64_t>(nbytes) > limit) {
+  const bool host = device::HostScope::active();
+  auto& current = host ? host_current_ : current_;
+  const int64_t limit = (host ? host_limit_ : limit_).load();
+  if (limit > 0 && current.load() + static_cast<int64_t>(nbytes) > limit) {
     refused_.store(static_cast<int64_t>(nbytes));
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU out of memory (simulated limit): tried to allocate ", nbytes,
-                     " bytes with ", current_.load(), " of the ", limit, "-byte memory.limit in use");
+    refused_host_.store(host);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, host ? "host" : "CPU", " out of memory (simulated limit): tried to allocate ",
+                     nbytes, " bytes with ", current.load(), " of the ", limit, "-byte ",
+                     host ? "memory.host_limit" : "memory.limit", " in use");
   }
   void* ptr = nullptr;
   try {
     ptr = c10::alloc_cpu(nbytes);
   } catch (const c10::Error& e) {  // the system refused: the same exception as a CUDA OOM (exit 4)
     refused_.store(static_cast<int64_t>(nbytes));
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU out of memory: the system refused ", nbytes, " bytes with ",
-                     current_.load(), " bytes of tensors allocated (", e.what_without_backtrace(), ")");
+    refused_host_.store(host);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, host ? "host" : "CPU", " out of memory: the system refused ", nbytes,
+                     " bytes with ", current_.load() + host_current_.load(), " bytes of tensors allocated (",
+                     e.what_without_backtrace(), ")");
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    sizes_[ptr] = nbytes;
+    blocks_[ptr] = {nbytes, host};
   }
-  int64_t now = current_.fetch_add(static_cast<int64_t>(nbytes)) + static_cast<int64_t>(nbytes);
-  int64_t peak = peak_.load();
-  while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-  }
+  count(current, host ? host_peak_ : peak_, static_cast<int64_t>(nbytes));
   allocs_.fetch_add(1);
   return {ptr, ptr, &free_block, c10::Device(c10::DeviceType::CPU)};
 }
@@ -54,17 +66,23 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
 void TrackingCPUAllocator::free_block(void* ptr) {
   if (ptr == nullptr) return;
   auto& self = instance();
-  size_t n = 0;
+  Block b;
   {
     std::lock_guard<std::mutex> lock(self.mu_);
-    auto it = self.sizes_.find(ptr);
-    if (it != self.sizes_.end()) {
-      n = it->second;
-      self.sizes_.erase(it);
+    auto it = self.blocks_.find(ptr);
+    if (it != self.blocks_.end()) {
+      b = it->second;
+      self.blocks_.erase(it);
     }
   }
-  self.current_.fetch_sub(static_cast<int64_t>(n));
+  (b.host ? self.host_current_ : self.current_).fetch_sub(static_cast<int64_t>(b.bytes));
   c10::free_cpu(ptr);
+}
+
+bool TrackingCPUAllocator::in_host_pool(const void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = blocks_.find(const_cast<void*>(ptr));
+  return it != blocks_.end() && it->second.host;
 }
 
 c10::DeleterFnPtr TrackingCPUAllocator::raw_deleter() const { return &free_block; }

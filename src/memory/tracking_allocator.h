@@ -1,5 +1,8 @@
 // Tracking CPU allocator: replaces LibTorch's CPU allocator so that current and peak tensor bytes
 // on CPU are exact, the way CUDA's caching-allocator stats are on a GPU.
+// Two pools: what is allocated while a device::HostScope is open (device/host.h: offloaded state)
+// is host memory, counted and limited (memory.host_limit) apart; everything else is the simulated
+// device memory that memory.limit caps.
 // It cannot see memory that bypasses c10's CPU allocator: oneDNN/BLAS scratch buffers, tensors made
 // with from_blob, pinned host memory, communication buffers, and tensors allocated before install().
 #pragma once
@@ -25,6 +28,7 @@ class TrackingCPUAllocator final : public c10::Allocator {
   c10::DeleterFnPtr raw_deleter() const override;
   void copy_data(void* dest, const void* src, std::size_t count) const override;
 
+  // The device pool (what memory.limit caps).
   int64_t current_bytes() const { return current_.load(); }
   int64_t peak_bytes() const { return peak_.load(); }
   int64_t num_allocs() const { return allocs_.load(); }
@@ -34,12 +38,28 @@ class TrackingCPUAllocator final : public c10::Allocator {
   void set_limit(int64_t bytes) { limit_.store(bytes); }
   int64_t limit() const { return limit_.load(); }
   int64_t last_refused_bytes() const { return refused_.load(); }  // size of the last refused request
+  bool last_refused_host() const { return refused_host_.load(); }   // ... and whether it was a host one
+
+  // The host pool, and its limit (memory.host_limit; 0 = none).
+  int64_t host_current_bytes() const { return host_current_.load(); }
+  int64_t host_peak_bytes() const { return host_peak_.load(); }
+  void reset_host_peak() { host_peak_.store(host_current_.load()); }
+  void set_host_limit(int64_t bytes) { host_limit_.store(bytes); }
+  // Whether `ptr` (a storage's data) was allocated in the host pool.
+  bool in_host_pool(const void* ptr);
 
  private:
   static void free_block(void* ptr);
+  struct Block {
+    size_t bytes = 0;
+    bool host = false;
+  };
+  static void count(std::atomic<int64_t>& current, std::atomic<int64_t>& peak, int64_t bytes);
   std::mutex mu_;
-  std::unordered_map<void*, size_t> sizes_;
+  std::unordered_map<void*, Block> blocks_;
   std::atomic<int64_t> current_{0}, peak_{0}, allocs_{0}, limit_{0}, refused_{0};
+  std::atomic<int64_t> host_current_{0}, host_peak_{0}, host_limit_{0};
+  std::atomic<bool> refused_host_{false};
 };
 
 // Whether a c10::Error is an allocation the system refused (LibTorch's default CPU allocator reports it

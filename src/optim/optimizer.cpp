@@ -73,15 +73,16 @@ bool fused_eligible(torch::optim::AdamW& opt) {
 
 // The parameter's state, made as AdamW::step makes it on the first step: step 0, zero moments.
 torch::optim::AdamWParamState& state_of(torch::optim::AdamW& opt, const torch::Tensor& p) {
-  auto& slot = opt.state()[p.unsafeGetTensorImpl()];
-  if (!slot) {
+  // Made whole before it enters the map: an allocation that fails (out of memory) leaves no empty entry.
+  auto it = opt.state().find(p.unsafeGetTensorImpl());
+  if (it == opt.state().end() || !it->second) {
     auto fresh = std::make_unique<torch::optim::AdamWParamState>();
     fresh->step(0);
     fresh->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
     fresh->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-    slot = std::move(fresh);
+    it = opt.state().insert_or_assign(p.unsafeGetTensorImpl(), std::move(fresh)).first;
   }
-  return static_cast<torch::optim::AdamWParamState&>(*slot);
+  return static_cast<torch::optim::AdamWParamState&>(*it->second);
 }
 
 // One parameter, split over ATen's intra-op threads (each element on its own).

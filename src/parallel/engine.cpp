@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include "device/host.h"
 #include "memory/footprint.h"
 #include "optim/optimizer.h"
 
@@ -47,7 +48,8 @@ struct Engine::Group {
                               // compute copy: its own buffer; otherwise a view of flat_param)
   torch::Tensor master_full;  // a low-precision compute copy: the group's fp32 masters, gathered for reading
   torch::Tensor flat_grad;    // none/zero1: persistent, .grad are views; zero2/3: transient
-  torch::Tensor shard_grad;   // zero*: this rank's slice of the summed gradient
+  torch::Tensor shard_grad;   // zero*: this rank's slice of the summed gradient (offload.gradients: on the host)
+  torch::Tensor host_grad;    // offload.optimizer with the gradient on the device: the host AdamW's copy of it
   torch::Tensor rs_out;       // zero2/3: reduce-scatter result while in flight
   size_t ready = 0;
   bool gathered = true;
@@ -67,6 +69,9 @@ Engine::Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<C
       rank_(comm_->rank()),
       world_(comm_->world()),
       device_(comm_->device()),
+      offload_optimizer_(cfg.offload.optimizer),
+      offload_grads_(cfg.offload.gradients),
+      offload_params_(cfg.offload.parameters),
       deferred_(!model_->parameters().empty() && model::is_deferred(model_->parameters().front())) {
   if (deferred_ && !sharding_.shards_params())
     throw std::logic_error("Engine: a deferred model is materialized by zero3 only");
@@ -146,7 +151,10 @@ std::unique_ptr<Engine::Group> Engine::make_group(const std::string& name, std::
         g->params[i].mutable_grad() = g->flat_grad.narrow(0, g->offsets[i], g->params[i].numel()).view(g->params[i].sizes());
   }
   if (sharding_.replicated()) return g;
-  g->shard_grad = sharding_ == config::Sharding::kZero1 ? g->flat_grad.narrow(0, rank_ * g->shard, g->shard) : torch::zeros({g->shard}, opts);
+  g->shard_grad = sharding_ == config::Sharding::kZero1 ? g->flat_grad.narrow(0, rank_ * g->shard, g->shard)
+                  : offload_grads_                   ? device::host_zeros(g->shard, torch::kFloat)
+                                                     : torch::zeros({g->shard}, opts);
+  if (offload_optimizer_ && !offload_grads_) g->host_grad = device::host_zeros(g->shard, torch::kFloat);
   if (!deferred_) {
     auto flat = torch::zeros({g->padded}, opts);
     for (size_t i = 0; i < g->params.size(); ++i)
@@ -161,7 +169,8 @@ std::unique_ptr<Engine::Group> Engine::make_group(const std::string& name, std::
 // frees flat_param's memory until the unit is gathered.
 void Engine::shard_and_bind(Group& g, torch::Tensor flat) {
   g.shard_param = flat.narrow(0, rank_ * g.shard, g.shard);
-  if (sharding_.shards_params() || low_precision_copy()) g.shard_param = g.shard_param.clone();
+  if (offload_optimizer_) g.shard_param = device::to_host(g.shard_param);
+  else if (sharding_.shards_params() || low_precision_copy()) g.shard_param = g.shard_param.clone();
   if (low_precision_copy()) {
     // zero3 frees flat_param at once (below): only its storage is kept, so the fp32 values go first.
     const bool keep_values = !sharding_.shards_params();
@@ -279,7 +288,7 @@ std::unique_ptr<torch::optim::AdamW> Engine::make_optimizer(const config::TrainC
         a = std::max(a, lo), b = std::min(b, hi);
         if (a >= b) return;
         auto p = g.shard_param.narrow(0, a - lo, b - a);
-        p.mutable_grad() = g.shard_grad.narrow(0, a - lo, b - a);
+        p.mutable_grad() = (g.host_grad.defined() ? g.host_grad : g.shard_grad).narrow(0, a - lo, b - a);
         out.push_back(p);
       };
       piece(0, g.decay, decay);
@@ -348,7 +357,8 @@ void Engine::finish(size_t gi) {
   g.pending.wait();
   if (g.rs_out.defined()) {
     torch::NoGradGuard no_grad;
-    g.shard_grad.add_(g.rs_out);
+    if (offload_grads_) moved_.to_host += static_cast<int64_t>(g.rs_out.nbytes());
+    g.shard_grad.add_(offload_grads_ ? device::host_readable(g.rs_out) : g.rs_out);
     g.rs_out.reset();
     g.flat_grad.reset();
     add_transient(-grad_buffer_bytes(g));
@@ -387,12 +397,13 @@ torch::Tensor Engine::grad_norm_sq_share() {
   // cut into buckets or shards, or the stages would drift apart by rounding (visible under bf16).
   // Chunk by chunk: a float64 norm converts its input first, and a whole group's float64 copy is
   // twice the group's gradient (memory/footprint.h counts one chunk's copy).
+  device::HostScope host(offload_grads_);  // the chunks' float64 copies are made where the gradient lives
   std::vector<torch::Tensor> norms;
   for (const auto& t : gs)
     for (int64_t off = 0; off < t.numel(); off += memory::kGradNormChunk)
       norms.push_back(at::linalg_vector_norm(t.narrow(0, off, std::min(memory::kGradNormChunk, t.numel() - off)), 2,
                                              std::nullopt, false, at::kDouble));
-  return torch::stack(norms).pow(2).sum();
+  return torch::stack(norms).pow(2).sum().to(device_);  // offload.gradients: summed on the host, read with the loss
 }
 
 void Engine::clip(double max_norm, double norm) {
@@ -411,28 +422,61 @@ void Engine::after_step() {
   for (auto& w : works) w.wait();
 }
 
+void Engine::optimizer_step(torch::optim::AdamW& opt) {
+  grads_to_host();
+  {
+    device::HostScope host(offload_optimizer_);  // the moments AdamW makes on its first step belong to the host
+    optim::adamw_step(opt);
+  }
+  after_step();
+}
+
+// offload.optimizer with the gradient shard on the device: the host AdamW reads a copy, made after
+// clipping (the values it would read on the device).
+void Engine::grads_to_host() {
+  torch::NoGradGuard no_grad;
+  for (auto& g : groups_) {
+    if (!g->host_grad.defined()) continue;
+    device::copy_to_host(g->host_grad, g->shard_grad);
+    moved_.to_host += static_cast<int64_t>(g->host_grad.nbytes());
+  }
+}
+
+Moved Engine::take_moved() {
+  const Moved m = moved_;
+  moved_ = {};
+  return m;
+}
+
 void Engine::params_loaded() { after_step(); }
 
 // This rank's slot of flat_param holding its master shard in the compute dtype (the all-gather's input).
+// With offload.optimizer the masters are on the host: they are copied into the slot (on the device).
 torch::Tensor Engine::compute_shard(Group& g) {
-  if (!low_precision_copy()) return g.shard_param;  // zero1/2: the slot itself; zero3: its own fp32 buffer
+  if (!low_precision_copy() && !offload_optimizer_) return g.shard_param;  // zero1/2: the slot itself; zero3: its own fp32 buffer
   auto slot = g.slot();
-  slot.copy_(g.shard_param);  // rounded to nearest even
+  device::copy_to_device(slot, g.shard_param);  // a low-precision copy: rounded to nearest even
+  if (offload_optimizer_) moved_.to_device += static_cast<int64_t>(slot.nbytes());
   return slot;
 }
 
 StateBytes Engine::state_bytes() const {
   StateBytes s;
+  s.optimizer_on_host = offload_optimizer_;
   for (const auto& g : groups_) {
     if (sharding_.replicated()) {
       for (const auto& p : g->params) s.params += static_cast<int64_t>(p.nbytes());
     } else {
-      // fp32 masters of the shard (zero3) or the whole group (zero1/2); plus a low-precision compute copy's full group
-      s.params += sharding_.shards_params() ? g->shard * 4
-                  : low_precision_copy() ? g->shard * 4 + g->padded * c10::elementSize(param_dtype_)
-                                         : g->padded * 4;
+      // fp32 masters of the shard (zero3, a low-precision compute copy, or offload: on the host) or the
+      // whole group (zero1/2); plus the compute copy's full group (zero1/2 with a low-precision copy or offload)
+      const int64_t master = g->shard * 4;
+      const int64_t whole = sharding_.shards_params() ? 0 : g->padded * c10::elementSize(param_dtype_);
+      if (offload_optimizer_) s.host_params += master, s.params += whole;
+      else s.params += sharding_.shards_params() ? master : low_precision_copy() ? master + whole : whole;
     }
-    s.grads += (!sharding_.shards_grads() ? g->padded : g->shard) * 4;
+    const int64_t grad = (!sharding_.shards_grads() ? g->padded : g->shard) * 4;
+    (offload_grads_ ? s.host_grads : s.grads) += grad;
+    if (g->host_grad.defined()) s.host_grads += g->shard * 4;
   }
   return s;
 }
@@ -452,7 +496,7 @@ std::vector<Span> Engine::owned_spans() const {
 }
 
 std::vector<Span> Engine::held_spans() const {
-  if (sharding_.shards_params() || low_precision_copy()) return owned_spans();
+  if (sharding_.shards_params() || low_precision_copy() || offload_optimizer_) return owned_spans();
   std::vector<Span> out;
   for (const auto& gp : groups_)
     for (size_t i = 0; i < gp->params.size(); ++i)
@@ -503,9 +547,11 @@ torch::Tensor Engine::param_values(const std::string& name) const {
 // cannot give them back).
 void Engine::gather_master(Group& g) {
   if (g.master_full.defined()) return;
-  g.master_full = torch::empty({g.padded}, g.shard_param.options());
+  g.master_full = torch::empty({g.padded}, fp32_options());
   add_transient(g.bytes());
-  comm_->all_gather(g.master_full, g.shard_param, "master all-gather of " + g.name).wait();
+  // offload.optimizer: the masters are on the host; the collective takes a device copy of the shard
+  const auto shard = offload_optimizer_ ? device::to_device_copy(g.shard_param, device_) : g.shard_param;
+  comm_->all_gather(g.master_full, shard, "master all-gather of " + g.name).wait();
 }
 
 int64_t Engine::take_transient_peak() {

@@ -18,6 +18,17 @@
 //          hook on its output's gradient, which also starts the previous block's all-gather; freed from
 //          a hook on its input's gradient), and before a recompute (the block's forward runs again).
 //
+// Offload (the recipe's offload section, device/host.h) keeps the rank's shard in host memory:
+//   optimizer   shard_param (the fp32 masters) and AdamW's moments live on the host and the AdamW step
+//               runs there, on the same fused kernel; the gradient shard is copied to a host buffer
+//               after clipping, and each group's master shard is copied back into its slot of
+//               flat_param (cast to the compute dtype) for the all-gather (zero1/2) or each gather (zero3).
+//   gradients   zero2/3: shard_grad lives on the host; each group's reduce-scatter result is added into
+//               it as the group finishes, so the device holds at most the groups in flight.
+//   parameters  zero3 with optimizer: the host masters are the only copy kept between uses; every
+//               gather copies the unit's shard in from the host.
+// Only bytes move: every value the optimizer reads and writes is the one it reads without offload.
+//
 // Collectives launch in one fixed group order on every rank, so they pair up across ranks
 // whatever order autograd finishes gradients in. Sums are divided by the world size (Gloo has no AVG).
 #pragma once
@@ -38,9 +49,18 @@
 namespace sl::parallel {
 
 // Bytes of model states this rank holds between steps, by what its buffers are.
+// Device-resident bytes (params, grads; optimizer is filled by the caller from AdamW's state) and
+// what offload keeps in host memory instead (masters, gradient shard or its host copy).
 struct StateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t host_params = 0, host_grads = 0;
+  bool optimizer_on_host = false;  // AdamW's moments live on the host
   int64_t total() const { return params + grads + optimizer; }
+};
+
+// Bytes offload moved since the last take_moved(): host -> device and device -> host.
+struct Moved {
+  int64_t to_device = 0, to_host = 0;
 };
 
 // A run of one parameter's elements, [begin, end) of its flattened values, and the 1-D tensor on this
@@ -83,13 +103,17 @@ class Engine {
   // Scales by max_norm / (norm + 1e-6) when that is < 1: a host scalar, nothing waits for the device.
   void clip(double max_norm, double norm);
   void after_step();              // zero1/2: all-gather the updated parameters
+  // The step itself: AdamW over what this rank updates (on the host with offload.optimizer, its
+  // gradients copied there first), then after_step().
+  void optimizer_step(torch::optim::AdamW& opt);
   // After held_spans() were written (a load): a low-precision compute copy is re-made from the masters.
   void params_loaded();
   StateBytes state_bytes() const;
   // The elements this rank's optimizer updates (none: every parameter in full; zero*: the shard).
   std::vector<Span> owned_spans() const;
-  // The fp32 parameter elements this rank stores between steps, what a load writes (zero3, or a
-  // low-precision compute copy: its master shard; otherwise every parameter). Call params_loaded() after.
+  // The fp32 parameter elements this rank stores between steps, what a load writes (zero3, a
+  // low-precision compute copy or offload.optimizer: its master shard; otherwise every parameter).
+  // Call params_loaded() after.
   std::vector<Span> held_spans() const;
   // zero3: gather every unit (a collective on every rank) so the whole model can be read; release_all
   // frees them again. No-ops for the other stages.
@@ -111,6 +135,7 @@ class Engine {
   int64_t launched_from_hooks() const { return launched_from_hooks_; }
   // zero3: group all-gathers since the last zero_grad() (one step: forward, recompute, backward, eval).
   int64_t gathers() const { return gathers_; }
+  Moved take_moved();
 
  private:
   struct Group;
@@ -149,6 +174,7 @@ class Engine {
   void unit_flush();
   void prefetch_backward(int64_t unit);
   void add_transient(int64_t bytes);
+  void grads_to_host();
 
   model::GPT model_;
   std::shared_ptr<Comm> comm_;
@@ -156,6 +182,8 @@ class Engine {
   at::ScalarType param_dtype_, reduce_dtype_;
   int64_t rank_, world_;
   c10::Device device_;
+  bool offload_optimizer_, offload_grads_, offload_params_;  // the recipe's offload section
+  Moved moved_;
   bool deferred_;         // the model came with deferred parameters (zero3 materializes its shards)
   double init_sum_ = 0;   // sum of the initial parameters (checked equal on every rank)
   std::vector<std::unique_ptr<Group>> groups_;  // in launch order

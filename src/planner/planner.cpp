@@ -14,6 +14,7 @@ namespace {
 
 using Json = nlohmann::json;
 using memory::PeakPrediction;
+using budget::kModelledMfu;
 
 // The modes `trainer plan` compares (the recipe's own first).
 std::vector<std::pair<std::string, config::CheckpointingConfig>> plan_modes(const config::RunConfig& cfg) {
@@ -49,6 +50,63 @@ PeakPrediction predict_peak(const config::RunConfig& cfg) {
   PeakPrediction p = memory::predict_states(cfg);
   p.activations = memory::estimate_activation_peak(cfg);
   return p;
+}
+
+namespace {
+
+int64_t dtype_size(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; }
+
+// Parameters of the blocks a plan recomputes (each runs its forward once more in backward).
+int64_t recomputed_params(const std::vector<int64_t>& units, const checkpointing::Plan& plan) {
+  int64_t n = 0;
+  for (const auto& seg : plan.segments)
+    if (seg.checkpointed)
+      for (int64_t b = seg.begin; b < seg.end; ++b) n += units[static_cast<size_t>(b + 1)];
+  return n;
+}
+
+// Bytes zero3 gathers per micro-batch (before dividing by the world size): see OffloadTraffic.
+int64_t gathered_params(const config::ModelConfig& m, const std::vector<int64_t>& units, int64_t recomputed) {
+  int64_t n = 0;
+  for (int64_t u : units) n += u;
+  const int64_t emb = units.front();
+  return 2 * n - emb + (m.tie_embeddings ? 2 * emb : 0) + recomputed;
+}
+
+}  // namespace
+
+OffloadTraffic offload_traffic(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
+  OffloadTraffic t;
+  const auto& o = cfg.offload;
+  if (!o.any()) return t;
+  const auto N = std::max<int64_t>(1, cfg.world_size);
+  const int64_t micro = cfg.train.grad_accum, n = memory::total_params(cfg.model);
+  const int64_t cp = dtype_size(cfg.precision.param_dtype), cr = dtype_size(cfg.precision.reduce_dtype);
+  const auto units = memory::unit_param_counts(cfg.model);
+  const int64_t recomputed = recomputed_params(units, plan);
+  int64_t boundary = 0;
+  if (o.optimizer && !o.gradients) t.to_host_bytes += 4 * n / N, boundary += 4 * n / N;
+  if (o.gradients) t.streamed_to_host_bytes += micro * cr * n / N;
+  if (o.parameters) t.streamed_to_device_bytes += micro * cp * gathered_params(cfg.model, units, recomputed) / N;
+  else if (o.optimizer) t.to_device_bytes += cp * n / N, boundary += cp * n / N;
+  if (o.activations) {
+    const int64_t inputs = micro * memory::estimate_activation_peak(cfg, plan).host_bytes;
+    t.streamed_to_host_bytes += inputs, t.streamed_to_device_bytes += inputs;
+  }
+  t.to_host_bytes += t.streamed_to_host_bytes;
+  t.to_device_bytes += t.streamed_to_device_bytes;
+  const double bw = o.bandwidth_gbps * 1e9;
+  t.streamed_s = static_cast<double>(std::max(t.streamed_to_host_bytes, t.streamed_to_device_bytes)) / bw;
+  t.boundary_s = static_cast<double>(boundary) / bw;
+  if (o.optimizer) t.host_adam_s = 28.0 * static_cast<double>(n) / static_cast<double>(N) / (o.host_gbps * 1e9);
+  const auto& m = cfg.model;
+  const double tokens = static_cast<double>(cfg.train.micro_batch * micro * cfg.train.seq_len);
+  const double flops = tokens * (6.0 * static_cast<double>(n) + 2.0 * static_cast<double>(recomputed) +
+                                 12.0 * static_cast<double>(m.n_layer * cfg.train.seq_len * m.n_embd));
+  if (cfg.logging.peak_tflops > 0) t.compute_s = flops / (cfg.logging.peak_tflops * 1e12 * kModelledMfu);
+  t.exposed_s = t.boundary_s + t.streamed_s - std::min(o.overlap * t.streamed_s, t.compute_s);
+  t.step_s = t.compute_s + t.exposed_s + t.host_adam_s;
+  return t;
 }
 
 int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, int64_t cap) {
@@ -90,6 +148,41 @@ Json mode_row(const std::string& name, const config::RunConfig& c, int64_t memor
     row["fits_recipe_micro_batch"] = p.peak_bytes() <= memory_bytes;
   }
   return row;
+}
+
+}  // namespace
+
+namespace {
+
+// The recipe's placement: device and host peaks in its own checkpointing mode, what moves per step,
+// and the modelled step time (null when its budget fits no schedule).
+Json offload_report(const config::RunConfig& cfg) {
+  const auto& o = cfg.offload;
+  const auto plan = budget::try_plan_for(cfg);
+  if (!plan) return nullptr;
+  const PeakPrediction p = memory::predict_peak(cfg, *plan);
+  const OffloadTraffic t = offload_traffic(cfg, *plan);
+  return {{"optimizer", o.optimizer},
+          {"gradients", o.gradients},
+          {"parameters", o.parameters},
+          {"activations", o.activations},
+          {"device_peak_bytes", p.peak_bytes()},
+          {"host_params_bytes", p.host_params_bytes},
+          {"host_grads_bytes", p.host_grads_bytes},
+          {"host_optimizer_bytes", p.host_optimizer_bytes},
+          {"host_activation_bytes", p.activations.host_bytes},
+          {"host_peak_bytes", p.host_peak_bytes()},
+          {"to_host_bytes_per_step", t.to_host_bytes},
+          {"to_device_bytes_per_step", t.to_device_bytes},
+          {"bandwidth_gbps", o.bandwidth_gbps},
+          {"overlap", o.overlap},
+          {"transfer_s", t.streamed_s + t.boundary_s},
+          {"exposed_transfer_s", t.exposed_s},
+          {"host_adamw_s", t.host_adam_s},
+          {"compute_s", cfg.logging.peak_tflops > 0 ? Json(t.compute_s) : Json(nullptr)},
+          {"step_s", t.step_s},
+          {"peak_tflops", cfg.logging.peak_tflops},
+          {"modelled_mfu", kModelledMfu}};
 }
 
 }  // namespace
@@ -140,12 +233,15 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
     c.checkpointing = ck;
     j["modes"].push_back(mode_row(name, c, memory_bytes, per_rank, j));
   }
+  if (cfg.offload.any()) j["offload"] = offload_report(cfg);
   return j;
 }
 
 namespace {
 
-std::string weights_label(const std::string& param_dtype, const std::string& sharding) {
+std::string weights_label(const std::string& param_dtype, const std::string& sharding, bool masters_on_host) {
+  if (masters_on_host)
+    return param_dtype == "fp32" ? "weights (fp32 copy; masters on the host)" : fmt::format("weights ({} copy; fp32 masters on the host)", param_dtype);
   if (param_dtype == "fp32") return "weights (fp32)";
   if (config::Sharding::parse(sharding).value_or(config::Sharding::kNone).shards_params()) return fmt::format("weights (fp32 master shard; gathered in {})", param_dtype);
   return fmt::format("weights (fp32 master shard + {} copy)", param_dtype);
@@ -163,12 +259,14 @@ std::string breakdown_table(const Json& j) {
       {"parameters", fmt::format("{} ({:.3g} B)", j["params"].get<int64_t>(), j["params"].get<double>() / 1e9)},
       {"ranks x sharding", fmt::format("{} x {} (figures below are per rank)", j["world_size"].get<int64_t>(),
                                        j["sharding"].get<std::string>())},
-      {weights_label(j.value("param_dtype", "fp32"), j["sharding"].get<std::string>()), bytes(j["params_bytes"])},
+      {weights_label(j.value("param_dtype", "fp32"), j["sharding"].get<std::string>(),
+                     j.contains("offload") && !j["offload"].is_null() && j["offload"]["optimizer"].get<bool>()),
+       bytes(j["params_bytes"])},
       {j.value("reduce_dtype", "fp32") == "fp32" ? std::string("gradients (fp32)")
                                                  : fmt::format("gradients (fp32; reduce-scattered in {})", j.value("reduce_dtype", "fp32")),
        bytes(j["grads_bytes"])},
       {"AdamW moments (fp32)", bytes(j["optimizer_state_bytes"])},
-      {"model states", bytes(j["model_states_bytes"])},
+      {j.contains("offload") ? "model states on the device (host part below)" : "model states", bytes(j["model_states_bytes"])},
       {"gathered parameters / unreduced gradients", bytes(j["sharding_transient_bytes"])},
       {"input batch", bytes(j["batch_bytes"])},
       {"logits and loss buffers (in activations)", bytes(j["logits_and_loss_bytes"])},
@@ -225,6 +323,41 @@ std::string budget_schedule_text(const Json& j) {
 
 }  // namespace
 
+namespace {
+
+// offload.*: where the recipe's states live, what moves, and what it costs.
+std::string offload_table(const Json& j) {
+  if (!j.contains("offload")) return "";
+  const auto& o = j["offload"];
+  if (o.is_null()) return "\nOffload: no budget schedule fits, so nothing to place.\n";
+  std::string placed;
+  for (const char* k : {"optimizer", "gradients", "parameters", "activations"})
+    if (o[k].get<bool>()) placed += (placed.empty() ? "" : ", ") + std::string(k);
+  const double gib = 1024.0 * 1024 * 1024;
+  auto secs = [](const Json& v) { return v.is_null() ? std::string("unknown (set logging.peak_tflops)") : fmt::format("{:.3f} s", v.get<double>()); };
+  std::vector<std::pair<std::string, std::string>> rows = {
+      {"offloaded to host memory", placed},
+      {"device peak (recipe's mode)", bytes(o["device_peak_bytes"])},
+      {"host: fp32 masters", bytes(o["host_params_bytes"])},
+      {"host: gradients", bytes(o["host_grads_bytes"])},
+      {"host: AdamW moments", bytes(o["host_optimizer_bytes"])},
+      {"host: checkpointed inputs", bytes(o["host_activation_bytes"])},
+      {"host peak", bytes(o["host_peak_bytes"])},
+      {"moved per step", fmt::format("{:.2f} GiB to host, {:.2f} GiB to device", o["to_host_bytes_per_step"].get<double>() / gib,
+                                     o["to_device_bytes_per_step"].get<double>() / gib)},
+      {"transfer time", fmt::format("{:.3f} s at {:g} GB/s, {:.3f} s not hidden (overlap {:g})", o["transfer_s"].get<double>(),
+                                    o["bandwidth_gbps"].get<double>(), o["exposed_transfer_s"].get<double>(),
+                                    o["overlap"].get<double>())},
+      {"host AdamW step", fmt::format("{:.3f} s", o["host_adamw_s"].get<double>())},
+      {"compute", fmt::format("{} ({:g} TFLOP/s peak at {:.0f}% MFU)", secs(o["compute_s"]), o["peak_tflops"].get<double>(),
+                              100 * o["modelled_mfu"].get<double>())},
+      {"modelled step time", fmt::format("{:.3f} s", o["step_s"].get<double>())},
+  };
+  return "\nOffload (offload.*, per rank, the recipe's checkpointing mode):\n" + log::format_table(rows);
+}
+
+}  // namespace
+
 std::string format_plan(const Json& j) {
   std::string out = breakdown_table(j);
   const bool with_memory = !j["memory_bytes"].is_null();
@@ -232,9 +365,11 @@ std::string format_plan(const Json& j) {
                      : std::string("\nPer checkpointing mode (give --memory SIZE for the largest micro-batch):\n");
   out += modes_table(j, with_memory);
   out += budget_schedule_text(j);
+  out += offload_table(j);
   if (with_memory && j["model_states_bytes"].get<int64_t>() > j["memory_bytes"].get<int64_t>())
     out += fmt::format("Model states alone ({}) exceed {}: no checkpointing mode can fit; this needs more ranks "
-                       "with parallel.sharding (zero3 divides all three states by the world size) or lower precision.\n",
+                       "with parallel.sharding (zero3 divides all three states by the world size), lower precision, "
+                       "or host memory for them: offload.optimizer (+ gradients with zero2/3, + parameters with zero3).\n",
                        bytes(j["model_states_bytes"]), bytes(j["memory_bytes"]));
   return out;
 }

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "checkpointing/plan.h"
 #include "config/config.h"
 #include "memory/footprint.h"
 
@@ -26,6 +27,33 @@ int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, 
 // recipe's global batch.
 nlohmann::json plan(const config::RunConfig& cfg, int64_t memory_bytes);
 std::string format_plan(const nlohmann::json& plan);
+
+// What offload (the recipe's offload section) moves per optimizer step on this rank, and the step
+// time that costs on the recipe's hardware (offload.bandwidth_gbps, offload.overlap,
+// offload.host_gbps, logging.peak_tflops). Bytes, counted as parallel/engine.cpp and
+// checkpointing/checkpoint.cpp move them:
+//   optimizer    to host: the gradient shard after clipping (4 B/param/N; not with offload.gradients);
+//                to device: the master shard, cast to the compute dtype, into the all-gather
+//                (zero1/2: once a step; zero3: at every gather, below)
+//   gradients    to host: each micro-batch's reduced shard (reduce dtype, per param / N)
+//   parameters   to device: each gathered unit's shard, per micro-batch: every unit in forward and
+//                backward (the embeddings not in backward; a tied head gathers them again both
+//                times), and each recomputed block once more
+//   activations  both ways: each checkpointed segment's input, per micro-batch
+// Time: streamed bytes (gradients, parameters, activations; the larger direction, the link being full
+// duplex) overlap compute by offload.overlap; the step-boundary copies (optimizer) do not; the host
+// AdamW reads and writes 28 bytes per parameter of the shard at offload.host_gbps; compute is the
+// step's FLOPs (6 N + 12 L T d per token, plus the recomputed blocks' forward) at kModelledMfu of
+// logging.peak_tflops (budget::kModelledMfu; 0 TFLOP/s: compute time unknown, and the step time is
+// the offload's own cost).
+struct OffloadTraffic {
+  int64_t to_host_bytes = 0, to_device_bytes = 0;
+  int64_t streamed_to_host_bytes = 0, streamed_to_device_bytes = 0;  // during forward and backward
+  double compute_s = 0, streamed_s = 0, boundary_s = 0, host_adam_s = 0;
+  double exposed_s = 0;  // the transfer time compute does not hide
+  double step_s = 0;     // compute + exposed + host AdamW
+};
+OffloadTraffic offload_traffic(const config::RunConfig& cfg, const checkpointing::Plan& plan);
 
 // One-line advice for an out-of-memory failure under `limit_bytes`: what the planner predicts fits.
 std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes);

@@ -24,7 +24,15 @@ at::Tensor LossScaler::scale_loss(const at::Tensor& loss) const { return enabled
 at::Tensor LossScaler::unscale(const std::vector<at::Tensor>& grads) {
   if (!enabled_) return {};
   found_inf_.zero_();
-  at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf_, scale_.reciprocal());
+  const auto inv_scale = scale_.reciprocal();
+  std::vector<at::Tensor> here, host;  // offload.gradients: host-resident shards (device/host.h) on a GPU run
+  for (const auto& g : grads) (g.device() == found_inf_.device() ? here : host).push_back(g);
+  if (!here.empty()) at::_amp_foreach_non_finite_check_and_unscale_(here, found_inf_, inv_scale);
+  if (!host.empty()) {
+    auto found = at::zeros_like(found_inf_, found_inf_.options().device(host.front().device()));
+    at::_amp_foreach_non_finite_check_and_unscale_(host, found, inv_scale.to(host.front().device()));
+    found_inf_.add_(found.to(found_inf_.device()));  // a count of flags: read as found when > 0
+  }
   return found_inf_;
 }
 

@@ -1,6 +1,8 @@
 // The parts of a training state (see components.h): each one's entries, tensors and loading.
 #include "state/components.h"
 
+#include "device/host.h"
+
 #include <cmath>
 #include <map>
 
@@ -110,6 +112,7 @@ void load_moments(const Reader& r, Parts& s, int64_t step) {
     const OptSlot slot = slot_of(s, sp);
     auto* st = adam_state(*s.opt, slot.param);
     if (!st) {
+      device::HostScope host(s.cfg.offload.optimizer);  // the moments live where the masters do
       auto fresh = std::make_unique<torch::optim::AdamWParamState>();
       fresh->step(step);
       fresh->exp_avg(torch::zeros_like(slot.param, at::MemoryFormat::Contiguous));

@@ -116,13 +116,19 @@ Json step_record(const Session& s, const StepResult& r, int64_t step, double lr,
           {"peak_allocated_bytes", r.mem.peak_allocated_bytes},
           {"activation_peak_bytes", r.activation_peak_bytes()},
           {"allocated_bytes", r.mem.allocated_bytes},
-          {"reserved_bytes", r.mem.reserved_bytes}};
+          {"reserved_bytes", r.mem.reserved_bytes},
+          {"host_peak_bytes", r.mem.host_peak_bytes},
+          {"host_allocated_bytes", r.mem.host_allocated_bytes},
+          {"offload_to_host_bytes", r.moved_to_host + rs.offload_to_host},
+          {"offload_to_device_bytes", r.moved_to_device + rs.offload_to_device}};
 }
 
 void accumulate(Session& s, LoopState& st, const StepResult& r, const Json& rec, int64_t step) {
   if (s.engine) st.transient_peak = std::max(st.transient_peak, s.engine->take_transient_peak()), st.gathers = s.engine->gathers();
   st.rest_bytes = r.mem.allocated_bytes;
   if (r.mem.peak_allocated_bytes >= st.peak_bytes) st.peak_bytes = r.mem.peak_allocated_bytes, st.states_at_peak = r.states;
+  st.host_peak_bytes = std::max(st.host_peak_bytes, r.mem.host_peak_bytes);
+  st.host_states_bytes = r.host_states;
   st.steps_done = step + 1;
   st.last_loss = r.loss;
   const int64_t skip_first = s.cfg.logging.skip_first;
@@ -218,13 +224,20 @@ Outcome oom_outcome(Session& s, const LoopState& st, const std::string& what) {
   const memory::Snapshot snap = s.tracker->read();
   const int64_t requested = s.device.is_cpu() ? memory::TrackingCPUAllocator::instance().last_refused_bytes() : -1;
   const char* phase = current_phase();
-  o.message = fmt::format("out of memory in {} at step {} ({}). To fit, {}", phase, st.steps_done + 1, what.substr(0, 300),
-                          planner::oom_advice(s.cfg, s.limit));
+  // The tracking allocator's host pool (offloaded state) names itself in its message.
+  const bool host = what.rfind("host out of memory", 0) == 0;
+  o.message = host ? fmt::format("out of host memory in {} at step {} ({}). To fit, raise memory.host_limit (the planner "
+                                 "predicts {} of host memory for this recipe: trainer plan) or offload less (offload.*)",
+                                 phase, st.steps_done + 1, what.substr(0, 300),
+                                 log::format_bytes(memory::predict_peak(s.cfg, s.runner->plan()).host_peak_bytes()))
+                   : fmt::format("out of memory in {} at step {} ({}). To fit, {}", phase, st.steps_done + 1,
+                                 what.substr(0, 300), planner::oom_advice(s.cfg, s.limit));
   o.oom = {{"step", st.steps_done + 1},
            {"phase", phase},
            {"requested_bytes", requested >= 0 ? Json(requested) : Json(nullptr)},
            {"peak_bytes", snap.peak_allocated_bytes},
            {"limit_bytes", s.limit > 0 ? Json(s.limit) : Json(nullptr)},
+           {"memory", host ? "host" : "device"},
            {"message", o.message}};
   s.runlog->event("oom", o.oom);
   return o;

@@ -134,6 +134,18 @@ Json state_report(const Session& s, const LoopState& st) {
           {"median_save_ms", median(st.save_ms)}};
 }
 
+// Offloaded state in host memory (offload.*): measured and predicted, and the limit.
+Json host_report(const Session& s, const LoopState& st) {
+  const auto predicted = memory::predict_peak(s.cfg, s.runner->plan());
+  const int64_t host_limit = config::host_limit_bytes(s.cfg);
+  return {{"peak_bytes", st.host_peak_bytes},
+          {"states_bytes", st.host_states_bytes},
+          {"predicted_peak_bytes", predicted.host_peak_bytes()},
+          {"predicted_states_bytes", predicted.host_states_bytes()},
+          {"predicted_activation_bytes", predicted.activations.host_bytes},
+          {"limit_bytes", host_limit > 0 ? Json(host_limit) : Json(nullptr)}};
+}
+
 Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json parallel, Json final_weights, double wall_s) {
   auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
   return {{"config", s.resolved},
@@ -163,6 +175,7 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
             {"optimizer_state_bytes", st.states_at_peak.optimizer},
             {"activations_and_other_bytes", std::max<int64_t>(0, st.peak_bytes - st.states_at_peak.total())}}},
           {"memory_limit_bytes", s.limit > 0 ? Json(s.limit) : Json(nullptr)},
+          {"host_memory", host_report(s, st)},
           {"micro_batch_search", s.batch_search},
           {"state", state_report(s, st)},
           {"final_weights", std::move(final_weights)},

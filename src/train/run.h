@@ -76,6 +76,8 @@ struct LoopState : state::Counters {
   std::vector<double> save_ms;   // wall time of every save
   int64_t peak_bytes = 0, transient_peak = 0, rest_bytes = 0, gathers = 0;
   ModelStateBytes states_at_peak;
+  int64_t host_peak_bytes = 0;    // offload: the host pool's peak over the steps
+  int64_t host_states_bytes = 0;  // offload: model states in host memory after the last step
   double last_loss = NAN;
   double wall_s = 0;  // the loop's wall-clock time
   std::vector<double> step_ms, tok_s, samp_s, mfus, recompute_ms, act_peaks;  // after logging.skip_first

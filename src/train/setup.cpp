@@ -304,12 +304,29 @@ void print_settings(const Session& s) {
 
 }  // namespace
 
+namespace {
+
+// offload.*: the model states placed in host memory against memory.host_limit (when set).
+void check_host_states_fit(const config::RunConfig& cfg, const memory::PeakPrediction& p) {
+  const int64_t host_limit = config::host_limit_bytes(cfg);
+  if (host_limit <= 0 || p.host_states_bytes() <= host_limit) return;
+  throw OomError(fmt::format(
+      "the offloaded model states cannot fit host memory: {} per rank (fp32 masters {}, gradients {}, AdamW moments {}) "
+      "but memory.host_limit is {}. Nothing was allocated. To fit: raise memory.host_limit, offload less (offload.*), "
+      "or shard over more ranks (each rank offloads its shard)",
+      log::format_bytes(p.host_states_bytes()), log::format_bytes(p.host_params_bytes), log::format_bytes(p.host_grads_bytes),
+      log::format_bytes(p.host_optimizer_bytes), log::format_bytes(host_limit)));
+}
+
+}  // namespace
+
 void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit) {
   const auto capacity = limit > 0 ? memory::Capacity{limit, "memory.limit"} : memory::device_capacity(device);
   auto states_cfg = cfg;  // model states do not depend on the checkpointing mode (a budget is checked below)
   states_cfg.checkpointing = config::CheckpointingConfig{};
   if (states_cfg.train.micro_batch.is_auto()) states_cfg.train.micro_batch = 1;  // the states do not depend on it
   const memory::PeakPrediction p = planner::predict_peak(states_cfg);
+  check_host_states_fit(cfg, p);
   const int64_t states = p.model_states_bytes();
   if (capacity.bytes <= 0 || states <= capacity.bytes) return;
   const int64_t params = memory::total_params(cfg.model);
@@ -317,8 +334,9 @@ void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, 
   throw OomError(fmt::format(
       "the model cannot fit: {} parameters need {} of model states per rank (weights {}, gradients {}, AdamW moments "
       "{}; parallel.sharding {} over {} rank(s)) but the {} is {}. Nothing was allocated. To fit: fewer layers or a "
-      "smaller model.n_embd, or parallel.sharding: zero3 over at least {} ranks (it divides all three states by the "
-      "world size); precision.compute does not shrink these fp32 states",
+      "smaller model.n_embd, parallel.sharding: zero3 over at least {} ranks (it divides all three states by the "
+      "world size), or host memory for them (offload.optimizer, + gradients, + parameters); precision.compute does not "
+      "shrink these fp32 states",
       params, log::format_bytes(states), log::format_bytes(p.params_bytes), log::format_bytes(p.grads_bytes),
       log::format_bytes(p.optimizer_bytes), cfg.parallel.sharding.name(), std::max<int64_t>(1, cfg.world_size),
       capacity.source, log::format_bytes(capacity.bytes), ranks_needed));
@@ -338,6 +356,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   s->tracker = std::make_unique<memory::Tracker>(s->device);
   s->limit = config::memory_limit_bytes(s->cfg);
   s->tracker->set_limit(s->limit);  // before the model exists: the limit covers everything, as on a GPU
+  s->tracker->set_host_limit(config::host_limit_bytes(s->cfg));
   check_model_states_fit(s->cfg, s->device, s->limit);
   if (s->cfg.train.micro_batch.is_auto()) choose_micro_batch(*s);
   // The plan, resolved once before a model exists; a budget no schedule fits stops here (exit 2),

@@ -208,6 +208,7 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   auto* scaler = precision.scaler && precision.scaler->enabled() ? precision.scaler : nullptr;
   tracker.reset_peak();
   const auto t0 = Clock::now();
+  if (engine) engine->take_moved();  // this step's transfers only (not an eval's gathers)
   zero_grads(opt, engine);
   r.loss_scale = scaler ? scaler->scale() : 1.0;
   const torch::Tensor loss = forward_backward(forward, micro, device, precision, engine);
@@ -229,15 +230,19 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   r.nonfinite_grads = !r.skipped && !std::isfinite(r.grad_norm);
   if (!r.skipped && !r.nonfinite_grads) {
     RECORD_FUNCTION("sublinear::optimizer_step", std::vector<c10::IValue>{});
-    optim::adamw_step(opt);
-    if (engine) engine->after_step();
+    if (engine) engine->optimizer_step(opt);
+    else optim::adamw_step(opt);
   }
   device::end_step(device);
   r.ms = ms_since(t0);
   r.mem = tracker.read();
   if (engine) {
     const auto sb = engine->state_bytes();
-    r.states = {sb.params, sb.grads, optimizer_state_bytes(opt)};
+    const int64_t moments = optimizer_state_bytes(opt);
+    r.states = {sb.params, sb.grads, sb.optimizer_on_host ? 0 : moments};
+    r.host_states = sb.host_params + sb.host_grads + (sb.optimizer_on_host ? moments : 0);
+    const auto moved = engine->take_moved();
+    r.moved_to_device = moved.to_device, r.moved_to_host = moved.to_host;
   } else {
     r.states = model_state_bytes(model, opt);
   }

@@ -75,7 +75,9 @@ struct StepResult {
   bool skipped = false;     // non-finite gradients under fp16: no optimizer step, the scale backed off
   bool nonfinite_grads = false;  // fp32/bf16: the loss is finite but the gradient norm is not; no optimizer step
   memory::Snapshot mem;    // readings over this step (peak reset at its start)
-  ModelStateBytes states;  // after the optimizer step
+  ModelStateBytes states;  // after the optimizer step, on the device
+  int64_t host_states = 0;  // offloaded model states in host memory (masters, gradient shard, moments)
+  int64_t moved_to_device = 0, moved_to_host = 0;  // bytes offload copied this step (states and activations)
   // Peak minus model states: what activations (and temporaries) took at the step's peak.
   int64_t activation_peak_bytes() const { return std::max<int64_t>(0, mem.peak_allocated_bytes - states.total()); }
 };

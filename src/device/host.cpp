@@ -1,0 +1,43 @@
+// Host placement and transfers (see host.h): a thread-local scope flag and plain copies.
+#include "device/host.h"
+
+#include <ATen/ATen.h>
+
+namespace sl::device {
+namespace {
+thread_local int t_host_depth = 0;
+}
+
+HostScope::HostScope(bool on) : on_(on) {
+  if (on_) ++t_host_depth;
+}
+HostScope::~HostScope() {
+  if (on_) --t_host_depth;
+}
+bool HostScope::active() { return t_host_depth > 0; }
+
+at::Tensor to_host(const at::Tensor& t) {
+  HostScope scope;
+  auto out = at::empty(t.sizes(), t.options().device(c10::kCPU).memory_format(c10::MemoryFormat::Contiguous));
+  out.copy_(t);
+  return out;
+}
+
+at::Tensor host_zeros(int64_t numel, c10::ScalarType dtype) {
+  HostScope scope;
+  return at::zeros({numel}, at::TensorOptions().dtype(dtype).device(c10::kCPU));
+}
+
+at::Tensor to_device_copy(const at::Tensor& h, c10::Device device) {
+  auto out = at::empty(h.sizes(), h.options().device(device).memory_format(c10::MemoryFormat::Contiguous));
+  out.copy_(h);
+  return out;
+}
+
+at::Tensor host_readable(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(c10::kCPU); }
+
+void copy_to_device(const at::Tensor& dst, const at::Tensor& src) { dst.copy_(src.reshape(dst.sizes())); }
+
+void copy_to_host(const at::Tensor& dst, const at::Tensor& src) { dst.copy_(src.reshape(dst.sizes())); }
+
+}  // namespace sl::device
