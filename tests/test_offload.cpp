@@ -1,8 +1,9 @@
 // Offload to host memory (the recipe's offload section), on CPU where the device is simulated: the
 // tracking allocator counts host-placed tensors in a pool of their own (device/host.h).
-//  - every placement (optimizer; + gradients; + parameters; activations; all of them) gives the
-//    losses and gradient norms of the same recipe without offload, bitwise, in fp32 and bf16, at world
-//    1 and 2, with less device memory and the offloaded bytes in the host pool;
+//  - every placement (optimizer; + gradients; + parameters; activations; all of them; the optimizer
+//    under DDP at world 2) gives the
+//    losses and gradient norms of the same recipe without offload, bitwise, in fp32, bf16 and fp16
+//    (with the loss scaler), at world 1 and 2, with less device memory and the offloaded bytes in the host pool;
 //  - the planner predicts the device and the host peak within 5 % and the bytes moved per step exactly
 //    (world 1; within the groups' padding at world 2);
 //  - under one memory.limit, a recipe that runs out of memory without offload trains with it, bitwise
@@ -11,6 +12,7 @@
 //    offloaded states cannot fit it, in the step that runs out otherwise);
 //  - placements a sharding stage cannot carry are refused when the recipe is read.
 // (kill -9 and --resume with offload: tests/test_resume.cpp.)
+#include <cstdlib>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -80,6 +82,7 @@ Runner& shared_runner() {
 
 struct Placement {
   std::string name, sharding, sets;
+  int min_world = 1;  // DDP offloads at world > 1 only (one process without sharding has no engine)
 };
 const std::string kOptimizer = " --set offload.optimizer=true";
 const std::string kGradients = kOptimizer + " --set offload.gradients=true";
@@ -91,12 +94,15 @@ const std::vector<Placement> kPlacements = {
     {"optimizer + gradients + parameters", "zero3", kParameters},
     {"activations", "none", kActivations},
     {"everything", "zero3", kParameters + kActivations},
+    {"optimizer under DDP", "none", kOptimizer, 2},
 };
 
-// fp32, or bf16 compute (with a bf16 compute copy of the weights where a sharding stage keeps masters).
+// fp32, or bf16 / fp16 compute (with a compute copy of the weights in that dtype where a sharding stage
+// keeps masters; fp16 with the dynamic loss scaler, which unscales the host-resident gradient shards).
 std::string precision_sets(const std::string& precision, const std::string& sharding) {
   if (precision == "fp32") return "";
-  return " --set precision.compute=bf16" + std::string(sharding == "none" ? "" : " --set precision.param_dtype=bf16");
+  return " --set precision.compute=" + precision +
+         (sharding == "none" ? std::string() : " --set precision.param_dtype=" + precision);
 }
 std::string base_sets(const Placement& p, const std::string& precision) {
   return "--set parallel.sharding=" + p.sharding + precision_sets(precision, p.sharding);
@@ -115,19 +121,23 @@ config::RunConfig recipe_config(const std::string& sets, int world) {
   std::istringstream in(sets);
   for (std::string word; in >> word;)
     if (word != "--set") overrides.push_back(word);
+  // load() validates against WORLD_SIZE, as torchrun sets it for the ranks.
+  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
   auto cfg = config::load_string(kRecipe, overrides);
-  cfg.world_size = world;
+  ::unsetenv("WORLD_SIZE");
+  REQUIRE(cfg.world_size == world);
   return cfg;
 }
 
 }  // namespace
 
-TEST_CASE("every placement trains bitwise like the recipe without offload (fp32, bf16, world 1 and 2), with its "
-          "states in host memory") {
+TEST_CASE("every placement trains bitwise like the recipe without offload (fp32, bf16, fp16, world 1 and 2), with "
+          "its states in host memory") {
   Runner& run = shared_runner();
-  for (const std::string precision : {"fp32", "bf16"}) {
+  for (const std::string precision : {"fp32", "bf16", "fp16"}) {
     for (const int world : {1, 2}) {
       for (const auto& p : kPlacements) {
+        if (world < p.min_world) continue;
         INFO(p.name << ", " << precision << ", world " << world);
         const std::string base = base_sets(p, precision);
         const auto ref = run.train(world, base);
@@ -137,7 +147,7 @@ TEST_CASE("every placement trains bitwise like the recipe without offload (fp32,
         CHECK(s_ref["host_memory"]["peak_bytes"].get<int64_t>() == 0);
         CHECK(s_got["host_memory"]["peak_bytes"].get<int64_t>() > 0);
         CHECK(s_got["peak_allocated_bytes"].get<int64_t>() <= s_ref["peak_allocated_bytes"].get<int64_t>());
-        if (p.sharding != "none") {  // model states left the device
+        if (p.sets != kActivations) {  // model states left the device
           CHECK(s_got["peak_allocated_bytes"].get<int64_t>() < s_ref["peak_allocated_bytes"].get<int64_t>());
           CHECK(s_got["host_memory"]["states_bytes"].get<int64_t>() > 0);
         }
@@ -153,6 +163,7 @@ TEST_CASE("the planner predicts the device and host peaks within 5% and the byte
   Runner& run = shared_runner();
   for (const int world : {1, 2}) {
     for (const auto& p : kPlacements) {
+      if (world < p.min_world) continue;
       INFO(p.name << ", world " << world);
       const std::string sets = base_sets(p, "fp32") + p.sets;
       const auto dir = run.train(world, sets);
@@ -260,7 +271,7 @@ TEST_CASE("offload placements a sharding stage cannot carry are refused when the
     }
     return "";
   };
-  CHECK(refused({"offload.optimizer=true"}).find("offload.optimizer") != std::string::npos);  // sharding none
+  CHECK(refused({"offload.optimizer=true"}).find("parallel.sharding: zero1") != std::string::npos);  // none at world 1
   CHECK(refused({"parallel.sharding=zero1", "offload.optimizer=true", "offload.gradients=true"}).find("zero2") != std::string::npos);
   CHECK(refused({"parallel.sharding=zero2", "offload.gradients=true"}).find("offload.optimizer: true") != std::string::npos);
   CHECK(refused({"parallel.sharding=zero2", "offload.optimizer=true", "offload.parameters=true"}).find("zero3") != std::string::npos);

@@ -439,13 +439,6 @@ struct ActivationOffload::Slot {
 };
 
 namespace {
-// The same sizes and strides as `like`, on `device`, or contiguous when `like` is not dense.
-at::Tensor empty_like_layout(const at::Tensor& like, c10::Device device, bool host) {
-  device::HostScope scope(host);
-  const auto opts = like.options().device(device);
-  if (like.is_non_overlapping_and_dense()) return at::empty_strided(like.sizes(), like.strides(), opts);
-  return at::empty(like.sizes(), opts);
-}
 
 void bring_back(ActivationOffload::Slot& slot, Stats& stats) {
   if (!slot.restored.empty()) return;
@@ -454,10 +447,8 @@ void bring_back(ActivationOffload::Slot& slot, Stats& stats) {
       slot.restored.emplace_back();
       continue;
     }
-    auto d = empty_like_layout(h, slot.device, /*host=*/false);
-    d.copy_(h);
     stats.offload_to_device += static_cast<int64_t>(h.nbytes());
-    slot.restored.push_back(std::move(d));
+    slot.restored.push_back(device::to_device_same_layout(h, slot.device));
   }
 }
 }  // namespace
@@ -472,10 +463,8 @@ std::shared_ptr<ActivationOffload::Slot> ActivationOffload::offload(const std::v
       continue;
     }
     slot->device = t.device();
-    auto h = empty_like_layout(t, c10::kCPU, /*host=*/true);
-    h.copy_(t.detach());
     stats.offload_to_host += static_cast<int64_t>(t.nbytes());
-    slot->host.push_back(std::move(h));
+    slot->host.push_back(device::to_host_same_layout(t.detach()));
   }
   slot->index = chain_.size();
   chain_.push_back(slot);

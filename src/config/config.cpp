@@ -228,7 +228,7 @@ std::vector<Field> offload_fields() {
   using R = RunConfig;
   using O = OffloadConfig;
   return {
-      field(&R::offload, &O::optimizer, "offload", "optimizer", "fp32 master weights and AdamW moments in host memory; the AdamW step runs on the host (needs parallel.sharding zero1/2/3, any world size)"),
+      field(&R::offload, &O::optimizer, "offload", "optimizer", "fp32 master weights and AdamW moments in host memory; the AdamW step runs on the host (parallel.sharding zero1/2/3 at any world size, or none (DDP) at world size > 1)"),
       field(&R::offload, &O::gradients, "offload", "gradients", "the gradient shard accumulated in host memory: each group's gradient leaves the device as soon as it is reduced (needs zero2/zero3 and offload.optimizer)"),
       field(&R::offload, &O::parameters, "offload", "parameters", "no device copy of the weights between uses: each unit is gathered from the host masters before its forward, backward and recompute (needs zero3 and offload.optimizer)"),
       field(&R::offload, &O::activations, "offload", "activations", "checkpointed blocks' inputs go to host memory in forward and come back one block ahead of their backward (needs a checkpointing mode that checkpoints blocks)"),
@@ -821,7 +821,11 @@ void validate_lazy_device(const RunConfig& c) {
   if (parse_bytes(c.memory.limit, "memory.limit") > 0) why("memory.limit", "must be 0 with train.device: lazy (no memory statistics)");
   if (c.train.micro_batch.is_auto()) why("train.micro_batch", "auto needs memory statistics, which train.device: lazy has not");
   if (c.checkpointing.mode == CheckpointingMode::kBudget) why("checkpointing.mode", "budget profiles device memory, which train.device: lazy has not");
-  if (c.offload.activations) why("offload.activations", "must be false with train.device: lazy (no host pool to measure)");
+  const auto m = c.checkpointing.mode;
+  if (m == CheckpointingMode::kFull || m == CheckpointingMode::kInterval || m == CheckpointingMode::kSqrt)
+    why("checkpointing.mode", fmt::format("{} recomputes whole segments, whose replay restores the autocast state of the "
+                                          "input's device type, which LibTorch has none of for lazy tensors: use none or "
+                                          "selective", m.name()));
 }
 
 void validate_devices_and_logging(const RunConfig& c) {
@@ -842,16 +846,18 @@ void validate_devices_and_logging(const RunConfig& c) {
 }
 
 // offload.*: host placement follows the engine's shard (the masters, moments and gradient shard it
-// keeps per rank), so state offload needs a sharding stage; each kind needs the stage that makes it
-// a per-rank buffer of its own.
+// keeps per rank; under DDP the whole model), so state offload needs the engine; each kind needs the
+// stage that makes it a per-rank buffer of its own.
 void validate_offload(const RunConfig& c) {
   const auto& o = c.offload;
   const Sharding sh = c.parallel.sharding;
   host_limit_bytes(c);
-  if (o.any_state() && sh.replicated())
-    fail(o.optimizer ? "offload.optimizer" : o.gradients ? "offload.gradients" : "offload.parameters",
-         "places this rank's shard of the model states in host memory: set parallel.sharding to zero1, zero2 or zero3 "
-         "(any world size, 1 included; zero1 at one rank keeps the same numbers as none)");
+  // DDP (none) keeps the whole model on every rank: at world > 1 each rank offloads it whole; one
+  // process without sharding has no engine to hold the masters, and zero1 there is the same math.
+  if (o.optimizer && sh.replicated() && c.world_size <= 1)
+    fail("offload.optimizer", "places the optimizer's fp32 masters and moments in host memory, which the sharding engine "
+                              "holds: at world size 1 set parallel.sharding: zero1 (the same numbers as none), or run "
+                              "DDP at world size > 1");
   if ((o.gradients || o.parameters) && !o.optimizer)
     fail(o.gradients ? "offload.gradients" : "offload.parameters",
          "the host AdamW step reads the gradients and writes the masters there: set offload.optimizer: true too");

@@ -23,6 +23,28 @@ at::Tensor to_host(const at::Tensor& t) {
   return out;
 }
 
+namespace {
+// An empty tensor like `like` (sizes, strides when dense) on `device`, in the host pool when `host`.
+at::Tensor empty_same_layout(const at::Tensor& like, c10::Device device, bool host) {
+  HostScope scope(host);
+  const auto opts = like.options().device(device);
+  if (like.is_non_overlapping_and_dense()) return at::empty_strided(like.sizes(), like.strides(), opts);
+  return at::empty(like.sizes(), opts);
+}
+}  // namespace
+
+at::Tensor to_host_same_layout(const at::Tensor& t) {
+  auto h = empty_same_layout(t, c10::kCPU, /*host=*/true);
+  h.copy_(t);
+  return h;
+}
+
+at::Tensor to_device_same_layout(const at::Tensor& h, c10::Device device) {
+  auto d = empty_same_layout(h, device, /*host=*/false);
+  d.copy_(h);
+  return d;
+}
+
 at::Tensor host_zeros(int64_t numel, c10::ScalarType dtype) {
   HostScope scope;
   return at::zeros({numel}, at::TensorOptions().dtype(dtype).device(c10::kCPU));

@@ -38,6 +38,11 @@ class HostScope {
 
 // A host-placed copy of `t`: same dtype and values, contiguous, on the CPU, in the host pool.
 at::Tensor to_host(const at::Tensor& t);
+// The same keeping `t`'s sizes and strides (when they are dense; contiguous otherwise), and the way
+// back: a copy of host tensor `h` on `device` with its layout. A restored tensor then meets the
+// kernels the original met (a stride change could change their results' bits).
+at::Tensor to_host_same_layout(const at::Tensor& t);
+at::Tensor to_device_same_layout(const at::Tensor& h, c10::Device device);
 // Zeros of `numel` elements on the host.
 at::Tensor host_zeros(int64_t numel, c10::ScalarType dtype);
 // A copy of host tensor `h` on `device` (in device memory).

@@ -112,8 +112,8 @@ void place_offloaded(const config::RunConfig& cfg, PeakPrediction& p) {
   const auto& o = cfg.offload;
   if (!o.optimizer) return;
   const int64_t n = total_params(cfg.model);
-  const int64_t N = std::max<int64_t>(1, cfg.world_size);
   const config::Sharding sh = cfg.parallel.sharding;
+  const int64_t N = sh.replicated() ? 1 : std::max<int64_t>(1, cfg.world_size);  // DDP: each rank the whole model
   const int64_t cp = dtype_bytes(cfg.precision.param_dtype);
   p.host_params_bytes = 4 * n / N;
   p.params_bytes = sh.shards_params() ? 0 : cp * n;  // zero1/2: the whole model in the compute dtype for the all-gather

@@ -150,7 +150,10 @@ std::unique_ptr<Engine::Group> Engine::make_group(const std::string& name, std::
       for (size_t i = 0; i < g->params.size(); ++i)
         g->params[i].mutable_grad() = g->flat_grad.narrow(0, g->offsets[i], g->params[i].numel()).view(g->params[i].sizes());
   }
-  if (sharding_.replicated()) return g;
+  if (sharding_.replicated()) {
+    if (offload_optimizer_) bind_replicated_masters(*g);
+    return g;
+  }
   g->shard_grad = sharding_ == config::Sharding::kZero1 ? g->flat_grad.narrow(0, rank_ * g->shard, g->shard)
                   : offload_grads_                   ? device::host_zeros(g->shard, torch::kFloat)
                                                      : torch::zeros({g->shard}, opts);
@@ -162,6 +165,21 @@ std::unique_ptr<Engine::Group> Engine::make_group(const std::string& name, std::
     shard_and_bind(*g, std::move(flat));
   }
   return g;
+}
+
+// DDP with offload.optimizer: every rank updates the whole group, so its "shard" is the whole group:
+// the fp32 masters and the AdamW's gradient copy on the host; the parameters stay as built.
+void Engine::bind_replicated_masters(Group& g) {
+  auto flat = torch::zeros({g.padded}, fp32_options());
+  for (size_t i = 0; i < g.params.size(); ++i)
+    flat.narrow(0, g.offsets[i], g.params[i].numel()).copy_(g.params[i].reshape({-1}));
+  g.shard_param = device::to_host(flat);
+  g.host_grad = device::host_zeros(g.padded, torch::kFloat);
+}
+
+std::pair<int64_t, int64_t> Engine::owned_range(const Group& g) const {
+  if (sharding_.replicated()) return {0, g.padded};
+  return {rank_ * g.shard, rank_ * g.shard + g.shard};
 }
 
 // The fp32 master shard from the group's full fp32 values; the parameters become views of flat_param,
@@ -278,12 +296,12 @@ torch::TensorOptions Engine::fp32_options() const { return torch::TensorOptions(
 
 std::unique_ptr<torch::optim::AdamW> Engine::make_optimizer(const config::TrainConfig& t) {
   std::vector<torch::Tensor> decay, no_decay;
-  if (sharding_.replicated()) {
+  if (sharding_.replicated() && !offload_optimizer_) {
     for (const auto& p : model_->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
   } else {
     for (auto& gp : groups_) {
       auto& g = *gp;
-      const int64_t lo = rank_ * g.shard, hi = lo + g.shard;
+      const auto [lo, hi] = owned_range(g);
       auto piece = [&](int64_t a, int64_t b, std::vector<torch::Tensor>& out) {
         a = std::max(a, lo), b = std::min(b, hi);
         if (a >= b) return;
@@ -414,6 +432,7 @@ void Engine::clip(double max_norm, double norm) {
 }
 
 void Engine::after_step() {
+  if (sharding_.replicated() && offload_optimizer_) return masters_to_params();
   if (sharding_.replicated() || sharding_.shards_params()) return;
   torch::NoGradGuard no_grad;
   std::vector<Pending> works;
@@ -437,9 +456,19 @@ void Engine::grads_to_host() {
   torch::NoGradGuard no_grad;
   for (auto& g : groups_) {
     if (!g->host_grad.defined()) continue;
-    device::copy_to_host(g->host_grad, g->shard_grad);
+    device::copy_to_host(g->host_grad, sharding_.replicated() ? g->flat_grad : g->shard_grad);
     moved_.to_host += static_cast<int64_t>(g->host_grad.nbytes());
   }
+}
+
+// DDP with offload.optimizer: the updated host masters into the parameters (every rank made the same update).
+void Engine::masters_to_params() {
+  torch::NoGradGuard no_grad;
+  for (auto& g : groups_)
+    for (size_t i = 0; i < g->params.size(); ++i) {
+      device::copy_to_device(g->params[i], g->shard_param.narrow(0, g->offsets[i], g->params[i].numel()));
+      moved_.to_device += static_cast<int64_t>(g->params[i].nbytes());
+    }
 }
 
 Moved Engine::take_moved() {
@@ -466,6 +495,7 @@ StateBytes Engine::state_bytes() const {
   for (const auto& g : groups_) {
     if (sharding_.replicated()) {
       for (const auto& p : g->params) s.params += static_cast<int64_t>(p.nbytes());
+      if (offload_optimizer_) s.host_params += g->padded * 4;
     } else {
       // fp32 masters of the shard (zero3, a low-precision compute copy, or offload: on the host) or the
       // whole group (zero1/2); plus the compute copy's full group (zero1/2 with a low-precision copy or offload)
@@ -476,17 +506,17 @@ StateBytes Engine::state_bytes() const {
     }
     const int64_t grad = (!sharding_.shards_grads() ? g->padded : g->shard) * 4;
     (offload_grads_ ? s.host_grads : s.grads) += grad;
-    if (g->host_grad.defined()) s.host_grads += g->shard * 4;
+    if (g->host_grad.defined()) s.host_grads += static_cast<int64_t>(g->host_grad.nbytes());
   }
   return s;
 }
 
 std::vector<Span> Engine::owned_spans() const {
-  if (sharding_.replicated()) return held_spans();
+  if (sharding_.replicated() && !offload_optimizer_) return held_spans();
   std::vector<Span> out;
   for (const auto& gp : groups_) {
     const auto& g = *gp;
-    const int64_t lo = rank_ * g.shard, hi = lo + g.shard;
+    const auto [lo, hi] = owned_range(g);
     for (size_t i = 0; i < g.params.size(); ++i) {
       const int64_t a = std::max(lo, g.offsets[i]), b = std::min(hi, g.offsets[i] + g.params[i].numel());
       if (a < b) out.push_back({g.names[i], a - g.offsets[i], b - g.offsets[i], g.shard_param.detach().narrow(0, a - lo, b - a)});

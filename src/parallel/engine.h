@@ -18,7 +18,9 @@
 //          hook on its output's gradient, which also starts the previous block's all-gather; freed from
 //          a hook on its input's gradient), and before a recompute (the block's forward runs again).
 //
-// Offload (the recipe's offload section, device/host.h) keeps the rank's shard in host memory:
+// Offload (the recipe's offload section, device/host.h) keeps the rank's shard in host memory (under
+// DDP, none, the whole model is each rank's "shard": masters and moments on every rank's host, the
+// updated masters copied into the parameters after the step):
 //   optimizer   shard_param (the fp32 masters) and AdamW's moments live on the host and the AdamW step
 //               runs there, on the same fused kernel; the gradient shard is copied to a host buffer
 //               after clipping, and each group's master shard is copied back into its slot of
@@ -175,6 +177,10 @@ class Engine {
   void prefetch_backward(int64_t unit);
   void add_transient(int64_t bytes);
   void grads_to_host();
+  void bind_replicated_masters(Group& g);
+  void masters_to_params();
+  // The elements of a group this rank's optimizer updates: its shard, or (DDP) the whole group.
+  std::pair<int64_t, int64_t> owned_range(const Group& g) const;
 
   model::GPT model_;
   std::shared_ptr<Comm> comm_;

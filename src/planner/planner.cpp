@@ -79,7 +79,7 @@ OffloadTraffic offload_traffic(const config::RunConfig& cfg, const checkpointing
   OffloadTraffic t;
   const auto& o = cfg.offload;
   if (!o.any()) return t;
-  const auto N = std::max<int64_t>(1, cfg.world_size);
+  const auto N = cfg.parallel.sharding.replicated() ? 1 : std::max<int64_t>(1, cfg.world_size);  // DDP: the whole model
   const int64_t micro = cfg.train.grad_accum, n = memory::total_params(cfg.model);
   const int64_t cp = dtype_size(cfg.precision.param_dtype), cr = dtype_size(cfg.precision.reduce_dtype);
   const auto units = memory::unit_param_counts(cfg.model);
