@@ -175,9 +175,10 @@ TEST_CASE("the planner predicts the device and host peaks within 5% and the byte
       if (p.sharding != "zero3") {
         CHECK(std::abs(device_pred - device) <= 0.05 * device);
       } else {
-        // zero3 adds the largest unit's gathered transient to the activation peak, though the peak
-        // moment (end of forward / start of backward) holds the head's units: an upper bound, over
-        // by at most that transient (memory/footprint.h; on this shape 0.6 MB of 2.3 MB).
+        // At this width (d 64) the activation model over-counts zero3's recompute moment by ~0.4 MB
+        // (measured at the peak: the gathered units and gradient buffer are exactly the predicted
+        // transient, the activations 1.68 MB against 2.04 MB predicted), which with every state
+        // offloaded is 20 % of the device: an upper bound here; the next case checks 5 % at d 256.
         const double transient = s["parallel"]["ranks"][0]["transient_peak_bytes"].get<double>();
         CHECK(device_pred >= 0.95 * device);
         CHECK(device_pred <= 1.05 * device + transient);
@@ -198,6 +199,24 @@ TEST_CASE("the planner predicts the device and host peaks within 5% and the byte
         CHECK(std::abs(to_device - static_cast<double>(traffic.to_device_bytes)) <= 0.01 * std::max(1.0, to_device));
       }
     }
+  }
+}
+
+TEST_CASE("at width 256 the planner predicts every placement's device and host peak within 5%") {
+  // 4 layers of d 256, T 128, micro-batch 2 x 2, one 25 MiB bucket: where activations and states
+  // have a realistic balance (measured: every placement within 0.3 % on the device, host to the byte).
+  Runner& run = shared_runner();
+  const std::string shape = " --set model.n_embd=256 --set model.n_head=4 --set model.max_seq_len=128 --set train.seq_len=128 "
+                            "--set train.micro_batch=2 --set train.steps=3 --set parallel.bucket_mb=25";
+  for (const auto& p : kPlacements) {
+    if (p.min_world > 1) continue;
+    INFO(p.name);
+    const auto s = summary(run.train(1, base_sets(p, "fp32") + p.sets + shape));
+    const double device = s["peak_allocated_bytes"].get<double>(), host = s["host_memory"]["peak_bytes"].get<double>();
+    INFO("device " << device << " predicted " << s["predicted_peak_bytes"].get<double>() << "; host " << host
+                   << " predicted " << s["host_memory"]["predicted_peak_bytes"].get<double>());
+    CHECK(std::abs(s["predicted_peak_bytes"].get<double>() - device) <= 0.05 * device);
+    CHECK(std::abs(s["host_memory"]["predicted_peak_bytes"].get<double>() - host) <= 0.05 * host);
   }
 }
 
