@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <new>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -81,11 +82,7 @@ int run_export(const sl::interop::ExportRequest& req) {
   return sl::kExitOk;
 }
 
-int run_plan(sl::config::RunConfig cfg, const Cli& cli) {
-  if (cli.plan_world > 0) {  // default: WORLD_SIZE, read by config::load
-    cfg.world_size = cli.plan_world;
-    sl::config::validate(cfg);  // train.global_batch against this world size
-  }
+int run_plan(const sl::config::RunConfig& cfg, const Cli& cli) {
   const int64_t memory = cli.plan_memory.empty() ? sl::config::memory_limit_bytes(cfg)
                                                  : sl::config::parse_bytes(cli.plan_memory, "--memory");
   const auto report = sl::planner::plan(cfg, memory);
@@ -106,6 +103,9 @@ int dispatch(const Cli& cli) {
   if (cli.no_profile) overrides.push_back("checkpointing.profile_costs=false");
   // plan --memory: the memory to fit, also what a share budget (checkpointing.budget: 90%) is a share of
   if (cli.plan_cmd->parsed() && !cli.plan_memory.empty()) overrides.push_back("memory.limit=" + cli.plan_memory);
+  // plan --world-size: the recipe is checked for that world size (train.global_batch, DDP offload) as a
+  // rank launched at it would check it.
+  if (cli.plan_cmd->parsed() && cli.plan_world > 0) ::setenv("WORLD_SIZE", std::to_string(cli.plan_world).c_str(), 1);
   auto cfg = sl::config::load(cli.config_path, overrides);
   if (cli.plan_cmd->parsed()) return run_plan(cfg, cli);
   cfg.resume = cli.resume;

@@ -220,6 +220,21 @@ TEST_CASE("at width 256 the planner predicts every placement's device and host p
   }
 }
 
+TEST_CASE("trainer plan --world-size plans DDP's optimizer offload, every rank with the whole model on its host") {
+  test::TempDir dir("offload-plan");
+  const auto out = dir.path / "plan.json";
+  const auto r = test::trainer(fmt::format("plan --config {} --set offload.optimizer=true --world-size 2 --out {}",
+                                           shared_runner().recipe, out.string()));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const auto j = json::parse(test::read_text(out));
+  const int64_t n = j["params"].get<int64_t>();
+  CHECK(j["world_size"].get<int64_t>() == 2);
+  CHECK(j["offload"]["host_params_bytes"].get<int64_t>() == 4 * n);
+  CHECK(j["offload"]["host_optimizer_bytes"].get<int64_t>() == 8 * n);
+  CHECK(r.output.find("host: AdamW moments") != std::string::npos);
+}
+
 TEST_CASE("under one memory.limit the recipe exits 4 without offload and trains with it, bitwise as without a limit") {
   Runner& run = shared_runner();
   const Placement& p = kPlacements[1];  // zero2: optimizer + gradients
