@@ -233,6 +233,12 @@ TEST_CASE("trainer plan --world-size plans DDP's optimizer offload, every rank w
   CHECK(j["offload"]["host_params_bytes"].get<int64_t>() == 4 * n);
   CHECK(j["offload"]["host_optimizer_bytes"].get<int64_t>() == 8 * n);
   CHECK(r.output.find("host: AdamW moments") != std::string::npos);
+  // The table shows what moves per step and what the transfers cost on the recipe's hardware.
+  CHECK(j["offload"]["to_host_bytes_per_step"].get<int64_t>() == 4 * n);
+  CHECK(j["offload"]["to_device_bytes_per_step"].get<int64_t>() == 4 * n);
+  CHECK(j["offload"]["transfer_s"].get<double>() == Approx(8.0 * static_cast<double>(n) / 25e9));
+  CHECK(r.output.find("moved per step") != std::string::npos);
+  CHECK(r.output.find("modelled step time") != std::string::npos);
 }
 
 TEST_CASE("under one memory.limit the recipe exits 4 without offload and trains with it, bitwise as without a limit") {

@@ -183,7 +183,7 @@ void check_outputs(const Saved& s, const std::vector<at::Tensor>& outs) {
 void keep_for_backward(AutogradContext* ctx, const SavedPtr& saved, const std::vector<at::Tensor>& inputs) {
   saved->n_inputs = inputs.size();
   const auto& off = saved->opts.offload;
-  if (off && !off->recomputing) {
+  if (off) {
     saved->offloaded = off->offload(inputs, *saved->opts.stats);
     std::vector<at::Tensor> kept;
     for (const auto& t : inputs) kept.push_back(t.requires_grad() ? at::Tensor() : t);
@@ -207,19 +207,6 @@ std::vector<at::Tensor> restore_inputs(AutogradContext* ctx, const Saved& s) {
   }
   return out;
 }
-
-// Marks a backward's recompute, whose nested pieces keep their inputs on the device (they live only
-// until this backward ends).
-struct RecomputeFlag {
-  explicit RecomputeFlag(ActivationOffload* off) : off(off), prev(off && off->recomputing) {
-    if (off) off->recomputing = true;
-  }
-  ~RecomputeFlag() {
-    if (off) off->recomputing = prev;
-  }
-  ActivationOffload* off;
-  bool prev;
-};
 
 // What to differentiate: the inputs that need a gradient, then those of the first n_params
 // parameters that do, each with its slot in backward's result.
@@ -306,7 +293,6 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> outs;
     {
       Replay replay(saved->state);
-      RecomputeFlag flag(saved->opts.offload.get());
       outs = timed(*saved, cuda_device(inputs), [&] { return saved->fn(inputs); });
     }
     check_outputs(*saved, outs);
@@ -448,7 +434,7 @@ void bring_back(ActivationOffload::Slot& slot, Stats& stats) {
       continue;
     }
     stats.offload_to_device += static_cast<int64_t>(h.nbytes());
-    slot.restored.push_back(device::to_device_same_layout(h, slot.device));
+    slot.restored.push_back(device::to_device_copy(h, slot.device));
   }
 }
 }  // namespace
@@ -464,7 +450,7 @@ std::shared_ptr<ActivationOffload::Slot> ActivationOffload::offload(const std::v
     }
     slot->device = t.device();
     stats.offload_to_host += static_cast<int64_t>(t.nbytes());
-    slot->host.push_back(device::to_host_same_layout(t.detach()));
+    slot->host.push_back(device::to_host(t.detach()));
   }
   slot->index = chain_.size();
   chain_.push_back(slot);

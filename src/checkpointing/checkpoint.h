@@ -52,7 +52,6 @@ class ActivationOffload {
   // The inputs of `slot`'s piece on the device (restored now unless prefetched), and the previous
   // piece's restored ahead of its backward.
   std::vector<at::Tensor> restore(Slot& slot, Stats& stats);
-  bool recomputing = false;  // inside a backward's recompute: nested pieces keep their inputs
 
  private:
   std::vector<std::weak_ptr<Slot>> chain_;  // this forward's slots, in forward order
@@ -70,7 +69,9 @@ struct Options {
   bool check_recompute = false; // compare recomputed outputs' shapes, dtypes and value checksums
   std::function<void(const std::string& name)> pre_recompute_hook;  // runs before each recompute
   std::shared_ptr<Stats> stats = std::make_shared<Stats>();
-  std::shared_ptr<ActivationOffload> offload;  // offload.activations; null = inputs stay on the device
+  // offload.activations: set only on the Options of an offloaded segment (checkpointing/runner.cpp),
+  // never on those of pieces nested in a segment or a kept block; null = inputs stay on the device.
+  std::shared_ptr<ActivationOffload> offload;
 };
 
 // Runs fn(inputs) and returns its outputs. With grad mode on, only `inputs` (and RNG/autocast state)

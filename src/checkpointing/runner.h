@@ -42,7 +42,6 @@ class Runner {
   // Runs before each recompute with the piece's name (sharding re-gathers parameters here).
   void set_pre_recompute_hook(std::function<void(const std::string&)> hook) { opts_.pre_recompute_hook = std::move(hook); }
   void set_unit_hooks(UnitHooks hooks) { hooks_ = std::move(hooks); }
-
   Stats take_stats();  // since the last call
   // Forward FLOPs per token that backward re-runs (for HFU): each checkpointed block's
   // 2*P_block + 4*T*d, less 2*P_out for the last block of each checkpointed segment (its output

@@ -16,13 +16,6 @@ HostScope::~HostScope() {
 }
 bool HostScope::active() { return t_host_depth > 0; }
 
-at::Tensor to_host(const at::Tensor& t) {
-  HostScope scope;
-  auto out = at::empty(t.sizes(), t.options().device(c10::kCPU).memory_format(c10::MemoryFormat::Contiguous));
-  out.copy_(t);
-  return out;
-}
-
 namespace {
 // An empty tensor like `like` (sizes, strides when dense) on `device`, in the host pool when `host`.
 at::Tensor empty_same_layout(const at::Tensor& like, c10::Device device, bool host) {
@@ -33,13 +26,13 @@ at::Tensor empty_same_layout(const at::Tensor& like, c10::Device device, bool ho
 }
 }  // namespace
 
-at::Tensor to_host_same_layout(const at::Tensor& t) {
+at::Tensor to_host(const at::Tensor& t) {
   auto h = empty_same_layout(t, c10::kCPU, /*host=*/true);
   h.copy_(t);
   return h;
 }
 
-at::Tensor to_device_same_layout(const at::Tensor& h, c10::Device device) {
+at::Tensor to_device_copy(const at::Tensor& h, c10::Device device) {
   auto d = empty_same_layout(h, device, /*host=*/false);
   d.copy_(h);
   return d;
@@ -50,16 +43,8 @@ at::Tensor host_zeros(int64_t numel, c10::ScalarType dtype) {
   return at::zeros({numel}, at::TensorOptions().dtype(dtype).device(c10::kCPU));
 }
 
-at::Tensor to_device_copy(const at::Tensor& h, c10::Device device) {
-  auto out = at::empty(h.sizes(), h.options().device(device).memory_format(c10::MemoryFormat::Contiguous));
-  out.copy_(h);
-  return out;
-}
-
 at::Tensor host_readable(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(c10::kCPU); }
 
-void copy_to_device(const at::Tensor& dst, const at::Tensor& src) { dst.copy_(src.reshape(dst.sizes())); }
-
-void copy_to_host(const at::Tensor& dst, const at::Tensor& src) { dst.copy_(src.reshape(dst.sizes())); }
+void copy_into(const at::Tensor& dst, const at::Tensor& src) { dst.copy_(src.reshape(dst.sizes())); }
 
 }  // namespace sl::device

@@ -36,23 +36,17 @@ class HostScope {
   bool on_;
 };
 
-// A host-placed copy of `t`: same dtype and values, contiguous, on the CPU, in the host pool.
+// A host-placed copy of `t` (same dtype, values, sizes and strides when they are dense; contiguous
+// otherwise), and the way back: a copy of host tensor `h` in `device`'s memory with its layout. A
+// restored tensor meets the kernels the original met (a stride change could change their bits).
 at::Tensor to_host(const at::Tensor& t);
-// The same keeping `t`'s sizes and strides (when they are dense; contiguous otherwise), and the way
-// back: a copy of host tensor `h` on `device` with its layout. A restored tensor then meets the
-// kernels the original met (a stride change could change their results' bits).
-at::Tensor to_host_same_layout(const at::Tensor& t);
-at::Tensor to_device_same_layout(const at::Tensor& h, c10::Device device);
+at::Tensor to_device_copy(const at::Tensor& h, c10::Device device);
 // Zeros of `numel` elements on the host.
 at::Tensor host_zeros(int64_t numel, c10::ScalarType dtype);
-// A copy of host tensor `h` on `device` (in device memory).
-at::Tensor to_device_copy(const at::Tensor& h, c10::Device device);
 // `t` as host arithmetic can read it: on the CPU `t` itself (no copy: device and host are one RAM,
 // and a copy would only add a transient), elsewhere a copy on the CPU.
 at::Tensor host_readable(const at::Tensor& t);
-// Copies host tensor `src` into `dst` (a device tensor of the same number of elements).
-void copy_to_device(const at::Tensor& dst, const at::Tensor& src);
-// Copies `src` (a device tensor) into host tensor `dst` (the same number of elements).
-void copy_to_host(const at::Tensor& dst, const at::Tensor& src);
+// Copies `src` into `dst` (the same number of elements), one on the host and the other on the device.
+void copy_into(const at::Tensor& dst, const at::Tensor& src);
 
 }  // namespace sl::device

@@ -66,9 +66,9 @@ int64_t largest_group_params(const config::RunConfig& cfg, int64_t n) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int64_t dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; }
-
 }  // namespace
+
+int64_t dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; }
 
 int64_t total_params(const config::ModelConfig& m) {
   const Dims d = dims_of(m);

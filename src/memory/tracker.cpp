@@ -47,7 +47,10 @@ Capacity device_capacity(c10::Device device) {
 Tracker::Tracker(c10::Device device) : device_(device) {}
 
 void Tracker::reset_peak() {
-  if (TrackingCPUAllocator::installed()) TrackingCPUAllocator::instance().reset_host_peak();
+  if (TrackingCPUAllocator::installed()) {
+    TrackingCPUAllocator::instance().reset_host_peak();
+    TrackingCPUAllocator::instance().clear_refusal();  // what an out-of-memory report reads is this step's
+  }
   if (device_.is_cuda()) {
     c10::cuda::CUDACachingAllocator::resetPeakStats(device_.index());
   } else {

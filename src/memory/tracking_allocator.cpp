@@ -79,12 +79,6 @@ void TrackingCPUAllocator::free_block(void* ptr) {
   c10::free_cpu(ptr);
 }
 
-bool TrackingCPUAllocator::in_host_pool(const void* ptr) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = blocks_.find(const_cast<void*>(ptr));
-  return it != blocks_.end() && it->second.host;
-}
-
 c10::DeleterFnPtr TrackingCPUAllocator::raw_deleter() const { return &free_block; }
 
 void TrackingCPUAllocator::copy_data(void* dest, const void* src, std::size_t count) const {

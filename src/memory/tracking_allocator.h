@@ -39,14 +39,13 @@ class TrackingCPUAllocator final : public c10::Allocator {
   int64_t limit() const { return limit_.load(); }
   int64_t last_refused_bytes() const { return refused_.load(); }  // size of the last refused request
   bool last_refused_host() const { return refused_host_.load(); }   // ... and whether it was a host one
+  void clear_refusal() { refused_.store(0), refused_host_.store(false); }  // a new step: no refusal yet
 
   // The host pool, and its limit (memory.host_limit; 0 = none).
   int64_t host_current_bytes() const { return host_current_.load(); }
   int64_t host_peak_bytes() const { return host_peak_.load(); }
   void reset_host_peak() { host_peak_.store(host_current_.load()); }
   void set_host_limit(int64_t bytes) { host_limit_.store(bytes); }
-  // Whether `ptr` (a storage's data) was allocated in the host pool.
-  bool in_host_pool(const void* ptr);
 
  private:
   static void free_block(void* ptr);

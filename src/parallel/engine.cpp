@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include "device/device.h"
 #include "device/host.h"
 #include "memory/footprint.h"
 #include "optim/optimizer.h"
@@ -71,7 +72,6 @@ Engine::Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<C
       device_(comm_->device()),
       offload_optimizer_(cfg.offload.optimizer),
       offload_grads_(cfg.offload.gradients),
-      offload_params_(cfg.offload.parameters),
       deferred_(!model_->parameters().empty() && model::is_deferred(model_->parameters().front())) {
   if (deferred_ && !sharding_.shards_params())
     throw std::logic_error("Engine: a deferred model is materialized by zero3 only");
@@ -456,7 +456,7 @@ void Engine::grads_to_host() {
   torch::NoGradGuard no_grad;
   for (auto& g : groups_) {
     if (!g->host_grad.defined()) continue;
-    device::copy_to_host(g->host_grad, sharding_.replicated() ? g->flat_grad : g->shard_grad);
+    device::copy_into(g->host_grad, sharding_.replicated() ? g->flat_grad : g->shard_grad);
     moved_.to_host += static_cast<int64_t>(g->host_grad.nbytes());
   }
 }
@@ -466,7 +466,7 @@ void Engine::masters_to_params() {
   torch::NoGradGuard no_grad;
   for (auto& g : groups_)
     for (size_t i = 0; i < g->params.size(); ++i) {
-      device::copy_to_device(g->params[i], g->shard_param.narrow(0, g->offsets[i], g->params[i].numel()));
+      device::copy_into(g->params[i], g->shard_param.narrow(0, g->offsets[i], g->params[i].numel()));
       moved_.to_device += static_cast<int64_t>(g->params[i].nbytes());
     }
 }
@@ -484,7 +484,7 @@ void Engine::params_loaded() { after_step(); }
 torch::Tensor Engine::compute_shard(Group& g) {
   if (!low_precision_copy() && !offload_optimizer_) return g.shard_param;  // zero1/2: the slot itself; zero3: its own fp32 buffer
   auto slot = g.slot();
-  device::copy_to_device(slot, g.shard_param);  // a low-precision copy: rounded to nearest even
+  device::copy_into(slot, g.shard_param);  // a low-precision copy: rounded to nearest even
   if (offload_optimizer_) moved_.to_device += static_cast<int64_t>(slot.nbytes());
   return slot;
 }
@@ -580,7 +580,7 @@ void Engine::gather_master(Group& g) {
   g.master_full = torch::empty({g.padded}, fp32_options());
   add_transient(g.bytes());
   // offload.optimizer: the masters are on the host; the collective takes a device copy of the shard
-  const auto shard = offload_optimizer_ ? device::to_device_copy(g.shard_param, device_) : g.shard_param;
+  const auto shard = offload_optimizer_ ? device::to_device(g.shard_param, device_) : g.shard_param;
   comm_->all_gather(g.master_full, shard, "master all-gather of " + g.name).wait();
 }
 

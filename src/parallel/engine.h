@@ -188,7 +188,7 @@ class Engine {
   at::ScalarType param_dtype_, reduce_dtype_;
   int64_t rank_, world_;
   c10::Device device_;
-  bool offload_optimizer_, offload_grads_, offload_params_;  // the recipe's offload section
+  bool offload_optimizer_, offload_grads_;  // the recipe's offload section (offload.parameters is zero3 + optimizer)
   Moved moved_;
   bool deferred_;         // the model came with deferred parameters (zero3 materializes its shards)
   double init_sum_ = 0;   // sum of the initial parameters (checked equal on every rank)

@@ -54,8 +54,6 @@ PeakPrediction predict_peak(const config::RunConfig& cfg) {
 
 namespace {
 
-int64_t dtype_size(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; }
-
 // Parameters of the blocks a plan recomputes (each runs its forward once more in backward).
 int64_t recomputed_params(const std::vector<int64_t>& units, const checkpointing::Plan& plan) {
   int64_t n = 0;
@@ -81,7 +79,7 @@ OffloadTraffic offload_traffic(const config::RunConfig& cfg, const checkpointing
   if (!o.any()) return t;
   const auto N = cfg.parallel.sharding.replicated() ? 1 : std::max<int64_t>(1, cfg.world_size);  // DDP: the whole model
   const int64_t micro = cfg.train.grad_accum, n = memory::total_params(cfg.model);
-  const int64_t cp = dtype_size(cfg.precision.param_dtype), cr = dtype_size(cfg.precision.reduce_dtype);
+  const int64_t cp = memory::dtype_bytes(cfg.precision.param_dtype), cr = memory::dtype_bytes(cfg.precision.reduce_dtype);
   const auto units = memory::unit_param_counts(cfg.model);
   const int64_t recomputed = recomputed_params(units, plan);
   int64_t boundary = 0;

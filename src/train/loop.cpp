@@ -224,8 +224,8 @@ Outcome oom_outcome(Session& s, const LoopState& st, const std::string& what) {
   const memory::Snapshot snap = s.tracker->read();
   const int64_t requested = s.device.is_cpu() ? memory::TrackingCPUAllocator::instance().last_refused_bytes() : -1;
   const char* phase = current_phase();
-  // The tracking allocator's host pool (offloaded state) names itself in its message.
-  const bool host = what.rfind("host out of memory", 0) == 0;
+  // The tracking allocator records whether its last refusal was in the host pool (offloaded state).
+  const bool host = memory::TrackingCPUAllocator::installed() && memory::TrackingCPUAllocator::instance().last_refused_host();
   o.message = host ? fmt::format("out of host memory in {} at step {} ({}). To fit, raise memory.host_limit (the planner "
                                  "predicts {} of host memory for this recipe: trainer plan) or offload less (offload.*)",
                                  phase, st.steps_done + 1, what.substr(0, 300),
