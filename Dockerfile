@@ -12,6 +12,8 @@ ARG TORCH_VERSION=2.11.0
 ARG MATPLOTLIB_VERSION=3.11.2
 ARG SAFETENSORS_VERSION=0.8.0
 ARG TRANSFORMERS_VERSION=5.23.0
+ARG TOKENIZERS_VERSION=0.23.3
+ARG TENSORBOARD_VERSION=2.21.0
 ENV DEBIAN_FRONTEND=noninteractive \
     SUBLINEAR_HOME=/opt/sublinear \
     TORCH_CUDA_ARCH_LIST=9.0 \
@@ -23,6 +25,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends cmake ninja-build g++ ccache libgloo-dev libyaml-cpp-dev \
       libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev catch2 python3 python3-venv zlib1g-dev \
+      libicu-dev libprotobuf-dev protobuf-compiler \
  && rm -rf /var/lib/apt/lists/*
 
 # Its own layer, so code changes do not re-download torch or matplotlib. A venv, so Ubuntu 24.04's
@@ -30,7 +33,7 @@ RUN apt-get update \
 RUN python3 -m venv "$SUBLINEAR_HOME/venv" \
  && "$SUBLINEAR_HOME/venv/bin/python" -m pip install --quiet --no-cache-dir \
       "torch==$TORCH_VERSION" "matplotlib==$MATPLOTLIB_VERSION" "safetensors==$SAFETENSORS_VERSION" \
-      "transformers==$TRANSFORMERS_VERSION"
+      "transformers==$TRANSFORMERS_VERSION" "tokenizers==$TOKENIZERS_VERSION" "tensorboard==$TENSORBOARD_VERSION"
 
 WORKDIR /src/sublinear
 COPY . .

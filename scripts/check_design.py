@@ -40,7 +40,8 @@ LAYERS = [
     "optim",      # AdamW and its fused kernel
     "parallel",   # c10d: DDP and ZeRO-1/2/3
     "state",      # training state: save, load, re-shard (of the components that declare it)
-    "interop",    # Hugging Face weights in and out
+    "text",       # tokenizer.json: encoding, decoding, the files beside exported weights
+    "interop",    # Hugging Face weights in and out; `trainer sample` (a model and its tokenizer from a run or folder)
     "train",      # the run: setup, the loop, the step, reports
 ]
 # Files that include no torch header, directly or through the project headers they include.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # setup.sh: install what sublinear needs and build it into build/ (idempotent).
 #   1. Debian packages (apt-get, only when some are missing),
-#   2. LibTorch from the PyPI torch wheel (and matplotlib, for scripts/plot.py; safetensors and
-#      transformers, the references the safetensors and hf tests check against) in a venv at
+#   2. LibTorch from the PyPI torch wheel (and matplotlib, for scripts/plot.py; safetensors,
+#      transformers, tokenizers and tensorboard: the references the tests check against; tokenizers also
+#      tokenizes text in scripts/prepare_data.py) in a venv at
 #      ${SUBLINEAR_HOME:-~/.cache/sublinear}/venv,
 #   3. CMake configure (Ninja, Release; -DSUBLINEAR_WERROR=ON when CI=true) and build.
 # Cost: first run downloads the CUDA torch wheel with its nvidia-* deps (~4.6 GB, ~70 s on a
@@ -13,8 +14,10 @@ TORCH_VERSION=2.11.0   # the one place the LibTorch version is pinned
 MATPLOTLIB_VERSION=3.11.2  # scripts/plot.py draws the sweep figures with it
 SAFETENSORS_VERSION=0.8.0  # the reference implementation tests/test_safetensors.cpp checks files against
 TRANSFORMERS_VERSION=5.23.0  # the reference GPT-2 / LLaMA tests/test_hf.cpp checks the model and its export against
+TOKENIZERS_VERSION=0.23.3    # Hugging Face tokenizers: scripts/prepare_data.py tokenizes with it; tests check ours against it
+TENSORBOARD_VERSION=2.21.0   # the reader tests/test_tensorboard checks logging.tensorboard's event files with
 PACKAGES=(cmake ninja-build g++ ccache libgloo-dev libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
-          nlohmann-json3-dev catch2 python3-venv zlib1g-dev)
+          nlohmann-json3-dev catch2 python3-venv zlib1g-dev libicu-dev libprotobuf-dev protobuf-compiler)
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SUBLINEAR_HOME="${SUBLINEAR_HOME:-$HOME/.cache/sublinear}"
@@ -54,25 +57,20 @@ else
   "$PY" -m pip install --quiet "torch==$TORCH_VERSION"
   PREFIX="$(torch_prefix)" || { echo "setup: torch $TORCH_VERSION does not import from $VENV" >&2; exit 1; }
 fi
-if "$PY" -c "import matplotlib, sys; sys.exit(matplotlib.__version__ != '$MATPLOTLIB_VERSION')" 2>/dev/null; then
-  say "matplotlib $MATPLOTLIB_VERSION present"
-else
-  say "pip install matplotlib==$MATPLOTLIB_VERSION"
-  "$PY" -m pip install --quiet "matplotlib==$MATPLOTLIB_VERSION"
-fi
-if "$PY" -c "import safetensors, sys; sys.exit(safetensors.__version__ != '$SAFETENSORS_VERSION')" 2>/dev/null; then
-  say "safetensors $SAFETENSORS_VERSION present"
-else
-  say "pip install safetensors==$SAFETENSORS_VERSION"
-  "$PY" -m pip install --quiet "safetensors==$SAFETENSORS_VERSION"
-fi
-
-if "$PY" -c "import transformers, sys; sys.exit(transformers.__version__ != '$TRANSFORMERS_VERSION')" 2>/dev/null; then
-  say "transformers $TRANSFORMERS_VERSION present"
-else
-  say "pip install transformers==$TRANSFORMERS_VERSION"
-  "$PY" -m pip install --quiet "transformers==$TRANSFORMERS_VERSION"
-fi
+# pin MODULE PACKAGE VERSION: pip-installs PACKAGE==VERSION unless MODULE already imports at VERSION.
+pin() {
+  if "$PY" -c "import $1, sys; sys.exit($1.__version__ != '$3')" 2>/dev/null; then
+    say "$2 $3 present"
+  else
+    say "pip install $2==$3"
+    "$PY" -m pip install --quiet "$2==$3"
+  fi
+}
+pin matplotlib matplotlib "$MATPLOTLIB_VERSION"
+pin safetensors safetensors "$SAFETENSORS_VERSION"
+pin transformers transformers "$TRANSFORMERS_VERSION"
+pin tokenizers tokenizers "$TOKENIZERS_VERSION"
+pin tensorboard tensorboard "$TENSORBOARD_VERSION"
 
 # The wheel's CMake config looks for a CUDA toolkit and an architecture list.
 [[ -x /usr/local/cuda/bin/nvcc ]] && [[ ":$PATH:" != *":/usr/local/cuda/bin:"* ]] && export PATH="/usr/local/cuda/bin:$PATH"

@@ -20,6 +20,7 @@
 #include "log/run_dir.h"
 #include "memory/tracking_allocator.h"
 #include "planner/planner.h"
+#include "interop/sample.h"
 #include "train/trainer.h"
 
 namespace {
@@ -34,9 +35,53 @@ struct Cli {
   std::string plan_memory, plan_out;
   int64_t plan_world = 0;
   sl::interop::ExportRequest export_req;
+  sl::interop::SampleRequest sample_req;
+  bool sample_json = false, sample_no_cache = false, sample_ignore_eot = false;
   CLI::App* plan_cmd = nullptr;
   CLI::App* export_cmd = nullptr;
+  CLI::App* sample_cmd = nullptr;
 };
+
+void add_sample_command(CLI::App& app, Cli& cli) {
+  cli.sample_cmd = app.add_subcommand("sample", "generate text from a run's newest weights or a Hugging Face folder, "
+                                                "with a KV cache; prints the text and tokens/s");
+  auto& r = cli.sample_req;
+  auto* cmd = cli.sample_cmd;
+  auto* run = cmd->add_option("--run", r.run, "a run directory: its newest weights (final or saved state) and its tokenizer.json");
+  auto* weights = cmd->add_option("--weights", r.weights, "a Hugging Face folder: config.json, model.safetensors, tokenizer.json");
+  run->excludes(weights);
+  cmd->add_option("--tokenizer", r.tokenizer, "a tokenizer.json to use instead of the run's or folder's");
+  cmd->add_option("--prompt", r.prompt, "the text to continue (default: the end-of-text token alone)");
+  cmd->add_option("--max-new-tokens", r.max_new_tokens, "tokens to generate (default 64)");
+  cmd->add_option("--temperature", r.temperature, "softmax temperature; 0 = greedy (default 1)");
+  cmd->add_option("--top-k", r.top_k, "sample among the k most likely tokens; 0 = all (default)");
+  cmd->add_option("--seed", r.seed, "sampling seed: the same seed gives the same text (default 1337)");
+  cmd->add_option("--device", r.device, "auto (default: cuda when available) | cpu | cuda");
+  cmd->add_flag("--no-cache", cli.sample_no_cache, "recompute the whole sequence for every token (no KV cache; for comparison)");
+  cmd->add_flag("--ignore-eot", cli.sample_ignore_eot, "keep going past the end-of-text token");
+  cmd->add_flag("--json", cli.sample_json, "print one JSON object (ids, text, timings) instead of the text");
+}
+
+int run_sample(const Cli& cli) {
+  auto req = cli.sample_req;
+  req.use_cache = !cli.sample_no_cache;
+  req.stop_at_eot = !cli.sample_ignore_eot;
+  const auto r = sl::interop::sample(req);
+  if (cli.sample_json) {
+    const nlohmann::json j = {{"weights", r.weights}, {"tokenizer", r.tokenizer}, {"prompt", r.prompt_text},
+                              {"prompt_ids", r.prompt_ids}, {"ids", r.ids}, {"text", r.text},
+                              {"prompt_seconds", r.prompt_seconds}, {"seconds", r.seconds},
+                              {"tokens_per_s", r.tokens_per_s()}, {"kv_cache", req.use_cache}};
+    fmt::print("{}\n", j.dump());
+    return sl::kExitOk;
+  }
+  fmt::print("{}{}\n---\n", r.prompt_text, r.text);
+  fmt::print("sample: {} new tokens in {:.2f} s, {:.1f} tokens/s ({}; prompt {} tokens, first token after {:.0f} ms)\n",
+             r.ids.size(), r.seconds, r.tokens_per_s(), req.use_cache ? "KV cache" : "no cache", r.prompt_ids.size(),
+             1e3 * r.prompt_seconds);
+  fmt::print("weights {}; tokenizer {}\n", r.weights, r.tokenizer);
+  return sl::kExitOk;
+}
 
 void add_commands(CLI::App& app, Cli& cli) {
   app.require_subcommand(0, 1);
@@ -71,6 +116,7 @@ void add_commands(CLI::App& app, Cli& cli) {
   cli.export_cmd->add_option("--out", req.out, "a directory, or a .safetensors file with config.json beside it "
                                                "(default: <run>/hf-step-NNNNNNNN/)");
   cli.export_cmd->add_option("--dtype", req.dtype, "fp32 (default) or bf16 (for inference tools)");
+  add_sample_command(app, cli);
 }
 
 int run_export(const sl::interop::ExportRequest& req) {
@@ -94,9 +140,10 @@ int run_plan(const sl::config::RunConfig& cfg, const Cli& cli) {
   return sl::kExitOk;
 }
 
-// The parsed command: export, plan or train.
+// The parsed command: export, sample, plan or train.
 int dispatch(const Cli& cli) {
   if (cli.export_cmd->parsed()) return run_export(cli.export_req);
+  if (cli.sample_cmd->parsed()) return run_sample(cli);
   if (cli.config_path.empty())
     throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
   auto overrides = cli.overrides;

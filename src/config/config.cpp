@@ -140,6 +140,7 @@ std::vector<Field> data_fields() {
       field(&R::data, &D::val_path, "data", "val_path", "held-out file of the same kind; \"\" = hold out the last val_fraction of path"),
       field(&R::data, &D::val_fraction, "data", "val_fraction", "share of path held out for eval when val_path is \"\""),
       field(&R::data, &D::synthetic_tokens, "data", "synthetic_tokens", "corpus length in tokens for source: synthetic"),
+      field(&R::data, &D::tokenizer, "data", "tokenizer", "the tokenizer.json the shards were made with (scripts/prepare_data.py writes it beside them); its vocabulary must match model.vocab_size; the run keeps a copy and its exported weights carry it; \"\" = tokenizer.json beside data.path when there is one"),
   };
 }
 
@@ -166,6 +167,9 @@ std::vector<Field> train_fields() {
       field(&R::train, &T::device, "train", "device", "auto | cpu | cuda (auto = cuda when available) | lazy (a TEST device: LibTorch's lazy-tensor TorchScript backend, not the CPU but running on it; world 1, fp32, no sharding, no memory.limit, no budget mode)"),
       field(&R::train, &T::threads, "train", "threads", "CPU intra-op threads; 0 = all cores"),
       field(&R::train, &T::on_nonfinite, "train", "on_nonfinite", "fp32/bf16 gradients with NaN/Inf (finite loss): abort (exit 6 before the optimizer step) | skip (weights untouched, a skip event)"),
+      field(&R::train, &T::sample_interval, "train", "sample_interval", "print (and log as a sample event) a greedy continuation every N steps and at the end; needs a tokenizer (data.tokenizer); 0 = never"),
+      field(&R::train, &T::sample_tokens, "train", "sample_tokens", "new tokens per training-time sample"),
+      field(&R::train, &T::sample_prompt, "train", "sample_prompt", "prompt of the training-time sample; \"\" = the tokenizer's end-of-text token"),
   };
 }
 
@@ -250,6 +254,7 @@ std::vector<Field> logging_fields() {
       field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final weights to <run dir>/model/{model.safetensors, config.json} in Hugging Face layout, fp32 (zero3 streams them unit by unit)"),
       field(&R::logging, &LoggingConfig::profile_step, "logging", "profile_step", "record this optimizer step (1-based; rank 0) with LibTorch's profiler into <run dir>/profile.json (Chrome trace); 0 = off"),
       field(&R::logging, &LoggingConfig::overwrite, "logging", "overwrite", "allow a run directory that already holds a run's logs (they are replaced); false = refuse with exit 2"),
+      field(&R::logging, &LoggingConfig::tensorboard, "logging", "tensorboard", "also write the step metrics, eval loss and memory as a TensorBoard event file in <run dir>/tensorboard/ (rank 0)"),
   };
 }
 
@@ -730,6 +735,11 @@ void validate_train(const RunConfig& c) {
   one_of("train.device", t.device, {"auto", "cpu", "cuda", "lazy"});
   if (t.threads < 0) fail("train.threads", "must be >= 0 (0 = all cores)");
   one_of("train.on_nonfinite", t.on_nonfinite, {"abort", "skip"});
+  if (t.sample_interval < 0) fail("train.sample_interval", "must be >= 0 (0 = never)");
+  positive("train.sample_tokens", t.sample_tokens);
+  if (t.sample_interval > 0 && t.sample_tokens >= t.seq_len)
+    fail("train.sample_tokens", fmt::format("{} leaves no room for the prompt in train.seq_len = {}; ask for fewer",
+                                            t.sample_tokens, t.seq_len));
 }
 
 void validate_checkpointing(const RunConfig& c) {

@@ -40,6 +40,7 @@ struct DataConfig {
   std::string val_path = "data/corpus_val.bin";
   double val_fraction = 0.1;
   int64_t synthetic_tokens = 1 << 20;
+  std::string tokenizer = "";  // tokenizer.json of the shards; "" = the one beside data.path, if any
 };
 
 struct TrainConfig {
@@ -61,6 +62,9 @@ struct TrainConfig {
   std::string device = "auto";
   int64_t threads = 0;
   std::string on_nonfinite = "abort";  // abort | skip
+  int64_t sample_interval = 0;      // print a generated sample every N steps (needs a tokenizer); 0 = never
+  int64_t sample_tokens = 32;       // new tokens per training-time sample
+  std::string sample_prompt = "";   // its prompt; "" = the tokenizer's end-of-text token
 };
 
 struct CheckpointingConfig {
@@ -125,6 +129,7 @@ struct LoggingConfig {
   bool save_model = false;
   bool overwrite = false;
   int64_t profile_step = 0;  // record this optimizer step (1-based) with the profiler; 0 = off
+  bool tensorboard = false;  // TensorBoard event file in <run dir>/tensorboard/ beside metrics.jsonl
 };
 
 // Durable training state (src/state/): what is saved, how often, where.

@@ -300,7 +300,7 @@ void write_llmc(const std::string& path, const std::vector<int64_t>& tokens) {
 
 Loader::Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t seq_len, uint64_t seed,
                int64_t rank, int64_t world_size)
-    : source_(std::move(source)), B_(micro_batch), T_(seq_len), rank_(rank), world_(world_size), state_(seed) {
+    : source_(std::move(source)), B_(micro_batch), T_(seq_len), rank_(rank), world_(world_size), seed_(seed), state_(seed) {
   if (source_->size() < T_ + 1)
     throw DataError(fmt::format("{}: only {} tokens, fewer than one sequence of train.seq_len + 1 = {}; "
                                 "use more data or a shorter train.seq_len", source_->describe(), source_->size(), T_ + 1));
@@ -343,6 +343,19 @@ Splits open_splits(const config::RunConfig& cfg) {
                                   "use more data or a shorter train.seq_len", (*split)->describe(),
                                   (*split)->size(), need));
   return s;
+}
+
+std::filesystem::path tokenizer_path(const config::DataConfig& d) {
+  std::error_code ec;
+  if (!d.tokenizer.empty()) {
+    if (!std::filesystem::is_regular_file(d.tokenizer, ec))
+      throw DataError(fmt::format("data.tokenizer: {} does not exist; give the tokenizer.json scripts/prepare_data.py wrote "
+                                  "beside the shards, or \"\" for none", d.tokenizer));
+    return d.tokenizer;
+  }
+  if (d.source != "llmc" && d.source != "bin" && d.source != "raw") return {};
+  const auto beside = std::filesystem::path(d.path).parent_path() / "tokenizer.json";
+  return std::filesystem::is_regular_file(beside, ec) ? beside : std::filesystem::path();
 }
 
 }  // namespace sl::data

@@ -3,6 +3,7 @@
 // train/val splits and seeded, rank-sharded batch sampling. Every bad input throws DataError
 // naming the file and the problem.
 #pragma once
+#include <filesystem>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -63,10 +64,13 @@ class Loader {
   // The sampler's position (its RNG state; the same on every rank), for saved training states.
   uint64_t position() const { return state_; }
   void restore(uint64_t position) { state_ = position; }
+  // Back to the seed's first batch: the eval loader rewinds before every eval, so each scores the same windows.
+  void rewind() { state_ = seed_; }
 
  private:
   std::shared_ptr<TokenSource> source_;
   int64_t B_, T_, rank_, world_;
+  uint64_t seed_;
   uint64_t state_;  // splitmix64 state
 };
 
@@ -78,5 +82,9 @@ struct Splits {
 // Opens the configured data (train + val), checks every file against model.vocab_size and that
 // each split holds at least one sequence of train.seq_len + 1 tokens. Throws DataError.
 Splits open_splits(const config::RunConfig& cfg);
+
+// The tokenizer.json the data was made with: data.tokenizer (DataError, exit 3, when it does not exist), else
+// tokenizer.json beside data.path for token files (llmc, raw) when there is one, else "".
+std::filesystem::path tokenizer_path(const config::DataConfig& d);
 
 }  // namespace sl::data

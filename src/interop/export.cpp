@@ -12,6 +12,7 @@
 #include "interop/hf.h"
 #include "memory/tracking_allocator.h"
 #include "state/state.h"
+#include "text/tokenizer.h"
 
 namespace sl::interop {
 namespace {
@@ -20,11 +21,11 @@ namespace fs = std::filesystem;
 
 // The run's recipe (its config.json) for the model's shape and state.dir. train.global_batch is
 // re-derived: it was checked against the run's world size, not this process's.
-config::RunConfig run_recipe(const fs::path& run) {
+config::RunConfig run_recipe(const fs::path& run, const std::string& who) {
   std::error_code ec;
   if (!fs::exists(run / "config.json", ec))
-    throw ConfigError(fmt::format("export --run {}: not a run directory (no config.json); give the directory a "
-                                  "training run wrote (logging.dir, or runs/<recipe>-<time>)", run.string()));
+    throw ConfigError(fmt::format("{} --run {}: not a run directory (no config.json); give the directory a "
+                                  "training run wrote (logging.dir, or runs/<recipe>-<time>)", who, run.string()));
   return config::load((run / "config.json").string(), {"train.global_batch=0"});
 }
 
@@ -59,17 +60,6 @@ state::Found newest_state(const fs::path& root, int64_t final) {
   }
 }
 
-// Reads the final weights (a file this project wrote in Hugging Face layout) back through HfCheckpoint.
-WeightsSource final_weights_source(std::shared_ptr<HfCheckpoint> ckpt) {
-  WeightsSource src;
-  src.values = [ckpt](const HfTensor& t) {
-    auto v = torch::empty({t.end() - t.begin()});
-    ckpt->read(t.param, t.begin(), t.end(), v);
-    return v;
-  };
-  return src;
-}
-
 // Reads a saved training state's parameters, whichever ranks' files hold them.
 WeightsSource state_source(std::shared_ptr<state::Reader> reader) {
   WeightsSource src;
@@ -89,35 +79,50 @@ fs::path output_file(const ExportRequest& req, int64_t step) {
 
 }  // namespace
 
+RunWeights run_weights(const fs::path& run, const std::string& who) {
+  RunWeights w{run_recipe(run, who), {}, "", 0};
+  const fs::path final_file = run / "model" / "model.safetensors";
+  const int64_t final = final_step(final_file);
+  const fs::path root = state::state_root(w.cfg, run);
+  const state::Found found = newest_state(root, final);
+  if (!found.found() && final < 0)
+    throw ConfigError(fmt::format("{} --run {}: the run has neither a saved training state ({}) nor final weights "
+                                  "({}); train with state.at_end: true or logging.save_model: true",
+                                  who, run.string(), root.string(), final_file.string()));
+  if (final >= found.step) {  // the final weights are at least as new: no re-assembly needed
+    w.source = HfCheckpoint::source(std::make_shared<HfCheckpoint>(final_file, w.cfg.model));
+    w.description = final_file.string();
+    w.step = final;
+  } else {
+    w.source = state_source(std::make_shared<state::Reader>(found.dir, found.meta));
+    w.description = found.dir.string();
+    w.step = found.step;
+  }
+  return w;
+}
+
+fs::path run_tokenizer(const fs::path& run) {
+  std::error_code ec;
+  return fs::exists(run / "tokenizer.json", ec) ? run / "tokenizer.json" : fs::path();
+}
+
 ExportReport export_run(const ExportRequest& req) {
   if (req.dtype != "fp32" && req.dtype != "bf16")
     throw ConfigError(fmt::format("export --dtype {}: expected fp32 or bf16", req.dtype));
-  const config::RunConfig cfg = run_recipe(req.run);
-  const fs::path final_file = req.run / "model" / "model.safetensors";
-  const int64_t final = final_step(final_file);
-  const state::Found found = newest_state(state::state_root(cfg, req.run), final);
-  if (!found.found() && final < 0)
-    throw ConfigError(fmt::format("export --run {}: the run has neither a saved training state ({}) nor final weights "
-                                  "({}); train with state.at_end: true or logging.save_model: true",
-                                  req.run.string(), state::state_root(cfg, req.run).string(), final_file.string()));
+  const RunWeights w = run_weights(req.run, "export");
+  const fs::path tokenizer = run_tokenizer(req.run);
+  const auto eos = tokenizer.empty() ? std::nullopt : text::inspect_tokenizer_file(tokenizer).end_of_text_id;
   ExportReport report;
-  WeightsSource source;
-  if (final >= found.step) {  // the final weights are at least as new: no re-assembly needed
-    source = final_weights_source(std::make_shared<HfCheckpoint>(final_file, cfg.model));
-    report.source = final_file.string();
-    report.step = final;
-  } else {
-    source = state_source(std::make_shared<state::Reader>(found.dir, found.meta));
-    report.source = found.dir.string();
-    report.step = found.step;
-  }
+  report.source = w.description;
+  report.step = w.step;
   report.file = output_file(req, report.step);
   auto& tracker = memory::TrackingCPUAllocator::instance();
   tracker.reset_peak();
   const int64_t before = tracker.current_bytes();
-  const auto written = write_hf(report.file, cfg.model, req.dtype == "bf16" ? at::kBFloat16 : at::kFloat, source, true,
+  const auto written = write_hf(report.file, w.cfg.model, req.dtype == "bf16" ? at::kBFloat16 : at::kFloat, w.source, true,
                                 {{"format", "pt"}, {"sublinear_step", std::to_string(report.step)},
-                                 {"sublinear_source", report.source}});
+                                 {"sublinear_source", report.source}}, eos);
+  if (!tokenizer.empty()) text::write_hf_tokenizer(report.file.parent_path(), tokenizer, w.cfg.model.max_seq_len);
   report.bytes = written.digest.bytes;
   report.peak_tensor_bytes = tracker.peak_bytes() - before;
   return report;

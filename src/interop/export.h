@@ -5,6 +5,12 @@
 #include <filesystem>
 #include <string>
 
+#include "config/config.h"
+#include "interop/hf.h"
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
 namespace sl::interop {
 
 struct ExportRequest {
@@ -23,6 +29,21 @@ struct ExportReport {
 
 // Throws ConfigError (exit 2) for a missing run directory or bad arguments, StateFileError (2) or
 // DataError (3) for unreadable weights, IoError (7) for a failed write (nothing half-written is left).
+// The run's tokenizer (<run>/tokenizer.json, recorded when it trained on prepare_data.py's shards) goes
+// beside the weights with a tokenizer_config.json, so AutoTokenizer loads the folder too.
 ExportReport export_run(const ExportRequest& req);
+
+// A run's newest weights: its final weights or its newest saved training state, whichever is newer.
+struct RunWeights {
+  config::RunConfig cfg;  // the run's recipe (config.json)
+  WeightsSource source;
+  std::string description;  // the file or state directory read
+  int64_t step = 0;
+};
+// `who` names the command in messages ("export", "sample"). Errors as export_run's.
+RunWeights run_weights(const std::filesystem::path& run, const std::string& who);
+
+// The tokenizer a run recorded (<run>/tokenizer.json); "" when it trained without one.
+std::filesystem::path run_tokenizer(const std::filesystem::path& run);
 
 }  // namespace sl::interop

@@ -93,7 +93,7 @@ const char* prefix(const config::ModelConfig& m) { return m.arch == "llama" ? "m
 // ---- config.json ----
 
 Json gpt2_config(const config::ModelConfig& m) {
-  const bool has_gpt2_ids = m.vocab_size > 50256;  // GPT-2's <|endoftext|>; a byte vocabulary has none
+  const bool has_gpt2_ids = m.vocab_size > 50256;  // GPT-2's <|endoftext|>; a byte vocabulary has none (hf_config may override)
   return {{"architectures", {"GPT2LMHeadModel"}},
           {"model_type", "gpt2"},
           {"vocab_size", m.vocab_size},
@@ -227,10 +227,63 @@ std::vector<HfTensor> hf_layout(const config::ModelConfig& m) {
   return out;
 }
 
-Json hf_config(const config::ModelConfig& m, at::ScalarType dtype) {
+Json hf_config(const config::ModelConfig& m, at::ScalarType dtype, std::optional<int64_t> eos_id) {
   Json j = m.arch == "llama" ? llama_config(m) : gpt2_config(m);
   j["dtype"] = dtype == at::kBFloat16 ? "bfloat16" : "float32";
+  if (eos_id) j["bos_token_id"] = j["eos_token_id"] = *eos_id;
   return j;
+}
+
+namespace {
+
+config::ModelConfig gpt2_model(const Json& hf) {
+  config::ModelConfig m;
+  m.arch = "gpt2";
+  m.n_layer = hf.value("n_layer", int64_t{12});
+  m.n_head = hf.value("n_head", int64_t{12});
+  m.n_embd = hf.value("n_embd", int64_t{768});
+  m.vocab_size = hf.value("vocab_size", int64_t{50257});
+  m.max_seq_len = hf.value("n_positions", int64_t{1024});
+  const Json n_inner = hf.value("n_inner", Json(nullptr));
+  m.mlp_hidden = n_inner.is_null() ? 4 * m.n_embd : n_inner.get<int64_t>();
+  m.norm_eps = hf.value("layer_norm_epsilon", 1e-5);
+  m.bias = true;  // GPT2LMHeadModel always has biases
+  m.tie_embeddings = hf.value("tie_word_embeddings", true);
+  m.dropout = 0.0;
+  return m;
+}
+
+config::ModelConfig llama_model(const Json& hf) {
+  config::ModelConfig m;
+  m.arch = "llama";
+  m.n_layer = hf.value("num_hidden_layers", int64_t{32});
+  m.n_head = hf.value("num_attention_heads", int64_t{32});
+  m.n_embd = hf.value("hidden_size", int64_t{4096});
+  m.vocab_size = hf.value("vocab_size", int64_t{32000});
+  m.max_seq_len = hf.value("max_position_embeddings", int64_t{2048});
+  m.mlp_hidden = hf.value("intermediate_size", int64_t{11008});
+  m.norm_eps = hf.value("rms_norm_eps", 1e-6);
+  m.rope_theta = rope_theta_of(hf, 10000.0);
+  m.bias = false;
+  m.tie_embeddings = hf.value("tie_word_embeddings", false);
+  m.dropout = 0.0;
+  return m;
+}
+
+}  // namespace
+
+config::ModelConfig model_config_from_hf(const Json& hf, const std::string& where) {
+  config::ModelConfig m;
+  try {
+    const std::string type = hf.value("model_type", "");
+    if (type != "gpt2" && type != "llama")
+      throw DataError(fmt::format("{}: model_type \"{}\" is not one this trainer runs (gpt2, llama)", where, type));
+    m = type == "llama" ? llama_model(hf) : gpt2_model(hf);
+  } catch (const nlohmann::json::exception& e) {
+    throw DataError(fmt::format("{}: a key has the wrong type ({}); fix or remove the file", where, e.what()));
+  }
+  check_hf_config(hf, m, where);  // names what the model cannot express (grouped-query attention, RoPE scaling, ...)
+  return m;
 }
 
 void check_hf_config(const Json& hf, const config::ModelConfig& m, const std::string& where) {
@@ -265,9 +318,10 @@ std::unique_ptr<state::SafetensorsWriter> open_hf_writer(const fs::path& file, c
 
 // config.json next to the committed weights; if it cannot be written the weights go too, so a directory
 // never holds a model.safetensors without the config.json that from_pretrained() needs.
-void write_hf_config(const fs::path& file, const fs::path& dir, const config::ModelConfig& m, at::ScalarType dtype) {
+void write_hf_config(const fs::path& file, const fs::path& dir, const config::ModelConfig& m, at::ScalarType dtype,
+                     std::optional<int64_t> eos_id) {
   try {
-    state::write_file_atomic(dir / "config.json", hf_config(m, dtype).dump(2) + "\n");
+    state::write_file_atomic(dir / "config.json", hf_config(m, dtype, eos_id).dump(2) + "\n");
     state::fsync_dir(dir);
   } catch (...) {
     std::error_code ec;
@@ -279,7 +333,7 @@ void write_hf_config(const fs::path& file, const fs::path& dir, const config::Mo
 }  // namespace
 
 Written write_hf(const fs::path& file, const config::ModelConfig& m, at::ScalarType dtype, const WeightsSource& source,
-                 bool write, const std::map<std::string, std::string>& metadata) {
+                 bool write, const std::map<std::string, std::string>& metadata, std::optional<int64_t> eos_id) {
   const auto layout = hf_layout(m);
   const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
   Written out{file, {}, static_cast<int64_t>(layout.size())};
@@ -313,9 +367,25 @@ Written write_hf(const fs::path& file, const config::ModelConfig& m, at::ScalarT
   if (failed) std::rethrow_exception(failed);
   if (writer) {
     out.digest = writer->commit();
-    write_hf_config(out.file, dir, m, dtype);
+    write_hf_config(out.file, dir, m, dtype, eos_id);
   }
   return out;
+}
+
+void read_weights(model::GPTImpl& model, const WeightsSource& source) {
+  torch::NoGradGuard no_grad;
+  auto params = model.named_parameters();
+  const auto layout = hf_layout(model.cfg);
+  size_t next = 0;
+  for (int64_t unit = 0; unit < model::unit_count(model.cfg); ++unit) {
+    source.enter(unit);
+    for (; next < layout.size() && layout[next].unit == unit; ++next) {
+      const HfTensor& t = layout[next];
+      if (t.param.empty()) continue;  // a zero bias the model does not have
+      params[t.param].view({-1}).narrow(0, t.begin(), t.end() - t.begin()).copy_(source.values(t).reshape({-1}));
+    }
+    source.leave(unit);
+  }
 }
 
 // ---- import ----
@@ -453,6 +523,16 @@ std::string HfCheckpoint::describe() const {
     dtypes.insert(c10::toString(files_[file]->find(name)->dtype));
   }
   return fmt::format("{} ({} tensors in {} file(s), {})", path_.string(), layout_.size(), files_.size(), fmt::join(dtypes, "/"));
+}
+
+WeightsSource HfCheckpoint::source(std::shared_ptr<HfCheckpoint> ckpt) {
+  WeightsSource src;
+  src.values = [ckpt](const HfTensor& t) {
+    auto v = torch::empty({t.end() - t.begin()});
+    ckpt->read(t.param, t.begin(), t.end(), v);
+    return v;
+  };
+  return src;
 }
 
 }  // namespace sl::interop

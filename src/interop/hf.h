@@ -15,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,10 @@
 
 #include "config/config.h"
 #include "state/safetensors.h"
+
+namespace sl::model {
+struct GPTImpl;
+}
 
 namespace sl::interop {
 
@@ -46,7 +51,15 @@ struct HfTensor {
 std::vector<HfTensor> hf_layout(const config::ModelConfig& m);
 
 // config.json for the checkpoint (GPT2Config / LlamaConfig keys), dtype "float32" or "bfloat16".
-nlohmann::json hf_config(const config::ModelConfig& m, at::ScalarType dtype);
+// eos_id: the tokenizer's end-of-text id (bos_token_id and eos_token_id, so generate() stops there);
+// none: GPT-2's 50256 for a vocabulary that has it, else null.
+nlohmann::json hf_config(const config::ModelConfig& m, at::ScalarType dtype, std::optional<int64_t> eos_id = std::nullopt);
+
+// The model a Hugging Face config.json describes (GPT2Config or LlamaConfig keys; absent keys take
+// transformers' defaults), for running a downloaded or exported folder without a recipe. Whatever this
+// project's model cannot express (grouped-query attention, RoPE scaling, another activation) is refused
+// with a DataError (exit 3) naming the key, as check_hf_config does.
+config::ModelConfig model_config_from_hf(const nlohmann::json& hf, const std::string& where);
 
 // Refuses (DataError, exit 3) a Hugging Face config.json that describes another model than the recipe:
 // every differing key is named with both values and the recipe key to set. `where` names the file.
@@ -72,7 +85,11 @@ struct Written {
 // the source holds. With write = false (the other ranks of a zero3 run) only enter/leave are called,
 // so the gathers pair up across ranks. Atomic per file; IoError (exit 7) on a failed write.
 Written write_hf(const std::filesystem::path& file, const config::ModelConfig& m, at::ScalarType dtype,
-                 const WeightsSource& source, bool write, const std::map<std::string, std::string>& metadata);
+                 const WeightsSource& source, bool write, const std::map<std::string, std::string>& metadata,
+                 std::optional<int64_t> eos_id = std::nullopt);
+
+// Copies every weight of `source` into the model's parameters (same model config; unit by unit).
+void read_weights(model::GPTImpl& model, const WeightsSource& source);
 
 // A Hugging Face checkpoint opened for model.init_from: model.safetensors, a directory holding it, or
 // a directory with model.safetensors.index.json and its shards (mmap'd, nothing read up front). The
@@ -93,7 +110,9 @@ class HfCheckpoint {
   // 1-D, end - begin). Reads only the rows that hold them, so a ZeRO-3 rank reads just its shard.
   void read(const std::string& param, int64_t begin, int64_t end, at::Tensor dst) const;
   const std::filesystem::path& path() const { return path_; }
-  std::string describe() const;  // "path (N tensors, dtype BF16)"
+  std::string describe() const;
+  // The checkpoint as a WeightsSource (fp32 values), for write_hf and read_weights.
+  static WeightsSource source(std::shared_ptr<HfCheckpoint> ckpt);  // "path (N tensors, dtype BF16)"
 
  private:
   struct Source;

@@ -63,7 +63,7 @@ std::string records_through(const std::filesystem::path& path, int64_t step) {
 
 }  // namespace
 
-RunLog::RunLog(const std::filesystem::path& run_dir, bool rank0, bool overwrite, int64_t resume_step)
+RunLog::RunLog(const std::filesystem::path& run_dir, bool rank0, bool overwrite, int64_t resume_step, bool tensorboard)
     : dir_(run_dir), rank0_(rank0) {
   if (!rank0_) return;
   if (resume_step < 0) check_run_dir(dir_, overwrite);
@@ -80,6 +80,17 @@ RunLog::RunLog(const std::filesystem::path& run_dir, bool rank0, bool overwrite,
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (resume_step >= 0 ? O_APPEND : O_TRUNC), 0644);
   if (fd_ < 0)
     throw ConfigError(fmt::format("logging.dir: cannot write {} ({})", path.string(), errno_text(errno)));
+  if (tensorboard) {
+    try {
+      tensorboard_ = std::make_unique<TensorBoardWriter>(dir_ / "tensorboard", resume_step);
+    } catch (const IoError& e) {  // its first records: the run stops after its first step (exit 7)
+      failure_ = e.what();
+    } catch (const ConfigError&) {  // no event file: refused like metrics.jsonl (exit 2)
+      ::close(fd_);
+      fd_ = -1;
+      throw;
+    }
+  }
 }
 
 RunLog::~RunLog() {
@@ -99,6 +110,12 @@ void RunLog::step(const nlohmann::json& record) {
     return;
   }
   written_ += static_cast<int64_t>(line.size());
+  if (!tensorboard_) return;
+  try {
+    tensorboard_->write(record);
+  } catch (const IoError& e) {
+    failure_ = e.what();
+  }
 }
 
 void RunLog::event(const std::string& kind, nlohmann::json fields) {

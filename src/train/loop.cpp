@@ -15,7 +15,9 @@
 
 #include "log/clock.h"
 #include "memory/tracking_allocator.h"
+#include "model/generate.h"
 #include "planner/planner.h"
+#include "precision/autocast.h"
 #include "train/profile.h"
 #include "train/run.h"
 #include "train/schedule.h"
@@ -154,6 +156,35 @@ void maybe_evaluate(Session& s, LoopState& st, log::ProgressBar& bar) {
   }
 }
 
+// train.sample_interval: a greedy continuation of train.sample_prompt through the run's own forward (no
+// KV cache: under ZeRO-3 every rank gathers the units with it, so every rank runs it, for a fixed number
+// of tokens), printed and logged as a `sample` event.
+void maybe_sample(Session& s, const LoopState& st, log::ProgressBar& bar) {
+  const auto& t = s.cfg.train;
+  if (t.sample_interval <= 0 || (st.steps_done % t.sample_interval != 0 && st.steps_done != t.steps)) return;
+  auto prompt = s.codec->prompt(t.sample_prompt);
+  const auto room = static_cast<size_t>(t.seq_len - t.sample_tokens);  // the context the model was trained on
+  if (prompt.size() > room) prompt.erase(prompt.begin(), prompt.end() - static_cast<std::ptrdiff_t>(room));
+  model::GenerateOptions o;
+  o.max_new_tokens = t.sample_tokens;
+  o.temperature = 0.0;
+  o.use_cache = false;
+  o.forward = [&s](const torch::Tensor& ids) {
+    precision::AutocastGuard guard(s.device.type(), s.precision.autocast);
+    return s.forward(ids);
+  };
+  const auto g = model::generate(*s.model, prompt, o);
+  const std::string text = s.codec->decode(g.ids);
+  s.runlog->event("sample", {{"step", st.steps_done}, {"prompt", t.sample_prompt}, {"ids", g.ids}, {"text", text},
+                             {"seconds", g.seconds}});
+  if (s.rank0()) {
+    bar.clear();
+    std::string line = text;
+    for (size_t i = 0; (i = line.find('\n', i)) != std::string::npos; i += 2) line.replace(i, 1, "\\n");
+    spdlog::info("step {:>5}/{} | sample: {}{}", st.steps_done, t.steps, t.sample_prompt, line);
+  }
+}
+
 // This rank's reason to stop after the current step (see StopPoll): a signal (torchrun forwards it
 // to every rank, not at the same step) or, on rank 0, a failed log write.
 int local_stop(Session& s) { return s.runlog->failure().empty() ? g_signal.load() : kStopIo; }
@@ -215,6 +246,7 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
   }
   if (profiler.on()) save_profile(s, st, profiler, bar);
   maybe_evaluate(s, st, bar);
+  maybe_sample(s, st, bar);
   return s.world() > 1 ? r.stop : local_stop(s);
 }
 

@@ -31,7 +31,8 @@ bool ranks_aligned(int code) {
   return code == kExitOk || code == kExitSigint || code == kExitSigterm || code == kExitNonFinite || code == kExitIo;
 }
 
-// The final weights as a Hugging Face checkpoint, <run dir>/model/{model.safetensors, config.json}:
+// The final weights as a Hugging Face checkpoint, <run dir>/model/{model.safetensors, config.json} (and the
+// run's tokenizer.json with a tokenizer_config.json when it has one):
 // streamed tensor by tensor; under zero3 every rank gathers one unit at a time and rank 0 writes it.
 // Returns summary.json's final_weights block (null when none were written).
 Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
@@ -48,8 +49,11 @@ Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
     return flat.narrow(0, t.begin(), t.end() - t.begin());  // on the run's device: the writer stages it to host
   };
   try {
+    const auto tokenizer = s.tokenizer_path;  // beside the weights, so AutoTokenizer loads the folder too
+    const auto eos = tokenizer.empty() ? std::nullopt : text::inspect_tokenizer_file(tokenizer).end_of_text_id;
     const auto w = interop::write_hf(s.runlog->dir() / "model" / "model.safetensors", s.cfg.model, torch::kFloat, source,
-                                     s.rank0(), {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}});
+                                     s.rank0(), {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}}, eos);
+    if (s.rank0() && !tokenizer.empty()) text::write_hf_tokenizer(s.runlog->dir() / "model", tokenizer, s.cfg.model.max_seq_len);
     return {{"path", w.file.string()}, {"step", st.steps_done}, {"bytes", w.digest.bytes}, {"tensors", w.tensors},
             {"gathered_peak_bytes", s.engine ? s.engine->take_transient_peak() : 0}};
   } catch (const Error& e) {  // a failed write on rank 0 must not strand the others

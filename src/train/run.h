@@ -9,7 +9,9 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,7 @@
 #include "parallel/engine.h"
 #include "precision/loss_scaler.h"
 #include "state/state.h"
+#include "text/tokenizer.h"
 #include "train/trainer.h"
 
 namespace sl::train {
@@ -62,6 +65,8 @@ struct Session {
   nlohmann::json resolved, environment, model_info;  // summary.json's config, environment, model
   state::Found resume_from;  // --resume: the saved state this run continues (found() false: a fresh start)
   std::unique_ptr<interop::HfCheckpoint> init_from;  // model.init_from, opened and checked (fresh starts only)
+  std::filesystem::path tokenizer_path;  // the data's tokenizer.json (data.tokenizer), copied into the run directory; "" = none
+  std::optional<text::TextCodec> codec;  // train.sample_interval: the samples' tokenizer (or bytes)
 
   int64_t world() const { return launch.world; }
   bool rank0() const { return launch.rank == 0; }

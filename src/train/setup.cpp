@@ -4,7 +4,9 @@
 #include <chrono>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <sstream>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -19,6 +21,7 @@
 #include "log/clock.h"
 #include "log/run_dir.h"
 #include "planner/planner.h"
+#include "state/safetensors.h"
 #include "precision/autocast.h"
 #include "train/peak_flops.h"
 #include "train/run.h"
@@ -240,17 +243,42 @@ void build_model(Session& s, checkpointing::Plan resolved) {
   s.forward = [runner = s.runner.get()](const torch::Tensor& idx) { return runner->forward(idx); };
 }
 
+// data.tokenizer (or the tokenizer.json beside data.path): its vocabulary checked against model.vocab_size
+// (exit 2 naming both), and opened for train.sample_interval (bytes for a 256-token model without one).
+void open_tokenizer(Session& s) {
+  s.tokenizer_path = data::tokenizer_path(s.cfg.data);
+  if (!s.tokenizer_path.empty())
+    text::check_vocab_match(text::inspect_tokenizer_file(s.tokenizer_path).vocab_size, s.cfg.model.vocab_size,
+                            "data.tokenizer " + s.tokenizer_path.string());
+  if (s.cfg.train.sample_interval > 0) {
+    s.codec = text::TextCodec::open(s.tokenizer_path, s.cfg.model.vocab_size);
+    s.codec->prompt(s.cfg.train.sample_prompt);  // a prompt it cannot start from fails now, not at the first sample
+  }
+}
+
+// The run keeps the tokenizer it trained with (<run dir>/tokenizer.json): `trainer export` and
+// logging.save_model put it beside the weights, `trainer sample --run` reads it.
+void record_tokenizer(const Session& s) {
+  if (s.tokenizer_path.empty() || !s.rank0()) return;
+  std::ifstream in(s.tokenizer_path, std::ios::binary);
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  if (!in) throw DataError(fmt::format("data.tokenizer: cannot read {}", s.tokenizer_path.string()));
+  state::write_file_atomic(std::filesystem::path(s.run_dir) / "tokenizer.json", bytes.str());
+}
+
 void open_run_log(Session& s) {
   lock_run_dir(s, /*create=*/true);
   std::string error;
   try {
-    s.runlog = std::make_unique<log::RunLog>(s.run_dir, s.rank0(), s.cfg.logging.overwrite, s.resume_from.step);
+    s.runlog = std::make_unique<log::RunLog>(s.run_dir, s.rank0(), s.cfg.logging.overwrite, s.resume_from.step, s.cfg.logging.tensorboard);
   } catch (const ConfigError& e) {
     error = e.what();
   }
   fail_together(*s.comm, error, "run directory creation");
   s.resolved = config::to_json(s.cfg);
   s.runlog->write_json("config.json", s.resolved);
+  record_tokenizer(s);
 }
 
 void describe(Session& s) {
@@ -348,6 +376,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   init_process(*s);
   // Data first: a bad file fails here, before a run directory or a model exists.
   s->splits = data::open_splits(s->cfg);
+  open_tokenizer(*s);
   choose_run_dir(*s);
   lock_run_dir(*s, /*create=*/false);
   find_resume_point(*s);

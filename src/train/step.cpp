@@ -156,6 +156,7 @@ double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch:
                 std::optional<c10::ScalarType> autocast, const ForwardFn& forward) {
   torch::NoGradGuard no_grad;
   t_phase = "eval";
+  loader.rewind();  // the same windows every eval: two evals of the same weights give the same loss
   model->eval();
   torch::Tensor total;  // float64 on the device, read once
   for (int64_t i = 0; i < batches; ++i) {

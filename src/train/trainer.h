@@ -51,7 +51,8 @@ struct StepPrecision {
 torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
                                const StepPrecision& precision = {}, parallel::Engine* engine = nullptr);
 
-// Mean loss over `batches` batches from `loader`, in eval mode without autograd, through `forward`
+// Mean loss over the first `batches` batches of `loader` (rewound first, so every eval scores the same
+// windows), in eval mode without autograd, through `forward`
 // (default: the model's own forward; ZeRO-3 needs the runner's, which gathers parameters).
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
                 std::optional<c10::ScalarType> autocast = std::nullopt, const ForwardFn& forward = {});
