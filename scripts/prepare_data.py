@@ -417,7 +417,8 @@ def parse_args(argv):
     a.regex = None
     if a.delimiter is not None:
         try:
-            a.delimiter = codecs.decode(a.delimiter, "unicode_escape") if "\\" in a.delimiter else a.delimiter
+            a.delimiter = (codecs.decode(a.delimiter.encode("raw_unicode_escape"), "unicode_escape")  # non-ASCII kept
+                           if "\\" in a.delimiter else a.delimiter)
         except UnicodeDecodeError as e:
             p.error(f"--delimiter: bad escape ({e.reason})")
         if not a.delimiter:

@@ -20,7 +20,7 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 
 def train_tokenizer(args):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(models.BPE(ignore_merges=args.style == "llama3"))  # LLaMA 3's tokenizer.json sets it
     if args.style == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:

@@ -124,6 +124,42 @@ TEST_CASE("tokenizer: encodes and decodes the test text as the tokenizers librar
   }
 }
 
+TEST_CASE("tokenizer: long pieces (runs of spaces and digits) encode as the tokenizers library does", "[tokenizer]") {
+  test::TempDir dir("toklong");
+  const std::string text = "start" + std::string(3000, ' ') + std::string(2000, '7') + " end\n" + std::string(500, '\n') + "x";
+  write(dir.path / "long.txt", text);
+  for (const std::string style : {"gpt2", "llama3"}) {
+    INFO(style);
+    const auto path = make_tokenizer(dir.path, style);
+    const Json want = json_of(reference(fmt::format("encode {} {}", path.string(), (dir.path / "long.txt").string())));
+    const auto ids = text::Tokenizer::from_file(path).encode(text);
+    CHECK(ids == want["ids"].get<std::vector<int64_t>>());
+  }
+}
+
+TEST_CASE("tokenizer: the end-of-text token named beside the file wins (prepare_data.py --eot)", "[tokenizer]") {
+  test::TempDir dir("tokeot");
+  write(dir.path / "a.txt", "one small document about cats\n");
+  write(dir.path / "b.txt", "another small document about dogs\n");
+  const auto r = test::run(fmt::format("{} {}/scripts/prepare_data.py {} {} --train-bpe --vocab-size 300 --eot '<|doc|>' "
+                                       "--val-fraction 0.5 --min-tokens 1 --out {} --quiet", test::kPython, test::kSourceDir,
+                                       (dir.path / "a.txt").string(), (dir.path / "b.txt").string(),
+                                       (dir.path / "data").string()));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const auto path = dir.path / "data" / "tokenizer.json";
+  const auto tok = text::Tokenizer::from_file(path);
+  REQUIRE(tok.id_of("<|doc|>").has_value());
+  CHECK(tok.end_of_text() == tok.id_of("<|doc|>"));
+  CHECK(text::inspect_tokenizer_file(path).end_of_text == "<|doc|>");
+  fs::create_directories(dir.path / "out");
+  text::write_hf_tokenizer(dir.path / "out", path, 64);
+  Json config;
+  std::ifstream(dir.path / "out" / "tokenizer_config.json") >> config;
+  CHECK(config["eos_token"] == "<|doc|>");
+  CHECK(text::Tokenizer::from_file(dir.path / "out" / "tokenizer.json").end_of_text() == tok.id_of("<|doc|>"));
+}
+
 TEST_CASE("tokenizer: unsupported kinds exit 2, broken files exit 3, vocabularies must match", "[tokenizer]") {
   test::TempDir dir("tokbad");
   const auto good = make_tokenizer(dir.path, "gpt2", 300);
@@ -238,6 +274,9 @@ TEST_CASE("sample: seeded sampling repeats; top-k 1 is greedy; bad requests exit
   CHECK(r.output.find(std::to_string(vocab)) != std::string::npos);
   r = test::run(fmt::format("{} sample --run {}", test::kTrainer, (dir.path / "nowhere").string()));
   CHECK(r.code == kExitConfig);
+  r = test::run(fmt::format("{} sample --run {} --prompt \"$(printf 'ab\\377c')\" --json", test::kTrainer, run.string()));
+  CHECK(r.code == kExitConfig);
+  CHECK(r.output.find("UTF-8") != std::string::npos);
 }
 
 TEST_CASE("train: the data's tokenizer must match model.vocab_size (exit 2 naming both)", "[train]") {
@@ -250,13 +289,27 @@ TEST_CASE("train: the data's tokenizer must match model.vocab_size (exit 2 namin
   CHECK(r.output.find(std::to_string(vocab)) != std::string::npos);
   CHECK(r.output.find("1024") != std::string::npos);
   CHECK_FALSE(fs::exists(run));
+  // A model smaller than the tokenizer: named as the vocabulary mismatch it is, not as a token out of range.
+  const auto smaller = test::trainer(fmt::format("--config configs/tiny.yaml {} --set logging.dir={}", data_sets(data, 300),
+                                                 run.string()));
+  CHECK(smaller.code == kExitConfig);
+  CHECK(smaller.output.find(std::to_string(vocab)) != std::string::npos);
+  CHECK(smaller.output.find("300") != std::string::npos);
+  CHECK_FALSE(fs::exists(run));
+  // A training-time prompt that is not UTF-8: exit 2 before anything is made.
+  const auto bad_prompt = test::trainer(fmt::format("--config configs/tiny.yaml {} --set train.sample_interval=5 "
+                                                    "--set \"train.sample_prompt=$(printf 'ab\\377c')\" --set logging.dir={}",
+                                                    data_sets(data, vocab), run.string()));
+  CHECK(bad_prompt.code == kExitConfig);
+  CHECK(bad_prompt.output.find("train.sample_prompt") != std::string::npos);
+  CHECK_FALSE(fs::exists(run));
   // data.tokenizer naming a file that is not there: exit 3.
   const auto missing = test::trainer(fmt::format("--config configs/tiny.yaml {} --set data.tokenizer={} --set logging.dir={}",
                                                  data_sets(data, vocab), (dir.path / "none.json").string(), run.string()));
   CHECK(missing.code == kExitData);
 }
 
-TEST_CASE("train: train.sample_interval logs greedy samples, every rank alike under zero3 at world 2", "[train]") {
+TEST_CASE("train: train.sample_interval logs greedy samples; under zero3 at world 2 both ranks run them and finish", "[train]") {
   test::TempDir dir("train_sample");
   const auto [tokenizer, data, vocab] = tokenized_corpus(dir.path, "gpt2");
   const auto tok = text::Tokenizer::from_file(tokenizer);

@@ -448,6 +448,28 @@ void apply_preset(ModelConfig& m, const std::string& name) {
   }
 }
 
+bool valid_utf8(std::string_view text) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  const auto* end = p + text.size();
+  while (p < end) {
+    const unsigned c = *p;
+    int more = 0;
+    unsigned lo = 0x80, hi = 0xBF;  // the allowed range of the second byte (Unicode Table 3-7)
+    if (c < 0x80) more = 0;
+    else if (c >= 0xC2 && c <= 0xDF) more = 1;
+    else if (c >= 0xE0 && c <= 0xEF) more = 2, lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+    else if (c >= 0xF0 && c <= 0xF4) more = 3, lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+    else return false;
+    if (end - p <= more) return more == 0 && end - p == 1;
+    for (int k = 1; k <= more; ++k) {
+      const unsigned b = p[k];
+      if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) return false;
+    }
+    p += more + 1;
+  }
+  return true;
+}
+
 int64_t parse_bytes(const std::string& text, const std::string& key) {
   static const std::pair<const char*, double> units[] = {
       {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0}, {"TB", 1e12},
@@ -737,6 +759,7 @@ void validate_train(const RunConfig& c) {
   one_of("train.on_nonfinite", t.on_nonfinite, {"abort", "skip"});
   if (t.sample_interval < 0) fail("train.sample_interval", "must be >= 0 (0 = never)");
   positive("train.sample_tokens", t.sample_tokens);
+  if (!valid_utf8(t.sample_prompt)) fail("train.sample_prompt", "is not valid UTF-8; give the prompt as UTF-8 text");
   if (t.sample_interval > 0 && t.sample_tokens >= t.seq_len)
     fail("train.sample_tokens", fmt::format("{} leaves no room for the prompt in train.seq_len = {}; ask for fewer",
                                             t.sample_tokens, t.seq_len));

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -183,6 +184,10 @@ std::vector<std::string> preset_names();
 
 // Parses a size such as "8GiB", "512 MiB", "2GB", "1048576" (bytes); throws ConfigError naming `key`.
 int64_t parse_bytes(const std::string& text, const std::string& key);
+
+// True when `text` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF):
+// what a prompt must be before it is tokenized or written into JSON.
+bool valid_utf8(std::string_view text);
 // memory.limit in bytes; 0 = no limit.
 int64_t memory_limit_bytes(const RunConfig& cfg);
 // memory.host_limit in bytes; 0 = no limit.

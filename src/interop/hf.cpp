@@ -272,6 +272,36 @@ config::ModelConfig llama_model(const Json& hf) {
 
 }  // namespace
 
+
+namespace {
+
+// How config.json differs from the model `m` (empty: it describes m). `who` names the caller in the
+// message of a key of the wrong type (DataError).
+std::vector<std::string> config_differences(const Json& hf, const config::ModelConfig& m, const std::string& who,
+                                            const std::string& where) {
+  std::vector<std::string> diffs;
+  try {
+    const std::string type = hf.value("model_type", "");
+    if (type != m.arch)
+      diffs.push_back(fmt::format("model_type is \"{}\" but the recipe has model.arch: {}", type, m.arch));
+    else if (m.arch == "llama") check_llama_config(hf, m, diffs);
+    else check_gpt2_config(hf, m, diffs);
+  } catch (const nlohmann::json::exception& e) {  // a key of the wrong type, e.g. "n_inner": "x"
+    throw DataError(fmt::format("{}: {}: a key has the wrong type ({}); fix or remove the file", who, where, e.what()));
+  }
+  return diffs;
+}
+
+}  // namespace
+
+void check_hf_config(const Json& hf, const config::ModelConfig& m, const std::string& where) {
+  const auto diffs = config_differences(hf, m, "model.init_from", where);
+  if (!diffs.empty())
+    throw DataError(fmt::format("model.init_from: {} describes another model than the recipe: {}. Make the recipe match "
+                                "the checkpoint (or remove config.json if it is stale)",
+                                where, fmt::join(diffs, "; ")));
+}
+
 config::ModelConfig model_config_from_hf(const Json& hf, const std::string& where) {
   config::ModelConfig m;
   try {
@@ -282,25 +312,12 @@ config::ModelConfig model_config_from_hf(const Json& hf, const std::string& wher
   } catch (const nlohmann::json::exception& e) {
     throw DataError(fmt::format("{}: a key has the wrong type ({}); fix or remove the file", where, e.what()));
   }
-  check_hf_config(hf, m, where);  // names what the model cannot express (grouped-query attention, RoPE scaling, ...)
-  return m;
-}
-
-void check_hf_config(const Json& hf, const config::ModelConfig& m, const std::string& where) {
-  std::vector<std::string> diffs;
-  try {
-    const std::string type = hf.value("model_type", "");
-    if (type != m.arch)
-      diffs.push_back(fmt::format("model_type is \"{}\" but the recipe has model.arch: {}", type, m.arch));
-    else if (m.arch == "llama") check_llama_config(hf, m, diffs);
-    else check_gpt2_config(hf, m, diffs);
-  } catch (const nlohmann::json::exception& e) {  // a key of the wrong type, e.g. "n_inner": "x"
-    throw DataError(fmt::format("model.init_from: {}: a key has the wrong type ({}); fix or remove the file", where, e.what()));
-  }
+  // What this project's model cannot express (grouped-query attention, RoPE scaling, another activation)
+  // shows up as a difference from the model read above.
+  const auto diffs = config_differences(hf, m, "sample --weights", where);
   if (!diffs.empty())
-    throw DataError(fmt::format("model.init_from: {} describes another model than the recipe: {}. Make the recipe match "
-                                "the checkpoint (or remove config.json if it is stale)",
-                                where, fmt::join(diffs, "; ")));
+    throw DataError(fmt::format("{} describes a model this trainer cannot run: {}", where, fmt::join(diffs, "; ")));
+  return m;
 }
 
 namespace {

@@ -60,6 +60,7 @@ Loaded load_run(const fs::path& run) {
 void check_request(const SampleRequest& r) {
   if (r.run.empty() == r.weights.empty()) throw ConfigError("sample: give exactly one of --run DIR and --weights FOLDER");
   if (r.max_new_tokens < 1) throw ConfigError(fmt::format("sample --max-new-tokens: must be >= 1, got {}", r.max_new_tokens));
+  if (!config::valid_utf8(r.prompt)) throw ConfigError("sample --prompt: not valid UTF-8; give the prompt as UTF-8 text");
   if (r.device != "auto" && r.device != "cpu" && r.device != "cuda")
     throw ConfigError(fmt::format("sample --device {}: expected auto, cpu or cuda", r.device));
 }
@@ -78,7 +79,8 @@ SampleReport sample(const SampleRequest& req) {
   config::TrainConfig where;
   where.device = req.device;
   const torch::Device device = device::resolve_device(where);
-  model::GPT gpt(l.model, device);
+  model::GPT gpt(l.model, device, /*defer_params=*/true);  // no random init: every weight is read next
+  for (auto& p : gpt->parameters()) p.set_data(torch::empty(p.sizes(), p.options()));
   read_weights(*gpt, l.source);
 
   model::GenerateOptions o;

@@ -27,16 +27,12 @@ struct LayerCache {
   torch::Tensor k, v;
 };
 
-// Attention of the t new queries (positions pos .. pos+t-1) over the cached keys 0 .. pos+t-1.
+// Attention of the t new queries (positions pos .. pos+t-1) over the cached keys 0 .. pos+t-1. generate()
+// runs the whole prompt at pos 0 (plain causal attention) and then one token at a time (it sees every key).
 torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t pos) {
   const int64_t t = q.size(2);
-  if (t == 1 || pos == 0)  // one query sees every key; a whole prompt is plain causal attention
-    return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/t > 1);
-  // New query i may see keys up to pos + i.
-  auto keys = torch::arange(pos + t, torch::TensorOptions().device(q.device()));
-  auto queries = torch::arange(pos, pos + t, torch::TensorOptions().device(q.device()));
-  auto allowed = keys.unsqueeze(0) <= queries.unsqueeze(1);  // (t, pos + t)
-  return at::scaled_dot_product_attention(q, k, v, allowed, 0.0, false);
+  TORCH_CHECK(t == 1 || pos == 0, "cached_attention: several new positions after a cached prefix are not supported");
+  return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/t > 1);
 }
 
 // One block on the new positions x (1, t, C) at offset pos: the block's norms, projections, RoPE and

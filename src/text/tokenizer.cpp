@@ -10,6 +10,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <queue>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -83,7 +84,13 @@ std::optional<std::string> alphabet_to_bytes(const std::string& s) {
   return out;
 }
 
-std::string merge_key(const std::string& a, const std::string& b) { return fmt::format("{}:{}{}", a.size(), a, b); }
+// A merge's lookup key: a's length (4 bytes), a, b.
+std::string merge_key(const std::string& a, const std::string& b) {
+  const auto size = static_cast<uint32_t>(a.size());
+  std::string key(reinterpret_cast<const char*>(&size), sizeof size);
+  key.reserve(sizeof size + a.size() + b.size());
+  return key.append(a).append(b);
+}
 
 // End-of-text tokens by family (GPT-2 and prepare_data.py, LLaMA 3, LLaMA 2 / SentencePiece, Gemma), first found wins.
 constexpr const char* kEndOfTextTokens[] = {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"};
@@ -94,6 +101,28 @@ std::string read_bytes(const fs::path& path) {
   std::ostringstream bytes;
   bytes << in.rdbuf();
   return bytes.str();
+}
+
+// The end-of-text token's candidates, best first: the eos_token of the tokenizer_config.json beside the
+// file (a checkpoint's, or the one prepare_data.py and record_tokenizer write), the eot of prepare_data.py's
+// data.json beside it, then the usual names.
+std::vector<std::string> end_of_text_candidates(const fs::path& tokenizer_json) {
+  std::vector<std::string> out;
+  auto read_key = [&](const char* file, const char* key) {
+    std::error_code ec;
+    const fs::path p = tokenizer_json.parent_path() / file;
+    if (!fs::is_regular_file(p, ec)) return;
+    std::ifstream in(p);
+    const Json j = Json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains(key)) return;
+    const Json& v = j[key];
+    if (v.is_string()) out.push_back(v.get<std::string>());
+    else if (v.is_object() && v.value("content", Json()).is_string()) out.push_back(v["content"].get<std::string>());
+  };
+  read_key("tokenizer_config.json", "eos_token");
+  read_key("data.json", "eot");
+  out.insert(out.end(), std::begin(kEndOfTextTokens), std::end(kEndOfTextTokens));
+  return out;
 }
 
 struct AddedToken {
@@ -113,6 +142,7 @@ struct Tokenizer::Impl {
   bool nfc = false;
   bool add_prefix_space = false;
   bool ignore_merges = false;
+  std::optional<int64_t> end_of_text;
 
   void read_normalizer(const fs::path& path, const Json& n);
   void read_pre_tokenizer(const fs::path& path, const Json& p);
@@ -241,7 +271,9 @@ std::vector<std::string> Tokenizer::Impl::pre_tokenize(const std::string& segmen
 }
 
 // Merges the piece's bytes by rank, lowest first (the leftmost pair among equal ranks), until no adjacent
-// pair has a merge; each symbol left is one id.
+// pair has a merge; each symbol left is one id. Candidate pairs wait in a queue ordered by (rank,
+// position); one whose symbols changed since it was queued is skipped (a symbol only grows, so equal
+// sizes mean unchanged). O(n log n) in the piece's length, as tokenizers' own BPE.
 void Tokenizer::Impl::bpe(const std::string& piece, std::vector<int64_t>& out) const {
   if (ignore_merges) {
     const auto whole = vocab.find(piece);
@@ -250,28 +282,48 @@ void Tokenizer::Impl::bpe(const std::string& piece, std::vector<int64_t>& out) c
       return;
     }
   }
-  std::vector<std::string> symbols;
-  symbols.reserve(piece.size());
-  for (char c : piece) symbols.emplace_back(1, c);
-  while (symbols.size() > 1) {
-    int64_t best_rank = std::numeric_limits<int64_t>::max();
-    size_t best = 0;
-    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-      const auto it = merge_rank.find(merge_key(symbols[i], symbols[i + 1]));
-      if (it != merge_rank.end() && it->second < best_rank) {
-        best_rank = it->second;
-        best = i;
-      }
-    }
-    if (best_rank == std::numeric_limits<int64_t>::max()) break;
-    symbols[best] += symbols[best + 1];
-    symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  const int n = static_cast<int>(piece.size());
+  std::vector<std::string> sym(static_cast<size_t>(n));
+  std::vector<int> next(static_cast<size_t>(n)), prev(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    sym[static_cast<size_t>(i)] = std::string(1, piece[static_cast<size_t>(i)]);
+    next[static_cast<size_t>(i)] = i + 1 < n ? i + 1 : -1;
+    prev[static_cast<size_t>(i)] = i - 1;
   }
-  for (const auto& s : symbols) {
-    const auto it = vocab.find(s);
+  struct Candidate {
+    int64_t rank;
+    int left;
+    size_t left_size, right_size;
+    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : left > o.left; }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> queue;
+  auto offer = [&](int i) {
+    if (i < 0 || next[static_cast<size_t>(i)] < 0) return;
+    const auto& a = sym[static_cast<size_t>(i)];
+    const auto& b = sym[static_cast<size_t>(next[static_cast<size_t>(i)])];
+    const auto it = merge_rank.find(merge_key(a, b));
+    if (it != merge_rank.end()) queue.push({it->second, i, a.size(), b.size()});
+  };
+  for (int i = 0; i < n; ++i) offer(i);
+  while (!queue.empty()) {
+    const Candidate c = queue.top();
+    queue.pop();
+    const auto i = static_cast<size_t>(c.left);
+    const int j = next[i];
+    if (sym[i].empty() || j < 0 || sym[i].size() != c.left_size || sym[static_cast<size_t>(j)].size() != c.right_size)
+      continue;  // stale: a neighbour merged since
+    sym[i] += sym[static_cast<size_t>(j)];
+    sym[static_cast<size_t>(j)].clear();
+    next[i] = next[static_cast<size_t>(j)];
+    if (next[i] >= 0) prev[static_cast<size_t>(next[i])] = c.left;
+    offer(prev[i]);
+    offer(c.left);
+  }
+  for (int i = 0; i >= 0 && n > 0; i = next[static_cast<size_t>(i)]) {
+    const auto it = vocab.find(sym[static_cast<size_t>(i)]);
     if (it == vocab.end())
       throw TokenizerError(kExitData, fmt::format("the tokenizer has no id for the bytes of \"{}\" (its byte-level "
-                                                  "alphabet is incomplete)", s));
+                                                  "alphabet is incomplete)", sym[static_cast<size_t>(i)]));
     out.push_back(it->second);
   }
 }
@@ -312,6 +364,12 @@ Tokenizer Tokenizer::from_file(const fs::path& path) {
   for (int b = 0; b < 256; ++b)
     if (!impl->vocab.count(std::string(1, static_cast<char>(b))))
       unsupported(path, fmt::format("a vocabulary without the byte {:#04x} (not byte-level)", b));
+  for (const auto& t : end_of_text_candidates(path)) {
+    const auto it = impl->by_text.find(t);
+    if (it == impl->by_text.end()) continue;
+    impl->end_of_text = it->second;
+    break;
+  }
   return Tokenizer(std::move(impl), path);
 }
 
@@ -409,36 +467,35 @@ std::optional<int64_t> Tokenizer::id_of(const std::string& token) const {
   return it->second;
 }
 
-std::optional<int64_t> Tokenizer::end_of_text() const {
-  for (const char* t : kEndOfTextTokens)
-    if (auto id = id_of(t)) return id;
-  return std::nullopt;
-}
+std::optional<int64_t> Tokenizer::end_of_text() const { return impl_->end_of_text; }
 
 TokenizerFileInfo inspect_tokenizer_file(const fs::path& path) {
   const Json j = read_json(path);
   TokenizerFileInfo info;
   int64_t largest = -1;
-  std::map<std::string, int64_t> added;
+  std::map<std::string, int64_t> by_text;  // vocabulary entries and added tokens
   try {
     const Json& vocab = j.at("model").at("vocab");
     if (vocab.is_object())
-      for (const auto& [text, id] : vocab.items()) largest = std::max(largest, id.get<int64_t>());
+      for (const auto& [text, id] : vocab.items()) {
+        largest = std::max(largest, id.get<int64_t>());
+        by_text[text] = id.get<int64_t>();
+      }
     else if (vocab.is_array())  // Unigram: [[piece, score], ...], ids by position
       largest = static_cast<int64_t>(vocab.size()) - 1;
     for (const auto& t : j.value("added_tokens", Json::array())) {
       largest = std::max(largest, t.at("id").get<int64_t>());
-      added[t.at("content").get<std::string>()] = t.at("id").get<int64_t>();
+      by_text[t.at("content").get<std::string>()] = t.at("id").get<int64_t>();
     }
   } catch (const Json::exception& e) {
     bad_file(path, fmt::format("no model vocabulary ({})", e.what()));
   }
   if (largest < 0) bad_file(path, "an empty vocabulary");
   info.vocab_size = largest + 1;
-  for (const char* t : kEndOfTextTokens)
-    if (added.count(t)) {
+  for (const auto& t : end_of_text_candidates(path))
+    if (by_text.count(t)) {
       info.end_of_text = t;
-      info.end_of_text_id = added[t];
+      info.end_of_text_id = by_text[t];
       break;
     }
   return info;
@@ -450,7 +507,9 @@ void write_hf_tokenizer(const fs::path& dir, const fs::path& tokenizer_json, int
                  {"model_max_length", model_max_length},
                  {"clean_up_tokenization_spaces", false}};
   if (!info.end_of_text.empty()) config["eos_token"] = config["bos_token"] = info.end_of_text;
-  state::write_file_atomic(dir / "tokenizer.json", read_bytes(tokenizer_json));
+  std::error_code ec;
+  if (!fs::equivalent(dir / "tokenizer.json", tokenizer_json, ec))
+    state::write_file_atomic(dir / "tokenizer.json", read_bytes(tokenizer_json));
   state::write_file_atomic(dir / "tokenizer_config.json", config.dump(2) + "\n");
   state::fsync_dir(dir);
 }

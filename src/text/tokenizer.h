@@ -47,7 +47,9 @@ class Tokenizer {
   std::string token_bytes(int64_t id) const;
   int64_t vocab_size() const;  // the largest id + 1, added tokens included
   std::optional<int64_t> id_of(const std::string& token) const;  // a vocabulary entry or added token, verbatim
-  // The end-of-text id: the first of <|endoftext|>, <|end_of_text|>, </s>, <eos> that exists.
+  // The end-of-text id: the eos_token of the tokenizer_config.json beside the file, else the eot of
+  // prepare_data.py's data.json beside it, else the first of <|endoftext|>, <|end_of_text|>, </s>, <eos>
+  // that exists.
   std::optional<int64_t> end_of_text() const;
   const std::filesystem::path& path() const { return path_; }
 
@@ -88,14 +90,14 @@ std::string utf8_lossy(std::string_view bytes);
 // for encoding or not. Throws TokenizerError (exit 3) for an unreadable file.
 struct TokenizerFileInfo {
   int64_t vocab_size = 0;          // the largest id + 1 over its model's vocabulary and its added tokens
-  std::string end_of_text;         // the end-of-text added token ("" = none), as Tokenizer::end_of_text picks it
+  std::string end_of_text;         // the end-of-text token ("" = none), as Tokenizer::end_of_text picks it
   std::optional<int64_t> end_of_text_id;
 };
 TokenizerFileInfo inspect_tokenizer_file(const std::filesystem::path& path);
 
 // Makes `dir` loadable by transformers' AutoTokenizer: tokenizer.json (a byte copy of tokenizer_json)
 // and tokenizer_config.json (PreTrainedTokenizerFast, the end-of-text token as eos and bos,
-// model_max_length). Each file atomic; IoError (exit 7) on a failed write, TokenizerError (3) for an
+// model_max_length). A copy of a file into its own directory rewrites only tokenizer_config.json. Each file atomic; IoError (exit 7) on a failed write, TokenizerError (3) for an
 // unreadable source.
 void write_hf_tokenizer(const std::filesystem::path& dir, const std::filesystem::path& tokenizer_json,
                         int64_t model_max_length);

@@ -49,8 +49,9 @@ Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
     return flat.narrow(0, t.begin(), t.end() - t.begin());  // on the run's device: the writer stages it to host
   };
   try {
-    const auto tokenizer = s.tokenizer_path;  // beside the weights, so AutoTokenizer loads the folder too
-    const auto eos = tokenizer.empty() ? std::nullopt : text::inspect_tokenizer_file(tokenizer).end_of_text_id;
+    // The run's copy of its tokenizer (record_tokenizer) beside the weights, so AutoTokenizer loads the folder too.
+    const auto tokenizer = s.tokenizer_path.empty() ? std::filesystem::path() : s.runlog->dir() / "tokenizer.json";
+    const auto eos = tokenizer.empty() || !s.rank0() ? std::nullopt : text::inspect_tokenizer_file(tokenizer).end_of_text_id;
     const auto w = interop::write_hf(s.runlog->dir() / "model" / "model.safetensors", s.cfg.model, torch::kFloat, source,
                                      s.rank0(), {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}}, eos);
     if (s.rank0() && !tokenizer.empty()) text::write_hf_tokenizer(s.runlog->dir() / "model", tokenizer, s.cfg.model.max_seq_len);

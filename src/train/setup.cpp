@@ -4,9 +4,7 @@
 #include <chrono>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -21,7 +19,6 @@
 #include "log/clock.h"
 #include "log/run_dir.h"
 #include "planner/planner.h"
-#include "state/safetensors.h"
 #include "precision/autocast.h"
 #include "train/peak_flops.h"
 #include "train/run.h"
@@ -256,29 +253,28 @@ void open_tokenizer(Session& s) {
   }
 }
 
-// The run keeps the tokenizer it trained with (<run dir>/tokenizer.json): `trainer export` and
-// logging.save_model put it beside the weights, `trainer sample --run` reads it.
+// The run keeps the tokenizer it trained with (<run dir>/tokenizer.json, and tokenizer_config.json naming
+// its end-of-text token): `trainer export` and logging.save_model put them beside the weights, `trainer
+// sample --run` reads them.
 void record_tokenizer(const Session& s) {
   if (s.tokenizer_path.empty() || !s.rank0()) return;
-  std::ifstream in(s.tokenizer_path, std::ios::binary);
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  if (!in) throw DataError(fmt::format("data.tokenizer: cannot read {}", s.tokenizer_path.string()));
-  state::write_file_atomic(std::filesystem::path(s.run_dir) / "tokenizer.json", bytes.str());
+  text::write_hf_tokenizer(s.run_dir, s.tokenizer_path, s.cfg.model.max_seq_len);
 }
 
 void open_run_log(Session& s) {
   lock_run_dir(s, /*create=*/true);
+  int code = kExitOk;
   std::string error;
-  try {
+  try {  // rank 0's writes; a failure there stops every rank with its exit code
     s.runlog = std::make_unique<log::RunLog>(s.run_dir, s.rank0(), s.cfg.logging.overwrite, s.resume_from.step, s.cfg.logging.tensorboard);
-  } catch (const ConfigError& e) {
+    s.resolved = config::to_json(s.cfg);
+    s.runlog->write_json("config.json", s.resolved);
+    record_tokenizer(s);
+  } catch (const Error& e) {
+    code = e.code;
     error = e.what();
   }
-  fail_together(*s.comm, error, "run directory creation");
-  s.resolved = config::to_json(s.cfg);
-  s.runlog->write_json("config.json", s.resolved);
-  record_tokenizer(s);
+  s.comm->fail_together(code, error, "run directory creation");
 }
 
 void describe(Session& s) {
@@ -374,9 +370,9 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   auto s = std::make_unique<Session>();
   s->cfg = recipe;
   init_process(*s);
-  // Data first: a bad file fails here, before a run directory or a model exists.
+  // Data first: a bad file or tokenizer fails here, before a run directory or a model exists.
+  open_tokenizer(*s);  // before the tokens: a vocabulary mismatch is named as one (exit 2), not as a token out of range
   s->splits = data::open_splits(s->cfg);
-  open_tokenizer(*s);
   choose_run_dir(*s);
   lock_run_dir(*s, /*create=*/false);
   find_resume_point(*s);
