@@ -29,6 +29,7 @@
 #include "optim/optimizer.h"
 #include "train/peak_flops.h"
 #include "train/schedule.h"
+#include "train/spike.h"
 #include "test_util.h"
 #include "train/run.h"
 #include "train/trainer.h"
@@ -653,4 +654,117 @@ TEST_CASE("the GEMM probe for MFU's peak draws nothing from the run's generators
   const std::string diff = test::bitwise_diff(steps, test::step_records(given / "metrics.jsonl"));
   INFO(diff);
   CHECK(diff.empty());
+}
+
+TEST_CASE("loss spikes: the moving average and the check (train/spike.h)") {
+  config::TrainConfig t;
+  t.spike_window = 3;
+  t.spike_threshold = 1.5;
+  state::Counters c;
+  for (double loss : {4.0, 4.0}) {
+    CHECK_FALSE(train::check_spike(c, 100.0, t).spike);  // fewer than spike_window losses: never a spike
+    train::observe_loss(c, loss, t.spike_window);
+  }
+  train::observe_loss(c, 7.0, t.spike_window);  // the mean of the first three: 5
+  CHECK(c.loss_average == Approx(5.0));
+  CHECK(train::check_spike(c, 7.6, t).spike);
+  CHECK_FALSE(train::check_spike(c, 7.4, t).spike);
+  CHECK(train::check_spike(c, 7.6, t).average == Approx(5.0));
+  train::observe_loss(c, 8.0, t.spike_window);  // then an exponential average of weight 1/3
+  CHECK(c.loss_average == Approx(6.0));
+  train::observe_loss(c, std::nan(""), t.spike_window);  // a non-finite loss is left out
+  CHECK(c.loss_average == Approx(6.0));
+  CHECK(c.losses_seen == 4);
+  t.on_spike = "off";
+  CHECK_FALSE(train::check_spike(c, 100.0, t).spike);
+}
+
+namespace {
+
+// Headerless uint16 tokens (data.source: raw).
+void write_tokens(const std::filesystem::path& p, const std::vector<uint16_t>& tokens) {
+  std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(tokens.data()),
+                                           static_cast<std::streamsize>(tokens.size() * sizeof(uint16_t)));
+}
+
+std::vector<json> step_lines(const std::filesystem::path& run) {
+  std::vector<json> out;
+  for (const auto& r : test::read_jsonl(run / "metrics.jsonl"))
+    if (!r.contains("event")) out.push_back(r);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("train.on_spike: a jump in the loss after resuming on other data is a spike: warn keeps the step, skip "
+          "keeps the weights, stop saves and exits 6; the moving average comes back with the state") {
+  test::TempDir dir("spike");
+  const auto data = dir.path / "tokens.bin";
+  std::vector<uint16_t> periodic(100000), noise(100000);
+  for (size_t i = 0; i < periodic.size(); ++i) periodic[i] = static_cast<uint16_t>(i % 16);
+  uint64_t x = 88172645463325252ull;  // xorshift64: uniform tokens below 256
+  for (auto& v : noise) v = static_cast<uint16_t>((x ^= x << 13, x ^= x >> 7, x ^= x << 17) % 256);
+  write_tokens(data, periodic);
+  const std::string common = fmt::format(
+      "--config configs/tiny.yaml --set data.source=raw --set data.path={} --set data.val_path= --set model.n_layer=2 "
+      "--set train.seq_len=64 --set train.micro_batch=4 --set train.grad_accum=1 --set train.eval_interval=0 "
+      "--set train.spike_window=3 --set train.spike_threshold=1.5 ", data.string());
+  // 20 steps on a periodic sequence (learned: loss well under 1), then the same file holds noise (~5.5 nats).
+  const auto first = test::trainer(common + "--set train.steps=20 --set logging.dir=" + (dir.path / "base").string());
+  INFO(first.output);
+  REQUIRE(first.code == 0);
+  REQUIRE(step_lines(dir.path / "base").back()["loss"].get<double>() < 2.0);
+  write_tokens(data, noise);
+  auto resume = [&](const std::string& mode) {
+    const auto run = dir.path / mode;
+    std::filesystem::copy(dir.path / "base", run, std::filesystem::copy_options::recursive);
+    return test::trainer(common + fmt::format("--set train.steps=30 --set train.on_spike={} --set logging.dir={} "
+                                              "--resume auto", mode, run.string()));
+  };
+  const auto warn = resume("warn");
+  INFO(warn.output);
+  REQUIRE(warn.code == 0);
+  const auto spikes = test::events(dir.path / "warn" / "metrics.jsonl", "spike");
+  REQUIRE_FALSE(spikes.empty());
+  CHECK(spikes.front()["step"] == 21);  // the average came back with the state: step 21 is checked at once
+  CHECK(spikes.front()["action"] == "warn");
+  CHECK(spikes.front()["loss"].get<double>() > 1.5 * spikes.front()["average"].get<double>());
+  CHECK(spikes.size() < 10);  // every loss enters the average: a lasting new level stops being a spike
+  const auto warn_steps = step_lines(dir.path / "warn");
+  for (const auto& r : warn_steps) CHECK(r["skipped"] == false);
+
+  const auto skip = resume("skip");
+  INFO(skip.output);
+  REQUIRE(skip.code == 0);
+  const auto skip_steps = step_lines(dir.path / "skip");
+  const auto skip_spikes = test::events(dir.path / "skip" / "metrics.jsonl", "spike");
+  REQUIRE_FALSE(skip_spikes.empty());
+  CHECK(skip_spikes.front()["step"] == 21);
+  int held = 0;
+  for (const auto& r : skip_steps) held += r["skipped"].get<bool>() ? 1 : 0;
+  CHECK(held == static_cast<int>(skip_spikes.size()));
+  const auto summary = json::parse(test::read_text(dir.path / "skip" / "summary.json"));
+  CHECK(summary["skipped_steps"] == held);
+  const auto at = [](const std::vector<json>& steps, int64_t step) {
+    for (const auto& r : steps)
+      if (r["step"] == step) return r["loss"].get<double>();
+    return std::nan("");
+  };
+  CHECK(at(skip_steps, 21) == at(warn_steps, 21));  // the same weights before step 21
+  CHECK(at(skip_steps, 22) != at(warn_steps, 22));  // warn applied step 21's update, skip did not
+
+  const auto stop = resume("stop");
+  CHECK(stop.code == kExitNonFinite);
+  CHECK(stop.output.find("train.on_spike") != std::string::npos);
+  CHECK(step_lines(dir.path / "stop").back()["step"] == 21);
+  const auto saved = test::events(dir.path / "stop" / "metrics.jsonl", "state_saved");
+  REQUIRE_FALSE(saved.empty());
+  CHECK(saved.back()["step"] == 21);
+  CHECK(saved.back()["reason"] == "spike");
+  // Resuming that state goes on with the next batch; step 22 is skip's (weights before 21, the same batch).
+  const auto again = test::trainer(common + fmt::format("--set train.steps=30 --set train.on_spike=skip "
+                                                        "--set logging.dir={} --resume auto", (dir.path / "stop").string()));
+  INFO(again.output);
+  CHECK(again.code == 0);
+  CHECK(at(step_lines(dir.path / "stop"), 22) == at(skip_steps, 22));
 }

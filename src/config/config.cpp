@@ -167,6 +167,9 @@ std::vector<Field> train_fields() {
       field(&R::train, &T::device, "train", "device", "auto | cpu | cuda (auto = cuda when available) | lazy (a TEST device: LibTorch's lazy-tensor TorchScript backend, not the CPU but running on it; world 1, fp32, no sharding, no memory.limit, no budget mode)"),
       field(&R::train, &T::threads, "train", "threads", "CPU intra-op threads; 0 = all cores"),
       field(&R::train, &T::on_nonfinite, "train", "on_nonfinite", "fp32/bf16 gradients with NaN/Inf (finite loss): abort (exit 6 before the optimizer step) | skip (weights untouched, a skip event)"),
+      field(&R::train, &T::on_spike, "train", "on_spike", "a loss spike (loss > spike_threshold x the moving average of earlier steps' losses): off | warn (a spike event and a console warning; the step counts) | skip (weights untouched; the step counts as skipped) | stop (weights untouched, the state saved, exit 6); each spike is a spike event"),
+      field(&R::train, &T::spike_threshold, "train", "spike_threshold", "train.on_spike: a step is a spike when its loss exceeds this multiple of the moving average (> 1)"),
+      field(&R::train, &T::spike_window, "train", "spike_window", "train.on_spike: the moving average's horizon in steps (the mean of the first N losses, then an exponential average of weight 1/N); no step is a spike before N steps"),
       field(&R::train, &T::sample_interval, "train", "sample_interval", "print (and log as a sample event) a greedy continuation every N steps and at the end; needs a tokenizer (data.tokenizer); 0 = never"),
       field(&R::train, &T::sample_tokens, "train", "sample_tokens", "new tokens per training-time sample"),
       field(&R::train, &T::sample_prompt, "train", "sample_prompt", "prompt of the training-time sample; \"\" = the tokenizer's end-of-text token"),
@@ -757,6 +760,9 @@ void validate_train(const RunConfig& c) {
   one_of("train.device", t.device, {"auto", "cpu", "cuda", "lazy"});
   if (t.threads < 0) fail("train.threads", "must be >= 0 (0 = all cores)");
   one_of("train.on_nonfinite", t.on_nonfinite, {"abort", "skip"});
+  one_of("train.on_spike", t.on_spike, {"off", "warn", "skip", "stop"});
+  if (!(t.spike_threshold > 1.0)) fail("train.spike_threshold", fmt::format("must be > 1 (a multiple of the moving average), got {}", t.spike_threshold));
+  positive("train.spike_window", t.spike_window);
   if (t.sample_interval < 0) fail("train.sample_interval", "must be >= 0 (0 = never)");
   positive("train.sample_tokens", t.sample_tokens);
   if (!valid_utf8(t.sample_prompt)) fail("train.sample_prompt", "is not valid UTF-8; give the prompt as UTF-8 text");

@@ -63,6 +63,9 @@ struct TrainConfig {
   std::string device = "auto";
   int64_t threads = 0;
   std::string on_nonfinite = "abort";  // abort | skip
+  std::string on_spike = "warn";    // off | warn | skip | stop (train/spike.h)
+  double spike_threshold = 1.5;     // a spike: loss > spike_threshold x the moving average of earlier losses
+  int64_t spike_window = 50;        // the moving average's horizon in steps; checked once it covers this many
   int64_t sample_interval = 0;      // print a generated sample every N steps (needs a tokenizer); 0 = never
   int64_t sample_tokens = 32;       // new tokens per training-time sample
   std::string sample_prompt = "";   // its prompt; "" = the tokenizer's end-of-text token

@@ -175,7 +175,9 @@ class Loop final : public Component {
     meta["step"] = c_.steps_done;
     meta["loop"] = {{"skipped_steps", c_.skipped_steps},
                     {"consecutive_skips", c_.consecutive_skips},
-                    {"last_val", std::isfinite(c_.last_val) ? Json(c_.last_val) : Json(nullptr)}};
+                    {"last_val", std::isfinite(c_.last_val) ? Json(c_.last_val) : Json(nullptr)},
+                    {"loss_average", std::isfinite(c_.loss_average) ? Json(c_.loss_average) : Json(nullptr)},
+                    {"losses_seen", c_.losses_seen}};
   }
   void load(const Json& meta, const Reader& /*r*/) override {
     c_.steps_done = meta.at("step").get<int64_t>();
@@ -183,6 +185,10 @@ class Loop final : public Component {
     c_.skipped_steps = loop.at("skipped_steps").get<int64_t>();
     c_.consecutive_skips = loop.at("consecutive_skips").get<int64_t>();
     c_.last_val = loop.at("last_val").is_null() ? NAN : loop.at("last_val").get<double>();
+    // States saved before train.on_spike existed have no average: it starts again from the resumed step.
+    const Json average = loop.value("loss_average", Json(nullptr));
+    c_.loss_average = average.is_null() ? NAN : average.get<double>();
+    c_.losses_seen = loop.value("losses_seen", int64_t{0});
   }
 
  private:

@@ -66,6 +66,8 @@ struct Parts {
 struct Counters {
   int64_t steps_done = 0, skipped_steps = 0, consecutive_skips = 0;
   double last_val = NAN;  // the newest validation loss (NaN: none yet)
+  double loss_average = NAN;  // train.on_spike's moving average of step losses (NaN: none yet; train/spike.h)
+  int64_t losses_seen = 0;    // the finite losses it has taken
 };
 
 // 2: meta.json carries meta_crc32, the CRC-32 of its own content (format 1 states are still read).

@@ -21,6 +21,7 @@
 #include "train/profile.h"
 #include "train/run.h"
 #include "train/schedule.h"
+#include "train/spike.h"
 
 namespace sl::train {
 namespace {
@@ -107,7 +108,7 @@ Json step_record(const Session& s, const StepResult& r, int64_t step, double lr,
           {"lr", lr},
           {"grad_norm", std::isfinite(r.grad_norm) ? Json(r.grad_norm) : Json(nullptr)},
           {"loss_scale", r.loss_scale},
-          {"skipped", r.skipped || r.nonfinite_grads},
+          {"skipped", r.skipped || r.nonfinite_grads || r.held},
           {"step_ms", r.ms},
           {"tokens", s.tokens_per_step()},
           {"tokens_per_s", tps},
@@ -185,6 +186,33 @@ void maybe_sample(Session& s, const LoopState& st, log::ProgressBar& bar) {
   }
 }
 
+// train.on_spike: skip and stop keep the weights of a spiking step (train_step's hold); every rank sees
+// the same loss (the mean over ranks), so every rank decides alike.
+bool holds_spike(const Session& s, const LoopState& st, double loss) {
+  const auto& t = s.cfg.train;
+  return (t.on_spike == "skip" || t.on_spike == "stop") && check_spike(st, loss, t).spike;
+}
+
+// train.on_spike after the step's record: the `spike` event and warning, the skipped step counted, and
+// the moving average takes the loss (steps the optimizer skipped for other reasons are left out).
+// Returns kStopSpike under stop.
+int handle_spike(Session& s, LoopState& st, const StepResult& r, int64_t step, log::ProgressBar& bar) {
+  const auto& t = s.cfg.train;
+  if (r.skipped || r.nonfinite_grads) return 0;
+  const SpikeCheck c = check_spike(st, r.loss, t);
+  observe_loss(st, r.loss, t.spike_window);
+  if (!c.spike) return 0;
+  s.runlog->event("spike", {{"step", step + 1}, {"loss", r.loss}, {"average", c.average},
+                            {"threshold", t.spike_threshold}, {"action", t.on_spike}});
+  if (r.held) ++st.skipped_steps;
+  const char* what = t.on_spike == "warn" ? "the step is kept" : t.on_spike == "skip" ? "weights untouched"
+                                                                                       : "weights untouched; stopping";
+  warn(s, bar, fmt::format("step {:>5}/{} | loss spike: {:.4f} is {:.2f}x the moving average {:.4f} "
+                           "(train.on_spike: {}): {}", step + 1, t.steps, r.loss, r.loss / c.average, c.average,
+                           t.on_spike, what));
+  return t.on_spike == "stop" ? kStopSpike : 0;
+}
+
 // This rank's reason to stop after the current step (see StopPoll): a signal (torchrun forwards it
 // to every rank, not at the same step) or, on rank 0, a failed log write.
 int local_stop(Session& s) { return s.runlog->failure().empty() ? g_signal.load() : kStopIo; }
@@ -200,6 +228,12 @@ int agreed_stop(Session& s) {
 }
 
 Outcome stop_outcome(Session& s, const LoopState& st, int stop) {
+  if (stop == kStopSpike)
+    return {kExitNonFinite,
+            fmt::format("step {}: a loss spike (train.on_spike: stop); the weights are those before it, saved in the "
+                        "state of step {}. Resume with --resume auto (the next batch follows), lower train.lr, or set "
+                        "train.on_spike: skip", st.steps_done, st.steps_done),
+            nullptr};
   if (stop == kStopIo) {
     const std::string& mine = s.runlog->failure();
     return {kExitIo, mine.empty() ? fmt::format("rank 0 could not write its logs after step {}", st.steps_done) : mine,
@@ -230,8 +264,9 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
   std::vector<data::Batch> micro;
   for (int64_t m = 0; m < t.grad_accum; ++m) micro.push_back(s.train_loader->next());
   const StopPoll poll = s.world() > 1 ? StopPoll([&s] { return local_stop(s); }) : StopPoll();
+  const HoldFn hold = [&s, &st](double loss) { return holds_spike(s, st, loss); };
   const StepResult r = train_step(s.forward, s.model, *s.opt, micro, t.grad_clip, s.device, *s.tracker, s.precision,
-                                  s.engine.get(), poll);
+                                  s.engine.get(), poll, hold);
   check_step(s, st, r, step, bar);
   {
     RECORD_FUNCTION("sublinear::log_step", std::vector<c10::IValue>{});
@@ -245,6 +280,7 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
     }
   }
   if (profiler.on()) save_profile(s, st, profiler, bar);
+  if (const int spike = handle_spike(s, st, r, step, bar)) return spike;
   maybe_evaluate(s, st, bar);
   maybe_sample(s, st, bar);
   return s.world() > 1 ? r.stop : local_stop(s);
@@ -322,7 +358,8 @@ void save_state(Session& s, LoopState& st, log::ProgressBar& bar, const char* wh
 // Stops the run after this step for `stop` (agreed): saves the state on a signal (state.on_signal).
 Outcome stop_run(Session& s, LoopState& st, log::ProgressBar& bar, int stop) {
   // At world > 1 a stop can be agreed after the last step's `every` save (run_steps): not saved twice.
-  if (stop != kStopIo && s.cfg.state.on_signal && st.last_saved_step != st.steps_done) save_state(s, st, bar, "signal");
+  const bool save = stop == kStopSpike || (stop != kStopIo && s.cfg.state.on_signal);
+  if (save && st.last_saved_step != st.steps_done) save_state(s, st, bar, stop == kStopSpike ? "spike" : "signal");
   return stop_outcome(s, st, stop);
 }
 

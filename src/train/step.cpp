@@ -204,7 +204,7 @@ double flops_per_token(const model::GPTImpl& model, int64_t seq_len) {
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
                       memory::Tracker& tracker, const StepPrecision& precision, parallel::Engine* engine,
-                      const StopPoll& stop) {
+                      const StopPoll& stop, const HoldFn& hold) {
   StepResult r;
   auto* scaler = precision.scaler && precision.scaler->enabled() ? precision.scaler : nullptr;
   tracker.reset_peak();
@@ -229,7 +229,8 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
     if (engine && grad_clip > 0.0 && std::isfinite(r.grad_norm)) engine->clip(grad_clip, r.grad_norm);
   }
   r.nonfinite_grads = !r.skipped && !std::isfinite(r.grad_norm);
-  if (!r.skipped && !r.nonfinite_grads) {
+  r.held = !r.skipped && !r.nonfinite_grads && hold && hold(r.loss);
+  if (!r.skipped && !r.nonfinite_grads && !r.held) {
     RECORD_FUNCTION("sublinear::optimizer_step", std::vector<c10::IValue>{});
     if (engine) engine->optimizer_step(opt);
     else optim::adamw_step(opt);

@@ -67,6 +67,7 @@ int64_t optimizer_state_bytes(const torch::optim::AdamW& opt);  // AdamW's momen
 // Why a rank wants the run to stop after the current step: 0 (go on), a signal number (SIGINT,
 // SIGTERM) or kStopIo (rank 0 could not write its logs). Ranks agree on the largest.
 constexpr int kStopIo = 1000;  // above every signal number
+constexpr int kStopSpike = 1001;  // a loss spike under train.on_spike: stop (every rank sees the same loss)
 using StopPoll = std::function<int()>;
 
 struct StepResult {
@@ -75,6 +76,7 @@ struct StepResult {
   double loss_scale = 1.0;  // the scale this step's backward used (1 without a scaler)
   bool skipped = false;     // non-finite gradients under fp16: no optimizer step, the scale backed off
   bool nonfinite_grads = false;  // fp32/bf16: the loss is finite but the gradient norm is not; no optimizer step
+  bool held = false;        // the caller's `hold` kept the weights (a loss spike, train.on_spike: skip | stop)
   memory::Snapshot mem;    // readings over this step (peak reset at its start)
   ModelStateBytes states;  // after the optimizer step, on the device
   int64_t host_states = 0;  // offloaded model states in host memory (masters, gradient shard, moments)
@@ -98,10 +100,13 @@ struct StepResult {
 // all-gather) waits for the device. With a `stop` poll (the loop, at world > 1), each rank's stop
 // reason, polled just before the read, travels in the same reduction: StepResult::stop is the
 // agreed one, and the loop needs no collective of its own to stop every rank after the same step.
+// `hold`, when set, sees the step's loss (the mean over ranks, so every rank decides alike) after the
+// read and before the optimizer step; true keeps gradients and weights as they are (held = true).
+using HoldFn = std::function<bool(double loss)>;
 StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
                       const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
                       memory::Tracker& tracker, const StepPrecision& precision = {}, parallel::Engine* engine = nullptr,
-                      const StopPoll& stop = {});
+                      const StopPoll& stop = {}, const HoldFn& hold = {});
 
 // Does one micro-batch of `micro_batch` sequences train (two real optimizer steps of a fresh model,
 // random tokens) without running out of memory? Everything it allocates is freed on return.
