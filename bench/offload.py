@@ -153,7 +153,7 @@ def copy_bandwidth(a):
               f"{p.stderr[-1500:]}", file=sys.stderr)
         return None
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    r["python"] = py
+    r["python"] = py.replace(os.path.expanduser("~"), "~")
     return r
 
 

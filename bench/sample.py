@@ -173,7 +173,7 @@ def run(args, threads, what):
 def ensure_folder(a):
     """The model folder: reused when its stamp matches this recipe, else (re)built. Returns its stamp."""
     want = {"recipe_version": RECIPE_VERSION, "seed": a.seed, "vocab": VOCAB, "config": "GPT2Config()",
-            "corpus": os.path.join(ROOT, "data", "corpus.txt")}
+            "corpus": "data/corpus.txt"}  # relative to the repository (no machine's path in the results)
     stamp_path = os.path.join(a.model_dir, "bench_sample_stamp.json")
     files = ["config.json", "model.safetensors", "tokenizer.json"]
     try:
@@ -188,7 +188,7 @@ def ensure_folder(a):
     if os.path.exists(stamp_path):
         os.remove(stamp_path)
     t0 = time.perf_counter()
-    p = subprocess.run([a.python, "-c", BUILD_FOLDER, a.model_dir, want["corpus"], str(a.seed), str(VOCAB)],
+    p = subprocess.run([a.python, "-c", BUILD_FOLDER, a.model_dir, os.path.join(ROOT, want["corpus"]), str(a.seed), str(VOCAB)],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if p.returncode != 0:
         sys.exit(f"sample.py: building the model folder with {a.python} failed ({p.returncode}; it needs torch, "
@@ -355,7 +355,7 @@ def main():
     hf = next((r for r in runs if r["variant"] == "hf"), {})
     doc = {"kind": "sample", "cpu": cpu, "cpus": os.cpu_count(), "machine": platform.machine(), "threads": a.threads,
            "rounds": a.rounds, "new_tokens": a.new_tokens, "prompt": a.prompt, "prompt_ids": prompt_ids,
-           "trainer": os.path.relpath(a.trainer, ROOT), "git_head": git_head(), "model_dir": a.model_dir, "stamp": stamp,
+           "trainer": os.path.relpath(a.trainer, ROOT), "git_head": git_head(), "model_dir": a.model_dir.replace(os.path.expanduser("~"), "~"), "stamp": stamp,
            "torch": hf.get("torch", stamp.get("torch")), "transformers": hf.get("transformers", stamp.get("transformers")),
            "command": "bench/sample.py " + " ".join(sys.argv[1:]),
            "id_mismatches": mismatches, "ids_equal": not mismatches, "runs": runs}
