@@ -45,11 +45,14 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.dont_write_bytecode = True  # no __pycache__ beside the scripts
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import slug, venv_python  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2 ** 20
@@ -88,12 +91,6 @@ gbps = [n * 4 / s / 1e9 for s in secs]
 print(json.dumps({"tensor_mib": mib, "repeats": repeats, "threads": threads, "torch_version": torch.__version__,
                   "seconds": secs, "gbps": gbps, "median_gbps": statistics.median(gbps), "max_gbps": max(gbps)}))
 """
-
-
-def venv_python():
-    home = os.environ.get("SUBLINEAR_HOME", os.path.expanduser("~/.cache/sublinear"))
-    p = os.path.join(home, "venv", "bin", "python")
-    return p if os.access(p, os.X_OK) else sys.executable
 
 
 def trainer_args(trainer, sets):
@@ -297,10 +294,6 @@ def write_results(doc, out):
             print(f"WARNING: no plot: matplotlib is missing here and {py} failed; run this script with "
                   f"the project venv's python", file=sys.stderr)
     return md
-
-
-def slug(text):
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown-cpu"
 
 
 def main():

@@ -42,11 +42,14 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import time
+
+sys.dont_write_bytecode = True  # no __pycache__ beside the scripts
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import slug, venv_python  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The small cat sees the dog in the garden."
@@ -127,12 +130,6 @@ VARIANTS = [
 ]
 
 
-def venv_python():
-    home = os.environ.get("SUBLINEAR_HOME", os.path.expanduser("~/.cache/sublinear"))
-    p = os.path.join(home, "venv", "bin", "python")
-    return p if os.access(p, os.X_OK) else sys.executable
-
-
 def cpu_model():
     try:
         with open("/proc/cpuinfo") as f:
@@ -142,10 +139,6 @@ def cpu_model():
     except OSError:
         pass
     return platform.processor() or "unknown-cpu"
-
-
-def slug(text):
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown-cpu"
 
 
 def git_head():

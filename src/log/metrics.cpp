@@ -13,26 +13,10 @@
 #include <fmt/format.h>
 
 #include "errors.h"
+#include "log/record_file.h"
 
 namespace sl::log {
 
-namespace {
-
-std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
-
-// Writes all of `text` to fd; returns 0 or the errno of the first failure.
-int write_all(int fd, const std::string& text) {
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return n < 0 ? errno : ENOSPC;
-    done += static_cast<size_t>(n);
-  }
-  return 0;
-}
-
-}  // namespace
 
 void check_run_dir(const std::filesystem::path& run_dir, bool overwrite) {
   if (overwrite) return;
@@ -100,16 +84,13 @@ RunLog::~RunLog() {
 void RunLog::step(const nlohmann::json& record) {
   if (fd_ < 0 || !failure_.empty()) return;
   const std::string line = record.dump() + "\n";
-  if (const int err = write_all(fd_, line)) {
-    // Cut a partly written record so the file ends with a whole line.
-    const bool cut = ::ftruncate(fd_, written_) == 0 && ::lseek(fd_, written_, SEEK_SET) == written_;
+  if (const auto f = append_record(fd_, written_, line)) {
     failure_ = fmt::format("writing {} failed: {}; the {} bytes written before {} (free disk space or choose "
                            "another logging.dir)",
-                           (dir_ / "metrics.jsonl").string(), errno_text(err), written_,
-                           cut ? "stay valid JSONL" : "may end in a partial record");
+                           (dir_ / "metrics.jsonl").string(), errno_text(f.err), written_,
+                           f.cut ? "stay valid JSONL" : "may end in a partial record");
     return;
   }
-  written_ += static_cast<int64_t>(line.size());
   if (!tensorboard_) return;
   try {
     tensorboard_->write(record);

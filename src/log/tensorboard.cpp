@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "errors.h"
+#include "log/record_file.h"
 #include "log/tensorboard_event.pb.h"  // generated from tensorboard_event.proto at build time
 
 namespace sl::log {
@@ -30,20 +31,6 @@ constexpr std::array<uint32_t, 256> make_crc32c_table() {
   return table;
 }
 constexpr std::array<uint32_t, 256> kCrc32cTable = make_crc32c_table();
-
-std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
-
-// Writes all of `bytes` to fd; returns 0 or the errno of the first failure.
-int write_all(int fd, const std::string& bytes) {
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return n < 0 ? errno : ENOSPC;
-    done += static_cast<size_t>(n);
-  }
-  return 0;
-}
 
 void put_le(std::string& out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
@@ -191,15 +178,11 @@ void TensorBoardWriter::write_scalars(int64_t step, const std::vector<TensorBoar
 
 void TensorBoardWriter::append(const std::string& event_bytes) {
   const std::string rec = tfrecord(event_bytes);
-  if (const int err = write_all(fd_, rec)) {
-    // Cut a partly written record so the file ends with whole records.
-    const bool cut = ::ftruncate(fd_, written_) == 0 && ::lseek(fd_, written_, SEEK_SET) == written_;
+  if (const auto f = append_record(fd_, written_, rec))
     throw IoError(fmt::format("writing {} failed: {}; the {} bytes written before {} (free disk space, choose another "
                               "logging.dir, or set logging.tensorboard: false)",
-                              path_.string(), errno_text(err), written_,
-                              cut ? "stay whole records" : "may end in a partial record"));
-  }
-  written_ += static_cast<int64_t>(rec.size());
+                              path_.string(), errno_text(f.err), written_,
+                              f.cut ? "stay whole records" : "may end in a partial record"));
 }
 
 }  // namespace sl::log

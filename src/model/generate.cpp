@@ -105,8 +105,8 @@ class EvalMode {
   bool was_training_;
 };
 
-}  // namespace
-
+// The next token from last-position logits (V): argmax when temperature is 0, else a draw from
+// softmax(logits / temperature) restricted to the top_k, with `generator` (on the host, any device).
 int64_t pick_token(const torch::Tensor& logits, double temperature, int64_t top_k, at::Generator& generator) {
   if (temperature == 0.0) return logits.argmax().item<int64_t>();
   auto scaled = logits.to(torch::kCPU, torch::kFloat) / temperature;
@@ -117,6 +117,8 @@ int64_t pick_token(const torch::Tensor& logits, double temperature, int64_t top_
   const auto probs = torch::softmax(scaled, 0);
   return at::multinomial(probs, 1, false, generator).item<int64_t>();
 }
+
+}  // namespace
 
 Generated generate(GPTImpl& model, const std::vector<int64_t>& prompt, const GenerateOptions& o,
                    const std::function<void(int64_t)>& on_token) {

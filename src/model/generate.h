@@ -38,8 +38,4 @@ struct Generated {
 Generated generate(GPTImpl& model, const std::vector<int64_t>& prompt, const GenerateOptions& options,
                    const std::function<void(int64_t)>& on_token = {});
 
-// The next token from last-position logits (V): argmax when temperature is 0, else a draw from
-// softmax(logits / temperature) restricted to the top_k, with `generator`.
-int64_t pick_token(const torch::Tensor& logits, double temperature, int64_t top_k, at::Generator& generator);
-
 }  // namespace sl::model

@@ -186,20 +186,13 @@ void maybe_sample(Session& s, const LoopState& st, log::ProgressBar& bar) {
   }
 }
 
-// train.on_spike: skip and stop keep the weights of a spiking step (train_step's hold); every rank sees
-// the same loss (the mean over ranks), so every rank decides alike.
-bool holds_spike(const Session& s, const LoopState& st, double loss) {
-  const auto& t = s.cfg.train;
-  return (t.on_spike == "skip" || t.on_spike == "stop") && check_spike(st, loss, t).spike;
-}
-
-// train.on_spike after the step's record: the `spike` event and warning, the skipped step counted, and
-// the moving average takes the loss (steps the optimizer skipped for other reasons are left out).
-// Returns kStopSpike under stop.
-int handle_spike(Session& s, LoopState& st, const StepResult& r, int64_t step, log::ProgressBar& bar) {
+// train.on_spike after the step's record, given the step's check (made in train_step's hold, before the
+// optimizer step; skip and stop kept the weights there): the `spike` event and warning, the skipped step
+// counted, and the moving average takes the loss (steps the optimizer skipped for other reasons, where
+// the hold was not asked, are left out). Returns kStopSpike under stop.
+int handle_spike(Session& s, LoopState& st, const StepResult& r, const SpikeCheck& c, int64_t step, log::ProgressBar& bar) {
   const auto& t = s.cfg.train;
   if (r.skipped || r.nonfinite_grads) return 0;
-  const SpikeCheck c = check_spike(st, r.loss, t);
   observe_loss(st, r.loss, t.spike_window);
   if (!c.spike) return 0;
   s.runlog->event("spike", {{"step", step + 1}, {"loss", r.loss}, {"average", c.average},
@@ -264,7 +257,11 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
   std::vector<data::Batch> micro;
   for (int64_t m = 0; m < t.grad_accum; ++m) micro.push_back(s.train_loader->next());
   const StopPoll poll = s.world() > 1 ? StopPoll([&s] { return local_stop(s); }) : StopPoll();
-  const HoldFn hold = [&s, &st](double loss) { return holds_spike(s, st, loss); };
+  SpikeCheck spike;  // the loss against the moving average, made once, where the weights can still be kept
+  const HoldFn hold = [&](double loss) {
+    spike = check_spike(st, loss, t);
+    return spike.spike && (t.on_spike == "skip" || t.on_spike == "stop");  // every rank sees the same (mean) loss
+  };
   const StepResult r = train_step(s.forward, s.model, *s.opt, micro, t.grad_clip, s.device, *s.tracker, s.precision,
                                   s.engine.get(), poll, hold);
   check_step(s, st, r, step, bar);
@@ -280,7 +277,7 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
     }
   }
   if (profiler.on()) save_profile(s, st, profiler, bar);
-  if (const int spike = handle_spike(s, st, r, step, bar)) return spike;
+  if (const int stop = handle_spike(s, st, r, spike, step, bar)) return stop;
   maybe_evaluate(s, st, bar);
   maybe_sample(s, st, bar);
   return s.world() > 1 ? r.stop : local_stop(s);
