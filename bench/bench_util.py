@@ -1,5 +1,6 @@
 """bench_util.py: helpers the benchmarks share (imported; not a script)."""
 import os
+import platform
 import re
 import sys
 
@@ -14,3 +15,15 @@ def venv_python():
 def slug(text):
     """A file-name part from a CPU model or a placement name: lower case, runs of other characters as '-'."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown-cpu"
+
+
+def cpu_model():
+    """/proc/cpuinfo's model name (the figures say which CPU they come from)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown-cpu"

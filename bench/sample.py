@@ -49,7 +49,7 @@ import time
 
 sys.dont_write_bytecode = True  # no __pycache__ beside the scripts
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import slug, venv_python  # noqa: E402
+from bench_util import cpu_model, slug, venv_python  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The small cat sees the dog in the garden."
@@ -128,17 +128,6 @@ VARIANTS = [
     ("trainer, no cache", "nocache"),
     ("transformers generate, use_cache=True", "hf"),
 ]
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown-cpu"
 
 
 def git_head():

@@ -7,8 +7,11 @@
 #
 # One machine (no --nnodes): torchrun --standalone picks a free port. Multi-node: give torchrun's
 # usual --nnodes/--node-rank/--rdzv-endpoint (or --master-addr/--master-port) on every node.
-# Exit status: 0 when every rank exited 0; otherwise torchrun's (1) — each rank's own exit code is in
-# torchrun's report and rank 0's in <run_dir>/summary.json.
+# Elastic restarts: --max-restarts N (any torchrun option passes through) restarts every rank when one
+# dies, up to N times; with the trainer's --resume auto each restart continues from the newest state:
+#   scripts/launch.sh -n 2 --max-restarts 3 -- --config configs/tiny.yaml --set state.every=50 --resume auto
+# Exit status: 0 when every rank exited 0 (with --max-restarts: in the last attempt); otherwise
+# torchrun's (1) — each rank's own exit code is in torchrun's report and rank 0's in <run_dir>/summary.json.
 set -euo pipefail
 PROG=launch.sh
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,6 +20,9 @@ usage() {
   cat <<EOF
 usage: scripts/launch.sh [-n NPROC] [torchrun options...] -- TRAINER ARGUMENTS...
   -n, --nproc-per-node N   processes on this machine (default: the GPU count, or 2 without GPUs)
+  --max-restarts N         torchrun restarts every rank up to N times when one fails; give the trainer
+                           --resume auto so that each restart continues from the newest saved state
+  any other option before -- goes to torchrun as it is (--nnodes, --rdzv-endpoint, --monitor-interval...)
   environment: TORCHRUN (default: the sublinear venv's torchrun, then PATH), TRAINER (default: build/trainer)
 EOF
 }

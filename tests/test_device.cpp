@@ -63,13 +63,23 @@ double largest_loss_difference(const test::RunTrace& got, const test::RunTrace& 
   return worst;
 }
 
-// Starts the lazy run, SIGKILLs it once metrics.jsonl holds `k` step records, and returns the records then.
-size_t kill_after(const std::string& args, const fs::path& run_dir, size_t k) {
+// Whether metrics.jsonl holds a `state_saved` event of step `step` (a save is logged when published: an
+// asynchronous one after a later step's record).
+bool saved_now(const fs::path& metrics, int64_t step) {
+  for (const auto& r : test::read_jsonl(metrics, false))
+    if (r.is_object() && r.value("event", "") == "state_saved" && r.value("step", int64_t{-1}) == step) return true;
+  return false;
+}
+
+// Starts the lazy run, SIGKILLs it once metrics.jsonl holds `k` step records and the state of step
+// `saved` is published, and returns the records then.
+size_t kill_after(const std::string& args, const fs::path& run_dir, size_t k, int64_t saved) {
   auto proc = test::trainer_background(args, run_dir.string() + ".killed.log");
   REQUIRE(proc->running());
   const auto metrics = run_dir / "metrics.jsonl";
-  const bool reached = test::poll_until([&] { return test::step_records_now(metrics) >= k || proc->exited(); },
-                                        std::chrono::seconds(240));
+  const bool reached = test::poll_until(
+      [&] { return (test::step_records_now(metrics) >= k && saved_now(metrics, saved)) || proc->exited(); },
+      std::chrono::seconds(240));
   proc->signal(SIGKILL);
   proc->wait();
   INFO("lazy run before the kill:\n" << proc->output());
@@ -91,7 +101,7 @@ TEST_CASE("train.device lazy (not the CPU): saves, kill -9, --resume auto, final
   REQUIRE(want.steps.size() == static_cast<size_t>(kSteps));
 
   const std::string lazy_args = kArgs + " --set train.device=lazy" + dir_arg(lazy_dir);
-  const size_t at_kill = kill_after(lazy_args, lazy_dir, 7);  // after the saves of steps 3 and 6
+  const size_t at_kill = kill_after(lazy_args, lazy_dir, 7, 6);  // after the saves of steps 3 and 6
   INFO("killed with " << at_kill << " step records");
   const auto resumed = test::trainer(lazy_args + " --resume auto");
   INFO(resumed.output);

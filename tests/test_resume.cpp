@@ -6,10 +6,14 @@
 // ones (saved again at the new layout and compared by tests/state_compare.py through the reference
 // `safetensors` package), and training goes on within the world-size tolerance of tests/test_parallel.cpp;
 // at odd world sizes too: zero1/2/3 states saved at world 3 go to world 2, from there back to world 3,
-// and to world 1, exactly.
+// and to world 1, exactly. Under torchrun's elastic restarts (scripts/launch.sh --max-restarts, world 2)
+// a rank killed with SIGKILL (after a save, before the first one, or inside one) is restarted by torchrun
+// alone and the run ends bitwise as the uninterrupted one, each step logged once, the restart recorded.
 //
 // Kill points come from a std::mt19937 whose seed is printed on failure (INFO "seed"); set
 // SUBLINEAR_TEST_SEED to replay one.
+#include <algorithm>
+#include <cctype>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
@@ -87,7 +91,9 @@ struct Resumed {
 };
 
 // Starts `world` ranks of `args` in the background, waits until metrics.jsonl holds at least `k` step
-// records, SIGKILLs every rank, then restarts them with `--resume auto` and the same arguments.
+// records and the first state is published (`latest` exists: an asynchronous save is published a step
+// or more after its own), SIGKILLs every rank, then restarts them with `--resume auto` and the same
+// arguments.
 Resumed kill_and_resume(int world, const std::string& args, const fs::path& run_dir, size_t k) {
   const auto metrics = run_dir / "metrics.jsonl";
   const std::string full = args + dir_arg(run_dir);
@@ -102,7 +108,7 @@ Resumed kill_and_resume(int world, const std::string& args, const fs::path& run_
     for (auto& p : procs) REQUIRE(p->running());
     const bool reached = test::poll_until(
         [&] {
-          if (test::step_records_now(metrics) >= k) return true;
+          if (test::step_records_now(metrics) >= k && fs::exists(run_dir / "state" / "latest")) return true;
           for (auto& p : procs)
             if (p->exited()) return true;  // died on its own: reported below
           return false;
@@ -160,8 +166,8 @@ TEST_CASE("kill -9 at a random step and --resume auto: bitwise the uninterrupted
     INFO("checkpointing mode " << mode.name);
     const std::string args = kCommon + " " + mode.sets + fmt::format(" --set state.every={}", mode.every);
     const auto want = uninterrupted(1, args, dir.path / (mode.name + "-ref"));
-    // Two kill points for mode none, one for the others. A kill after at least `every + 1` step
-    // records lands after the first save (a kill before any save: tests/test_state.cpp).
+    // Two kill points for mode none, one for the others, each after the first save (kill_and_resume
+    // waits for it; a kill before any save: tests/test_state.cpp).
     const int points = mode.name == "none" ? 2 : 1;
     for (int i = 0; i < points; ++i) {
       const int k = random_in(mode.every + 1, kSteps - 2);
@@ -455,4 +461,294 @@ TEST_CASE("a run directory is held by one process: a second --resume auto on it 
   INFO("third:\n" << third.output);
   CHECK(third.code == 0);
   CHECK(test::events(run_dir / "metrics.jsonl", "resume").size() == 1);
+}
+
+// ---- torchrun's elastic restarts: scripts/launch.sh --max-restarts, one rank killed -9 ----
+
+namespace {
+
+// World 2 x micro-batch 2 x accumulation 2 (the global batch of kCommon), 2 layers.
+const std::string kElastic = kCommon + " --set model.n_layer=2 --set train.micro_batch=2";
+
+// The step records and events metrics.jsonl holds right now (a line being written is left out).
+std::vector<json> records_now(const fs::path& metrics) { return test::read_jsonl(metrics, /*strict=*/false); }
+
+// Steps of the events of one kind in `records`.
+std::vector<int64_t> event_steps(const std::vector<json>& records, const std::string& kind) {
+  std::vector<int64_t> out;
+  for (const auto& r : records)
+    if (r.is_object() && r.value("event", "") == kind) out.push_back(r.at("step").get<int64_t>());
+  return out;
+}
+
+// Step records (not events) in `records`.
+size_t step_count(const std::vector<json>& records) {
+  return static_cast<size_t>(
+      std::count_if(records.begin(), records.end(), [](const json& r) { return r.is_object() && !r.contains("event"); }));
+}
+
+// The contents of /proc/<pid>/<name> ("" when the process is gone).
+std::string proc_file(pid_t pid, const std::string& name) { return test::read_text(fmt::format("/proc/{}/{}", pid, name)); }
+
+// The parent of a process, from /proc/<pid>/stat (-1 when it is gone). The command name in
+// parentheses may hold spaces: the fields after its closing parenthesis are " state ppid ...".
+pid_t parent_of(pid_t pid) {
+  const std::string stat = proc_file(pid, "stat");
+  const auto close = stat.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream rest(stat.substr(close + 1));
+  std::string state;
+  pid_t ppid = -1;
+  rest >> state >> ppid;
+  return ppid;
+}
+
+// Every process below `root` (children, their children...).
+std::vector<pid_t> descendants_of(pid_t root) {
+  std::vector<std::pair<pid_t, pid_t>> all;  // (pid, parent)
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.empty() || !std::all_of(name.begin(), name.end(), ::isdigit)) continue;
+    const auto pid = static_cast<pid_t>(std::stol(name));
+    all.emplace_back(pid, parent_of(pid));
+  }
+  std::vector<pid_t> out{root};
+  for (size_t i = 0; i < out.size(); ++i)
+    for (const auto& [pid, parent] : all)
+      if (parent == out[i]) out.push_back(pid);
+  out.erase(out.begin());
+  return out;
+}
+
+// Whether /proc/<pid>/environ (NUL-separated) holds `assignment` ("RANK=1").
+bool has_env(pid_t pid, const std::string& assignment) {
+  const std::string env = proc_file(pid, "environ");
+  std::istringstream vars(env);
+  for (std::string var; std::getline(vars, var, '\0');)
+    if (var == assignment) return true;
+  return false;
+}
+
+// The trainer process of worker `rank` in torchrun attempt `restart` under `agent` (launch.sh execs
+// torchrun, whose agent starts the workers); -1 when there is none (yet).
+pid_t worker_pid(pid_t agent, int rank, int restart) {
+  std::error_code ec;
+  const auto trainer = fs::canonical(test::kTrainer, ec);
+  for (const pid_t pid : descendants_of(agent)) {
+    if (fs::read_symlink(fmt::format("/proc/{}/exe", pid), ec) != trainer || ec) continue;
+    if (has_env(pid, fmt::format("RANK={}", rank)) && has_env(pid, fmt::format("TORCHELASTIC_RESTART_COUNT={}", restart)))
+      return pid;
+  }
+  return -1;
+}
+
+// scripts/launch.sh with two ranks in the background: `torchrun_opts` before `--`, the trainer's
+// arguments after it, `env` added to the environment (the build's trainer, one thread per rank).
+// Ended with SIGTERM (torchrun stops its workers) when the test leaves before it exits.
+struct ElasticLaunch {
+  std::unique_ptr<test::Background> agent;
+  ElasticLaunch(const std::string& env, const std::string& torchrun_opts, const std::string& args, const fs::path& log)
+      : agent(std::make_unique<test::Background>(
+            fmt::format("TRAINER={} OMP_NUM_THREADS=1 {}", test::kTrainer, env),
+            fmt::format("scripts/launch.sh -n 2 {} -- {}", torchrun_opts, args), log)) {}
+  ~ElasticLaunch() {
+    if (agent->exited()) return;
+    agent->signal(SIGTERM);
+    test::poll_until([&] { return agent->exited(); }, std::chrono::seconds(40), std::chrono::milliseconds(50));
+  }
+  // Waits for the exit (at most `limit`); its exit code, or -1 when it still runs.
+  int wait(std::chrono::seconds limit) {
+    if (!test::poll_until([&] { return agent->exited(); }, limit, std::chrono::milliseconds(20))) return -1;
+    return agent->wait();
+  }
+};
+
+// The step the state root's `latest` names (-1: none).
+int64_t latest_step(const fs::path& root) {
+  const std::string latest = test::read_text(root / "latest");
+  return latest.rfind("step-", 0) == 0 ? std::stoll(latest.substr(5)) : -1;
+}
+
+// Whether a process has ended (gone, or a zombie not yet reaped).
+bool ended(pid_t pid) {
+  const std::string stat = proc_file(pid, "stat");
+  const auto close = stat.rfind(')');
+  return close == std::string::npos || stat.compare(close, 3, ") Z") == 0;
+}
+
+// What metrics.jsonl held when rank 1 was killed, and the newest complete state the first attempt left.
+struct Killed {
+  std::vector<json> records;
+  int64_t latest = -1;  // the step `latest` named once both ranks of the first attempt had ended
+};
+
+// Waits until `ready(records)` holds for metrics.jsonl, then at once SIGKILLs rank 1 of torchrun's first
+// attempt (REQUIREs that the moment came and the kill landed), and waits for its rank 0 to end too.
+template <class Ready>
+Killed kill_rank1_when(ElasticLaunch& launch, const fs::path& run_dir, Ready&& ready) {
+  Killed out;
+  pid_t ranks[2] = {-1, -1};
+  bool killed = false;
+  const bool reached = test::poll_until(
+      [&] {
+        if (launch.agent->exited()) return true;  // finished or failed before the kill: reported below
+        for (int r = 0; r < 2; ++r)
+          if (ranks[r] < 0) ranks[r] = worker_pid(launch.agent->pid, r, /*restart=*/0);
+        out.records = records_now(run_dir / "metrics.jsonl");
+        if (ranks[0] < 0 || ranks[1] < 0 || !ready(out.records)) return false;
+        killed = ::kill(ranks[1], SIGKILL) == 0;
+        return true;
+      },
+      std::chrono::seconds(150), std::chrono::milliseconds(5));
+  INFO("launch.sh so far:\n" << launch.agent->output());
+  REQUIRE(reached);
+  REQUIRE(killed);
+  // Rank 0 fails on the dead peer (or torchrun stops it): whatever it published is on disk now, and the
+  // restarted ranks have not saved anything yet.
+  REQUIRE(test::poll_until([&] { return ended(ranks[0]); }, std::chrono::seconds(60), std::chrono::milliseconds(5)));
+  out.latest = latest_step(run_dir / "state");
+  return out;
+}
+
+// The restart's records in metrics.jsonl: one `restart` event (attempt 1) and, when it found a state,
+// one `resume` event at the same step. Returns the step it continued from.
+int64_t require_one_restart(const fs::path& metrics) {
+  const auto restarts = test::events(metrics, "restart");
+  REQUIRE(restarts.size() == 1);
+  CHECK(restarts[0].at("restart") == 1);
+  const int64_t step = restarts[0].at("step").get<int64_t>();
+  const auto resumes = test::events(metrics, "resume");
+  if (restarts[0].at("state").is_null()) {
+    CHECK(step == 0);
+    CHECK(resumes.empty());
+    return step;
+  }
+  REQUIRE(resumes.size() == 1);
+  CHECK(resumes[0].at("restart") == 1);
+  CHECK(resumes[0].at("step") == step);
+  CHECK(resumes[0].at("state") == restarts[0].at("state"));
+  return step;
+}
+
+// Events of `kind` in metrics.jsonl are at increasing steps: none of the killed attempt's after the
+// resumed step is left beside the restart's own.
+void check_events_once(const fs::path& metrics, const std::string& kind) {
+  int64_t last = -1;
+  for (const int64_t step : event_steps(test::read_jsonl(metrics), kind)) {
+    INFO(kind << " event at step " << step << " after one at step " << last);
+    CHECK(step > last);
+    last = step;
+  }
+}
+
+// The run ended well after one restart: launch.sh exited 0, summary.json records the restart.
+void require_finished_after_restart(ElasticLaunch& launch, const fs::path& run_dir) {
+  const int code = launch.wait(std::chrono::seconds(180));
+  INFO("launch.sh:\n" << launch.agent->output());
+  REQUIRE(code == 0);
+  const auto s = json::parse(test::read_text(run_dir / "summary.json"));
+  CHECK(s["exit_status"]["code"] == 0);
+  CHECK(s["state"]["restart"] == 1);
+  CHECK(s["steps"] == kSteps);
+}
+
+}  // namespace
+
+TEST_CASE("torchrun --max-restarts through launch.sh: a rank killed -9 is restarted, resumes from the newest state, "
+          "bitwise the uninterrupted run, every step logged once") {
+  INFO("seed " << test_seed() << " (SUBLINEAR_TEST_SEED replays it)");
+  test::TempDir dir("elastic");
+  const std::string args = kElastic + " --set state.every=3";
+  const auto want = uninterrupted(2, args, dir.path / "ref");
+
+  // Killed after the first save (step 3) and at least one step past it.
+  const int k = random_in(4, kSteps - 2);
+  INFO("kill rank 1 after " << k << " step records");
+  const auto run_dir = dir.path / "elastic";
+  const auto metrics = run_dir / "metrics.jsonl";
+  ElasticLaunch launch("", "--max-restarts 2", args + dir_arg(run_dir) + " --resume auto", dir.path / "launch.log");
+  const Killed killed = kill_rank1_when(launch, run_dir, [&](const std::vector<json>& records) {
+    return step_count(records) >= static_cast<size_t>(k) && !event_steps(records, "state_saved").empty();
+  });
+  require_finished_after_restart(launch, run_dir);
+
+  const int64_t resumed = require_one_restart(metrics);
+  INFO("resumed from step " << resumed << "; killed with " << step_count(killed.records) << " step records, latest "
+                            << killed.latest);
+  CHECK(resumed > 0);
+  CHECK(resumed == killed.latest);  // the newest complete state
+  CHECK(resumed <= static_cast<int64_t>(step_count(killed.records)));
+  CHECK(test::trace_diff(test::trace(metrics), want) == "");
+  check_events_once(metrics, "state_saved");
+}
+
+TEST_CASE("torchrun --max-restarts: a rank killed -9 before the first save restarts the run from step 0, "
+          "the restart recorded") {
+  test::TempDir dir("elastic-nostate");
+  const std::string args = kElastic + " --set state.every=100";
+  const auto want = uninterrupted(2, args, dir.path / "ref");
+  const auto run_dir = dir.path / "elastic";
+  const auto metrics = run_dir / "metrics.jsonl";
+  ElasticLaunch launch("", "--max-restarts=2", args + dir_arg(run_dir) + " --resume auto", dir.path / "launch.log");
+  const Killed killed = kill_rank1_when(launch, run_dir, [](const std::vector<json>& records) { return step_count(records) >= 2; });
+  REQUIRE(killed.latest == -1);
+  require_finished_after_restart(launch, run_dir);
+  CHECK(require_one_restart(metrics) == 0);  // state null, no resume event
+  CHECK(test::trace_diff(test::trace(metrics), want) == "");
+}
+
+namespace {
+
+// The state root after a run: `latest` names a step directory that is there, every step directory is
+// whole (tests/state_compare.py check: sizes, CRC-32s, every tensor readable and tiled exactly), and no
+// temporary or half-replaced directory is left. Returns the step `latest` names.
+int64_t check_state_root(const fs::path& root) {
+  const int64_t latest = latest_step(root);
+  INFO("latest: '" << test::read_text(root / "latest") << "'");
+  REQUIRE(latest >= 0);
+  REQUIRE(fs::exists(root / fmt::format("step-{:08d}", latest) / "meta.json"));
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    INFO("state root entry " << name);
+    CHECK(name.front() != '.');  // .step-*.tmp, .step-*.old
+    if (name.rfind("step-", 0) != 0) continue;
+    const auto r = test::state_compare("check " + e.path().string());
+    INFO(r.output);
+    CHECK(r.code == 0);
+  }
+  return latest;
+}
+
+}  // namespace
+
+// The window is held open by the test hook SUBLINEAR_STATE_WRITE_DELAY_MS (each rank's background save
+// waits that long after writing its file before it counts as written); `state_snapshot` says a save began.
+TEST_CASE("torchrun --max-restarts: a rank killed -9 during a save resumes from the state before it; the state root "
+          "and metrics.jsonl stay consistent") {
+  test::TempDir dir("elastic-save");
+  const std::string args = kElastic + " --set state.every=4 --set state.async=true";
+  const auto want = uninterrupted(2, args, dir.path / "ref");
+  const auto run_dir = dir.path / "elastic";
+  const auto metrics = run_dir / "metrics.jsonl";
+  // Each save stays unfinished for 3 s: the kill lands inside the second one (step 8), the first published.
+  ElasticLaunch launch("SUBLINEAR_STATE_WRITE_DELAY_MS=3000", "--max-restarts 2",
+                       args + dir_arg(run_dir) + " --resume auto", dir.path / "launch.log");
+  int64_t interrupted = -1;
+  const Killed killed = kill_rank1_when(launch, run_dir, [&](const std::vector<json>& records) {
+    const auto saved = event_steps(records, "state_saved");
+    for (const int64_t step : event_steps(records, "state_snapshot"))
+      if (!saved.empty() && step > saved.back()) return interrupted = step, true;
+    return false;
+  });
+  const int64_t complete = event_steps(killed.records, "state_saved").back();
+  INFO("killed during the save of step " << interrupted << "; the newest complete state was step " << complete);
+  CHECK(killed.latest == complete);  // the interrupted save was not published: rank 1 never wrote its file
+  CHECK_FALSE(fs::exists(run_dir / "state" / fmt::format("step-{:08d}", interrupted) / "meta.json"));
+  require_finished_after_restart(launch, run_dir);
+
+  CHECK(require_one_restart(metrics) == complete);  // the previous complete state, not the interrupted one
+  CHECK(test::trace_diff(test::trace(metrics), want) == "");
+  check_events_once(metrics, "state_saved");
+  check_events_once(metrics, "state_snapshot");
+  CHECK(check_state_root(run_dir / "state") == kSteps);  // the end's save, after the interrupted step was saved again
 }

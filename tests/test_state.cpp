@@ -5,8 +5,11 @@
 //  - a corrupt or truncated newest state is skipped by --resume auto (with a warning) and the run is
 //    still bitwise the uninterrupted one; --resume PATH of a corrupt state exits 2 naming the file;
 //    without `latest` the newest valid state is found;
-//  - a disk that fills up during a save stops the run with exit 7, names the system error and the
-//    intact earlier state, leaves no temporary directory, and that earlier state still loads;
+//  - a disk that fills up during a save (synchronous, or asynchronous: found after a later step) stops
+//    the run with exit 7, names the system error and the intact earlier state, leaves no temporary
+//    directory, and that earlier state still loads;
+//  - state.async: the background saves are byte for byte the synchronous ones, logged with their
+//    snapshot; a kill -9 while one is written leaves the previous state newest and resumes bitwise;
 //  - SIGTERM / SIGINT finish the step, save (reason "signal") and exit 143 / 130; resuming is bitwise;
 //  - --resume auto on a fresh directory starts at step 0; on a finished run it trains nothing;
 //  - the files are plain safetensors: the reference package reads every tensor, meta.json's CRC-32 is
@@ -273,43 +276,54 @@ TEST_CASE("a disk that fills up during a save: exit 7, the earlier state intact 
   REQUIRE(bytes > 1000000);
   // Room for two states and a half: the saves of steps 2 and 4 fit; at step 6 the states of 2 and 4
   // are still there (state.keep 2 prunes after a save completes) and the third cannot be written.
-  test::TmpfsMount mnt(dir.path / "mnt", std::to_string(2 * bytes + bytes / 2 + (64 << 10)));
-  if (!mnt.mounted) {
-    const std::string why = "cannot mount a tmpfs (" + mnt.error + "; needs root with CAP_SYS_ADMIN): disk-full case not run";
-    SUBLINEAR_SKIP(why);
-  }
-  const auto run = dir.path / "run";
-  const std::string args = kArgs + " --set state.every=2 --set state.dir=" + mnt.dir.string();
-  const auto r = test::trainer(args + dir_arg(run));
-  INFO(r.output);
-  CHECK(r.code == 7);
-  CHECK(has(r.output, "saving the training state after step 6 failed"));
-  CHECK(has(r.output, "No space left on device"));
-  CHECK(has(r.output, "The state of step 4 is intact"));
-  // No temporary directory left; the earlier states and `latest` as they were.
-  CHECK(names_in(mnt.dir) == std::vector<std::string>{"latest", step_name(2), step_name(4)});
-  CHECK(test::read_text(mnt.dir / "latest") == step_name(4) + "\n");
-  const auto summary = json::parse(test::read_text(run / "summary.json"));
-  CHECK(summary["exit_status"]["code"] == 7);
-  // The log stops at step 6; the failed save is not recorded as saved.
-  const auto recs = test::step_records(run / "metrics.jsonl");
-  REQUIRE(!recs.empty());
-  CHECK(recs.back().step == 6);
-  for (const auto& e : test::events(run / "metrics.jsonl", "state_saved")) CHECK(e["step"].get<int64_t>() <= 4);
+  for (const bool async : {false, true}) {
+    INFO("state.async " << async);
+    const std::string tag = async ? "async" : "sync";
+    test::TmpfsMount mnt(dir.path / ("mnt-" + tag), std::to_string(2 * bytes + bytes / 2 + (64 << 10)));
+    if (!mnt.mounted) {
+      const std::string why = "cannot mount a tmpfs (" + mnt.error + "; needs root with CAP_SYS_ADMIN): disk-full case not run";
+      SUBLINEAR_SKIP(why);
+    }
+    const auto run = dir.path / ("run-" + tag);
+    const std::string args = kArgs + " --set state.every=2 --set state.dir=" + mnt.dir.string() +
+                             " --set state.async=" + (async ? "true" : "false");
+    const auto r = test::trainer(args + dir_arg(run));
+    INFO(r.output);
+    CHECK(r.code == 7);
+    CHECK(has(r.output, "saving the training state after step 6 failed"));
+    CHECK(has(r.output, "No space left on device"));
+    CHECK(has(r.output, "The state of step 4 is intact"));
+    // No temporary directory left; the earlier states and `latest` as they were.
+    CHECK(names_in(mnt.dir) == std::vector<std::string>{"latest", step_name(2), step_name(4)});
+    CHECK(test::read_text(mnt.dir / "latest") == step_name(4) + "\n");
+    const auto summary = json::parse(test::read_text(run / "summary.json"));
+    CHECK(summary["exit_status"]["code"] == 7);
+    // The log stops at step 6 (synchronous), or where the background write's failure was found: after
+    // a later step, before the next save; the failed save is not recorded as saved.
+    const auto recs = test::step_records(run / "metrics.jsonl");
+    REQUIRE(!recs.empty());
+    if (async) {
+      CHECK(recs.back().step >= 6);
+      CHECK(recs.back().step <= 8);
+    } else {
+      CHECK(recs.back().step == 6);
+    }
+    for (const auto& e : test::events(run / "metrics.jsonl", "state_saved")) CHECK(e["step"].get<int64_t>() <= 4);
 
-  // The intact state loads (its checks pass and the model takes it) with train.steps = its step.
-  const auto step4 = mnt.dir / step_name(4);
-  const auto again = test::trainer(kArgs + " --set train.steps=4" + dir_arg(dir.path / "reload") + " --resume " +
-                                   step4.string());
-  INFO(again.output);
-  CHECK(again.code == 0);
-  const auto resumes = test::events(dir.path / "reload" / "metrics.jsonl", "resume");
-  REQUIRE(resumes.size() == 1);
-  CHECK(resumes[0]["step"] == 4);
-  // And the reference reader agrees it is whole.
-  const auto check = test::state_compare("check " + step4.string());
-  INFO(check.output);
-  CHECK(check.code == 0);
+    // The intact state loads (its checks pass and the model takes it) with train.steps = its step.
+    const auto step4 = mnt.dir / step_name(4);
+    const auto again = test::trainer(kArgs + " --set train.steps=4" + dir_arg(dir.path / ("reload-" + tag)) + " --resume " +
+                                     step4.string());
+    INFO(again.output);
+    CHECK(again.code == 0);
+    const auto resumes = test::events(dir.path / ("reload-" + tag) / "metrics.jsonl", "resume");
+    REQUIRE(resumes.size() == 1);
+    CHECK(resumes[0]["step"] == 4);
+    // And the reference reader agrees it is whole.
+    const auto check = test::state_compare("check " + step4.string());
+    INFO(check.output);
+    CHECK(check.code == 0);
+  }
 }
 
 TEST_CASE("SIGTERM and SIGINT: the step finishes, the state is saved, exit 143 / 130; resuming is bitwise") {
@@ -581,4 +595,142 @@ TEST_CASE("--resume PATH from an earlier state sets the later states aside in ab
   REQUIRE(!resumes.empty());
   CHECK(resumes.back()["step"] == 12);
   CHECK(names_in(root / "abandoned").size() == 3);
+}
+
+namespace {
+
+// meta.json without what differs between two runs' saves of the same state: its checksum and the
+// recipe's state.async and logging.dir.
+json meta_without_async(const fs::path& dir) {
+  json m = json::parse(test::read_text(dir / "meta.json"));
+  m.erase("meta_crc32");
+  m["recipe"]["state"].erase("async");
+  m["recipe"]["logging"].erase("dir");
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("state.async: the background saves are the synchronous ones byte for byte; the loop waits for the snapshot only") {
+  const auto& want = reference();
+  test::TempDir dir("state-async");
+  const std::string every = " --set state.every=3 --set state.keep=0";
+  const auto async_run = dir.path / "async", sync_run = dir.path / "sync";
+  run_ok(kArgs + every + " --set state.async=true" + dir_arg(async_run));
+  run_ok(kArgs + every + " --set state.async=false" + dir_arg(sync_run));
+  CHECK(test::trace_diff(test::trace(async_run / "metrics.jsonl"), want) == "");
+
+  // Steps 3, 6, 9 and 12 in the background (a snapshot each); the last one is published before the
+  // exit, and state.at_end finds step 12 saved.
+  const auto snapshots = test::events(async_run / "metrics.jsonl", "state_snapshot");
+  REQUIRE(snapshots.size() == 4);
+  const auto saved = test::events(async_run / "metrics.jsonl", "state_saved");
+  REQUIRE(saved.size() == 4);
+  for (size_t i = 0; i < saved.size(); ++i) {
+    INFO(saved[i].dump());
+    CHECK(saved[i]["step"] == 3 * static_cast<int64_t>(i + 1));
+    CHECK(saved[i]["reason"] == "every");
+    CHECK(saved[i]["async"] == true);
+    CHECK(saved[i]["blocking_ms"].get<double>() <= saved[i]["save_ms"].get<double>());
+    CHECK(snapshots[i]["step"] == saved[i]["step"]);
+    // The snapshot holds every tensor of the rank file: the file is the snapshot plus its header.
+    CHECK(snapshots[i]["snapshot_bytes"].get<int64_t>() < saved[i]["bytes"].get<int64_t>());
+    CHECK(snapshots[i]["snapshot_bytes"].get<int64_t>() > saved[i]["bytes"].get<int64_t>() * 99 / 100);
+  }
+  // One save in flight at a time: each snapshot comes after the previous save's publication.
+  int64_t in_flight = -1;
+  for (const auto& r : test::read_jsonl(async_run / "metrics.jsonl")) {
+    if (r.value("event", "") == "state_snapshot") {
+      CHECK(in_flight == -1);
+      in_flight = r["step"].get<int64_t>();
+    } else if (r.value("event", "") == "state_saved") {
+      CHECK(r["step"] == in_flight);
+      in_flight = -1;
+    }
+  }
+  CHECK(in_flight == -1);
+  for (const auto& e : test::events(sync_run / "metrics.jsonl", "state_saved")) CHECK(e["async"] == false);
+  CHECK(test::events(sync_run / "metrics.jsonl", "state_snapshot").empty());
+
+  // The same states: rank files byte for byte, meta.json but for the recipe's state.async.
+  CHECK(names_in(async_run / "state") == names_in(sync_run / "state"));
+  for (const int step : {3, 6, 9, 12}) {
+    INFO("step " << step);
+    const auto a = async_run / "state" / step_name(step), b = sync_run / "state" / step_name(step);
+    CHECK(test::read_text(a / "rank-00000.safetensors") == test::read_text(b / "rank-00000.safetensors"));
+    CHECK(meta_without_async(a) == meta_without_async(b));
+  }
+  const auto summary = json::parse(test::read_text(async_run / "summary.json"));
+  CHECK(summary["state"]["async"] == true);
+  CHECK(summary["state"]["saves"] == 4);
+  CHECK(summary["state"]["snapshot_bytes"] == snapshots.back()["snapshot_bytes"]);
+
+  // state.keep with background saves: the next save's writer removes the older states, and when no save
+  // follows (no state.at_end, the last step not a multiple of state.every) the end of the run does.
+  const auto kept_run = dir.path / "kept";
+  run_ok(kArgs + " --set state.every=3 --set state.keep=1 --set state.at_end=false --set train.steps=11" + dir_arg(kept_run));
+  CHECK(names_in(kept_run / "state") == std::vector<std::string>{"latest", step_name(9)});
+
+  // The planner's host snapshot: 12 bytes per parameter (fp32 weights and two moments); the snapshot
+  // also holds the RNG state (a few KiB).
+  const auto plan_file = dir.path / "plan.json";
+  const auto plan = test::trainer("plan " + kArgs + every + " --out " + plan_file.string());
+  INFO(plan.output);
+  REQUIRE(plan.code == 0);
+  const int64_t predicted = json::parse(test::read_text(plan_file))["host_snapshot_bytes"].get<int64_t>();
+  const int64_t measured = snapshots.back()["snapshot_bytes"].get<int64_t>();
+  CHECK(predicted <= measured);
+  CHECK(measured - predicted < 16 * 1024);
+  // Without asynchronous saves there is no snapshot to plan for.
+  REQUIRE(test::trainer("plan " + kArgs + every + " --set state.async=false --out " + plan_file.string()).code == 0);
+  CHECK(json::parse(test::read_text(plan_file))["host_snapshot_bytes"] == 0);
+}
+
+// SUBLINEAR_STATE_WRITE_DELAY_MS (state/state.cpp) holds each background save after its rank file is
+// written and before it is published, so the kill lands inside a save.
+TEST_CASE("state.async: kill -9 while a save is being written leaves the previous state newest; --resume auto is bitwise") {
+  const auto& want = reference();
+  test::TempDir dir("state-async-kill");
+  const auto run = dir.path / "run";
+  const std::string args = kArgs + " --set state.every=2 --set state.async=true" + dir_arg(run);
+  const auto metrics = run / "metrics.jsonl";
+  auto has_event = [&](const std::string& kind, int step) {
+    for (const auto& r : test::read_jsonl(metrics, false))
+      if (r.is_object() && r.value("event", "") == kind && r.value("step", -1) == step) return true;
+    return false;
+  };
+  {
+    auto p = std::make_unique<test::Background>("OMP_NUM_THREADS=1 SUBLINEAR_STATE_WRITE_DELAY_MS=4000",
+                                                test::kTrainer + " " + args, dir.path / "killed.log");
+    REQUIRE(p->running());
+    // Step 2's save published (after its 4 s hold), step 4's file written and held: step 4 is in flight.
+    const auto in_flight = run / "state" / ("." + step_name(4) + ".tmp") / "rank-00000.safetensors";
+    REQUIRE(test::poll_until([&] { return (has_event("state_saved", 2) && fs::exists(in_flight)) || p->exited(); },
+                             std::chrono::seconds(120)));
+    CHECK(has_event("state_snapshot", 4));
+    REQUIRE(p->running());
+    p->signal(SIGKILL);
+    p->wait();
+    INFO(p->output());
+    REQUIRE(p->killed_by(SIGKILL));
+  }
+  const auto root = run / "state";
+  CHECK(test::read_text(root / "latest") == step_name(2) + "\n");
+  CHECK_FALSE(fs::exists(root / step_name(4)));
+  // The save in flight: its rank file complete, no meta.json.
+  CHECK(fs::exists(root / ("." + step_name(4) + ".tmp") / "rank-00000.safetensors"));
+  CHECK_FALSE(fs::exists(root / ("." + step_name(4) + ".tmp") / "meta.json"));
+  const auto check = test::state_compare("check " + (root / step_name(2)).string());
+  INFO(check.output);
+  CHECK(check.code == 0);
+
+  run_ok(args + " --resume auto");
+  const auto resumes = test::events(metrics, "resume");
+  REQUIRE(resumes.size() == 1);
+  CHECK(resumes[0]["step"] == 2);
+  CHECK(test::trace_diff(test::trace(metrics), want) == "");
+  // The resumed run's first save cleared the cut-short one.
+  CHECK_FALSE(fs::exists(root / ("." + step_name(4) + ".tmp")));
+  CHECK(test::read_text(root / "latest") == step_name(kSteps) + "\n");
+  CHECK(names_in(root) == std::vector<std::string>{"latest", step_name(kSteps - 2), step_name(kSteps)});  // state.keep 2
 }

@@ -15,6 +15,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>
 
+#include "device/alloc_tag.h"
 #include "device/host.h"
 #include "errors.h"
 #include "log/clock.h"
@@ -244,6 +245,8 @@ template <class F>
 auto timed(const Saved& s, std::optional<c10::Device> cuda, F&& f) {
   if (s.opts.pre_recompute_hook) s.opts.pre_recompute_hook(s.name);
   s.opts.stats->recomputes += 1;
+  // The recompute's transients, of the unit whose backward runs it (a segment's blocks label their own).
+  device::LabelScope label(device::Label::recompute, device::current_phase().unit);
   if (cuda) {
     auto start = record_event(*cuda);
     auto out = f();
@@ -434,6 +437,7 @@ void bring_back(ActivationOffload::Slot& slot, Stats& stats) {
       continue;
     }
     stats.offload_to_device += static_cast<int64_t>(h.nbytes());
+    device::LabelScope label(device::Label::offload, device::current_phase().unit);
     slot.restored.push_back(device::to_device_copy(h, slot.device));
   }
 }
@@ -450,6 +454,7 @@ std::shared_ptr<ActivationOffload::Slot> ActivationOffload::offload(const std::v
     }
     slot->device = t.device();
     stats.offload_to_host += static_cast<int64_t>(t.nbytes());
+    device::LabelScope label(device::Label::offload, device::current_tag().unit);
     slot->host.push_back(device::to_host(t.detach()));
   }
   slot->index = chain_.size();

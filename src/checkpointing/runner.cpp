@@ -11,9 +11,31 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "device/alloc_tag.h"
 #include "log/metrics.h"
 
 namespace sl::checkpointing {
+namespace {
+
+// What a unit's forward allocates: its activations; in backward (a checkpointed piece re-run) the
+// recompute's transients; in eval, eval.
+device::Label unit_label() {
+  switch (device::current_phase().phase) {
+    case device::Phase::backward: return device::Label::recompute;
+    case device::Phase::eval: return device::Label::eval;
+    default: return device::Label::activations;
+  }
+}
+
+// With detailed tags (a memory timeline records), the unit's backward becomes the thread's phase
+// when the gradient of its output arrives (CPU autograd runs on the thread that called backward).
+// Otherwise nothing is added to the graph.
+void mark_backward(int64_t unit, const torch::Tensor& out) {
+  if (!device::detailed_tags() || !torch::GradMode::is_enabled() || !out.defined() || !out.requires_grad()) return;
+  out.register_hook([u = static_cast<int32_t>(unit)](const torch::Tensor&) { device::set_phase(device::Phase::backward, u); });
+}
+
+}  // namespace
 
 model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts) {
   static const char* kPartNames[] = {"norm1->qkv", "attention->proj", "norm2->fc", "act->out"};
@@ -51,7 +73,12 @@ Stats Runner::take_stats() {
 template <class F>
 torch::Tensor Runner::unit(int64_t u, const torch::Tensor& in, bool needs_params_in_backward, F&& f) {
   if (hooks_.before) hooks_.before(u);
-  torch::Tensor out = f();
+  torch::Tensor out;
+  {
+    device::LabelScope label(unit_label(), static_cast<int32_t>(u));
+    out = f();
+  }
+  mark_backward(u, out);
   if (hooks_.after) hooks_.after(u, in, out, needs_params_in_backward);
   return out;
 }
@@ -107,6 +134,7 @@ torch::Tensor Runner::forward(const torch::Tensor& idx) {
     Options opts = opts_;
     if (seg.offloaded) opts.offload = offload_;
     x = checkpoint(fmt::format("segment {} (blocks {}..{})", si, seg.begin, seg.end - 1), fn, {x}, params, opts)[0];
+    mark_backward(model::block_unit(seg.end - 1), x);  // the segment's backward starts with its last block's
   }
   auto logits = unit(model::head_unit(model_->cfg), x, true, [&] { return model_->head(x); });
   flush();

@@ -256,6 +256,7 @@ std::vector<Field> logging_fields() {
       field(&R::logging, &LoggingConfig::progress, "logging", "progress", "progress bar when stdout is a terminal"),
       field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final weights to <run dir>/model/{model.safetensors, config.json} in Hugging Face layout, fp32 (zero3 streams them unit by unit)"),
       field(&R::logging, &LoggingConfig::profile_step, "logging", "profile_step", "record this optimizer step (1-based; rank 0) with LibTorch's profiler into <run dir>/profile.json (Chrome trace); 0 = off"),
+      field(&R::logging, &LoggingConfig::memory_timeline, "logging", "memory_timeline", "record every allocation and free of this optimizer step (1-based; rank 0; train.device: cpu), labelled weights / gradients / optimizer state / activations and recompute per block / ..., into <run dir>/memory_timeline.json (scripts/plot_timeline.py draws it); 0 = off"),
       field(&R::logging, &LoggingConfig::overwrite, "logging", "overwrite", "allow a run directory that already holds a run's logs (they are replaced); false = refuse with exit 2"),
       field(&R::logging, &LoggingConfig::tensorboard, "logging", "tensorboard", "also write the step metrics, eval loss and memory as a TensorBoard event file in <run dir>/tensorboard/ (rank 0)"),
   };
@@ -270,6 +271,7 @@ std::vector<Field> state_fields() {
       field(&R::state, &StateConfig::dir, "state", "dir", "where states are written; \"\" = <run dir>/state"),
       field(&R::state, &StateConfig::at_end, "state", "at_end", "save after the last step"),
       field(&R::state, &StateConfig::on_signal, "state", "on_signal", "on SIGTERM/SIGINT: finish the step, save, then exit 143/130"),
+      field(&R::state, &StateConfig::async, "state", "async", "state.every saves are written by a background thread from a host snapshot of this rank's state while training goes on; published (meta.json, latest) once every rank's file is on disk; a new save waits for the previous one; saves at the end, on a signal or a spike complete before the run exits"),
   };
 }
 
@@ -881,6 +883,10 @@ void validate_devices_and_logging(const RunConfig& c) {
   positive("logging.interval", c.logging.interval);
   if (c.logging.skip_first < 0) fail("logging.skip_first", "must be >= 0");
   if (c.logging.profile_step < 0) fail("logging.profile_step", "must be >= 0 (0 = off)");
+  if (c.logging.memory_timeline < 0) fail("logging.memory_timeline", "must be >= 0 (0 = off)");
+  if (c.logging.memory_timeline > 0 && (t.device == "cuda" || t.device == "lazy" || !c.memory.track_cpu))
+    fail("logging.memory_timeline", "records the tracking CPU allocator: it needs train.device: cpu (or auto on a "
+                                    "machine without CUDA) and memory.track_cpu: true");
   if (!(c.logging.peak_tflops >= 0.0)) fail("logging.peak_tflops", "must be >= 0 (0 = measure)");
 }
 

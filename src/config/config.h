@@ -133,6 +133,7 @@ struct LoggingConfig {
   bool save_model = false;
   bool overwrite = false;
   int64_t profile_step = 0;  // record this optimizer step (1-based) with the profiler; 0 = off
+  int64_t memory_timeline = 0;  // record every allocation and free of this step (1-based, rank 0); 0 = off
   bool tensorboard = false;  // TensorBoard event file in <run dir>/tensorboard/ beside metrics.jsonl
 };
 
@@ -143,6 +144,7 @@ struct StateConfig {
   std::string dir = "";   // "" = <run dir>/state
   bool at_end = true;     // save when the last step is done
   bool on_signal = true;  // SIGTERM/SIGINT: finish the step, save, exit 143/130
+  bool async = true;      // `every` saves: written from a host snapshot while the steps go on (state/state.h)
 };
 
 struct RunConfig {

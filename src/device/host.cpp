@@ -27,9 +27,21 @@ at::Tensor empty_same_layout(const at::Tensor& like, c10::Device device, bool ho
 }  // namespace
 
 at::Tensor to_host(const at::Tensor& t) {
+  if (!t.device().is_cpu()) {  // the device's own copy to the CPU (the lazy device cannot copy_ into a CPU tensor)
+    HostScope scope;
+    return t.to(c10::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  }
   auto h = empty_same_layout(t, c10::kCPU, /*host=*/true);
   h.copy_(t);
   return h;
+}
+
+at::Tensor to_host_reusing(const at::Tensor& t, const at::Tensor& reuse) {
+  const bool fits = reuse.defined() && reuse.device().is_cpu() && (t.device().is_cpu() || t.device().is_cuda()) &&
+                    reuse.scalar_type() == t.scalar_type() && reuse.sizes() == t.sizes() && reuse.strides() == t.strides();
+  if (!fits) return to_host(t);
+  reuse.copy_(t);
+  return reuse;
 }
 
 at::Tensor to_device_copy(const at::Tensor& h, c10::Device device) {

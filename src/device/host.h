@@ -37,9 +37,13 @@ class HostScope {
 };
 
 // A host-placed copy of `t` (same dtype, values, sizes and strides when they are dense; contiguous
-// otherwise), and the way back: a copy of host tensor `h` in `device`'s memory with its layout. A
+// otherwise; from another device, the layout its copy to the CPU gives), and the way back: a copy of host tensor `h` in `device`'s memory with its layout. A
 // restored tensor meets the kernels the original met (a stride change could change their bits).
 at::Tensor to_host(const at::Tensor& t);
+// to_host(t) into `reuse` when it is a host copy of the same dtype, sizes and strides (copied in place:
+// no new allocation, no page faults); otherwise (undefined, another layout, the lazy device, which
+// cannot copy into a CPU tensor) a new to_host(t).
+at::Tensor to_host_reusing(const at::Tensor& t, const at::Tensor& reuse);
 at::Tensor to_device_copy(const at::Tensor& h, c10::Device device);
 // Zeros of `numel` elements on the host.
 at::Tensor host_zeros(int64_t numel, c10::ScalarType dtype);

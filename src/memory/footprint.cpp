@@ -156,6 +156,7 @@ PeakPrediction predict_states(const config::RunConfig& cfg) {
   p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? largest_param(cfg.model) : shard);
   if (N > 1 || !sh.replicated()) p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh.replicated() ? group : shard);
   p.host_staging_bytes = device::host_staging_bytes(4 * largest_param(cfg.model));  // fp32 masters and moments
+  if (cfg.state.async && cfg.state.every > 0) p.host_snapshot_bytes = 12 * (sh.replicated() ? n : ceil_div(n, N));
   place_offloaded(cfg, p);
   return p;
 }

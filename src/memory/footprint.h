@@ -50,13 +50,20 @@ struct PeakPrediction {
   // Host memory (not in the device peak): a save or the final-weights export on a non-CPU device
   // stages one bounded piece at a time (device/staging.h); CPU runs write from the tensors themselves.
   int64_t host_staging_bytes = 0;
+  // state.async with state.every > 0: a save's host snapshot of this rank's state file (state/state.h
+  // AsyncSave), allocated at the first save and reused by the later ones until the run ends: the fp32 parameters and both AdamW
+  // moments of the elements this rank's optimizer updates (12 B each: every element on rank 0 of a
+  // replicated run, 1/N of them under zero1/2/3). It counts in the host peak.
+  int64_t host_snapshot_bytes = 0;
   // offload.* (the terms above then count what stays on the device): the rank's shard of the fp32
   // masters, of the gradient (its host copy, or the shard itself with offload.gradients) and of the
   // moments in host memory, and the optimizer step's temporaries there.
   int64_t host_params_bytes = 0, host_grads_bytes = 0, host_optimizer_bytes = 0, host_temp_bytes = 0;
   ActivationEstimate activations;  // activations.host_bytes: offload.activations' inputs
   int64_t host_states_bytes() const { return host_params_bytes + host_grads_bytes + host_optimizer_bytes; }
-  int64_t host_peak_bytes() const { return host_states_bytes() + std::max(activations.host_bytes, host_temp_bytes); }
+  int64_t host_peak_bytes() const {
+    return host_states_bytes() + std::max(activations.host_bytes, host_temp_bytes) + host_snapshot_bytes;
+  }
   int64_t model_states_bytes() const { return params_bytes + grads_bytes + optimizer_bytes; }
   int64_t activation_phase_bytes() const { return transient_bytes + activations.peak_bytes; }
   int64_t optimizer_phase_bytes() const { return std::max(adamw_temp_bytes, grad_norm_temp_bytes); }

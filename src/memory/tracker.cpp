@@ -80,6 +80,13 @@ Snapshot Tracker::read() const {
   return s;
 }
 
+Snapshot Tracker::close_step() const {
+  Snapshot s = read();
+  if (!device_.is_cuda() && TrackingCPUAllocator::installed())
+    s.peak_allocated_bytes = TrackingCPUAllocator::instance().peak_bytes_closing_timeline();
+  return s;
+}
+
 void Tracker::set_limit(int64_t bytes) {
   limit_ = bytes;
   if (device_.is_cuda()) {

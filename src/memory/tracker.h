@@ -31,6 +31,9 @@ class Tracker {
   explicit Tracker(c10::Device device);
   void reset_peak();
   Snapshot read() const;
+  // read() at the end of a step: a recording memory timeline (memory/timeline.h) closes in the same
+  // reading of the peak, so the timeline's peak is this snapshot's peak_allocated_bytes.
+  Snapshot close_step() const;
   // "cpu_tracking_allocator", "cuda_caching_allocator", or "untracked" (CPU without the allocator).
   std::string source() const;
   // Applies memory.limit: the tracking allocator's limit on CPU, the caching allocator's memory

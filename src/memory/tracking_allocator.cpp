@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "device/host.h"
+#include "memory/timeline.h"
 
 namespace sl::memory {
 
@@ -55,10 +56,12 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
                      e.what_without_backtrace(), ")");
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    blocks_[ptr] = {nbytes, host};
+    std::lock_guard<std::mutex> lock(mu_);  // counted inside it: a timeline sees the counters' order
+    Block& b = blocks_[ptr];
+    b = {nbytes, host, 0};
+    count(current, host ? host_peak_ : peak_, static_cast<int64_t>(nbytes));
+    if (auto& timeline = Timeline::instance(); timeline.on()) b.timeline_id = timeline.on_alloc(static_cast<int64_t>(nbytes), host);
   }
-  count(current, host ? host_peak_ : peak_, static_cast<int64_t>(nbytes));
   allocs_.fetch_add(1);
   return {ptr, ptr, &free_block, c10::Device(c10::DeviceType::CPU)};
 }
@@ -66,17 +69,42 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
 void TrackingCPUAllocator::free_block(void* ptr) {
   if (ptr == nullptr) return;
   auto& self = instance();
-  Block b;
   {
     std::lock_guard<std::mutex> lock(self.mu_);
     auto it = self.blocks_.find(ptr);
     if (it != self.blocks_.end()) {
-      b = it->second;
+      const Block b = it->second;
       self.blocks_.erase(it);
+      (b.host ? self.host_current_ : self.current_).fetch_sub(static_cast<int64_t>(b.bytes));
+      if (auto& timeline = Timeline::instance(); timeline.on()) timeline.on_free(b.timeline_id, static_cast<int64_t>(b.bytes), b.host);
     }
   }
-  (b.host ? self.host_current_ : self.current_).fetch_sub(static_cast<int64_t>(b.bytes));
   c10::free_cpu(ptr);
+}
+
+std::vector<LiveBlock> TrackingCPUAllocator::live_blocks() const {
+  std::vector<LiveBlock> out;
+  out.reserve(blocks_.size());
+  for (const auto& [ptr, b] : blocks_) out.push_back({ptr, static_cast<int64_t>(b.bytes), b.host, b.timeline_id});
+  return out;
+}
+
+void TrackingCPUAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peak_.store(current_.load());
+  auto& timeline = Timeline::instance();
+  if (!timeline.on() || timeline.recording()) return;
+  timeline.begin(live_blocks(), current_.load(), host_current_.load());  // the i-th block gets id i
+  uint32_t id = 0;
+  for (auto& entry : blocks_) entry.second.timeline_id = id++;  // the same order: the map is unchanged
+}
+
+int64_t TrackingCPUAllocator::peak_bytes_closing_timeline() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t peak = peak_.load();
+  if (auto& timeline = Timeline::instance(); timeline.recording())
+    timeline.end(live_blocks(), current_.load(), host_current_.load(), peak);
+  return peak;
 }
 
 c10::DeleterFnPtr TrackingCPUAllocator::raw_deleter() const { return &free_block; }

@@ -5,16 +5,21 @@
 // device memory that memory.limit caps.
 // It cannot see memory that bypasses c10's CPU allocator: oneDNN/BLAS scratch buffers, tensors made
 // with from_blob, pinned host memory, communication buffers, and tensors allocated before install().
+// While a memory timeline records (memory/timeline.h), every allocation and free of both pools is
+// also told to it, inside the same lock that orders the counters; otherwise its cost is one relaxed load.
 #pragma once
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include <c10/core/Allocator.h>
 
 namespace sl::memory {
+
+struct LiveBlock;
 
 class TrackingCPUAllocator final : public c10::Allocator {
  public:
@@ -32,7 +37,11 @@ class TrackingCPUAllocator final : public c10::Allocator {
   int64_t current_bytes() const { return current_.load(); }
   int64_t peak_bytes() const { return peak_.load(); }
   int64_t num_allocs() const { return allocs_.load(); }
-  void reset_peak() { peak_.store(current_.load()); }
+  // The device pool's peak restarts from its current bytes; an armed memory timeline starts here.
+  void reset_peak();
+  // The device pool's peak since reset_peak(); a recording memory timeline ends here, in the same
+  // lock, so its replayed peak is this value.
+  int64_t peak_bytes_closing_timeline();
   // A simulated device-memory limit: an allocation that would take current bytes past it throws
   // c10::OutOfMemoryError, as CUDA does. 0 = none.
   void set_limit(int64_t bytes) { limit_.store(bytes); }
@@ -52,7 +61,9 @@ class TrackingCPUAllocator final : public c10::Allocator {
   struct Block {
     size_t bytes = 0;
     bool host = false;
+    uint32_t timeline_id = 0;  // the block's id in a recording memory timeline
   };
+  std::vector<LiveBlock> live_blocks() const;  // call under mu_
   static void count(std::atomic<int64_t>& current, std::atomic<int64_t>& peak, int64_t bytes);
   std::mutex mu_;
   std::unordered_map<void*, Block> blocks_;

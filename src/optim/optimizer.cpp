@@ -1,4 +1,5 @@
 #include "optim/optimizer.h"
+#include "device/alloc_tag.h"
 #include "model/clones.h"
 #include "model/intra_op.h"
 
@@ -76,6 +77,7 @@ torch::optim::AdamWParamState& state_of(torch::optim::AdamW& opt, const torch::T
   // Made whole before it enters the map: an allocation that fails (out of memory) leaves no empty entry.
   auto it = opt.state().find(p.unsafeGetTensorImpl());
   if (it == opt.state().end() || !it->second) {
+    device::LabelScope label(device::Label::optimizer_state);  // for a memory timeline of the first step
     auto fresh = std::make_unique<torch::optim::AdamWParamState>();
     fresh->step(0);
     fresh->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));

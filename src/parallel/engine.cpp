@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include "device/alloc_tag.h"
 #include "device/device.h"
 #include "device/host.h"
 #include "memory/footprint.h"
@@ -269,6 +270,7 @@ void Engine::on_param_grad(size_t gi, size_t i) {
       // The previous group's reduce-scatter overlapped this group's backward until now; finish
       // it before a second full gradient buffer exists.
       finish_in_flight();
+      device::LabelScope label(device::Label::comm);  // a memory timeline's label: the gradient in flight
       grp.flat_grad = torch::zeros({grp.padded}, fp32_options().dtype(reduce_dtype_));
       add_transient(grad_buffer_bytes(grp));
     }
@@ -355,6 +357,7 @@ void Engine::launch(size_t gi) {
   }
   if (!g.flat_grad.defined()) {  // no gradient reached this group (unused parameters): reduce zeros
     finish_in_flight();
+    device::LabelScope label(device::Label::comm);
     g.flat_grad = torch::zeros({g.padded}, g.shard_grad.options().dtype(reduce_dtype_));
     add_transient(grad_buffer_bytes(g));
   }
@@ -615,6 +618,7 @@ void Engine::start_gather(Group& g) {
   if (g.gathered) return;
   auto* storage = g.flat_param.storage().unsafeGetStorageImpl();
   const auto bytes = static_cast<size_t>(param_buffer_bytes(g));
+  device::LabelScope label(device::Label::gathered_params);  // a memory timeline's label
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
   g.gathered = true;

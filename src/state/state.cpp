@@ -9,6 +9,8 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <thread>
+#include <cstring>
 
 #include <ATen/Context.h>
 #include <fmt/format.h>
@@ -17,6 +19,7 @@
 #include <torch/version.h>
 
 #include "errors.h"
+#include "device/host.h"
 #include "log/clock.h"
 #include "state/components.h"
 #include "state/safetensors.h"
@@ -117,14 +120,9 @@ Json math_values(const Json& recipe, int64_t global) {
   return out;
 }
 
-// meta.json: the state's identity (format, versions, world size, sharding, recipe and its math), every
-// rank file's size and CRC-32, and each part's entries (components.h).
-Json meta_json(Parts& s, const Counters& st, const std::vector<double>& digests) {
-  Json files = Json::array();
-  for (int64_t r = 0; r < s.world(); ++r)
-    files.push_back({{"name", rank_file_name(r)},
-                     {"bytes", static_cast<int64_t>(digests[static_cast<size_t>(3 * r + 1)])},
-                     {"crc32", static_cast<uint32_t>(digests[static_cast<size_t>(3 * r + 2)])}});
+// meta.json's content but its file list: the state's identity (format, versions, world size, sharding,
+// recipe and its math) and each part's entries (components.h), as they stand now.
+Json meta_content(Parts& s, const Counters& st) {
   const Json recipe = config::to_json(s.cfg);
   const Json math = math_values(recipe, global_batch(s.cfg));
   Json meta = {{"format", "sublinear-training-state"},
@@ -135,10 +133,20 @@ Json meta_json(Parts& s, const Counters& st, const std::vector<double>& digests)
                {"sharding", s.cfg.parallel.sharding},
                {"recipe", recipe},
                {"math", math},
-               {"math_hash", fmt::format("{:08x}", crc32(math.dump().data(), math.dump().size()))},
-               {"files", files}};
+               {"math_hash", fmt::format("{:08x}", crc32(math.dump().data(), math.dump().size()))}};
   Counters counters = st;
   for (const auto& part : components(s, counters)) part->add_meta(meta);
+  return meta;
+}
+
+// meta.json: its content with every rank file's size and CRC-32 ([ok, bytes, crc32] per rank).
+Json with_files(Json meta, int64_t world, const std::vector<double>& digests) {
+  Json files = Json::array();
+  for (int64_t r = 0; r < world; ++r)
+    files.push_back({{"name", rank_file_name(r)},
+                     {"bytes", static_cast<int64_t>(digests[static_cast<size_t>(3 * r + 1)])},
+                     {"crc32", static_cast<uint32_t>(digests[static_cast<size_t>(3 * r + 2)])}});
+  meta["files"] = std::move(files);
   return meta;
 }
 
@@ -181,21 +189,25 @@ void make_fresh_dir(const fs::path& root, const fs::path& tmp) {
   if (ec) throw IoError(fmt::format("state.dir: cannot create {} ({})", tmp.string(), ec.message()));
 }
 
-// Every rank writes its file; returns [ok, bytes, crc32] of every rank.
-std::vector<double> write_rank_files(Parts& s, const Counters& st, const fs::path& tmp) {
-  std::vector<double> mine{1.0, 0.0, 0.0};
-  std::string error;
+// This rank's file in `tmp`, as [ok, bytes, crc32]; `error` says why when not ok.
+std::vector<double> write_rank_file(const fs::path& tmp, int64_t rank, const Named& tensors, std::string& error) {
   try {
-    const FileDigest d = write_safetensors(tmp / rank_file_name(s.launch.rank), rank_tensors(s, st));
-    mine = {1.0, static_cast<double>(d.bytes), static_cast<double>(d.crc32)};
+    const FileDigest d = write_safetensors(tmp / rank_file_name(rank), tensors);
+    return {1.0, static_cast<double>(d.bytes), static_cast<double>(d.crc32)};
   } catch (const std::exception& e) {
     error = e.what();
-    mine[0] = 0.0;
+    return {0.0, 0.0, 0.0};
   }
+}
+
+// Every rank's [ok, bytes, crc32] (a collective); when any rank failed, rank 0 removes `tmp` and every
+// rank throws IoError (its own error, or one naming the rank that failed).
+std::vector<double> agree_on_files(Parts& s, const std::vector<double>& mine, const std::string& error, const fs::path& tmp) {
   const auto all = s.world() > 1 ? s.comm->all_gather(mine, "state save") : mine;
   for (int64_t r = 0; r < s.world(); ++r)
     if (all[static_cast<size_t>(3 * r)] == 0.0) {
-      if (s.rank0()) fs::remove_all(tmp);
+      std::error_code ec;
+      if (s.rank0()) fs::remove_all(tmp, ec);
       throw IoError(error.empty() ? fmt::format("rank {} could not write its part of the state (see its error)", r) : error);
     }
   return all;
@@ -214,16 +226,23 @@ void prune(const fs::path& root, int64_t keep, const std::string& newest) {
     }
 }
 
-// Rank 0, after every rank file is on disk: meta.json, then the rename, then `latest`.
-void publish(Parts& s, const Counters& st, const fs::path& root, const fs::path& tmp,
-             const std::vector<double>& digests) {
-  const std::string name = step_dir_name(st.steps_done);
-  write_file_atomic(tmp / "meta.json", with_checksum(meta_json(s, st, digests)).dump(2) + "\n");
-  fsync_dir(tmp);
-  install_state_dir(tmp, root / name);
+// Rank 0, after every rank file is on disk: meta.json, then the rename, then `latest`, then (with
+// `prune_now`) state.keep; on failure `tmp` is removed (the previous state stays newest).
+void publish(Parts& s, const Json& content, int64_t step, const fs::path& root, const fs::path& tmp,
+             const std::vector<double>& digests, bool prune_now = true) {
+  const std::string name = step_dir_name(step);
+  try {
+    write_file_atomic(tmp / "meta.json", with_checksum(with_files(content, s.world(), digests)).dump(2) + "\n");
+    fsync_dir(tmp);
+    install_state_dir(tmp, root / name);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    throw;
+  }
   write_file_atomic(root / "latest", name + "\n");
   fsync_dir(root);
-  prune(root, s.cfg.state.keep, name);
+  if (prune_now) prune(root, s.cfg.state.keep, name);
 }
 
 // ---- finding and checking ----
@@ -523,26 +542,135 @@ Found find_state(const std::string& resume, const fs::path& root, parallel::Comm
   return f;
 }
 
+namespace {
+
+fs::path tmp_dir(const fs::path& root, int64_t step) { return root / ("." + step_dir_name(step) + ".tmp"); }
+
+Saved saved_result(const fs::path& root, int64_t step, const std::vector<double>& digests, int64_t world, Clock::time_point t0) {
+  Saved out{root / step_dir_name(step), 0, 0};
+  for (int64_t r = 0; r < world; ++r) out.bytes += static_cast<int64_t>(digests[static_cast<size_t>(3 * r + 1)]);
+  out.ms = log::ms_since(t0);
+  return out;
+}
+
+// A host copy of every tensor of this rank's file (the host pool), into `reuse`'s buffers where they
+// fit (the previous snapshot: the same names in the same order, device::to_host_reusing).
+Named host_snapshot(const Named& tensors, Named reuse, int64_t& bytes) {
+  const bool same = reuse.size() == tensors.size() &&
+                    std::equal(reuse.begin(), reuse.end(), tensors.begin(), [](const auto& a, const auto& b) { return a.first == b.first; });
+  Named out;
+  out.reserve(tensors.size());
+  bytes = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [name, t] = tensors[i];
+    out.emplace_back(name, device::to_host_reusing(t, same ? reuse[i].second : at::Tensor()));
+    bytes += static_cast<int64_t>(t.nbytes());
+  }
+  return out;
+}
+
+// SUBLINEAR_STATE_WRITE_DELAY_MS: the asynchronous writer waits this long after writing its file before
+// it reports done (a test hook: it holds a save in flight, its rank file complete and meta.json not
+// yet written, long enough for a test to kill the run inside it). 0 when unset.
+int64_t write_delay_ms() {
+  const char* v = std::getenv("SUBLINEAR_STATE_WRITE_DELAY_MS");
+  int64_t ms = 0;
+  if (v != nullptr) std::from_chars(v, v + std::strlen(v), ms);
+  return std::max<int64_t>(0, ms);
+}
+
+}  // namespace
+
 Saved save(Parts& s, const Counters& st) {
   const auto t0 = Clock::now();
   const fs::path root = state_root(s.cfg, s.run_dir);
-  const std::string name = step_dir_name(st.steps_done);
-  const fs::path tmp = root / ("." + name + ".tmp");
+  const fs::path tmp = tmp_dir(root, st.steps_done);
   on_rank0_together(s, "state directory", [&] { make_fresh_dir(root, tmp); });
-  const std::vector<double> digests = write_rank_files(s, st, tmp);
-  on_rank0_together(s, "state publish", [&] {
+  std::string error;
+  const auto mine = write_rank_file(tmp, s.launch.rank, rank_tensors(s, st), error);
+  const auto digests = agree_on_files(s, mine, error, tmp);
+  on_rank0_together(s, "state publish", [&] { publish(s, meta_content(s, st), st.steps_done, root, tmp, digests); });
+  return saved_result(root, st.steps_done, digests, s.world(), t0);
+}
+
+// The thread that writes this rank's file from the snapshot, and what it leaves for finish().
+struct AsyncSave::Writer {
+  fs::path root, tmp;
+  int64_t rank = 0;
+  int64_t keep = 0;    // rank 0, after a save published without pruning: state.keep, applied first
+  std::string newest;  // ... keeping this state (the newest published)
+  Json content;  // rank 0: meta.json's content at the snapshot
+  Named snapshot;
+  Clock::time_point t0;
+  std::vector<double> mine{0.0, 0.0, 0.0};
+  std::string error;
+  std::atomic<bool> finished{false};
+  std::thread thread;
+
+  void run() {
+    prune_earlier();
+    mine = write_rank_file(tmp, rank, snapshot, error);
+    if (const int64_t ms = write_delay_ms()) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    finished.store(true, std::memory_order_release);
+  }
+  void join() {
+    if (thread.joinable()) thread.join();
+  }
+  // The earlier save's state.keep, off the loop (deleting a large state takes a while); a failure is a
+  // warning, the next publication prunes again.
+  void prune_earlier() {
+    if (keep <= 0) return;
     try {
-      publish(s, st, root, tmp, digests);
-    } catch (...) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-      throw;
+      prune(root, keep, newest);
+    } catch (const std::exception& e) {
+      spdlog::warn("state.keep {}: could not remove an older state ({}); the next save tries again", keep, e.what());
     }
-  });
-  Saved out{root / name, 0, 0};
-  for (int64_t r = 0; r < s.world(); ++r) out.bytes += static_cast<int64_t>(digests[static_cast<size_t>(3 * r + 1)]);
-  out.ms = log::ms_since(t0);
-  return out;
+  }
+};
+
+AsyncSave::AsyncSave(Parts& s, const Counters& st, AsyncSave* previous)
+    : step_(st.steps_done), writer_(std::make_unique<Writer>()) {
+  Writer& w = *writer_;
+  w.t0 = Clock::now();
+  w.root = state_root(s.cfg, s.run_dir);
+  w.tmp = tmp_dir(w.root, step_);
+  w.rank = s.launch.rank;
+  on_rank0_together(s, "state directory", [&] { make_fresh_dir(w.root, w.tmp); });
+  if (s.rank0()) w.content = meta_content(s, st);
+  Named reuse;
+  if (previous != nullptr) {
+    previous->writer_->join();
+    reuse = std::move(previous->writer_->snapshot);
+    if (s.rank0() && !previous->pruned_) w.keep = s.cfg.state.keep, w.newest = step_dir_name(previous->step_);
+  }
+  w.snapshot = host_snapshot(rank_tensors(s, st), std::move(reuse), snapshot_bytes_);
+  snapshot_ms_ = log::ms_since(w.t0);
+  w.thread = std::thread([&w] { w.run(); });
+}
+
+AsyncSave::~AsyncSave() { writer_->join(); }
+
+bool AsyncSave::done() const { return writer_->finished.load(std::memory_order_acquire); }
+
+Saved AsyncSave::finish(Parts& s, bool last) {
+  Writer& w = *writer_;
+  w.join();
+  const auto digests = agree_on_files(s, w.mine, w.error, w.tmp);
+  on_rank0_together(s, "state publish", [&] { publish(s, w.content, step_, w.root, w.tmp, digests, last); });
+  pruned_ = last;
+  return saved_result(w.root, step_, digests, s.world(), w.t0);
+}
+
+void AsyncSave::apply_keep(Parts& s) {
+  if (pruned_ || !s.rank0()) return;
+  writer_->keep = s.cfg.state.keep;
+  writer_->newest = step_dir_name(step_);
+  writer_->prune_earlier();
+  pruned_ = true;
+}
+
+std::unique_ptr<AsyncSave> begin_save(Parts& s, const Counters& st, std::unique_ptr<AsyncSave> previous) {
+  return std::make_unique<AsyncSave>(s, st, previous.get());
 }
 
 void load(const Found& found, Parts& s, Counters& st) {

@@ -133,6 +133,46 @@ struct Saved {
 // IoError on every rank when any rank's write failed; the previous state stays intact.
 Saved save(Parts& s, const Counters& st);
 
+// An asynchronous save (state.async): the state after one step, written while the steps go on.
+//   begin_save   (collective) rank 0 makes <root>/.step-N.tmp; every rank copies the tensors of its
+//                file into host memory (device::to_host: the host pool, what memory.host_limit caps
+//                and host_peak_bytes shows; the snapshot's size is the planner's host_snapshot_bytes)
+//                and rank 0 fixes meta.json's content (counters, samplers, scaler, AdamW step); a
+//                thread then writes this rank's file from the snapshot. This call is all the loop
+//                waits for: one copy at memory bandwidth. Given the previous finished save, its
+//                snapshot's buffers are copied into (device::to_host_reusing): the snapshot memory is
+//                allocated once, at the first save, and held until the run ends.
+//   done         (local) the thread has finished, written or failed.
+//   finish       (collective, every rank at the same point) waits for the thread, agrees on every
+//                rank's file and publishes as save() does: meta.json, the rename, `latest`; state.keep
+//                too when `last` (no save follows), else the next save's thread applies it before
+//                writing (removing a large state takes a while). IoError on every rank when any rank's
+//                write failed; the previous state stays newest.
+// Until finish() returns the newest complete state is the previous one: a crash or kill -9 during
+// the write leaves .step-N.tmp behind (removed by the next save), never a `latest` that names it.
+// Destroyed unfinished (a failed run): the thread is joined and nothing is published.
+class AsyncSave {
+ public:
+  AsyncSave(Parts& s, const Counters& st, AsyncSave* previous);
+  ~AsyncSave();
+  AsyncSave(const AsyncSave&) = delete;
+  AsyncSave& operator=(const AsyncSave&) = delete;
+  int64_t step() const { return step_; }
+  int64_t snapshot_bytes() const { return snapshot_bytes_; }
+  double snapshot_ms() const { return snapshot_ms_; }  // the loop's wait in begin_save
+  bool done() const;
+  Saved finish(Parts& s, bool last);  // Saved::ms: from begin_save to published
+  void apply_keep(Parts& s);          // after finish(s, false) when no save follows: state.keep now (rank 0)
+
+ private:
+  struct Writer;
+  int64_t step_ = 0, snapshot_bytes_ = 0;
+  double snapshot_ms_ = 0;
+  bool pruned_ = false;  // finish() applied state.keep
+  std::unique_ptr<Writer> writer_;
+};
+std::unique_ptr<AsyncSave> begin_save(Parts& s, const Counters& st, std::unique_ptr<AsyncSave> previous = nullptr);
+
 // Puts the complete state directory `tmp` in place as `dir` (rank 0, in publish). A state already at
 // `dir` (the same step saved again) is renamed aside to .<name>.old first and removed, with a log line
 // naming it, only after the new one is in place and the directory synced; if the new one cannot be

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "log/clock.h"
+#include "memory/timeline.h"
 #include "memory/tracking_allocator.h"
 #include "model/generate.h"
 #include "planner/planner.h"
@@ -246,8 +247,63 @@ void save_profile(Session& s, const LoopState& st, StepProfiler& profiler, log::
   spdlog::info("step {:>5}/{} | profile of this step ({} events) -> {}", st.steps_done, s.cfg.train.steps, events, path);
 }
 
+// The tensors a memory timeline labels by their storage: weights (and an engine's masters), buffers,
+// gradients, AdamW's moments, the step's batch. The first label given to a storage stays.
+memory::KnownTensors known_tensors(const Session& s, const std::vector<data::Batch>& micro) {
+  using device::Label;
+  memory::KnownTensors known;
+  for (const auto& p : s.model->parameters()) known.add(p, Label::weights);
+  for (const auto& g : s.opt->param_groups())
+    for (const auto& p : g.params()) known.add(p, Label::weights), known.add(p.grad(), Label::gradients);
+  for (const auto& b : s.model->buffers()) known.add(b, Label::buffers);
+  for (const auto& p : s.model->parameters()) known.add(p.grad(), Label::gradients);
+  if (s.engine)
+    for (const auto& g : s.engine->grads()) known.add(g, Label::gradients);
+  for (const auto& [key, state] : s.opt->state()) {
+    const auto& st = static_cast<const torch::optim::AdamWParamState&>(*state);
+    for (const auto* t : {&st.exp_avg(), &st.exp_avg_sq(), &st.max_exp_avg_sq()}) known.add(*t, Label::optimizer_state);
+  }
+  for (const auto& b : micro) known.add(b.x, Label::input), known.add(b.y, Label::input);
+  return known;
+}
+
+// logging.memory_timeline on rank 0: the step's allocations are recorded from train_step's peak reset
+// to its peak reading (memory/timeline.h); dropped on destruction, so a step that fails writes none.
+struct TimelineArm {
+  bool on;
+  TimelineArm(bool want, int64_t step, const Session& s, const std::vector<data::Batch>& micro) : on(want) {
+    if (on) memory::Timeline::instance().arm(step, known_tensors(s, micro));
+  }
+  ~TimelineArm() {
+    if (on) memory::Timeline::instance().disarm();
+  }
+  TimelineArm(const TimelineArm&) = delete;
+  TimelineArm& operator=(const TimelineArm&) = delete;
+};
+
+// Writes the recorded step to <run dir>/memory_timeline.json (docs/logs.md) and records a
+// `memory_timeline` event with its path and peak (equal to the step's peak_allocated_bytes).
+void save_timeline(Session& s, const LoopState& st, const std::vector<data::Batch>& micro, log::ProgressBar& bar) {
+  auto& timeline = memory::Timeline::instance();
+  if (!timeline.finished()) return;
+  std::vector<std::string> units;
+  for (int64_t u = 0; u < model::unit_count(s.cfg.model); ++u) units.push_back(model::unit_name(s.cfg.model, u));
+  nlohmann::json j = timeline.to_json(known_tensors(s, micro), units);
+  j["rank"] = s.launch.rank;
+  j["checkpointing"] = s.runner->plan().describe();
+  const std::string path = (std::filesystem::path(s.run_dir) / "memory_timeline.json").string();
+  log::write_text_file(path, j.dump());
+  const int64_t peak = j["peak"]["device_bytes"].get<int64_t>();
+  s.runlog->event("memory_timeline", {{"step", st.steps_done}, {"path", path}, {"peak_bytes", peak},
+                                      {"events", j["events"].size()}});
+  bar.clear();
+  spdlog::info("step {:>5}/{} | memory timeline of this step ({} events, peak {}) -> {}", st.steps_done,
+               s.cfg.train.steps, j["events"].size(), log::format_bytes(peak), path);
+}
+
 // One optimizer step: learning rate, micro-batches, the step, checks, record, console, eval; with
-// logging.profile_step, the step up to its console line recorded by the profiler.
+// logging.profile_step, the step up to its console line recorded by the profiler; with
+// logging.memory_timeline, its allocations from train_step's start to its peak reading.
 // Returns why the run stops after it (0: it goes on; agreed over ranks, see agreed_stop).
 int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
   const auto& t = s.cfg.train;
@@ -262,6 +318,7 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
     spike = check_spike(st, loss, t);
     return spike.spike && (t.on_spike == "skip" || t.on_spike == "stop");  // every rank sees the same (mean) loss
   };
+  TimelineArm timeline(s.rank0() && s.cfg.logging.memory_timeline == step + 1, step + 1, s, micro);
   const StepResult r = train_step(s.forward, s.model, *s.opt, micro, t.grad_clip, s.device, *s.tracker, s.precision,
                                   s.engine.get(), poll, hold);
   check_step(s, st, r, step, bar);
@@ -277,6 +334,7 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
     }
   }
   if (profiler.on()) save_profile(s, st, profiler, bar);
+  if (timeline.on) save_timeline(s, st, micro, bar);
   if (const int stop = handle_spike(s, st, r, spike, step, bar)) return stop;
   maybe_evaluate(s, st, bar);
   maybe_sample(s, st, bar);
@@ -317,10 +375,10 @@ Outcome unexpected_outcome(Session& s, const LoopState& st, const std::string& w
   return o;
 }
 
-// What a failed save leaves to resume from, for its message: said only after looking at the disk.
-std::string earlier_state_note(const Session& s, const LoopState& st) {
+// What a failed save of `step` leaves to resume from, for its message: said only after looking at the disk.
+std::string earlier_state_note(const Session& s, const LoopState& st, int64_t step) {
   if (st.last_saved_step < 0) return "No earlier state exists";
-  if (st.last_saved_step == st.steps_done) return "";  // the same step: the error says where its earlier save is
+  if (st.last_saved_step == step) return "";  // the same step: the error says where its earlier save is
   const auto dir = state::step_dir(state::state_root(s.cfg, s.run_dir), st.last_saved_step);
   std::error_code ec;
   if (!std::filesystem::exists(dir / "meta.json", ec))
@@ -329,31 +387,116 @@ std::string earlier_state_note(const Session& s, const LoopState& st) {
                      st.last_saved_step, dir.string());
 }
 
-// Saves the training state after this step (state/state.h) and records it; a failed save is an
-// IoError (exit 7) naming the state that stays.
-void save_state(Session& s, LoopState& st, log::ProgressBar& bar, const char* why) {
-  state::Saved saved;
+// Runs a save (or its last part) of the state after `step`; a failed one is an IoError (exit 7) naming
+// the state that stays.
+template <class F>
+state::Saved saving(const Session& s, const LoopState& st, int64_t step, F&& fn) {
   try {
-    auto parts = state_parts(s);
-    saved = state::save(parts, st);
+    return fn();
   } catch (const IoError& e) {
-    throw IoError(fmt::format("saving the training state after step {} failed: {}. {}", st.steps_done, e.what(),
-                              earlier_state_note(s, st)));
+    throw IoError(fmt::format("saving the training state after step {} failed: {}. {}", step, e.what(),
+                              earlier_state_note(s, st, step)));
   }
-  st.last_saved_step = st.steps_done;
+}
+
+// A published state: the newest on disk, its `state_saved` event and console line.
+void record_saved(Session& s, LoopState& st, log::ProgressBar& bar, const state::Saved& saved, int64_t step,
+                  const char* why, double blocking_ms, bool async) {
+  st.last_saved_step = step;
   st.state_bytes = saved.bytes;
   st.save_ms.push_back(saved.ms);
-  s.runlog->event("state_saved", {{"step", st.steps_done}, {"reason", why}, {"dir", saved.dir.string()},
-                                  {"bytes", saved.bytes}, {"save_ms", saved.ms}});
+  st.save_blocking_ms.push_back(blocking_ms);
+  s.runlog->event("state_saved", {{"step", step}, {"reason", why}, {"dir", saved.dir.string()}, {"bytes", saved.bytes},
+                                  {"save_ms", saved.ms}, {"blocking_ms", blocking_ms}, {"async", async}});
   if (s.rank0()) {
     bar.clear();
-    spdlog::info("step {:>5}/{} | state saved ({}): {} in {:.0f} ms -> {}", st.steps_done, s.cfg.train.steps, why,
-                 log::format_bytes(saved.bytes), saved.ms, saved.dir.string());
+    spdlog::info("step {:>5}/{} | state saved ({}): {} in {:.0f} ms{} -> {}", step, s.cfg.train.steps, why,
+                 log::format_bytes(saved.bytes), saved.ms,
+                 async ? fmt::format(" (the steps waited {:.0f} ms)", blocking_ms) : std::string(), saved.dir.string());
   }
+}
+
+// state.async: publishes the save in flight (a collective: every rank calls it at the same point) after
+// waiting for its writer. The loop waits for the agreement and rank 0's meta.json and renames, plus
+// whatever of the write is left. `last`: no save follows, so state.keep is applied now (else by the next
+// save's writer).
+void finish_pending_save(Session& s, LoopState& st, log::ProgressBar& bar, bool last) {
+  if (!st.pending_save) {
+    if (last && st.finished_save) {  // published by a poll, its state.keep left to a save that will not come
+      auto parts = state_parts(s);
+      st.finished_save->apply_keep(parts);
+    }
+    return;
+  }
+  auto pending = std::move(st.pending_save);
+  const auto t0 = Clock::now();
+  auto parts = state_parts(s);
+  const state::Saved saved = saving(s, st, pending->step(), [&] { return pending->finish(parts, last); });
+  record_saved(s, st, bar, saved, pending->step(), "every", pending->snapshot_ms() + ms_since(t0), true);
+  st.finished_save = std::move(pending);
+}
+
+// Publishes the save in flight once every rank's writer is done (agreed over ranks: one small
+// all-reduce per step while a save is in flight).
+void poll_pending_save(Session& s, LoopState& st, log::ProgressBar& bar) {
+  if (!st.pending_save) return;
+  double busy = st.pending_save->done() ? 0.0 : 1.0;
+  if (s.world() > 1) busy = s.comm->all_reduce_max(busy, "state save poll");
+  if (busy == 0.0) finish_pending_save(s, st, bar, /*last=*/false);
+}
+
+// state.async: the host snapshot of the state after this step and its writer started; published by a
+// later poll_pending_save or finish_pending_save. Logs a `state_snapshot` event.
+void begin_async_save(Session& s, LoopState& st, log::ProgressBar& bar) {
+  auto parts = state_parts(s);
+  st.pending_save = state::begin_save(parts, st, std::move(st.finished_save));
+  st.snapshot_bytes = st.pending_save->snapshot_bytes();
+  s.runlog->event("state_snapshot", {{"step", st.steps_done}, {"snapshot_bytes", st.snapshot_bytes},
+                                     {"snapshot_ms", st.pending_save->snapshot_ms()}});
+  if (s.rank0()) {
+    bar.clear();
+    spdlog::info("step {:>5}/{} | state snapshot: {} in host memory in {:.0f} ms, written in the background",
+                 st.steps_done, s.cfg.train.steps, log::format_bytes(st.snapshot_bytes), st.pending_save->snapshot_ms());
+  }
+}
+
+// Saves the training state after this step (state/state.h) and records it; a failed save is an
+// IoError (exit 7) naming the state that stays. A save in flight is published first. With state.async
+// a save that need not complete before the run goes on (`every`) is written in the background;
+// the others (end, signal, spike) are written before this returns.
+void save_state(Session& s, LoopState& st, log::ProgressBar& bar, const char* why) {
+  const bool background = s.cfg.state.async && std::string(why) == "every";
+  finish_pending_save(s, st, bar, /*last=*/!background);
+  if (background) return begin_async_save(s, st, bar);
+  auto parts = state_parts(s);
+  const state::Saved saved = saving(s, st, st.steps_done, [&] { return state::save(parts, st); });
+  record_saved(s, st, bar, saved, st.steps_done, why, saved.ms, false);
+}
+
+// After a failure in the loop, the save in flight: at world 1 published (its snapshot predates the
+// failure), at world > 1 given up (the other ranks may not reach the agreement), leaving the previous
+// state newest. Either way its writer is joined before the run exits.
+void settle_pending_save(Session& s, LoopState& st, log::ProgressBar& bar) {
+  if (!st.pending_save) return;
+  const int64_t step = st.pending_save->step();
+  if (s.world() == 1) {
+    try {
+      return finish_pending_save(s, st, bar, /*last=*/true);
+    } catch (const std::exception& e) {
+      spdlog::warn("{}", e.what());
+      return;
+    }
+  }
+  st.pending_save.reset();
+  if (s.rank0())
+    spdlog::warn("the run failed while the state of step {} was being written: not published; {}", step,
+                 st.last_saved_step >= 0 ? fmt::format("the state of step {} stays the newest", st.last_saved_step)
+                                         : std::string("no state was saved"));
 }
 
 // Stops the run after this step for `stop` (agreed): saves the state on a signal (state.on_signal).
 Outcome stop_run(Session& s, LoopState& st, log::ProgressBar& bar, int stop) {
+  finish_pending_save(s, st, bar, /*last=*/true);
   // At world > 1 a stop can be agreed after the last step's `every` save (run_steps): not saved twice.
   const bool save = stop == kStopSpike || (stop != kStopIo && s.cfg.state.on_signal);
   if (save && st.last_saved_step != st.steps_done) save_state(s, st, bar, stop == kStopSpike ? "spike" : "signal");
@@ -366,11 +509,13 @@ Outcome run_steps(Session& s, LoopState& st, log::ProgressBar& bar) {
   const auto& c = s.cfg;
   for (int64_t step = st.steps_done; step < c.train.steps; ++step) {
     if (const int stop = loop_step(s, st, step, bar)) return stop_run(s, st, bar, stop);
+    poll_pending_save(s, st, bar);
     if (c.state.every > 0 && st.steps_done % c.state.every == 0) save_state(s, st, bar, "every");
   }
   if (s.world() > 1 && st.steps_done > 0) {  // what landed after the last step's read (see agreed_stop)
     if (const int stop = agreed_stop(s)) return stop_run(s, st, bar, stop);
   }
+  finish_pending_save(s, st, bar, /*last=*/true);
   if (c.state.at_end && st.last_saved_step != st.steps_done) save_state(s, st, bar, "end");
   return {};
 }
@@ -398,6 +543,7 @@ Outcome train_loop(Session& s, LoopState& st) {
   } catch (const std::exception& e) {
     o = unexpected_outcome(s, st, e.what());
   }
+  settle_pending_save(s, st, bar);
   if (o.code == kExitDistributed)
     s.runlog->event("distributed_failure", {{"step", st.steps_done + 1}, {"message", o.message}});
   bar.finish();

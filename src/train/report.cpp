@@ -129,14 +129,18 @@ Json parallel_report(Session& s, const LoopState& st, Outcome& o) {
           {"ranks", ranks}};
 }
 
-// Saved training states: where this run resumed from and what it saved.
+// Saved training states: where this run resumed from (and in which torchrun restart), and what it saved.
 Json state_report(const Session& s, const LoopState& st) {
   return {{"resumed_from", s.resume_from.found() ? Json(s.resume_from.dir.string()) : Json(nullptr)},
           {"resumed_at_step", s.resume_from.found() ? Json(s.resume_from.step) : Json(nullptr)},
+          {"restart", s.launch.restart_count},  // torchrun's TORCHELASTIC_RESTART_COUNT: 0 on the first attempt
           {"saves", st.save_ms.size()},
           {"last_saved_step", st.last_saved_step >= 0 ? Json(st.last_saved_step) : Json(nullptr)},
           {"state_bytes", st.state_bytes},
-          {"median_save_ms", median(st.save_ms)}};
+          {"async", s.cfg.state.async},
+          {"snapshot_bytes", st.snapshot_bytes},
+          {"median_save_ms", median(st.save_ms)},
+          {"median_save_blocking_ms", median(st.save_blocking_ms)}};
 }
 
 // Offloaded state in host memory (offload.*): measured and predicted, and the limit.

@@ -78,7 +78,11 @@ struct Session {
 struct LoopState : state::Counters {
   int64_t last_saved_step = -1;  // the newest state on disk (-1: none yet)
   int64_t state_bytes = 0;       // size of the newest state
-  std::vector<double> save_ms;   // wall time of every save
+  std::vector<double> save_ms;   // wall time of every save (an asynchronous one: snapshot to published)
+  std::vector<double> save_blocking_ms;  // the part of it the step loop waited for (synchronous: all of it)
+  int64_t snapshot_bytes = 0;    // state.async: this rank's host snapshot (the newest)
+  std::unique_ptr<state::AsyncSave> pending_save;  // state.async: the save being written, not yet published
+  std::unique_ptr<state::AsyncSave> finished_save;  // ... the newest published one: its snapshot's buffers are reused
   int64_t peak_bytes = 0, transient_peak = 0, rest_bytes = 0, gathers = 0;
   ModelStateBytes states_at_peak;
   int64_t host_peak_bytes = 0;    // offload: the host pool's peak over the steps
@@ -104,7 +108,8 @@ struct Outcome {
 void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit);
 
 std::unique_ptr<Session> setup(const config::RunConfig& cfg);
-// --resume: loads the state setup() found into the session and the loop's counters (no-op otherwise).
+// --resume: loads the state setup() found into the session and the loop's counters; a torchrun restart
+// (TORCHELASTIC_RESTART_COUNT > 0) is first logged as a `restart` event, found state or not.
 void restore(Session& s, LoopState& st);
 Outcome train_loop(Session& s, LoopState& st);
 // Returns the process exit code: the outcome's, or kExitIo when summary.json cannot be written

@@ -134,6 +134,9 @@ void load_init_from(Session& s) {
   s.init_from.reset();  // unmaps the files
 }
 
+// A torchrun restart (`--max-restarts`): TORCHELASTIC_RESTART_COUNT > 0, the attempt this process belongs to.
+bool elastic_restart(const Session& s) { return s.launch.restart_count > 0; }
+
 // The run directory is checked before anything expensive; it is created after the model exists.
 // A resumed run continues the logs there.
 void check_run_dir_early(Session& s) {
@@ -143,6 +146,9 @@ void check_run_dir_early(Session& s) {
       log::check_run_dir(s.run_dir, s.cfg.logging.overwrite || s.resume_from.found());
     } catch (const ConfigError& e) {
       error = e.what();
+      if (elastic_restart(s) && s.cfg.resume.empty())  // a restart that cannot continue its own run
+        error += fmt::format(" (this is torchrun restart {}: add --resume auto so that a restart continues the run)",
+                             s.launch.restart_count);
     }
   }
   fail_together(*s.comm, error, "run directory check");
@@ -261,12 +267,21 @@ void record_tokenizer(const Session& s) {
   text::write_hf_tokenizer(s.run_dir, s.tokenizer_path, s.cfg.model.max_seq_len);
 }
 
+// The step through which metrics.jsonl keeps its records (RunLog's resume_step): the resumed state's; 0
+// for a torchrun restart of --resume that found no state yet (its steps start over, and the earlier
+// attempts' `restart` events stay); -1 for a new run (the file is replaced).
+int64_t records_kept_through(const Session& s) {
+  if (s.resume_from.found()) return s.resume_from.step;
+  return elastic_restart(s) && !s.cfg.resume.empty() ? 0 : -1;
+}
+
 void open_run_log(Session& s) {
   lock_run_dir(s, /*create=*/true);
   int code = kExitOk;
   std::string error;
   try {  // rank 0's writes; a failure there stops every rank with its exit code
-    s.runlog = std::make_unique<log::RunLog>(s.run_dir, s.rank0(), s.cfg.logging.overwrite, s.resume_from.step, s.cfg.logging.tensorboard);
+    s.runlog = std::make_unique<log::RunLog>(s.run_dir, s.rank0(), s.cfg.logging.overwrite, records_kept_through(s),
+                                             s.cfg.logging.tensorboard);
     s.resolved = config::to_json(s.cfg);
     s.runlog->write_json("config.json", s.resolved);
     record_tokenizer(s);
@@ -413,8 +428,24 @@ state::Parts state_parts(Session& s) {
           .run_dir = s.run_dir};
 }
 
-void restore(Session& s, LoopState& st) {
-  if (!s.resume_from.found()) return;
+namespace {
+
+// A torchrun restart is recorded at its start, before anything trains: a `restart` event with the
+// attempt (TORCHELASTIC_RESTART_COUNT) and the step it continues from (0, state null: nothing was saved
+// before the failure, the steps start over).
+void record_restart(Session& s) {
+  if (!elastic_restart(s)) return;
+  const bool found = s.resume_from.found();
+  const int64_t step = found ? s.resume_from.step : 0;
+  s.runlog->event("restart", {{"step", step}, {"restart", s.launch.restart_count},
+                              {"state", found ? Json(s.resume_from.dir.string()) : Json(nullptr)}});
+  if (s.rank0())
+    spdlog::warn("torchrun restart {}: {}", s.launch.restart_count,
+                 found ? fmt::format("continuing from the state of step {}", step)
+                       : std::string("no state was saved before the failure; starting again from step 0"));
+}
+
+void load_state(Session& s, LoopState& st) {
   const auto t0 = Clock::now();
   auto parts = state_parts(s);
   s.load_peak_bytes = peak_during(*s.tracker, [&] { state::load(s.resume_from, parts, st); });
@@ -425,8 +456,16 @@ void restore(Session& s, LoopState& st) {
     st.last_saved_step = st.steps_done;
   s.runlog->event("resume", {{"step", st.steps_done}, {"state", s.resume_from.dir.string()},
                              {"saved_world_size", s.resume_from.meta.at("world_size")},
-                             {"saved_sharding", s.resume_from.meta.at("sharding")}, {"load_ms", load_ms}});
+                             {"saved_sharding", s.resume_from.meta.at("sharding")}, {"load_ms", load_ms},
+                             {"restart", s.launch.restart_count}});
   if (s.rank0()) spdlog::info("state of step {} loaded in {:.0f} ms", st.steps_done, load_ms);
+}
+
+}  // namespace
+
+void restore(Session& s, LoopState& st) {
+  record_restart(s);
+  if (s.resume_from.found()) load_state(s, st);
 }
 
 }  // namespace sl::train

@@ -10,6 +10,7 @@
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
+#include "device/alloc_tag.h"
 #include "device/device.h"
 #include "errors.h"
 #include "log/clock.h"
@@ -24,8 +25,10 @@ namespace {
 
 using log::Clock;
 using log::ms_since;
-
-thread_local const char* t_phase = "setup";
+using device::Label;
+using device::LabelScope;
+using device::Phase;
+using device::set_phase;
 
 // The global L2 norm of `grads` as a 0-d device tensor (fp32 like the gradients: the arithmetic of
 // torch::nn::utils::clip_grad_norm_) and, when clip > 0, the gradients scaled by
@@ -120,7 +123,7 @@ std::vector<torch::Tensor> local_grads(model::GPT& model) {
 
 }  // namespace
 
-const char* current_phase() { return t_phase; }
+const char* current_phase() { return device::phase_name(device::current_phase().phase); }
 
 std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t) {
   std::vector<torch::Tensor> decay, no_decay;
@@ -133,14 +136,19 @@ torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data:
   const double n = static_cast<double>(micro.size());
   torch::Tensor total;  // float64 on the device: the same sum the host made of each loss's value
   for (const auto& b : micro) {
-    auto x = device::to_device(b.x, device), y = device::to_device(b.y, device);
-    t_phase = "forward";
-    torch::Tensor loss;
+    set_phase(Phase::forward);
+    torch::Tensor x, y, loss;
+    {
+      LabelScope input(Label::input);
+      x = device::to_device(b.x, device), y = device::to_device(b.y, device);
+    }
     {
       precision::AutocastGuard autocast(device.type(), precision.autocast);
-      loss = model::GPTImpl::loss(forward(x), y);
+      const torch::Tensor logits = forward(x);
+      LabelScope label(Label::loss);
+      loss = model::GPTImpl::loss(logits, y);
     }
-    t_phase = "backward";
+    set_phase(Phase::backward);
     if (engine) engine->begin_backward(&b == &micro.back());
     // Divided by a 0-d tensor, not a double: the same float division on CPU and CUDA, and the form the
     // lazy test device differentiates (a double scalar there reaches nll_loss_backward as float64).
@@ -155,7 +163,7 @@ torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data:
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
                 std::optional<c10::ScalarType> autocast, const ForwardFn& forward) {
   torch::NoGradGuard no_grad;
-  t_phase = "eval";
+  set_phase(Phase::eval);
   loader.rewind();  // the same windows every eval: two evals of the same weights give the same loss
   model->eval();
   torch::Tensor total;  // float64 on the device, read once
@@ -213,7 +221,7 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   zero_grads(opt, engine);
   r.loss_scale = scaler ? scaler->scale() : 1.0;
   const torch::Tensor loss = forward_backward(forward, micro, device, precision, engine);
-  t_phase = "optimizer";
+  set_phase(Phase::optimizer);
   const std::vector<torch::Tensor> grads = engine ? engine->grads() : local_grads(model);
   const torch::Tensor found_inf = scaler ? scaler->unscale(grads) : torch::Tensor();  // unscale before clipping
   const torch::Tensor norm = engine ? engine->grad_norm_sq_share() : local_norm_and_clip(grads, grad_clip);
@@ -237,7 +245,7 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   }
   device::end_step(device);
   r.ms = ms_since(t0);
-  r.mem = tracker.read();
+  r.mem = tracker.close_step();  // a memory timeline of this step ends here (memory/timeline.h)
   if (engine) {
     const auto sb = engine->state_bytes();
     const int64_t moments = optimizer_state_bytes(opt);

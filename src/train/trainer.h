@@ -25,7 +25,8 @@ class Engine;
 namespace sl::train {
 
 // What the current thread's step is doing: "forward", "backward", "optimizer", "eval" or "setup"
-// (reported with an out-of-memory failure).
+// (reported with an out-of-memory failure; the thread's phase of device/alloc_tag.h, which a memory
+// timeline also records).
 const char* current_phase();
 
 // AdamW with two groups: matrices (dim >= 2) decay with train.weight_decay, vectors do not.
