@@ -9,7 +9,9 @@
 # usual --nnodes/--node-rank/--rdzv-endpoint (or --master-addr/--master-port) on every node.
 # Elastic restarts: --max-restarts N (any torchrun option passes through) restarts every rank when one
 # dies, up to N times; with the trainer's --resume auto each restart continues from the newest state:
-#   scripts/launch.sh -n 2 --max-restarts 3 -- --config configs/tiny.yaml --set state.every=50 --resume auto
+#   scripts/launch.sh -n 2 --max-restarts 3 -- --config configs/tiny.yaml --set state.every=50 \
+#       --set logging.dir=runs/tiny-elastic --resume auto
+# (name logging.dir: a restart before the first save then starts over in the same directory).
 # Exit status: 0 when every rank exited 0 (with --max-restarts: in the last attempt); otherwise
 # torchrun's (1) — each rank's own exit code is in torchrun's report and rank 0's in <run_dir>/summary.json.
 set -euo pipefail

@@ -10,6 +10,7 @@
 //    directory, and that earlier state still loads;
 //  - state.async: the background saves are byte for byte the synchronous ones, logged with their
 //    snapshot; a kill -9 while one is written leaves the previous state newest and resumes bitwise;
+//    a snapshot past memory.host_limit on one rank stops every rank with exit 4, leaving nothing behind;
 //  - SIGTERM / SIGINT finish the step, save (reason "signal") and exit 143 / 130; resuming is bitwise;
 //  - --resume auto on a fresh directory starts at step 0; on a finished run it trains nothing;
 //  - the files are plain safetensors: the reference package reads every tensor, meta.json's CRC-32 is
@@ -733,4 +734,19 @@ TEST_CASE("state.async: kill -9 while a save is being written leaves the previou
   CHECK_FALSE(fs::exists(root / ("." + step_name(4) + ".tmp")));
   CHECK(test::read_text(root / "latest") == step_name(kSteps) + "\n");
   CHECK(names_in(root) == std::vector<std::string>{"latest", step_name(kSteps - 2), step_name(kSteps)});  // state.keep 2
+}
+
+TEST_CASE("state.async: a snapshot past memory.host_limit stops every rank with exit 4 naming it; no temporary left") {
+  test::TempDir dir("state-async-oom");
+  const auto run = dir.path / "run";
+  // DDP at world 2: rank 0's file holds the whole state (5.5 MB), rank 1's only its RNG, so only rank 0's
+  // snapshot is refused, and rank 1 must not wait for it.
+  const auto m = test::launch(2, kArgs + " --set state.every=2 --set memory.host_limit=1MiB" + dir_arg(run));
+  INFO(m.outputs[0] << "\n---- rank 1:\n" << m.outputs[1]);
+  CHECK(m.codes == std::vector<int>{4, 4});
+  CHECK(has(m.outputs[0], "out of host memory for the asynchronous save's snapshot of step 2"));
+  CHECK(has(m.outputs[0], "memory.host_limit"));
+  CHECK(has(m.outputs[1], "rank 0: state snapshot failed"));
+  CHECK(names_in(run / "state").empty());
+  CHECK(json::parse(test::read_text(run / "summary.json"))["exit_status"]["code"] == 4);
 }

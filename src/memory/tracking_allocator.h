@@ -42,6 +42,13 @@ class TrackingCPUAllocator final : public c10::Allocator {
   // The device pool's peak since reset_peak(); a recording memory timeline ends here, in the same
   // lock, so its replayed peak is this value.
   int64_t peak_bytes_closing_timeline();
+  // Runs `f` inside the lock every allocation and free takes: arming and disarming a memory timeline
+  // (memory/timeline.h) there, no other thread is recording into it at the same time.
+  template <class F>
+  void locked(F&& f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    f();
+  }
   // A simulated device-memory limit: an allocation that would take current bytes past it throws
   // c10::OutOfMemoryError, as CUDA does. 0 = none.
   void set_limit(int64_t bytes) { limit_.store(bytes); }

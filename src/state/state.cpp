@@ -563,7 +563,8 @@ Named host_snapshot(const Named& tensors, Named reuse, int64_t& bytes) {
   bytes = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& [name, t] = tensors[i];
-    out.emplace_back(name, device::to_host_reusing(t, same ? reuse[i].second : at::Tensor()));
+    // Contiguous, so the writer thread copies nothing (it allocates in no pool).
+    out.emplace_back(name, device::to_host_reusing(t.contiguous(), same ? reuse[i].second : at::Tensor()));
     bytes += static_cast<int64_t>(t.nbytes());
   }
   return out;
@@ -643,9 +644,37 @@ AsyncSave::AsyncSave(Parts& s, const Counters& st, AsyncSave* previous)
     reuse = std::move(previous->writer_->snapshot);
     if (s.rank0() && !previous->pruned_) w.keep = s.cfg.state.keep, w.newest = step_dir_name(previous->step_);
   }
-  w.snapshot = host_snapshot(rank_tensors(s, st), std::move(reuse), snapshot_bytes_);
+  take_snapshot(s, st, std::move(reuse));
   snapshot_ms_ = log::ms_since(w.t0);
   w.thread = std::thread([&w] { w.run(); });
+}
+
+// The host snapshot, agreed over ranks (a collective): one rank out of host memory (rank 0 of a
+// replicated run holds the whole model's) fails every rank, with exit 4 naming the snapshot.
+void AsyncSave::take_snapshot(Parts& s, const Counters& st, Named reuse) {
+  int code = kExitOk;
+  std::string error;
+  auto refused = [&](const std::string& why) {
+    code = kExitOom;
+    error = fmt::format("out of host memory for the asynchronous save's snapshot of step {} ({}). Raise "
+                        "memory.host_limit, or set state.async: false to write the state without a snapshot",
+                        st.steps_done, why.substr(0, 300));
+    writer_->snapshot.clear();
+  };
+  try {
+    writer_->snapshot = host_snapshot(rank_tensors(s, st), std::move(reuse), snapshot_bytes_);
+  } catch (const c10::Error& e) {  // c10::OutOfMemoryError: memory.host_limit, or the system refusing it
+    refused(e.what_without_backtrace());
+  } catch (const std::bad_alloc& e) {
+    refused(e.what());
+  }
+  try {
+    s.comm->fail_together(code, error, "state snapshot");
+  } catch (...) {
+    std::error_code ec;
+    if (s.rank0()) fs::remove_all(writer_->tmp, ec);  // nothing of this save is left behind
+    throw;
+  }
 }
 
 AsyncSave::~AsyncSave() { writer_->join(); }

@@ -166,6 +166,7 @@ class AsyncSave {
 
  private:
   struct Writer;
+  void take_snapshot(Parts& s, const Counters& st, std::vector<std::pair<std::string, at::Tensor>> reuse);
   int64_t step_ = 0, snapshot_bytes_ = 0;
   double snapshot_ms_ = 0;
   bool pruned_ = false;  // finish() applied state.keep

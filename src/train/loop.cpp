@@ -272,10 +272,12 @@ memory::KnownTensors known_tensors(const Session& s, const std::vector<data::Bat
 struct TimelineArm {
   bool on;
   TimelineArm(bool want, int64_t step, const Session& s, const std::vector<data::Batch>& micro) : on(want) {
-    if (on) memory::Timeline::instance().arm(step, known_tensors(s, micro));
+    if (!on) return;
+    auto known = known_tensors(s, micro);
+    memory::TrackingCPUAllocator::instance().locked([&] { memory::Timeline::instance().arm(step, std::move(known)); });
   }
   ~TimelineArm() {
-    if (on) memory::Timeline::instance().disarm();
+    if (on) memory::TrackingCPUAllocator::instance().locked([] { memory::Timeline::instance().disarm(); });
   }
   TimelineArm(const TimelineArm&) = delete;
   TimelineArm& operator=(const TimelineArm&) = delete;
@@ -292,7 +294,13 @@ void save_timeline(Session& s, const LoopState& st, const std::vector<data::Batc
   j["rank"] = s.launch.rank;
   j["checkpointing"] = s.runner->plan().describe();
   const std::string path = (std::filesystem::path(s.run_dir) / "memory_timeline.json").string();
-  log::write_text_file(path, j.dump());
+  try {  // rank 0 alone writes it: a failure is a warning, not a stop the other ranks would wait for
+    log::write_text_file(path, j.dump());
+  } catch (const Error& e) {
+    bar.clear();
+    spdlog::warn("memory timeline of step {} not written: {}", st.steps_done, e.what());
+    return;
+  }
   const int64_t peak = j["peak"]["device_bytes"].get<int64_t>();
   s.runlog->event("memory_timeline", {{"step", st.steps_done}, {"path", path}, {"peak_bytes", peak},
                                       {"events", j["events"].size()}});
@@ -475,11 +483,10 @@ void save_state(Session& s, LoopState& st, log::ProgressBar& bar, const char* wh
 
 // After a failure in the loop, the save in flight: at world 1 published (its snapshot predates the
 // failure), at world > 1 given up (the other ranks may not reach the agreement), leaving the previous
-// state newest. Either way its writer is joined before the run exits.
+// state newest. Either way its writer is joined before the run exits, and state.keep is applied to what
+// is published (rank 0's own files: no collective).
 void settle_pending_save(Session& s, LoopState& st, log::ProgressBar& bar) {
-  if (!st.pending_save) return;
-  const int64_t step = st.pending_save->step();
-  if (s.world() == 1) {
+  if (st.pending_save && s.world() == 1) {
     try {
       return finish_pending_save(s, st, bar, /*last=*/true);
     } catch (const std::exception& e) {
@@ -487,11 +494,18 @@ void settle_pending_save(Session& s, LoopState& st, log::ProgressBar& bar) {
       return;
     }
   }
-  st.pending_save.reset();
-  if (s.rank0())
-    spdlog::warn("the run failed while the state of step {} was being written: not published; {}", step,
-                 st.last_saved_step >= 0 ? fmt::format("the state of step {} stays the newest", st.last_saved_step)
-                                         : std::string("no state was saved"));
+  if (st.pending_save) {
+    const int64_t step = st.pending_save->step();
+    st.pending_save.reset();
+    if (s.rank0())
+      spdlog::warn("the run failed while the state of step {} was being written: not published; {}", step,
+                   st.last_saved_step >= 0 ? fmt::format("the state of step {} stays the newest", st.last_saved_step)
+                                           : std::string("no state was saved"));
+  }
+  if (st.finished_save) {
+    auto parts = state_parts(s);
+    st.finished_save->apply_keep(parts);
+  }
 }
 
 // Stops the run after this step for `stop` (agreed): saves the state on a signal (state.on_signal).
