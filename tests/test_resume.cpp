@@ -742,7 +742,7 @@ TEST_CASE("torchrun --max-restarts: a rank killed -9 during a save resumes from 
   });
   const int64_t complete = event_steps(killed.records, "state_saved").back();
   INFO("killed during the save of step " << interrupted << "; the newest complete state was step " << complete);
-  CHECK(killed.latest == complete);  // the interrupted save was not published: rank 1 never wrote its file
+  CHECK(killed.latest == complete);  // the interrupted save was not published: its writers were still held
   CHECK_FALSE(fs::exists(run_dir / "state" / fmt::format("step-{:08d}", interrupted) / "meta.json"));
   require_finished_after_restart(launch, run_dir);
 

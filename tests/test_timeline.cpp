@@ -121,7 +121,12 @@ void check_peak(const std::filesystem::path& run_dir, const json& t) {
   CHECK(event);
   CHECK(step_peak == peak);
   const json summary = json::parse(test::read_text(run_dir / "summary.json"));
-  if (step_peak == max_peak) CHECK(summary["peak_allocated_bytes"].get<int64_t>() == peak);
+  // After step 1 (which creates AdamW's moments) every step allocates alike: the recorded step's peak is
+  // the run's, summary.json's.
+  if (t["step"].get<int>() > 1) {
+    CHECK(step_peak == max_peak);
+    CHECK(summary["peak_allocated_bytes"].get<int64_t>() == peak);
+  }
 }
 
 }  // namespace

@@ -458,13 +458,13 @@ void poll_pending_save(Session& s, LoopState& st, log::ProgressBar& bar) {
 void begin_async_save(Session& s, LoopState& st, log::ProgressBar& bar) {
   auto parts = state_parts(s);
   st.pending_save = state::begin_save(parts, st, std::move(st.finished_save));
-  st.snapshot_bytes = st.pending_save->snapshot_bytes();
-  s.runlog->event("state_snapshot", {{"step", st.steps_done}, {"snapshot_bytes", st.snapshot_bytes},
+  const int64_t bytes = st.pending_save->snapshot_bytes();
+  s.runlog->event("state_snapshot", {{"step", st.steps_done}, {"snapshot_bytes", bytes},
                                      {"snapshot_ms", st.pending_save->snapshot_ms()}});
   if (s.rank0()) {
     bar.clear();
     spdlog::info("step {:>5}/{} | state snapshot: {} in host memory in {:.0f} ms, written in the background",
-                 st.steps_done, s.cfg.train.steps, log::format_bytes(st.snapshot_bytes), st.pending_save->snapshot_ms());
+                 st.steps_done, s.cfg.train.steps, log::format_bytes(bytes), st.pending_save->snapshot_ms());
   }
 }
 

@@ -138,7 +138,7 @@ Json state_report(const Session& s, const LoopState& st) {
           {"last_saved_step", st.last_saved_step >= 0 ? Json(st.last_saved_step) : Json(nullptr)},
           {"state_bytes", st.state_bytes},
           {"async", s.cfg.state.async},
-          {"snapshot_bytes", st.snapshot_bytes},
+          {"snapshot_bytes", st.snapshot_bytes()},
           {"median_save_ms", median(st.save_ms)},
           {"median_save_blocking_ms", median(st.save_blocking_ms)}};
 }

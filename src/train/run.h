@@ -80,9 +80,9 @@ struct LoopState : state::Counters {
   int64_t state_bytes = 0;       // size of the newest state
   std::vector<double> save_ms;   // wall time of every save (an asynchronous one: snapshot to published)
   std::vector<double> save_blocking_ms;  // the part of it the step loop waited for (synchronous: all of it)
-  int64_t snapshot_bytes = 0;    // state.async: this rank's host snapshot (the newest)
   std::unique_ptr<state::AsyncSave> pending_save;  // state.async: the save being written, not yet published
   std::unique_ptr<state::AsyncSave> finished_save;  // ... the newest published one: its snapshot's buffers are reused
+  int64_t snapshot_bytes() const { return finished_save ? finished_save->snapshot_bytes() : 0; }  // held to the end
   int64_t peak_bytes = 0, transient_peak = 0, rest_bytes = 0, gathers = 0;
   ModelStateBytes states_at_peak;
   int64_t host_peak_bytes = 0;    // offload: the host pool's peak over the steps
