@@ -4,10 +4,14 @@
 // state.every saves, a kill -9, --resume auto, the final weights and trainer export on it, and its
 // losses follow the CPU run's.
 //
+// The same scenario runs on CUDA where there is a GPU (the [cuda] cases, their own ctest entry
+// device_cuda, skipped elsewhere), with the planner against the caching allocator and memory.limit.
+//
 // Tolerance: the lazy device takes the ATen path (the fused AVX2 attention, GELU and AdamW are
 // CPU-only), so its float32 sums are ordered differently from the CPU run's: per-op differences of a
 // few ulp (~1e-7 relative) that training grows step by step. Measured on an AMD EPYC (Zen 3, AVX2)
-// over these 12 steps: losses and evals within 4.8e-7, final weights within 3.3e-6. kLossTol (1e-4
+// over these 12 steps: losses and evals within 4.8e-7, final weights within 3.3e-6 (CUDA on an H100,
+// 2026-11-25: 4.8e-7 and 7.3e-6). kLossTol (1e-4
 // nats) and kWeightTol (2e-4) leave ~200x and ~60x of room for other CPUs' kernels; a device bug (a
 // wrong tensor saved, restored or exported, a lost moment, a stale parameter, a step replayed) moves
 // the losses far more than that.
@@ -17,6 +21,8 @@
 #include "catch.h"
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+
+#include <torch/cuda.h>
 
 #include "state/safetensors.h"
 #include "test_util.h"
@@ -71,7 +77,7 @@ bool saved_now(const fs::path& metrics, int64_t step) {
   return false;
 }
 
-// Starts the lazy run, SIGKILLs it once metrics.jsonl holds `k` step records and the state of step
+// Starts the device run, SIGKILLs it once metrics.jsonl holds `k` step records and the state of step
 // `saved` is published, and returns the records then.
 size_t kill_after(const std::string& args, const fs::path& run_dir, size_t k, int64_t saved) {
   auto proc = test::trainer_background(args, run_dir.string() + ".killed.log");
@@ -82,7 +88,7 @@ size_t kill_after(const std::string& args, const fs::path& run_dir, size_t k, in
       std::chrono::seconds(240));
   proc->signal(SIGKILL);
   proc->wait();
-  INFO("lazy run before the kill:\n" << proc->output());
+  INFO("device run before the kill:\n" << proc->output());
   REQUIRE(reached);
   REQUIRE(proc->killed_by(SIGKILL));  // killed mid-run, not finished or failed before it
   return test::step_records_now(metrics);
@@ -90,9 +96,14 @@ size_t kill_after(const std::string& args, const fs::path& run_dir, size_t k, in
 
 }  // namespace
 
-TEST_CASE("train.device lazy (not the CPU): saves, kill -9, --resume auto, final weights and export; losses follow the CPU run") {
-  test::TempDir dir("device-lazy");
-  const auto cpu_dir = dir.path / "cpu", lazy_dir = dir.path / "lazy";
+namespace {
+
+// The tiny recipe on `device` against the same run on the CPU: saves every 3 steps, a kill -9 after
+// step 7, --resume auto, the final weights, trainer export, and the device's last state resumed on
+// the CPU.
+void device_run_follows_cpu(const std::string& device) {
+  test::TempDir dir("device-" + device);
+  const auto cpu_dir = dir.path / "cpu", dev_dir = dir.path / device;
 
   const auto cpu = test::trainer(kArgs + " --set train.device=cpu" + dir_arg(cpu_dir));
   INFO(cpu.output);
@@ -100,47 +111,108 @@ TEST_CASE("train.device lazy (not the CPU): saves, kill -9, --resume auto, final
   const auto want = test::trace(cpu_dir / "metrics.jsonl");
   REQUIRE(want.steps.size() == static_cast<size_t>(kSteps));
 
-  const std::string lazy_args = kArgs + " --set train.device=lazy" + dir_arg(lazy_dir);
-  const size_t at_kill = kill_after(lazy_args, lazy_dir, 7, 6);  // after the saves of steps 3 and 6
+  const std::string dev_args = kArgs + " --set train.device=" + device + dir_arg(dev_dir);
+  const size_t at_kill = kill_after(dev_args, dev_dir, 7, 6);  // after the saves of steps 3 and 6
   INFO("killed with " << at_kill << " step records");
-  const auto resumed = test::trainer(lazy_args + " --resume auto");
+  const auto resumed = test::trainer(dev_args + " --resume auto");
   INFO(resumed.output);
   REQUIRE(resumed.code == 0);
 
-  // Resumed from a state the lazy run saved (exit 7 before host staging: the writer refused device tensors).
-  const auto resumes = test::events(lazy_dir / "metrics.jsonl", "resume");
+  // Resumed from a state the dev run saved (exit 7 before host staging: the writer refused device tensors).
+  const auto resumes = test::events(dev_dir / "metrics.jsonl", "resume");
   REQUIRE(resumes.size() == 1);
   const int64_t from = resumes[0].at("step").get<int64_t>();
   CHECK(from >= 6);
   CHECK(from % 3 == 0);
-  const auto summary = nlohmann::json::parse(test::read_text(lazy_dir / "summary.json"));
-  CHECK(summary.at("environment").at("device") == "lazy");
+  const auto summary = nlohmann::json::parse(test::read_text(dev_dir / "summary.json"));
+  // "lazy", or "cuda:<local rank>"
+  CHECK(summary.at("environment").at("device").get<std::string>().rfind(device, 0) == 0);
 
   // Every step once, each loss (and eval) within kLossTol of the CPU run's.
-  const double worst = largest_loss_difference(test::trace(lazy_dir / "metrics.jsonl"), want);
-  WARN("largest |loss difference| lazy vs CPU over " << kSteps << " steps and the evals: " << worst);
+  const double worst = largest_loss_difference(test::trace(dev_dir / "metrics.jsonl"), want);
+  WARN("largest |loss difference| " << device << " vs CPU over " << kSteps << " steps and the evals: " << worst);
   CHECK(worst <= kLossTol);
 
   // The final weights, staged to host by the writer, are the CPU run's within kWeightTol.
-  const auto lazy_model = lazy_dir / "model" / "model.safetensors";
-  REQUIRE(fs::exists(lazy_model));
-  const double wdiff = max_abs_diff(lazy_model, cpu_dir / "model" / "model.safetensors");
-  WARN("largest |final weight difference| lazy vs CPU: " << wdiff);
+  const auto dev_model = dev_dir / "model" / "model.safetensors";
+  REQUIRE(fs::exists(dev_model));
+  const double wdiff = max_abs_diff(dev_model, cpu_dir / "model" / "model.safetensors");
+  WARN("largest |final weight difference| " << device << " vs CPU: " << wdiff);
   CHECK(wdiff <= kWeightTol);
 
-  // trainer export of the lazy run: the same weights as its final weights, bit for bit.
+  // trainer export of the dev run: the same weights as its final weights, bit for bit.
   const auto out = dir.path / "exported";
-  const auto ex = test::trainer("export --run " + lazy_dir.string() + " --out " + out.string());
+  const auto ex = test::trainer("export --run " + dev_dir.string() + " --out " + out.string());
   INFO(ex.output);
   REQUIRE(ex.code == 0);
-  CHECK(max_abs_diff(out / "model.safetensors", lazy_model) == 0.0);
+  CHECK(max_abs_diff(out / "model.safetensors", dev_model) == 0.0);
 
-  // The state files do not depend on the device: the lazy run's last state resumes on the CPU, and
-  // its parameters are the lazy run's final weights (a run of 0 further steps exports them).
-  const auto cpu_again = dir.path / "cpu-from-lazy";
+  // The state files do not depend on the device: the dev run's last state resumes on the CPU, and
+  // its parameters are the dev run's final weights (a run of 0 further steps exports them).
+  const auto cpu_again = dir.path / "cpu-from-dev";
   const auto r = test::trainer(kArgs + " --set train.device=cpu" + dir_arg(cpu_again) + " --resume " +
-                               (lazy_dir / "state").string());
+                               (dev_dir / "state").string());
   INFO(r.output);
   REQUIRE(r.code == 0);
-  CHECK(max_abs_diff(cpu_again / "model" / "model.safetensors", lazy_model) == 0.0);
+  CHECK(max_abs_diff(cpu_again / "model" / "model.safetensors", dev_model) == 0.0);
+}
+
+}  // namespace
+
+TEST_CASE("train.device lazy (not the CPU): saves, kill -9, --resume auto, final weights and export; losses follow the CPU run") {
+  device_run_follows_cpu("lazy");
+}
+
+// The same on a GPU, where there is one (its own ctest entry, device_cuda: skipped without CUDA). The
+// tolerances are the lazy device's: cuBLAS and cuDNN sum in other orders than the CPU's kernels, per-op
+// differences of a few ulp as on the lazy device (matmuls in full fp32: LibTorch leaves TF32 off).
+TEST_CASE("train.device cuda: saves, kill -9, --resume auto, final weights and export; losses follow the CPU run", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  device_run_follows_cpu("cuda");
+}
+
+// The planner on a GPU: `trainer plan`'s prediction (summary.json's predicted_peak_bytes) against the
+// CUDA caching allocator's peak (allocated bytes, not reserved), on the GPT-2 124M shape at
+// micro-batch 4 (T 1024), where activations are most of the peak. kBound is the planner's promise on
+// CPU (tests/test_planner.cpp). Then memory.limit on CUDA (the caching allocator's memory fraction):
+// a run past it exits 4 with an oom event, and the planner's advice runs under it.
+TEST_CASE("train.device cuda: predicted peaks within 5 % of the caching allocator's; memory.limit exits 4 past it", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  constexpr double kBound = 0.05;
+  test::TempDir dir("device-cuda-memory");
+  const std::string base = "--config configs/gpt2_124m.yaml --set train.device=cuda --set train.micro_batch=4 "
+                           "--set train.grad_accum=1 --set train.steps=3 --set train.eval_interval=0 "
+                           "--set state.at_end=false --set logging.save_model=false --set logging.progress=false";
+  int n = 0;
+  for (const std::string sets : {"--set checkpointing.mode=none", "--set checkpointing.mode=full",
+                                 "--set checkpointing.mode=sqrt", "--set precision.compute=bf16",
+                                 "--set precision.compute=bf16 --set checkpointing.mode=full"}) {
+    const auto run_dir = dir.path / std::to_string(n++);
+    const auto r = test::trainer(base + " " + sets + dir_arg(run_dir));
+    INFO(sets << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    const auto s = nlohmann::json::parse(test::read_text(run_dir / "summary.json"));
+    CHECK(s.at("environment").at("memory_source") == "cuda_caching_allocator");
+    const double predicted = s.at("predicted_peak_bytes").get<double>(), measured = s.at("peak_allocated_bytes").get<double>();
+    WARN(sets << ": measured " << measured / (1 << 20) << " MiB, predicted " << predicted / (1 << 20) << " MiB");
+    CHECK(std::abs(predicted - measured) <= kBound * measured);
+  }
+
+  const auto oom_dir = dir.path / "oom";
+  const auto oom = test::trainer(base + " --set memory.limit=3GiB" + dir_arg(oom_dir));
+  INFO(oom.output);
+  CHECK(oom.code == 4);
+  CHECK(oom.output.find("out of memory") != std::string::npos);
+  const auto summary = nlohmann::json::parse(test::read_text(oom_dir / "summary.json"));
+  CHECK(summary.at("exit_status").at("code") == 4);
+  CHECK(summary.at("memory_limit_bytes") == 3LL << 30);
+  CHECK(test::events(oom_dir / "metrics.jsonl", "oom").size() == 1);
+  const auto advice = oom.output.find("full: micro_batch ");
+  REQUIRE(advice != std::string::npos);
+  const int mb = std::stoi(oom.output.substr(advice + std::string("full: micro_batch ").size()));
+  REQUIRE(mb > 0);
+  const auto ok = test::trainer(base + " --set memory.limit=3GiB --set checkpointing.mode=full --set train.micro_batch=" +
+                                std::to_string(mb) + dir_arg(dir.path / "ok"));
+  INFO(ok.output);
+  CHECK(ok.code == 0);
 }

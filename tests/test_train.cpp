@@ -92,11 +92,34 @@ TEST_CASE("LR: linear warm-up, cosine to min_lr at the last step") {
   for (int64_t s = 10; s < 109; ++s) CHECK(train::lr_at(t, s + 1) <= train::lr_at(t, s));
 }
 
-TEST_CASE("the fused AdamW step equals torch::optim::AdamW::step to float rounding, on AdamW's own state") {
-  // Two identical parameter sets: one stepped by LibTorch's AdamW, one by adamw_step. A matrix that
-  // decays, a vector that does not, and a parameter that never gets a gradient (both skip it).
+namespace {
+// The ATen ops a stepper calls on the calling thread (a RecordFunction callback on every op), by name.
+struct OpNames {
+  static inline thread_local std::map<std::string, int64_t>* t_seen = nullptr;
+  std::map<std::string, int64_t> seen;
+  at::CallbackHandle handle;
+  OpNames() {
+    t_seen = &seen;
+    handle = at::addThreadLocalCallback(at::RecordFunctionCallback([](const at::RecordFunction& fn) {
+      if (t_seen) ++(*t_seen)[fn.name()];
+      return std::unique_ptr<at::ObserverContext>();
+    }));
+  }
+  ~OpNames() {
+    at::removeCallback(handle);
+    t_seen = nullptr;
+  }
+};
+
+// Two identical parameter sets on `device`: one stepped by LibTorch's AdamW, one by `stepper`, for 6
+// steps. A matrix that decays, a vector that does not (two groups), and a parameter that never gets a
+// gradient (both skip it). Tolerances: float rounding of the same update in another order (g up to ~6:
+// 0.9 m + 0.1 g rounds at ~5e-7). Returns the ATen ops the stepper called in its last step.
+template <typename Stepper>
+std::map<std::string, int64_t> check_adamw_against_libtorch(const torch::Device& device, Stepper stepper) {
   torch::manual_seed(11);
-  const std::vector<torch::Tensor> init = {torch::randn({64, 300}), torch::randn({300}), torch::randn({7})};
+  const std::vector<torch::Tensor> init = {torch::randn({64, 300}).to(device), torch::randn({300}).to(device),
+                                           torch::randn({7}).to(device)};
   auto make = [&] {
     std::vector<torch::Tensor> ps;
     for (const auto& t : init) ps.push_back(t.clone().requires_grad_(true));
@@ -106,14 +129,17 @@ TEST_CASE("the fused AdamW step equals torch::optim::AdamW::step to float roundi
   };
   auto [ref_p, ref_opt] = make();
   auto [got_p, got_opt] = make();
+  std::map<std::string, int64_t> ops;
   for (int step = 1; step <= 6; ++step) {
     for (int i = 0; i < 2; ++i) {
-      const auto g = torch::randn_like(init[i]) * (i + 1);
+      const auto g = torch::randn(init[i].sizes()).to(device) * (i + 1);
       ref_p[i].mutable_grad() = g.clone();
       got_p[i].mutable_grad() = g.clone();
     }
     ref_opt->step();
-    optim::adamw_step(*got_opt);
+    OpNames names;
+    stepper(*got_opt);
+    ops = names.seen;
   }
   for (int i = 0; i < 2; ++i) {
     CAPTURE(i);
@@ -122,15 +148,53 @@ TEST_CASE("the fused AdamW step equals torch::optim::AdamW::step to float roundi
     auto& got = static_cast<torch::optim::AdamWParamState&>(*got_opt->state().at(got_p[i].unsafeGetTensorImpl()));
     CHECK(got.step() == 6);
     CHECK(want.step() == 6);
-    INFO("max |diff|: p " << (got_p[i] - ref_p[i]).abs().max().item<float>() << " m "
-                          << (got.exp_avg() - want.exp_avg()).abs().max().item<float>() << " v "
-                          << (got.exp_avg_sq() - want.exp_avg_sq()).abs().max().item<float>());
-    CHECK(torch::allclose(got.exp_avg(), want.exp_avg(), 1e-6, 1e-6));  // g up to ~6: float rounding of 0.9 m + 0.1 g
+    INFO("max |diff|: p " << (got_p[i] - ref_p[i]).abs().max().item().toFloat() << " m "
+                          << (got.exp_avg() - want.exp_avg()).abs().max().item().toFloat() << " v "
+                          << (got.exp_avg_sq() - want.exp_avg_sq()).abs().max().item().toFloat());
+    CHECK(got.exp_avg().device() == device);
+    CHECK(torch::allclose(got.exp_avg(), want.exp_avg(), 1e-6, 1e-6));
     CHECK(torch::allclose(got.exp_avg_sq(), want.exp_avg_sq(), 1e-6, 1e-10));
   }
   CHECK(torch::equal(got_p[2], init[2]));  // no gradient: untouched, and no state made
   CHECK(got_opt->state().count(got_p[2].unsafeGetTensorImpl()) == 0);
   CHECK_FALSE(torch::equal(got_p[0], init[0]));
+  return ops;
+}
+}  // namespace
+
+TEST_CASE("the fused AdamW step equals torch::optim::AdamW::step to float rounding, on AdamW's own state") {
+  const auto ops = check_adamw_against_libtorch(torch::kCPU, [](auto& opt) { optim::adamw_step(opt); });
+  CHECK(ops.count("aten::_fused_adamw_") == 0);  // the project's kernel, not ATen's
+}
+
+TEST_CASE("the grouped AdamW step (the CUDA path) is one at::_fused_adamw_ per group, equal to AdamW::step; "
+          "run here on the CPU kernel of the same op") {
+  const auto ops = check_adamw_against_libtorch(torch::kCPU, [](auto& opt) { REQUIRE(optim::adamw_step_grouped(opt)); });
+  CHECK(ops.at("aten::_fused_adamw_") == 2);  // the decay and no-decay groups
+  CHECK(ops.count("aten::add_") + ops.count("aten::mul_") + ops.count("aten::addcdiv_") == 0);
+}
+
+TEST_CASE("on CUDA, adamw_step is one at::_fused_adamw_ per group, equal to AdamW::step", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  const auto ops = check_adamw_against_libtorch(torch::Device(torch::kCUDA, 0), [](auto& opt) { optim::adamw_step(opt); });
+  CHECK(ops.at("aten::_fused_adamw_") == 2);
+  CHECK(ops.count("aten::add_") + ops.count("aten::mul_") + ops.count("aten::addcdiv_") == 0);
+}
+
+TEST_CASE("adamw_step_grouped refuses what the fused op cannot take (amsgrad, mixed dtypes), changing nothing") {
+  auto p = torch::randn({4}).requires_grad_(true), q = torch::randn({4}, torch::kFloat64).requires_grad_(true);
+  p.mutable_grad() = torch::ones({4});
+  q.mutable_grad() = torch::ones({4}, torch::kFloat64);
+  config::TrainConfig t;
+  auto mixed = optim::make_adamw({p}, {q}, t);
+  const auto before = p.clone();
+  CHECK_FALSE(optim::adamw_step_grouped(*mixed));  // fp64 is not among the fused op's dtypes
+  CHECK(mixed->state().empty());
+  CHECK(torch::equal(p, before));
+  auto ams = optim::make_adamw({p}, {}, t);
+  static_cast<torch::optim::AdamWOptions&>(ams->param_groups()[0].options()).amsgrad(true);
+  CHECK_FALSE(optim::adamw_step_grouped(*ams));
+  CHECK(torch::equal(p, before));
 }
 
 TEST_CASE("the fused AdamW update is bitwise the same on the baseline clone and the AVX2 + FMA clone", "[avx2]") {

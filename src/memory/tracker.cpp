@@ -1,5 +1,6 @@
 // Memory readings: CPU from the tracking allocator, CUDA from the caching allocator's stats.
 #include "memory/tracker.h"
+#include <ATen/Context.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -44,7 +45,11 @@ Capacity device_capacity(c10::Device device) {
   return {physical, "physical memory"};
 }
 
-Tracker::Tracker(c10::Device device) : device_(device) {}
+// CUDA: the caching allocator is made on the first CUDA tensor; its statistics and memory fraction
+// refuse ("Allocator not initialized") before that, so the tracker initializes the device first.
+Tracker::Tracker(c10::Device device) : device_(device) {
+  if (device_.is_cuda()) at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+}
 
 void Tracker::reset_peak() {
   if (TrackingCPUAllocator::installed()) {

@@ -3,8 +3,12 @@
 #include "model/clones.h"
 #include "model/intra_op.h"
 
+#include <algorithm>
 #include <cmath>
+#include <map>
+#include <string>
 
+#include <ATen/ops/_fused_adamw.h>
 #include <torch/torch.h>
 
 namespace sl::optim {
@@ -51,6 +55,13 @@ SL_KERNEL_BODY void adamw_kernel_body(float* p, float* m, float* v, const float*
 SL_KERNEL_CLONES(void, adamw_kernel, (float* p, float* m, float* v, const float* g, int64_t n, const AdamWCoeffs& k),
                  (p, m, v, g, n, k))
 
+// The optimizer's first parameter is a CUDA tensor (the rest are checked by adamw_step_grouped).
+bool opt_on_cuda(const torch::optim::AdamW& opt) {
+  for (const auto& group : opt.param_groups())
+    for (const auto& p : group.params()) return p.device().is_cuda();
+  return false;
+}
+
 bool fp32_cpu_contiguous(const torch::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous();
 }
@@ -96,10 +107,84 @@ void fused_update(const torch::Tensor& p, const torch::Tensor& g, torch::optim::
   });
 }
 
+// A parameter, its gradient and both moments, all on one device in one dtype the ATen fused kernel
+// takes (fp32, bf16, fp16), dense and contiguous.
+bool group_fusable(const torch::Tensor& p, const torch::optim::AdamW& opt) {
+  const auto ok = [&](const torch::Tensor& t) {
+    return t.device() == p.device() && t.scalar_type() == p.scalar_type() && t.is_contiguous() && !t.is_sparse();
+  };
+  const auto dt = p.scalar_type();
+  if (dt != torch::kFloat32 && dt != torch::kBFloat16 && dt != torch::kHalf) return false;
+  if (!ok(p) || (p.grad().defined() && !ok(p.grad()))) return false;
+  const auto it = opt.state().find(p.unsafeGetTensorImpl());
+  if (it == opt.state().end()) return true;
+  const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+  return ok(st.exp_avg()) && ok(st.exp_avg_sq());
+}
+
+// The tensor lists of one at::_fused_adamw_ call: the parameters of a group that share a device and
+// dtype and have a gradient.
+struct FusedLists {
+  std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs;
+  std::vector<int64_t> steps;  // each parameter's step count after this step (the host keeps them)
+};
+
+std::map<std::pair<std::string, torch::ScalarType>, FusedLists> fused_lists(torch::optim::AdamW& opt,
+                                                                            torch::optim::OptimizerParamGroup& group) {
+  std::map<std::pair<std::string, torch::ScalarType>, FusedLists> out;
+  for (auto& p : group.params()) {
+    if (!p.grad().defined()) continue;
+    auto& st = state_of(opt, p);
+    st.step(st.step() + 1);
+    auto& l = out[{p.device().str(), p.scalar_type()}];
+    l.params.push_back(p);
+    l.grads.push_back(p.grad());
+    l.exp_avgs.push_back(st.exp_avg());
+    l.exp_avg_sqs.push_back(st.exp_avg_sq());
+    l.steps.push_back(st.step());
+  }
+  return out;
+}
+
+// The kernel's step counts: one fp32 scalar per parameter on its device (it reads, never increments
+// them). All equal, the usual case: one fill on the device, no host-to-device copy.
+std::vector<torch::Tensor> step_tensors(const std::vector<int64_t>& steps, const torch::Device& device) {
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  const bool same = std::all_of(steps.begin(), steps.end(), [&](int64_t s) { return s == steps.front(); });
+  if (same) return torch::full({static_cast<int64_t>(steps.size())}, static_cast<double>(steps.front()), opts).unbind(0);
+  std::vector<float> host(steps.begin(), steps.end());
+  return torch::tensor(host).to(device).unbind(0);
+}
+
+bool every_param_group_fusable(torch::optim::AdamW& opt) {
+  for (const auto& group : opt.param_groups()) {
+    if (static_cast<const torch::optim::AdamWOptions&>(group.options()).amsgrad()) return false;
+    for (const auto& p : group.params())
+      if (!group_fusable(p, opt)) return false;
+  }
+  return true;
+}
+
 }  // namespace
+
+bool adamw_step_grouped(torch::optim::AdamW& opt) {
+  if (!every_param_group_fusable(opt)) return false;
+  torch::NoGradGuard no_grad;
+  for (auto& group : opt.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    for (auto& [key, l] : fused_lists(opt, group)) {
+      const auto steps = step_tensors(l.steps, l.params.front().device());
+      at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
+                        std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(), /*amsgrad=*/false,
+                        /*maximize=*/false);
+    }
+  }
+  return true;
+}
 
 void adamw_step(torch::optim::AdamW& opt) {
   if (!fused_eligible(opt)) {
+    if (opt_on_cuda(opt) && adamw_step_grouped(opt)) return;
     opt.step();
     return;
   }
