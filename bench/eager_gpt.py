@@ -8,14 +8,31 @@ implementation, clip_grad_norm_, warm-up + cosine LR, and torch.utils.checkpoint
 for the checkpointed segments. Selective parts checkpoint the named cheap op alone (Megatron's
 selective recompute of the attention core; the LayerNorm or GELU for norm and mlp).
 
+Precision (--precision, default: the trainer run's precision.compute / precision.param_dtype):
+  fp32         everything fp32.
+  bf16         (precision.compute=bf16) the forward and the loss under torch.autocast("cpu",
+               dtype=torch.bfloat16), backward outside it, fp32 weights and AdamW: the usual PyTorch
+               recipe. torch.utils.checkpoint (use_reentrant=False) replays the forward's CPU autocast
+               state in the recompute; the run checks it (every checkpointed call made during backward
+               records the autocast state it sees: "recompute_autocast" in the output).
+  bf16-params  (precision.compute=bf16 precision.param_dtype=bf16 parallel.sharding=zero1) plain
+               PyTorch's nearest equivalent of a bf16 parameter copy with fp32 masters: a bf16 copy of
+               the model runs forward (same autocast) and backward, its bf16 gradients accumulate over
+               the micro-batches and are copied into the fp32 master model's .grad, clip_grad_norm_ and
+               AdamW run on the masters, and the masters are copied back into the bf16 copy.
+
 Input: a trainer's summary.json (its resolved recipe and checkpointing plan), so both run the same
 recipe. Output (stdout, one JSON object): step times (ms), median, tokens/s, loss per step, peak RSS.
-Only fp32 and the gpt2 architecture: what the benchmark compares.
+Only the gpt2 architecture. Same recipe, not the same numbers: the initialization and the data windows
+come from torch's generators here and the trainer's own there, so losses agree in distribution (step 1
+is ~ln vocab_size for both), not bit for bit.
 
-Usage: bench/eager_gpt.py --summary run/summary.json [--steps 20] [--threads N]
+Usage: bench/eager_gpt.py --summary run/summary.json [--steps 20] [--threads N] [--precision fp32|bf16|bf16-params]
                           [--profile-step N --profile-out trace.json]   (bench/profile_breakdown.py reads it)
 """
 import argparse
+import contextlib
+import copy
 import json
 import math
 import resource
@@ -27,7 +44,27 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+# What the checkpointed functions see when torch.utils.checkpoint reruns them in backward: the CPU
+# autocast state of every such call ("recompute_autocast" in the output).
+IN_BACKWARD = False
+RECOMPUTE_CALLS = {"calls": 0, "autocast_bf16": 0, "autocast_off": 0, "other": 0}
+
+
+def _watched(fn):
+    def run(*xs):
+        if IN_BACKWARD:
+            RECOMPUTE_CALLS["calls"] += 1
+            on, dtype = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+            key = "autocast_bf16" if on and dtype == torch.bfloat16 else "autocast_off" if not on else "other"
+            RECOMPUTE_CALLS[key] += 1
+        return fn(*xs)
+    return run
+
+
+def checkpoint(fn, *xs, use_reentrant=False):
+    return _checkpoint(_watched(fn), *xs, use_reentrant=use_reentrant)
 
 
 class Block(nn.Module):
@@ -123,6 +160,8 @@ def main():
     ap.add_argument("--summary", required=True, help="a trainer run's summary.json: recipe and checkpointing plan")
     ap.add_argument("--steps", type=int, default=0, help="optimizer steps (default: the recipe's)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (default: the trainer run's)")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "bf16-params"],
+                    help="default: the trainer run's (precision.compute, precision.param_dtype); must match it")
     ap.add_argument("--profile-step", type=int, default=0, help="record this step (1-based) with torch.profiler")
     ap.add_argument("--profile-out", default="eager_profile.json", help="where --profile-step's Chrome trace goes")
     a = ap.parse_args()
@@ -130,13 +169,25 @@ def main():
         s = json.load(f)
     cfg, plan = s["config"], s["checkpointing"]
     m, t = cfg["model"], cfg["train"]
-    if m["arch"] != "gpt2" or cfg["precision"]["compute"] != "fp32":
-        sys.exit("eager_gpt.py: only the gpt2 architecture in fp32")
+    pr = cfg["precision"]
+    ran = {("fp32", "fp32"): "fp32", ("bf16", "fp32"): "bf16", ("bf16", "bf16"): "bf16-params"}.get(
+        (pr["compute"], pr.get("param_dtype", "fp32")))
+    if m["arch"] != "gpt2" or ran is None:
+        sys.exit(f"eager_gpt.py: only the gpt2 architecture with precision fp32, bf16 or bf16-params (the trainer "
+                 f"ran arch {m['arch']}, compute {pr['compute']}, param_dtype {pr.get('param_dtype', 'fp32')})")
+    precision = a.precision or ran
+    if precision != ran:
+        sys.exit(f"eager_gpt.py: --precision {precision}, but the trainer run's is {ran} (compute {pr['compute']}, "
+                 f"param_dtype {pr.get('param_dtype', 'fp32')})")
     torch.set_num_threads(a.threads or s["environment"]["threads"])
     torch.manual_seed(t["seed"])
     steps = a.steps or t["steps"]
     t = dict(t, steps=steps)
-    model = GPT(m, plan).train()
+    model = GPT(m, plan).train()  # fp32: the weights (fp32, bf16) or the masters (bf16-params)
+    # the module forward and backward run on: the model itself, or its bf16 copy
+    work = copy.deepcopy(model).to(torch.bfloat16) if precision == "bf16-params" else model
+    autocast = ((lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision != "fp32"
+                else contextlib.nullcontext)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t["weight_decay"]},
@@ -144,6 +195,7 @@ def main():
                             lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=1e-8)
     data = batches(cfg, t["seed"])
     step_ms, losses = [], []
+    global IN_BACKWARD
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(t, step)
@@ -153,15 +205,29 @@ def main():
             prof.__enter__()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
+        if work is not model:
+            work.zero_grad(set_to_none=False)
         total = 0.0
         for _ in range(t["grad_accum"]):
             x, y = next(data)
-            loss = F.cross_entropy(model(x).view(-1, m["vocab_size"]), y.reshape(-1))
+            with autocast():
+                loss = F.cross_entropy(work(x).view(-1, m["vocab_size"]), y.reshape(-1))
+            IN_BACKWARD = True
             (loss / t["grad_accum"]).backward()
+            IN_BACKWARD = False
             total += loss.detach()
+        if work is not model:  # the bf16 copy's gradients into the fp32 masters
+            for p, w in zip(model.parameters(), work.parameters()):
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(w.grad)
         if t["grad_clip"] > 0:
             nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
         opt.step()
+        if work is not model:  # the updated masters into the bf16 copy
+            with torch.no_grad():
+                for p, w in zip(model.parameters(), work.parameters()):
+                    w.copy_(p)
         losses.append(float(total) / t["grad_accum"])  # the step's one host read
         step_ms.append((time.perf_counter() - t0) * 1e3)
         if prof is not None:
@@ -172,7 +238,8 @@ def main():
     tokens = t["micro_batch"] * t["seq_len"] * t["grad_accum"]
     print(json.dumps({"step_ms": step_ms, "median_step_ms": med, "median_tokens_per_s": tokens / med * 1e3,
                       "losses": losses, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "threads": torch.get_num_threads(), "torch_version": torch.__version__}))
+                      "threads": torch.get_num_threads(), "torch_version": torch.__version__,
+                      "precision": precision, "recompute_autocast": RECOMPUTE_CALLS}))
 
 
 if __name__ == "__main__":

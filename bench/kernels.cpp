@@ -5,6 +5,8 @@
 //              QKV buffer itself (one gradient, no split and concatenation);
 //   GELU:      ATen's gelu(x, tanh), the fused gelu_tanh (src/model/gelu.cpp), and for the fc bias ATen's
 //              x + b, gelu and b's gradient (a column sum) against the fused gelu_tanh_bias.
+//   Both in fp32, then in bf16 (the kernels' bf16 forms against ATen's bf16 kernels: precision.compute
+//   bf16 on the CPU).
 //   allocator: the tracking CPU allocator's cost (src/memory/tracking_allocator.h): nanoseconds per
 //              allocate + free against LibTorch's default allocator, times the allocations of one
 //              forward + backward of the l12 model, as a share of that step's time. (Timing the step
@@ -70,9 +72,11 @@ void print_table(const char* title, const std::vector<Candidate>& cs) {
   for (const auto& c : cs) std::printf("| %s | %.2f | %.2f |\n", c.name.c_str(), median_ms(c.fwd), median_ms(c.fwd_bwd));
 }
 
-void bench_attention(int64_t B, int64_t nh, int64_t T, int64_t hd, int64_t reps) {
+// dtype: fp32, or bf16 (q, k, v, the output and its gradient in bf16: SDPA's bf16 flash kernels against
+// the fused kernel's bf16 form).
+void bench_attention(int64_t B, int64_t nh, int64_t T, int64_t hd, int64_t reps, torch::Dtype dtype) {
   const int64_t C = nh * hd;
-  auto qkv = torch::randn({B, T, 3 * C}).requires_grad_(true);
+  auto qkv = torch::randn({B, T, 3 * C}).to(dtype).requires_grad_(true);
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, nh, hd}).transpose(1, 2); };
   std::vector<Candidate> cs;
   cs.push_back({"SDPA (ATen flash)", [&] {
@@ -85,23 +89,26 @@ void bench_attention(int64_t B, int64_t nh, int64_t T, int64_t hd, int64_t reps)
                   return sl::model::causal_attention(heads(p[0]), heads(p[1]), heads(p[2]));
                 }, {}, {}});
   cs.push_back({"fused, packed qkv", [&] { return sl::model::causal_attention_packed(qkv, nh); }, {}, {}});
-  time_interleaved(cs, {qkv}, torch::randn({B, T, C}), reps);
-  print_table("causal attention", cs);
+  time_interleaved(cs, {qkv}, torch::randn({B, T, C}).to(dtype), reps);
+  print_table(dtype == torch::kBFloat16 ? "causal attention, bf16" : "causal attention", cs);
 }
 
-void bench_gelu(int64_t rows, int64_t H, int64_t reps) {
-  auto x = torch::randn({rows, H}).requires_grad_(true);
+// dtype: fp32, or bf16 (x, y and the gradients in bf16; the bias stays fp32, as the model's fc bias
+// parameter does under autocast: ATen's composition takes it cast to bf16, as autocast's addmm would).
+void bench_gelu(int64_t rows, int64_t H, int64_t reps, torch::Dtype dtype) {
+  auto x = torch::randn({rows, H}).to(dtype).requires_grad_(true);
   auto b = torch::randn({H}).requires_grad_(true);
+  const bool bf16 = dtype == torch::kBFloat16;
   std::vector<Candidate> plain, bias;
   plain.push_back({"ATen gelu(x, tanh)", [&] { return at::gelu(x, "tanh"); }, {}, {}});
   plain.push_back({"fused gelu_tanh", [&] { return sl::model::gelu_tanh(x); }, {}, {}});
-  const auto dy = torch::randn({rows, H});
+  const auto dy = torch::randn({rows, H}).to(dtype);
   time_interleaved(plain, {x}, dy, reps);
-  print_table("GELU", plain);
-  bias.push_back({"ATen x + b, gelu, b's column sum", [&] { return at::gelu(x + b, "tanh"); }, {}, {}});
+  print_table(bf16 ? "GELU, bf16" : "GELU", plain);
+  bias.push_back({"ATen x + b, gelu, b's column sum", [&] { return at::gelu(x + b.to(dtype), "tanh"); }, {}, {}});
   bias.push_back({"fused gelu_tanh_bias", [&] { return sl::model::gelu_tanh_bias(x, b); }, {}, {}});
   time_interleaved(bias, {x, b}, dy, reps);
-  print_table("GELU with the fc bias", bias);
+  print_table(bf16 ? "GELU with the fc bias, bf16 (fp32 bias)" : "GELU with the fc bias", bias);
 }
 
 // Median ns of one allocate + free over sizes from 1 KiB to 8 MiB (the spread of a step's tensors).
@@ -168,8 +175,10 @@ int main(int argc, char** argv) {
   std::printf("B %lld nh %lld T %lld hd %lld, %d threads, median of %lld\n", static_cast<long long>(B),
               static_cast<long long>(nh), static_cast<long long>(T), static_cast<long long>(hd),
               torch::get_num_threads(), static_cast<long long>(reps));
-  bench_attention(B, nh, T, hd, reps);
-  bench_gelu(B * T, 4 * nh * hd, reps);
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    bench_attention(B, nh, T, hd, reps, dtype);
+    bench_gelu(B * T, 4 * nh * hd, reps, dtype);
+  }
   bench_allocator(std::max<int64_t>(reps / 3, 3));
   return 0;
 }

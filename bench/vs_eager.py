@@ -1,6 +1,13 @@
 #!/usr/bin/env python3
 """vs_eager.py: the trainer against a PyTorch eager implementation of the same model (bench/eager_gpt.py),
-side by side, per checkpointing mode, on the same recipe, thread count and precision (fp32).
+side by side, per checkpointing mode, on the same recipe, thread count and precision (--precision):
+  fp32         the trainer with precision.compute=fp32; eager all fp32 (the default).
+  bf16         the trainer with precision.compute=bf16 (autocast, fp32 weights); eager runs its forward
+               and loss under torch.autocast("cpu", dtype=torch.bfloat16), backward outside it, fp32
+               weights (torch.utils.checkpoint replays the autocast state in recompute: checked).
+  bf16-params  the trainer with precision.compute=bf16 precision.param_dtype=bf16 parallel.sharding=zero1
+               (a bf16 parameter copy, fp32 masters in the optimizer's shard); eager: a bf16 copy of the
+               model for forward (same autocast) and backward, fp32 masters with AdamW on them.
 
 Each round runs, for every recipe and mode, the trainer and the eager reference one after the other
 (the order alternates between rounds), each in its own process, and takes its fastest in-process step
@@ -10,14 +17,27 @@ run's summary.json, so both have the same resolved recipe and checkpointing plan
 fastest-step time, tokens/s, the speed ratio (trainer tokens/s / eager tokens/s from the fastest
 steps: median and min-max over the rounds; the ratio of each side's fastest step over all rounds; and
 the ratio of the median steps), the trainer's tracked peak and both processes' peak RSS; and the
-trainer's full/none step-time ratio. Writes <out>.md (table), <out>.json (every run) and <out>.png
-(ratios with their spread); --from-json re-renders them from a saved .json.
+trainer's full/none step-time ratio. It also measures the GEMM peak in the run's compute dtype the way
+the trainer does (a 1024 x 1024 x 1024 torch.mm at the thread count, best of 5 timed after a warm-up;
+once before the rounds and once after them, the best of the 10 kept) and gives `none`'s achieved
+model FLOP/s (the trainer's model.flops_per_token x tokens/s of the fastest steps) as a fraction of it,
+for both programs; and the first-step loss of both. The CPU's model and its bf16-relevant flags
+(/proc/cpuinfo) go in the JSON and the table header: without avx512_bf16 / amx_bf16 (and without
+AVX-512 for oneDNN's emulated path) a bf16 matmul takes ATen's fallback gemm, and the bf16 figures
+describe that path only. That gemm's speed depends on the operands' layout (AVX2 EPYC, 2 threads, 1024^3:
+a@b ~0.85 GFLOP/s, ~100x below fp32; a@b.t() ~19, a.t()@b ~23), so the peak is also measured on those
+two layouts and the fraction given against the fastest too: on such a CPU the trainer's a@b figure is
+no ceiling (the model runs several times faster than it). Writes <out>.md (table), <out>.json
+(every run) and <out>.png (ratios with their spread); --from-json re-renders them from a saved .json.
 
 Usage: bench/vs_eager.py [--trainer build/trainer] [--rounds 3] [--steps 12] [--threads 2]
-                         [--recipes l12,tiny] [--modes none,full,sqrt,selective] [--out bench/results/vs_eager]
+                         [--recipes l12,tiny] [--modes none,full,sqrt,selective] [--precision fp32|bf16|bf16-params]
+                         [--out bench/results/vs_eager (fp32), vs_eager_bf16, vs_eager_bf16_params]
        bench/vs_eager.py --from-json bench/results/vs_eager.json [--out ...]
-Cost: ~1 minute per round and recipe on 2 cores (l12: ~0.6 s/step). A benchmark, not a test: run it on
-an otherwise idle machine; the figures hold for the CPU it ran on (recorded in the JSON).
+Cost: fp32 ~1 minute per round and recipe on 2 cores (l12: ~0.6 s/step). bf16 on an AVX2 CPU (ATen's
+fallback gemm): tiny ~5-10 s/step (the trainer ~5, eager ~5-10), l12 ~6x that by its FLOPs, and the
+bf16 GEMM peak measurements ~20 s each (two). A benchmark,
+not a test: run it on an otherwise idle machine; the figures hold for the CPU it ran on (recorded in the JSON).
 """
 import argparse
 import json
@@ -27,8 +47,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench_util import cpu_model, venv_python  # noqa: E402
 
 # The issue's shape: GPT-2 blocks, 12 layers, d 256, 4 heads, T 256, micro-batch 8, vocab 256.
 RECIPES = {
@@ -43,17 +66,36 @@ MODES = {
     "selective": ["checkpointing.mode=selective", "checkpointing.recompute=[attention]"],
 }
 COMMON = ["train.eval_interval=0", "logging.save_model=false", "state.at_end=false", "logging.skip_first=2",
-          "logging.progress=false", "logging.interval=1000", "logging.peak_tflops=1", "precision.compute=fp32"]
+          "logging.progress=false", "logging.interval=1000", "logging.peak_tflops=1"]
+# The trainer's settings per --precision (eager_gpt.py reads them back from the run's summary.json).
+PRECISIONS = {
+    "fp32": ["precision.compute=fp32"],
+    "bf16": ["precision.compute=bf16"],
+    "bf16-params": ["precision.compute=bf16", "precision.param_dtype=bf16", "parallel.sharding=zero1"],
+}
+DESCRIBE = {
+    "fp32": "fp32",
+    "bf16": "bf16 autocast (trainer precision.compute=bf16; eager: forward + loss under torch.autocast(\"cpu\", "
+            "bfloat16), backward outside it; fp32 weights and AdamW on both)",
+    "bf16-params": "bf16 parameters (trainer precision.compute=bf16 precision.param_dtype=bf16 parallel.sharding=zero1; "
+                   "eager: forward + loss under torch.autocast(\"cpu\", bfloat16) on a bf16 copy of the model, backward "
+                   "on it, its bf16 gradients copied into fp32 master weights, AdamW on the masters, masters copied back)",
+}
+# /proc/cpuinfo flags that decide a bf16 matmul's path on x86 (recorded with the figures)
+BF16_FLAGS = ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+              "avx_ne_convert", "amx_tile", "amx_bf16"]
 
 
-def trainer_run(trainer, recipe, sets, steps, threads, workdir):
+def trainer_run(trainer, recipe, sets, steps, threads, workdir, precision):
     config, extra = RECIPES[recipe]
     run_dir = os.path.join(workdir, "trainer")
     args = [trainer, "--config", config]
-    for s in COMMON + extra + sets + [f"train.steps={steps}", f"train.threads={threads}", f"logging.dir={run_dir}",
+    for s in COMMON + PRECISIONS[precision] + extra + sets + [f"train.steps={steps}", f"train.threads={threads}", f"logging.dir={run_dir}",
                                       "logging.overwrite=true"]:
         args += ["--set", s]
+    t0 = time.perf_counter()
     rss = measure(args)
+    wall = time.perf_counter() - t0
     with open(os.path.join(run_dir, "summary.json")) as f:
         s = json.load(f)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -67,19 +109,74 @@ def trainer_run(trainer, recipe, sets, steps, threads, workdir):
             "over_no_recompute": statistics.median(r["step_ms"] / (r["step_ms"] - r.get("recompute_ms", 0.0))
                                                    for r in timed),
             "tracked_peak_bytes": s["peak_allocated_bytes"], "peak_rss_bytes": rss,
-            "final_loss": s["final_loss"], "summary": os.path.join(run_dir, "summary.json"),
-            "cpu": s["environment"].get("cpu", {}).get("cpu_model", platform.processor())}
+            "final_loss": s["final_loss"], "losses": [r["loss"] for r in steps], "summary": os.path.join(run_dir, "summary.json"),
+            "flops_per_token": s["model"]["flops_per_token"], "wall_s": wall,
+            "cpu": s["environment"].get("cpu", {}).get("cpu_model", platform.processor()),
+            "cpu_features": s["environment"].get("cpu", {})}
 
 
-def eager_run(summary, steps, threads):
-    args = [sys.executable, os.path.join(ROOT, "bench", "eager_gpt.py"), "--summary", summary,
-            "--steps", str(steps), "--threads", str(threads)]
+def eager_run(summary, steps, threads, precision):
+    args = [venv_python(), os.path.join(ROOT, "bench", "eager_gpt.py"), "--summary", summary,
+            "--steps", str(steps), "--threads", str(threads), "--precision", precision]
     out = {}
+    t0 = time.perf_counter()
     rss = measure(args, out)
     r = json.loads(out["stdout"].strip().splitlines()[-1])
+    r["wall_s"] = time.perf_counter() - t0
     r["peak_rss_bytes"] = rss
     r["min_step_ms"] = min(r["step_ms"][2:])  # the trainer's logging.skip_first (COMMON)
     return r
+
+
+GEMM_PEAK = r"""
+import json, sys, time, torch
+dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1]]
+torch.set_num_threads(int(sys.argv[2]))
+n = 1024
+g = torch.Generator().manual_seed(1024)  # as src/train/peak_flops.cpp: fp32 randn operands, then the dtype
+a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
+layouts = {"a@b": lambda: torch.mm(a, b), "a@b.t()": lambda: torch.mm(a, b.t()), "a.t()@b": lambda: torch.mm(a.t(), b)}
+ms = {}
+with torch.no_grad():
+    for name, mm in layouts.items():  # a@b first: the trainer's measurement
+        mm()  # warm-up
+        ms[name] = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            mm()
+            ms[name].append((time.perf_counter() - t0) * 1e3)
+rate = {k: 2.0 * n ** 3 / (min(v) * 1e-3) for k, v in ms.items()}
+print(json.dumps({"dtype": sys.argv[1], "n": n, "threads": torch.get_num_threads(), "ms": ms["a@b"],
+                  "flops": rate["a@b"], "layout_ms": ms, "layout_flops": rate, "torch_version": torch.__version__}))
+"""
+
+
+def gemm_peak(dtype, threads):
+    """The GEMM peak as the trainer measures it at start (logging.peak_tflops=0 off CUDA): an n=1024
+    torch.mm(a, b) of contiguous operands in `dtype` at `threads` intra-op threads, warm-up then the best of
+    5 (same ATen: the trainer links the venv's torch). Also a@b.t() and a.t()@b the same way: ATen's
+    fallback bf16 gemm (no oneDNN bf16 kernel) is ~5-10x faster on those layouts than on a@b, so on such
+    a CPU the trainer's a@b figure is no ceiling for the model's matmuls."""
+    out = {}
+    t0 = time.perf_counter()
+    measure([venv_python(), "-c", GEMM_PEAK, dtype, str(threads)], out)
+    r = json.loads(out["stdout"].strip().splitlines()[-1])
+    r["wall_s"] = time.perf_counter() - t0
+    return r
+
+
+def cpu_flags():
+    """The CPU model and its bf16-relevant /proc/cpuinfo flags."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {"model": cpu_model(), "flags": {k: k in flags for k in BF16_FLAGS}}
 
 
 def measure(args, out=None):
@@ -98,16 +195,16 @@ def measure(args, out=None):
 def one_round(a, rnd, recipe, mode):
     with tempfile.TemporaryDirectory() as d:
         if rnd % 2 == 0:
-            tr = trainer_run(a.trainer, recipe, MODES[mode], a.steps, a.threads, d)
-            ea = eager_run(tr["summary"], a.steps, a.threads)
+            tr = trainer_run(a.trainer, recipe, MODES[mode], a.steps, a.threads, d, a.precision)
+            ea = eager_run(tr["summary"], a.steps, a.threads, a.precision)
         else:  # the eager run needs a summary: a 1-step trainer run gives the same recipe and plan
-            probe = trainer_run(a.trainer, recipe, MODES[mode], 1, a.threads, os.path.join(d, "probe"))
-            ea = eager_run(probe["summary"], a.steps, a.threads)
-            tr = trainer_run(a.trainer, recipe, MODES[mode], a.steps, a.threads, d)
+            probe = trainer_run(a.trainer, recipe, MODES[mode], 1, a.threads, os.path.join(d, "probe"), a.precision)
+            ea = eager_run(probe["summary"], a.steps, a.threads, a.precision)
+            tr = trainer_run(a.trainer, recipe, MODES[mode], a.steps, a.threads, d, a.precision)
         tr.pop("summary")
         return {"round": rnd, "recipe": recipe, "mode": mode, "trainer": tr,
                 "eager": {k: ea[k] for k in ("median_step_ms", "min_step_ms", "median_tokens_per_s", "peak_rss_bytes",
-                                             "losses")},
+                                             "losses", "wall_s", "precision", "recompute_autocast", "step_ms")},
                 # tokens/s ratio from each run's fastest step (the least disturbed by other load), and
                 # from its median step
                 "ratio": ea["min_step_ms"] / tr["min_step_ms"],
@@ -118,7 +215,7 @@ def mib(b):
     return f"{b / 2**20:.0f}"
 
 
-def table(runs, recipes, modes):
+def table(runs, recipes, modes, peak=None):
     lines = ["| recipe | mode | trainer ms/step (fastest) | eager ms/step (fastest) | trainer tok/s | eager tok/s | speed ratio (median, min-max) "
              "| ratio of the fastest steps of all rounds | ratio of medians | trainer tracked peak MiB | trainer RSS MiB "
              "| eager RSS MiB |", "|" + "---|" * 12]
@@ -142,6 +239,20 @@ def table(runs, recipes, modes):
                    "eager_rss": med(lambda r: r["eager"]["peak_rss_bytes"])}
             row["best_ratio"] = row["eager_best_ms"] / row["trainer_best_ms"]
             row["trainer_tps"], row["eager_tps"] = tokens / row["trainer_ms"] * 1e3, tokens / row["eager_ms"] * 1e3
+            fpt = rs[0]["trainer"].get("flops_per_token")
+            if fpt:  # model FLOPs (recompute not counted) per second at the fastest steps' tokens/s
+                row["flops_per_token"] = fpt
+                row["trainer_model_flops"], row["eager_model_flops"] = fpt * row["trainer_tps"], fpt * row["eager_tps"]
+                if peak:
+                    row["trainer_of_peak"] = row["trainer_model_flops"] / peak["flops"]
+                    row["eager_of_peak"] = row["eager_model_flops"] / peak["flops"]
+                    if peak.get("layout_flops"):
+                        fastest = max(peak["layout_flops"].values())
+                        row["trainer_of_fastest_layout"] = row["trainer_model_flops"] / fastest
+                        row["eager_of_fastest_layout"] = row["eager_model_flops"] / fastest
+            if "losses" in rs[0]["trainer"]:
+                row["first_loss_trainer"] = [r["trainer"]["losses"][0] for r in rs]
+                row["first_loss_eager"] = [r["eager"]["losses"][0] for r in rs]
             summary[f"{recipe}/{mode}"] = row
             lines.append(f"| {recipe} | {mode} | {row['trainer_ms']:.1f} | {row['eager_ms']:.1f} | {row['trainer_tps']:.0f} "
                          f"| {row['eager_tps']:.0f} | {row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) "
@@ -160,10 +271,31 @@ def table(runs, recipes, modes):
                          + (f"; trainer {statistics.median(inside):.3f} (full's step / its step less its measured "
                             f"recompute time, median over rounds)" if inside else ""))
             summary[f"{recipe}/full_over_none"] = r
+    for recipe in recipes:
+        row = summary.get(f"{recipe}/none")
+        if row and "trainer_model_flops" in row:
+            line = (f"\n{recipe}: none's achieved model FLOP/s ({row['flops_per_token'] / 1e6:.2f} MFLOP/token x the "
+                    f"fastest steps' tokens/s, recompute not counted): trainer {row['trainer_model_flops'] / 1e9:.2f} "
+                    f"GFLOP/s, eager {row['eager_model_flops'] / 1e9:.2f} GFLOP/s")
+            if "trainer_of_peak" in row:
+                line += (f"; as a fraction of the {peak['dtype']} GEMM peak ({peak['flops'] / 1e9:.2f} GFLOP/s, a@b as the "
+                         f"trainer measures it): trainer {row['trainer_of_peak']:.3f}, eager {row['eager_of_peak']:.3f}")
+            if "trainer_of_fastest_layout" in row:
+                name, rate = max(peak["layout_flops"].items(), key=lambda kv: kv[1])
+                line += (f"; of the fastest layout ({name}, {rate / 1e9:.2f} GFLOP/s): trainer "
+                         f"{row['trainer_of_fastest_layout']:.3f}, eager {row['eager_of_fastest_layout']:.3f}")
+            lines.append(line)
+    for recipe in recipes:
+        got = [(m, summary[f"{recipe}/{m}"]) for m in modes if "first_loss_trainer" in summary[f"{recipe}/{m}"]]
+        if got:
+            fmt = lambda xs: "/".join(f"{x:.4f}" for x in xs)
+            lines.append(f"\n{recipe}: first-step loss, trainer | eager (per round; ln vocab = 5.5452 for vocab 256; "
+                         f"same recipe, each program's own init and data draws): "
+                         + "; ".join(f"{m} {fmt(r['first_loss_trainer'])} | {fmt(r['first_loss_eager'])}" for m, r in got))
     return "\n".join(lines) + "\n", summary
 
 
-def plot(summary, recipes, modes, path):
+def plot(summary, recipes, modes, path, precision="fp32"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -178,6 +310,7 @@ def plot(summary, recipes, modes, path):
     ax.axhline(1.15, color="tab:red", lw=0.8, ls="--", label="1.15x target")
     ax.set_xticks([j + width * (len(recipes) - 1) / 2 for j in range(len(modes))], modes)
     ax.set_ylabel("trainer tokens/s / eager tokens/s")
+    ax.set_title(f"trainer vs PyTorch eager, {precision}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -191,7 +324,10 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--recipes", default="l12,tiny")
     ap.add_argument("--modes", default="none,full,sqrt,selective")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "vs_eager"))
+    ap.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                    help="fp32 | bf16 (autocast) | bf16-params (bf16 parameter copy, fp32 masters; zero1)")
+    ap.add_argument("--out", help="output path without extension (default: bench/results/vs_eager for fp32, "
+                                  "vs_eager_bf16, vs_eager_bf16_params)")
     ap.add_argument("--from-json", help="re-render the table and plot of a saved run (its .json) into --out")
     a = ap.parse_args()
     if a.from_json:
@@ -200,12 +336,20 @@ def main():
         recipes = list(dict.fromkeys(r["recipe"] for r in saved["runs"]))
         modes = list(dict.fromkeys(r["mode"] for r in saved["runs"]))
         a.threads, a.rounds, a.steps = saved["threads"], saved["rounds"], saved["steps"]
-        write_results(a, saved["runs"], recipes, modes)
+        a.precision = saved.get("precision", "fp32")
+        a.out = a.out or default_out(a.precision)
+        write_results(a, saved["runs"], recipes, modes, saved.get("gemm_peak"), saved.get("cpu_flags"))
         return
+    a.out = a.out or default_out(a.precision)
     recipes, modes = a.recipes.split(","), a.modes.split(",")
     for name in recipes + modes:
         if name not in RECIPES and name not in MODES:
             sys.exit(f"vs_eager: unknown recipe or mode '{name}' (recipes: {', '.join(RECIPES)}; modes: {', '.join(MODES)})")
+    flags = cpu_flags()
+    peaks = [gemm_peak(PEAK_DTYPE[a.precision], a.threads)]
+    print(f"{PEAK_DTYPE[a.precision]} GEMM peak (1024^3, {a.threads} threads, best of 5): "
+          + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in peaks[0]["layout_flops"].items())
+          + f" GFLOP/s ({peaks[0]['wall_s']:.1f} s)", flush=True)
     runs = []
     for rnd in range(a.rounds):
         for recipe in recipes:
@@ -213,22 +357,70 @@ def main():
                 r = one_round(a, rnd, recipe, mode)
                 print(f"round {rnd} {recipe:5s} {mode:10s} trainer {r['trainer']['min_step_ms']:7.1f} ms  "
                       f"eager {r['eager']['min_step_ms']:7.1f} ms  ratio {r['ratio']:.3f} (medians: "
-                      f"{r['trainer']['median_step_ms']:.1f} / {r['eager']['median_step_ms']:.1f})", flush=True)
+                      f"{r['trainer']['median_step_ms']:.1f} / {r['eager']['median_step_ms']:.1f}; step-1 loss "
+                      f"{r['trainer']['losses'][0]:.4f} / {r['eager']['losses'][0]:.4f}; process wall "
+                      f"{r['trainer']['wall_s']:.1f} / {r['eager']['wall_s']:.1f} s)", flush=True)
                 runs.append(r)
-    write_results(a, runs, recipes, modes)
+    peaks.append(gemm_peak(PEAK_DTYPE[a.precision], a.threads))
+    best = max(peaks, key=lambda p: p["flops"])
+    layout = {k: max(p["layout_flops"][k] for p in peaks) for k in peaks[0]["layout_flops"]}
+    peak = {"dtype": best["dtype"], "n": best["n"], "threads": best["threads"], "flops": best["flops"],
+            "layout_flops": layout, "measurements": peaks}
+    write_results(a, runs, recipes, modes, peak, flags)
 
 
-def write_results(a, runs, recipes, modes):
-    md, summary = table(runs, recipes, modes)
+PEAK_DTYPE = {"fp32": "fp32", "bf16": "bf16", "bf16-params": "bf16"}
+
+
+def default_out(precision):
+    name = "vs_eager" if precision == "fp32" else "vs_eager_" + precision.replace("-", "_")
+    return os.path.join(ROOT, "bench", "results", name)
+
+
+def cpu_line(cpu, flags, features, precision):
+    """The table header's CPU part: model, bf16-relevant flags and the path a bf16 matmul takes."""
+    if not flags:
+        return f"CPU: {cpu}"
+    has = [k for k, v in flags["flags"].items() if v]
+    lacks = [k for k in ("avx512f", "avx512_bf16", "amx_bf16") if not flags["flags"].get(k)]
+    line = f"CPU: {cpu} (flags: {' '.join(has) or 'none of ' + ', '.join(BF16_FLAGS)}"
+    line += f"; no {', '.join(lacks)})" if lacks else ")"
+    path = features.get("bf16_matmul")
+    if path:
+        line += f"; the trainer's bf16 matmul path: {path}"
+    if precision != "fp32" and path == "aten":
+        line += (" (no oneDNN bf16 kernel on this CPU: ATen's fallback gemm, far slower than fp32; the bf16 "
+                 "figures describe that path only)")
+    return line
+
+
+def write_results(a, runs, recipes, modes, peak=None, flags=None):
+    md, summary = table(runs, recipes, modes, peak)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     cpu = runs[0]["trainer"]["cpu"]
-    header = f"CPU: {cpu}; {a.threads} threads, fp32, {a.rounds} interleaved rounds of {a.steps} steps\n\n"
+    features = runs[0]["trainer"].get("cpu_features", {})
+    header = (f"{cpu_line(cpu, flags, features, a.precision)}\n\n{a.threads} threads, {DESCRIBE[a.precision]}, "
+              f"{a.rounds} interleaved rounds of {a.steps} steps")
+    if peak:
+        header += (f"; {peak['dtype']} GEMM peak {peak['flops'] / 1e9:.2f} GFLOP/s (1024^3 torch.mm at {peak['threads']} "
+                   f"threads, best of {sum(len(m['ms']) for m in peak['measurements'])}: 5 before the rounds, 5 after)")
+        if peak.get("layout_flops"):
+            header += ("; other layouts the same way: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in peak["layout_flops"].items())
+                       + " GFLOP/s")
+    rc = [r["eager"]["recompute_autocast"] for r in runs if r["eager"].get("recompute_autocast", {}).get("calls")]
+    if rc and a.precision != "fp32":
+        calls, bf16 = sum(x["calls"] for x in rc), sum(x["autocast_bf16"] for x in rc)
+        header += (f"; eager recompute under bf16 autocast in {bf16} of {calls} checkpointed calls rerun in backward "
+                   f"(torch.utils.checkpoint replays the forward's autocast state)")
+    header += "\n\n"
     with open(a.out + ".md", "w") as f:
         f.write(header + md)
     with open(a.out + ".json", "w") as f:
-        json.dump({"cpu": cpu, "threads": a.threads, "rounds": a.rounds, "steps": a.steps, "summary": summary,
-                   "runs": runs}, f, indent=1)
-    plot(summary, recipes, modes, a.out + ".png")
+        json.dump({"cpu": cpu, "cpu_flags": flags, "cpu_features": features, "precision": a.precision,
+                   "precision_detail": DESCRIBE[a.precision], "trainer_sets": PRECISIONS[a.precision],
+                   "threads": a.threads, "rounds": a.rounds, "steps": a.steps, "gemm_peak": peak,
+                   "summary": summary, "runs": runs}, f, indent=1)
+    plot(summary, recipes, modes, a.out + ".png", a.precision)
     print(header + md)
 
 

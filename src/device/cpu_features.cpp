@@ -140,7 +140,8 @@ nlohmann::json CpuFeatures::to_json() const {
           {"amx", amx},
           {"bf16_matmul", to_string(bf16_matmul)},
           {"fp16_matmul", to_string(fp16_matmul)},
-          {"fused_kernels", kernel_clone_name()}};
+          {"fused_kernels", kernel_clone_name()},
+          {"aten_kernels", !fused_kernels()}};  // SUBLINEAR_ATEN_KERNELS: GELU and attention left to ATen
 }
 
 namespace {
@@ -154,7 +155,22 @@ std::atomic<bool>& baseline_forced() {
   return forced;
 }
 
+// Set from SUBLINEAR_ATEN_KERNELS when first asked; force_aten_kernels changes it.
+std::atomic<bool>& aten_forced() {
+  static std::atomic<bool> forced{!fused_kernels_from_env(std::getenv("SUBLINEAR_ATEN_KERNELS"))};
+  return forced;
+}
+
 }  // namespace
+
+bool fused_kernels_from_env(const char* value) {
+  const std::string v = value ? value : "";
+  return v.empty() || v == "0";
+}
+
+bool fused_kernels() { return !aten_forced().load(std::memory_order_relaxed); }
+
+bool force_aten_kernels(bool on) { return aten_forced().exchange(on, std::memory_order_relaxed); }
 
 bool cpu_has_avx2_fma() {
 #if defined(__x86_64__)

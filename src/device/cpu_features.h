@@ -62,6 +62,22 @@ bool force_baseline_kernels(bool on);
 // "avx2_fma" or "baseline": the clone vector_kernels() picks now (summary.json's environment.cpu).
 std::string kernel_clone_name();
 
+// ---- the fused kernels or ATen's ----
+// SUBLINEAR_ATEN_KERNELS=1 in the environment (read once, at the first ask; unset, empty or 0: the
+// fused kernels; any other value: ATen's) makes the fused GELU and causal-attention kernels' predicates
+// (model::gelu_tanh_fused, gelu_tanh_bias_fused, causal_attention_fused, causal_attention_packed_fused)
+// say false, so a whole run takes at::gelu and at::scaled_dot_product_attention, as a model without
+// them would (to compare against; AdamW is not concerned). force_aten_kernels does the same in-process.
+
+// The fused GELU and attention kernels may run: SUBLINEAR_ATEN_KERNELS's rule on its value, unless
+// force_aten_kernels changed it since. Cheap (a relaxed load).
+bool fused_kernels();
+// The rule on a value of SUBLINEAR_ATEN_KERNELS (nullptr: unset): true for unset, empty or "0".
+bool fused_kernels_from_env(const char* value);
+// Turns the fused GELU and attention off (on = true) or back on; returns the setting it replaces (true:
+// they were off). For tests; do not switch while a model runs.
+bool force_aten_kernels(bool on);
+
 // Whether oneDNN's ISA cap `cap` (an ONEDNN_MAX_CPU_ISA value, any case; "" = none) allows `isa`
 // (a name of the same list). An unknown cap allows everything, as oneDNN ignores it.
 bool onednn_isa_allows(const std::string& cap, const std::string& isa);

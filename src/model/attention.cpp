@@ -1,4 +1,5 @@
 #include "model/attention.h"
+#include "model/bf16.h"
 #include "model/clones.h"
 #include "model/fast_exp.h"
 #include "model/intra_op.h"
@@ -180,19 +181,74 @@ void backward_head(const Head& x, const HeadGrad& g, const Shape& sh, const Back
   }
 }
 
+// ---- bf16 heads: widened into per-thread fp32 scratch, results rounded back (model/bf16.h) ----
+
+// dst[t * hd + c] = src[t * ld + c] widened, for T rows of hd: exact, so both clones give the same bits.
+SL_KERNEL_BODY void widen_rows_body(const c10::BFloat16* src, int64_t ld, int64_t T, int64_t hd, float* dst) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < hd; ++c) dst[t * hd + c] = widen(src[t * ld + c]);
+}
+SL_KERNEL_CLONES(void, widen_rows, (const c10::BFloat16* src, int64_t ld, int64_t T, int64_t hd, float* dst),
+                 (src, ld, T, hd, dst))
+
+// dst[t * ld + c] = src[t * hd + c] rounded to nearest even: both clones give the same bits.
+SL_KERNEL_BODY void narrow_rows_body(const float* src, int64_t T, int64_t hd, c10::BFloat16* dst, int64_t ld) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < hd; ++c) dst[t * ld + c] = narrow(src[t * hd + c]);
+}
+SL_KERNEL_CLONES(void, narrow_rows, (const float* src, int64_t T, int64_t hd, c10::BFloat16* dst, int64_t ld),
+                 (src, T, hd, dst, ld))
+
 // ---- whole tensors ----
 
-// A (B, nh, T, hd) tensor with unit stride along hd, addressed per (batch, head).
+// A (B, nh, T, hd) tensor, fp32 or bf16, with unit stride along hd, addressed per (batch, head).
 struct Strided {
-  float* base;
-  int64_t s_batch, s_head, s_row;
-  Rows at(int64_t b, int64_t h) const { return {base + b * s_batch + h * s_head, s_row}; }
+  void* base;
+  bool bf16;
+  int64_t s_batch, s_head, s_row;  // elements
+  int64_t offset(int64_t b, int64_t h) const { return b * s_batch + h * s_head; }
+  Rows at(int64_t b, int64_t h) const { return {static_cast<float*>(base) + offset(b, h), s_row}; }  // fp32
+  c10::BFloat16* at_bf16(int64_t b, int64_t h) const { return static_cast<c10::BFloat16*>(base) + offset(b, h); }
 };
 
 Strided strided(const torch::Tensor& t) {
   TORCH_INTERNAL_ASSERT(t.dim() == 4 && t.stride(3) == 1);
-  return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+  return {t.data_ptr(), t.scalar_type() == torch::kBFloat16, t.stride(0), t.stride(1), t.stride(2)};
 }
+
+// One thread's view of one (batch, head): its fp32 rows. fp32 tensors are read and written in place;
+// bf16 ones go through fp32 copies in the thread's staging area (T x hd floats each, taken in order):
+// inputs widened when the head is taken, results rounded into the tensor when it is done.
+class HeadStage {
+ public:
+  HeadStage(int64_t b, int64_t h, const Shape& sh, float* staging) : b_(b), h_(h), sh_(sh), next_(staging) {}
+
+  // The head's rows of an input.
+  Rows in(const Strided& t) {
+    if (!t.bf16) return t.at(b_, h_);
+    const Rows r = take();
+    widen_rows(t.at_bf16(b_, h_), t.s_row, sh_.T, sh_.hd, r.p);
+    return r;
+  }
+  // Where the head's rows of a result go; done(t, rows) then stores them.
+  Rows out(const Strided& t) { return t.bf16 ? take() : t.at(b_, h_); }
+  void done(const Strided& t, const Rows& r) const {
+    if (t.bf16) narrow_rows(r.p, sh_.T, sh_.hd, t.at_bf16(b_, h_), t.s_row);
+  }
+
+ private:
+  Rows take() {
+    const Rows r{next_, sh_.hd};
+    next_ += sh_.T * sh_.hd;
+    return r;
+  }
+  int64_t b_, h_;
+  Shape sh_;
+  float* next_;
+};
+
+// Floats of staging a thread needs for `count` operands of one head when they are bf16 (none for fp32).
+int64_t staging_floats(bool bf16, int count, const Shape& sh) { return bf16 ? count * sh.T * sh.hd : 0; }
 
 // A (B, T, nh, hd) buffer seen as (B, nh, T, hd): the layout of the output and of the gradients.
 torch::Tensor heads_view(const torch::Tensor& btc, int64_t nh) {
@@ -213,49 +269,60 @@ Shape shape_of(const torch::Tensor& q) {
   return {q.size(2), hd, static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
 }
 
-// (output (B, T, nh * hd), lse (B, nh, T)).
+// fp32 per-thread scratch, threads x per_thread floats.
+torch::Tensor thread_scratch(int threads, int64_t per_thread) {
+  return torch::empty({threads, per_thread}, torch::kFloat32);
+}
+
+// (output (B, T, nh * hd) in q's dtype, lse (B, nh, T) fp32).
 std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& q, const torch::Tensor& k,
                                                            const torch::Tensor& v) {
   RECORD_FUNCTION("sublinear::causal_attention", std::vector<c10::IValue>{});
   const int64_t B = q.size(0), nh = q.size(1);
   const Shape sh = shape_of(q);
   auto out = torch::empty({B, sh.T, nh * sh.hd}, q.options());
-  auto lse = torch::empty({B, nh, sh.T}, q.options());
+  auto lse = torch::empty({B, nh, sh.T}, q.options().dtype(torch::kFloat32));
   const int threads = at::get_num_threads();
-  const int64_t per_thread = (kRowBlock + sh.hd) * sh.T;
-  auto scratch = torch::empty({threads, per_thread}, q.options());
+  const int64_t blocks = (kRowBlock + sh.hd) * sh.T;
+  const int64_t per_thread = blocks + staging_floats(q.scalar_type() == torch::kBFloat16, 4, sh);
+  auto scratch = thread_scratch(threads, per_thread);
   const Strided Q = strided(q), K = strided(k), V = strided(v), O = strided(heads_view(out, nh));
   float* L = lse.data_ptr<float>();
   float* S = scratch.data_ptr<float>();
   for_each_head(B, nh, threads, [&](int64_t b, int64_t h, int tid) {
-    const Head x{Q.at(b, h), K.at(b, h), V.at(b, h), O.at(b, h), L + (b * nh + h) * sh.T};
     float* w = S + tid * per_thread;
+    HeadStage st(b, h, sh, w + blocks);
+    const Head x{st.in(Q), st.in(K), st.in(V), st.out(O), L + (b * nh + h) * sh.T};
     forward_head(x, sh, w, w + kRowBlock * sh.T);
+    st.done(O, x.o);
   });
   return {out, lse};
 }
 
-// Writes dq, dk, dv: (B, nh, T, hd) views, unit stride along hd (of one (B, T, 3C) buffer or of three).
+// Writes dq, dk, dv: (B, nh, T, hd) views in q's dtype, unit stride along hd (of one (B, T, 3C) buffer
+// or of three).
 void attention_backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& out, const torch::Tensor& lse, const torch::Tensor& grad,
                         const torch::Tensor& dq, const torch::Tensor& dk, const torch::Tensor& dv) {
   RECORD_FUNCTION("sublinear::causal_attention_backward", std::vector<c10::IValue>{});
   const int64_t B = q.size(0), nh = q.size(1);
   const Shape sh = shape_of(q);
-  auto dout = heads_view(grad.contiguous(), nh);
+  auto dout = heads_view(grad.to(out.scalar_type()).contiguous(), nh);
   const int threads = at::get_num_threads();
-  const int64_t per_thread = (2 * kRowBlock + 2 * sh.hd + 1) * sh.T;
-  auto scratch = torch::empty({threads, per_thread}, q.options());
+  const int64_t block = kRowBlock * sh.T, head = sh.hd * sh.T, blocks = 2 * block + 2 * head + sh.T;
+  const int64_t per_thread = blocks + staging_floats(q.scalar_type() == torch::kBFloat16, 8, sh);
+  auto scratch = thread_scratch(threads, per_thread);
   const Strided Q = strided(q), K = strided(k), V = strided(v), O = strided(heads_view(out, nh));
   const Strided dO = strided(dout), dQ = strided(dq), dK = strided(dk), dV = strided(dv);
   float* L = lse.data_ptr<float>();
   float* S = scratch.data_ptr<float>();
   for_each_head(B, nh, threads, [&](int64_t b, int64_t h, int tid) {
-    const Head x{Q.at(b, h), K.at(b, h), V.at(b, h), O.at(b, h), L + (b * nh + h) * sh.T};
-    const HeadGrad g{dO.at(b, h), dQ.at(b, h), dK.at(b, h), dV.at(b, h)};
     float* w = S + tid * per_thread;
-    const int64_t block = kRowBlock * sh.T, head = sh.hd * sh.T;
+    HeadStage st(b, h, sh, w + blocks);
+    const Head x{st.in(Q), st.in(K), st.in(V), st.in(O), L + (b * nh + h) * sh.T};
+    const HeadGrad g{st.in(dO), st.out(dQ), st.out(dK), st.out(dV)};
     backward_head(x, g, sh, {w, w + block, w + 2 * block, w + 2 * block + head, w + 2 * block + 2 * head});
+    st.done(dQ, g.dq), st.done(dK, g.dk), st.done(dV, g.dv);
   });
 }
 
@@ -315,32 +382,52 @@ struct PackedAttentionFunction : torch::autograd::Function<PackedAttentionFuncti
 };
 
 bool fused_operand(const torch::Tensor& t) {
-  return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.layout() == torch::kStrided && t.dim() == 4 &&
-         t.stride(3) == 1 && t.stride(2) >= t.size(3);
+  const auto dtype = t.scalar_type();
+  return t.device().is_cpu() && (dtype == torch::kFloat32 || dtype == torch::kBFloat16) &&
+         t.layout() == torch::kStrided && t.dim() == 4 && t.stride(3) == 1 && t.stride(2) >= t.size(3);
+}
+
+// The kernel takes q, k, v (whatever SUBLINEAR_ATEN_KERNELS says): one dtype, one shape.
+bool kernel_takes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  return fused_operand(q) && fused_operand(k) && fused_operand(v) && q.scalar_type() == k.scalar_type() &&
+         q.scalar_type() == v.scalar_type() && q.sizes() == k.sizes() && q.sizes() == v.sizes();
+}
+
+bool packed_kernel_takes(const torch::Tensor& qkv, int64_t n_head) {
+  if (qkv.dim() != 3 || qkv.numel() == 0 || n_head <= 0 || qkv.size(2) % (3 * n_head) != 0) return false;
+  auto [q, k, v] = packed_heads(qkv, n_head);
+  return kernel_takes(q, k, v);
+}
+
+// Whether the model should take the kernel for tensors of `dtype` on this CPU. bf16 only where the
+// AVX2 + FMA clone runs: the baseline clone's bf16 attention is slower than SDPA's bf16 kernels (311 vs
+// 197 ms forward + backward at B 8, nh 4, T 256, hd 64, 2 threads, AVX2 EPYC with the baseline forced),
+// and a CPU without bf16 instructions must not get slower than it was with SDPA (docs/precision.md).
+bool worth_it(torch::ScalarType dtype) {
+  return device::fused_kernels() && (dtype != torch::kBFloat16 || device::vector_kernels());
 }
 
 }  // namespace
 
 bool causal_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  return fused_operand(q) && fused_operand(k) && fused_operand(v) && q.sizes() == k.sizes() && q.sizes() == v.sizes();
+  return worth_it(q.scalar_type()) && kernel_takes(q, k, v);
 }
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  TORCH_CHECK(causal_attention_fused(q, k, v), "causal_attention: q, k, v must be fp32 CPU (B, nh, T, hd) tensors");
+  TORCH_CHECK(kernel_takes(q, k, v), "causal_attention: q, k, v must be fp32 or bf16 CPU (B, nh, T, hd) tensors "
+              "of one dtype, unit stride along hd");
   const bool grad = torch::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   if (!grad) return std::get<0>(attention_forward(q, k, v));
   return CausalAttentionFunction::apply(q, k, v);
 }
 
 bool causal_attention_packed_fused(const torch::Tensor& qkv, int64_t n_head) {
-  if (qkv.dim() != 3 || qkv.numel() == 0 || n_head <= 0 || qkv.size(2) % (3 * n_head) != 0) return false;
-  auto [q, k, v] = packed_heads(qkv, n_head);
-  return causal_attention_fused(q, k, v);
+  return worth_it(qkv.scalar_type()) && packed_kernel_takes(qkv, n_head);
 }
 
 torch::Tensor causal_attention_packed(const torch::Tensor& qkv, int64_t n_head) {
-  TORCH_CHECK(causal_attention_packed_fused(qkv, n_head),
-              "causal_attention_packed: qkv must be an fp32 CPU (B, T, 3 * n_head * hd) tensor, unit stride last");
+  TORCH_CHECK(packed_kernel_takes(qkv, n_head), "causal_attention_packed: qkv must be an fp32 or bf16 CPU "
+              "(B, T, 3 * n_head * hd) tensor, unit stride last");
   if (!torch::GradMode::is_enabled() || !qkv.requires_grad()) {
     auto [q, k, v] = packed_heads(qkv, n_head);
     return std::get<0>(attention_forward(q, k, v));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "device/cpu_features.h"
+#include "model/bf16.h"
 #include "model/fast_exp.h"
 #include "model/intra_op.h"
 
@@ -36,18 +38,29 @@ inline float gelu_grad(float g, float v) {
   return g * (s + v * s * (1.0f - s) * 2.0f * dz);
 }
 
-// Baseline x86-64, for CPUs without AVX2 + FMA.
-void forward_scalar(const float* x, const float* b, float* y, int64_t n) {
+// An element of x, y, g or dx as fp32 (T: float, or c10::BFloat16 widened exactly), and an fp32
+// result stored as T (bf16 rounded to nearest even).
+inline float load1(const float* p) { return *p; }
+inline float load1(const c10::BFloat16* p) { return widen(*p); }
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(c10::BFloat16* p, float v) { *p = narrow(v); }
+
+// Baseline x86-64, for CPUs without AVX2 + FMA. b (fp32) may be null.
+template <class T>
+void forward_scalar(const T* x, const float* b, T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float v = b ? x[i] + b[i] : x[i];
-    y[i] = v * gate(v);
+    const float v = b ? load1(x + i) + b[i] : load1(x + i);
+    store1(y + i, v * gate(v));
   }
 }
 
-void backward_scalar(const float* g, const float* x, const float* b, float* dx, float* db, int64_t n) {
+// db (fp32) sums the unrounded fp32 dx.
+template <class T>
+void backward_scalar(const T* g, const T* x, const float* b, T* dx, float* db, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    dx[i] = gelu_grad(g[i], b ? x[i] + b[i] : x[i]);
-    if (db) db[i] += dx[i];
+    const float d = gelu_grad(load1(g + i), b ? load1(x + i) + b[i] : load1(x + i));
+    store1(dx + i, d);
+    if (db) db[i] += d;
   }
 }
 
@@ -71,10 +84,15 @@ __attribute__((target("avx2,fma"))) inline __m256 gelu_grad8(__m256 g, __m256 v)
   return _mm256_mul_ps(g, _mm256_add_ps(s, slope));
 }
 
-// Lanes [i, i + 8) of p, or those below n under `mask` for the last partial vector.
+// Lanes [i, i + 8) of an array of n, or those below n for the last partial vector (fp32: under a mask;
+// bf16, which has no masked 16-bit load: through a zeroed 8-lane buffer).
 struct Lanes {
   __m256i mask;
+  int64_t count;  // lanes in the array, 8 unless partial
   bool partial;
+  __attribute__((target("avx2,fma"))) static Lanes at(int64_t i, int64_t n) {
+    return {lanes_below(n - i), std::min<int64_t>(8, n - i), i + 8 > n};
+  }
   __attribute__((target("avx2,fma"))) __m256 load(const float* p) const {
     return partial ? _mm256_maskload_ps(p, mask) : _mm256_loadu_ps(p);
   }
@@ -84,21 +102,39 @@ struct Lanes {
     else
       _mm256_storeu_ps(p, v);
   }
+  __attribute__((target("avx2,fma"))) __m256 load(const c10::BFloat16* p) const {
+    if (!partial) return widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    alignas(16) uint16_t buf[8] = {};
+    std::memcpy(buf, p, count * sizeof(uint16_t));
+    return widen8(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+  }
+  __attribute__((target("avx2,fma"))) void store(c10::BFloat16* p, __m256 v) const {
+    const __m128i h = narrow8(v);
+    if (!partial) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+      return;
+    }
+    alignas(16) uint16_t buf[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(buf), h);
+    std::memcpy(p, buf, count * sizeof(uint16_t));
+  }
 };
 
-__attribute__((target("avx2,fma"))) void forward_avx2(const float* x, const float* b, float* y, int64_t n) {
+template <class T>
+__attribute__((target("avx2,fma"))) void forward_avx2(const T* x, const float* b, T* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) {
-    const Lanes l{lanes_below(n - i), i + 8 > n};
+    const Lanes l = Lanes::at(i, n);
     __m256 v = l.load(x + i);
     if (b) v = _mm256_add_ps(v, l.load(b + i));
     l.store(y + i, _mm256_mul_ps(v, gate8(v)));
   }
 }
 
-__attribute__((target("avx2,fma"))) void backward_avx2(const float* g, const float* x, const float* b, float* dx,
-                                                        float* db, int64_t n) {
+template <class T>
+__attribute__((target("avx2,fma"))) void backward_avx2(const T* g, const T* x, const float* b, T* dx, float* db,
+                                                        int64_t n) {
   for (int64_t i = 0; i < n; i += 8) {
-    const Lanes l{lanes_below(n - i), i + 8 > n};
+    const Lanes l = Lanes::at(i, n);
     __m256 v = l.load(x + i);
     if (b) v = _mm256_add_ps(v, l.load(b + i));
     const __m256 d = gelu_grad8(l.load(g + i), v);
@@ -110,14 +146,16 @@ __attribute__((target("avx2,fma"))) void backward_avx2(const float* g, const flo
 
 // AVX2 + FMA where the CPU has them (x86-64-v3) and the baseline is not forced, baseline otherwise
 // (device::vector_kernels(), asked per row).
-void forward_row(const float* x, const float* b, float* y, int64_t n) {
+template <class T>
+void forward_row(const T* x, const float* b, T* y, int64_t n) {
 #if defined(__x86_64__)
   if (device::vector_kernels()) return forward_avx2(x, b, y, n);
 #endif
   forward_scalar(x, b, y, n);
 }
 
-void backward_row(const float* g, const float* x, const float* b, float* dx, float* db, int64_t n) {
+template <class T>
+void backward_row(const T* g, const T* x, const float* b, T* dx, float* db, int64_t n) {
 #if defined(__x86_64__)
   if (device::vector_kernels()) return backward_avx2(g, x, b, dx, db, n);
 #endif
@@ -126,7 +164,13 @@ void backward_row(const float* g, const float* x, const float* b, float* dx, flo
 
 // ---- whole tensors ----
 
-float* f32(const torch::Tensor& t) { return t.data_ptr<float>(); }
+// Runs fn(T{}) for x's element type T: float, or c10::BFloat16 (the kernels take no other).
+template <class Fn>
+void on_element(const torch::Tensor& x, Fn fn) {
+  if (x.scalar_type() == torch::kBFloat16) return fn(c10::BFloat16{});
+  TORCH_INTERNAL_ASSERT(x.scalar_type() == torch::kFloat32);
+  fn(float{});
+}
 
 void no_double_backward() {
   TORCH_CHECK(!torch::GradMode::is_enabled(), "gelu_tanh: double backward is not supported");
@@ -135,8 +179,11 @@ void no_double_backward() {
 torch::Tensor forward_fused(const torch::Tensor& x) {
   RECORD_FUNCTION("sublinear::gelu_tanh", std::vector<c10::IValue>{});
   auto y = torch::empty_like(x);
-  for_each_piece({y}, {x}, /*grain=*/1 << 14, [](char** p, int64_t n) {
-    forward_row(reinterpret_cast<const float*>(p[1]), nullptr, reinterpret_cast<float*>(p[0]), n);
+  on_element(x, [&](auto t) {
+    using T = decltype(t);
+    for_each_piece({y}, {x}, /*grain=*/1 << 14, [](char** p, int64_t n) {
+      forward_row(reinterpret_cast<const T*>(p[1]), nullptr, reinterpret_cast<T*>(p[0]), n);
+    });
   });
   return y;
 }
@@ -144,49 +191,63 @@ torch::Tensor forward_fused(const torch::Tensor& x) {
 torch::Tensor backward_fused(const torch::Tensor& g, const torch::Tensor& x) {
   RECORD_FUNCTION("sublinear::gelu_tanh_backward", std::vector<c10::IValue>{});
   auto dx = torch::empty_like(x);
-  for_each_piece({dx}, {g.contiguous(), x}, /*grain=*/1 << 14, [](char** p, int64_t n) {
-    backward_row(reinterpret_cast<const float*>(p[1]), reinterpret_cast<const float*>(p[2]), nullptr,
-                 reinterpret_cast<float*>(p[0]), nullptr, n);
+  on_element(x, [&](auto t) {
+    using T = decltype(t);
+    for_each_piece({dx}, {g.to(x.scalar_type()).contiguous(), x}, /*grain=*/1 << 14, [](char** p, int64_t n) {
+      backward_row(reinterpret_cast<const T*>(p[1]), reinterpret_cast<const T*>(p[2]), nullptr,
+                   reinterpret_cast<T*>(p[0]), nullptr, n);
+    });
   });
   return dx;
 }
 
-// The bias form works on pieces of kRowChunk rows of x seen as (rows, H).
+// The bias form works on pieces of kRowChunk rows of x seen as (rows, H), with the bias in fp32 (a
+// bf16 bias widened: H floats).
 int64_t chunks_of(int64_t rows) { return (rows + kRowChunk - 1) / kRowChunk; }
 
 torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& b) {
   RECORD_FUNCTION("sublinear::gelu_tanh", std::vector<c10::IValue>{});
   auto y = torch::empty_like(x);
+  const auto b32 = b.to(torch::kFloat32);
   const int64_t H = b.numel(), rows = x.numel() / H;
-  const float *X = f32(x), *Bp = f32(b);
-  float* Y = f32(y);
-  for_each_index(chunks_of(rows), [&](int64_t c, int) {
-    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
-      forward_row(X + r * H, Bp, Y + r * H, H);
+  const float* Bp = b32.data_ptr<float>();
+  on_element(x, [&](auto t) {
+    using T = decltype(t);
+    const T* X = x.data_ptr<T>();
+    T* Y = y.data_ptr<T>();
+    for_each_index(chunks_of(rows), [&](int64_t c, int) {
+      for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
+        forward_row(X + r * H, Bp, Y + r * H, H);
+    });
   });
   return y;
 }
 
-// (dx, db): db sums dx over rows, each piece into its own row of partial sums, then the pieces in
-// order, so the bits depend on neither the thread count nor the split.
+// (dx, db): db sums the fp32 dx over rows, each piece into its own row of fp32 partial sums, then the
+// pieces in order, so the bits depend on neither the thread count nor the split; db takes b's dtype.
 std::tuple<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor& g, const torch::Tensor& x,
                                                              const torch::Tensor& b) {
   RECORD_FUNCTION("sublinear::gelu_tanh_backward", std::vector<c10::IValue>{});
-  const auto gc = g.contiguous();
+  const auto gc = g.to(x.scalar_type()).contiguous(), b32 = b.to(torch::kFloat32);
   auto dx = torch::empty_like(x);
   const int64_t H = b.numel(), rows = x.numel() / H, chunks = chunks_of(rows);
-  auto partial = torch::zeros({chunks, H}, x.options());
-  const float *G = f32(gc), *X = f32(x), *Bp = f32(b);
-  float *DX = f32(dx), *P = f32(partial);
-  for_each_index(chunks, [&](int64_t c, int) {
-    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
-      backward_row(G + r * H, X + r * H, Bp, DX + r * H, P + c * H, H);
+  auto partial = torch::zeros({chunks, H}, b32.options());
+  const float* Bp = b32.data_ptr<float>();
+  float* P = partial.data_ptr<float>();
+  on_element(x, [&](auto t) {
+    using T = decltype(t);
+    const T *G = gc.data_ptr<T>(), *X = x.data_ptr<T>();
+    T* DX = dx.data_ptr<T>();
+    for_each_index(chunks, [&](int64_t c, int) {
+      for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
+        backward_row(G + r * H, X + r * H, Bp, DX + r * H, P + c * H, H);
+    });
   });
-  auto db = torch::zeros({H}, b.options());
-  float* DB = f32(db);
+  auto db = torch::zeros({H}, b32.options());
+  float* DB = db.data_ptr<float>();
   for (int64_t c = 0; c < chunks; ++c)
     for (int64_t j = 0; j < H; ++j) DB[j] += P[c * H + j];
-  return {dx, db};
+  return {dx, db.to(b.scalar_type())};
 }
 
 struct GeluTanhFunction : torch::autograd::Function<GeluTanhFunction> {
@@ -218,13 +279,33 @@ struct GeluTanhBiasFunction : torch::autograd::Function<GeluTanhBiasFunction> {
   }
 };
 
-bool fp32_cpu(const torch::Tensor& t) {
-  return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.layout() == torch::kStrided;
+bool cpu_strided(const torch::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == torch::kStrided;
+}
+
+bool kernel_dtype(c10::ScalarType t) { return t == torch::kFloat32 || t == torch::kBFloat16; }
+
+// The bias form takes activations of dtype `act` with the bias b: fp32 with an fp32 b; bf16 with an fp32
+// or a bf16 b.
+bool bias_kernel_takes(c10::ScalarType act, const torch::Tensor& b) {
+  if (!cpu_strided(b) || b.dim() != 1 || b.numel() == 0) return false;
+  if (act == torch::kBFloat16) return kernel_dtype(b.scalar_type());
+  return act == torch::kFloat32 && b.scalar_type() == torch::kFloat32;
+}
+
+// The dtype of what a linear makes from `like`: CPU autocast's while it is on (it casts fp32, bf16 and
+// fp16 operands), else like's own.
+c10::ScalarType linear_output_dtype(const torch::Tensor& like) {
+  const auto t = like.scalar_type();
+  const bool cast = t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kHalf;
+  return cast && at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : t;
 }
 
 }  // namespace
 
-bool gelu_tanh_fused(const torch::Tensor& x) { return fp32_cpu(x) && x.is_contiguous(); }
+bool gelu_tanh_fused(const torch::Tensor& x) {
+  return device::fused_kernels() && cpu_strided(x) && kernel_dtype(x.scalar_type()) && x.is_contiguous();
+}
 
 torch::Tensor gelu_tanh(const torch::Tensor& x) {
   if (!gelu_tanh_fused(x)) return at::gelu(x, "tanh");
@@ -233,13 +314,12 @@ torch::Tensor gelu_tanh(const torch::Tensor& x) {
 }
 
 bool gelu_tanh_bias_fused(const torch::Tensor& like, const torch::Tensor& b) {
-  return b.defined() && fp32_cpu(like) && fp32_cpu(b) && b.dim() == 1 && b.numel() > 0 &&
-         !at::autocast::is_autocast_enabled(at::kCPU);
+  return device::fused_kernels() && cpu_strided(like) && bias_kernel_takes(linear_output_dtype(like), b);
 }
 
 torch::Tensor gelu_tanh_bias(const torch::Tensor& x, const torch::Tensor& b) {
-  TORCH_CHECK(gelu_tanh_bias_fused(x, b) && x.dim() >= 1 && x.size(-1) == b.size(0),
-              "gelu_tanh_bias: x (..., H) and b (H) must be fp32 CPU tensors, outside CPU autocast");
+  TORCH_CHECK(cpu_strided(x) && bias_kernel_takes(x.scalar_type(), b) && x.dim() >= 1 && x.size(-1) == b.size(0),
+              "gelu_tanh_bias: x (..., H) must be an fp32 or bf16 CPU tensor and b (H) fp32, or bf16 with a bf16 x");
   const auto xc = x.contiguous(), bc = b.contiguous();
   if (!torch::GradMode::is_enabled() || !(x.requires_grad() || b.requires_grad())) return forward_bias_fused(xc, bc);
   return GeluTanhBiasFunction::apply(xc, bc);

@@ -1,0 +1,52 @@
+// bf16 <-> fp32 for the bf16 forms of the fused CPU kernels (gelu.cpp, attention.cpp), which load
+// bf16, compute in fp32 and round once on store. Widening is exact (a bf16 is the high half of a
+// float's bits); narrowing rounds to nearest, ties to even, and makes every NaN 0x7FC0: bit for bit what
+// c10::BFloat16(float) does, in a branch-free form loops vectorize (the files that use it are built
+// with -fno-trapping-math, CMakeLists.txt). Scalar forms, and AVX2 forms on 8 lanes.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace sl::model {
+
+inline float widen(c10::BFloat16 h) {
+  const uint32_t bits = static_cast<uint32_t>(h.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline c10::BFloat16 narrow(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+
+#if defined(__x86_64__)
+// Called only where device::vector_kernels() says so (device/cpu_features.h).
+
+// 8 bf16 (the low 16 bytes' lanes) to 8 floats.
+__attribute__((target("avx2,fma"))) inline __m256 widen8(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 floats to 8 bf16, rounded as narrow() does.
+__attribute__((target("avx2,fma"))) inline __m128i narrow8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+  // Every lane is below 0x10000: the unsigned saturating pack keeps it as it is.
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+#endif
+
+}  // namespace sl::model
