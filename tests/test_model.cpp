@@ -156,7 +156,7 @@ TEST_CASE("fused GELU (tanh form) equals ATen's gelu(x, tanh) and its gradient t
   CHECK(torch::allclose(xr.grad(), want_grad, /*rtol=*/1e-5, /*atol=*/5e-6));  // the same tail
   // The same values with any thread count and split (each element on its own).
   const int threads = torch::get_num_threads();
-  torch::set_num_threads(1);
+  torch::set_num_threads(threads == 1 ? 3 : 1);  // another thread count than the run above (ctest's: 1)
   CHECK(torch::equal(model::gelu_tanh(x), got));
   torch::set_num_threads(threads);
   // An unaligned start and a partial last vector (the tail goes through the same vector code).
@@ -238,7 +238,7 @@ TEST_CASE("fused GELU with the fc bias equals gelu_tanh(x + b); its bias gradien
     CHECK(torch::allclose(grads[1], dx.sum(std::vector<int64_t>{0, 1}), 1e-5, 1e-5));
     // The bias gradient's bits do not depend on the thread count (fixed pieces, summed in order).
     const int threads = torch::get_num_threads();
-    torch::set_num_threads(1);
+    torch::set_num_threads(threads == 1 ? 3 : 1);  // another thread count than the run above (ctest's: 1)
     const auto grads1 = torch::autograd::grad({model::gelu_tanh_bias(x, b)}, {x, b}, {g});
     torch::set_num_threads(threads);
     CHECK(torch::equal(grads1[0], grads[0]));
@@ -318,7 +318,7 @@ TEST_CASE("fused causal attention equals softmax(q k^T / sqrt(hd) + mask) v and 
     // No thread count changes a bit (each (batch, head) is one thread's, in a fixed order), and a second
     // call (a recompute) gives the same bits.
     const int threads = torch::get_num_threads();
-    torch::set_num_threads(1);
+    torch::set_num_threads(threads == 1 ? 3 : 1);  // another thread count than the run above (ctest's: 1)
     const auto y1 = model::causal_attention(q, k, v);
     const auto got1 = torch::autograd::grad({y1}, {q, k, v}, {dy});
     torch::set_num_threads(threads);
@@ -559,10 +559,10 @@ TEST_CASE("bf16 fused GELU: the fp32 kernel rounded once; within half an ulp of 
   };
   CHECK(one_ulp_of(y, aten, 2e-6, 5e-7));
   CHECK(one_ulp_of(dx, aten_dx, 1e-5, 5e-6));
-  // The same bits with one thread, from an unaligned start and for a partial last vector (bf16's tail
+  // The same bits with another thread count, from an unaligned start and for a partial last vector (bf16's tail
   // goes through a buffer, then the same vector code); NaN stays NaN.
   const int threads = torch::get_num_threads();
-  torch::set_num_threads(1);
+  torch::set_num_threads(threads == 1 ? 3 : 1);  // another thread count than the run above (ctest's: 1)
   CHECK(torch::equal(model::gelu_tanh(x), y));
   torch::set_num_threads(threads);
   CHECK(torch::equal(model::gelu_tanh(x.narrow(0, 5, 1003)), y.narrow(0, 5, 1003)));
@@ -706,7 +706,8 @@ TEST_CASE("bf16 fused causal attention: forward is the fp32 kernel rounded once;
                        Case{1, 2, 100, 32, true, 3}, Case{1, 1, 5, 80, false, 1}}) {
     CAPTURE(c.B, c.nh, c.T, c.hd, c.views, c.logit_scale);
     const auto a = bf16_attention_inputs(c.B, c.nh, c.T, c.hd, c.views, c.logit_scale);
-    REQUIRE(model::causal_attention_fused(a.q, a.k, a.v));
+    // The model takes bf16 attention where the AVX2 clone runs (the kernel itself runs anywhere).
+    REQUIRE(model::causal_attention_fused(a.q, a.k, a.v) == device::vector_kernels());
     const auto dy = torch::randn({c.B, c.T, c.nh * c.hd}).to(torch::kBFloat16);
     auto fused = [](const auto& q, const auto& k, const auto& v) { return model::causal_attention(q, k, v); };
     const auto got = attention_with_grads(fused, a.q, a.k, a.v, dy);
@@ -737,15 +738,15 @@ TEST_CASE("bf16 fused causal attention: forward is the fp32 kernel rounded once;
       CHECK(max_err(got[i], ref[i]) <= max_err(comp[i], ref[i]) + ulp);
       CHECK(max_err(got[i], sdpa[i]) <= 4 * ulp);
     }
-    // One thread: the same bits.
+    // Another thread count: the same bits.
     const int threads = torch::get_num_threads();
-    torch::set_num_threads(1);
+    torch::set_num_threads(threads == 1 ? 3 : 1);  // another thread count than the run above (ctest's: 1)
     const auto got1 = attention_with_grads(fused, a.q, a.k, a.v, dy);
     torch::set_num_threads(threads);
     for (int i = 0; i < 4; ++i) CHECK(torch::equal(got1[i], got[i]));
     if (c.views) {
       // The packed form: the same bits, its one gradient the split's three side by side.
-      REQUIRE(model::causal_attention_packed_fused(a.leaf, c.nh));
+      REQUIRE(model::causal_attention_packed_fused(a.leaf, c.nh) == device::vector_kernels());
       const auto yp = model::causal_attention_packed(a.leaf, c.nh);
       CHECK(torch::equal(yp, got[0]));
       const auto gp = torch::autograd::grad({yp}, {a.leaf}, {dy})[0];
@@ -757,7 +758,7 @@ TEST_CASE("bf16 fused causal attention: forward is the fp32 kernel rounded once;
   // Mixed dtypes (LLaMA's fp32 rotated q, k beside a bf16 v under autocast) and fp16 stay SDPA's.
   const auto x = torch::randn({1, 2, 8, 4});
   const auto xb = x.to(torch::kBFloat16);
-  CHECK(model::causal_attention_fused(xb, xb, xb));
+  CHECK(model::causal_attention_fused(xb, xb, xb) == device::vector_kernels());
   CHECK_FALSE(model::causal_attention_fused(x, x, xb));
   CHECK_FALSE(model::causal_attention_fused(x.to(torch::kHalf), x.to(torch::kHalf), x.to(torch::kHalf)));
   CHECK_FALSE(model::causal_attention_packed_fused(torch::randn({1, 8, 12}, torch::kHalf), 2));
@@ -847,8 +848,9 @@ TEST_CASE("SUBLINEAR_ATEN_KERNELS turns every fused-kernel predicate off") {
     device::force_aten_kernels(false);
     CHECK(model::gelu_tanh_fused(x));
     CHECK(model::gelu_tanh_bias_fused(x, b));
-    CHECK(model::causal_attention_fused(q, q, q));
-    CHECK(model::causal_attention_packed_fused(x, 2));
+    const bool takes_attention = q.scalar_type() != torch::kBFloat16 || device::vector_kernels();  // bf16: AVX2 clone
+    CHECK(model::causal_attention_fused(q, q, q) == takes_attention);
+    CHECK(model::causal_attention_packed_fused(x, 2) == takes_attention);
     device::force_aten_kernels(before);
   }
 }
@@ -918,7 +920,7 @@ TEST_CASE("a GPT-2 block under bf16 autocast takes the bf16 fused kernels, as cl
     CpuAutocast autocast(at::kBFloat16);
     const auto qkv = at::linear(x, block->w_qkv, block->b_qkv);
     REQUIRE(qkv.scalar_type() == torch::kBFloat16);
-    CHECK(model::causal_attention_packed_fused(qkv, c.n_head));
+    CHECK(model::causal_attention_packed_fused(qkv, c.n_head) == device::vector_kernels());  // bf16: AVX2 clone
     CHECK(model::gelu_tanh_bias_fused(x, block->b_fc));  // x: the fp32 residual stream, as h in the block
   }
   const auto fp32 = block_run(block, x, dy, /*autocast=*/false);

@@ -181,7 +181,38 @@ TEST_CASE("on CUDA, adamw_step is one at::_fused_adamw_ per group, equal to Adam
   CHECK(ops.count("aten::add_") + ops.count("aten::mul_") + ops.count("aten::addcdiv_") == 0);
 }
 
-TEST_CASE("adamw_step_grouped refuses what the fused op cannot take (amsgrad, mixed dtypes), changing nothing") {
+TEST_CASE("adamw_step_grouped: parameters at different step counts equal AdamW::step (the kernel's steps per tensor)") {
+  // One group; the vector gets no gradient at step 1, so from step 2 on the two step counts differ and
+  // the step scalars go to the kernel from a host list.
+  torch::manual_seed(5);
+  const std::vector<torch::Tensor> init = {torch::randn({8, 5}), torch::randn({5})};
+  auto make = [&] {
+    std::vector<torch::Tensor> ps;
+    for (const auto& t : init) ps.push_back(t.clone().requires_grad_(true));
+    config::TrainConfig t;
+    t.lr = 3e-3, t.weight_decay = 0.1;
+    return std::make_pair(ps, optim::make_adamw(ps, {}, t));
+  };
+  auto [ref_p, ref_opt] = make();
+  auto [got_p, got_opt] = make();
+  for (int step = 1; step <= 4; ++step) {
+    for (size_t i = 0; i < init.size(); ++i) {
+      const auto g = step == 1 && i == 1 ? torch::Tensor() : torch::randn(init[i].sizes());
+      ref_p[i].mutable_grad() = g.defined() ? g.clone() : g;
+      got_p[i].mutable_grad() = g.defined() ? g.clone() : g;
+    }
+    ref_opt->step();
+    REQUIRE(optim::adamw_step_grouped(*got_opt));
+  }
+  for (size_t i = 0; i < init.size(); ++i) {
+    CAPTURE(i);
+    auto& got = static_cast<torch::optim::AdamWParamState&>(*got_opt->state().at(got_p[i].unsafeGetTensorImpl()));
+    CHECK(got.step() == (i == 0 ? 4 : 3));
+    CHECK(torch::allclose(got_p[i], ref_p[i], 1e-6, 1e-7));
+  }
+}
+
+TEST_CASE("adamw_step_grouped refuses what the fused op cannot take (amsgrad, a dtype it has no kernel for), changing nothing") {
   auto p = torch::randn({4}).requires_grad_(true), q = torch::randn({4}, torch::kFloat64).requires_grad_(true);
   p.mutable_grad() = torch::ones({4});
   q.mutable_grad() = torch::ones({4}, torch::kFloat64);

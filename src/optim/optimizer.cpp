@@ -75,7 +75,7 @@ bool fused_eligible(torch::optim::AdamW& opt) {
       if (!fp32_cpu_contiguous(p)) return false;
       if (p.grad().defined() && (!p.grad().device().is_cpu() || p.grad().scalar_type() != torch::kFloat32)) return false;
       const auto it = opt.state().find(p.unsafeGetTensorImpl());
-      if (it == opt.state().end()) continue;
+      if (it == opt.state().end() || !it->second) continue;
       const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
       if (!fp32_cpu_contiguous(st.exp_avg()) || !fp32_cpu_contiguous(st.exp_avg_sq())) return false;
     }
@@ -111,13 +111,14 @@ void fused_update(const torch::Tensor& p, const torch::Tensor& g, torch::optim::
 // takes (fp32, bf16, fp16), dense and contiguous.
 bool group_fusable(const torch::Tensor& p, const torch::optim::AdamW& opt) {
   const auto ok = [&](const torch::Tensor& t) {
-    return t.device() == p.device() && t.scalar_type() == p.scalar_type() && t.is_contiguous() && !t.is_sparse();
+    return t.layout() == torch::kStrided && t.device() == p.device() && t.scalar_type() == p.scalar_type() &&
+           t.is_contiguous();
   };
   const auto dt = p.scalar_type();
   if (dt != torch::kFloat32 && dt != torch::kBFloat16 && dt != torch::kHalf) return false;
   if (!ok(p) || (p.grad().defined() && !ok(p.grad()))) return false;
   const auto it = opt.state().find(p.unsafeGetTensorImpl());
-  if (it == opt.state().end()) return true;
+  if (it == opt.state().end() || !it->second) return true;  // state_of makes it
   const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
   return ok(st.exp_avg()) && ok(st.exp_avg_sq());
 }

@@ -30,7 +30,7 @@ inline std::unique_ptr<torch::optim::AdamW> make_adamw(std::vector<torch::Tensor
 // tensor over parameter, gradient and both moments (the kernel below). CUDA parameters take
 // adamw_step_grouped: one at::_fused_adamw_ per parameter group (one kernel launch chain over every
 // tensor of the group) in place of AdamW::step's ~10 elementwise kernels per parameter. Anything else
-// (amsgrad, the lazy test device, mixed devices or dtypes in a group) takes AdamW::step itself. Parameters without a gradient
+// (amsgrad, the lazy test device, a dtype the op does not take) takes AdamW::step itself. Parameters without a gradient
 // are skipped, as AdamW::step skips them. The fused pass gives the same bits on every x86-64 CPU: its
 // AVX2 + FMA and baseline clones agree bitwise (device/cpu_features.h), so data-parallel replicas on
 // different CPU kinds step their weights identically.

@@ -325,7 +325,7 @@ void describe(Session& s) {
 void warn_fallback_matmuls(const Session& s) {
   if (!s.device.is_cpu() || !precision::compute_dtype(s.cfg.precision.compute)) return;
   if (memory::lowp_matmul_path(s.cfg) != device::LowpMatmul::aten) return;
-  spdlog::warn("precision.compute {}: this CPU has no oneDNN matmul kernel for it (no AVX-512), so its matmuls take "
+  spdlog::warn("precision.compute {}: this CPU has no oneDNN matmul kernel for it (no AVX-512, or ONEDNN_MAX_CPU_ISA below it), so its matmuls take "
                "ATen's fallback GEMM, far slower than fp32 (0.8 against 104 GFLOP/s on an AVX2 AMD EPYC); "
                "precision.compute: fp32 trains faster here (docs/precision.md)",
                s.cfg.precision.compute);
