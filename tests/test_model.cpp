@@ -18,6 +18,18 @@
 using namespace sl;
 
 namespace {
+
+// Runs f at another intra-op thread count than the current one (3 where it is 1, as under ctest, else 1)
+// and restores it: the fused kernels promise the same bits at any count.
+template <typename F>
+auto at_other_thread_count(F&& f) {
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(threads == 1 ? 3 : 1);
+  auto out = f();
+  torch::set_num_threads(threads);
+  return out;
+}
+
 config::ModelConfig preset(const std::string& name) {
   config::ModelConfig m;
   config::apply_preset(m, name);
@@ -155,10 +167,7 @@ TEST_CASE("fused GELU (tanh form) equals ATen's gelu(x, tanh) and its gradient t
   const auto want_grad = at::gelu_backward(g, x, "tanh");
   CHECK(torch::allclose(xr.grad(), want_grad, /*rtol=*/1e-5, /*atol=*/5e-6));  // the same tail
   // The same values with any thread count and split (each element on its own).
-  const int threads = torch::get_num_threads();
-  torch::set_num_threads(threads == 1 ? 3 : 1);  // another thread count than the run above (ctest's: 1)
-  CHECK(torch::equal(model::gelu_tanh(x), got));
-  torch::set_num_threads(threads);
+  CHECK(torch::equal(at_other_thread_count([&] { return model::gelu_tanh(x); }), got));
   // An unaligned start and a partial last vector (the tail goes through the same vector code).
   CHECK(torch::equal(model::gelu_tanh(x.narrow(0, 5, 1003)), got.narrow(0, 5, 1003)));
   auto xs = x.narrow(0, 3, 13).clone().requires_grad_(true);
@@ -237,10 +246,8 @@ TEST_CASE("fused GELU with the fc bias equals gelu_tanh(x + b); its bias gradien
     CHECK(torch::equal(grads[0], dx));
     CHECK(torch::allclose(grads[1], dx.sum(std::vector<int64_t>{0, 1}), 1e-5, 1e-5));
     // The bias gradient's bits do not depend on the thread count (fixed pieces, summed in order).
-    const int threads = torch::get_num_threads();
-    torch::set_num_threads(threads == 1 ? 3 : 1);  // another thread count than the run above (ctest's: 1)
-    const auto grads1 = torch::autograd::grad({model::gelu_tanh_bias(x, b)}, {x, b}, {g});
-    torch::set_num_threads(threads);
+    const auto grads1 =
+        at_other_thread_count([&] { return torch::autograd::grad({model::gelu_tanh_bias(x, b)}, {x, b}, {g}); });
     CHECK(torch::equal(grads1[0], grads[0]));
     CHECK(torch::equal(grads1[1], grads[1]));
   }
@@ -317,11 +324,8 @@ TEST_CASE("fused causal attention equals softmax(q k^T / sqrt(hd) + mask) v and 
     }
     // No thread count changes a bit (each (batch, head) is one thread's, in a fixed order), and a second
     // call (a recompute) gives the same bits.
-    const int threads = torch::get_num_threads();
-    torch::set_num_threads(threads == 1 ? 3 : 1);  // another thread count than the run above (ctest's: 1)
-    const auto y1 = model::causal_attention(q, k, v);
-    const auto got1 = torch::autograd::grad({y1}, {q, k, v}, {dy});
-    torch::set_num_threads(threads);
+    const auto y1 = at_other_thread_count([&] { return model::causal_attention(q, k, v); });
+    const auto got1 = at_other_thread_count([&] { return torch::autograd::grad({y1}, {q, k, v}, {dy}); });
     CHECK(torch::equal(y1, y));
     for (int i = 0; i < 3; ++i) CHECK(torch::equal(got1[i], got[i]));
     if (c.views) {
@@ -561,10 +565,7 @@ TEST_CASE("bf16 fused GELU: the fp32 kernel rounded once; within half an ulp of 
   CHECK(one_ulp_of(dx, aten_dx, 1e-5, 5e-6));
   // The same bits with another thread count, from an unaligned start and for a partial last vector (bf16's tail
   // goes through a buffer, then the same vector code); NaN stays NaN.
-  const int threads = torch::get_num_threads();
-  torch::set_num_threads(threads == 1 ? 3 : 1);  // another thread count than the run above (ctest's: 1)
-  CHECK(torch::equal(model::gelu_tanh(x), y));
-  torch::set_num_threads(threads);
+  CHECK(torch::equal(at_other_thread_count([&] { return model::gelu_tanh(x); }), y));
   CHECK(torch::equal(model::gelu_tanh(x.narrow(0, 5, 1003)), y.narrow(0, 5, 1003)));
   auto xs = x.narrow(0, 3, 13).clone().requires_grad_(true);
   model::gelu_tanh(xs).backward(g.narrow(0, 3, 13));
@@ -739,10 +740,7 @@ TEST_CASE("bf16 fused causal attention: forward is the fp32 kernel rounded once;
       CHECK(max_err(got[i], sdpa[i]) <= 4 * ulp);
     }
     // Another thread count: the same bits.
-    const int threads = torch::get_num_threads();
-    torch::set_num_threads(threads == 1 ? 3 : 1);  // another thread count than the run above (ctest's: 1)
-    const auto got1 = attention_with_grads(fused, a.q, a.k, a.v, dy);
-    torch::set_num_threads(threads);
+    const auto got1 = at_other_thread_count([&] { return attention_with_grads(fused, a.q, a.k, a.v, dy); });
     for (int i = 0; i < 4; ++i) CHECK(torch::equal(got1[i], got[i]));
     if (c.views) {
       // The packed form: the same bits, its one gradient the split's three side by side.
