@@ -17,7 +17,7 @@ import json
 import re
 
 BUCKETS = [  # (bucket, regex on the op name), first match wins
-    ("GEMM", r"^aten::(mm|addmm|bmm|baddbmm|addbmm|_addmm_activation)$"),
+    ("GEMM", r"^aten::(mm|addmm|addmm_|bmm|baddbmm|addbmm|_addmm_activation)$"),
     ("attention", r"flash_attention|scaled_dot_product|_efficient_attention|_math_attention|sublinear::attention|sublinear::causal_attention"),
     ("normalization", r"layer_norm|rms_norm|RmsNorm"),
     ("activation (GELU/SiLU)", r"gelu|silu"),

@@ -23,11 +23,12 @@ once before the rounds and once after them, the best of the 10 kept) and gives `
 model FLOP/s (the trainer's model.flops_per_token x tokens/s of the fastest steps) as a fraction of it,
 for both programs; and the first-step loss of both. The CPU's model and its bf16-relevant flags
 (/proc/cpuinfo) go in the JSON and the table header: without avx512_bf16 / amx_bf16 (and without
-AVX-512 for oneDNN's emulated path) a bf16 matmul takes ATen's fallback gemm, and the bf16 figures
-describe that path only. That gemm's speed depends on the operands' layout (AVX2 EPYC, 2 threads, 1024^3:
-a@b ~0.85 GFLOP/s, ~100x below fp32; a@b.t() ~19, a.t()@b ~23), so the peak is also measured on those
-two layouts and the fraction given against the fastest too: on such a CPU the trainer's a@b figure is
-no ceiling (the model runs several times faster than it). Writes <out>.md (table), <out>.json
+AVX-512 for oneDNN's emulated path) a bf16 matmul takes ATen's fallback gemm (eager's), while the
+trainer's linears widen to fp32 GEMMs (src/model/linear.h), and the bf16 figures describe that CPU only.
+That gemm's speed depends on the operands' layout (AVX2 EPYC, 2 threads, 1024^3: a@b ~0.85 GFLOP/s,
+~100x below fp32; a@b.t() ~19, a.t()@b ~23), so the peak is also measured on those two layouts and as
+the widened GEMM, and the fraction given against the fastest too: on such a CPU the a@b figure is no
+ceiling. Writes <out>.md (table), <out>.json
 (every run) and <out>.png (ratios with their spread); --from-json re-renders them from a saved .json.
 
 Usage: bench/vs_eager.py [--trainer build/trainer] [--rounds 3] [--steps 12] [--threads 2]
@@ -136,6 +137,8 @@ n = 1024
 g = torch.Generator().manual_seed(1024)  # as src/train/peak_flops.cpp: fp32 randn operands, then the dtype
 a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
 layouts = {"a@b": lambda: torch.mm(a, b), "a@b.t()": lambda: torch.mm(a, b.t()), "a.t()@b": lambda: torch.mm(a.t(), b)}
+if dtype != torch.float32:  # the trainer's widened GEMM (src/model/linear.h): fp32 GEMM on widened operands, rounded once
+    layouts["widened"] = lambda: torch.mm(a.float(), b.float()).to(dtype)
 ms = {}
 with torch.no_grad():
     for name, mm in layouts.items():  # a@b first: the trainer's measurement
@@ -156,7 +159,9 @@ def gemm_peak(dtype, threads):
     torch.mm(a, b) of contiguous operands in `dtype` at `threads` intra-op threads, warm-up then the best of
     5 (same ATen: the trainer links the venv's torch). Also a@b.t() and a.t()@b the same way: ATen's
     fallback bf16 gemm (no oneDNN bf16 kernel) is ~5-10x faster on those layouts than on a@b, so on such
-    a CPU the trainer's a@b figure is no ceiling for the model's matmuls."""
+    a CPU the a@b figure is no ceiling for the model's matmuls; and in bf16 the widened GEMM (fp32 GEMM
+    on the operands converted to fp32, the result rounded to bf16), which the trainer's linears and its
+    own peak measurement take where the CPU has no bf16 GEMM (src/model/linear.h)."""
     out = {}
     t0 = time.perf_counter()
     measure([venv_python(), "-c", GEMM_PEAK, dtype, str(threads)], out)
@@ -278,8 +283,9 @@ def table(runs, recipes, modes, peak=None):
                     f"fastest steps' tokens/s, recompute not counted): trainer {row['trainer_model_flops'] / 1e9:.2f} "
                     f"GFLOP/s, eager {row['eager_model_flops'] / 1e9:.2f} GFLOP/s")
             if "trainer_of_peak" in row:
-                line += (f"; as a fraction of the {peak['dtype']} GEMM peak ({peak['flops'] / 1e9:.2f} GFLOP/s, a@b as the "
-                         f"trainer measures it): trainer {row['trainer_of_peak']:.3f}, eager {row['eager_of_peak']:.3f}")
+                line += (f"; as a fraction of the {peak['dtype']} GEMM peak ({peak['flops'] / 1e9:.2f} GFLOP/s, ATen's a@b, "
+                         f"which the trainer measures too unless it widens): trainer {row['trainer_of_peak']:.3f}, "
+                         f"eager {row['eager_of_peak']:.3f}")
             if "trainer_of_fastest_layout" in row:
                 name, rate = max(peak["layout_flops"].items(), key=lambda kv: kv[1])
                 line += (f"; of the fastest layout ({name}, {rate / 1e9:.2f} GFLOP/s): trainer "
@@ -385,10 +391,13 @@ def cpu_line(cpu, flags, features, precision):
     lacks = [k for k in ("avx512f", "avx512_bf16", "amx_bf16") if not flags["flags"].get(k)]
     line = f"CPU: {cpu} (flags: {' '.join(has) or 'none of ' + ', '.join(BF16_FLAGS)}"
     line += f"; no {', '.join(lacks)})" if lacks else ")"
-    path = features.get("bf16_matmul")
+    path = features.get("bf16_linear") or features.get("bf16_matmul")
     if path:
-        line += f"; the trainer's bf16 matmul path: {path}"
-    if precision != "fp32" and path == "aten":
+        line += f"; the trainer's bf16 linear path: {path}"
+    if precision != "fp32" and path == "widened":
+        line += (" (no oneDNN bf16 kernel on this CPU: the trainer widens its bf16 linears to fp32 GEMMs, while "
+                 "eager's bf16 matmuls take ATen's fallback gemm, far slower than fp32; the bf16 figures describe that CPU only)")
+    elif precision != "fp32" and path == "aten":
         line += (" (no oneDNN bf16 kernel on this CPU: ATen's fallback gemm, far slower than fp32; the bf16 "
                  "figures describe that path only)")
     return line

@@ -1,9 +1,14 @@
 // Model: preset parameter counts (built on the meta device, no memory), shapes, causality, init; the
 // fused CPU kernels against ATen, and their baseline clones against their AVX2 + FMA clones.
+#include <array>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
 
 #include "catch.h"
 #include <ATen/autocast_mode.h>
@@ -14,6 +19,7 @@
 #include "model/attention.h"
 #include "model/gelu.h"
 #include "model/gpt.h"
+#include "model/linear.h"
 
 using namespace sl;
 
@@ -937,4 +943,378 @@ TEST_CASE("a GPT-2 block under bf16 autocast takes the bf16 fused kernels, as cl
     CHECK(ours <= 1.25 * theirs);
   }
   CHECK_FALSE(torch::equal(fused.at("y"), aten.at("y")));  // the two paths did differ
+}
+
+// ---- the widened linear (model/linear.h) ----
+//
+// What a low-precision linear can promise. Its output (and each gradient) element is a sum of n exact
+// terms: a product of two bf16 values has at most 16 significant bits, of two fp16 values 22, so each is
+// exact in fp32; the bias, rounded, is one more term. Whatever the order of the fp32 sums (the widened
+// path's chunked MKL GEMMs, ATen's fallback GEMM, oneDNN's bf16 kernels, AMX pairs), the fp32 result f
+// is within (n - 1) u sum|t| of the exact sum e (u = 2^-24; Higham, Accuracy and Stability, 4.2), and
+// the result is f rounded once to the compute dtype. The reference is e computed in fp64 from the same
+// rounded operands, then rounded to the dtype (through fp32: off by at most u |e| more before the last
+// rounding). So, for every element:
+//  (a) |got - ref| <= (ulp(got) + ulp(ref)) / 2 + 2 n u sum|t|: the two roundings, the worst-case fp32
+//      error, and a factor 2 for the reference's double rounding (u |e| <= u sum|t|) and spare;
+//  (b) "within one ulp": the worst case is far from what fp32 sums do (their roundings have random
+//      signs, the error grows like sqrt(n): measured |f - e| <= 0.51 u sqrt(n sum t^2) for MKL's fp32
+//      GEMM of x W^T at 300 x 768 x 3072). Where E = 4 u sqrt(n sum t^2) + u |e| (8x that margin, and the
+//      reference's double rounding) is at most a quarter of ulp(ref), f and the value the reference
+//      rounds are within ulp(ref)/4 of each other, and two values that close round at most one grid step
+//      apart: |got - ref| <= ulp(ref). This covers every element but those whose sum cancels far below
+//      its terms (|e| below ~0.5 % of sqrt(n sum t^2) for bf16, ~2 % for fp16), where no fp32 summation
+//      order can promise one ulp (MKL's fp32 GEMM of x W^T at 300 x 768 x 3072, rounded to bf16, is more
+//      than one ulp off on 7 of 0.9 M elements, 11 at worst); the covered share is checked to be >= 90 % (it is a
+//      property of the data: measured >= 99.2 % for bf16 against fp64 and >= 95.7 % between two fp32
+//      orders, >= 94 % for fp16, whose ulp is 8x finer);
+//  (c) >= 99 % of the elements are bitwise the rounded reference: they differ only where f and e lie on
+//      either side of a rounding boundary (measured below: > 99.96 % for bf16, > 99.79 % for fp16).
+// ulp(v): 2^(floor(log2 |v|) - 7) for bf16, 2^(floor(log2 |v|) - 10) for fp16 (below the dtype's
+// smallest normal, the subnormal spacing).
+
+namespace {
+
+// While alive, the fused kernels are forced off (on = true) or on; restores the setting.
+class ForcedAtenKernels {
+ public:
+  explicit ForcedAtenKernels(bool on) : before_(device::force_aten_kernels(on)) {}
+  ~ForcedAtenKernels() { device::force_aten_kernels(before_); }
+  ForcedAtenKernels(const ForcedAtenKernels&) = delete;
+  ForcedAtenKernels& operator=(const ForcedAtenKernels&) = delete;
+
+ private:
+  bool before_;
+};
+
+constexpr double kFp32Unit = 0x1p-24;
+
+const char* dtype_name(c10::ScalarType dt) { return dt == torch::kBFloat16 ? "bf16" : dt == torch::kHalf ? "fp16" : "fp32"; }
+
+// One ulp of dt (bf16 or fp16) at |v|, in fp64.
+torch::Tensor lowp_ulp(const torch::Tensor& v, c10::ScalarType dt) {
+  const bool bf16 = dt == torch::kBFloat16;
+  const auto [mantissa, exponent] = torch::frexp(f64(v).abs().clamp_min(std::ldexp(1.0, bf16 ? -126 : -14)));
+  return torch::ldexp(torch::ones_like(mantissa), exponent - (bf16 ? 8 : 11));
+}
+
+// The exact product A B (fp64, from A and B as given: pass them rounded), plus an optional extra term
+// broadcast over rows (the bias), with what bounds its fp32 summation: sum |t|, sum t^2, n.
+struct ProductRef {
+  torch::Tensor exact, abs_sum, sq_sum;
+  int64_t n;
+};
+ProductRef product_ref(const torch::Tensor& A, const torch::Tensor& B, const torch::Tensor& extra = {}) {
+  const auto a = f64(A), b = f64(B);
+  ProductRef r{a.mm(b), a.abs().mm(b.abs()), a.square().mm(b.square()), a.size(1)};
+  if (extra.defined()) {
+    const auto e = f64(extra);
+    r.exact += e, r.abs_sum += e.abs(), r.sq_sum += e.square(), r.n += 1;
+  }
+  return r;
+}
+
+struct Agreement {
+  double max_ulps, equal, covered;
+};
+
+// got (dt, or dt's values in another dtype) against the reference rounded to dt: (a), (b) and (c) above.
+Agreement check_rounded_product(const std::string& what, const torch::Tensor& got, const ProductRef& ref,
+                                c10::ScalarType dt) {
+  REQUIRE(got.sizes() == ref.exact.sizes());
+  const auto g = f64(got), e = ref.exact;
+  const auto r = f64(e.to(torch::kFloat).to(dt));
+  const auto ulp_r = lowp_ulp(r, dt), diff = (g - r).abs();
+  const double n = static_cast<double>(ref.n);
+  const auto worst = 0.5 * (lowp_ulp(g, dt) + ulp_r) + 2 * n * kFp32Unit * ref.abs_sum;
+  const auto covered = 4 * kFp32Unit * (n * ref.sq_sum).sqrt() + kFp32Unit * e.abs() <= 0.25 * ulp_r;
+  const Agreement a{(diff / ulp_r).max().item<double>(), (g == r).to(torch::kDouble).mean().item<double>(),
+                    covered.to(torch::kDouble).mean().item<double>()};
+  fmt::print("  {} {}: max {} ulps ({} where covered), {:.5f} bitwise equal, one-ulp bound covers {:.4f}\n",
+             dtype_name(dt), what, a.max_ulps, (diff / ulp_r).masked_select(covered).max().item<double>(), a.equal,
+             a.covered);
+  INFO(what << " (" << dtype_name(dt) << "): max ulps " << a.max_ulps << ", bitwise equal " << a.equal
+            << ", covered " << a.covered);
+  CHECK((diff <= worst).all().item<bool>());                                             // (a)
+  CHECK((diff.masked_select(covered) <= ulp_r.masked_select(covered)).all().item<bool>());  // (b)
+  CHECK(a.covered >= 0.90);
+  CHECK(a.equal >= 0.99);  // (c)
+  return a;
+}
+
+// Two results that are each f rounded once, for two fp32 sums f1, f2 of the same exact terms: each
+// within E of e, so where 2 E <= ulp(a)/4 they are roundings of values a quarter ulp apart, at most one
+// ulp apart ((b) with f1 in e's place); everywhere within the two roundings and twice (a)'s fp32 bound;
+// >= 99 % bitwise equal.
+Agreement check_same_rounding(const std::string& what, const torch::Tensor& a, const torch::Tensor& b,
+                              const ProductRef& ref, c10::ScalarType dt) {
+  REQUIRE(a.sizes() == ref.exact.sizes());
+  REQUIRE(b.sizes() == ref.exact.sizes());
+  const auto fa = f64(a), fb = f64(b);
+  const auto ulp_a = lowp_ulp(fa, dt), diff = (fa - fb).abs();
+  const double n = static_cast<double>(ref.n);
+  const auto worst = 0.5 * (ulp_a + lowp_ulp(fb, dt)) + 4 * n * kFp32Unit * ref.abs_sum;
+  const auto covered = 8 * kFp32Unit * (n * ref.sq_sum).sqrt() <= 0.25 * ulp_a;
+  const Agreement r{(diff / ulp_a).max().item<double>(), (fa == fb).to(torch::kDouble).mean().item<double>(),
+                    covered.to(torch::kDouble).mean().item<double>()};
+  fmt::print("  {} {} widened vs ATen: max {} ulps ({} where covered), {:.5f} bitwise equal, one-ulp bound "
+             "covers {:.4f}\n",
+             dtype_name(dt), what, r.max_ulps, (diff / ulp_a).masked_select(covered).max().item<double>(), r.equal,
+             r.covered);
+  INFO(what << " (" << dtype_name(dt) << ") widened vs ATen: max ulps " << r.max_ulps << ", bitwise equal "
+            << r.equal << ", covered " << r.covered);
+  CHECK((diff <= worst).all().item<bool>());
+  CHECK((diff.masked_select(covered) <= ulp_a.masked_select(covered)).all().item<bool>());
+  CHECK(r.covered >= 0.90);
+  CHECK(r.equal >= 0.99);
+  return r;
+}
+
+struct LinearResult {
+  torch::Tensor y, dx, dW, db;
+};
+
+// y = f(x, W, b) under CPU autocast to dt (x, W, b: fresh fp32 leaves), then y.backward(gy) outside it.
+template <class F>
+LinearResult linear_run(F&& f, const torch::Tensor& x0, const torch::Tensor& W0, const torch::Tensor& b0,
+                        const torch::Tensor& gy, c10::ScalarType dt) {
+  auto x = x0.clone().requires_grad_(true), W = W0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
+  torch::Tensor y;
+  {
+    CpuAutocast autocast(dt);
+    y = f(x, W, b);
+  }
+  y.backward(gy);
+  return {y.detach(), x.grad(), W.grad(), b.grad()};
+}
+
+const auto widened_linear = [](const torch::Tensor& x, const torch::Tensor& W, const torch::Tensor& b) {
+  return model::linear(x, W, b);
+};
+const auto aten_linear = [](const torch::Tensor& x, const torch::Tensor& W, const torch::Tensor& b) {
+  return at::linear(x, W, b);
+};
+
+// The fp64 references of a linear's four results (y, dx, dW, db as (N, 1)) from x, W, b and gy rounded
+// to dt, as 2-D products.
+std::array<ProductRef, 4> linear_refs(const torch::Tensor& x, const torch::Tensor& W, const torch::Tensor& b,
+                                      const torch::Tensor& gy, c10::ScalarType dt) {
+  const int64_t N = W.size(0), K = W.size(1);
+  const auto x2 = x.reshape({-1, K}).to(dt), Wr = W.to(dt), gy2 = gy.reshape({-1, N}).to(dt);
+  return {product_ref(x2, Wr.t(), b.to(dt)), product_ref(gy2, Wr), product_ref(gy2.t(), x2),
+          product_ref(gy2.t(), torch::ones({x2.size(0), 1}))};
+}
+
+// Test 1's checks of one linear under autocast to dt; returns the result.
+LinearResult check_linear_against_fp64(const std::vector<int64_t>& x_shape, int64_t N, c10::ScalarType dt) {
+  const int64_t K = x_shape.back();
+  const auto x = torch::randn(x_shape), W = torch::randn({N, K}), b = torch::randn({N});
+  auto gy_shape = x_shape;
+  gy_shape.back() = N;
+  const auto gy = torch::randn(gy_shape).to(dt);
+  const int64_t M = x.numel() / K;
+  fmt::print("widened linear {} M {} K {} N {} (chunk rows {}, widened: {}):\n", dtype_name(dt), M, K, N,
+             model::widened_chunk_rows(M, K, N), [&] {
+               CpuAutocast autocast(dt);
+               return model::widened_dtype(x).has_value();
+             }());
+  const auto got = linear_run(widened_linear, x, W, b, gy, dt);
+  CHECK(got.y.scalar_type() == dt);
+  CHECK(got.dx.scalar_type() == torch::kFloat);
+  CHECK(got.dW.scalar_type() == torch::kFloat);
+  CHECK(got.db.scalar_type() == torch::kFloat);
+  CHECK(got.y.sizes() == gy.sizes());
+  // The gradients are the compute dtype's values, cast to the parameters' (and x's) fp32.
+  CHECK(torch::equal(got.dW.to(dt).to(torch::kFloat), got.dW));
+  CHECK(torch::equal(got.dx.to(dt).to(torch::kFloat), got.dx));
+  CHECK(torch::equal(got.db.to(dt).to(torch::kFloat), got.db));
+  const auto refs = linear_refs(x, W, b, gy, dt);
+  check_rounded_product("y", got.y.reshape({M, N}), refs[0], dt);
+  check_rounded_product("dx", got.dx.reshape({M, K}), refs[1], dt);
+  check_rounded_product("dW", got.dW, refs[2], dt);
+  check_rounded_product("db", got.db.view({N, 1}), refs[3], dt);
+  return got;
+}
+
+}  // namespace
+
+TEST_CASE("widened linear: bf16 output, input, weight and bias gradients are the fp64 products of the rounded "
+          "operands, rounded once to bf16 (at most one bf16 ulp off where fp32 summation order crosses a "
+          "rounding boundary)") {
+  torch::manual_seed(21);
+  // Several chunks: M = 300 rows of GPT-2 small's fc (768 -> 3072), 273 rows a chunk, the last one short.
+  CHECK(model::widened_chunk_rows(300, 768, 3072) == 273);
+  check_linear_against_fp64({3, 100, 768}, 3072, torch::kBFloat16);
+  // One chunk.
+  CHECK(model::widened_chunk_rows(37, 64, 96) == 37);
+  check_linear_against_fp64({37, 64}, 96, torch::kBFloat16);
+}
+
+TEST_CASE("widened linear: the same bits as ATen's bf16 linear up to fp32 summation order") {
+  torch::manual_seed(22);
+  const auto dt = torch::kBFloat16;
+  // ATen's fallback bf16 GEMM is slow: M K N <= 2e7. One chunk; and several (63 rows a chunk: 63 + 7)
+  // through a narrow, wide linear.
+  CHECK(model::widened_chunk_rows(70, 16, 16384) == 63);
+  for (const auto& [M, K, N] : std::vector<std::array<int64_t, 3>>{{37, 64, 96}, {20, 768, 1024}, {70, 16, 16384}}) {
+    CAPTURE(M, K, N);
+    const auto x = torch::randn({M, K}), W = torch::randn({N, K}), b = torch::randn({N});
+    const auto gy = torch::randn({M, N}).to(dt);
+    const auto ours = linear_run(widened_linear, x, W, b, gy, dt);
+    LinearResult aten;
+    {
+      const ForcedAtenKernels forced(true);
+      aten = linear_run(widened_linear, x, W, b, gy, dt);
+    }
+    // Forced off, the linear is at::linear itself.
+    const auto direct = linear_run(aten_linear, x, W, b, gy, dt);
+    CHECK(torch::equal(aten.y, direct.y));
+    CHECK(torch::equal(aten.dx, direct.dx));
+    CHECK(torch::equal(aten.dW, direct.dW));
+    CHECK(torch::equal(aten.db, direct.db));
+    const bool widened = [&] {
+      CpuAutocast autocast(dt);
+      return model::widened_dtype(x).has_value();
+    }();
+    fmt::print("widened linear vs ATen, M {} K {} N {} (widened: {}):\n", M, K, N, widened);
+    if (!widened) {  // the same call
+      CHECK(torch::equal(ours.y, aten.y));
+      CHECK(torch::equal(ours.dx, aten.dx));
+      CHECK(torch::equal(ours.dW, aten.dW));
+      CHECK(torch::equal(ours.db, aten.db));
+      continue;
+    }
+    CHECK(ours.y.scalar_type() == aten.y.scalar_type());
+    CHECK(ours.dx.scalar_type() == aten.dx.scalar_type());
+    CHECK(ours.dW.scalar_type() == aten.dW.scalar_type());
+    CHECK(ours.db.scalar_type() == aten.db.scalar_type());
+    const auto refs = linear_refs(x, W, b, gy, dt);
+    check_same_rounding("y", ours.y, aten.y, refs[0], dt);
+    check_same_rounding("dx", ours.dx, aten.dx, refs[1], dt);
+    check_same_rounding("dW", ours.dW, aten.dW, refs[2], dt);
+    check_same_rounding("db", ours.db.view({N, 1}), aten.db.view({N, 1}), refs[3], dt);
+  }
+}
+
+TEST_CASE("widened linear takes its path exactly where the CPU has no low-precision GEMM") {
+  const auto& f = device::cpu_features();
+  fmt::print("widened linear paths: bf16 matmul {}, fp16 matmul {}, fused kernels {}\n", device::to_string(f.bf16_matmul),
+             device::to_string(f.fp16_matmul), device::fused_kernels());
+  // What widened_dtype should say for compute dtype dt, with the fused kernels forced off or not.
+  auto expected = [&](c10::ScalarType dt, bool forced_off) -> std::optional<c10::ScalarType> {
+    const auto path = dt == torch::kBFloat16 ? f.bf16_matmul : f.fp16_matmul;
+    if (path == device::LowpMatmul::aten && device::fused_kernels() && !forced_off) return dt;
+    return std::nullopt;
+  };
+  // Whether a linear on x (W and b in W_dtype) runs as the widened autograd node.
+  auto runs_widened = [](const torch::Tensor& x, c10::ScalarType W_dtype) {
+    const auto W = torch::randn({6, 8}).to(W_dtype).requires_grad_(true), b = torch::randn({6}).to(W_dtype);
+    const auto y = model::linear(x, W, b);
+    return y.grad_fn() != nullptr && y.grad_fn()->name().find("WidenedLinear") != std::string::npos;
+  };
+  const auto x32 = torch::randn({4, 8});
+  for (const bool forced_off : {false, true}) {
+    CAPTURE(forced_off);
+    const ForcedAtenKernels forced(forced_off);
+    // No autocast: x's own dtype decides; fp32 never widens.
+    CHECK_FALSE(model::widened_dtype(x32).has_value());
+    CHECK_FALSE(runs_widened(x32, torch::kFloat));
+    for (const auto dt : {torch::kBFloat16, torch::kHalf}) {
+      CAPTURE(dt);
+      const auto xl = x32.to(dt);
+      CHECK(model::widened_dtype(xl) == expected(dt, forced_off));
+      CHECK(runs_widened(xl, dt) == expected(dt, forced_off).has_value());
+      // Under CPU autocast to dt: autocast's dtype decides, for fp32 x and for x in the other low dtype.
+      CpuAutocast autocast(dt);
+      CHECK(model::widened_dtype(x32) == expected(dt, forced_off));
+      CHECK(runs_widened(x32, torch::kFloat) == expected(dt, forced_off).has_value());
+      const auto other = dt == torch::kBFloat16 ? torch::kHalf : torch::kBFloat16;
+      CHECK(model::widened_dtype(x32.to(other)) == expected(dt, forced_off));
+      // The path the planner and summary.json report for the model's linears says the same.
+      CHECK((f.linear_path(dt == torch::kBFloat16 ? "bf16" : "fp16") == device::LowpMatmul::widened) ==
+            expected(dt, false).has_value());
+      // Not on the CPU, or no tensor: never.
+      CHECK_FALSE(model::widened_dtype(torch::empty({4, 8}, torch::TensorOptions().device(torch::kMeta))).has_value());
+      CHECK_FALSE(model::widened_dtype(torch::Tensor()).has_value());
+    }
+  }
+}
+
+TEST_CASE("widened linear: a recomputed call gives the same bits") {
+  torch::manual_seed(23);
+  for (const auto dt : {torch::kBFloat16, torch::kHalf}) {
+    CAPTURE(dt);
+    const auto x = torch::randn({3, 100, 768}), W = torch::randn({3072, 768}), b = torch::randn({3072});
+    const auto gy = torch::randn({3, 100, 3072}).to(dt);
+    const auto first = linear_run(widened_linear, x, W, b, gy, dt);
+    const auto other_memory = torch::randn({12345});  // the second call's buffers elsewhere
+    const auto second = linear_run(widened_linear, x, W, b, gy, dt);
+    CHECK(torch::equal(first.y, second.y));
+    CHECK(torch::equal(first.dx, second.dx));
+    CHECK(torch::equal(first.dW, second.dW));
+    CHECK(torch::equal(first.db, second.db));
+  }
+}
+
+TEST_CASE("widened mm and linear_weight_grad equal the fp64 reference of the rounded operands") {
+  torch::manual_seed(24);
+  // a (M, K) b (K, N) and gy2 (M, N)^T a2 (M, K): 124 rows a chunk, 124 + 124 + 52.
+  const int64_t M = 300, K = 256, N = 8192;
+  CHECK(model::widened_chunk_rows(M, K, N) == 124);
+  for (const auto dt : {torch::kBFloat16, torch::kHalf}) {
+    CAPTURE(dt);
+    fmt::print("widened mm / linear_weight_grad {} M {} K {} N {} (widens: {}):\n", dtype_name(dt), M, K, N,
+               model::widened_dtype(torch::empty({1}, dt)).has_value());
+    const auto a = torch::randn({M, K}).to(dt), b = torch::randn({K, N});  // b fp32: rounded to a's dtype
+    const auto y = model::mm(a, b);
+    CHECK(y.scalar_type() == dt);
+    check_rounded_product("mm", y, product_ref(a, b.to(dt)), dt);
+    const auto gy2 = torch::randn({M, N}).to(dt), a2 = torch::randn({M, K});  // a2 fp32: rounded to gy2's dtype
+    const auto dW = model::linear_weight_grad(gy2, a2);
+    // Widened: an fp32 tensor of dt's values (rounded in place); else at::mm's, in dt.
+    const bool widens = model::widened_dtype(gy2).has_value();
+    CHECK(dW.scalar_type() == (widens ? torch::kFloat : dt));
+    CHECK(torch::equal(dW.to(dt).to(dW.scalar_type()), dW));
+    check_rounded_product("linear_weight_grad", dW, product_ref(gy2.t(), a2.to(dt)), dt);
+  }
+  // fp32: at::mm itself.
+  const auto a = torch::randn({M, K}), b = torch::randn({K, N}), gy2 = torch::randn({M, N});
+  CHECK(torch::equal(model::mm(a, b), at::mm(a, b)));
+  CHECK(torch::equal(model::linear_weight_grad(gy2, a), gy2.t().mm(a)));
+}
+
+TEST_CASE("widened linear: fp16 output, input, weight and bias gradients are the fp64 products of the rounded "
+          "operands, rounded once to fp16 (at most one fp16 ulp off where fp32 summation order crosses a "
+          "rounding boundary)") {
+  torch::manual_seed(25);
+  // randn operands: |y| ~ 28 (sums of 768 products), |dx| ~ 55 (3072), far below fp16's 65504.
+  const auto got = check_linear_against_fp64({3, 100, 768}, 3072, torch::kHalf);
+  CHECK(torch::isfinite(got.y).all().item<bool>());
+  CHECK(torch::isfinite(got.dx).all().item<bool>());
+}
+
+TEST_CASE("widened linear: an empty batch gives zero weight and bias gradients, as at::linear does; fp64 is left alone") {
+  for (const auto dt : {torch::kBFloat16, torch::kHalf}) {
+    CAPTURE(dt);
+    const auto x = torch::randn({0, 768}).requires_grad_(true);
+    const auto W = torch::randn({96, 768}).requires_grad_(true), b = torch::randn({96}).requires_grad_(true);
+    torch::Tensor y;
+    {
+      CpuAutocast autocast(dt);
+      y = model::linear(x, W, b);
+    }
+    CHECK(y.sizes() == torch::IntArrayRef({0, 96}));
+    y.backward(torch::empty({0, 96}, torch::TensorOptions().dtype(dt)));
+    CHECK(torch::equal(W.grad(), torch::zeros_like(W)));
+    CHECK(torch::equal(b.grad(), torch::zeros_like(b)));
+    CHECK(x.grad().sizes() == x.sizes());
+    CHECK(torch::equal(model::linear_weight_grad(torch::empty({0, 96}, torch::TensorOptions().dtype(dt)),
+                                                 torch::empty({0, 768})).to(torch::kFloat),
+                       torch::zeros({96, 768})));
+    // fp64 under autocast: autocast leaves it alone, and so does model::linear.
+    CpuAutocast autocast(dt);
+    const auto x64 = torch::randn({4, 8}, torch::kDouble);
+    CHECK_FALSE(model::widened_dtype(x64).has_value());
+    CHECK(model::linear(x64, torch::randn({6, 8}, torch::kDouble), torch::Tensor()).scalar_type() == torch::kDouble);
+  }
 }

@@ -20,6 +20,7 @@
 #include "log/metrics.h"
 #include "memory/footprint.h"
 #include "memory/tracker.h"
+#include "model/linear.h"
 #include "precision/autocast.h"
 
 namespace sl::budget {
@@ -259,7 +260,7 @@ BlockCost time_block(model::Block& block, const torch::Tensor& x, const model::R
     const model::LinearAfter timed_parts = [&](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& in,
                                                const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b) {
       auto [a, cheap_ms] = timed(device, [&] { return cheap(in); });
-      auto [y, linear_ms] = timed(device, [&] { return at::linear(a, W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt); });
+      auto [y, linear_ms] = timed(device, [&] { return model::linear(a, W, b); });
       (part == model::Part::attention_proj ? attention : part == model::Part::act_out ? mlp : norm) += cheap_ms;
       if (part == model::Part::act_out) output = linear_ms;
       return y;

@@ -19,6 +19,7 @@
 #include "device/host.h"
 #include "errors.h"
 #include "log/clock.h"
+#include "model/linear.h"
 
 namespace sl::checkpointing {
 namespace {
@@ -259,20 +260,20 @@ auto timed(const Saved& s, std::optional<c10::Device> cuda, F&& f) {
   return out;
 }
 
-// A linear's backward from its input `a`, with the same kernels autograd uses for addmm(b, a2d, W^T)
-// / mm(a2d, W^T): dW = gy^T a and db = sum_rows(gy) (each only when asked for), da = gy W.
+// A linear's backward from its input `a`, with the same kernels as the linear's own node (autograd's
+// for addmm(b, a2d, W^T) / mm(a2d, W^T), or the widened linear's: model/linear.h): dW = gy^T a and
+// db = sum_rows(gy) (each only when asked for), da = gy W.
 struct LinearGrads {
   at::Tensor gy2, dW, db;  // gy2: gy as rows (N columns)
   at::Tensor da(const at::Tensor& W, at::IntArrayRef a_sizes, at::ScalarType a_dtype) const {
-    return gy2.mm(W.to(gy2.scalar_type())).view(a_sizes).to(a_dtype);
+    return model::mm(gy2, W).view(a_sizes).to(a_dtype);
   }
 };
 LinearGrads linear_param_grads(const at::Tensor& gy, const at::Tensor& a, const at::Tensor& W, const at::Tensor& b,
                                bool want_dW, bool want_db) {
   const int64_t N = W.size(0), K = W.size(1);
-  const auto cdt = gy.scalar_type();  // compute dtype (differs from W's under autocast)
   LinearGrads g{gy.reshape({-1, N}), {}, {}};
-  if (want_dW) g.dW = g.gy2.t().mm(a.detach().to(cdt).reshape({-1, K})).to(W.scalar_type());
+  if (want_dW) g.dW = model::linear_weight_grad(g.gy2, a.detach().reshape({-1, K})).to(W.scalar_type());
   if (want_db) g.db = g.gy2.sum(0).to(b.scalar_type());
   return g;
 }
@@ -324,7 +325,7 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     auto a = saved->cheap(in);
     if (saved->opts.check_recompute) saved->out_meta.push_back(meta_of(a));
     const auto& W = linear_params[0];
-    auto y = at::linear(a, W, linear_params.size() > 1 ? std::optional<at::Tensor>(linear_params[1]) : std::nullopt);
+    auto y = model::linear(a, W, linear_params.size() > 1 ? linear_params[1] : at::Tensor());
     saved->params.assign(cheap_params.begin(), cheap_params.end());
     saved->params.insert(saved->params.end(), linear_params.begin(), linear_params.end());
     saved->n_linear = linear_params.size();
@@ -494,7 +495,7 @@ at::Tensor recompute_then_linear(const std::string& name, const CheapFn& cheap, 
                                  const std::vector<at::Tensor>& cheap_params, const at::Tensor& W, const at::Tensor& b,
                                  const Options& opts) {
   if (!torch::GradMode::is_enabled())
-    return at::linear(cheap(inputs), W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+    return model::linear(cheap(inputs), W, b);
   auto saved = c10::make_intrusive<Saved>();
   saved->name = name;
   saved->cheap = cheap;

@@ -13,6 +13,7 @@
 
 #include "device/alloc_tag.h"
 #include "log/metrics.h"
+#include "model/linear.h"
 
 namespace sl::checkpointing {
 namespace {
@@ -45,7 +46,7 @@ model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Op
                                        const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W,
                                        const torch::Tensor& b) {
     const auto i = static_cast<size_t>(part);
-    if (!recompute[i]) return at::linear(cheap(inputs), W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+    if (!recompute[i]) return model::linear(cheap(inputs), W, b);
     return recompute_then_linear(fmt::format("block {} {}", layer, kPartNames[i]), cheap, inputs, cheap_params, W, b, *o);
   };
 }
@@ -95,7 +96,7 @@ torch::Tensor Runner::block_forward_unhooked(model::BlockImpl& block, const torc
     auto linear_after = [](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
                            const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b) {
       if (part == model::Part::act_out) return linear_without_output(cheap(inputs), W, b);
-      return at::linear(cheap(inputs), W, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+      return model::linear(cheap(inputs), W, b);
     };
     return block.forward_with(x, rope, linear_after);
   }

@@ -109,6 +109,7 @@ std::string to_string(LowpMatmul path) {
   switch (path) {
     case LowpMatmul::native: return "onednn_native";
     case LowpMatmul::emulated: return "onednn_emulated";
+    case LowpMatmul::widened: return "widened";
     case LowpMatmul::aten: break;
   }
   return "aten";
@@ -123,6 +124,11 @@ LowpMatmul CpuFeatures::matmul_path(const std::string& compute) const {
   if (compute == "bf16") return bf16_matmul;
   if (compute == "fp16") return fp16_matmul;
   return LowpMatmul::aten;
+}
+
+LowpMatmul CpuFeatures::linear_path(const std::string& compute) const {
+  const LowpMatmul path = matmul_path(compute);
+  return path == LowpMatmul::aten && compute != "fp32" && fused_kernels() ? LowpMatmul::widened : path;
 }
 
 nlohmann::json CpuFeatures::to_json() const {
@@ -140,6 +146,8 @@ nlohmann::json CpuFeatures::to_json() const {
           {"amx", amx},
           {"bf16_matmul", to_string(bf16_matmul)},
           {"fp16_matmul", to_string(fp16_matmul)},
+          {"bf16_linear", to_string(linear_path("bf16"))},  // the model's linears: widened where bf16_matmul is aten
+          {"fp16_linear", to_string(linear_path("fp16"))},
           {"fused_kernels", kernel_clone_name()},
           {"aten_kernels", !fused_kernels()}};  // SUBLINEAR_ATEN_KERNELS: GELU and attention left to ATen
 }

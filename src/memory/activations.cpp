@@ -6,6 +6,8 @@
 
 #include <torch/cuda.h>
 
+#include "model/linear.h"
+
 namespace sl::memory {
 
 bool runs_on_cuda(const config::RunConfig& cfg) {
@@ -23,6 +25,8 @@ struct Sizes {
   double r = 4.0;           // the residual stream: fp32, or c with a low-precision compute copy of the parameters
   bool lowp_params = false;
   double acc = 0;           // the emulated path's fp32 matmul accumulator, per output element
+  bool widened = false;     // the widened linears (model/linear.h): no weight copies, fp32 transients
+  double tok = 0;           // tokens per micro-batch (the widened linears' scratch depends on them)
   bool fused_attention = false;  // the CPU fp32 attention kernel (model/attention.h): output in (B, T, C)
   // model.dropout > 0 (see "Dropout" in activations.h):
   bool dropout = false;
@@ -44,6 +48,8 @@ Sizes sizes_of(const config::RunConfig& cfg, device::LowpMatmul lowp, int64_t la
   z.lowp_params = cfg.precision.param_dtype != "fp32";
   z.r = z.lowp_params ? z.c : z.f;
   z.acc = lowp_on && lowp == device::LowpMatmul::emulated ? 4.0 : 0.0;
+  z.widened = lowp_on && lowp == device::LowpMatmul::widened;
+  z.tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len);
   z.fused_attention = !lowp_on && !runs_on_cuda(cfg);
   z.dropout = m.dropout > 0;
   if (z.dropout) {
@@ -93,14 +99,16 @@ double block_bytes(const Sizes& z, const SegmentCounts& seg) {
 }
 
 // T: what a block's MLP backward holds beyond S at its worst point.
+// The residual gradient, and the branch's own gradient where it is a tensor apart: under autocast its
+// compute-dtype copy for the block's last linear; with dropout the gradient times the mask.
+double residual_grad_bytes(const Sizes& z) { return z.r * z.C + (z.c < z.r || z.dropout ? z.c * z.C : 0.0); }
+
 double backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   const double H = z.H, c = z.c, M = z.acc;
   double mlp = 0;
   if (!z.llama) mlp = seg.mlp ? c * H + std::max(M, c) * H : (c + M) * H;
   else mlp = seg.mlp ? std::max((2 * c + M) * H, 5 * c * H) : c * H + std::max(M, c) * H;
-  // The residual gradient, and the branch's own gradient where it is a tensor apart: under autocast
-  // its compute-dtype copy for the block's last linear; with dropout the gradient times the mask.
-  return z.r * z.C + (c < z.r || z.dropout ? c * z.C : 0.0) + mlp;
+  return residual_grad_bytes(z) + mlp;
 }
 
 // With SDPA's math path (CPU dropout), the attention's backward can hold more than the MLP's: at its
@@ -118,8 +126,38 @@ double attention_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
 
 // Wg: the weight gradient of the MLP's output projection (C x H, compute dtype), which autograd holds
 // beside da until the gradient is accumulated: the backward moment's one term that does not scale with
-// the tokens (the same size as da when B*T = C).
-double weight_grad_bytes(const Sizes& z) { return z.c * z.C * z.H; }
+// the tokens (the same size as da when B*T = C). The widened linears (model/linear.h) hold it in fp32
+// and, while da is computed, the weight rounded into fp32 (4CH each) and their scratch.
+double weight_grad_bytes(const Sizes& z) {
+  if (!z.widened) return z.c * z.C * z.H;
+  const auto tok = static_cast<int64_t>(z.tok), C = static_cast<int64_t>(z.C), H = static_cast<int64_t>(z.H);
+  return 8 * z.C * z.H + static_cast<double>(model::widened_scratch_bytes(tok, H, C));
+}
+
+// The MLP's backward moment for the micro-batch: Wg + tok T. On the widened path the output projection's
+// fp32 weights and scratch live only while its input gradient da (cH) is computed, beside the residual
+// gradient (and llama's recomputed silu, which the recomputed product keeps); the activation's backward
+// (the rest of T) comes after them, beside the fp32 weight gradient only where the recomputing node runs
+// it before returning (a recomputed MLP).
+double mlp_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
+  const double T = backward_bytes(z, seg);
+  if (!z.widened) return weight_grad_bytes(z) + z.tok * T;
+  const double at_da = residual_grad_bytes(z) + z.c * z.H * (z.llama && seg.mlp ? 2 : 1);
+  return std::max(weight_grad_bytes(z) + z.tok * at_da, (seg.mlp ? 4 * z.C * z.H : 0.0) + z.tok * T);
+}
+
+// The widened path's other backward moment, in bytes for the micro-batch: the MLP's first linear (fc,
+// llama's [gate; up]: N = H or 2H outputs) computing its input gradient. The MLP's activations are
+// gone by then (S without them), but the linear holds its output gradient (cN), its input gradient (cC)
+// beside the residual gradient (fC), and N x C weights twice in fp32 (its weight gradient, the rounded
+// weight) with its scratch. 0 off the widened path. Relative to S, as T is.
+double widened_fc_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
+  if (!z.widened) return 0;
+  const double C = z.C, H = z.H, c = z.c, N = z.llama ? 2 * H : H;
+  const double mlp_kept = z.llama ? (seg.mlp ? 2 : 4) * c * H : (seg.mlp ? 1 : 2) * c * H;
+  const auto scratch = model::widened_scratch_bytes(static_cast<int64_t>(z.tok), static_cast<int64_t>(C), static_cast<int64_t>(N));
+  return z.tok * (z.r * C + c * N + c * C - mlp_kept) + 8 * C * N + static_cast<double>(scratch);
+}
 
 // E: the head's tensors at the start of backward.
 double head_bytes(const Sizes& z) { return z.r * z.C + 2 * z.c * z.C + (2 * z.f + z.c) * z.V; }
@@ -139,11 +177,15 @@ double forward_block_bytes(const Sizes& z) {
   return std::max(mlp, attention);
 }
 
+// Wh: under autocast the LM head's compute-dtype weight copy (0 in fp32, with compute-dtype parameters,
+// or on the widened path).
+double head_cast_bytes(const Sizes& z) { return z.c < z.f && !z.lowp_params && !z.widened ? z.c * z.V * z.C : 0.0; }
+
 // Under autocast the compute-dtype copies of one block's matmul weights (0 in fp32): cached through
 // the forward, then kept by the linears that saved them until their backward.
 double block_cast_bytes(const Sizes& z) {
   const double c = z.c;
-  if (c >= 4.0 || z.lowp_params) return 0;  // the parameters are already in the compute dtype: nothing is cast
+  if (c >= 4.0 || z.lowp_params || z.widened) return 0;  // the parameters are in the compute dtype, or nothing is cached
   return c * (4 * z.C * z.C + (z.llama ? 3 : 2) * z.C * z.H);
 }
 
@@ -166,7 +208,7 @@ SegmentCounts split_counts(int64_t k, int64_t n, int64_t last_size, bool skip_la
 
 device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg) {
   if (runs_on_cuda(cfg)) return device::LowpMatmul::native;
-  return device::cpu_features().matmul_path(cfg.precision.compute);
+  return device::cpu_features().linear_path(cfg.precision.compute);  // widened on the aten path (model/linear.h)
 }
 
 SegmentCounts segment_counts(const checkpointing::Plan& plan) {
@@ -206,10 +248,10 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   e.backward_bytes = backward_bytes(z, seg);
   e.forward_bytes = forward_block_bytes(z);
   e.attention_backward_bytes = attention_backward_bytes(z, seg);
-  const double S = e.block_bytes, T = e.backward_bytes, E = e.head_bytes, fC = z.r * z.C, tok = static_cast<double>(e.tokens);
+  const double S = e.block_bytes, E = e.head_bytes, fC = z.r * z.C, tok = static_cast<double>(e.tokens);
   e.embed_mask_bytes = static_cast<int64_t>(tok * z.embed_mask * z.C);
   const auto always = static_cast<double>(e.embed_mask_bytes);
-  const double Wb = block_cast_bytes(z), Wh = z.c < z.f && !z.lowp_params ? z.c * z.V * z.C : 0.0;
+  const double Wb = block_cast_bytes(z), Wh = head_cast_bytes(z);
   if (cfg.model.tie_embeddings) e.tied_grad_bytes = 4 * cfg.model.vocab_size * cfg.model.n_embd;
   const auto tied = static_cast<double>(e.tied_grad_bytes);
   e.weight_cast_bytes = static_cast<int64_t>(L * Wb + Wh);
@@ -218,7 +260,7 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   e.moment_f = always + L * Wb + Wh + tok * std::max(fC * n + S * kept + E - z.c * z.C, n > 0 ? fC * n + e.forward_bytes : 0.0);
   e.moment_a = always + kept * Wb + Wh + tok * (E + fC * n + S * kept);
   // A block's backward: the MLP's moment (T and Wg), or the math attention's where it holds more.
-  const double backward = std::max(weight_grad_bytes(z) + tok * T, tok * e.attention_backward_bytes);
+  const double backward = std::max({mlp_backward_bytes(z, seg), tok * e.attention_backward_bytes, widened_fc_backward_bytes(z, seg)});
   if (seg.kept_blocks > 0) e.moment_d = always + kept * Wb + tied + backward + tok * (fC * n + S * kept);
   // B also holds the recomputed segment's output: its backward starts from it.
   if (seg.checkpointed > 0) e.moment_b = always + k * Wb + tied + backward + tok * (fC * n + S * k);
@@ -240,7 +282,7 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp) {
       parts.norm = (b & checkpointing::kPartNorm) != 0;
       kept[static_cast<size_t>(b)] = tok * block_bytes(zl, parts);
       backward[static_cast<size_t>(b)] =
-          std::max(tok * backward_bytes(zl, parts) + weight_grad_bytes(zl), tok * attention_backward_bytes(zl, parts));
+          std::max({mlp_backward_bytes(zl, parts), tok * attention_backward_bytes(zl, parts), widened_fc_backward_bytes(zl, parts)});
     }
     m.kept.push_back(kept);
     m.backward.push_back(backward);
@@ -251,7 +293,7 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp) {
   m.input = tok * z.r * z.C;
   m.head = tok * head_bytes(z);
   m.head_input = tok * z.c * z.C;
-  m.head_weights = z.c < z.f && !z.lowp_params ? z.c * z.V * z.C : 0.0;
+  m.head_weights = head_cast_bytes(z);
   if (cfg.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(cfg.model.vocab_size * cfg.model.n_embd);
   m.held = tok * z.embed_mask * z.C;
   m.offload_inputs = cfg.offload.activations && !cfg.checkpointing.mode.solved();  // budget: per segment

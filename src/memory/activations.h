@@ -69,7 +69,13 @@
 //   emulated (oneDNN gemm:jit:bf16 on AVX-512 without bf16 instructions, e.g. a Cascade Lake Xeon):
 //            M = 4 bytes per output element: each matmul fills an fp32 accumulator the size of its
 //            output, through LibTorch's allocator, before converting it to bf16
-//   aten     (AVX2 only, or oneDNN capped below AVX512_CORE): M = 0
+//   aten     (AVX2 only, or oneDNN capped below AVX512_CORE) under SUBLINEAR_ATEN_KERNELS=1: M = 0
+//   widened  the same CPUs otherwise: the model's linears widen to fp32 GEMMs (model/linear.h). No
+//            weight copies (W = Wh = 0); the fp32 weight gradient and rounded weight (4CH each) and
+//            the scratch of the linear whose input gradient is computed replace Wg, beside da only
+//            (the activation's backward comes after them); and the MLP's first linear (N = H, llama
+//            2H) makes a moment of its own: S less the MLP's activations, plus the residual gradient,
+//            its output and input gradients (cN + cC) and 8NC + scratch.
 // fp16 takes oneDNN only with native fp16 instructions (else aten). fp32 runs and CUDA devices take
 // M = 0 (CUDA is not measured here). ATen's own dispatch level (AVX2 / AVX512) changes no memory.
 // Measured against it: tests/test_planner.cpp, README "Activation memory".
@@ -156,7 +162,8 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
 // Whether the recipe runs on CUDA (train.device cuda, or auto with a GPU present).
 bool runs_on_cuda(const config::RunConfig& cfg);
 
-// The path a recipe's low-precision matmuls take: on CPU cpu_features()'s, on CUDA native.
+// The path a recipe's low-precision matmuls take: on CPU cpu_features().linear_path (the libraries' path,
+// or widened where that is ATen's gemm), on CUDA native.
 device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg);
 
 }  // namespace sl::memory

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "errors.h"
+#include "model/linear.h"
 
 namespace sl::model {
 namespace {
@@ -17,10 +18,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-}
 
 // Keys and values of one block for every position so far: (1, n_head, capacity, head_dim) each.
 struct LayerCache {
@@ -39,7 +36,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // MLP activation, with the new keys and values appended to `cache`.
 torch::Tensor block_step(BlockImpl& b, const torch::Tensor& x, int64_t pos, const Rope& rope, LayerCache& cache) {
   const int64_t t = x.size(1);
-  auto qkv = linear(b.norm1(x), b.w_qkv, b.b_qkv);
+  auto qkv = model::linear(b.norm1(x), b.w_qkv, b.b_qkv);
   auto [q, k, v] = b.heads(qkv);  // (1, nh, t, hd)
   if (b.llama) {
     const auto rotated = b.attention_inputs(qkv, rope);
@@ -50,9 +47,9 @@ torch::Tensor block_step(BlockImpl& b, const torch::Tensor& x, int64_t pos, cons
   cache.v.narrow(2, pos, t).copy_(v);
   auto y = cached_attention(q, cache.k.narrow(2, 0, pos + t), cache.v.narrow(2, 0, pos + t), pos);
   y = y.transpose(1, 2).reshape({x.size(0), t, b.n_embd});
-  auto h = x + linear(y, b.w_proj, b.b_proj);
-  auto u = linear(b.norm2(h), b.w_fc, b.b_fc);
-  return h + linear(b.mlp_act(u, torch::Tensor()), b.w_out, b.b_out);
+  auto h = x + model::linear(y, b.w_proj, b.b_proj);
+  auto u = model::linear(b.norm2(h), b.w_fc, b.b_fc);
+  return h + model::linear(b.mlp_act(u, torch::Tensor()), b.w_out, b.b_out);
 }
 
 // The model on new ids (1, t) at offset pos with the caches: the last position's logits (V).

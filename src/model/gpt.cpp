@@ -2,6 +2,7 @@
 #include "model/gpt.h"
 #include "model/attention.h"
 #include "model/gelu.h"
+#include "model/linear.h"
 
 #include <cmath>
 
@@ -29,10 +30,6 @@ torch::Tensor make_param(const config::ModelConfig& cfg, const std::string& name
   auto t = torch::empty(shape, opts);
   if (!t.is_meta()) init_parameter(cfg, name, t);
   return t;
-}
-
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
 }
 
 // RMSNorm as one autograd node: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps). A composite of
@@ -179,7 +176,7 @@ torch::Tensor BlockImpl::forward_with(const torch::Tensor& x, const Rope& rope, 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {
   static const LinearAfter plain = [](Part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
                                       const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b) {
-    return linear(cheap(inputs), W, b);
+    return model::linear(cheap(inputs), W, b);
   };
   return forward_with(x, rope, plain);
 }
@@ -220,7 +217,7 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
 
 torch::Tensor GPTImpl::head(const torch::Tensor& x) {
   auto h = norm(x, lnf_w, lnf_b, cfg.arch == "llama", cfg.norm_eps);
-  return at::linear(h, cfg.tie_embeddings ? wte : lm_head);  // (B, T, V)
+  return model::linear(h, cfg.tie_embeddings ? wte : lm_head);  // (B, T, V)
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {

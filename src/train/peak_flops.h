@@ -23,7 +23,8 @@ std::optional<double> datasheet_peak(const std::string& device_name, const std::
 // `override_tflops` > 0 (logging.peak_tflops) wins; then the datasheet (CUDA); then a measured rate.
 PeakFlops peak_flops(torch::Device device, const std::string& dtype, double override_tflops);
 
-// Best of a few 1024^3 matmuls in `dtype` on `device`, FLOP/s. Its operands come from a generator of
+// Best of a few 1024^3 matmuls in `dtype` on `device`, FLOP/s, by the GEMM the model's linears take
+// (model::mm: fp32 GEMMs on widened operands where a CPU has no GEMM of its own for the dtype). Its operands come from a generator of
 // its own: measuring never draws from the default generators, so it leaves a run's dropout stream as
 // it was.
 double measure_gemm_flops(torch::Device device, c10::ScalarType dtype = c10::kFloat);

@@ -321,13 +321,14 @@ void describe(Session& s) {
 }
 
 // A bf16/fp16 run on a CPU where matmuls in that dtype take ATen's fallback GEMM (no oneDNN kernel for
-// it: AVX2 only, or oneDNN capped below AVX-512) trains far slower than fp32 would (docs/precision.md).
+// it: AVX2 only, or oneDNN capped below AVX-512) and SUBLINEAR_ATEN_KERNELS=1 turned the widened
+// linears off (model/linear.h) trains far slower than fp32 would (docs/precision.md).
 void warn_fallback_matmuls(const Session& s) {
   if (!s.device.is_cpu() || !precision::compute_dtype(s.cfg.precision.compute)) return;
   if (memory::lowp_matmul_path(s.cfg) != device::LowpMatmul::aten) return;
   spdlog::warn("precision.compute {}: this CPU has no oneDNN matmul kernel for it (no AVX-512, or ONEDNN_MAX_CPU_ISA below it), so its matmuls take "
-               "ATen's fallback GEMM, far slower than fp32 (0.8 against 104 GFLOP/s on an AVX2 AMD EPYC); "
-               "precision.compute: fp32 trains faster here (docs/precision.md)",
+               "ATen's fallback GEMM, far slower than fp32 (0.8 against 104 GFLOP/s on an AVX2 AMD EPYC), and SUBLINEAR_ATEN_KERNELS "
+               "turned off the widened linears that avoid it: unset it, or train in precision.compute: fp32 (docs/precision.md)",
                s.cfg.precision.compute);
 }
 
