@@ -1153,10 +1153,10 @@ TEST_CASE("widened linear: bf16 output, input, weight and bias gradients are the
 TEST_CASE("widened linear: the same bits as ATen's bf16 linear up to fp32 summation order") {
   torch::manual_seed(22);
   const auto dt = torch::kBFloat16;
-  // ATen's fallback bf16 GEMM is slow: M K N <= 2e7. One chunk; and several (63 rows a chunk: 63 + 7)
-  // through a narrow, wide linear.
-  CHECK(model::widened_chunk_rows(70, 16, 16384) == 63);
-  for (const auto& [M, K, N] : std::vector<std::array<int64_t, 3>>{{37, 64, 96}, {20, 768, 1024}, {70, 16, 16384}}) {
+  // ATen's fallback bf16 GEMM is slow: M K N <= 2e7. One chunk; and several (the 256-row floor of a
+  // wide linear: 256 + 44) through a narrow, wide one.
+  CHECK(model::widened_chunk_rows(300, 16, 4096) == 256);
+  for (const auto& [M, K, N] : std::vector<std::array<int64_t, 3>>{{37, 64, 96}, {20, 768, 1024}, {300, 16, 4096}}) {
     CAPTURE(M, K, N);
     const auto x = torch::randn({M, K}), W = torch::randn({N, K}), b = torch::randn({N});
     const auto gy = torch::randn({M, N}).to(dt);
@@ -1258,9 +1258,9 @@ TEST_CASE("widened linear: a recomputed call gives the same bits") {
 
 TEST_CASE("widened mm and linear_weight_grad equal the fp64 reference of the rounded operands") {
   torch::manual_seed(24);
-  // a (M, K) b (K, N) and gy2 (M, N)^T a2 (M, K): 124 rows a chunk, 124 + 124 + 52.
+  // a (M, K) b (K, N) and gy2 (M, N)^T a2 (M, K): 256 rows a chunk (the floor), 256 + 44.
   const int64_t M = 300, K = 256, N = 8192;
-  CHECK(model::widened_chunk_rows(M, K, N) == 124);
+  CHECK(model::widened_chunk_rows(M, K, N) == 256);
   for (const auto dt : {torch::kBFloat16, torch::kHalf}) {
     CAPTURE(dt);
     fmt::print("widened mm / linear_weight_grad {} M {} K {} N {} (widens: {}):\n", dtype_name(dt), M, K, N,
@@ -1316,5 +1316,28 @@ TEST_CASE("widened linear: an empty batch gives zero weight and bias gradients, 
     const auto x64 = torch::randn({4, 8}, torch::kDouble);
     CHECK_FALSE(model::widened_dtype(x64).has_value());
     CHECK(model::linear(x64, torch::randn({6, 8}, torch::kDouble), torch::Tensor()).scalar_type() == torch::kDouble);
+  }
+}
+
+// The checkpointing nodes (checkpointing/checkpoint.cpp) take a linear's gradients with mm and
+// linear_weight_grad; the widened node takes both in one pass. Every checkpointing mode promises the
+// gradients of mode none bitwise, so the two must agree bit for bit, over several chunks.
+TEST_CASE("widened linear: its backward equals mm and linear_weight_grad, the checkpointing nodes' matmuls, bitwise") {
+  torch::manual_seed(25);
+  for (const auto dt : {torch::kBFloat16, torch::kHalf}) {
+    CAPTURE(dt);
+    const int64_t K = 256, N = 3072;  // 315 rows a chunk: 200 rows in one, 700 in three (315 + 315 + 70)
+    REQUIRE(model::widened_chunk_rows(700, K, N) == 315);
+    for (const int64_t rows : {200, 700}) {
+      const auto x = torch::randn({rows, K}), W = torch::randn({N, K}), b = torch::randn({N});
+      const auto gy = torch::randn({rows, N}).to(dt);
+      const auto got = linear_run(widened_linear, x, W, b, gy, dt);
+      const auto dW = model::linear_weight_grad(gy, x).to(torch::kFloat);
+      const auto dx = model::mm(gy, W).to(torch::kFloat);
+      CAPTURE(rows, model::widened_chunk_rows(rows, K, N));
+      CHECK(torch::equal(got.dW, dW));
+      CHECK(torch::equal(got.dx, dx));
+      CHECK(torch::equal(got.db, gy.sum(0).to(torch::kFloat)));
+    }
   }
 }

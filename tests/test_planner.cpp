@@ -392,6 +392,27 @@ TEST_CASE("weight-heavy shape, world 1: predicted peak within 5%, gpt2 and llama
   }
 }
 
+// Its own ctest entry (planner_widened): skipped on a CPU with a bf16 GEMM.
+// Head-heavy: a vocabulary of 16384 over d 256 and 64 tokens, where the widened LM head's fp32
+// transients (its weight gradient and rounded weight, 8VC) outweigh the activations. Only where the
+// linears widen: elsewhere the model leaves out the head's weight gradient at its backward (4VC; fp32
+// under-predicts this shape by 11.7 %), a known gap (docs/memory.md).
+TEST_CASE("head-heavy shape, widened bf16 linears: predicted peak within 5%, gpt2 and llama", "[widened]") {
+  if (device::cpu_features().linear_path("bf16") != device::LowpMatmul::widened)
+    SUBLINEAR_SKIP("this CPU has a bf16 GEMM: its linears do not widen");
+  for (const auto& variant : {kWeightHeavyVariants[1], kWeightHeavyVariants[3]}) {
+    auto sets = std::vector<std::string>{"model.n_layer=2", "model.n_embd=256", "model.vocab_size=16384", "train.micro_batch=1",
+                                         "train.seq_len=64", "checkpointing.mode=none"};
+    sets.insert(sets.end(), variant.begin(), variant.end());
+    auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", sets);
+    const double measured = static_cast<double>(measured_peak(cfg));
+    const auto p = planner::predict_peak(cfg);
+    INFO(fmt::format("{}: measured {} predicted {} ({:+.1f}%)", fmt::join(variant, " "), measured, p.peak_bytes(),
+                     100 * (static_cast<double>(p.peak_bytes()) - measured) / measured));
+    CHECK(std::abs(static_cast<double>(p.peak_bytes()) - measured) <= kBound * measured);
+  }
+}
+
 TEST_CASE("weight-heavy shape, world 2 DDP: every rank's peak within 5% of the prediction") {
   test::TempDir dir("planner-ddp");
   int n = 0;

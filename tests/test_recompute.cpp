@@ -14,6 +14,7 @@
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
+#include "model/linear.h"
 #include "precision/autocast.h"
 #include "checkpointing/runner.h"
 #include "train/trainer.h"
@@ -119,6 +120,34 @@ TEST_CASE("with bf16 autocast every mode gives the gradients of none, bitwise (r
   const auto bf16 = run_once(small("gpt2", 0.0, {"precision.compute=bf16"}));
   CHECK_FALSE(torch::equal(fp32.grads[2], bf16.grads[2]));
   CHECK(torch::allclose(fp32.grads[2], bf16.grads[2], 0.1, 1e-2));
+}
+
+// Wide linears over 512 tokens: where the linears widen (model/linear.h: a CPU without a bf16 GEMM) the
+// fc (d 512 -> 2048: 409 rows a chunk) and the head (vocabulary 4096: 256 rows) run in two row chunks,
+// whose fp32 sums the checkpointing nodes' own gradient matmuls must repeat in the same order; LLaMA's
+// untied head and bias-free linears too.
+TEST_CASE("bf16 with linears in several widened chunks, gpt2 and llama: every mode gives none's gradients, bitwise") {
+  REQUIRE(model::widened_chunk_rows(512, 512, 2048) == 409);
+  REQUIRE(model::widened_chunk_rows(512, 512, 4096) == 256);
+  const std::vector<std::string> big = {"precision.compute=bf16", "model.n_layer=2", "model.n_embd=512", "model.vocab_size=4096",
+                                        "train.seq_len=256", "model.max_seq_len=256"};
+  // The modes that fit 2 blocks: full recompute (the widened node itself) and selective (the
+  // checkpointing nodes' own matmuls).
+  const std::vector<std::vector<std::string>> modes = {
+      {"checkpointing.mode=full", "checkpointing.skip_last=false"},
+      {"checkpointing.mode=interval", "checkpointing.interval=1"},
+      {"checkpointing.mode=selective", "checkpointing.recompute=[attention, mlp, norm]"},
+      {"checkpointing.mode=selective", "checkpointing.recompute=[mlp]"}};
+  for (const std::string arch : {"gpt2", "llama"}) {
+    const auto reference = run_once(small(arch, 0.0, big));
+    for (const auto& mode : modes) {
+      DYNAMIC_SECTION(arch << " " << join(mode)) {
+        auto cfg_mode = mode;
+        cfg_mode.insert(cfg_mode.end(), big.begin(), big.end());
+        require_bitwise_equal(run_once(small(arch, 0.0, cfg_mode)), reference);
+      }
+    }
+  }
 }
 
 TEST_CASE("checkpointing composes with accumulation (4 micro-batches), bitwise") {

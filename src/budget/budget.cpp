@@ -96,7 +96,7 @@ struct Bounds {
     return prefetch + m.tied_grad + held_in + saved + worst_backward <= budget;
   }
   bool end_fits(double held) const {  // F at the end of the forward, and A
-    return all_weights + m.head_weights + held + m.head - m.head_input <= budget && m.head_weights + held + m.head <= budget;
+    return all_weights + m.head_weights + held + m.head - m.head_input <= budget && m.head_weights + m.head_backward + held + m.head <= budget;
   }
 };
 

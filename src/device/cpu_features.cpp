@@ -149,7 +149,7 @@ nlohmann::json CpuFeatures::to_json() const {
           {"bf16_linear", to_string(linear_path("bf16"))},  // the model's linears: widened where bf16_matmul is aten
           {"fp16_linear", to_string(linear_path("fp16"))},
           {"fused_kernels", kernel_clone_name()},
-          {"aten_kernels", !fused_kernels()}};  // SUBLINEAR_ATEN_KERNELS: GELU and attention left to ATen
+          {"aten_kernels", !fused_kernels()}};  // SUBLINEAR_ATEN_KERNELS: GELU, attention and linears left to ATen
 }
 
 namespace {

@@ -71,15 +71,16 @@ std::string kernel_clone_name();
 // SUBLINEAR_ATEN_KERNELS=1 in the environment (read once, at the first ask; unset, empty or 0: the
 // fused kernels; any other value: ATen's) makes the fused GELU and causal-attention kernels' predicates
 // (model::gelu_tanh_fused, gelu_tanh_bias_fused, causal_attention_fused, causal_attention_packed_fused)
-// say false, so a whole run takes at::gelu and at::scaled_dot_product_attention, as a model without
-// them would (to compare against; AdamW is not concerned). force_aten_kernels does the same in-process.
+// say false, and the widened linears (model/linear.h) with them (linear_path says aten), so a whole run
+// takes at::gelu, at::scaled_dot_product_attention and at::linear, as a model without them would (to
+// compare against; AdamW is not concerned). force_aten_kernels does the same in-process.
 
-// The fused GELU and attention kernels may run: SUBLINEAR_ATEN_KERNELS's rule on its value, unless
-// force_aten_kernels changed it since. Cheap (a relaxed load).
+// The fused GELU and attention kernels and the widened linears may run: SUBLINEAR_ATEN_KERNELS's rule
+// on its value, unless force_aten_kernels changed it since. Cheap (a relaxed load).
 bool fused_kernels();
 // The rule on a value of SUBLINEAR_ATEN_KERNELS (nullptr: unset): true for unset, empty or "0".
 bool fused_kernels_from_env(const char* value);
-// Turns the fused GELU and attention off (on = true) or back on; returns the setting it replaces (true:
+// Turns the fused GELU and attention and the widened linears off (on = true) or back on; returns the setting it replaces (true:
 // they were off). For tests; do not switch while a model runs.
 bool force_aten_kernels(bool on);
 

@@ -149,7 +149,7 @@ double mlp_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
 // The widened path's other backward moment, in bytes for the micro-batch: the MLP's first linear (fc,
 // llama's [gate; up]: N = H or 2H outputs) computing its input gradient. The MLP's activations are
 // gone by then (S without them), but the linear holds its output gradient (cN), its input gradient (cC)
-// beside the residual gradient (fC), and N x C weights twice in fp32 (its weight gradient, the rounded
+// beside the residual gradient (rC), and N x C weights twice in fp32 (its weight gradient, the rounded
 // weight) with its scratch. 0 off the widened path. Relative to S, as T is.
 double widened_fc_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   if (!z.widened) return 0;
@@ -181,6 +181,17 @@ double forward_block_bytes(const Sizes& z) {
 // or on the widened path).
 double head_cast_bytes(const Sizes& z) { return z.c < z.f && !z.lowp_params && !z.widened ? z.c * z.V * z.C : 0.0; }
 
+// Wx: on the widened path, the LM head's backward holds its fp32 weight gradient and rounded weight
+// (4VC each) and its scratch while its input gradient is computed, after the loss's fp32 tensors (the
+// log-softmax output and the logits' fp32 gradient, 2fV per token of E) are gone: what that moment
+// holds beyond moment A, or 0 (and 0 off the widened path).
+double head_backward_bytes(const Sizes& z) {
+  if (!z.widened) return 0;
+  const auto tok = static_cast<int64_t>(z.tok), C = static_cast<int64_t>(z.C), V = static_cast<int64_t>(z.V);
+  const double held = 8 * z.V * z.C + static_cast<double>(model::widened_scratch_bytes(tok, C, V));
+  return std::max(0.0, held - z.tok * 2 * z.f * z.V);
+}
+
 // Under autocast the compute-dtype copies of one block's matmul weights (0 in fp32): cached through
 // the forward, then kept by the linears that saved them until their backward.
 double block_cast_bytes(const Sizes& z) {
@@ -208,7 +219,9 @@ SegmentCounts split_counts(int64_t k, int64_t n, int64_t last_size, bool skip_la
 
 device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg) {
   if (runs_on_cuda(cfg)) return device::LowpMatmul::native;
-  return device::cpu_features().linear_path(cfg.precision.compute);  // widened on the aten path (model/linear.h)
+  const auto path = device::cpu_features().linear_path(cfg.precision.compute);  // widened on the aten path (model/linear.h)
+  // Only CPU tensors widen: the lazy test device keeps the libraries' path.
+  return cfg.train.device == "lazy" && path == device::LowpMatmul::widened ? device::LowpMatmul::aten : path;
 }
 
 SegmentCounts segment_counts(const checkpointing::Plan& plan) {
@@ -258,7 +271,7 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   // F: end of the forward (the head, before its gradients) or a checkpointed block's first pass,
   // with every block's weight copies still cached.
   e.moment_f = always + L * Wb + Wh + tok * std::max(fC * n + S * kept + E - z.c * z.C, n > 0 ? fC * n + e.forward_bytes : 0.0);
-  e.moment_a = always + kept * Wb + Wh + tok * (E + fC * n + S * kept);
+  e.moment_a = always + kept * Wb + Wh + head_backward_bytes(z) + tok * (E + fC * n + S * kept);
   // A block's backward: the MLP's moment (T and Wg), or the math attention's where it holds more.
   const double backward = std::max({mlp_backward_bytes(z, seg), tok * e.attention_backward_bytes, widened_fc_backward_bytes(z, seg)});
   if (seg.kept_blocks > 0) e.moment_d = always + kept * Wb + tied + backward + tok * (fC * n + S * kept);
@@ -294,6 +307,7 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp) {
   m.head = tok * head_bytes(z);
   m.head_input = tok * z.c * z.C;
   m.head_weights = head_cast_bytes(z);
+  m.head_backward = head_backward_bytes(z);
   if (cfg.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(cfg.model.vocab_size * cfg.model.n_embd);
   m.held = tok * z.embed_mask * z.C;
   m.offload_inputs = cfg.offload.activations && !cfg.checkpointing.mode.solved();  // budget: per segment
@@ -323,7 +337,7 @@ double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, dou
     }
   }
   peak = std::max(peak, all_weights + m.head_weights + held + m.head - m.head_input);
-  return std::max(peak, kept_weights + m.head_weights + held + m.head);
+  return std::max(peak, kept_weights + m.head_weights + m.head_backward + held + m.head);
 }
 
 }  // namespace

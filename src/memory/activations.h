@@ -75,7 +75,9 @@
 //            the scratch of the linear whose input gradient is computed replace Wg, beside da only
 //            (the activation's backward comes after them); and the MLP's first linear (N = H, llama
 //            2H) makes a moment of its own: S less the MLP's activations, plus the residual gradient,
-//            its output and input gradients (cN + cC) and 8NC + scratch.
+//            its output and input gradients (cN + cC) and 8NC + scratch. The LM head's backward adds
+//            Wx = max(0, 8VC + its scratch - 2fV tok) to moment A (its fp32 weight gradient and rounded
+//            weight, once the loss's fp32 tensors are freed).
 // fp16 takes oneDNN only with native fp16 instructions (else aten). fp32 runs and CUDA devices take
 // M = 0 (CUDA is not measured here). ATen's own dispatch level (AVX2 / AVX512) changes no memory.
 // Measured against it: tests/test_planner.cpp, README "Activation memory".
@@ -140,6 +142,7 @@ struct ChainModel {
   double head = 0;         // E
   double head_input = 0;   // cC: E less this at the end of the forward (moment F)
   double head_weights = 0; // Wh
+  double head_backward = 0; // Wx: the widened head's backward transients (0 elsewhere), at moment A
   double tied_grad = 0;    // G
   double held = 0;         // Me: held at every moment (the embeddings' dropout mask)
   // offload.activations: a checkpointed segment's input leaves the device after its first pass and

@@ -55,10 +55,9 @@ void for_chunks(int64_t M, int64_t chunk, F&& f) {
   for (int64_t r0 = 0; r0 < M; r0 += chunk) f(r0, std::min(chunk, M - r0));
 }
 
-// a2 (M, K, in dt) B (K, N, fp32) [+ bias (N, fp32), added before the one rounding] -> (M, N) in dt.
-at::Tensor rows_times(const at::Tensor& a2, const at::Tensor& B, const at::Tensor& bias, int64_t chunk) {
+// out (M, N, in dt) = a2 (M, K, in dt) B (K, N, fp32) [+ bias (N, fp32), added before the one rounding].
+void rows_times(const at::Tensor& out, const at::Tensor& a2, const at::Tensor& B, const at::Tensor& bias, int64_t chunk) {
   const int64_t M = a2.size(0), K = a2.size(1), N = B.size(1);
-  auto out = at::empty({M, N}, a2.options());
   const auto f32 = a2.options().dtype(at::kFloat);
   auto af = at::empty({std::min(chunk, M), K}, f32), yf = at::empty({std::min(chunk, M), N}, f32);
   for_chunks(M, chunk, [&](int64_t r0, int64_t r) {
@@ -68,7 +67,6 @@ at::Tensor rows_times(const at::Tensor& a2, const at::Tensor& B, const at::Tenso
     else at::mm_out(y, a, B);
     out.narrow(0, r0, r).copy_(y);
   });
-  return out;
 }
 
 // A linear's two gradients from one pass over the output gradient gy2 (M, N, in dt), each only where
@@ -80,9 +78,9 @@ at::Tensor rows_times(const at::Tensor& a2, const at::Tensor& B, const at::Tenso
 struct LinearGradients {
   at::Tensor dx, dW;
 };
-LinearGradients widened_gradients(const at::Tensor& gy2, const at::Tensor& a2, const at::Tensor& Wr, int64_t chunk) {
+LinearGradients widened_gradients(const at::Tensor& gy2, const at::Tensor& a2, const at::Tensor& Wr, int64_t K, int64_t chunk) {
   const auto dt = gy2.scalar_type();
-  const int64_t M = gy2.size(0), N = gy2.size(1), K = a2.defined() ? a2.size(1) : Wr.size(1);
+  const int64_t M = gy2.size(0), N = gy2.size(1);
   const auto f32 = gy2.options().dtype(at::kFloat);
   LinearGradients out;
   if (a2.defined()) out.dW = M == 0 ? at::zeros({N, K}, f32) : at::empty({N, K}, f32);
@@ -105,17 +103,19 @@ LinearGradients widened_gradients(const at::Tensor& gy2, const at::Tensor& a2, c
   return out;
 }
 
-// The widened forward: x in dt (..., K), W (N, K) and b (N) in any float dtype (rounded to dt).
+// The widened forward: x in dt (..., K), W (N, K) and b (N) in any float dtype (rounded to dt). The
+// output is allocated in its final shape (a view made here would be one autograd forbids in-place ops on).
 at::Tensor widened_forward(const at::Tensor& xc, const at::Tensor& W, const at::Tensor& b) {
   const auto dt = xc.scalar_type();
   const int64_t N = W.size(0), K = W.size(1);
   auto x2 = xc.reshape({-1, K});
   const int64_t M = x2.size(0);
-  auto y = rows_times(x2, rounded_fp32(W, dt).t(), b.defined() ? rounded_fp32(b, dt) : at::Tensor(),
-                      widened_chunk_rows(M, K, N));
   auto shape = xc.sizes().vec();
   shape.back() = N;
-  return y.view(shape);
+  auto y = at::empty(shape, xc.options());
+  rows_times(y.view({M, N}), x2, rounded_fp32(W, dt).t(), b.defined() ? rounded_fp32(b, dt) : at::Tensor(),
+             widened_chunk_rows(M, K, N));
+  return y;
 }
 
 // One autograd node for the widened linear. Graph inputs: x, W, b (optional), the compute dtype.
@@ -141,9 +141,11 @@ struct WidenedLinearFunction : torch::autograd::Function<WidenedLinearFunction> 
     const auto dt = xc.scalar_type();
     const int64_t N = W.size(0), K = W.size(1);
     const auto gy2 = gy.to(dt).reshape({-1, N});
-    const auto g = widened_gradients(gy2, ctx->needs_input_grad(1) ? xc.reshape({-1, K}) : at::Tensor(),
-                                     ctx->needs_input_grad(0) ? rounded_fp32(W, dt) : at::Tensor(),
-                                     widened_chunk_rows(gy2.size(0), K, N));
+    LinearGradients g;
+    if (ctx->needs_input_grad(0) || ctx->needs_input_grad(1))
+      g = widened_gradients(gy2, ctx->needs_input_grad(1) ? xc.reshape({-1, K}) : at::Tensor(),
+                            ctx->needs_input_grad(0) ? rounded_fp32(W, dt) : at::Tensor(), K,
+                            widened_chunk_rows(gy2.size(0), K, N));
     if (g.dW.defined()) result[1] = g.dW.to(W.scalar_type());
     if (b.defined() && ctx->needs_input_grad(2)) result[2] = gy2.sum(0).to(b.scalar_type());
     if (g.dx.defined()) result[0] = g.dx.view(xc.sizes()).to(static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
@@ -171,14 +173,16 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
   const NoAutocast no_autocast;
   const auto dt = a.scalar_type();
   if (!a.device().is_cpu() || !widens(dt)) return a.mm(b.to(dt));
-  return rows_times(a, rounded_fp32(b, dt), at::Tensor(), widened_chunk_rows(a.size(0), b.size(0), b.size(1)));
+  auto out = at::empty({a.size(0), b.size(1)}, a.options());
+  rows_times(out, a, rounded_fp32(b, dt), at::Tensor(), widened_chunk_rows(a.size(0), b.size(0), b.size(1)));
+  return out;
 }
 
 at::Tensor linear_weight_grad(const at::Tensor& gy2, const at::Tensor& a2) {
   const NoAutocast no_autocast;
   const auto dt = gy2.scalar_type();
   if (!gy2.device().is_cpu() || !widens(dt)) return gy2.t().mm(a2.to(dt));
-  return widened_gradients(gy2, a2, at::Tensor(), widened_chunk_rows(gy2.size(0), a2.size(1), gy2.size(1))).dW;
+  return widened_gradients(gy2, a2, at::Tensor(), a2.size(1), widened_chunk_rows(gy2.size(0), a2.size(1), gy2.size(1))).dW;
 }
 
 }  // namespace sl::model

@@ -50,12 +50,14 @@ at::Tensor linear_weight_grad(const at::Tensor& gy2, const at::Tensor& a2);
 
 // The rows of one widened chunk of a linear with input (M, K) and output (M, N), the same for its
 // forward and both gradients: as many as keep a chunk's fp32 scratch (a row of the input or input
-// gradient, K, and one of the output or output gradient, N) within kWidenScratchBytes, at least 16,
-// at most M.
+// gradient, K, and one of the output or output gradient, N) within kWidenScratchBytes, but at least
+// kWidenMinRows (a wide linear, an LM head over a large vocabulary: each chunk streams the whole weight
+// and, in backward, its fp32 gradient, so fewer rows would make the pass memory-bound), at most M.
 constexpr int64_t kWidenScratchBytes = int64_t{4} << 20;
+constexpr int64_t kWidenMinRows = 256;
 constexpr int64_t widened_chunk_rows(int64_t M, int64_t K, int64_t N) {
   const int64_t fit = kWidenScratchBytes / (4 * (N + K));
-  const int64_t rows = fit < 16 ? 16 : fit;
+  const int64_t rows = fit < kWidenMinRows ? kWidenMinRows : fit;
   return rows < M ? rows : M;
 }
 // The fp32 scratch one widened call holds: 4 (N + K) bytes per chunk row.
