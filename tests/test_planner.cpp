@@ -138,7 +138,7 @@ void check_recipes(const std::vector<Recipe>& recipes) {
 TEST_CASE("predicted peak is within 5% of the measured peak: gpt2 and llama, fp32 and bf16, every mode") {
   // On ATen's fallback GEMM (an AVX2-only CPU under SUBLINEAR_ATEN_KERNELS=1) bf16 matmuls are ~50x
   // slower: its smallest batches only (the larger ones were measured within 3% when the model was made).
-  const bool slow_bf16 = device::cpu_features().bf16_matmul == device::LowpMatmul::aten && !device::fused_kernels();
+  const bool slow_bf16 = device::cpu_features().linear_path("bf16") == device::LowpMatmul::aten;
   auto recipes = activation_recipes(Set::all);
   if (slow_bf16) {
     recipes.erase(recipes.begin(), recipes.begin() + 3);  // the bf16 ones

@@ -80,8 +80,8 @@ std::string kernel_clone_name();
 bool fused_kernels();
 // The rule on a value of SUBLINEAR_ATEN_KERNELS (nullptr: unset): true for unset, empty or "0".
 bool fused_kernels_from_env(const char* value);
-// Turns the fused GELU and attention and the widened linears off (on = true) or back on; returns the setting it replaces (true:
-// they were off). For tests; do not switch while a model runs.
+// Turns the fused GELU and attention and the widened linears off (on = true) or back on; returns the
+// setting it replaces (true: they were off). For tests; do not switch while a model runs.
 bool force_aten_kernels(bool on);
 
 // Whether oneDNN's ISA cap `cap` (an ONEDNN_MAX_CPU_ISA value, any case; "" = none) allows `isa`

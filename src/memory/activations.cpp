@@ -124,14 +124,19 @@ double attention_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   return held - block_bytes(z, seg);
 }
 
+// A widened linear's fp32 scratch over the micro-batch's tokens, input width K, output width N.
+double widened_scratch(const Sizes& z, double K, double N) {
+  return static_cast<double>(
+      model::widened_scratch_bytes(static_cast<int64_t>(z.tok), static_cast<int64_t>(K), static_cast<int64_t>(N)));
+}
+
 // Wg: the weight gradient of the MLP's output projection (C x H, compute dtype), which autograd holds
 // beside da until the gradient is accumulated: the backward moment's one term that does not scale with
 // the tokens (the same size as da when B*T = C). The widened linears (model/linear.h) hold it in fp32
 // and, while da is computed, the weight rounded into fp32 (4CH each) and their scratch.
 double weight_grad_bytes(const Sizes& z) {
   if (!z.widened) return z.c * z.C * z.H;
-  const auto tok = static_cast<int64_t>(z.tok), C = static_cast<int64_t>(z.C), H = static_cast<int64_t>(z.H);
-  return 8 * z.C * z.H + static_cast<double>(model::widened_scratch_bytes(tok, H, C));
+  return 8 * z.C * z.H + widened_scratch(z, z.H, z.C);
 }
 
 // The MLP's backward moment for the micro-batch: Wg + tok T. On the widened path the output projection's
@@ -155,8 +160,7 @@ double widened_fc_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   if (!z.widened) return 0;
   const double C = z.C, H = z.H, c = z.c, N = z.llama ? 2 * H : H;
   const double mlp_kept = z.llama ? (seg.mlp ? 2 : 4) * c * H : (seg.mlp ? 1 : 2) * c * H;
-  const auto scratch = model::widened_scratch_bytes(static_cast<int64_t>(z.tok), static_cast<int64_t>(C), static_cast<int64_t>(N));
-  return z.tok * (z.r * C + c * N + c * C - mlp_kept) + 8 * C * N + static_cast<double>(scratch);
+  return z.tok * (z.r * C + c * N + c * C - mlp_kept) + 8 * C * N + widened_scratch(z, C, N);
 }
 
 // E: the head's tensors at the start of backward.
@@ -187,8 +191,7 @@ double head_cast_bytes(const Sizes& z) { return z.c < z.f && !z.lowp_params && !
 // holds beyond moment A, or 0 (and 0 off the widened path).
 double head_backward_bytes(const Sizes& z) {
   if (!z.widened) return 0;
-  const auto tok = static_cast<int64_t>(z.tok), C = static_cast<int64_t>(z.C), V = static_cast<int64_t>(z.V);
-  const double held = 8 * z.V * z.C + static_cast<double>(model::widened_scratch_bytes(tok, C, V));
+  const double held = 8 * z.V * z.C + widened_scratch(z, z.C, z.V);
   return std::max(0.0, held - z.tok * 2 * z.f * z.V);
 }
 

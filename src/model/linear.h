@@ -18,7 +18,8 @@
 // parameter itself and rounds it again in backward, where autocast keeps a compute-dtype copy per
 // weight through the whole forward). Transients of one call: the rounded weight in fp32 (4 N K bytes;
 // rounded 64K elements at a time), in backward the fp32 weight gradient (4 N K, rounded in place and
-// returned as W's gradient when W is fp32) beside it, and fp32 scratch of widened_scratch_bytes. The planner's model is in memory/activations.cpp ("widened").
+// returned as W's gradient when W is fp32) beside it, and fp32 scratch of widened_scratch_bytes.
+// The planner's model is in memory/activations.cpp ("widened").
 //
 // Everywhere else (CUDA, fp32, a CPU with oneDNN bf16, SUBLINEAR_ATEN_KERNELS=1) it is at::linear and
 // at::mm, exactly as before.
