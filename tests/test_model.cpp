@@ -20,6 +20,7 @@
 #include "model/gelu.h"
 #include "model/gpt.h"
 #include "model/linear.h"
+#include "model/residual.h"
 
 using namespace sl;
 
@@ -859,6 +860,51 @@ TEST_CASE("SUBLINEAR_ATEN_KERNELS turns every fused-kernel predicate off") {
   }
 }
 
+// The bf16 run's residual add (fp32 stream + bf16 branch) in one pass: ATen's x + y bit for bit, forward
+// and backward, on both clones, at two thread counts, over a length that ends in a partial piece and a
+// partial vector; the predicate takes exactly that pair of dtypes.
+TEST_CASE("fused residual add (fp32 + bf16) is ATen's x + y bit for bit, forward and backward") {
+  torch::manual_seed(23);
+  const auto x0 = torch::randn({3, 129, 97}) * 5;  // 37539 elements: 2 whole pieces of 16384 and a partial one
+  const auto y0 = (torch::randn({3, 129, 97}) * 3).to(torch::kBFloat16);
+  const auto g = torch::randn({3, 129, 97});
+  auto x_ref = x0.clone().requires_grad_(), y_ref = y0.clone().requires_grad_();
+  const auto want = x_ref + y_ref;
+  want.backward(g);
+  for (const bool baseline : {true, false}) {
+    if (!baseline && !vector_clones_run_here()) continue;
+    CAPTURE(baseline);
+    const bool before = device::force_baseline_kernels(baseline);
+    auto x = x0.clone().requires_grad_(), y = y0.clone().requires_grad_();
+    REQUIRE(model::residual_add_fused(x, y));
+    const auto got = model::residual_add(x, y);
+    got.backward(g);
+    const auto other = at_other_thread_count([&] {
+      torch::NoGradGuard no_grad;
+      return model::residual_add(x0, y0);
+    });
+    device::force_baseline_kernels(before);
+    CHECK(got.scalar_type() == torch::kFloat32);
+    CHECK(torch::equal(got, want));
+    CHECK(torch::equal(other, want));
+    REQUIRE(y.grad().scalar_type() == torch::kBFloat16);
+    CHECK(torch::equal(x.grad(), x_ref.grad()));
+    CHECK(torch::equal(y.grad(), y_ref.grad()));
+  }
+  // Only fp32 + bf16 of one shape, contiguous, fuses; everything else is ATen's add, and so is every
+  // pair under SUBLINEAR_ATEN_KERNELS.
+  const auto xf = torch::randn({4, 8}), yb = torch::randn({4, 8}).to(torch::kBFloat16);
+  CHECK_FALSE(model::residual_add_fused(xf, xf));
+  CHECK_FALSE(model::residual_add_fused(yb, xf));
+  CHECK_FALSE(model::residual_add_fused(xf, yb.narrow(1, 0, 1)));
+  CHECK_FALSE(model::residual_add_fused(xf, torch::randn({8, 4}).to(torch::kBFloat16).t()));
+  CHECK(torch::equal(model::residual_add(xf, yb.narrow(1, 0, 1)), xf + yb.narrow(1, 0, 1)));
+  const bool before = device::force_aten_kernels(true);
+  const bool fused = model::residual_add_fused(xf, yb);
+  device::force_aten_kernels(before);
+  CHECK_FALSE(fused);
+}
+
 namespace {
 
 // While alive, CPU autocast runs in `dtype` (as precision::AutocastGuard does for the trainer).
@@ -1203,7 +1249,8 @@ TEST_CASE("widened linear takes its path exactly where the CPU has no low-precis
   // What widened_dtype should say for compute dtype dt, with the fused kernels forced off or not.
   auto expected = [&](c10::ScalarType dt, bool forced_off) -> std::optional<c10::ScalarType> {
     const auto path = dt == torch::kBFloat16 ? f.bf16_matmul : f.fp16_matmul;
-    if (path == device::LowpMatmul::aten && device::fused_kernels() && !forced_off) return dt;
+    const bool slow = path == device::LowpMatmul::aten || path == device::LowpMatmul::emulated;
+    if (slow && device::fused_kernels() && !forced_off) return dt;
     return std::nullopt;
   };
   // Whether a linear on x (W and b in W_dtype) runs as the widened autograd node.

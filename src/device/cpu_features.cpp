@@ -128,7 +128,8 @@ LowpMatmul CpuFeatures::matmul_path(const std::string& compute) const {
 
 LowpMatmul CpuFeatures::linear_path(const std::string& compute) const {
   const LowpMatmul path = matmul_path(compute);
-  return path == LowpMatmul::aten && compute != "fp32" && fused_kernels() ? LowpMatmul::widened : path;
+  const bool slow = path == LowpMatmul::aten || path == LowpMatmul::emulated;
+  return slow && compute != "fp32" && fused_kernels() ? LowpMatmul::widened : path;
 }
 
 nlohmann::json CpuFeatures::to_json() const {

@@ -19,8 +19,8 @@ enum class LowpMatmul {
   native,    // oneDNN brgemm with the CPU's bf16/fp16 instructions ("brg_matmul:avx512_core_bf16", AMX)
   emulated,  // oneDNN without them, on AVX-512 ("gemm:jit:bf16"): an fp32 accumulator per matmul output
   aten,      // no oneDNN kernel for the dtype (AVX2 only, or oneDNN capped below AVX512_CORE): ATen's gemm
-  widened,   // the project's linears on the aten path: fp32 GEMMs on widened operands (model/linear.h);
-             // never a library's path (CpuFeatures says aten), the one memory::lowp_matmul_path models
+  widened,   // the project's linears on the aten and emulated paths: fp32 GEMMs on widened operands
+             // (model/linear.h); never a library's path, the one memory::lowp_matmul_path models
 };
 std::string to_string(LowpMatmul path);
 
@@ -38,8 +38,8 @@ struct CpuFeatures {
   LowpMatmul fp16_matmul = LowpMatmul::aten;
 
   LowpMatmul matmul_path(const std::string& compute) const;  // for precision.compute bf16 / fp16
-  // What the model's linears take for them: matmul_path, or widened on the aten path while the fused
-  // kernels are on (model/linear.h; SUBLINEAR_ATEN_KERNELS=1 leaves them ATen's gemm).
+  // What the model's linears take for them: matmul_path, or widened on the aten and emulated paths
+  // while the fused kernels are on (model/linear.h; SUBLINEAR_ATEN_KERNELS=1 leaves them the libraries').
   LowpMatmul linear_path(const std::string& compute) const;
   nlohmann::json to_json() const;  // for summary.json's "environment"
 };

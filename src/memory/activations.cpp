@@ -222,9 +222,10 @@ SegmentCounts split_counts(int64_t k, int64_t n, int64_t last_size, bool skip_la
 
 device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg) {
   if (runs_on_cuda(cfg)) return device::LowpMatmul::native;
-  const auto path = device::cpu_features().linear_path(cfg.precision.compute);  // widened on the aten path (model/linear.h)
-  // Only CPU tensors widen: the lazy test device keeps the libraries' path.
-  return cfg.train.device == "lazy" && path == device::LowpMatmul::widened ? device::LowpMatmul::aten : path;
+  const auto& cpu = device::cpu_features();
+  // Only CPU tensors widen (model/linear.h): the lazy test device keeps the libraries' path.
+  if (cfg.train.device == "lazy") return cpu.matmul_path(cfg.precision.compute);
+  return cpu.linear_path(cfg.precision.compute);
 }
 
 SegmentCounts segment_counts(const checkpointing::Plan& plan) {

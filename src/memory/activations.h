@@ -66,11 +66,12 @@
 //
 // The CPU path (device/cpu_features.h) sets M. bf16 matmuls on CPU take one of three kernels:
 //   native   (oneDNN brgemm with avx512_bf16 / AMX / avx_ne_convert): M = 0 (small per-thread blocks)
-//   emulated (oneDNN gemm:jit:bf16 on AVX-512 without bf16 instructions, e.g. a Cascade Lake Xeon):
+//   emulated (oneDNN gemm:jit:bf16 on AVX-512 without bf16 instructions, e.g. a Cascade Lake Xeon)
+//            under SUBLINEAR_ATEN_KERNELS=1:
 //            M = 4 bytes per output element: each matmul fills an fp32 accumulator the size of its
 //            output, through LibTorch's allocator, before converting it to bf16
 //   aten     (AVX2 only, or oneDNN capped below AVX512_CORE) under SUBLINEAR_ATEN_KERNELS=1: M = 0
-//   widened  the same CPUs otherwise: the model's linears widen to fp32 GEMMs (model/linear.h). No
+//   widened  the aten and emulated CPUs otherwise: the model's linears widen to fp32 GEMMs (model/linear.h). No
 //            weight copies (W = Wh = 0); the fp32 weight gradient and rounded weight (4CH each) and
 //            the scratch of the linear whose input gradient is computed replace Wg, beside da only
 //            (the activation's backward comes after them); and the MLP's first linear (N = H, llama

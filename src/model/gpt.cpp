@@ -3,6 +3,7 @@
 #include "model/attention.h"
 #include "model/gelu.h"
 #include "model/linear.h"
+#include "model/residual.h"
 
 #include <cmath>
 
@@ -162,7 +163,7 @@ torch::Tensor BlockImpl::forward_with(const torch::Tensor& x, const Rope& rope, 
   auto qkv = linear_after(Part::norm1_qkv, [this](const auto& in) { return norm1(in[0]); }, {x}, {ln1_w, ln1_b}, w_qkv, b_qkv);
   auto y = linear_after(Part::attention_proj, [this](const auto& in) { return attention_core(in); },
                         attention_inputs(qkv, rope), {}, w_proj, b_proj);
-  auto h = x + residual_dropout(y);
+  auto h = residual_add(x, residual_dropout(y));
   // GPT-2's fc bias goes into the fused GELU where that kernel runs (one pass instead of addmm's bias
   // broadcast and a separate column sum for its gradient), else into the fc linear.
   const auto act_bias = !llama && gelu_tanh_bias_fused(h, b_fc) ? b_fc : torch::Tensor();
@@ -170,7 +171,7 @@ torch::Tensor BlockImpl::forward_with(const torch::Tensor& x, const Rope& rope, 
                         act_bias.defined() ? torch::Tensor() : b_fc);
   auto o = linear_after(Part::act_out, [this, act_bias](const auto& in) { return mlp_act(in[0], act_bias); }, {u},
                         {act_bias}, w_out, b_out);
-  return h + residual_dropout(o);
+  return residual_add(h, residual_dropout(o));
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {

@@ -18,7 +18,8 @@ using torch::autograd::variable_list;
 
 bool is_lowp(c10::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
-// The CPU's libraries take dt's matmuls to ATen's fallback GEMM, and the fused kernels are on.
+// The CPU's libraries take dt's matmuls to ATen's fallback GEMM or oneDNN's emulated one, and the
+// fused kernels are on.
 bool widens(c10::ScalarType dt) {
   if (!is_lowp(dt)) return false;
   return device::cpu_features().linear_path(dt == at::kBFloat16 ? "bf16" : "fp16") == device::LowpMatmul::widened;

@@ -2,8 +2,9 @@
 //
 // On a CPU with no oneDNN GEMM for bf16/fp16 (AVX2 only, or oneDNN capped below AVX-512: the
 // libraries' path device::LowpMatmul::aten), ATen runs low-precision matmuls on its fallback GEMM,
-// 10-100x slower than the fp32 one (docs/precision.md). There a linear in the compute dtype is
-// *widened*: its operands, rounded to the compute dtype as autocast rounds them, are converted exactly
+// 10-100x slower than the fp32 one; on AVX-512 without bf16 instructions (a Cascade Lake Xeon:
+// LowpMatmul::emulated) oneDNN's gemm:jit:bf16 makes a bf16 step twice as slow as fp32's
+// (docs/precision.md). There a linear in the compute dtype is *widened*: its operands, rounded to the compute dtype as autocast rounds them, are converted exactly
 // to fp32 a chunk of rows at a time, multiplied by the fp32 GEMM (MKL / oneDNN), and the result is
 // rounded once back to the compute dtype.
 //
@@ -21,7 +22,7 @@
 // returned as W's gradient when W is fp32) beside it, and fp32 scratch of widened_scratch_bytes.
 // The planner's model is in memory/activations.cpp ("widened").
 //
-// Everywhere else (CUDA, fp32, a CPU with oneDNN bf16, SUBLINEAR_ATEN_KERNELS=1) it is at::linear and
+// Everywhere else (CUDA, fp32, a CPU with bf16 instructions, SUBLINEAR_ATEN_KERNELS=1) it is at::linear and
 // at::mm, exactly as before.
 #pragma once
 #include <cstdint>
@@ -33,7 +34,7 @@ namespace sl::model {
 
 // The compute dtype a linear on `x` takes the widened path in, now; nullopt: at::linear. x on the CPU,
 // the dtype autocast's (while CPU autocast is on) else x's own, bf16 or fp16, the CPU's path for it
-// device::LowpMatmul::aten, and the fused kernels not turned off (device::fused_kernels()).
+// device::LowpMatmul::aten or emulated, and the fused kernels not turned off (device::fused_kernels()).
 std::optional<c10::ScalarType> widened_dtype(const at::Tensor& x);
 
 // x (..., K) W^T (N, K) + b (N, or undefined) under the current autocast state: at::linear, or the
