@@ -49,6 +49,7 @@ struct Candidate {
   std::string name;
   std::function<torch::Tensor()> run;
   std::vector<double> fwd, fwd_bwd;
+  bool fp32_products = false;  // bf16 attention on fp32 products where AVX512-BF16 would run (model/attention.h)
 };
 
 void time_interleaved(std::vector<Candidate>& cs, const std::vector<torch::Tensor>& wrt, const torch::Tensor& dy,
@@ -56,12 +57,14 @@ void time_interleaved(std::vector<Candidate>& cs, const std::vector<torch::Tenso
   for (int64_t r = 0; r < reps + 3; ++r) {
     const bool keep = r >= 3;  // 3 warm-up rounds
     for (auto& c : cs) {
+      const bool before = sl::model::force_fp32_attention_products(c.fp32_products);
       double f = 0.0;
       {
         torch::NoGradGuard no_grad;
         f = time_ms([&] { c.run(); });
       }
       const double fb = time_ms([&] { torch::autograd::grad({c.run()}, wrt, {dy}); });
+      sl::model::force_fp32_attention_products(before);
       if (keep) c.fwd.push_back(f), c.fwd_bwd.push_back(fb);
     }
   }
@@ -89,6 +92,9 @@ void bench_attention(int64_t B, int64_t nh, int64_t T, int64_t hd, int64_t reps,
                   return sl::model::causal_attention(heads(p[0]), heads(p[1]), heads(p[2]));
                 }, {}, {}});
   cs.push_back({"fused, packed qkv", [&] { return sl::model::causal_attention_packed(qkv, nh); }, {}, {}});
+  if (dtype == torch::kBFloat16 && sl::model::bf16_attention_products())
+    cs.push_back({"fused, packed qkv, fp32 products (no AVX512-BF16)",
+                  [&] { return sl::model::causal_attention_packed(qkv, nh); }, {}, {}, true});
   time_interleaved(cs, {qkv}, torch::randn({B, T, C}).to(dtype), reps);
   print_table(dtype == torch::kBFloat16 ? "causal attention, bf16" : "causal attention", cs);
 }

@@ -21,6 +21,7 @@
 #include "model/gpt.h"
 #include "model/linear.h"
 #include "model/residual.h"
+#include "model/small_gemm.h"
 
 using namespace sl;
 
@@ -678,6 +679,27 @@ std::vector<torch::Tensor> attention_with_grads(Fn fn, const torch::Tensor& q, c
   return out;
 }
 
+// While alive, bf16 attention heads take the fp32 products (on) or may take the AVX512-BF16 ones (off).
+class Fp32AttentionProducts {
+ public:
+  explicit Fp32AttentionProducts(bool on) : before_(model::force_fp32_attention_products(on)) {}
+  ~Fp32AttentionProducts() { model::force_fp32_attention_products(before_); }
+  Fp32AttentionProducts(const Fp32AttentionProducts&) = delete;
+  Fp32AttentionProducts& operator=(const Fp32AttentionProducts&) = delete;
+
+ private:
+  bool before_;
+};
+
+// The product paths a bf16 attention test runs here: fp32 products everywhere, and the bf16 ones
+// (AVX512-BF16) where the CPU has them.
+std::vector<bool> bf16_product_paths() {
+  const Fp32AttentionProducts allow(false);
+  if (model::bf16_attention_products()) return {true, false};
+  WARN("this CPU has no AVX512-BF16 (or the vector clones are off): the bf16 products are not checked here");
+  return {true};
+}
+
 // SDPA (is_causal) with its output in the (B, T, C) layout.
 torch::Tensor sdpa_btc(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/true)
@@ -702,62 +724,68 @@ torch::Tensor sdpa_btc(const torch::Tensor& q, const torch::Tensor& k, const tor
 // (3) Against SDPA-bf16 itself: within 4 ulps of the scale (measured: at most 1; both round their
 //     outputs, SDPA its probabilities as well).
 // No thread count changes a bit; the packed form gives the split form's bits and one gradient.
+// On a CPU with AVX512-BF16 the same cases run again on the bf16 products (model/attention.h), which
+// round P and dS to bf16 as SDPA does: (1) does not hold there, (2) and (3) must, and so must the rest.
 TEST_CASE("bf16 fused causal attention: forward is the fp32 kernel rounded once; output and gradients "
           "against fp64, SDPA-bf16 and the bf16 composition") {
-  torch::manual_seed(15);
-  struct Case {
-    int64_t B, nh, T, hd;
-    bool views;
-    double logit_scale;
-  };
-  for (const Case c : {Case{2, 3, 70, 12, true, 1}, Case{1, 2, 129, 64, true, 1}, Case{2, 2, 65, 24, false, 1},
-                       Case{1, 2, 100, 32, true, 3}, Case{1, 1, 5, 80, false, 1}}) {
-    CAPTURE(c.B, c.nh, c.T, c.hd, c.views, c.logit_scale);
-    const auto a = bf16_attention_inputs(c.B, c.nh, c.T, c.hd, c.views, c.logit_scale);
-    // The model takes bf16 attention where the AVX2 clone runs (the kernel itself runs anywhere).
-    REQUIRE(model::causal_attention_fused(a.q, a.k, a.v) == device::vector_kernels());
-    const auto dy = torch::randn({c.B, c.T, c.nh * c.hd}).to(torch::kBFloat16);
-    auto fused = [](const auto& q, const auto& k, const auto& v) { return model::causal_attention(q, k, v); };
-    const auto got = attention_with_grads(fused, a.q, a.k, a.v, dy);
-    for (const auto& t : got) REQUIRE(t.scalar_type() == torch::kBFloat16);
-    // (1)
-    torch::Tensor y32;
-    {
-      torch::NoGradGuard no_grad;
-      y32 = model::causal_attention(a.q.to(torch::kFloat32), a.k.to(torch::kFloat32), a.v.to(torch::kFloat32));
-    }
-    CHECK(torch::equal(got[0], y32.to(torch::kBFloat16)));
-    auto qd = f64(a.q).requires_grad_(true), kd = f64(a.k).requires_grad_(true), vd = f64(a.v).requires_grad_(true);
-    const auto want = attention_reference(qd, kd, vd);
-    const auto ref_grads = torch::autograd::grad({want}, {qd, kd, vd}, {f64(dy)});
-    const std::vector<torch::Tensor> ref{want.detach(), ref_grads[0], ref_grads[1], ref_grads[2]};
-    CHECK(rounded_once(got[0], ref[0], 1e-5, 1e-5 * c.logit_scale * c.logit_scale));
-    // (2), (3)
-    const auto sdpa = attention_with_grads(sdpa_btc, a.q, a.k, a.v, dy);
-    auto composition = [](const auto& q, const auto& k, const auto& v) { return attention_reference(q, k, v); };
-    const auto comp = attention_with_grads(composition, a.q, a.k, a.v, dy);
-    for (int i = 0; i < 4; ++i) {
-      CAPTURE(i);  // y, dq, dk, dv
-      const double ulp = bf16_ulp(torch::scalar_tensor(max_abs(ref[i]))).item<double>();
-      INFO("max error vs fp64: fused " << max_err(got[i], ref[i]) << ", SDPA-bf16 " << max_err(sdpa[i], ref[i])
-                                       << ", bf16 composition " << max_err(comp[i], ref[i]) << "; fused - SDPA "
-                                       << max_err(got[i], sdpa[i]) / ulp << " ulps of the scale " << max_abs(ref[i]));
-      CHECK(max_err(got[i], ref[i]) <= max_err(sdpa[i], ref[i]) + ulp);
-      CHECK(max_err(got[i], ref[i]) <= max_err(comp[i], ref[i]) + ulp);
-      CHECK(max_err(got[i], sdpa[i]) <= 4 * ulp);
-    }
-    // Another thread count: the same bits.
-    const auto got1 = at_other_thread_count([&] { return attention_with_grads(fused, a.q, a.k, a.v, dy); });
-    for (int i = 0; i < 4; ++i) CHECK(torch::equal(got1[i], got[i]));
-    if (c.views) {
-      // The packed form: the same bits, its one gradient the split's three side by side.
-      REQUIRE(model::causal_attention_packed_fused(a.leaf, c.nh) == device::vector_kernels());
-      const auto yp = model::causal_attention_packed(a.leaf, c.nh);
-      CHECK(torch::equal(yp, got[0]));
-      const auto gp = torch::autograd::grad({yp}, {a.leaf}, {dy})[0];
-      REQUIRE(gp.scalar_type() == torch::kBFloat16);
-      auto btc = [&](const torch::Tensor& t) { return t.transpose(1, 2).reshape({c.B, c.T, -1}); };
-      CHECK(torch::equal(gp, torch::cat({btc(got[1]), btc(got[2]), btc(got[3])}, 2)));
+  for (const bool fp32_products : bf16_product_paths()) {
+    CAPTURE(fp32_products);
+    const Fp32AttentionProducts products(fp32_products);
+    torch::manual_seed(15);
+    struct Case {
+      int64_t B, nh, T, hd;
+      bool views;
+      double logit_scale;
+    };
+    for (const Case c : {Case{2, 3, 70, 12, true, 1}, Case{1, 2, 129, 64, true, 1}, Case{2, 2, 65, 24, false, 1},
+                         Case{1, 2, 100, 32, true, 3}, Case{1, 1, 5, 80, false, 1}}) {
+      CAPTURE(c.B, c.nh, c.T, c.hd, c.views, c.logit_scale);
+      const auto a = bf16_attention_inputs(c.B, c.nh, c.T, c.hd, c.views, c.logit_scale);
+      // The model takes bf16 attention where the AVX2 clone runs (the kernel itself runs anywhere).
+      REQUIRE(model::causal_attention_fused(a.q, a.k, a.v) == device::vector_kernels());
+      const auto dy = torch::randn({c.B, c.T, c.nh * c.hd}).to(torch::kBFloat16);
+      auto fused = [](const auto& q, const auto& k, const auto& v) { return model::causal_attention(q, k, v); };
+      const auto got = attention_with_grads(fused, a.q, a.k, a.v, dy);
+      for (const auto& t : got) REQUIRE(t.scalar_type() == torch::kBFloat16);
+      // (1)
+      torch::Tensor y32;
+      {
+        torch::NoGradGuard no_grad;
+        y32 = model::causal_attention(a.q.to(torch::kFloat32), a.k.to(torch::kFloat32), a.v.to(torch::kFloat32));
+      }
+      if (fp32_products) CHECK(torch::equal(got[0], y32.to(torch::kBFloat16)));
+      auto qd = f64(a.q).requires_grad_(true), kd = f64(a.k).requires_grad_(true), vd = f64(a.v).requires_grad_(true);
+      const auto want = attention_reference(qd, kd, vd);
+      const auto ref_grads = torch::autograd::grad({want}, {qd, kd, vd}, {f64(dy)});
+      const std::vector<torch::Tensor> ref{want.detach(), ref_grads[0], ref_grads[1], ref_grads[2]};
+      if (fp32_products) CHECK(rounded_once(got[0], ref[0], 1e-5, 1e-5 * c.logit_scale * c.logit_scale));
+      // (2), (3)
+      const auto sdpa = attention_with_grads(sdpa_btc, a.q, a.k, a.v, dy);
+      auto composition = [](const auto& q, const auto& k, const auto& v) { return attention_reference(q, k, v); };
+      const auto comp = attention_with_grads(composition, a.q, a.k, a.v, dy);
+      for (int i = 0; i < 4; ++i) {
+        CAPTURE(i);  // y, dq, dk, dv
+        const double ulp = bf16_ulp(torch::scalar_tensor(max_abs(ref[i]))).item<double>();
+        INFO("max error vs fp64: fused " << max_err(got[i], ref[i]) << ", SDPA-bf16 " << max_err(sdpa[i], ref[i])
+                                         << ", bf16 composition " << max_err(comp[i], ref[i]) << "; fused - SDPA "
+                                         << max_err(got[i], sdpa[i]) / ulp << " ulps of the scale " << max_abs(ref[i]));
+        CHECK(max_err(got[i], ref[i]) <= max_err(sdpa[i], ref[i]) + ulp);
+        CHECK(max_err(got[i], ref[i]) <= max_err(comp[i], ref[i]) + ulp);
+        CHECK(max_err(got[i], sdpa[i]) <= 4 * ulp);
+      }
+      // Another thread count: the same bits.
+      const auto got1 = at_other_thread_count([&] { return attention_with_grads(fused, a.q, a.k, a.v, dy); });
+      for (int i = 0; i < 4; ++i) CHECK(torch::equal(got1[i], got[i]));
+      if (c.views) {
+        // The packed form: the same bits, its one gradient the split's three side by side.
+        REQUIRE(model::causal_attention_packed_fused(a.leaf, c.nh) == device::vector_kernels());
+        const auto yp = model::causal_attention_packed(a.leaf, c.nh);
+        CHECK(torch::equal(yp, got[0]));
+        const auto gp = torch::autograd::grad({yp}, {a.leaf}, {dy})[0];
+        REQUIRE(gp.scalar_type() == torch::kBFloat16);
+        auto btc = [&](const torch::Tensor& t) { return t.transpose(1, 2).reshape({c.B, c.T, -1}); };
+        CHECK(torch::equal(gp, torch::cat({btc(got[1]), btc(got[2]), btc(got[3])}, 2)));
+      }
     }
   }
   // Mixed dtypes (LLaMA's fp32 rotated q, k beside a bf16 v under autocast) and fp16 stay SDPA's.
@@ -769,6 +797,65 @@ TEST_CASE("bf16 fused causal attention: forward is the fp32 kernel rounded once;
   CHECK_FALSE(model::causal_attention_packed_fused(torch::randn({1, 8, 12}, torch::kHalf), 2));
 }
 
+// The AVX512-BF16 GEMM of the bf16 attention against fp64 products of the operands rounded to bf16:
+// each product of two bf16 is exact in fp32 and the sums are fp32, so every element is within the
+// fp32 summation bound K 2^-24 sum_k |a||b| (+ the same for the accumulated C). Shapes with a short
+// row tile (M 19 = 8 + 8 + 3), a partial vector (N 45 = 32 + 13), odd K (a 0-padded pair), each causal
+// kind (A zero past the mask, as the attention's P and dS are), with and without accumulation, A read
+// along rows and down columns (pack_row_pairs, pack_column_pairs with strides (1, ld)).
+TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the fp32 summation bound") {
+  if (!model::bf16_dot_products()) {
+    WARN("this CPU has no AVX512-BF16 (or oneDNN is capped below avx512_core_bf16): the bf16 products cannot run here");
+    return;
+  }
+  torch::manual_seed(31);
+  using model::Causal;
+  struct Case {
+    int64_t M, N, K;
+    Causal causal;
+    int64_t diag;
+  };
+  for (const Case c : {Case{19, 45, 33, Causal::all, 0}, Case{64, 256, 64, Causal::cols_to_diag, 192},
+                       Case{19, 45, 45, Causal::k_to_diag, 7}, Case{45, 24, 19, Causal::k_from_diag, 5},
+                       Case{8, 16, 1, Causal::all, 0}}) {
+    for (const bool transposed_a : {false, true}) {
+      for (const bool accumulate : {false, true}) {
+        CAPTURE(c.M, c.N, c.K, static_cast<int>(c.causal), c.diag, transposed_a, accumulate);
+        auto a = torch::randn({c.M, c.K});
+        const auto r = torch::arange(c.M).view({c.M, 1}), k = torch::arange(c.K).view({1, c.K});
+        if (c.causal == Causal::k_to_diag) a.masked_fill_(k > r + c.diag, 0.0);
+        if (c.causal == Causal::k_from_diag) a.masked_fill_(k < r - c.diag, 0.0);
+        const auto b = torch::randn({c.K, c.N});
+        const auto c0 = torch::randn({c.M, c.N});
+        const int64_t kp = (c.K + 1) / 2;
+        std::vector<uint32_t> aw(static_cast<size_t>(c.M * kp + c.K * c.M + 8)), bw(static_cast<size_t>(kp * c.N));
+        model::WordsA wa{aw.data(), kp, 1};
+        if (transposed_a) {  // A^T stored (K x M), its pairs down columns: A's pair (r, kp) at kp * M + r
+          const auto at = a.t().contiguous();
+          model::pack_column_pairs(at.data_ptr<float>(), c.M, c.K, c.M, aw.data(), c.M);
+          wa = {aw.data(), 1, c.M};
+        } else {
+          model::pack_row_pairs(a.data_ptr<float>(), c.K, c.M, c.K, aw.data(), kp);
+        }
+        model::pack_column_pairs(b.data_ptr<float>(), c.N, c.K, c.N, bw.data(), c.N);
+        auto got = c0.clone();
+        const float alpha = 0.75f;
+        model::small_gemm_bf16({c.M, c.N, c.K, c.causal, c.diag}, alpha, wa, bw.data(), c.N, got.data_ptr<float>(), c.N,
+                               accumulate);
+        const auto ad = f64(a.to(torch::kBFloat16)), bd = f64(b.to(torch::kBFloat16));
+        auto want = alpha * ad.mm(bd);
+        auto bound = (c.K * std::ldexp(1.0, -24)) * (alpha * ad.abs().mm(bd.abs())) + 1e-30;
+        if (accumulate) want = want + f64(c0), bound = bound + std::ldexp(1.0, -24) * (f64(c0).abs() + want.abs());
+        auto ok = (f64(got) - want).abs() <= bound;
+        // cols_to_diag promises the columns up to each row's diagonal only.
+        if (c.causal == Causal::cols_to_diag) ok = ok | (torch::arange(c.N).view({1, c.N}) > r + c.diag);
+        INFO("max error " << max_err(got, want));
+        CHECK(ok.all().item<bool>());
+      }
+    }
+  }
+}
+
 // The bf16 forms on the baseline clone against the AVX2 + FMA clone. Each computes fp32 values from the
 // same widened inputs, which differ between the clones within the fp32 clone tests' bounds (attention
 // forward 2e-6 relative + 1e-6, backward 1e-5 + 1e-5; GELU 1e-6 + 1e-7, its bias gradient 1e-5 + 1e-5,
@@ -777,6 +864,7 @@ TEST_CASE("bf16 fused causal attention: forward is the fp32 kernel rounded once;
 // the fp32 bounds. The widening and rounding themselves are exact integer operations on both clones.
 TEST_CASE("bf16 fused attention and GELU: the baseline clone equals the AVX2 + FMA clone within one bf16 ulp "
           "(2^-7 relative) plus the fp32 clones' bounds") {
+  const Fp32AttentionProducts fp32_products(true);  // the clones of the fp32 products; the bf16 ones have none
   torch::manual_seed(16);
   const bool vector = vector_clones_run_here();
   const double ulp = std::ldexp(1.0, -7);

@@ -97,6 +97,7 @@ CpuFeatures detect() {
   f.amx = f.amx_bf16 && onednn_isa_allows(cap, "avx512_core_amx");
   f.native_bf16 = (f.avx512_bf16 && onednn_isa_allows(cap, "avx512_core_bf16")) || f.amx ||
                   (f.avx_ne_convert && onednn_isa_allows(cap, "avx2_vnni_2"));
+  f.bf16_dot = f.avx512 && f.avx512_bf16 && onednn_isa_allows(cap, "avx512_core_bf16");
   f.bf16_matmul = !f.onednn_bf16 ? LowpMatmul::aten : f.native_bf16 ? LowpMatmul::native : LowpMatmul::emulated;
   // oneDNN takes fp16 only with native fp16 support (avx512_fp16, avx_ne_convert).
   f.fp16_matmul = f.onednn_fp16 ? LowpMatmul::native : LowpMatmul::aten;
@@ -145,6 +146,7 @@ nlohmann::json CpuFeatures::to_json() const {
           {"onednn_fp16", onednn_fp16},
           {"native_bf16", native_bf16},
           {"amx", amx},
+          {"bf16_dot", bf16_dot},
           {"bf16_matmul", to_string(bf16_matmul)},
           {"fp16_matmul", to_string(fp16_matmul)},
           {"bf16_linear", to_string(linear_path("bf16"))},  // the model's linears: widened where bf16_matmul is aten

@@ -34,6 +34,9 @@ struct CpuFeatures {
   bool onednn_fp16 = false;  // oneDNN takes fp16 matmuls (needs native fp16 support)
   bool native_bf16 = false;  // oneDNN may use bf16 instructions: the CPU has them and the ISA cap allows them
   bool amx = false;          // ... AMX tiles among them
+  // The fused bf16 attention may multiply with AVX512-BF16 (model/small_gemm.h): avx512_bf16 with
+  // AVX-512 F/BW/VL/DQ, and oneDNN's cap allows avx512_core_bf16 (a lower cap stands for a CPU without).
+  bool bf16_dot = false;
   LowpMatmul bf16_matmul = LowpMatmul::aten;
   LowpMatmul fp16_matmul = LowpMatmul::aten;
 

@@ -6,6 +6,7 @@
 #include "model/small_gemm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <array>
@@ -135,16 +136,80 @@ void scores(const Head& x, const Shape& sh, const Block& blk, const float* kt, f
              s, blk.n, /*accumulate=*/false);
 }
 
+// ---- bf16 products (AVX512-BF16, small_gemm_bf16) for bf16 heads ----
+// The operands, held in fp32 as everywhere above (widened from bf16: exact), are packed as bf16 pairs;
+// the probabilities P and the scores' gradient dS are rounded to bf16 on the way, as ATen's bf16 flash
+// attention rounds them; every sum is fp32. Pairs along a row come from pack_row_pairs, pairs down a
+// column from pack_column_pairs; an A operand read down columns takes the latter with strides (1, ld).
+
+int64_t pairs(int64_t n) { return (n + 1) / 2; }
+
+// A head's packed operands, and the block's (a: an A operand, b: a B operand). uint32 words in the
+// thread's fp32 scratch (the floats are never read as words or the words as floats).
+struct DotScratch {
+  uint32_t *kt, *v;   // B of q k^T: k^T's pairs down columns [pairs(hd)][T]; B of p v: v's [pairs(T)][hd]
+  uint32_t *vt, *k;   // backward: B of dout v^T [pairs(hd)][T]; B of ds k [pairs(T)][hd]
+  uint32_t *a, *b;    // kRowBlock * max(pairs(hd), pairs(T)); (kRowBlock / 2) * hd
+
+  static int64_t words(const Shape& sh, bool backward) {
+    const int64_t head = pairs(sh.hd) * sh.T + pairs(sh.T) * sh.hd;
+    return (backward ? 2 : 1) * head + kRowBlock * std::max(pairs(sh.hd), pairs(sh.T)) + (kRowBlock / 2) * sh.hd;
+  }
+  static DotScratch at(float* w, const Shape& sh, bool backward) {
+    auto* p = reinterpret_cast<uint32_t*>(w);
+    DotScratch d{};
+    const int64_t kt = pairs(sh.hd) * sh.T, rows = pairs(sh.T) * sh.hd;
+    d.kt = p, p += kt;
+    d.v = p, p += rows;
+    if (backward) d.vt = p, p += kt, d.k = p, p += rows;
+    d.a = p, p += kRowBlock * std::max(pairs(sh.hd), pairs(sh.T));
+    d.b = p;
+    return d;
+  }
+};
+
+// s = scale q_blk k^T as scores() does, on bf16 pairs (d.kt packed).
+void scores_bf16(const Head& x, const Shape& sh, const Block& blk, const DotScratch& d, float* s) {
+  pack_row_pairs(x.q.row(blk.i0), x.q.ld, blk.m, sh.hd, d.a, pairs(sh.hd));
+  small_gemm_bf16({blk.m, blk.n, sh.hd, Causal::cols_to_diag, blk.i0}, sh.scale, {d.a, pairs(sh.hd), 1}, d.kt, sh.T, s,
+                  blk.n, /*accumulate=*/false);
+}
+
+// c (m x hd, ldc) (=|+=) alpha p v-like: `lhs` (m x n fp32, row stride n, zero past each row's diagonal)
+// times the packed [pairs(n)][hd] `rhs`, rows summing up to their diagonal.
+void rows_times_bf16(const Shape& sh, const Block& blk, float alpha, const float* lhs, const uint32_t* rhs,
+                     const DotScratch& d, float* c, int64_t ldc) {
+  pack_row_pairs(lhs, blk.n, blk.m, blk.n, d.a, pairs(blk.n));
+  small_gemm_bf16({blk.m, sh.hd, blk.n, Causal::k_to_diag, blk.i0}, alpha, {d.a, pairs(blk.n), 1}, rhs, sh.hd, c, ldc,
+                  false);
+}
+
+// c (n x hd) (=|+=) alpha lhs^T rows: `lhs` (m x n as above), `rows` the block's m rows of an
+// (T, hd) operand; keys sum from their diagonal on.
+void transposed_times_bf16(const Shape& sh, const Block& blk, float alpha, const float* lhs, const Rows& rows,
+                           const DotScratch& d, const Rows& c, bool accumulate) {
+  pack_column_pairs(lhs, blk.n, blk.m, blk.n, d.a, blk.n);
+  pack_column_pairs(rows.row(blk.i0), rows.ld, blk.m, sh.hd, d.b, sh.hd);
+  small_gemm_bf16({blk.n, sh.hd, blk.m, Causal::k_from_diag, blk.i0}, alpha, {d.a, 1, blk.n}, d.b, sh.hd, c.p, c.ld,
+                  accumulate);
+}
+
 // o = softmax(scale q k^T + causal mask) v, lse = its rows' log-sum-exp.
-// Scratch: s (kRowBlock * T floats), kt (hd * T).
-void forward_head(const Head& x, const Shape& sh, float* s, float* kt) {
+// Scratch: s (kRowBlock * T floats), kt (hd * T); d: bf16 products (null: fp32 ones).
+void forward_head(const Head& x, const Shape& sh, float* s, float* kt, const DotScratch* d) {
   transpose_rows(x.k.p, x.k.ld, sh.T, sh.hd, kt);
+  if (d) {
+    pack_column_pairs(kt, sh.T, sh.hd, sh.T, d->kt, sh.T);
+    pack_column_pairs(x.v.p, x.v.ld, sh.T, sh.hd, d->v, sh.hd);
+  }
   for (int64_t i0 = 0; i0 < sh.T; i0 += kRowBlock) {
     const Block blk = block_at(i0, sh.T);
-    scores(x, sh, blk, kt, s);
+    if (d) scores_bf16(x, sh, blk, *d, s);
+    else scores(x, sh, blk, kt, s);
     for (int64_t r = 0; r < blk.m; ++r) x.lse[i0 + r] = softmax_row(s + r * blk.n, i0 + r + 1, blk.n);
-    small_gemm({blk.m, sh.hd, blk.n, Causal::k_to_diag, i0}, 1.0f, {s, blk.n, 1}, x.v.p, x.v.ld, x.o.row(i0), x.o.ld,
-               false);
+    if (d) rows_times_bf16(sh, blk, 1.0f, s, d->v, *d, x.o.row(i0), x.o.ld);
+    else small_gemm({blk.m, sh.hd, blk.n, Causal::k_to_diag, i0}, 1.0f, {s, blk.n, 1}, x.v.p, x.v.ld, x.o.row(i0),
+                    x.o.ld, false);
   }
 }
 
@@ -154,13 +219,41 @@ struct BackwardScratch {
   float* d;       // T
 };
 
+// backward_head's blocks on bf16 products (d packed from w.kt, w.vt and k here).
+void backward_head_bf16(const Head& x, const HeadGrad& g, const Shape& sh, const BackwardScratch& w,
+                        const DotScratch& d) {
+  pack_column_pairs(w.kt, sh.T, sh.hd, sh.T, d.kt, sh.T);
+  pack_column_pairs(w.vt, sh.T, sh.hd, sh.T, d.vt, sh.T);
+  pack_column_pairs(x.k.p, x.k.ld, sh.T, sh.hd, d.k, sh.hd);
+  const int64_t last = (sh.T - 1) / kRowBlock * kRowBlock;
+  for (int64_t i0 = last; i0 >= 0; i0 -= kRowBlock) {
+    const Block blk = block_at(i0, sh.T);
+    const bool acc = i0 != last;
+    scores_bf16(x, sh, blk, d, w.p);
+    for (int64_t r = 0; r < blk.m; ++r) probs_row(w.p + r * blk.n, x.lse[i0 + r], i0 + r + 1, blk.n);
+    transposed_times_bf16(sh, blk, 1.0f, w.p, g.dout, d, g.dv, acc);  // dv += p^T dout
+    // dp = dout v^T
+    pack_row_pairs(g.dout.row(i0), g.dout.ld, blk.m, sh.hd, d.a, pairs(sh.hd));
+    small_gemm_bf16({blk.m, blk.n, sh.hd, Causal::cols_to_diag, i0}, 1.0f, {d.a, pairs(sh.hd), 1}, d.vt, sh.T, w.dp,
+                    blk.n, false);
+    for (int64_t r = 0; r < blk.m; ++r)
+      dscore_row(w.p + r * blk.n, w.dp + r * blk.n, w.d[i0 + r], i0 + r + 1, blk.n);
+    rows_times_bf16(sh, blk, sh.scale, w.dp, d.k, d, g.dq.row(i0), g.dq.ld);  // dq = scale ds k
+    transposed_times_bf16(sh, blk, sh.scale, w.dp, x.q, d, g.dk, acc);       // dk += scale ds^T q
+  }
+}
+
 // The flash backward, block by block from the last (which sees every key, so it initializes dk and dv):
 // p from the saved lse; dv += p^T dout; dp = dout v^T; ds = p (dp - rowsum(dout * o));
 // dq = scale ds k; dk += scale ds^T q.
-void backward_head(const Head& x, const HeadGrad& g, const Shape& sh, const BackwardScratch& w) {
+void backward_head(const Head& x, const HeadGrad& g, const Shape& sh, const BackwardScratch& w, const DotScratch* d) {
   for (int64_t t = 0; t < sh.T; ++t) w.d[t] = dot(g.dout.row(t), x.o.row(t), sh.hd);
   transpose_rows(x.k.p, x.k.ld, sh.T, sh.hd, w.kt);
   transpose_rows(x.v.p, x.v.ld, sh.T, sh.hd, w.vt);
+  if (d) {
+    backward_head_bf16(x, g, sh, w, *d);
+    return;
+  }
   const int64_t last = (sh.T - 1) / kRowBlock * kRowBlock;
   for (int64_t i0 = last; i0 >= 0; i0 -= kRowBlock) {
     const Block blk = block_at(i0, sh.T);
@@ -269,6 +362,17 @@ Shape shape_of(const torch::Tensor& q) {
   return {q.size(2), hd, static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
 }
 
+std::atomic<bool>& fp32_products_forced() {
+  static std::atomic<bool> forced{false};
+  return forced;
+}
+
+// bf16 heads multiply on bf16 pairs where the CPU has AVX512-BF16 (and the vector clones run).
+bool dot_products(const torch::Tensor& q) {
+  return q.scalar_type() == torch::kBFloat16 && bf16_dot_products() && device::vector_kernels() &&
+         !fp32_products_forced().load(std::memory_order_relaxed);
+}
+
 // fp32 per-thread scratch, threads x per_thread floats.
 torch::Tensor thread_scratch(int threads, int64_t per_thread) {
   return torch::empty({threads, per_thread}, torch::kFloat32);
@@ -284,7 +388,9 @@ std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& 
   auto lse = torch::empty({B, nh, sh.T}, q.options().dtype(torch::kFloat32));
   const int threads = at::get_num_threads();
   const int64_t blocks = (kRowBlock + sh.hd) * sh.T;
-  const int64_t per_thread = blocks + staging_floats(q.scalar_type() == torch::kBFloat16, 4, sh);
+  const int64_t staging = staging_floats(q.scalar_type() == torch::kBFloat16, 4, sh);
+  const bool dot = dot_products(q);
+  const int64_t per_thread = blocks + staging + (dot ? DotScratch::words(sh, /*backward=*/false) : 0);
   auto scratch = thread_scratch(threads, per_thread);
   const Strided Q = strided(q), K = strided(k), V = strided(v), O = strided(heads_view(out, nh));
   float* L = lse.data_ptr<float>();
@@ -293,7 +399,8 @@ std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& 
     float* w = S + tid * per_thread;
     HeadStage st(b, h, sh, w + blocks);
     const Head x{st.in(Q), st.in(K), st.in(V), st.out(O), L + (b * nh + h) * sh.T};
-    forward_head(x, sh, w, w + kRowBlock * sh.T);
+    const DotScratch d = dot ? DotScratch::at(w + blocks + staging, sh, false) : DotScratch{};
+    forward_head(x, sh, w, w + kRowBlock * sh.T, dot ? &d : nullptr);
     st.done(O, x.o);
   });
   return {out, lse};
@@ -310,7 +417,9 @@ void attention_backward(const torch::Tensor& q, const torch::Tensor& k, const to
   auto dout = heads_view(grad.to(out.scalar_type()).contiguous(), nh);
   const int threads = at::get_num_threads();
   const int64_t block = kRowBlock * sh.T, head = sh.hd * sh.T, blocks = 2 * block + 2 * head + sh.T;
-  const int64_t per_thread = blocks + staging_floats(q.scalar_type() == torch::kBFloat16, 8, sh);
+  const int64_t staging = staging_floats(q.scalar_type() == torch::kBFloat16, 8, sh);
+  const bool dot = dot_products(q);
+  const int64_t per_thread = blocks + staging + (dot ? DotScratch::words(sh, /*backward=*/true) : 0);
   auto scratch = thread_scratch(threads, per_thread);
   const Strided Q = strided(q), K = strided(k), V = strided(v), O = strided(heads_view(out, nh));
   const Strided dO = strided(dout), dQ = strided(dq), dK = strided(dk), dV = strided(dv);
@@ -321,7 +430,9 @@ void attention_backward(const torch::Tensor& q, const torch::Tensor& k, const to
     HeadStage st(b, h, sh, w + blocks);
     const Head x{st.in(Q), st.in(K), st.in(V), st.in(O), L + (b * nh + h) * sh.T};
     const HeadGrad g{st.in(dO), st.out(dQ), st.out(dK), st.out(dV)};
-    backward_head(x, g, sh, {w, w + block, w + 2 * block, w + 2 * block + head, w + 2 * block + 2 * head});
+    const DotScratch d = dot ? DotScratch::at(w + blocks + staging, sh, true) : DotScratch{};
+    backward_head(x, g, sh, {w, w + block, w + 2 * block, w + 2 * block + head, w + 2 * block + 2 * head},
+                  dot ? &d : nullptr);
     st.done(dQ, g.dq), st.done(dK, g.dk), st.done(dV, g.dv);
   });
 }
@@ -408,6 +519,10 @@ bool worth_it(torch::ScalarType dtype) {
 }
 
 }  // namespace
+
+bool force_fp32_attention_products(bool on) { return fp32_products_forced().exchange(on, std::memory_order_relaxed); }
+
+bool bf16_attention_products() { return bf16_dot_products() && device::vector_kernels() && !fp32_products_forced(); }
 
 bool causal_attention_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   return worth_it(q.scalar_type()) && kernel_takes(q, k, v);

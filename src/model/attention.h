@@ -10,6 +10,11 @@
 // at::scaled_dot_product_attention, and so does everything under SUBLINEAR_ATEN_KERNELS=1
 // (device::fused_kernels()). Its row kernels and GEMM tiles have AVX2 + FMA and baseline clones
 // (model/clones.h): results differ between the clones by float rounding.
+// On a CPU with AVX512-BF16 (device::CpuFeatures::bf16_dot; the vector clones running) a bf16 head's
+// six products take bf16 operands instead (small_gemm_bf16: two exact products per instruction, fp32
+// sums): q, k, v, the output gradient are bf16 already; the probabilities P and the scores' gradient dS
+// are rounded to bf16 first, as ATen's bf16 flash attention rounds them. Softmax, the log-sum-exp, the
+// row sums of dO * O and every accumulator stay fp32.
 #pragma once
 #include <torch/types.h>
 
@@ -19,7 +24,8 @@ namespace sl::model {
 // projection's output are fine). Returns (B, T, nh * hd) in that dtype, contiguous: the heads side by
 // side. Differentiable; saves q, k, v, the output and the per-row log-sum-exp (B, nh, T, fp32), the same
 // tensors SDPA's flash path saves, so the activation memory is the planner's flash figure (bf16 adds
-// only per-thread scratch, 4 (forward) or 8 (backward) T x hd floats: no whole-tensor fp32 copy). Each
+// only per-thread scratch, 4 (forward) or 8 (backward) T x hd floats, and with the bf16 products about
+// one (forward) or two (backward) T x hd words more plus a block's: no whole-tensor fp32 copy). Each
 // (batch, head) is computed by one thread in a fixed order with the project's own GEMM tiles
 // (small_gemm.h): the bits do not depend on the thread count, and a recompute gives the same bits. Its
 // backward is not differentiable (no double backward).
@@ -38,5 +44,11 @@ torch::Tensor causal_attention_packed(const torch::Tensor& qkv, int64_t n_head);
 // True when causal_attention_packed takes qkv (fp32 or bf16 CPU, last dimension a multiple of 3 * n_head),
 // under causal_attention_fused's conditions.
 bool causal_attention_packed_fused(const torch::Tensor& qkv, int64_t n_head);
+
+// Whether bf16 heads take the bf16 products now (AVX512-BF16, vector clones, not forced off).
+bool bf16_attention_products();
+// Tests: makes bf16 heads take the fp32 products (on = true) even on a CPU with AVX512-BF16, or lets
+// them take the bf16 ones again; returns the setting it replaces. Do not switch while a model runs.
+bool force_fp32_attention_products(bool on);
 
 }  // namespace sl::model

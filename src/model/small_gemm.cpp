@@ -98,3 +98,135 @@ SL_KERNEL_CLONES(void, small_gemm,
                  (s, alpha, a, b, ldb, c, ldc, accumulate))
 
 }  // namespace sl::model
+
+// ---- bf16 products (AVX512-BF16) ----
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "device/cpu_features.h"
+#include "model/bf16.h"
+
+namespace sl::model {
+namespace {
+
+#define SL_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+
+constexpr int kRowsBf16 = 8;  // rows of a C tile: 8 x 2 accumulators of 16 floats, half the 32 registers
+
+inline uint32_t pair(float lo, float hi) {
+  return static_cast<uint32_t>(narrow(lo).x) | static_cast<uint32_t>(narrow(hi).x) << 16;
+}
+
+// C[R x up to 16 NV] (=|+=) alpha sum_{kp in [kp0, kp1)} A(r, kp) . B(kp, :); the last vector's columns
+// are `mask`'s.
+template <int R, int NV>
+SL_BF16_DOT inline void tile_bf16(const WordsA& a, const uint32_t* b, int64_t ldb, int64_t kp0, int64_t kp1, float* c,
+                                  int64_t ldc, float alpha, bool accumulate, __mmask16 mask) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    __m512i bv[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v)
+      bv[v] = _mm512_maskz_loadu_epi32(v == NV - 1 ? mask : __mmask16(0xFFFF), b + kp * ldb + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i av = _mm512_set1_epi32(static_cast<int>(a.p[r * a.rs + kp * a.ks]));
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)av, (__m512bh)bv[v]);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      const __mmask16 m = v == NV - 1 ? mask : __mmask16(0xFFFF);
+      float* out = c + r * ldc + 16 * v;
+      __m512 x = _mm512_mul_ps(scale, acc[r][v]);
+      if (accumulate) x = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), x);
+      _mm512_mask_storeu_ps(out, m, x);
+    }
+}
+
+template <int R>
+SL_BF16_DOT inline void row_tile_bf16(const WordsA& a, const uint32_t* b, int64_t ldb, int64_t kp0, int64_t kp1,
+                                      float* c, int64_t ldc, int64_t n_end, float alpha, bool accumulate) {
+  for (int64_t col = 0; col < n_end; col += 32) {
+    const int64_t width = std::min<int64_t>(32, n_end - col);
+    const int last = static_cast<int>(width > 16 ? width - 16 : width);
+    const auto mask = static_cast<__mmask16>((1u << last) - 1u);
+    if (width > 16) tile_bf16<R, 2>(a, b + col, ldb, kp0, kp1, c + col, ldc, alpha, accumulate, mask);
+    else tile_bf16<R, 1>(a, b + col, ldb, kp0, kp1, c + col, ldc, alpha, accumulate, mask);
+  }
+}
+
+}  // namespace
+
+bool bf16_dot_products() { return device::cpu_features().bf16_dot; }
+
+SL_BF16_DOT void pack_row_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
+  const int64_t whole = cols / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    uint32_t* d = dst + r * ld;
+    for (int64_t cp = 0; cp < whole; ++cp) d[cp] = pair(xr[2 * cp], xr[2 * cp + 1]);
+    if (cols % 2) d[whole] = pair(xr[cols - 1], 0.0f);
+  }
+}
+
+SL_BF16_DOT void pack_column_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
+  for (int64_t rp = 0; rp < (rows + 1) / 2; ++rp) {
+    const float* lo = x + 2 * rp * ldx;
+    const float* hi = 2 * rp + 1 < rows ? lo + ldx : nullptr;
+    uint32_t* d = dst + rp * ld;
+    if (hi)
+      for (int64_t c = 0; c < cols; ++c) d[c] = pair(lo[c], hi[c]);
+    else
+      for (int64_t c = 0; c < cols; ++c) d[c] = pair(lo[c], 0.0f);
+  }
+}
+
+SL_BF16_DOT void small_gemm_bf16(const GemmShape& s, float alpha, WordsA a, const uint32_t* b, int64_t ldb, float* c,
+                                 int64_t ldc, bool accumulate) {
+  for (int64_t r0 = 0; r0 < s.M; r0 += kRowsBf16) {
+    const int R = static_cast<int>(std::min<int64_t>(kRowsBf16, s.M - r0));
+    const int64_t last = r0 + R - 1;
+    int64_t n_end = s.N, k0 = 0, k1 = s.K;
+    if (s.causal == Causal::cols_to_diag) n_end = std::clamp<int64_t>((last + s.diag + 16) / 16 * 16, 0, s.N);
+    if (s.causal == Causal::k_to_diag) k1 = std::clamp<int64_t>(last + s.diag + 1, 0, s.K);
+    if (s.causal == Causal::k_from_diag) k0 = std::clamp<int64_t>(r0 - s.diag, 0, s.K);
+    // Whole pairs: the extra element of a pair is one the mask zeroes in A (or a 0 pad).
+    const int64_t kp0 = k0 / 2, kp1 = (k1 + 1) / 2;
+    const WordsA at{a.p + r0 * a.rs, a.rs, a.ks};
+    float* ct = c + r0 * ldc;
+    switch (R) {
+      case 8: row_tile_bf16<8>(at, b, ldb, kp0, kp1, ct, ldc, n_end, alpha, accumulate); break;
+      case 7: row_tile_bf16<7>(at, b, ldb, kp0, kp1, ct, ldc, n_end, alpha, accumulate); break;
+      case 6: row_tile_bf16<6>(at, b, ldb, kp0, kp1, ct, ldc, n_end, alpha, accumulate); break;
+      case 5: row_tile_bf16<5>(at, b, ldb, kp0, kp1, ct, ldc, n_end, alpha, accumulate); break;
+      case 4: row_tile_bf16<4>(at, b, ldb, kp0, kp1, ct, ldc, n_end, alpha, accumulate); break;
+      case 3: row_tile_bf16<3>(at, b, ldb, kp0, kp1, ct, ldc, n_end, alpha, accumulate); break;
+      case 2: row_tile_bf16<2>(at, b, ldb, kp0, kp1, ct, ldc, n_end, alpha, accumulate); break;
+      default: row_tile_bf16<1>(at, b, ldb, kp0, kp1, ct, ldc, n_end, alpha, accumulate); break;
+    }
+  }
+}
+
+}  // namespace sl::model
+
+#else  // not x86-64: no AVX512-BF16
+#include <c10/util/Exception.h>
+
+namespace sl::model {
+bool bf16_dot_products() { return false; }
+void pack_row_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
+void pack_column_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
+void small_gemm_bf16(const GemmShape&, float, WordsA, const uint32_t*, int64_t, float*, int64_t, bool) {
+  TORCH_INTERNAL_ASSERT(false);
+}
+}  // namespace sl::model
+#endif

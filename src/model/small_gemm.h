@@ -36,4 +36,34 @@ struct GemmShape {
 void small_gemm(const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c, int64_t ldc,
                 bool accumulate);
 
+
+// ---- bf16 products on CPUs with AVX512-BF16 (vdpbf16ps): the bf16 attention's GEMMs ----
+// Operands are bf16 pairs along k packed into 32-bit words (element 2k in the low half, 2k + 1 in the
+// high half); each instruction multiplies two pairs exactly and adds both products to an fp32
+// accumulator (ATen's and oneDNN's bf16 GEMMs accumulate in fp32 the same way). A missing last element
+// of a pair is 0. Called only where bf16_dot_products() says so.
+
+// A's pair (r, kp) = p[r * rs + kp * ks]: a broadcast per pair, so any strides cost the same.
+struct WordsA {
+  const uint32_t* p;
+  int64_t rs, ks;
+};
+
+// The CPU runs AVX512-BF16 (with AVX-512 F/BW/VL) and oneDNN's cap (ONEDNN_MAX_CPU_ISA) allows
+// avx512_core_bf16: a cap below it stands for a CPU without the instructions, for this kernel as for
+// the libraries (device/cpu_features.h).
+bool bf16_dot_products();
+
+// dst[r * ld + cp] = (x[r][2 cp], x[r][2 cp + 1]) rounded to bf16 (to nearest even: exact for values
+// widened from bf16), for `rows` rows of `cols` fp32 at stride ldx: pairs along a row.
+void pack_row_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
+// dst[rp * ld + c] = (x[2 rp][c], x[2 rp + 1][c]) rounded the same way: pairs down a column.
+void pack_column_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
+
+// small_gemm's contract (the causal kinds included; cols_to_diag may write up to a whole 16-column
+// vector past a row's diagonal) on packed operands: A as WordsA, B's pair (kp, n) = b[kp * ldb + n];
+// K counts elements (ceil(K / 2) pairs). A fixed summation order per element, no threads.
+void small_gemm_bf16(const GemmShape& s, float alpha, WordsA a, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                     bool accumulate);
+
 }  // namespace sl::model
