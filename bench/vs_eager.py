@@ -395,8 +395,9 @@ def cpu_line(cpu, flags, features, precision):
     if path:
         line += f"; the trainer's bf16 linear path: {path}"
     if precision != "fp32" and path == "widened":
-        line += (" (no oneDNN bf16 kernel on this CPU: the trainer widens its bf16 linears to fp32 GEMMs, while "
-                 "eager's bf16 matmuls take ATen's fallback gemm, far slower than fp32; the bf16 figures describe that CPU only)")
+        line += (" (no bf16 instructions for oneDNN on this CPU: the trainer widens its bf16 linears to fp32 GEMMs, while "
+                 "eager's bf16 matmuls take ATen's fallback gemm (no AVX-512), far slower than fp32, or oneDNN's emulated "
+                 "one (AVX-512 without bf16), about half fp32's speed; the bf16 figures describe that CPU only)")
     elif precision != "fp32" and path == "aten":
         line += (" (no oneDNN bf16 kernel on this CPU: ATen's fallback gemm, far slower than fp32; the bf16 "
                  "figures describe that path only)")

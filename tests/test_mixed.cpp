@@ -295,7 +295,8 @@ TEST_CASE("zero3 reads weights in shard by shard: model.init_from and --resume p
 // bf16, what the trainer ran before; there the start-up warning names the slow GEMM). ATen's bf16 curve departs from the fp32 curve by bf16 rounding
 // alone; that departure is the spread the fused curve must stay within: its mean distance from the
 // fp32 curve at most 1.5x ATen's + 0.005 nats (two runs of a chaotic process), and its mean over the
-// last 10 steps no further from fp32's than ATen's is, + that spread + 0.005 (fp32 is the centre: on a
+// last 10 steps no further from fp32's than the larger of ATen's last-10 distance and that spread, + 0.005
+// (fp32 is the centre: on a
 // CPU with AVX512-BF16 the fused curve ran closer to fp32's than ATen's, 0.012 against 0.034 nats, and
 // ATen's last steps 0.098 below fp32's). The fused kernels keep more in fp32 (the
 // softmax's probabilities, the GELU's intermediate) than ATen's bf16 kernels, so they should not
@@ -320,9 +321,10 @@ TEST_CASE("bf16 fused GELU and attention: the tiny recipe's bf16 curve stays wit
   const auto fp32 = losses(run("fp32", "", ""));
   const auto fused_dir = run("fused", "", "--set precision.compute=bf16");
   const auto aten_dir = run("aten", "SUBLINEAR_ATEN_KERNELS=1", "--set precision.compute=bf16");
-  // The widened linears where the libraries have no bf16 GEMM; the warning only where ATen's then runs.
+  // The widened linears where the libraries have no bf16 GEMM instructions; the warning only where ATen's
+  // gemm then runs.
   const bool no_bf16_gemm = device::cpu_features().bf16_matmul == device::LowpMatmul::aten;
-  CHECK(test::summary(fused_dir)["environment"]["cpu"]["bf16_linear"] == (no_bf16_gemm ? "widened" : device::to_string(device::cpu_features().bf16_matmul)));
+  CHECK(test::summary(fused_dir)["environment"]["cpu"]["bf16_linear"] == device::to_string(device::cpu_features().linear_path("bf16")));
   CHECK(test::summary(aten_dir)["environment"]["cpu"]["bf16_linear"] == device::to_string(device::cpu_features().bf16_matmul));
   CHECK_FALSE(warned["fp32"]);
   CHECK_FALSE(warned["fused"]);
@@ -350,6 +352,7 @@ TEST_CASE("bf16 fused GELU and attention: the tiny recipe's bf16 curve stays wit
                                                             << "; last-10 means: fp32 " << tail_mean(fp32) << ", ATen "
                                                             << tail_mean(aten) << ", fused " << tail_mean(fused));
   CHECK(fused_from_fp32 <= 1.5 * spread + 0.005);
-  CHECK(std::abs(tail_mean(fused) - tail_mean(fp32)) <= std::abs(tail_mean(aten) - tail_mean(fp32)) + spread + 0.005);
+  CHECK(std::abs(tail_mean(fused) - tail_mean(fp32)) <=
+        std::max(std::abs(tail_mean(aten) - tail_mean(fp32)), spread) + 0.005);
   CHECK(fused.back() < fused.front() - 1.0);  // it trains
 }

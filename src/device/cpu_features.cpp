@@ -149,7 +149,7 @@ nlohmann::json CpuFeatures::to_json() const {
           {"bf16_dot", bf16_dot},
           {"bf16_matmul", to_string(bf16_matmul)},
           {"fp16_matmul", to_string(fp16_matmul)},
-          {"bf16_linear", to_string(linear_path("bf16"))},  // the model's linears: widened where bf16_matmul is aten
+          {"bf16_linear", to_string(linear_path("bf16"))},  // the model's linears: widened where bf16_matmul is aten or emulated
           {"fp16_linear", to_string(linear_path("fp16"))},
           {"fused_kernels", kernel_clone_name()},
           {"aten_kernels", !fused_kernels()}};  // SUBLINEAR_ATEN_KERNELS: GELU, attention and linears left to ATen

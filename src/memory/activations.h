@@ -167,7 +167,7 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
 bool runs_on_cuda(const config::RunConfig& cfg);
 
 // The path a recipe's low-precision matmuls take: on CPU cpu_features().linear_path (the libraries' path,
-// or widened where that is ATen's gemm), on CUDA native.
+// or widened where that is ATen's gemm or oneDNN's emulated one), on CUDA native.
 device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg);
 
 }  // namespace sl::memory

@@ -137,31 +137,40 @@ void scores(const Head& x, const Shape& sh, const Block& blk, const float* kt, f
 }
 
 // ---- bf16 products (AVX512-BF16, small_gemm_bf16) for bf16 heads ----
-// The operands, held in fp32 as everywhere above (widened from bf16: exact), are packed as bf16 pairs;
-// the probabilities P and the scores' gradient dS are rounded to bf16 on the way, as ATen's bf16 flash
-// attention rounds them; every sum is fp32. Pairs along a row come from pack_row_pairs, pairs down a
-// column from pack_column_pairs; an A operand read down columns takes the latter with strides (1, ld).
+// q, k, v and the output gradient are read as bf16 where they are (no fp32 copy) and packed as bf16
+// pairs; the probabilities P and the scores' gradient dS (fp32) are rounded to bf16 as they are packed,
+// as ATen's bf16 flash attention rounds them; every sum is fp32. Pairs along a row come from
+// pack_row_pairs, pairs down a column from pack_column_pairs; an A operand read down columns takes the
+// latter with strides (1, ld).
 
 int64_t pairs(int64_t n) { return (n + 1) / 2; }
+
+// The rows of one (batch, head) of a bf16 (B, nh, T, hd) tensor, read in place.
+struct Bf16Rows {
+  const c10::BFloat16* p;
+  int64_t ld;
+  const c10::BFloat16* row(int64_t t) const { return p + t * ld; }
+};
 
 // A head's packed operands, and the block's (a: an A operand, b: a B operand). uint32 words in the
 // thread's fp32 scratch (the floats are never read as words or the words as floats).
 struct DotScratch {
-  uint32_t *kt, *v;   // B of q k^T: k^T's pairs down columns [pairs(hd)][T]; B of p v: v's [pairs(T)][hd]
+  uint32_t *kt, *v;   // B of q k^T: k's pairs along rows, transposed [pairs(hd)][T]; forward: B of p v:
+                      // v's pairs down columns [pairs(T)][hd]
   uint32_t *vt, *k;   // backward: B of dout v^T [pairs(hd)][T]; B of ds k [pairs(T)][hd]
   uint32_t *a, *b;    // kRowBlock * max(pairs(hd), pairs(T)); (kRowBlock / 2) * hd
 
   static int64_t words(const Shape& sh, bool backward) {
-    const int64_t head = pairs(sh.hd) * sh.T + pairs(sh.T) * sh.hd;
-    return (backward ? 2 : 1) * head + kRowBlock * std::max(pairs(sh.hd), pairs(sh.T)) + (kRowBlock / 2) * sh.hd;
+    const int64_t head = pairs(sh.hd) * sh.T + pairs(sh.T) * sh.hd;  // forward: kt, v; backward: kt, vt, k
+    return head + (backward ? pairs(sh.hd) * sh.T : 0) + kRowBlock * std::max(pairs(sh.hd), pairs(sh.T)) + (kRowBlock / 2) * sh.hd;
   }
   static DotScratch at(float* w, const Shape& sh, bool backward) {
     auto* p = reinterpret_cast<uint32_t*>(w);
     DotScratch d{};
     const int64_t kt = pairs(sh.hd) * sh.T, rows = pairs(sh.T) * sh.hd;
     d.kt = p, p += kt;
-    d.v = p, p += rows;
     if (backward) d.vt = p, p += kt, d.k = p, p += rows;
+    else d.v = p, p += rows;
     d.a = p, p += kRowBlock * std::max(pairs(sh.hd), pairs(sh.T));
     d.b = p;
     return d;
@@ -169,13 +178,13 @@ struct DotScratch {
 };
 
 // s = scale q_blk k^T as scores() does, on bf16 pairs (d.kt packed).
-void scores_bf16(const Head& x, const Shape& sh, const Block& blk, const DotScratch& d, float* s) {
-  pack_row_pairs(x.q.row(blk.i0), x.q.ld, blk.m, sh.hd, d.a, pairs(sh.hd));
+void scores_bf16(const Bf16Rows& q, const Shape& sh, const Block& blk, const DotScratch& d, float* s) {
+  pack_row_pairs(q.row(blk.i0), q.ld, blk.m, sh.hd, d.a, pairs(sh.hd));
   small_gemm_bf16({blk.m, blk.n, sh.hd, Causal::cols_to_diag, blk.i0}, sh.scale, {d.a, pairs(sh.hd), 1}, d.kt, sh.T, s,
                   blk.n, /*accumulate=*/false);
 }
 
-// c (m x hd, ldc) (=|+=) alpha p v-like: `lhs` (m x n fp32, row stride n, zero past each row's diagonal)
+// c (m x hd, ldc) = alpha lhs rhs: `lhs` (m x n fp32, row stride n, zero past each row's diagonal)
 // times the packed [pairs(n)][hd] `rhs`, rows summing up to their diagonal.
 void rows_times_bf16(const Shape& sh, const Block& blk, float alpha, const float* lhs, const uint32_t* rhs,
                      const DotScratch& d, float* c, int64_t ldc) {
@@ -184,9 +193,9 @@ void rows_times_bf16(const Shape& sh, const Block& blk, float alpha, const float
                   false);
 }
 
-// c (n x hd) (=|+=) alpha lhs^T rows: `lhs` (m x n as above), `rows` the block's m rows of an
+// c (n x hd) (=|+=) alpha lhs^T rows: `lhs` (m x n as above), `rows` the block's m rows of a bf16
 // (T, hd) operand; keys sum from their diagonal on.
-void transposed_times_bf16(const Shape& sh, const Block& blk, float alpha, const float* lhs, const Rows& rows,
+void transposed_times_bf16(const Shape& sh, const Block& blk, float alpha, const float* lhs, const Bf16Rows& rows,
                            const DotScratch& d, const Rows& c, bool accumulate) {
   pack_column_pairs(lhs, blk.n, blk.m, blk.n, d.a, blk.n);
   pack_column_pairs(rows.row(blk.i0), rows.ld, blk.m, sh.hd, d.b, sh.hd);
@@ -194,22 +203,29 @@ void transposed_times_bf16(const Shape& sh, const Block& blk, float alpha, const
                   accumulate);
 }
 
-// o = softmax(scale q k^T + causal mask) v, lse = its rows' log-sum-exp.
-// Scratch: s (kRowBlock * T floats), kt (hd * T); d: bf16 products (null: fp32 ones).
-void forward_head(const Head& x, const Shape& sh, float* s, float* kt, const DotScratch* d) {
-  transpose_rows(x.k.p, x.k.ld, sh.T, sh.hd, kt);
-  if (d) {
-    pack_column_pairs(kt, sh.T, sh.hd, sh.T, d->kt, sh.T);
-    pack_column_pairs(x.v.p, x.v.ld, sh.T, sh.hd, d->v, sh.hd);
-  }
+// forward_head on bf16 q, k, v with bf16 products: o (fp32 rows) and lse.
+void forward_head_bf16(const Bf16Rows& q, const Bf16Rows& k, const Bf16Rows& v, const Rows& o, float* lse,
+                       const Shape& sh, float* s, const DotScratch& d) {
+  pack_row_pairs_transposed(k.p, k.ld, sh.T, sh.hd, d.kt, sh.T);
+  pack_column_pairs(v.p, v.ld, sh.T, sh.hd, d.v, sh.hd);
   for (int64_t i0 = 0; i0 < sh.T; i0 += kRowBlock) {
     const Block blk = block_at(i0, sh.T);
-    if (d) scores_bf16(x, sh, blk, *d, s);
-    else scores(x, sh, blk, kt, s);
+    scores_bf16(q, sh, blk, d, s);
+    for (int64_t r = 0; r < blk.m; ++r) lse[i0 + r] = softmax_row(s + r * blk.n, i0 + r + 1, blk.n);
+    rows_times_bf16(sh, blk, 1.0f, s, d.v, d, o.row(i0), o.ld);
+  }
+}
+
+// o = softmax(scale q k^T + causal mask) v, lse = its rows' log-sum-exp.
+// Scratch: s (kRowBlock * T floats), kt (hd * T).
+void forward_head(const Head& x, const Shape& sh, float* s, float* kt) {
+  transpose_rows(x.k.p, x.k.ld, sh.T, sh.hd, kt);
+  for (int64_t i0 = 0; i0 < sh.T; i0 += kRowBlock) {
+    const Block blk = block_at(i0, sh.T);
+    scores(x, sh, blk, kt, s);
     for (int64_t r = 0; r < blk.m; ++r) x.lse[i0 + r] = softmax_row(s + r * blk.n, i0 + r + 1, blk.n);
-    if (d) rows_times_bf16(sh, blk, 1.0f, s, d->v, *d, x.o.row(i0), x.o.ld);
-    else small_gemm({blk.m, sh.hd, blk.n, Causal::k_to_diag, i0}, 1.0f, {s, blk.n, 1}, x.v.p, x.v.ld, x.o.row(i0),
-                    x.o.ld, false);
+    small_gemm({blk.m, sh.hd, blk.n, Causal::k_to_diag, i0}, 1.0f, {s, blk.n, 1}, x.v.p, x.v.ld, x.o.row(i0), x.o.ld,
+               false);
   }
 }
 
@@ -219,41 +235,13 @@ struct BackwardScratch {
   float* d;       // T
 };
 
-// backward_head's blocks on bf16 products (d packed from w.kt, w.vt and k here).
-void backward_head_bf16(const Head& x, const HeadGrad& g, const Shape& sh, const BackwardScratch& w,
-                        const DotScratch& d) {
-  pack_column_pairs(w.kt, sh.T, sh.hd, sh.T, d.kt, sh.T);
-  pack_column_pairs(w.vt, sh.T, sh.hd, sh.T, d.vt, sh.T);
-  pack_column_pairs(x.k.p, x.k.ld, sh.T, sh.hd, d.k, sh.hd);
-  const int64_t last = (sh.T - 1) / kRowBlock * kRowBlock;
-  for (int64_t i0 = last; i0 >= 0; i0 -= kRowBlock) {
-    const Block blk = block_at(i0, sh.T);
-    const bool acc = i0 != last;
-    scores_bf16(x, sh, blk, d, w.p);
-    for (int64_t r = 0; r < blk.m; ++r) probs_row(w.p + r * blk.n, x.lse[i0 + r], i0 + r + 1, blk.n);
-    transposed_times_bf16(sh, blk, 1.0f, w.p, g.dout, d, g.dv, acc);  // dv += p^T dout
-    // dp = dout v^T
-    pack_row_pairs(g.dout.row(i0), g.dout.ld, blk.m, sh.hd, d.a, pairs(sh.hd));
-    small_gemm_bf16({blk.m, blk.n, sh.hd, Causal::cols_to_diag, i0}, 1.0f, {d.a, pairs(sh.hd), 1}, d.vt, sh.T, w.dp,
-                    blk.n, false);
-    for (int64_t r = 0; r < blk.m; ++r)
-      dscore_row(w.p + r * blk.n, w.dp + r * blk.n, w.d[i0 + r], i0 + r + 1, blk.n);
-    rows_times_bf16(sh, blk, sh.scale, w.dp, d.k, d, g.dq.row(i0), g.dq.ld);  // dq = scale ds k
-    transposed_times_bf16(sh, blk, sh.scale, w.dp, x.q, d, g.dk, acc);       // dk += scale ds^T q
-  }
-}
-
 // The flash backward, block by block from the last (which sees every key, so it initializes dk and dv):
 // p from the saved lse; dv += p^T dout; dp = dout v^T; ds = p (dp - rowsum(dout * o));
 // dq = scale ds k; dk += scale ds^T q.
-void backward_head(const Head& x, const HeadGrad& g, const Shape& sh, const BackwardScratch& w, const DotScratch* d) {
+void backward_head(const Head& x, const HeadGrad& g, const Shape& sh, const BackwardScratch& w) {
   for (int64_t t = 0; t < sh.T; ++t) w.d[t] = dot(g.dout.row(t), x.o.row(t), sh.hd);
   transpose_rows(x.k.p, x.k.ld, sh.T, sh.hd, w.kt);
   transpose_rows(x.v.p, x.v.ld, sh.T, sh.hd, w.vt);
-  if (d) {
-    backward_head_bf16(x, g, sh, w, *d);
-    return;
-  }
   const int64_t last = (sh.T - 1) / kRowBlock * kRowBlock;
   for (int64_t i0 = last; i0 >= 0; i0 -= kRowBlock) {
     const Block blk = block_at(i0, sh.T);
@@ -292,6 +280,46 @@ SL_KERNEL_BODY void narrow_rows_body(const float* src, int64_t T, int64_t hd, c1
 SL_KERNEL_CLONES(void, narrow_rows, (const float* src, int64_t T, int64_t hd, c10::BFloat16* dst, int64_t ld),
                  (src, T, hd, dst, ld))
 
+// ---- bf16 heads on bf16 products (AVX512-BF16): q, k, v, o and dout read in place ----
+
+struct Bf16Head {
+  Bf16Rows q, k, v, o;
+  const float* lse;
+};
+
+struct Bf16HeadGrad {
+  Bf16Rows dout;
+  Rows dq, dk, dv;  // fp32 rows, rounded into the gradients when the head is done
+};
+
+// backward_head on bf16 products. w.kt and w.vt take dout and o widened, for the rows' sums of
+// dout * o (the same fp32 sums backward_head takes).
+void backward_head_bf16(const Bf16Head& x, const Bf16HeadGrad& g, const Shape& sh, const BackwardScratch& w,
+                        const DotScratch& d) {
+  widen_rows(g.dout.p, g.dout.ld, sh.T, sh.hd, w.kt);
+  widen_rows(x.o.p, x.o.ld, sh.T, sh.hd, w.vt);
+  for (int64_t t = 0; t < sh.T; ++t) w.d[t] = dot(w.kt + t * sh.hd, w.vt + t * sh.hd, sh.hd);
+  pack_row_pairs_transposed(x.k.p, x.k.ld, sh.T, sh.hd, d.kt, sh.T);
+  pack_row_pairs_transposed(x.v.p, x.v.ld, sh.T, sh.hd, d.vt, sh.T);
+  pack_column_pairs(x.k.p, x.k.ld, sh.T, sh.hd, d.k, sh.hd);
+  const int64_t last = (sh.T - 1) / kRowBlock * kRowBlock;
+  for (int64_t i0 = last; i0 >= 0; i0 -= kRowBlock) {
+    const Block blk = block_at(i0, sh.T);
+    const bool acc = i0 != last;
+    scores_bf16(x.q, sh, blk, d, w.p);
+    for (int64_t r = 0; r < blk.m; ++r) probs_row(w.p + r * blk.n, x.lse[i0 + r], i0 + r + 1, blk.n);
+    transposed_times_bf16(sh, blk, 1.0f, w.p, g.dout, d, g.dv, acc);  // dv += p^T dout
+    // dp = dout v^T
+    pack_row_pairs(g.dout.row(i0), g.dout.ld, blk.m, sh.hd, d.a, pairs(sh.hd));
+    small_gemm_bf16({blk.m, blk.n, sh.hd, Causal::cols_to_diag, i0}, 1.0f, {d.a, pairs(sh.hd), 1}, d.vt, sh.T, w.dp,
+                    blk.n, false);
+    for (int64_t r = 0; r < blk.m; ++r)
+      dscore_row(w.p + r * blk.n, w.dp + r * blk.n, w.d[i0 + r], i0 + r + 1, blk.n);
+    rows_times_bf16(sh, blk, sh.scale, w.dp, d.k, d, g.dq.row(i0), g.dq.ld);  // dq = scale ds k
+    transposed_times_bf16(sh, blk, sh.scale, w.dp, x.q, d, g.dk, acc);       // dk += scale ds^T q
+  }
+}
+
 // ---- whole tensors ----
 
 // A (B, nh, T, hd) tensor, fp32 or bf16, with unit stride along hd, addressed per (batch, head).
@@ -302,6 +330,7 @@ struct Strided {
   int64_t offset(int64_t b, int64_t h) const { return b * s_batch + h * s_head; }
   Rows at(int64_t b, int64_t h) const { return {static_cast<float*>(base) + offset(b, h), s_row}; }  // fp32
   c10::BFloat16* at_bf16(int64_t b, int64_t h) const { return static_cast<c10::BFloat16*>(base) + offset(b, h); }
+  Bf16Rows rows_bf16(int64_t b, int64_t h) const { return {at_bf16(b, h), s_row}; }
 };
 
 Strided strided(const torch::Tensor& t) {
@@ -379,8 +408,9 @@ torch::Tensor thread_scratch(int threads, int64_t per_thread) {
 }
 
 // (output (B, T, nh * hd) in q's dtype, lse (B, nh, T) fp32).
+// dot: bf16 products (dot_products(q), decided once per node so its backward takes the same path).
 std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& q, const torch::Tensor& k,
-                                                           const torch::Tensor& v) {
+                                                           const torch::Tensor& v, bool dot) {
   RECORD_FUNCTION("sublinear::causal_attention", std::vector<c10::IValue>{});
   const int64_t B = q.size(0), nh = q.size(1);
   const Shape sh = shape_of(q);
@@ -388,8 +418,8 @@ std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& 
   auto lse = torch::empty({B, nh, sh.T}, q.options().dtype(torch::kFloat32));
   const int threads = at::get_num_threads();
   const int64_t blocks = (kRowBlock + sh.hd) * sh.T;
-  const int64_t staging = staging_floats(q.scalar_type() == torch::kBFloat16, 4, sh);
-  const bool dot = dot_products(q);
+  // bf16 products: the output staged only
+  const int64_t staging = staging_floats(q.scalar_type() == torch::kBFloat16, dot ? 1 : 4, sh);
   const int64_t per_thread = blocks + staging + (dot ? DotScratch::words(sh, /*backward=*/false) : 0);
   auto scratch = thread_scratch(threads, per_thread);
   const Strided Q = strided(q), K = strided(k), V = strided(v), O = strided(heads_view(out, nh));
@@ -398,9 +428,16 @@ std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& 
   for_each_head(B, nh, threads, [&](int64_t b, int64_t h, int tid) {
     float* w = S + tid * per_thread;
     HeadStage st(b, h, sh, w + blocks);
-    const Head x{st.in(Q), st.in(K), st.in(V), st.out(O), L + (b * nh + h) * sh.T};
-    const DotScratch d = dot ? DotScratch::at(w + blocks + staging, sh, false) : DotScratch{};
-    forward_head(x, sh, w, w + kRowBlock * sh.T, dot ? &d : nullptr);
+    float* lse_h = L + (b * nh + h) * sh.T;
+    if (dot) {
+      const Rows o = st.out(O);
+      forward_head_bf16(Q.rows_bf16(b, h), K.rows_bf16(b, h), V.rows_bf16(b, h), o, lse_h, sh, w,
+                        DotScratch::at(w + blocks + staging, sh, /*backward=*/false));
+      st.done(O, o);
+      return;
+    }
+    const Head x{st.in(Q), st.in(K), st.in(V), st.out(O), lse_h};
+    forward_head(x, sh, w, w + kRowBlock * sh.T);
     st.done(O, x.o);
   });
   return {out, lse};
@@ -410,15 +447,15 @@ std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& 
 // or of three).
 void attention_backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& out, const torch::Tensor& lse, const torch::Tensor& grad,
-                        const torch::Tensor& dq, const torch::Tensor& dk, const torch::Tensor& dv) {
+                        const torch::Tensor& dq, const torch::Tensor& dk, const torch::Tensor& dv, bool dot) {
   RECORD_FUNCTION("sublinear::causal_attention_backward", std::vector<c10::IValue>{});
   const int64_t B = q.size(0), nh = q.size(1);
   const Shape sh = shape_of(q);
   auto dout = heads_view(grad.to(out.scalar_type()).contiguous(), nh);
   const int threads = at::get_num_threads();
   const int64_t block = kRowBlock * sh.T, head = sh.hd * sh.T, blocks = 2 * block + 2 * head + sh.T;
-  const int64_t staging = staging_floats(q.scalar_type() == torch::kBFloat16, 8, sh);
-  const bool dot = dot_products(q);
+  // bf16 products: the three gradients staged only
+  const int64_t staging = staging_floats(q.scalar_type() == torch::kBFloat16, dot ? 3 : 8, sh);
   const int64_t per_thread = blocks + staging + (dot ? DotScratch::words(sh, /*backward=*/true) : 0);
   auto scratch = thread_scratch(threads, per_thread);
   const Strided Q = strided(q), K = strided(k), V = strided(v), O = strided(heads_view(out, nh));
@@ -428,11 +465,18 @@ void attention_backward(const torch::Tensor& q, const torch::Tensor& k, const to
   for_each_head(B, nh, threads, [&](int64_t b, int64_t h, int tid) {
     float* w = S + tid * per_thread;
     HeadStage st(b, h, sh, w + blocks);
+    const float* lse_h = L + (b * nh + h) * sh.T;
+    const BackwardScratch ws{w, w + block, w + 2 * block, w + 2 * block + head, w + 2 * block + 2 * head};
+    if (dot) {
+      const Bf16Head x{Q.rows_bf16(b, h), K.rows_bf16(b, h), V.rows_bf16(b, h), O.rows_bf16(b, h), lse_h};
+      const Bf16HeadGrad g{dO.rows_bf16(b, h), st.out(dQ), st.out(dK), st.out(dV)};
+      backward_head_bf16(x, g, sh, ws, DotScratch::at(w + blocks + staging, sh, /*backward=*/true));
+      st.done(dQ, g.dq), st.done(dK, g.dk), st.done(dV, g.dv);
+      return;
+    }
     const Head x{st.in(Q), st.in(K), st.in(V), st.in(O), L + (b * nh + h) * sh.T};
     const HeadGrad g{st.in(dO), st.out(dQ), st.out(dK), st.out(dV)};
-    const DotScratch d = dot ? DotScratch::at(w + blocks + staging, sh, true) : DotScratch{};
-    backward_head(x, g, sh, {w, w + block, w + 2 * block, w + 2 * block + head, w + 2 * block + 2 * head},
-                  dot ? &d : nullptr);
+    backward_head(x, g, sh, ws);
     st.done(dQ, g.dq), st.done(dK, g.dk), st.done(dV, g.dv);
   });
 }
@@ -451,8 +495,10 @@ void no_double_backward() {
 struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
                                const torch::Tensor& k, const torch::Tensor& v) {
-    auto [out, lse] = attention_forward(q, k, v);
+    const bool dot = dot_products(q);
+    auto [out, lse] = attention_forward(q, k, v, dot);
     ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["dot"] = dot;
     return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -463,7 +509,7 @@ struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFuncti
     const int64_t nh = s[0].size(1);
     auto grad_buffer = [&] { return heads_view(torch::empty_like(s[3]), nh); };  // (B, T, C) like the output
     auto dq = grad_buffer(), dk = grad_buffer(), dv = grad_buffer();
-    attention_backward(s[0], s[1], s[2], s[3], s[4], grads[0], dq, dk, dv);
+    attention_backward(s[0], s[1], s[2], s[3], s[4], grads[0], dq, dk, dv, ctx->saved_data["dot"].toBool());
     return {dq, dk, dv};
   }
 };
@@ -473,9 +519,11 @@ struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFuncti
 struct PackedAttentionFunction : torch::autograd::Function<PackedAttentionFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& qkv, int64_t nh) {
     auto [q, k, v] = packed_heads(qkv, nh);
-    auto [out, lse] = attention_forward(q, k, v);
+    const bool dot = dot_products(q);
+    auto [out, lse] = attention_forward(q, k, v, dot);
     ctx->save_for_backward({qkv, out, lse});
     ctx->saved_data["nh"] = nh;
+    ctx->saved_data["dot"] = dot;
     return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -487,7 +535,7 @@ struct PackedAttentionFunction : torch::autograd::Function<PackedAttentionFuncti
     auto [q, k, v] = packed_heads(s[0], nh);
     auto dqkv = torch::empty_like(s[0], at::MemoryFormat::Contiguous);
     auto [dq, dk, dv] = packed_heads(dqkv, nh);
-    attention_backward(q, k, v, s[1], s[2], grads[0], dq, dk, dv);
+    attention_backward(q, k, v, s[1], s[2], grads[0], dq, dk, dv, ctx->saved_data["dot"].toBool());
     return {dqkv, torch::Tensor()};
   }
 };
@@ -532,7 +580,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   TORCH_CHECK(kernel_takes(q, k, v), "causal_attention: q, k, v must be fp32 or bf16 CPU (B, nh, T, hd) tensors "
               "of one dtype, unit stride along hd");
   const bool grad = torch::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-  if (!grad) return std::get<0>(attention_forward(q, k, v));
+  if (!grad) return std::get<0>(attention_forward(q, k, v, dot_products(q)));
   return CausalAttentionFunction::apply(q, k, v);
 }
 
@@ -545,7 +593,7 @@ torch::Tensor causal_attention_packed(const torch::Tensor& qkv, int64_t n_head) 
               "(B, T, 3 * n_head * hd) tensor, unit stride last");
   if (!torch::GradMode::is_enabled() || !qkv.requires_grad()) {
     auto [q, k, v] = packed_heads(qkv, n_head);
-    return std::get<0>(attention_forward(q, k, v));
+    return std::get<0>(attention_forward(q, k, v, dot_products(q)));
   }
   return PackedAttentionFunction::apply(qkv, n_head);
 }

@@ -116,6 +116,32 @@ constexpr int kRowsBf16 = 8;  // rows of a C tile: 8 x 2 accumulators of 16 floa
 inline uint32_t pair(float lo, float hi) {
   return static_cast<uint32_t>(narrow(lo).x) | static_cast<uint32_t>(narrow(hi).x) << 16;
 }
+inline uint32_t pair(c10::BFloat16 lo, c10::BFloat16 hi) {
+  return static_cast<uint32_t>(lo.x) | static_cast<uint32_t>(hi.x) << 16;
+}
+
+template <class T>
+SL_BF16_DOT inline void row_pairs(const T* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
+  const int64_t whole = cols / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * ldx;
+    uint32_t* d = dst + r * ld;
+    for (int64_t cp = 0; cp < whole; ++cp) d[cp] = pair(xr[2 * cp], xr[2 * cp + 1]);
+    if (cols % 2) d[whole] = pair(xr[cols - 1], T(0.0f));
+  }
+}
+
+template <class T>
+SL_BF16_DOT inline void column_pairs(const T* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
+  for (int64_t rp = 0; rp < (rows + 1) / 2; ++rp) {
+    const T* lo = x + 2 * rp * ldx;
+    uint32_t* d = dst + rp * ld;
+    if (2 * rp + 1 < rows)
+      for (int64_t c = 0; c < cols; ++c) d[c] = pair(lo[c], lo[c + ldx]);
+    else
+      for (int64_t c = 0; c < cols; ++c) d[c] = pair(lo[c], T(0.0f));
+  }
+}
 
 // C[R x up to 16 NV] (=|+=) alpha sum_{kp in [kp0, kp1)} A(r, kp) . B(kp, :); the last vector's columns
 // are `mask`'s.
@@ -169,24 +195,31 @@ SL_BF16_DOT inline void row_tile_bf16(const WordsA& a, const uint32_t* b, int64_
 bool bf16_dot_products() { return device::cpu_features().bf16_dot; }
 
 SL_BF16_DOT void pack_row_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
-  const int64_t whole = cols / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * ldx;
-    uint32_t* d = dst + r * ld;
-    for (int64_t cp = 0; cp < whole; ++cp) d[cp] = pair(xr[2 * cp], xr[2 * cp + 1]);
-    if (cols % 2) d[whole] = pair(xr[cols - 1], 0.0f);
-  }
+  row_pairs(x, ldx, rows, cols, dst, ld);
+}
+SL_BF16_DOT void pack_row_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
+                                int64_t ld) {
+  row_pairs(x, ldx, rows, cols, dst, ld);
+}
+SL_BF16_DOT void pack_column_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
+  column_pairs(x, ldx, rows, cols, dst, ld);
+}
+SL_BF16_DOT void pack_column_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
+                                   int64_t ld) {
+  column_pairs(x, ldx, rows, cols, dst, ld);
 }
 
-SL_BF16_DOT void pack_column_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
-  for (int64_t rp = 0; rp < (rows + 1) / 2; ++rp) {
-    const float* lo = x + 2 * rp * ldx;
-    const float* hi = 2 * rp + 1 < rows ? lo + ldx : nullptr;
-    uint32_t* d = dst + rp * ld;
-    if (hi)
-      for (int64_t c = 0; c < cols; ++c) d[c] = pair(lo[c], hi[c]);
-    else
-      for (int64_t c = 0; c < cols; ++c) d[c] = pair(lo[c], 0.0f);
+SL_BF16_DOT void pack_row_pairs_transposed(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols,
+                                           uint32_t* dst, int64_t ld) {
+  // 8 rows at a time: each pair column is written 8 words in a row.
+  const int64_t cps = (cols + 1) / 2;
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t r1 = std::min(rows, r0 + 8);
+    for (int64_t cp = 0; cp < cps; ++cp)
+      for (int64_t r = r0; r < r1; ++r) {
+        const c10::BFloat16* xr = x + r * ldx;
+        dst[cp * ld + r] = pair(xr[2 * cp], 2 * cp + 1 < cols ? xr[2 * cp + 1] : c10::BFloat16(0.0f));
+      }
   }
 }
 
@@ -225,6 +258,13 @@ namespace sl::model {
 bool bf16_dot_products() { return false; }
 void pack_row_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
 void pack_column_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
+void pack_row_pairs(const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
+void pack_column_pairs(const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) {
+  TORCH_INTERNAL_ASSERT(false);
+}
+void pack_row_pairs_transposed(const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) {
+  TORCH_INTERNAL_ASSERT(false);
+}
 void small_gemm_bf16(const GemmShape&, float, WordsA, const uint32_t*, int64_t, float*, int64_t, bool) {
   TORCH_INTERNAL_ASSERT(false);
 }

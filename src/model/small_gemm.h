@@ -7,6 +7,8 @@
 #pragma once
 #include <cstdint>
 
+#include <c10/util/BFloat16.h>
+
 namespace sl::model {
 
 // A(r, k) = p[r * rs + k * ks].
@@ -40,7 +42,8 @@ void small_gemm(const GemmShape& s, float alpha, MatA a, const float* b, int64_t
 // ---- bf16 products on CPUs with AVX512-BF16 (vdpbf16ps): the bf16 attention's GEMMs ----
 // Operands are bf16 pairs along k packed into 32-bit words (element 2k in the low half, 2k + 1 in the
 // high half); each instruction multiplies two pairs exactly and adds both products to an fp32
-// accumulator (ATen's and oneDNN's bf16 GEMMs accumulate in fp32 the same way). A missing last element
+// accumulator (ATen's and oneDNN's bf16 GEMMs accumulate in fp32 the same way); vdpbf16ps flushes
+// denormal inputs and results to zero (below 1.2e-38: no effect on attention's values). A missing last element
 // of a pair is 0. Called only where bf16_dot_products() says so.
 
 // A's pair (r, kp) = p[r * rs + kp * ks]: a broadcast per pair, so any strides cost the same.
@@ -59,6 +62,12 @@ bool bf16_dot_products();
 void pack_row_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
 // dst[rp * ld + c] = (x[2 rp][c], x[2 rp + 1][c]) rounded the same way: pairs down a column.
 void pack_column_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
+// The same from bf16 rows (the bits as they are), and pairs along a row stored transposed:
+// pack_row_pairs_transposed's dst[cp * ld + r] = (x[r][2 cp], x[r][2 cp + 1]) (the B of q k^T from k).
+void pack_row_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
+void pack_column_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
+void pack_row_pairs_transposed(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
+                               int64_t ld);
 
 // small_gemm's contract (the causal kinds included; cols_to_diag may write up to a whole 16-column
 // vector past a row's diagonal) on packed operands: A as WordsA, B's pair (kp, n) = b[kp * ldb + n];
