@@ -162,7 +162,8 @@ struct DotScratch {
 
   static int64_t words(const Shape& sh, bool backward) {
     const int64_t head = pairs(sh.hd) * sh.T + pairs(sh.T) * sh.hd;  // forward: kt, v; backward: kt, vt, k
-    return head + (backward ? pairs(sh.hd) * sh.T : 0) + kRowBlock * std::max(pairs(sh.hd), pairs(sh.T)) + (kRowBlock / 2) * sh.hd;
+    const int64_t vt = backward ? pairs(sh.hd) * sh.T : 0;
+    return head + vt + kRowBlock * std::max(pairs(sh.hd), pairs(sh.T)) + (kRowBlock / 2) * sh.hd;
   }
   static DotScratch at(float* w, const Shape& sh, bool backward) {
     auto* p = reinterpret_cast<uint32_t*>(w);

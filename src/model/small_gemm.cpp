@@ -258,7 +258,9 @@ namespace sl::model {
 bool bf16_dot_products() { return false; }
 void pack_row_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
 void pack_column_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
-void pack_row_pairs(const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
+void pack_row_pairs(const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) {
+  TORCH_INTERNAL_ASSERT(false);
+}
 void pack_column_pairs(const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) {
   TORCH_INTERNAL_ASSERT(false);
 }
