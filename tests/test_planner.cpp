@@ -177,6 +177,7 @@ void check_capped_cpu_path(const std::string& onednn_cap, const std::string& exp
   const auto f = json::parse(r.output.substr(at + 13, r.output.find('\n', at) - at - 13));
   CHECK(f["onednn_max_cpu_isa"] == onednn_cap);
   CHECK(f["native_bf16"] == false);
+  CHECK(f["bf16_dot"] == false);  // the cap stands for a CPU without bf16 instructions, for the attention too
   CHECK(f["bf16_matmul"] == expect);
   CHECK(f["bf16_linear"] == (linear.empty() ? expect : linear));
   for (const auto& line : {std::string("worst: tiny bf16"), std::string("worst: llama bf16")})
@@ -207,12 +208,14 @@ TEST_CASE("the CPU features follow the libraries' caps and name the CPU") {
   const auto& f = device::cpu_features();
   const auto j = f.to_json();
   for (const char* key : {"cpu_model", "aten_cpu_capability", "onednn_max_cpu_isa", "avx512_bf16", "amx_bf16",
-                          "native_bf16", "bf16_matmul"})
+                          "native_bf16", "bf16_matmul", "bf16_dot"})
     CHECK(j.contains(key));
   CHECK(!f.aten_capability.empty());
   // The path is what the flags say: oneDNN's bf16 kernels with the instructions, without them, or none.
   if (!f.onednn_bf16) CHECK(f.bf16_matmul == device::LowpMatmul::aten);
   else CHECK(f.bf16_matmul == (f.native_bf16 ? device::LowpMatmul::native : device::LowpMatmul::emulated));
+  // The fused attention's bf16 products: the instructions, and a cap that allows them.
+  CHECK(f.bf16_dot == (f.avx512 && f.avx512_bf16 && device::onednn_isa_allows(f.onednn_max_isa, "avx512_core_bf16")));
   CHECK(device::onednn_isa_allows("", "avx512_core_bf16"));
   CHECK(device::onednn_isa_allows("AVX512_CORE_VNNI", "avx512_core"));
   CHECK_FALSE(device::onednn_isa_allows("AVX512_CORE_VNNI", "avx512_core_bf16"));

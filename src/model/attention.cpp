@@ -418,8 +418,8 @@ std::tuple<torch::Tensor, torch::Tensor> attention_forward(const torch::Tensor& 
   auto out = torch::empty({B, sh.T, nh * sh.hd}, q.options());
   auto lse = torch::empty({B, nh, sh.T}, q.options().dtype(torch::kFloat32));
   const int threads = at::get_num_threads();
-  const int64_t blocks = (kRowBlock + sh.hd) * sh.T;
-  // bf16 products: the output staged only
+  // bf16 products: no fp32 k^T (packed instead), the output staged only
+  const int64_t blocks = (kRowBlock + (dot ? 0 : sh.hd)) * sh.T;
   const int64_t staging = staging_floats(q.scalar_type() == torch::kBFloat16, dot ? 1 : 4, sh);
   const int64_t per_thread = blocks + staging + (dot ? DotScratch::words(sh, /*backward=*/false) : 0);
   auto scratch = thread_scratch(threads, per_thread);

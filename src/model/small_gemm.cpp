@@ -67,16 +67,26 @@ __attribute__((always_inline)) inline void row_tile(const MatA& a, const float* 
   if (col < n_end) tile_scalar(R, static_cast<int>(n_end - col), a, b + col, ldb, k0, k1, c + col, ldc, alpha, accumulate);
 }
 
+// What a row tile [r0, last] of C needs under s.causal (the contract in small_gemm.h): columns up to
+// n_end (up to the diagonal, rounded up to whole vectors of `vec` columns: a few extra columns cost
+// less than a scalar edge) and k in [k0, k1). Shared by both GEMMs.
+struct TileBounds {
+  int64_t n_end, k0, k1;
+};
+__attribute__((always_inline)) inline TileBounds tile_bounds(const GemmShape& s, int64_t r0, int64_t last,
+                                                             int64_t vec) {
+  TileBounds t{s.N, 0, s.K};
+  if (s.causal == Causal::cols_to_diag) t.n_end = std::clamp<int64_t>((last + s.diag + vec) / vec * vec, 0, s.N);
+  if (s.causal == Causal::k_to_diag) t.k1 = std::clamp<int64_t>(last + s.diag + 1, 0, s.K);
+  if (s.causal == Causal::k_from_diag) t.k0 = std::clamp<int64_t>(r0 - s.diag, 0, s.K);
+  return t;
+}
+
 SL_KERNEL_BODY void small_gemm_body(const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c,
                                     int64_t ldc, bool accumulate) {
   for (int64_t r0 = 0; r0 < s.M; r0 += kRows) {
     const int R = static_cast<int>(std::min<int64_t>(kRows, s.M - r0));
-    const int64_t last = r0 + R - 1;  // the tile's last row
-    int64_t n_end = s.N, k0 = 0, k1 = s.K;
-    // Up to the diagonal, rounded up to whole vectors: a few extra columns cost less than a scalar edge.
-    if (s.causal == Causal::cols_to_diag) n_end = std::clamp<int64_t>((last + s.diag + 8) / 8 * 8, 0, s.N);
-    if (s.causal == Causal::k_to_diag) k1 = std::clamp<int64_t>(last + s.diag + 1, 0, s.K);
-    if (s.causal == Causal::k_from_diag) k0 = std::clamp<int64_t>(r0 - s.diag, 0, s.K);
+    const auto [n_end, k0, k1] = tile_bounds(s, r0, r0 + R - 1, 8);
     const MatA at{a.p + r0 * a.rs, a.rs, a.ks};
     float* ct = c + r0 * ldc;
     switch (R) {
@@ -227,11 +237,7 @@ SL_BF16_DOT void small_gemm_bf16(const GemmShape& s, float alpha, WordsA a, cons
                                  int64_t ldc, bool accumulate) {
   for (int64_t r0 = 0; r0 < s.M; r0 += kRowsBf16) {
     const int R = static_cast<int>(std::min<int64_t>(kRowsBf16, s.M - r0));
-    const int64_t last = r0 + R - 1;
-    int64_t n_end = s.N, k0 = 0, k1 = s.K;
-    if (s.causal == Causal::cols_to_diag) n_end = std::clamp<int64_t>((last + s.diag + 16) / 16 * 16, 0, s.N);
-    if (s.causal == Causal::k_to_diag) k1 = std::clamp<int64_t>(last + s.diag + 1, 0, s.K);
-    if (s.causal == Causal::k_from_diag) k0 = std::clamp<int64_t>(r0 - s.diag, 0, s.K);
+    const auto [n_end, k0, k1] = tile_bounds(s, r0, r0 + R - 1, 16);
     // Whole pairs: the extra element of a pair is one the mask zeroes in A (or a 0 pad).
     const int64_t kp0 = k0 / 2, kp1 = (k1 + 1) / 2;
     const WordsA at{a.p + r0 * a.rs, a.rs, a.ks};
