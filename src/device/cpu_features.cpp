@@ -98,6 +98,7 @@ CpuFeatures detect() {
   f.native_bf16 = (f.avx512_bf16 && onednn_isa_allows(cap, "avx512_core_bf16")) || f.amx ||
                   (f.avx_ne_convert && onednn_isa_allows(cap, "avx2_vnni_2"));
   f.bf16_dot = f.avx512 && f.avx512_bf16 && onednn_isa_allows(cap, "avx512_core_bf16");
+  f.avx512_lanes = f.avx512 && f.aten_capability == "AVX512";
   f.bf16_matmul = !f.onednn_bf16 ? LowpMatmul::aten : f.native_bf16 ? LowpMatmul::native : LowpMatmul::emulated;
   // oneDNN takes fp16 only with native fp16 support (avx512_fp16, avx_ne_convert).
   f.fp16_matmul = f.onednn_fp16 ? LowpMatmul::native : LowpMatmul::aten;
@@ -147,6 +148,7 @@ nlohmann::json CpuFeatures::to_json() const {
           {"native_bf16", native_bf16},
           {"amx", amx},
           {"bf16_dot", bf16_dot},
+          {"avx512_lanes", avx512_lanes},
           {"bf16_matmul", to_string(bf16_matmul)},
           {"fp16_matmul", to_string(fp16_matmul)},
           {"bf16_linear", to_string(linear_path("bf16"))},  // the model's linears: widened where bf16_matmul is aten or emulated
@@ -163,6 +165,12 @@ std::atomic<bool>& baseline_forced() {
     const std::string v = env("SUBLINEAR_FORCE_BASELINE");
     return !v.empty() && v != "0";
   }()};
+  return forced;
+}
+
+// Set by force_avx2_kernels (tests).
+std::atomic<bool>& avx2_forced() {
+  static std::atomic<bool> forced{false};
   return forced;
 }
 
@@ -196,7 +204,17 @@ bool vector_kernels() { return cpu_has_avx2_fma() && !baseline_forced().load(std
 
 bool force_baseline_kernels(bool on) { return baseline_forced().exchange(on, std::memory_order_relaxed); }
 
-std::string kernel_clone_name() { return vector_kernels() ? "avx2_fma" : "baseline"; }
+bool avx512_kernels() {
+  static const bool lanes = cpu_features().avx512_lanes;
+  return lanes && vector_kernels() && !avx2_forced().load(std::memory_order_relaxed);
+}
+
+bool force_avx2_kernels(bool on) { return avx2_forced().exchange(on, std::memory_order_relaxed); }
+
+std::string kernel_clone_name() {
+  if (avx512_kernels()) return "avx512";
+  return vector_kernels() ? "avx2_fma" : "baseline";
+}
 
 const CpuFeatures& cpu_features() {
   static const CpuFeatures f = detect();

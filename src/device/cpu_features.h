@@ -37,6 +37,9 @@ struct CpuFeatures {
   // The fused bf16 attention may multiply with AVX512-BF16 (model/small_gemm.h): avx512_bf16 with
   // AVX-512 F/BW/VL/DQ, and oneDNN's cap allows avx512_core_bf16 (a lower cap stands for a CPU without).
   bool bf16_dot = false;
+  // The fused GELU may run on 16 lanes (device::avx512_kernels): AVX-512 F/BW/VL/DQ, and ATen's own
+  // kernels dispatch to AVX-512 (ATEN_CPU_CAPABILITY=avx2 caps this too).
+  bool avx512_lanes = false;
   LowpMatmul bf16_matmul = LowpMatmul::aten;
   LowpMatmul fp16_matmul = LowpMatmul::aten;
 
@@ -52,7 +55,8 @@ const CpuFeatures& cpu_features();
 
 // ---- which clone of the fused CPU kernels runs ----
 // The project's fused CPU kernels (causal attention and its GEMM tiles, GELU, AdamW) are each built
-// twice: an AVX2 + FMA clone (x86-64-v3) and a baseline x86-64 clone. The vector clone runs where the
+// twice: an AVX2 + FMA clone (x86-64-v3) and a baseline x86-64 clone (GELU's vector clone also has a
+// 16-lane AVX-512 form: avx512_kernels below). The vector clone runs where the
 // CPU has AVX2 and FMA, unless the baseline is forced: SUBLINEAR_FORCE_BASELINE=1 in the environment
 // (read once, at the first kernel call; unset, empty or 0: not forced; any other value forces it), or
 // force_baseline_kernels(true) (the tests run both clones in one process). Attention and GELU results
@@ -67,7 +71,15 @@ bool vector_kernels();
 // Forces the baseline clones (on) or lets the vector clones run where the CPU has them (off); returns
 // the setting it replaces. Takes effect at the next kernel call: do not switch while a kernel runs.
 bool force_baseline_kernels(bool on);
-// "avx2_fma" or "baseline": the clone vector_kernels() picks now (summary.json's environment.cpu).
+// The fused GELU's vector clone runs on 16 lanes now (AVX-512, the same operations in the same order
+// as its 8-lane AVX2 form, so the same bits): vector_kernels(), CpuFeatures::avx512_lanes, and not
+// turned off by force_avx2_kernels. The other fused kernels have no 16-lane form.
+bool avx512_kernels();
+// Keeps the vector clones on 8 lanes (on) or lets them take 16 where avx512_lanes says so (off);
+// returns the setting it replaces. For tests (the two forms against each other).
+bool force_avx2_kernels(bool on);
+// "avx512", "avx2_fma" or "baseline": the clone the fused kernels take now (summary.json's
+// environment.cpu.fused_kernels).
 std::string kernel_clone_name();
 
 // ---- the fused kernels or ATen's ----

@@ -2,7 +2,8 @@
 // bf16, compute in fp32 and round once on store. Widening is exact (a bf16 is the high half of a
 // float's bits); narrowing rounds to nearest, ties to even, and makes every NaN 0x7FC0: bit for bit what
 // c10::BFloat16(float) does, in a branch-free form loops vectorize (the files that use it are built
-// with -fno-trapping-math, CMakeLists.txt). Scalar forms, and AVX2 forms on 8 lanes.
+// with -fno-trapping-math, CMakeLists.txt). Scalar forms, AVX2 forms on 8 lanes and AVX-512 forms on 16
+// (the same bits: AVX-512's own vcvtneps2bf16 would flush subnormals, so it is not used).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -46,6 +47,19 @@ __attribute__((target("avx2,fma"))) inline __m128i narrow8(__m256 v) {
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
   // Every lane is below 0x10000: the unsigned saturating pack keeps it as it is.
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// The same on 16 lanes (AVX-512 F); called only where device::avx512_kernels() says so.
+__attribute__((target("avx512f"))) inline __m512 widen16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx512f"))) inline __m256i narrow16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));  // lanes < 0x10000
 }
 #endif
 

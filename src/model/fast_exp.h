@@ -1,6 +1,6 @@
 // exp for the fused CPU kernels (gelu.cpp, attention.cpp): a scalar form that loops vectorize
-// (branch-free; files that use it are built with -fno-trapping-math, CMakeLists.txt) and an explicit
-// AVX2 + FMA form for kernels written on 8-float vectors.
+// (branch-free; files that use it are built with -fno-trapping-math, CMakeLists.txt), an explicit
+// AVX2 + FMA form for kernels written on 8-float vectors, and the same steps on 16 (AVX-512).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -53,6 +53,26 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_approx8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// exp_approx8 on 16 lanes (AVX-512 F): the same operations in the same order, so each lane's bits are
+// exp_approx8's (where no multiply-add is contracted: gelu.cpp is built with -ffp-contract=off).
+// Called only where device::avx512_kernels() says so.
+__attribute__((target("avx512f,fma"))) inline __m512 exp_approx16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
 // Lanes [0, count) set, for masked loads and stores of an array's last partial vector: the tail goes

@@ -6,7 +6,8 @@
 // x and gives bf16 dx (the bias gradient is summed in fp32). Other tensors (CUDA, fp16, strided) go to
 // at::gelu(x, "tanh"), and so does everything under SUBLINEAR_ATEN_KERNELS=1 (device::fused_kernels()).
 // An AVX2 + FMA form and a baseline one, picked per call (device::vector_kernels()); they differ by
-// float rounding.
+// float rounding. On AVX-512 the AVX2 form runs on 16 lanes (device::avx512_kernels()), bit for bit
+// its 8-lane result.
 #pragma once
 #include <torch/types.h>
 

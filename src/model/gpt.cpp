@@ -159,19 +159,27 @@ torch::Tensor BlockImpl::mlp_act(const torch::Tensor& u, const torch::Tensor& fc
 
 torch::Tensor BlockImpl::residual_dropout(const torch::Tensor& y) const { return torch::dropout(y, dropout, is_training()); }
 
+torch::Tensor BlockImpl::residual_bias(const torch::Tensor& stream, const torch::Tensor& b) const {
+  const bool dropout_active = is_training() && dropout > 0.0;  // the bias goes in before the dropout
+  return !dropout_active && residual_bias_fused(stream, b) ? b : torch::Tensor();
+}
+
 torch::Tensor BlockImpl::forward_with(const torch::Tensor& x, const Rope& rope, const LinearAfter& linear_after) {
   auto qkv = linear_after(Part::norm1_qkv, [this](const auto& in) { return norm1(in[0]); }, {x}, {ln1_w, ln1_b}, w_qkv, b_qkv);
+  // Fused kernels take the biases of the linears they follow where they run (one pass each instead of
+  // addmm's bias broadcast and a separate column sum for the gradient), else the linears keep them:
+  // the projections' into the residual adds, GPT-2's fc bias into the GELU.
+  const auto proj_bias = residual_bias(x, b_proj);
   auto y = linear_after(Part::attention_proj, [this](const auto& in) { return attention_core(in); },
-                        attention_inputs(qkv, rope), {}, w_proj, b_proj);
-  auto h = residual_add(x, residual_dropout(y));
-  // GPT-2's fc bias goes into the fused GELU where that kernel runs (one pass instead of addmm's bias
-  // broadcast and a separate column sum for its gradient), else into the fc linear.
+                        attention_inputs(qkv, rope), {}, w_proj, proj_bias.defined() ? torch::Tensor() : b_proj);
+  auto h = residual_add(x, residual_dropout(y), proj_bias);
   const auto act_bias = !llama && gelu_tanh_bias_fused(h, b_fc) ? b_fc : torch::Tensor();
   auto u = linear_after(Part::norm2_fc, [this](const auto& in) { return norm2(in[0]); }, {h}, {ln2_w, ln2_b}, w_fc,
                         act_bias.defined() ? torch::Tensor() : b_fc);
+  const auto out_bias = residual_bias(h, b_out);
   auto o = linear_after(Part::act_out, [this, act_bias](const auto& in) { return mlp_act(in[0], act_bias); }, {u},
-                        {act_bias}, w_out, b_out);
-  return residual_add(h, residual_dropout(o));
+                        {act_bias}, w_out, out_bias.defined() ? torch::Tensor() : b_out);
+  return residual_add(h, residual_dropout(o), out_bias);
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/torch.h>
@@ -16,12 +17,32 @@ namespace sl::model {
 namespace {
 
 constexpr int64_t kPiece = 16384;  // elements per piece a thread takes (64 KiB of fp32 output)
+constexpr int64_t kRowChunk = 32;  // rows per piece of the bias form (its bias gradient sums per piece)
 
 // out[i] = x[i] + widen(y[i]): the AVX2 clone's loop vectorizes (widening is a shift).
 SL_KERNEL_BODY void add_widened_body(const float* x, const c10::BFloat16* y, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] + widen(y[i]);
 }
 SL_KERNEL_CLONES(void, add_widened, (const float* x, const c10::BFloat16* y, float* out, int64_t n), (x, y, out, n))
+
+// One row: out[i] = x[i] + (widen(y[i]) + b[i]).
+SL_KERNEL_BODY void add_widened_bias_body(const float* x, const c10::BFloat16* y, const float* b, float* out,
+                                          int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] + (widen(y[i]) + b[i]);
+}
+SL_KERNEL_CLONES(void, add_widened_bias, (const float* x, const c10::BFloat16* y, const float* b, float* out, int64_t n),
+                 (x, y, b, out, n))
+
+// One row of the bias form's backward: dy[i] = bf16(g[i]), db[i] += g[i].
+SL_KERNEL_BODY void narrow_and_sum_body(const float* g, c10::BFloat16* dy, float* db, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    dy[i] = narrow(g[i]);
+    db[i] += g[i];
+  }
+}
+SL_KERNEL_CLONES(void, narrow_and_sum, (const float* g, c10::BFloat16* dy, float* db, int64_t n), (g, dy, db, n))
+
+int64_t chunks_of(int64_t rows) { return (rows + kRowChunk - 1) / kRowChunk; }
 
 torch::Tensor forward_fused(const torch::Tensor& x, const torch::Tensor& y) {
   RECORD_FUNCTION("sublinear::residual_add", std::vector<c10::IValue>{});
@@ -37,6 +58,51 @@ torch::Tensor forward_fused(const torch::Tensor& x, const torch::Tensor& y) {
   return out;
 }
 
+// x + (y + b). A strided y (the checkpointing's output-free linear hands the last block of a recomputed
+// segment an expanded placeholder whose values nobody reads) takes ATen's ops, the same bits: the
+// backward, and so the gradients, must not depend on y's layout.
+torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b) {
+  if (!y.is_contiguous()) return x + (y.to(torch::kFloat32) + b);
+  RECORD_FUNCTION("sublinear::residual_add", std::vector<c10::IValue>{});
+  auto out = torch::empty_like(x, torch::MemoryFormat::Contiguous);
+  const float* xp = x.const_data_ptr<float>();
+  const auto* yp = y.const_data_ptr<c10::BFloat16>();
+  const float* bp = b.const_data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t C = b.numel(), rows = x.numel() / C;
+  for_each_index(chunks_of(rows), [&](int64_t c, int) {
+    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
+      add_widened_bias(xp + r * C, yp + r * C, bp, op + r * C, C);
+  });
+  return out;
+}
+
+// (dy, db) of the bias form: each piece of rows sums into its own row of partial sums, then the pieces
+// are summed in order.
+std::pair<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor& g, int64_t C) {
+  RECORD_FUNCTION("sublinear::residual_add_backward", std::vector<c10::IValue>{});
+  const auto gc = g.contiguous();
+  auto dy = torch::empty(gc.sizes(), gc.options().dtype(torch::kBFloat16));
+  const int64_t rows = gc.numel() / C, chunks = chunks_of(rows);
+  auto partial = torch::zeros({chunks, C}, gc.options());
+  const float* gp = gc.const_data_ptr<float>();
+  auto* dyp = dy.data_ptr<c10::BFloat16>();
+  float* pp = partial.data_ptr<float>();
+  for_each_index(chunks, [&](int64_t c, int) {
+    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
+      narrow_and_sum(gp + r * C, dyp + r * C, pp + c * C, C);
+  });
+  auto db = torch::zeros({C}, gc.options());
+  float* dbp = db.data_ptr<float>();
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t j = 0; j < C; ++j) dbp[j] += pp[c * C + j];
+  return {dy, db};
+}
+
+void no_double_backward() {
+  TORCH_CHECK(!torch::GradMode::is_enabled(), "residual_add: double backward is not supported by the fused form");
+}
+
 struct ResidualAddFunction : torch::autograd::Function<ResidualAddFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x, const torch::Tensor& y) {
     return forward_fused(x, y);
@@ -45,15 +111,44 @@ struct ResidualAddFunction : torch::autograd::Function<ResidualAddFunction> {
                                                  torch::autograd::variable_list grads) {
     const auto& g = grads[0];
     if (!g.defined()) return {torch::Tensor(), torch::Tensor()};
-    TORCH_CHECK(!torch::GradMode::is_enabled(), "residual_add: double backward is not supported by the fused form");
+    no_double_backward();
     // ATen's add gives g to both inputs; autograd then rounds y's to y's dtype (bf16, to nearest even).
     const bool dy = ctx->needs_input_grad(1);
     return {ctx->needs_input_grad(0) ? g : torch::Tensor(), dy ? g.to(torch::kBFloat16) : torch::Tensor()};
   }
 };
 
+struct ResidualAddBiasFunction : torch::autograd::Function<ResidualAddBiasFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x, const torch::Tensor& y,
+                               const torch::Tensor& b) {
+    return forward_bias_fused(x, y, b);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto& g = grads[0];
+    if (!g.defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    no_double_backward();
+    auto [dy, db] = backward_bias_fused(g, g.size(-1));
+    return {ctx->needs_input_grad(0) ? g : torch::Tensor(), ctx->needs_input_grad(1) ? dy : torch::Tensor(),
+            ctx->needs_input_grad(2) ? db : torch::Tensor()};
+  }
+};
+
 bool cpu_contiguous(const torch::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.layout() == torch::kStrided && t.is_contiguous();
+}
+
+// b fits the fused pass's bias for a stream like x: an fp32 CPU vector of x's last size.
+bool bias_fits(const torch::Tensor& x, const torch::Tensor& b) {
+  return cpu_contiguous(b) && b.scalar_type() == torch::kFloat32 && b.dim() == 1 && x.dim() >= 1 &&
+         b.size(0) == x.size(-1) && b.numel() > 0;
+}
+
+// The bias form takes x, y, b: residual_add_fused's operands, except that y may be strided.
+bool bias_form_takes(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b) {
+  return device::fused_kernels() && cpu_contiguous(x) && x.scalar_type() == torch::kFloat32 && y.defined() &&
+         y.device().is_cpu() && y.layout() == torch::kStrided && y.scalar_type() == torch::kBFloat16 &&
+         x.sizes() == y.sizes() && bias_fits(x, b);
 }
 
 }  // namespace
@@ -63,10 +158,21 @@ bool residual_add_fused(const torch::Tensor& x, const torch::Tensor& y) {
          y.scalar_type() == torch::kBFloat16 && x.sizes() == y.sizes();
 }
 
-torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& y) {
+bool residual_bias_fused(const torch::Tensor& x, const torch::Tensor& b) {
+  return device::fused_kernels() && cpu_contiguous(x) && x.scalar_type() == torch::kFloat32 &&
+         at::autocast::is_autocast_enabled(at::kCPU) && at::autocast::get_autocast_dtype(at::kCPU) == at::kBFloat16 &&
+         bias_fits(x, b);
+}
+
+torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b) {
+  const bool grad = torch::GradMode::is_enabled() && (x.requires_grad() || y.requires_grad() ||
+                                                      (b.defined() && b.requires_grad()));
+  if (b.defined()) {
+    if (!bias_form_takes(x, y, b)) return x + (y + b);
+    return grad ? ResidualAddBiasFunction::apply(x, y, b) : forward_bias_fused(x, y, b);
+  }
   if (!residual_add_fused(x, y)) return x + y;
-  if (!torch::GradMode::is_enabled() || !(x.requires_grad() || y.requires_grad())) return forward_fused(x, y);
-  return ResidualAddFunction::apply(x, y);
+  return grad ? ResidualAddFunction::apply(x, y) : forward_fused(x, y);
 }
 
 }  // namespace sl::model

@@ -5,16 +5,33 @@
 // the fp32 sum rounds once, as ATen's does. The backward is ATen's too: dx = g, dy = g rounded to bf16
 // (to nearest even). Other operands (same dtype, CUDA, broadcast shapes, non-contiguous) and every
 // call under SUBLINEAR_ATEN_KERNELS=1 (device::fused_kernels()) take x + y.
+//
+// With the branch linear's bias b (fp32, one per column): x + (y + b), the bias added in fp32 in the
+// same pass, so the linear runs without it (no bias broadcast into its output before the GEMM, no
+// separate column sum in its backward). Against autocast's biased linear, whose output is
+// bf16(acc + bf16(b)), this rounds acc to bf16 alone and adds the unrounded b in fp32: one bf16
+// rounding of the branch either way, b itself no longer rounded. Backward: dx = g, dy = bf16(g) and
+// db = g summed over rows in fp32 (ATen's sums bf16(g) and rounds the sum to bf16), in fixed pieces of
+// rows and a fixed order (its bits depend on neither the thread count nor the split), all in one pass.
+// A strided bf16 y (same sizes) takes this form too (its forward in ATen ops, the same bits), so the
+// gradients do not depend on y's layout; other operands take x + (y + b).
 #pragma once
 #include <torch/types.h>
 
 namespace sl::model {
 
-// x + y (differentiable once, like the fused GELU: no double backward through the fused form).
-torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& y);
+// x + y, or x + (y + b) with b (C) broadcast over the rows of x, y (..., C) (differentiable once, like
+// the fused GELU: no double backward through the fused form).
+torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b = {});
 
 // True when residual_add takes the fused pass: x fp32 and y bf16, the same sizes, both contiguous CPU
 // tensors, and the fused kernels on.
 bool residual_add_fused(const torch::Tensor& x, const torch::Tensor& y);
+
+// True when the bias b of the linear that makes a block's branch goes into residual_add's fused pass
+// for the stream x: asked before that linear, as gelu_tanh_bias_fused is. x an fp32 contiguous CPU
+// tensor, CPU autocast on in bf16 (the branch comes out bf16), b an fp32 CPU vector of x.size(-1), the
+// fused kernels on. Where it says false the bias stays in the linear.
+bool residual_bias_fused(const torch::Tensor& x, const torch::Tensor& b);
 
 }  // namespace sl::model
