@@ -7,6 +7,8 @@
 //              x + b, gelu and b's gradient (a column sum) against the fused gelu_tanh_bias.
 //   Both in fp32, then in bf16 (the kernels' bf16 forms against ATen's bf16 kernels: precision.compute
 //   bf16 on the CPU).
+//   LayerNorm: ATen's fp32 layer_norm and autocast's cast of its output to bf16 against the fused
+//              layer_norm_bf16 (src/model/layernorm.cpp), on (B T, nh hd).
 //   allocator: the tracking CPU allocator's cost (src/memory/tracking_allocator.h): nanoseconds per
 //              allocate + free against LibTorch's default allocator, times the allocations of one
 //              forward + backward of the l12 model, as a share of that step's time. (Timing the step
@@ -21,12 +23,14 @@
 #include <string>
 #include <vector>
 
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include "config/config.h"
 #include "memory/tracking_allocator.h"
 #include "model/attention.h"
 #include "model/gelu.h"
+#include "model/layernorm.h"
 #include "model/gpt.h"
 
 namespace {
@@ -117,6 +121,23 @@ void bench_gelu(int64_t rows, int64_t H, int64_t reps, torch::Dtype dtype) {
   print_table(bf16 ? "GELU with the fc bias, bf16 (fp32 bias)" : "GELU with the fc bias", bias);
 }
 
+// LayerNorm of an fp32 stream (rows, C) feeding a bf16 linear, as under CPU autocast: ATen's fp32
+// layer_norm and the cast to bf16 (backward: the bf16 gradient widened, then layer_norm's backward)
+// against the fused layer_norm_bf16 (src/model/layernorm.h). Both under bf16 autocast.
+void bench_layer_norm(int64_t rows, int64_t C, int64_t reps) {
+  auto x = torch::randn({rows, C}).requires_grad_(true);
+  auto w = torch::randn({C}).requires_grad_(true), b = torch::randn({C}).requires_grad_(true);
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  std::vector<Candidate> cs;
+  cs.push_back({"ATen layer_norm, cast to bf16",
+                [&] { return at::layer_norm(x, {C}, w, b, 1e-5).to(torch::kBFloat16); }, {}, {}});
+  cs.push_back({"fused layer_norm_bf16", [&] { return sl::model::layer_norm_bf16(x, w, b, 1e-5); }, {}, {}});
+  time_interleaved(cs, {x, w, b}, torch::randn({rows, C}).to(torch::kBFloat16), reps);
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  print_table("LayerNorm of the fp32 stream into bf16 (under bf16 autocast)", cs);
+}
+
 // Median ns of one allocate + free over sizes from 1 KiB to 8 MiB (the spread of a step's tensors).
 double alloc_free_ns() {
   const std::vector<int64_t> floats = {256, 4096, 65536, 524288, 2097152};
@@ -185,6 +206,7 @@ int main(int argc, char** argv) {
     bench_attention(B, nh, T, hd, reps, dtype);
     bench_gelu(B * T, 4 * nh * hd, reps, dtype);
   }
+  bench_layer_norm(B * T, nh * hd, reps);
   bench_allocator(std::max<int64_t>(reps / 3, 3));
   return 0;
 }

@@ -20,6 +20,7 @@
 #include "model/gelu.h"
 #include "model/gpt.h"
 #include "model/linear.h"
+#include "model/layernorm.h"
 #include "model/residual.h"
 #include "model/small_gemm.h"
 
@@ -1052,6 +1053,82 @@ class CpuAutocast {
 };
 
 }  // namespace
+
+// The fused LayerNorm into bf16 (model/layernorm.h) against fp64 and ATen. Output: within half a bf16
+// ulp of the fp64 norm plus the fp32 arithmetic's error before the rounding (2e-6 relative of the
+// normalised value times w, plus |b|'s); against ATen's fp32 layer_norm rounded to bf16 it differs
+// only where that fp32 value sits near a rounding boundary, by one ulp. Gradients (from a bf16 output
+// gradient, widened exactly, as autocast's cast node hands ATen's layer_norm): dx within 1e-5
+// relative (+1e-6 of its scale) of ATen's, dw and db (sums over 111 rows) within 1e-5 relative (+1e-5);
+// dw and db the same bits at another thread count. Both clones; with and without the bias.
+TEST_CASE("fused LayerNorm into bf16: ATen's fp32 layer_norm rounded once; gradients to fp32 rounding") {
+  torch::manual_seed(25);
+  const int64_t C = 45;  // 5 whole vectors of 8 and a partial one
+  const auto x0 = torch::randn({3, 37, C}) * 3 + 0.5;
+  const auto w0 = torch::randn({C}), b0 = torch::randn({C});
+  const auto dy = torch::randn({3, 37, C}).to(torch::kBFloat16);
+  const double eps = 1e-5;
+  for (const bool with_bias : {true, false}) {
+    const auto b_ref = with_bias ? b0 : torch::Tensor();
+    // fp64 reference and ATen's fp32 norm with its gradients.
+    const auto x64 = f64(x0);
+    const auto mean = x64.mean(-1, true), var = x64.var(-1, /*unbiased=*/false, true);
+    auto want = (x64 - mean) / (var + eps).sqrt() * f64(w0);
+    if (with_bias) want = want + f64(b0);
+    auto xa = x0.clone().requires_grad_(), wa = w0.clone().requires_grad_(), ba = b0.clone().requires_grad_();
+    const auto aten = at::layer_norm(xa, {C}, wa, with_bias ? std::optional<at::Tensor>(ba) : std::nullopt, eps);
+    aten.backward(dy.to(torch::kFloat32));  // autocast's cast node widens the bf16 gradient exactly
+    for (const bool baseline : {true, false}) {
+      if (!baseline && !vector_clones_run_here()) continue;
+      CAPTURE(with_bias, baseline);
+      const KernelClone clone(baseline);
+      auto x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+      const auto b_arg = with_bias ? b : torch::Tensor();
+      torch::Tensor y;
+      {
+        const CpuAutocast autocast(at::kBFloat16);
+        REQUIRE(model::layer_norm_bf16_fused(x, w, b_arg));
+        y = model::layer_norm_bf16(x, w, b_arg, eps);
+      }
+      REQUIRE(y.scalar_type() == torch::kBFloat16);
+      y.backward(dy);
+      const auto scale = (want - (with_bias ? f64(b0) : torch::zeros_like(want))).abs();
+      CHECK(rounded_once(y, want, 0.0, 2e-6 * scale + (with_bias ? 1e-6 * f64(b0).abs() : torch::zeros_like(want))));
+      const auto aten_bf16 = aten.detach().to(torch::kBFloat16);
+      const auto differ = y.ne(aten_bf16);
+      INFO(differ.sum().item<int64_t>() << " of " << y.numel() << " outputs differ from ATen's rounded");
+      CHECK((f64(y) - f64(aten_bf16)).abs().le(bf16_ulp(aten_bf16)).all().item<bool>());
+      CHECK(differ.sum().item<int64_t>() * 100 <= y.numel());
+      CHECK(torch::allclose(x.grad(), xa.grad(), 1e-5, 1e-6 * max_abs(xa.grad())));
+      CHECK(torch::allclose(w.grad(), wa.grad(), 1e-5, 1e-5));
+      if (with_bias) CHECK(torch::allclose(b.grad(), ba.grad(), 1e-5, 1e-5));
+      if (!with_bias) CHECK_FALSE(b.grad().defined());
+      const auto other = at_other_thread_count([&] {
+        auto xo = x0.clone().requires_grad_(), wo = w0.clone().requires_grad_(), bo = b0.clone().requires_grad_();
+        model::layer_norm_bf16(xo, wo, with_bias ? bo : torch::Tensor(), eps).backward(dy);
+        return std::vector<torch::Tensor>{wo.grad(), with_bias ? bo.grad() : torch::zeros({C})};
+      });
+      CHECK(torch::equal(other[0], w.grad()));
+      if (with_bias) CHECK(torch::equal(other[1], b.grad()));
+    }
+  }
+  // Only an fp32 contiguous stream under bf16 autocast with fp32 parameters of its width, fused kernels on.
+  CHECK_FALSE(model::layer_norm_bf16_fused(x0, w0, b0));  // no autocast: the linear reads fp32
+  const CpuAutocast autocast(at::kBFloat16);
+  CHECK(model::layer_norm_bf16_fused(x0, w0, b0));
+  CHECK_FALSE(model::layer_norm_bf16_fused(x0.to(torch::kBFloat16), w0, b0));
+  CHECK_FALSE(model::layer_norm_bf16_fused(x0.transpose(0, 1), w0, b0));
+  CHECK_FALSE(model::layer_norm_bf16_fused(x0, w0.to(torch::kBFloat16), b0));
+  CHECK_FALSE(model::layer_norm_bf16_fused(x0, w0, torch::randn({C + 1})));
+  const bool before = device::force_aten_kernels(true);
+  const bool fused = model::layer_norm_bf16_fused(x0, w0, b0);
+  device::force_aten_kernels(before);
+  CHECK_FALSE(fused);
+  {
+    const CpuAutocast fp16(at::kHalf);
+    CHECK_FALSE(model::layer_norm_bf16_fused(x0, w0, b0));
+  }
+}
 
 // With the projection's bias (model/residual.h): x + (y + b) in fp32, which is ATen's fp32 composition
 // of the same order bit for bit; dx = g and dy = bf16(g) bit for bit; db the column sums of g in fp32,

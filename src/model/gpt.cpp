@@ -2,6 +2,7 @@
 #include "model/gpt.h"
 #include "model/attention.h"
 #include "model/gelu.h"
+#include "model/layernorm.h"
 #include "model/linear.h"
 #include "model/residual.h"
 
@@ -57,8 +58,11 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
   }
 };
 
+// The block's and the head's norms, whose outputs feed linears: under bf16 CPU autocast the fused
+// LayerNorm writes them in bf16 itself (model/layernorm.h), else ATen's.
 torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, bool rms, double eps) {
   if (rms) return RmsNormFunction::apply(x, w, eps);
+  if (layer_norm_bf16_fused(x, w, b)) return layer_norm_bf16(x, w, b, eps);
   return at::layer_norm(x, {x.size(-1)}, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, eps);
 }
 

@@ -1,0 +1,198 @@
+#include "model/layernorm.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/torch.h>
+
+#include "device/cpu_features.h"
+#include "model/bf16.h"
+#include "model/clones.h"
+#include "model/intra_op.h"
+
+namespace sl::model {
+namespace {
+
+constexpr int kLanes = 8;          // independent accumulators per row sum, so the loops vectorize
+constexpr int64_t kRowChunk = 32;  // rows per piece (the backward's dw and db sum per piece)
+
+// ---- one row of n elements: one clone per instruction set (AVX2 + FMA, baseline; clones.h) ----
+
+// The row's sum of f(j), in kLanes lanes, then the lanes in order, then the tail.
+template <class F>
+SL_KERNEL_BODY float lane_sum(int64_t n, F f) {
+  float lane[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] += f(j + l);
+  float s = 0.0f;
+  for (float v : lane) s += v;
+  for (; j < n; ++j) s += f(j);
+  return s;
+}
+
+// y = bf16((x - mean) rstd w + b) for one row; returns {mean, rstd} through the pointers. b may be null.
+SL_KERNEL_BODY void forward_row_body(const float* x, const float* w, const float* b, float eps, int64_t n,
+                                     c10::BFloat16* y, float* mean_out, float* rstd_out) {
+  const float inv_n = 1.0f / static_cast<float>(n);
+  const float mean = lane_sum(n, [&](int64_t j) { return x[j]; }) * inv_n;
+  const float var = lane_sum(n, [&](int64_t j) { return (x[j] - mean) * (x[j] - mean); }) * inv_n;
+  const float rstd = 1.0f / std::sqrt(var + eps);
+  if (b) {
+    for (int64_t j = 0; j < n; ++j) y[j] = narrow((x[j] - mean) * rstd * w[j] + b[j]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) y[j] = narrow((x[j] - mean) * rstd * w[j]);
+  }
+  *mean_out = mean;
+  *rstd_out = rstd;
+}
+SL_KERNEL_CLONES(void, forward_row,
+                 (const float* x, const float* w, const float* b, float eps, int64_t n, c10::BFloat16* y,
+                  float* mean_out, float* rstd_out),
+                 (x, w, b, eps, n, y, mean_out, rstd_out))
+
+// dx for one row from its bf16 output gradient dy; adds dy xhat to dw and dy to db (a piece's partial
+// sums; db may be null).
+SL_KERNEL_BODY void backward_row_body(const c10::BFloat16* dy, const float* x, const float* w, float mean, float rstd,
+                                      int64_t n, float* dx, float* dw, float* db) {
+  const float inv_n = 1.0f / static_cast<float>(n);
+  const float g_mean = lane_sum(n, [&](int64_t j) { return widen(dy[j]) * w[j]; }) * inv_n;
+  const float gx_mean =
+      lane_sum(n, [&](int64_t j) { return widen(dy[j]) * w[j] * ((x[j] - mean) * rstd); }) * inv_n;
+  const auto row = [&](int64_t j) {
+    const float d = widen(dy[j]), xhat = (x[j] - mean) * rstd;
+    dx[j] = rstd * (d * w[j] - g_mean - xhat * gx_mean);
+    dw[j] += d * xhat;
+    return d;
+  };
+  if (db) {
+    for (int64_t j = 0; j < n; ++j) db[j] += row(j);
+  } else {
+    for (int64_t j = 0; j < n; ++j) row(j);
+  }
+}
+SL_KERNEL_CLONES(void, backward_row,
+                 (const c10::BFloat16* dy, const float* x, const float* w, float mean, float rstd, int64_t n,
+                  float* dx, float* dw, float* db),
+                 (dy, x, w, mean, rstd, n, dx, dw, db))
+
+// ---- whole tensors: x seen as (rows, C), pieces of kRowChunk rows on ATen's intra-op threads ----
+
+int64_t chunks_of(int64_t rows) { return (rows + kRowChunk - 1) / kRowChunk; }
+
+// Runs fn(r) for every row r, a piece of rows per task; fn(r, piece) where the piece matters.
+template <class Fn>
+void for_each_row(int64_t rows, Fn fn) {
+  for_each_index(chunks_of(rows), [&](int64_t c, int) {
+    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r) fn(r, c);
+  });
+}
+
+struct Forward {
+  torch::Tensor y, mean, rstd;  // y bf16 (x's sizes), mean and rstd fp32 (rows)
+};
+
+Forward forward_fused(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
+  RECORD_FUNCTION("sublinear::layer_norm", std::vector<c10::IValue>{});
+  const int64_t C = x.size(-1), rows = x.numel() / C;
+  Forward f{torch::empty(x.sizes(), x.options().dtype(torch::kBFloat16)), torch::empty({rows}, x.options()),
+            torch::empty({rows}, x.options())};
+  const float *X = x.const_data_ptr<float>(), *W = w.const_data_ptr<float>();
+  const float* B = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  auto* Y = f.y.data_ptr<c10::BFloat16>();
+  float *M = f.mean.data_ptr<float>(), *R = f.rstd.data_ptr<float>();
+  const auto e = static_cast<float>(eps);
+  for_each_row(rows, [&](int64_t r, int64_t) { forward_row(X + r * C, W, B, e, C, Y + r * C, M + r, R + r); });
+  return f;
+}
+
+// Sums the pieces' partial rows (chunks, C) in order into one (C) row.
+torch::Tensor sum_pieces(const torch::Tensor& partial) {
+  const int64_t chunks = partial.size(0), C = partial.size(1);
+  auto out = torch::zeros({C}, partial.options());
+  const float* P = partial.const_data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t j = 0; j < C; ++j) O[j] += P[c * C + j];
+  return out;
+}
+
+// (dx, dw, db): db undefined when there is no bias.
+std::array<torch::Tensor, 3> backward_fused(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,
+                                            const torch::Tensor& mean, const torch::Tensor& rstd, bool with_bias) {
+  RECORD_FUNCTION("sublinear::layer_norm_backward", std::vector<c10::IValue>{});
+  const auto g = dy.to(torch::kBFloat16).contiguous();
+  const int64_t C = x.size(-1), rows = x.numel() / C, chunks = chunks_of(rows);
+  auto dx = torch::empty_like(x);
+  auto dw_part = torch::zeros({chunks, C}, x.options());
+  auto db_part = with_bias ? torch::zeros({chunks, C}, x.options()) : torch::Tensor();
+  const auto* G = g.const_data_ptr<c10::BFloat16>();
+  const float *X = x.const_data_ptr<float>(), *W = w.const_data_ptr<float>();
+  const float *M = mean.const_data_ptr<float>(), *R = rstd.const_data_ptr<float>();
+  float *DX = dx.data_ptr<float>(), *DW = dw_part.data_ptr<float>();
+  float* DB = with_bias ? db_part.data_ptr<float>() : nullptr;
+  for_each_row(rows, [&](int64_t r, int64_t c) {
+    backward_row(G + r * C, X + r * C, W, M[r], R[r], C, DX + r * C, DW + c * C, DB ? DB + c * C : nullptr);
+  });
+  return {dx, sum_pieces(dw_part), with_bias ? sum_pieces(db_part) : torch::Tensor()};
+}
+
+// The bias, when there is one, comes as a one-element list (an undefined tensor cannot be a Function's
+// input).
+struct LayerNormBf16Function : torch::autograd::Function<LayerNormBf16Function> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               at::TensorList b, double eps) {
+    auto f = forward_fused(x, w, b.empty() ? torch::Tensor() : b[0], eps);
+    ctx->save_for_backward({x, w, f.mean, f.rstd});
+    ctx->saved_data["bias"] = !b.empty();
+    return f.y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const bool with_bias = ctx->saved_data["bias"].toBool();
+    torch::autograd::variable_list out(with_bias ? 4 : 3);  // x, w, b?, eps
+    if (!grads[0].defined()) return out;
+    TORCH_CHECK(!torch::GradMode::is_enabled(), "layer_norm_bf16: double backward is not supported");
+    auto [dx, dw, db] = backward_fused(grads[0], s[0], s[1], s[2], s[3], with_bias);
+    if (ctx->needs_input_grad(0)) out[0] = dx;
+    if (ctx->needs_input_grad(1)) out[1] = dw;
+    if (with_bias && ctx->needs_input_grad(2)) out[2] = db;
+    return out;
+  }
+};
+
+bool cpu_contiguous_fp32(const torch::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == torch::kStrided && t.is_contiguous() &&
+         t.scalar_type() == torch::kFloat32;
+}
+
+bool vector_of(const torch::Tensor& v, int64_t C) { return cpu_contiguous_fp32(v) && v.dim() == 1 && v.size(0) == C; }
+
+}  // namespace
+
+bool layer_norm_bf16_fused(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  if (!device::fused_kernels() || !cpu_contiguous_fp32(x) || x.dim() < 1 || x.size(-1) == 0) return false;
+  if (!at::autocast::is_autocast_enabled(at::kCPU) || at::autocast::get_autocast_dtype(at::kCPU) != at::kBFloat16)
+    return false;
+  return vector_of(w, x.size(-1)) && (!b.defined() || vector_of(b, x.size(-1)));
+}
+
+torch::Tensor layer_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
+  TORCH_CHECK(cpu_contiguous_fp32(x) && x.dim() >= 1 && vector_of(w, x.size(-1)) && (!b.defined() || vector_of(b, x.size(-1))),
+              "layer_norm_bf16: x (..., C) must be a contiguous fp32 CPU tensor and w, b fp32 vectors of C");
+  const bool grad = torch::GradMode::is_enabled() &&
+                    (x.requires_grad() || w.requires_grad() || (b.defined() && b.requires_grad()));
+  if (!grad) return forward_fused(x, w, b, eps).y;
+  std::vector<torch::Tensor> bias;
+  if (b.defined()) bias.push_back(b);
+  return LayerNormBf16Function::apply(x, w, at::TensorList(bias), eps);
+}
+
+}  // namespace sl::model

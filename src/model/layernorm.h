@@ -1,0 +1,30 @@
+// LayerNorm of a bf16 run's fp32 residual stream straight into bf16, for the linear that reads it. Under
+// CPU autocast ATen's layer_norm gives an fp32 output, which the linear's autocast cast then rounds to
+// bf16 in a pass of its own (and backward widens the bf16 input gradient back to fp32 before
+// layer_norm's backward): layer_norm_bf16 writes the rounded output itself and its backward reads the
+// bf16 gradient as it is, two passes over memory and two ops fewer per norm.
+//
+// Numerics: mean and variance in fp32 (two passes over the row, so the variance is a sum of squares of
+// centred values, as ATen's Welford moments are; the sums in 8 lanes), y = (x - mean) rstd w + b in fp32,
+// rounded once to bf16 (to nearest even), rstd = 1 / sqrt(var + eps). The backward in fp32 on the widened
+// gradient: dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w and xhat = (x - mean) rstd; dw and
+// db sum dy xhat and dy over rows in fixed pieces of rows, then the pieces in order (their bits depend on
+// neither the thread count nor the split). So the output is ATen's fp32 layer_norm rounded to bf16 up to
+// fp32 rounding before that (an output can land one bf16 ulp apart where ATen's fp32 value sits at a
+// rounding boundary), and the gradients are ATen's to fp32 rounding. Saves x, w and the per-row mean
+// and rstd, as ATen's layer_norm does (not its output). Differentiable once (no double backward).
+#pragma once
+#include <torch/types.h>
+
+namespace sl::model {
+
+// layer_norm(x, (C), w, b, eps) rounded to bf16, for x (..., C) fp32 and w, b (C) fp32 (b may be
+// undefined). Callers ask layer_norm_bf16_fused first.
+torch::Tensor layer_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps);
+
+// True when a norm of x whose output feeds a linear takes layer_norm_bf16: CPU autocast on in bf16 (the
+// linear would round the output to bf16 anyway), x an fp32 contiguous CPU tensor, w (and b, if defined)
+// fp32 contiguous CPU vectors of x.size(-1), and the fused kernels on (device::fused_kernels()).
+bool layer_norm_bf16_fused(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
+
+}  // namespace sl::model
