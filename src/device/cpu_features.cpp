@@ -154,6 +154,7 @@ nlohmann::json CpuFeatures::to_json() const {
           {"bf16_linear", to_string(linear_path("bf16"))},  // the model's linears: widened where bf16_matmul is aten or emulated
           {"fp16_linear", to_string(linear_path("fp16"))},
           {"fused_kernels", kernel_clone_name()},
+          {"gelu_lanes", gelu_lanes()},  // 16 where the GELU's vector clone runs on AVX-512
           {"aten_kernels", !fused_kernels()}};  // SUBLINEAR_ATEN_KERNELS: GELU, attention and linears left to ATen
 }
 
@@ -211,9 +212,11 @@ bool avx512_kernels() {
 
 bool force_avx2_kernels(bool on) { return avx2_forced().exchange(on, std::memory_order_relaxed); }
 
-std::string kernel_clone_name() {
-  if (avx512_kernels()) return "avx512";
-  return vector_kernels() ? "avx2_fma" : "baseline";
+std::string kernel_clone_name() { return vector_kernels() ? "avx2_fma" : "baseline"; }
+
+int gelu_lanes() {
+  if (avx512_kernels()) return 16;
+  return vector_kernels() ? 8 : 1;
 }
 
 const CpuFeatures& cpu_features() {

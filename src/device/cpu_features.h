@@ -54,7 +54,8 @@ struct CpuFeatures {
 const CpuFeatures& cpu_features();
 
 // ---- which clone of the fused CPU kernels runs ----
-// The project's fused CPU kernels (causal attention and its GEMM tiles, GELU, AdamW) are each built
+// The project's fused CPU kernels (causal attention and its GEMM tiles, GELU, a bf16 run's LayerNorm and
+// residual add, AdamW) are each built
 // twice: an AVX2 + FMA clone (x86-64-v3) and a baseline x86-64 clone (GELU's vector clone also has a
 // 16-lane AVX-512 form: avx512_kernels below). The vector clone runs where the
 // CPU has AVX2 and FMA, unless the baseline is forced: SUBLINEAR_FORCE_BASELINE=1 in the environment
@@ -78,17 +79,20 @@ bool avx512_kernels();
 // Keeps the vector clones on 8 lanes (on) or lets them take 16 where avx512_lanes says so (off);
 // returns the setting it replaces. For tests (the two forms against each other).
 bool force_avx2_kernels(bool on);
-// "avx512", "avx2_fma" or "baseline": the clone the fused kernels take now (summary.json's
-// environment.cpu.fused_kernels).
+// "avx2_fma" or "baseline": the clone vector_kernels() picks now (summary.json's environment.cpu).
 std::string kernel_clone_name();
+// The GELU's lanes now: 16 (avx512_kernels), 8 (the AVX2 clone) or 1 (baseline); summary.json's
+// environment.cpu.gelu_lanes.
+int gelu_lanes();
 
 // ---- the fused kernels or ATen's ----
 // SUBLINEAR_ATEN_KERNELS=1 in the environment (read once, at the first ask; unset, empty or 0: the
-// fused kernels; any other value: ATen's) makes the fused GELU and causal-attention kernels' predicates
-// (model::gelu_tanh_fused, gelu_tanh_bias_fused, causal_attention_fused, causal_attention_packed_fused)
-// say false, and the widened linears (model/linear.h) with them (linear_path says aten), so a whole run
-// takes at::gelu, at::scaled_dot_product_attention and at::linear, as a model without them would (to
-// compare against; AdamW is not concerned). force_aten_kernels does the same in-process.
+// fused kernels; any other value: ATen's) makes the fused kernels' predicates (model::gelu_tanh_fused,
+// gelu_tanh_bias_fused, causal_attention_fused, causal_attention_packed_fused, residual_add_fused,
+// residual_bias_fused, layer_norm_bf16_fused) say false, and the widened linears (model/linear.h) with
+// them (linear_path says aten), so a whole run takes at::gelu, at::scaled_dot_product_attention,
+// at::layer_norm, x + y and at::linear with its bias, as a model without them would (to compare against;
+// AdamW is not concerned). force_aten_kernels does the same in-process.
 
 // The fused GELU and attention kernels and the widened linears may run: SUBLINEAR_ATEN_KERNELS's rule
 // on its value, unless force_aten_kernels changed it since. Cheap (a relaxed load).

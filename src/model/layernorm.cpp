@@ -143,8 +143,7 @@ std::array<torch::Tensor, 3> backward_fused(const torch::Tensor& dy, const torch
   return {dx, sum_pieces(dw_part), with_bias ? sum_pieces(db_part) : torch::Tensor()};
 }
 
-// The bias, when there is one, comes as a one-element list (an undefined tensor cannot be a Function's
-// input).
+// The bias, when there is one, comes as a one-element list, and its gradient is returned only then.
 struct LayerNormBf16Function : torch::autograd::Function<LayerNormBf16Function> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                at::TensorList b, double eps) {

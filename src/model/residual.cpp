@@ -59,10 +59,11 @@ torch::Tensor forward_fused(const torch::Tensor& x, const torch::Tensor& y) {
 }
 
 // x + (y + b). A strided y (the checkpointing's output-free linear hands the last block of a recomputed
-// segment an expanded placeholder whose values nobody reads) takes ATen's ops, the same bits: the
-// backward, and so the gradients, must not depend on y's layout.
+// segment an expanded placeholder whose values nobody reads) is made contiguous first (a bf16 copy, the
+// one transient): the same pass, so the same bits, and the backward, so the gradients, must not depend
+// on y's layout.
 torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b) {
-  if (!y.is_contiguous()) return x + (y.to(torch::kFloat32) + b);
+  if (!y.is_contiguous()) return forward_bias_fused(x, y.contiguous(), b);
   RECORD_FUNCTION("sublinear::residual_add", std::vector<c10::IValue>{});
   auto out = torch::empty_like(x, torch::MemoryFormat::Contiguous);
   const float* xp = x.const_data_ptr<float>();
