@@ -966,6 +966,40 @@ TEST_CASE("bf16 fused attention and GELU: the baseline clone equals the AVX2 + F
   }
 }
 
+// The attention's softmax and probability rows on 16 lanes (model/attention.cpp: the AVX2 clone's
+// operations in the same order, its exps 16 at a time): the whole attention, forward and backward, gives
+// the 8-lane bits, in fp32 and bf16 (on both product paths), for sequence lengths whose rows leave every
+// kind of tail (T 5, 37, 70, 129: blocks of 64 rows, rows of every valid length up to T).
+TEST_CASE("fused attention: the 16-lane softmax rows give the AVX2 clone's bits, forward and backward") {
+  if (!device::cpu_features().avx512_lanes || !device::cpu_has_avx2_fma()) {
+    WARN("this CPU (or ATEN_CPU_CAPABILITY) gives no AVX-512 lanes: only the AVX2 rows run here");
+    return;
+  }
+  torch::manual_seed(34);
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (const bool fp32_products : dtype == torch::kBFloat16 ? bf16_product_paths() : std::vector<bool>{true}) {
+      for (const int64_t T : {5, 37, 70, 129}) {
+        CAPTURE(dtype, fp32_products, T);
+        const Fp32AttentionProducts products(fp32_products);
+        const auto a = bf16_attention_inputs(2, 3, T, 24, /*views=*/true, 2.0);
+        const auto q = a.q.to(dtype), k = a.k.to(dtype), v = a.v.to(dtype);
+        const auto dy = torch::randn({2, T, 3 * 24}).to(dtype);
+        auto run = [&](bool avx2) {
+          const KernelClone vector(/*baseline=*/false);
+          const Avx2Lanes lanes(avx2);
+          REQUIRE(device::avx512_kernels() == !avx2);
+          return attention_on(/*baseline=*/false, q, k, v, dy);
+        };
+        const auto avx2 = run(true), avx512 = run(false);
+        for (size_t i = 0; i < avx2.size(); ++i) {
+          CAPTURE(i);
+          CHECK(torch::equal(bits(avx2[i]), bits(avx512[i])));
+        }
+      }
+    }
+  }
+}
+
 // SUBLINEAR_ATEN_KERNELS: its rule (unset, empty or 0: the fused kernels; anything else: ATen's), read
 // once; while ATen's are forced every predicate says false, on tensors the kernels otherwise take, and
 // gelu_tanh is at::gelu bit for bit.

@@ -26,7 +26,23 @@ constexpr int kLanes = 8;          // independent accumulators per reduction, so
 
 // Scores s[0, valid) of one query row (its keys up to the diagonal) become probabilities; s[valid, n)
 // are set to 0. Returns the row's log-sum-exp.
-SL_KERNEL_BODY float softmax_row_body(float* s, int64_t valid, int64_t n) {
+// The end of a softmax row once s[0, j) holds its exps and lane[] their sums in kLanes lanes: the lanes
+// summed in order, the exps of the tail [j, valid) added one by one, the row normalised, s[valid, n)
+// zeroed. Returns the row's log-sum-exp.
+SL_KERNEL_BODY float finish_softmax_row(float* s, const float* lane, int64_t j, float mx, int64_t valid, int64_t n) {
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += lane[l];
+  for (; j < valid; ++j) {
+    s[j] = exp_approx(s[j] - mx);
+    sum += s[j];
+  }
+  const float inv = 1.0f / sum;
+  for (j = 0; j < valid; ++j) s[j] *= inv;
+  for (; j < n; ++j) s[j] = 0.0f;
+  return mx + std::log(sum);
+}
+
+SL_KERNEL_BODY float softmax_row8_body(float* s, int64_t valid, int64_t n) {
   float lane[kLanes];
   for (float& l : lane) l = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
@@ -44,26 +60,76 @@ SL_KERNEL_BODY float softmax_row_body(float* s, int64_t valid, int64_t n) {
       s[j + l] = e;
       lane[l] += e;
     }
-  float sum = 0.0f;
-  for (float l : lane) sum += l;
-  for (; j < valid; ++j) {
-    s[j] = exp_approx(s[j] - mx);
-    sum += s[j];
-  }
-  const float inv = 1.0f / sum;
-  for (j = 0; j < valid; ++j) s[j] *= inv;
-  for (; j < n; ++j) s[j] = 0.0f;
-  return mx + std::log(sum);
+  return finish_softmax_row(s, lane, j, mx, valid, n);
 }
-SL_KERNEL_CLONES(float, softmax_row, (float* s, int64_t valid, int64_t n), (s, valid, n))
+SL_KERNEL_CLONES(float, softmax_row8, (float* s, int64_t valid, int64_t n), (s, valid, n))
 
 // Backward's probabilities from the saved log-sum-exp: s[j] = exp(s[j] - lse) up to the diagonal, 0 after.
-SL_KERNEL_BODY void probs_row_body(float* s, float lse, int64_t valid, int64_t n) {
+SL_KERNEL_BODY void probs_row8_body(float* s, float lse, int64_t valid, int64_t n) {
   int64_t j = 0;
   for (; j < valid; ++j) s[j] = exp_approx(s[j] - lse);
   for (; j < n; ++j) s[j] = 0.0f;
 }
-SL_KERNEL_CLONES(void, probs_row, (float* s, float lse, int64_t valid, int64_t n), (s, lse, valid, n))
+SL_KERNEL_CLONES(void, probs_row8, (float* s, float lse, int64_t valid, int64_t n), (s, lse, valid, n))
+
+#if defined(__x86_64__)
+// The AVX2 clones of softmax_row8 and probs_row8 with their exps on 16 lanes (AVX-512), where
+// device::avx512_kernels() says so: the same operations in the same order, so the same bits. The exp is
+// exp_approx's steps with the multiply-adds the AVX2 clone contracts (exp_approx16); the row sum keeps
+// the 8 lanes of the AVX2 clone, each adding its two elements of a 16-lane block in order; the max is
+// exact in any order; the tails are the scalar code the AVX2 clone runs.
+#define SL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+SL_AVX512 float softmax_row_avx512(float* s, int64_t valid, int64_t n) {
+  __m512 mx16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= valid; j += 16) mx16 = _mm512_max_ps(_mm512_loadu_ps(s + j), mx16);
+  float mx = _mm512_reduce_max_ps(mx16);
+  for (; j < valid; ++j) mx = std::max(mx, s[j]);
+
+  const __m512 m16 = _mm512_set1_ps(mx);
+  __m256 lane = _mm256_setzero_ps();
+  j = 0;
+  for (; j + 16 <= valid; j += 16) {
+    const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
+    _mm512_storeu_ps(s + j, e);
+    lane = _mm256_add_ps(_mm256_add_ps(lane, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
+  }
+  if (j + 8 <= valid) {
+    const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm512_castps512_ps256(m16)));
+    _mm256_storeu_ps(s + j, e);
+    lane = _mm256_add_ps(lane, e);
+    j += 8;
+  }
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, lane);
+  return finish_softmax_row(s, lanes, j, mx, valid, n);
+}
+
+SL_AVX512 void probs_row_avx512(float* s, float lse, int64_t valid, int64_t n) {
+  const __m512 l16 = _mm512_set1_ps(lse);
+  int64_t j = 0;
+  for (; j + 16 <= valid; j += 16) _mm512_storeu_ps(s + j, exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(s + j), l16)));
+  for (; j < valid; ++j) s[j] = exp_approx(s[j] - lse);
+  for (; j < n; ++j) s[j] = 0.0f;
+}
+#undef SL_AVX512
+#endif
+
+// The clone for this call: 16 lanes, else the AVX2 or the baseline clone (same bits as AVX2's).
+float softmax_row(float* s, int64_t valid, int64_t n) {
+#if defined(__x86_64__)
+  if (device::avx512_kernels()) return softmax_row_avx512(s, valid, n);
+#endif
+  return softmax_row8(s, valid, n);
+}
+
+void probs_row(float* s, float lse, int64_t valid, int64_t n) {
+#if defined(__x86_64__)
+  if (device::avx512_kernels()) return probs_row_avx512(s, lse, valid, n);
+#endif
+  probs_row8(s, lse, valid, n);
+}
 
 // Gradient of the scores (before the scale), up to the diagonal: dp[j] = p[j] (dp[j] - d), d = the row's
 // sum of dO * O; 0 after it (where dp holds, at most up to the next whole vector, masked products).
