@@ -1188,22 +1188,25 @@ TEST_CASE("fused LayerNorm into bf16: the predicate") {
   }
 }
 
-// With the projection's bias (model/residual.h): x + (y + b) in fp32, which is ATen's fp32 composition
-// of the same order bit for bit; dx = g and dy = bf16(g) bit for bit; db the column sums of g in fp32,
+// With the projection's bias (model/residual.h), for a bf16 run's bf16 branch and an fp32 run's fp32 one:
+// x + (y + b) in fp32, which is ATen's fp32 composition of the same order bit for bit; dx = g and
+// dy = g in y's dtype (bf16: rounded to nearest even) bit for bit; db the column sums of g in fp32,
 // against fp64 within the bound of a sum of n terms rounded n times (n 2^-24 sum |g|), and the same bits
 // at another thread count.
-TEST_CASE("fused residual add with the bias: x + (y + b) in fp32, dy = bf16(g) bit for bit, db = g summed over rows") {
+TEST_CASE("fused residual add with the bias: x + (y + b) in fp32, dy = g in y's dtype, db = g summed over rows") {
   torch::manual_seed(24);
   const auto x0 = torch::randn({3, 129, 97}) * 5;  // 387 rows: 12 whole pieces of 32 rows and a partial one
-  const auto y0 = (torch::randn({3, 129, 97}) * 3).to(torch::kBFloat16);
   const auto b0 = torch::randn({97});
   const auto g = torch::randn({3, 129, 97});
-  const auto want = x0 + (y0.to(torch::kFloat32) + b0);
   const auto g64 = g.to(torch::kDouble).reshape({-1, 97});
   const auto db_want = g64.sum(0), db_bound = g64.abs().sum(0) * (387 * std::ldexp(1.0, -24));
-  for (const bool baseline : {true, false}) {
+  // A bf16 run's branch (dy = bf16(g)) and an fp32 run's (dy = g).
+  for (const auto& [baseline, branch] : {std::pair{true, torch::kBFloat16}, std::pair{false, torch::kBFloat16},
+                                        std::pair{true, torch::kFloat32}, std::pair{false, torch::kFloat32}}) {
     if (!baseline && !vector_clones_run_here()) continue;
-    CAPTURE(baseline);
+    CAPTURE(baseline, branch);
+    const auto y0 = (torch::randn({3, 129, 97}) * 3).to(branch);
+    const auto want = x0 + (y0.to(torch::kFloat32) + b0);
     const KernelClone clone(baseline);
     auto x = x0.clone().requires_grad_(), y = y0.clone().requires_grad_(), b = b0.clone().requires_grad_();
     const auto got = model::residual_add(x, y, b);
@@ -1216,8 +1219,8 @@ TEST_CASE("fused residual add with the bias: x + (y + b) in fp32, dy = bf16(g) b
     CHECK(got.scalar_type() == torch::kFloat32);
     CHECK(torch::equal(got, want));
     CHECK(torch::equal(x.grad(), g));
-    REQUIRE(y.grad().scalar_type() == torch::kBFloat16);
-    CHECK(torch::equal(y.grad(), g.to(torch::kBFloat16)));
+    REQUIRE(y.grad().scalar_type() == branch);
+    CHECK(torch::equal(y.grad(), g.to(branch)));
     REQUIRE(b.grad().scalar_type() == torch::kFloat32);
     INFO("max |db - fp64| " << (b.grad().to(torch::kDouble) - db_want).abs().max().item<double>());
     CHECK(((b.grad().to(torch::kDouble) - db_want).abs() <= db_bound).all().item<bool>());
@@ -1231,6 +1234,7 @@ TEST_CASE("fused residual add with the bias: x + (y + b) in fp32, dy = bf16(g) b
     out.backward(g);
     return std::vector<torch::Tensor>{out, x.grad(), y.grad(), b.grad()};
   };
+  const auto y0 = (torch::randn({3, 129, 97}) * 3).to(torch::kBFloat16);
   const auto y_strided = y0.transpose(0, 1).contiguous().transpose(0, 1);
   REQUIRE_FALSE(y_strided.is_contiguous());
   const auto contiguous = grads_of(y0), strided = grads_of(y_strided);
@@ -1244,7 +1248,7 @@ TEST_CASE("fused residual add with the bias: x + (y + b) in fp32, dy = bf16(g) b
 // CPU autocast, an fp32 bias of the stream's width, and the fused kernels on.
 TEST_CASE("fused residual add with the bias: the predicate") {
   const auto xf = torch::randn({4, 8}), bf = torch::randn({8});
-  CHECK_FALSE(model::residual_bias_fused(xf, bf));  // no autocast: the branch is fp32
+  CHECK(model::residual_bias_fused(xf, bf));  // no autocast: an fp32 run's fp32 branch
   {
     const CpuAutocast bf16(at::kBFloat16);
     CHECK(model::residual_bias_fused(xf, bf));

@@ -42,6 +42,18 @@ SL_KERNEL_BODY void narrow_and_sum_body(const float* g, c10::BFloat16* dy, float
 }
 SL_KERNEL_CLONES(void, narrow_and_sum, (const float* g, c10::BFloat16* dy, float* db, int64_t n), (g, dy, db, n))
 
+// The same for an fp32 branch (an fp32 run): out[i] = x[i] + (y[i] + b[i]); backward db[i] += g[i] (dy is g).
+SL_KERNEL_BODY void add_bias_body(const float* x, const float* y, const float* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] + (y[i] + b[i]);
+}
+SL_KERNEL_CLONES(void, add_bias, (const float* x, const float* y, const float* b, float* out, int64_t n),
+                 (x, y, b, out, n))
+
+SL_KERNEL_BODY void sum_rows_body(const float* g, float* db, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) db[i] += g[i];
+}
+SL_KERNEL_CLONES(void, sum_rows, (const float* g, float* db, int64_t n), (g, db, n))
+
 int64_t chunks_of(int64_t rows) { return (rows + kRowChunk - 1) / kRowChunk; }
 
 torch::Tensor forward_fused(const torch::Tensor& x, const torch::Tensor& y) {
@@ -58,40 +70,49 @@ torch::Tensor forward_fused(const torch::Tensor& x, const torch::Tensor& y) {
   return out;
 }
 
-// x + (y + b). A strided y (the checkpointing's output-free linear hands the last block of a recomputed
-// segment an expanded placeholder whose values nobody reads) is made contiguous first (a bf16 copy, the
-// one transient): the same pass, so the same bits, and the backward, so the gradients, must not depend
-// on y's layout.
+// x + (y + b), y bf16 or fp32. A strided y (the checkpointing's output-free linear hands the last block
+// of a recomputed segment an expanded placeholder whose values nobody reads) is made contiguous first
+// (the one transient): the same pass, so the same bits, and the backward, so the gradients, must not
+// depend on y's layout.
 torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b) {
   if (!y.is_contiguous()) return forward_bias_fused(x, y.contiguous(), b);
   RECORD_FUNCTION("sublinear::residual_add", std::vector<c10::IValue>{});
   auto out = torch::empty_like(x, torch::MemoryFormat::Contiguous);
   const float* xp = x.const_data_ptr<float>();
-  const auto* yp = y.const_data_ptr<c10::BFloat16>();
   const float* bp = b.const_data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const bool bf16 = y.scalar_type() == torch::kBFloat16;
   const int64_t C = b.numel(), rows = x.numel() / C;
   for_each_index(chunks_of(rows), [&](int64_t c, int) {
-    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
-      add_widened_bias(xp + r * C, yp + r * C, bp, op + r * C, C);
+    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r) {
+      if (bf16)
+        add_widened_bias(xp + r * C, y.const_data_ptr<c10::BFloat16>() + r * C, bp, op + r * C, C);
+      else
+        add_bias(xp + r * C, y.const_data_ptr<float>() + r * C, bp, op + r * C, C);
+    }
   });
   return out;
 }
 
-// (dy, db) of the bias form: each piece of rows sums into its own row of partial sums, then the pieces
-// are summed in order.
-std::pair<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor& g, int64_t C) {
+// (dy, db) of the bias form for a branch of dtype `branch` (bf16: dy = bf16(g); fp32: dy is g): each
+// piece of rows sums into its own row of partial sums, then the pieces are summed in order.
+std::pair<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor& g, int64_t C,
+                                                            c10::ScalarType branch) {
   RECORD_FUNCTION("sublinear::residual_add_backward", std::vector<c10::IValue>{});
   const auto gc = g.contiguous();
-  auto dy = torch::empty(gc.sizes(), gc.options().dtype(torch::kBFloat16));
+  const bool bf16 = branch == torch::kBFloat16;
+  auto dy = bf16 ? torch::empty(gc.sizes(), gc.options().dtype(torch::kBFloat16)) : gc;
   const int64_t rows = gc.numel() / C, chunks = chunks_of(rows);
   auto partial = torch::zeros({chunks, C}, gc.options());
   const float* gp = gc.const_data_ptr<float>();
-  auto* dyp = dy.data_ptr<c10::BFloat16>();
   float* pp = partial.data_ptr<float>();
   for_each_index(chunks, [&](int64_t c, int) {
-    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
-      narrow_and_sum(gp + r * C, dyp + r * C, pp + c * C, C);
+    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r) {
+      if (bf16)
+        narrow_and_sum(gp + r * C, dy.data_ptr<c10::BFloat16>() + r * C, pp + c * C, C);
+      else
+        sum_rows(gp + r * C, pp + c * C, C);
+    }
   });
   auto db = torch::zeros({C}, gc.options());
   float* dbp = db.data_ptr<float>();
@@ -120,8 +141,9 @@ struct ResidualAddFunction : torch::autograd::Function<ResidualAddFunction> {
 };
 
 struct ResidualAddBiasFunction : torch::autograd::Function<ResidualAddBiasFunction> {
-  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x, const torch::Tensor& y,
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& y,
                                const torch::Tensor& b) {
+    ctx->saved_data["bf16"] = y.scalar_type() == torch::kBFloat16;
     return forward_bias_fused(x, y, b);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -129,7 +151,8 @@ struct ResidualAddBiasFunction : torch::autograd::Function<ResidualAddBiasFuncti
     const auto& g = grads[0];
     if (!g.defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
     no_double_backward();
-    auto [dy, db] = backward_bias_fused(g, g.size(-1));
+    const auto branch = ctx->saved_data["bf16"].toBool() ? torch::kBFloat16 : torch::kFloat32;
+    auto [dy, db] = backward_bias_fused(g, g.size(-1), branch);
     return {ctx->needs_input_grad(0) ? g : torch::Tensor(), ctx->needs_input_grad(1) ? dy : torch::Tensor(),
             ctx->needs_input_grad(2) ? db : torch::Tensor()};
   }
@@ -145,11 +168,13 @@ bool bias_fits(const torch::Tensor& x, const torch::Tensor& b) {
          b.size(0) == x.size(-1) && b.numel() > 0;
 }
 
-// The bias form takes x, y, b: residual_add_fused's operands, except that y may be strided.
+// The bias form takes x, y, b: an fp32 contiguous CPU x, a bf16 or fp32 CPU y of x's sizes (strided or
+// not), an fp32 bias of x's width.
 bool bias_form_takes(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b) {
   return device::fused_kernels() && cpu_contiguous(x) && x.scalar_type() == torch::kFloat32 && y.defined() &&
-         y.device().is_cpu() && y.layout() == torch::kStrided && y.scalar_type() == torch::kBFloat16 &&
-         x.sizes() == y.sizes() && bias_fits(x, b);
+         y.device().is_cpu() && y.layout() == torch::kStrided &&
+         (y.scalar_type() == torch::kBFloat16 || y.scalar_type() == torch::kFloat32) && x.sizes() == y.sizes() &&
+         bias_fits(x, b);
 }
 
 }  // namespace
@@ -160,8 +185,10 @@ bool residual_add_fused(const torch::Tensor& x, const torch::Tensor& y) {
 }
 
 bool residual_bias_fused(const torch::Tensor& x, const torch::Tensor& b) {
-  return device::fused_kernels() && cpu_contiguous(x) && x.scalar_type() == torch::kFloat32 &&
-         at::autocast::is_autocast_enabled(at::kCPU) && at::autocast::get_autocast_dtype(at::kCPU) == at::kBFloat16 &&
+  // The branch is bf16 under bf16 CPU autocast, fp32 without autocast (x fp32); fp16 autocast keeps ATen's.
+  const bool autocast = at::autocast::is_autocast_enabled(at::kCPU);
+  const bool branch_ok = !autocast || at::autocast::get_autocast_dtype(at::kCPU) == at::kBFloat16;
+  return device::fused_kernels() && cpu_contiguous(x) && x.scalar_type() == torch::kFloat32 && branch_ok &&
          bias_fits(x, b);
 }
 
