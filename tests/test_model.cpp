@@ -1234,18 +1234,28 @@ TEST_CASE("fused residual add with the bias: x + (y + b) in fp32, dy = g in y's 
     out.backward(g);
     return std::vector<torch::Tensor>{out, x.grad(), y.grad(), b.grad()};
   };
-  const auto y0 = (torch::randn({3, 129, 97}) * 3).to(torch::kBFloat16);
-  const auto y_strided = y0.transpose(0, 1).contiguous().transpose(0, 1);
-  REQUIRE_FALSE(y_strided.is_contiguous());
-  const auto contiguous = grads_of(y0), strided = grads_of(y_strided);
-  for (size_t i = 0; i < contiguous.size(); ++i) {
-    CAPTURE(i);
-    CHECK(torch::equal(contiguous[i], strided[i]));
+  for (const auto branch : {torch::kBFloat16, torch::kFloat32}) {
+    CAPTURE(branch);
+    const auto y0 = (torch::randn({3, 129, 97}) * 3).to(branch);
+    const auto y_strided = y0.transpose(0, 1).contiguous().transpose(0, 1);
+    REQUIRE_FALSE(y_strided.is_contiguous());
+    const auto contiguous = grads_of(y0), strided = grads_of(y_strided);
+    for (size_t i = 0; i < contiguous.size(); ++i) {
+      CAPTURE(i);
+      CHECK(torch::equal(contiguous[i], strided[i]));
+    }
+    // The placeholder's own shape: one value expanded (no copy of it is made).
+    const auto placeholder = torch::zeros({1}, y0.options()).expand(y0.sizes());
+    const auto expanded = grads_of(placeholder), materialised = grads_of(placeholder.contiguous());
+    for (size_t i = 0; i < expanded.size(); ++i) {
+      CAPTURE(i);
+      CHECK(torch::equal(expanded[i], materialised[i]));
+    }
   }
 }
 
-// The model asks before its projection: the bias goes to the add only for an fp32 stream under bf16
-// CPU autocast, an fp32 bias of the stream's width, and the fused kernels on.
+// The model asks before its projection: the bias goes to the add only for an fp32 stream (without
+// autocast, or under bf16 CPU autocast), an fp32 bias of the stream's width, and the fused kernels on.
 TEST_CASE("fused residual add with the bias: the predicate") {
   const auto xf = torch::randn({4, 8}), bf = torch::randn({8});
   CHECK(model::residual_bias_fused(xf, bf));  // no autocast: an fp32 run's fp32 branch

@@ -116,7 +116,7 @@ SL_AVX512 void probs_row_avx512(float* s, float lse, int64_t valid, int64_t n) {
 #undef SL_AVX512
 #endif
 
-// The clone for this call: 16 lanes, else the AVX2 or the baseline clone (same bits as AVX2's).
+// The form for this call: 16 lanes (bit for bit the AVX2 clone), else the AVX2 or the baseline clone.
 float softmax_row(float* s, int64_t valid, int64_t n) {
 #if defined(__x86_64__)
   if (device::avx512_kernels()) return softmax_row_avx512(s, valid, n);

@@ -54,7 +54,8 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor mlp_act(const torch::Tensor& u, const torch::Tensor& fc_bias) const;
   torch::Tensor residual_dropout(const torch::Tensor& y) const;
   // b (a projection's bias) where the residual add onto `stream` takes it (model/residual.h: a bf16
-  // branch under CPU autocast, no residual dropout active), else undefined: the linear keeps it.
+  // branch under bf16 CPU autocast or an fp32 run's fp32 one, no residual dropout active), else
+  // undefined: the linear keeps it.
   torch::Tensor residual_bias(const torch::Tensor& stream, const torch::Tensor& b) const;
 
   int64_t layer, n_head, n_embd, hidden;

@@ -42,7 +42,8 @@ SL_KERNEL_BODY void narrow_and_sum_body(const float* g, c10::BFloat16* dy, float
 }
 SL_KERNEL_CLONES(void, narrow_and_sum, (const float* g, c10::BFloat16* dy, float* db, int64_t n), (g, dy, db, n))
 
-// The same for an fp32 branch (an fp32 run): out[i] = x[i] + (y[i] + b[i]); backward db[i] += g[i] (dy is g).
+// The same for an fp32 branch (an fp32 run): out[i] = x[i] + (y[i] + b[i]); backward db[i] += g[i]
+// (dy is g).
 SL_KERNEL_BODY void add_bias_body(const float* x, const float* y, const float* b, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] + (y[i] + b[i]);
 }
@@ -71,11 +72,14 @@ torch::Tensor forward_fused(const torch::Tensor& x, const torch::Tensor& y) {
 }
 
 // x + (y + b), y bf16 or fp32. A strided y (the checkpointing's output-free linear hands the last block
-// of a recomputed segment an expanded placeholder whose values nobody reads) is made contiguous first
-// (the one transient): the same pass, so the same bits, and the backward, so the gradients, must not
-// depend on y's layout.
+// of a recomputed segment an expanded placeholder whose values nobody reads) takes ATen's ops into the
+// output itself, (y + b) then + x in place: the same bits (fp32 addition commutes), no copy of y, and
+// the same backward, so the gradients do not depend on y's layout.
 torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b) {
-  if (!y.is_contiguous()) return forward_bias_fused(x, y.contiguous(), b);
+  if (!y.is_contiguous()) {
+    auto out = (y + b).contiguous();  // fp32 (a bf16 y is promoted), x's sizes
+    return out.add_(x);
+  }
   RECORD_FUNCTION("sublinear::residual_add", std::vector<c10::IValue>{});
   auto out = torch::empty_like(x, torch::MemoryFormat::Contiguous);
   const float* xp = x.const_data_ptr<float>();

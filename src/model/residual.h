@@ -13,8 +13,9 @@
 // rounding of the branch either way, b itself no longer rounded. Backward: dx = g, dy = bf16(g) and
 // db = g summed over rows in fp32 (ATen's sums bf16(g) and rounds the sum to bf16), in fixed pieces of
 // rows and a fixed order (its bits depend on neither the thread count nor the split), all in one pass.
-// A strided bf16 y (same sizes) takes this form too (made contiguous first), so the gradients do not
-// depend on y's layout; other operands take x + (y + b).
+// In an fp32 run (y fp32) the same, with dy = g. A strided y (same sizes) takes this form too (its
+// forward in ATen ops, the same bits, no copy of y), so the gradients do not depend on y's layout; other
+// operands take x + (y + b).
 #pragma once
 #include <torch/types.h>
 
