@@ -486,10 +486,9 @@ torch::Tensor bits(const torch::Tensor& t) {
 }
 }  // namespace
 
-TEST_CASE("fused GELU: the AVX-512 form equals the AVX2 form bit for bit (fp32, bf16; plain and with the bias)") {
+TEST_CASE("fused GELU: the AVX-512 form equals the AVX2 form bit for bit (fp32, bf16; plain and with the bias)", "[avx512]") {
   if (!device::cpu_features().avx512_lanes || !device::cpu_has_avx2_fma()) {
-    WARN("this CPU (or ATEN_CPU_CAPABILITY) gives no AVX-512 lanes: only the AVX2 form runs here");
-    return;
+    SUBLINEAR_SKIP("this CPU (or ATEN_CPU_CAPABILITY) gives no AVX-512 lanes: only the AVX2 form runs here");
   }
   torch::manual_seed(33);
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
@@ -851,34 +850,44 @@ TEST_CASE("bf16 fused causal attention: forward is the fp32 kernel rounded once;
   CHECK_FALSE(model::causal_attention_packed_fused(torch::randn({1, 8, 12}, torch::kHalf), 2));
 }
 
+namespace {
+struct GemmCase {
+  int64_t M, N, K;
+  model::Causal causal;
+  int64_t diag;
+};
+
+// A random M x K operand, 0 where the causal kind says A is (as the attention's P and dS are): past
+// each row's diagonal for k_to_diag, before it for k_from_diag.
+torch::Tensor causal_operand(const GemmCase& c) {
+  auto a = torch::randn({c.M, c.K});
+  const auto r = torch::arange(c.M).view({c.M, 1}), k = torch::arange(c.K).view({1, c.K});
+  if (c.causal == model::Causal::k_to_diag) a.masked_fill_(k > r + c.diag, 0.0);
+  if (c.causal == model::Causal::k_from_diag) a.masked_fill_(k < r - c.diag, 0.0);
+  return a;
+}
+}  // namespace
+
 // The AVX512-BF16 GEMM of the bf16 attention against fp64 products of the operands rounded to bf16:
 // each product of two bf16 is exact in fp32 and the sums are fp32, so every element is within the
 // fp32 summation bound K 2^-24 sum_k |a||b| (+ the same for the accumulated C). Shapes with a short
 // row tile (M 19 = 8 + 8 + 3), a partial vector (N 45 = 32 + 13), odd K (a 0-padded pair), each causal
 // kind (A zero past the mask, as the attention's P and dS are), with and without accumulation, A read
 // along rows and down columns (pack_row_pairs, pack_column_pairs with strides (1, ld)).
-TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the fp32 summation bound") {
+TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the fp32 summation bound", "[avx512]") {
   if (!model::bf16_dot_products()) {
-    WARN("this CPU has no AVX512-BF16 (or oneDNN is capped below avx512_core_bf16): the bf16 products cannot run here");
-    return;
+    SUBLINEAR_SKIP("this CPU has no AVX512-BF16 (or oneDNN is capped below avx512_core_bf16): the bf16 products cannot run here");
   }
   torch::manual_seed(31);
   using model::Causal;
-  struct Case {
-    int64_t M, N, K;
-    Causal causal;
-    int64_t diag;
-  };
-  for (const Case c : {Case{19, 45, 33, Causal::all, 0}, Case{64, 256, 64, Causal::cols_to_diag, 192},
-                       Case{19, 45, 45, Causal::k_to_diag, 7}, Case{45, 24, 19, Causal::k_from_diag, 5},
-                       Case{8, 16, 1, Causal::all, 0}}) {
+  for (const GemmCase c : {GemmCase{19, 45, 33, Causal::all, 0}, GemmCase{64, 256, 64, Causal::cols_to_diag, 192},
+                           GemmCase{19, 45, 45, Causal::k_to_diag, 7}, GemmCase{45, 24, 19, Causal::k_from_diag, 5},
+                           GemmCase{8, 16, 1, Causal::all, 0}}) {
     for (const bool transposed_a : {false, true}) {
       for (const bool accumulate : {false, true}) {
         CAPTURE(c.M, c.N, c.K, static_cast<int>(c.causal), c.diag, transposed_a, accumulate);
-        auto a = torch::randn({c.M, c.K});
-        const auto r = torch::arange(c.M).view({c.M, 1}), k = torch::arange(c.K).view({1, c.K});
-        if (c.causal == Causal::k_to_diag) a.masked_fill_(k > r + c.diag, 0.0);
-        if (c.causal == Causal::k_from_diag) a.masked_fill_(k < r - c.diag, 0.0);
+        const auto a = causal_operand(c);
+        const auto r = torch::arange(c.M).view({c.M, 1});
         const auto b = torch::randn({c.K, c.N});
         const auto c0 = torch::randn({c.M, c.N});
         const int64_t kp = (c.K + 1) / 2;
@@ -905,6 +914,48 @@ TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the 
         if (c.causal == Causal::cols_to_diag) ok = ok | (torch::arange(c.N).view({1, c.N}) > r + c.diag);
         INFO("max error " << max_err(got, want));
         CHECK(ok.all().item<bool>());
+      }
+    }
+  }
+}
+
+// The fp32 products on 16 lanes (model/small_gemm.h: the AVX2 clone's arithmetic, up to 64 columns a
+// tile) against the AVX2 clone, raw bits, over every C element (cols_to_diag's extra columns included:
+// both forms write the same ones): a short row tile (M 19 = 6 + 6 + 6 + 1), column widths that leave
+// each kind of 16-lane tail and the AVX2 clone's 8-column and scalar tails (N 5, 45, 77, 130), each
+// causal kind, with and without accumulation, A along rows and down columns, NaN and infinity in B.
+TEST_CASE("small_gemm: the 16-lane form gives the AVX2 clone's bits", "[avx512]") {
+  if (!device::cpu_features().avx512_lanes || !device::cpu_has_avx2_fma()) {
+    SUBLINEAR_SKIP("this CPU (or ATEN_CPU_CAPABILITY) gives no AVX-512 lanes: only the AVX2 products run here");
+  }
+  torch::manual_seed(35);
+  using model::Causal;
+  for (const GemmCase c : {GemmCase{19, 45, 33, Causal::all, 0}, GemmCase{64, 130, 64, Causal::cols_to_diag, 66},
+                           GemmCase{19, 77, 45, Causal::k_to_diag, 7}, GemmCase{45, 64, 19, Causal::k_from_diag, 5},
+                           GemmCase{7, 5, 1, Causal::all, 0}, GemmCase{13, 77, 64, Causal::cols_to_diag, 0}}) {
+    for (const bool transposed_a : {false, true}) {
+      for (const bool accumulate : {false, true}) {
+        CAPTURE(c.M, c.N, c.K, static_cast<int>(c.causal), c.diag, transposed_a, accumulate);
+        const auto a = causal_operand(c);
+        auto b = torch::randn({c.K, c.N});
+        if (c.N > 40) b[0][3] = std::numeric_limits<float>::quiet_NaN(), b[c.K - 1][40] = INFINITY;
+        const auto at = a.t().contiguous();
+        const model::MatA ma = transposed_a ? model::MatA{at.data_ptr<float>(), 1, c.M} : model::MatA{a.data_ptr<float>(), c.K, 1};
+        const auto c0 = torch::randn({c.M, c.N});
+        auto run = [&](bool avx2) {
+          const KernelClone vector(/*baseline=*/false);
+          const Avx2Lanes lanes(avx2);
+          REQUIRE(device::avx512_kernels() == !avx2);
+          auto got = c0.clone();
+          model::small_gemm({c.M, c.N, c.K, c.causal, c.diag}, 0.75f, ma, b.data_ptr<float>(), c.N,
+                            got.data_ptr<float>(), c.N, accumulate);
+          return got;
+        };
+        const auto avx2 = run(true), avx512 = run(false);
+        const auto differ = (bits(avx2) != bits(avx512)).nonzero();  // (row, column) of each
+        const auto first = [&](int i) { return std::to_string(differ[0][i].item<int64_t>()); };
+        INFO(differ.size(0) << " elements differ" << (differ.size(0) ? " (the first at " + first(0) + ", " + first(1) + ")" : ""));
+        CHECK(differ.size(0) == 0);
       }
     }
   }
@@ -970,10 +1021,9 @@ TEST_CASE("bf16 fused attention and GELU: the baseline clone equals the AVX2 + F
 // operations in the same order, its exps 16 at a time): the whole attention, forward and backward, gives
 // the 8-lane bits, in fp32 and bf16 (on both product paths), for sequence lengths whose rows leave every
 // kind of tail (T 5, 37, 70, 129: blocks of 64 rows, rows of every valid length up to T).
-TEST_CASE("fused attention: the 16-lane softmax rows give the AVX2 clone's bits, forward and backward") {
+TEST_CASE("fused attention: the 16-lane softmax rows give the AVX2 clone's bits, forward and backward", "[avx512]") {
   if (!device::cpu_features().avx512_lanes || !device::cpu_has_avx2_fma()) {
-    WARN("this CPU (or ATEN_CPU_CAPABILITY) gives no AVX-512 lanes: only the AVX2 rows run here");
-    return;
+    SUBLINEAR_SKIP("this CPU (or ATEN_CPU_CAPABILITY) gives no AVX-512 lanes: only the AVX2 rows run here");
   }
   torch::manual_seed(34);
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {

@@ -37,7 +37,8 @@ struct CpuFeatures {
   // The fused bf16 attention may multiply with AVX512-BF16 (model/small_gemm.h): avx512_bf16 with
   // AVX-512 F/BW/VL/DQ, and oneDNN's cap allows avx512_core_bf16 (a lower cap stands for a CPU without).
   bool bf16_dot = false;
-  // The fused GELU and softmax rows may run on 16 lanes (device::avx512_kernels): AVX-512 F/BW/VL/DQ,
+  // The fused GELU, softmax rows and fp32 attention products may run on 16 lanes
+  // (device::avx512_kernels): AVX-512 F/BW/VL/DQ,
   // and ATen's own kernels dispatch to AVX-512 (ATEN_CPU_CAPABILITY=avx2 caps this too).
   bool avx512_lanes = false;
   LowpMatmul bf16_matmul = LowpMatmul::aten;
@@ -72,10 +73,10 @@ bool vector_kernels();
 // Forces the baseline clones (on) or lets the vector clones run where the CPU has them (off); returns
 // the setting it replaces. Takes effect at the next kernel call: do not switch while a kernel runs.
 bool force_baseline_kernels(bool on);
-// The fused GELU and the attention's softmax rows run on 16 lanes now (AVX-512, the same operations in
-// the same order as their 8-lane AVX2 forms, so the same bits): vector_kernels(),
-// CpuFeatures::avx512_lanes, and not turned off by force_avx2_kernels. The other fused kernels have no
-// 16-lane form.
+// The fused GELU, the attention's softmax rows and its fp32 products (model/small_gemm.h) run on 16
+// lanes now (AVX-512, the same operations in the same order as their 8-lane AVX2 forms, so the same
+// bits): vector_kernels(), CpuFeatures::avx512_lanes, and not turned off by force_avx2_kernels. The
+// other fused kernels have no 16-lane form.
 bool avx512_kernels();
 // Keeps the vector clones on 8 lanes (on) or lets them take 16 where avx512_lanes says so (off);
 // returns the setting it replaces. For tests (the two forms against each other).

@@ -21,7 +21,6 @@ namespace {
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kCubic = 0.044715f;
-constexpr int64_t kRowChunk = 32;  // rows per piece of the bias form (its bias gradient sums per piece)
 
 // ---- one row of n elements: y = gelu(x + b), dx = g gelu'(x + b), db += dx; b may be null ----
 
@@ -261,9 +260,8 @@ torch::Tensor backward_fused(const torch::Tensor& g, const torch::Tensor& x) {
   return dx;
 }
 
-// The bias form works on pieces of kRowChunk rows of x seen as (rows, H), with the bias in fp32 (a
+// The bias form works on row pieces of x seen as (rows, H) (intra_op.h), with the bias in fp32 (a
 // bf16 bias widened: H floats).
-int64_t chunks_of(int64_t rows) { return (rows + kRowChunk - 1) / kRowChunk; }
 
 torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& b) {
   RECORD_FUNCTION("sublinear::gelu_tanh", std::vector<c10::IValue>{});
@@ -275,10 +273,7 @@ torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& b)
     using T = decltype(t);
     const T* X = x.data_ptr<T>();
     T* Y = y.data_ptr<T>();
-    for_each_index(chunks_of(rows), [&](int64_t c, int) {
-      for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
-        forward_row(X + r * H, Bp, Y + r * H, H);
-    });
+    for_each_row(rows, [&](int64_t r, int64_t) { forward_row(X + r * H, Bp, Y + r * H, H); });
   });
   return y;
 }
@@ -290,24 +285,17 @@ std::tuple<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor
   RECORD_FUNCTION("sublinear::gelu_tanh_backward", std::vector<c10::IValue>{});
   const auto gc = g.to(x.scalar_type()).contiguous(), b32 = b.to(torch::kFloat32);
   auto dx = torch::empty_like(x);
-  const int64_t H = b.numel(), rows = x.numel() / H, chunks = chunks_of(rows);
-  auto partial = torch::zeros({chunks, H}, b32.options());
+  const int64_t H = b.numel(), rows = x.numel() / H;
+  auto partial = torch::zeros({pieces_of(rows), H}, b32.options());
   const float* Bp = b32.data_ptr<float>();
   float* P = partial.data_ptr<float>();
   on_element(x, [&](auto t) {
     using T = decltype(t);
     const T *G = gc.data_ptr<T>(), *X = x.data_ptr<T>();
     T* DX = dx.data_ptr<T>();
-    for_each_index(chunks, [&](int64_t c, int) {
-      for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r)
-        backward_row(G + r * H, X + r * H, Bp, DX + r * H, P + c * H, H);
-    });
+    for_each_row(rows, [&](int64_t r, int64_t c) { backward_row(G + r * H, X + r * H, Bp, DX + r * H, P + c * H, H); });
   });
-  auto db = torch::zeros({H}, b32.options());
-  float* DB = db.data_ptr<float>();
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int64_t j = 0; j < H; ++j) DB[j] += P[c * H + j];
-  return {dx, db.to(b.scalar_type())};
+  return {dx, sum_pieces(partial).to(b.scalar_type())};
 }
 
 struct GeluTanhFunction : torch::autograd::Function<GeluTanhFunction> {

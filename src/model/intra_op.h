@@ -1,9 +1,11 @@
-// Work split over ATen's intra-op threads, for the fused CPU kernels (attention, GELU, AdamW).
+// Work split over ATen's intra-op threads, for the fused CPU kernels (attention, GELU, AdamW, the
+// residual adds, LayerNorm).
 //
 // at::parallel_for cannot do it from here: it is a header template whose `#pragma omp parallel` is
 // compiled into the calling file, and this project is built without OpenMP (libtorch brings its own
 // runtime), so it would run on one thread. A TensorIterator's for_each splits inside libtorch instead.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 
@@ -52,6 +54,33 @@ void for_each_piece(std::initializer_list<torch::Tensor> outputs, std::initializ
       kernel(ptrs, size0);  // contiguous operands: unit inner strides
     }
   }, grain);
+}
+
+// Row pieces, for the kernels whose backward sums a column total (a bias's or a norm weight's
+// gradient) over the rows of x seen as (rows, C): kRowPiece rows per task, each piece summing into its
+// own row of a (pieces_of(rows), C) fp32 tensor of partial sums, which sum_pieces then adds in piece
+// order. So the bits depend on neither the thread count nor which thread took which piece.
+constexpr int64_t kRowPiece = 32;
+
+inline int64_t pieces_of(int64_t rows) { return (rows + kRowPiece - 1) / kRowPiece; }
+
+// Runs fn(r, piece) for every row r in [0, rows), a piece of rows per task.
+template <class Fn>
+void for_each_row(int64_t rows, Fn fn) {
+  for_each_index(pieces_of(rows), [&](int64_t c, int) {
+    for (int64_t r = c * kRowPiece; r < std::min(rows, (c + 1) * kRowPiece); ++r) fn(r, c);
+  });
+}
+
+// The partial sums' rows (pieces, C), fp32, added in order into one (C) row (from 0).
+inline torch::Tensor sum_pieces(const torch::Tensor& partial) {
+  const int64_t pieces = partial.size(0), C = partial.size(1);
+  auto out = torch::zeros({C}, partial.options());
+  const float* P = partial.const_data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  for (int64_t c = 0; c < pieces; ++c)
+    for (int64_t j = 0; j < C; ++j) O[j] += P[c * C + j];
+  return out;
 }
 
 }  // namespace sl::model

@@ -20,7 +20,6 @@ namespace sl::model {
 namespace {
 
 constexpr int kLanes = 8;          // independent accumulators per row sum, so the loops vectorize
-constexpr int64_t kRowChunk = 32;  // rows per piece (the backward's dw and db sum per piece)
 
 // ---- one row of n elements: one clone per instruction set (AVX2 + FMA, baseline; clones.h) ----
 
@@ -82,17 +81,7 @@ SL_KERNEL_CLONES(void, backward_row,
                   float* dx, float* dw, float* db),
                  (dy, x, w, mean, rstd, n, dx, dw, db))
 
-// ---- whole tensors: x seen as (rows, C), pieces of kRowChunk rows on ATen's intra-op threads ----
-
-int64_t chunks_of(int64_t rows) { return (rows + kRowChunk - 1) / kRowChunk; }
-
-// Runs fn(r) for every row r, a piece of rows per task; fn(r, piece) where the piece matters.
-template <class Fn>
-void for_each_row(int64_t rows, Fn fn) {
-  for_each_index(chunks_of(rows), [&](int64_t c, int) {
-    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r) fn(r, c);
-  });
-}
+// ---- whole tensors: x seen as (rows, C), row pieces on ATen's intra-op threads (intra_op.h) ----
 
 struct Forward {
   torch::Tensor y, mean, rstd;  // y bf16 (x's sizes), mean and rstd fp32 (rows)
@@ -112,26 +101,15 @@ Forward forward_fused(const torch::Tensor& x, const torch::Tensor& w, const torc
   return f;
 }
 
-// Sums the pieces' partial rows (chunks, C) in order into one (C) row.
-torch::Tensor sum_pieces(const torch::Tensor& partial) {
-  const int64_t chunks = partial.size(0), C = partial.size(1);
-  auto out = torch::zeros({C}, partial.options());
-  const float* P = partial.const_data_ptr<float>();
-  float* O = out.data_ptr<float>();
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int64_t j = 0; j < C; ++j) O[j] += P[c * C + j];
-  return out;
-}
-
 // (dx, dw, db): db undefined when there is no bias.
 std::array<torch::Tensor, 3> backward_fused(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,
                                             const torch::Tensor& mean, const torch::Tensor& rstd, bool with_bias) {
   RECORD_FUNCTION("sublinear::layer_norm_backward", std::vector<c10::IValue>{});
   const auto g = dy.to(torch::kBFloat16).contiguous();
-  const int64_t C = x.size(-1), rows = x.numel() / C, chunks = chunks_of(rows);
+  const int64_t C = x.size(-1), rows = x.numel() / C, pieces = pieces_of(rows);
   auto dx = torch::empty_like(x);
-  auto dw_part = torch::zeros({chunks, C}, x.options());
-  auto db_part = with_bias ? torch::zeros({chunks, C}, x.options()) : torch::Tensor();
+  auto dw_part = torch::zeros({pieces, C}, x.options());
+  auto db_part = with_bias ? torch::zeros({pieces, C}, x.options()) : torch::Tensor();
   const auto* G = g.const_data_ptr<c10::BFloat16>();
   const float *X = x.const_data_ptr<float>(), *W = w.const_data_ptr<float>();
   const float *M = mean.const_data_ptr<float>(), *R = rstd.const_data_ptr<float>();

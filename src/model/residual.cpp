@@ -17,7 +17,6 @@ namespace sl::model {
 namespace {
 
 constexpr int64_t kPiece = 16384;  // elements per piece a thread takes (64 KiB of fp32 output)
-constexpr int64_t kRowChunk = 32;  // rows per piece of the bias form (its bias gradient sums per piece)
 
 // out[i] = x[i] + widen(y[i]): the AVX2 clone's loop vectorizes (widening is a shift).
 SL_KERNEL_BODY void add_widened_body(const float* x, const c10::BFloat16* y, float* out, int64_t n) {
@@ -55,8 +54,6 @@ SL_KERNEL_BODY void sum_rows_body(const float* g, float* db, int64_t n) {
 }
 SL_KERNEL_CLONES(void, sum_rows, (const float* g, float* db, int64_t n), (g, db, n))
 
-int64_t chunks_of(int64_t rows) { return (rows + kRowChunk - 1) / kRowChunk; }
-
 torch::Tensor forward_fused(const torch::Tensor& x, const torch::Tensor& y) {
   RECORD_FUNCTION("sublinear::residual_add", std::vector<c10::IValue>{});
   auto out = torch::empty_like(x, torch::MemoryFormat::Contiguous);
@@ -87,13 +84,11 @@ torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& y,
   float* op = out.data_ptr<float>();
   const bool bf16 = y.scalar_type() == torch::kBFloat16;
   const int64_t C = b.numel(), rows = x.numel() / C;
-  for_each_index(chunks_of(rows), [&](int64_t c, int) {
-    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r) {
-      if (bf16)
-        add_widened_bias(xp + r * C, y.const_data_ptr<c10::BFloat16>() + r * C, bp, op + r * C, C);
-      else
-        add_bias(xp + r * C, y.const_data_ptr<float>() + r * C, bp, op + r * C, C);
-    }
+  for_each_row(rows, [&](int64_t r, int64_t) {
+    if (bf16)
+      add_widened_bias(xp + r * C, y.const_data_ptr<c10::BFloat16>() + r * C, bp, op + r * C, C);
+    else
+      add_bias(xp + r * C, y.const_data_ptr<float>() + r * C, bp, op + r * C, C);
   });
   return out;
 }
@@ -106,23 +101,17 @@ std::pair<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor&
   const auto gc = g.contiguous();
   const bool bf16 = branch == torch::kBFloat16;
   auto dy = bf16 ? torch::empty(gc.sizes(), gc.options().dtype(torch::kBFloat16)) : gc;
-  const int64_t rows = gc.numel() / C, chunks = chunks_of(rows);
-  auto partial = torch::zeros({chunks, C}, gc.options());
+  const int64_t rows = gc.numel() / C;
+  auto partial = torch::zeros({pieces_of(rows), C}, gc.options());
   const float* gp = gc.const_data_ptr<float>();
   float* pp = partial.data_ptr<float>();
-  for_each_index(chunks, [&](int64_t c, int) {
-    for (int64_t r = c * kRowChunk; r < std::min(rows, (c + 1) * kRowChunk); ++r) {
-      if (bf16)
-        narrow_and_sum(gp + r * C, dy.data_ptr<c10::BFloat16>() + r * C, pp + c * C, C);
-      else
-        sum_rows(gp + r * C, pp + c * C, C);
-    }
+  for_each_row(rows, [&](int64_t r, int64_t c) {
+    if (bf16)
+      narrow_and_sum(gp + r * C, dy.data_ptr<c10::BFloat16>() + r * C, pp + c * C, C);
+    else
+      sum_rows(gp + r * C, pp + c * C, C);
   });
-  auto db = torch::zeros({C}, gc.options());
-  float* dbp = db.data_ptr<float>();
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int64_t j = 0; j < C; ++j) dbp[j] += pp[c * C + j];
-  return {dy, db};
+  return {dy, sum_pieces(partial)};
 }
 
 void no_double_backward() {

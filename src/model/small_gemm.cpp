@@ -20,6 +20,16 @@ __attribute__((always_inline)) inline v8 load8(const float* p) {
 
 __attribute__((always_inline)) inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 
+// The tiles' arithmetic, in every form: each k's product added to the sum with one multiply-add in the
+// vector forms (GCC fuses `acc += x * b` in the AVX2 clone: the product has no other use), a multiply
+// then an add in the baseline; then alpha times the sum, rounded, then the add to C, rounded. The
+// barrier keeps alpha's product rounded on its own: GCC would fuse it into the add to C where it sees
+// the two alone (it does in some tiles, not in others, by how it splits the accumulate branch).
+__attribute__((always_inline)) inline v8 rounded(v8 v) {
+  asm("" : "+m"(v));
+  return v;
+}
+
 // C[R x 8 NV] (=|+=) alpha sum_{k in [k0, k1)} A(r, k) B[k, :]. Inlined into each clone below.
 template <int R, int NV>
 __attribute__((always_inline)) inline void tile(const MatA& a, const float* b, int64_t ldb, int64_t k0, int64_t k1,
@@ -36,22 +46,35 @@ __attribute__((always_inline)) inline void tile(const MatA& a, const float* b, i
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) {
       float* out = c + r * ldc + 8 * v;
-      const v8 x = alpha * acc[r][v];
+      const v8 x = rounded(alpha * acc[r][v]);
       store8(out, accumulate ? load8(out) + x : x);
     }
 }
 
-// The same for a column range narrower than 8.
-__attribute__((always_inline)) inline void tile_scalar(int R, int W, const MatA& a, const float* b, int64_t ldb,
-                                                       int64_t k0, int64_t k1, float* c, int64_t ldc, float alpha,
+// The same for a column range narrower than 8 (W columns): B's and C's columns through a zero-padded
+// vector, so each element takes tile's arithmetic (a scalar loop's would be GCC's choice: it multiplies
+// some k in vectors and adds them one by one, without the multiply-add the vector forms use).
+template <int R>
+__attribute__((always_inline)) inline void tile_narrow(int W, const MatA& a, const float* b, int64_t ldb, int64_t k0,
+                                                       int64_t k1, float* c, int64_t ldc, float alpha,
                                                        bool accumulate) {
-  for (int r = 0; r < R; ++r)
-    for (int w = 0; w < W; ++w) {
-      float acc = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) acc += a.p[r * a.rs + k * a.ks] * b[k * ldb + w];
-      float& out = c[r * ldc + w];
-      out = accumulate ? out + alpha * acc : alpha * acc;
+  const size_t bytes = static_cast<size_t>(W) * sizeof(float);
+  v8 acc[R] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    v8 bv = {};
+    std::memcpy(&bv, b + k * ldb, bytes);
+    for (int r = 0; r < R; ++r) acc[r] += a.p[r * a.rs + k * a.ks] * bv;
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out = c + r * ldc;
+    v8 x = rounded(alpha * acc[r]);
+    if (accumulate) {
+      v8 old = {};
+      std::memcpy(&old, out, bytes);
+      x = old + x;
     }
+    std::memcpy(out, &x, bytes);
+  }
 }
 
 template <int R>
@@ -64,7 +87,7 @@ __attribute__((always_inline)) inline void row_tile(const MatA& a, const float* 
     tile<R, 1>(a, b + col, ldb, k0, k1, c + col, ldc, alpha, accumulate);
     col += 8;
   }
-  if (col < n_end) tile_scalar(R, static_cast<int>(n_end - col), a, b + col, ldb, k0, k1, c + col, ldc, alpha, accumulate);
+  if (col < n_end) tile_narrow<R>(static_cast<int>(n_end - col), a, b + col, ldb, k0, k1, c + col, ldc, alpha, accumulate);
 }
 
 // What a row tile [r0, last] of C needs under s.causal (the contract in small_gemm.h): columns up to
@@ -82,7 +105,7 @@ __attribute__((always_inline)) inline TileBounds tile_bounds(const GemmShape& s,
   return t;
 }
 
-SL_KERNEL_BODY void small_gemm_body(const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c,
+SL_KERNEL_BODY void small_gemm_8_body(const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c,
                                     int64_t ldc, bool accumulate) {
   for (int64_t r0 = 0; r0 < s.M; r0 += kRows) {
     const int R = static_cast<int>(std::min<int64_t>(kRows, s.M - r0));
@@ -100,13 +123,13 @@ SL_KERNEL_BODY void small_gemm_body(const GemmShape& s, float alpha, MatA a, con
   }
 }
 
-}  // namespace
-
-SL_KERNEL_CLONES(void, small_gemm,
+// The 8-lane forms (small_gemm_8_avx2, small_gemm_8_baseline) and the pick between them.
+SL_KERNEL_CLONES(void, small_gemm_8,
                  (const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c, int64_t ldc,
                   bool accumulate),
                  (s, alpha, a, b, ldb, c, ldc, accumulate))
 
+}  // namespace
 }  // namespace sl::model
 
 // ---- bf16 products (AVX512-BF16) ----
@@ -153,6 +176,28 @@ SL_BF16_DOT inline void column_pairs(const T* x, int64_t ldx, int64_t rows, int6
   }
 }
 
+#define SL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+// The 16-lane tiles' end (bf16 and fp32 products): C[R x up to 16 NV] (=|+=) alpha acc, alpha's product
+// rounded on its own before the add to C (the barrier keeps GCC from fusing the two, as rounded() does
+// for the 8-lane forms); the last vector's columns are `mask`'s.
+template <int R, int NV>
+SL_AVX512 inline void store_tile(const __m512 (&acc)[R][NV], float* c, int64_t ldc, float alpha, bool accumulate,
+                                 __mmask16 mask) {
+  const __m512 scale = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __mmask16 m = v == NV - 1 ? mask : __mmask16(0xFFFF);
+      float* out = c + r * ldc + 16 * v;
+      __m512 x = _mm512_mul_ps(scale, acc[r][v]);
+      asm("" : "+v"(x));
+      if (accumulate) x = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), x);
+      _mm512_mask_storeu_ps(out, m, x);
+    }
+}
+
 // C[R x up to 16 NV] (=|+=) alpha sum_{kp in [kp0, kp1)} A(r, kp) . B(kp, :); the last vector's columns
 // are `mask`'s.
 template <int R, int NV>
@@ -175,17 +220,7 @@ SL_BF16_DOT inline void tile_bf16(const WordsA& a, const uint32_t* b, int64_t ld
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)av, (__m512bh)bv[v]);
     }
   }
-  const __m512 scale = _mm512_set1_ps(alpha);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) {
-      const __mmask16 m = v == NV - 1 ? mask : __mmask16(0xFFFF);
-      float* out = c + r * ldc + 16 * v;
-      __m512 x = _mm512_mul_ps(scale, acc[r][v]);
-      if (accumulate) x = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), x);
-      _mm512_mask_storeu_ps(out, m, x);
-    }
+  store_tile<R, NV>(acc, c, ldc, alpha, accumulate, mask);
 }
 
 template <int R>
@@ -200,7 +235,81 @@ SL_BF16_DOT inline void row_tile_bf16(const WordsA& a, const uint32_t* b, int64_
   }
 }
 
+// ---- fp32 products on 16 lanes (AVX-512 F), where device::avx512_kernels() says so ----
+// The AVX2 clone's arithmetic element for element: the same 6-row tiles (so the same causal bounds), one
+// multiply-add per k in k's order from 0, then alpha times the sum, then the add to C, each rounded on its
+// own; only the lanes per instruction differ (16 columns, up to 64 per tile), so the bits are the AVX2
+// clone's (test: "small_gemm: the 16-lane form gives the AVX2 clone's bits").
+
+// C[R x up to 16 NV] (=|+=) alpha sum_{k in [k0, k1)} A(r, k) B[k, :]; the last vector's columns are
+// `mask`'s (the others whole).
+template <int R, int NV>
+SL_AVX512 inline void tile16(const MatA& a, const float* b, int64_t ldb, int64_t k0, int64_t k1, float* c, int64_t ldc,
+                             float alpha, bool accumulate, __mmask16 mask) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      bv[v] = _mm512_maskz_loadu_ps(v == NV - 1 ? mask : __mmask16(0xFFFF), b + k * ldb + 16 * v);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a.p[r * a.rs + k * a.ks]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(x, bv[v], acc[r][v]);
+    }
+  }
+  store_tile<R, NV>(acc, c, ldc, alpha, accumulate, mask);
+}
+
+// Columns [0, n_end) of an R-row tile, 64 at a time.
+template <int R>
+SL_AVX512 inline void row_tile16(const MatA& a, const float* b, int64_t ldb, int64_t k0, int64_t k1, float* c,
+                                 int64_t ldc, int64_t n_end, float alpha, bool accumulate) {
+  for (int64_t col = 0; col < n_end; col += 64) {
+    const int width = static_cast<int>(std::min<int64_t>(64, n_end - col));
+    const int nv = (width + 15) / 16;
+    const auto mask = static_cast<__mmask16>((1u << (width - 16 * (nv - 1))) - 1u);
+    const float* bc = b + col;
+    float* cc = c + col;
+    switch (nv) {
+      case 4: tile16<R, 4>(a, bc, ldb, k0, k1, cc, ldc, alpha, accumulate, mask); break;
+      case 3: tile16<R, 3>(a, bc, ldb, k0, k1, cc, ldc, alpha, accumulate, mask); break;
+      case 2: tile16<R, 2>(a, bc, ldb, k0, k1, cc, ldc, alpha, accumulate, mask); break;
+      default: tile16<R, 1>(a, bc, ldb, k0, k1, cc, ldc, alpha, accumulate, mask); break;
+    }
+  }
+}
+
+SL_AVX512 void small_gemm_16(const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c,
+                             int64_t ldc, bool accumulate) {
+  for (int64_t r0 = 0; r0 < s.M; r0 += kRows) {
+    const int R = static_cast<int>(std::min<int64_t>(kRows, s.M - r0));
+    const auto [n_end, k0, k1] = tile_bounds(s, r0, r0 + R - 1, 8);  // the AVX2 clone's bounds
+    const MatA at{a.p + r0 * a.rs, a.rs, a.ks};
+    float* ct = c + r0 * ldc;
+    switch (R) {
+      case 6: row_tile16<6>(at, b, ldb, k0, k1, ct, ldc, n_end, alpha, accumulate); break;
+      case 5: row_tile16<5>(at, b, ldb, k0, k1, ct, ldc, n_end, alpha, accumulate); break;
+      case 4: row_tile16<4>(at, b, ldb, k0, k1, ct, ldc, n_end, alpha, accumulate); break;
+      case 3: row_tile16<3>(at, b, ldb, k0, k1, ct, ldc, n_end, alpha, accumulate); break;
+      case 2: row_tile16<2>(at, b, ldb, k0, k1, ct, ldc, n_end, alpha, accumulate); break;
+      default: row_tile16<1>(at, b, ldb, k0, k1, ct, ldc, n_end, alpha, accumulate); break;
+    }
+  }
+}
+
 }  // namespace
+
+void small_gemm(const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c, int64_t ldc,
+                bool accumulate) {
+  if (device::avx512_kernels()) return small_gemm_16(s, alpha, a, b, ldb, c, ldc, accumulate);
+  small_gemm_8(s, alpha, a, b, ldb, c, ldc, accumulate);
+}
 
 bool bf16_dot_products() { return device::cpu_features().bf16_dot; }
 
@@ -261,6 +370,10 @@ SL_BF16_DOT void small_gemm_bf16(const GemmShape& s, float alpha, WordsA a, cons
 #include <c10/util/Exception.h>
 
 namespace sl::model {
+void small_gemm(const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c, int64_t ldc,
+                bool accumulate) {
+  small_gemm_8(s, alpha, a, b, ldb, c, ldc, accumulate);
+}
 bool bf16_dot_products() { return false; }
 void pack_row_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
 void pack_column_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }

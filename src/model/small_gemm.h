@@ -2,8 +2,10 @@
 // through any row and column strides (so A or A^T), B row-major, and the causal structure of a
 // block of attention used to skip what the mask zeroes. Register-tiled (6 rows x 16 columns of C),
 // no packing: the operands of one (batch, head) sit in L1/L2. AVX2 + FMA and baseline clones, picked
-// per call (model/clones.h). A fixed summation order per element and no threads: with one clone the
-// bits depend only on the operands (the two clones differ by rounding: the AVX2 one fuses multiply-adds).
+// per call (model/clones.h), and a 16-lane AVX-512 form where device::avx512_kernels() says so (tiles
+// up to 6 x 64) with the AVX2 clone's arithmetic, so its bits. A fixed summation order per element and
+// no threads: the bits depend only on the operands and whether the baseline runs (it differs from the
+// vector forms by rounding: they fuse each multiply-add).
 #pragma once
 #include <cstdint>
 
