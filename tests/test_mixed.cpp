@@ -289,24 +289,31 @@ TEST_CASE("zero3 reads weights in shard by shard: model.init_from and --resume p
 
 // Issue 33: the bf16 GELU and causal-attention kernels (bf16 in and out, fp32 arithmetic inside) over a
 // whole training curve. Three runs of the tiny recipe, scaled down so bf16 is quick on CPUs without
-// bf16 matmul instructions (2 layers, T 64, micro-batch 4, 30 steps; the same seed and data): fp32,
-// bf16 with the fused kernels (and, on a CPU whose libraries have no bf16 GEMM, the widened linears of
+// bf16 matmul instructions (2 layers, T 64, micro-batch 4, 30 steps; the same seed and data): fp32 on
+// ATen's ops alone (SUBLINEAR_ATEN_KERNELS=1: a reference none of the project's kernels touch, so a bug
+// the fused fp32 and bf16 paths share, such as the folded bias's gradient, shows), bf16 with the fused kernels (and, on a CPU whose libraries have no bf16 GEMM, the widened linears of
 // model/linear.h), and bf16 with ATen's (SUBLINEAR_ATEN_KERNELS=1: at::gelu, SDPA and at::linear in
-// bf16, what the trainer ran before; there the start-up warning names the slow GEMM). ATen's bf16 curve departs from the fp32 curve by bf16 rounding
-// alone; that departure is the spread the fused curve must stay within: its mean distance from the
-// fp32 curve at most 1.5x ATen's + 0.005 nats (two runs of a chaotic process), and its mean over the
-// last 10 steps no further from fp32's than the larger of ATen's last-10 distance and that spread, + 0.005
-// (fp32 is the centre: on a
-// CPU with AVX512-BF16 the fused curve ran closer to fp32's than ATen's, 0.012 against 0.034 nats, and
-// ATen's last steps 0.098 below fp32's). The fused kernels keep more in fp32 (the
-// softmax's probabilities, the GELU's intermediate) than ATen's bf16 kernels, so they should not
-// depart further; a wrong kernel (a bad rounding, a lost gradient) departs by far more.
+// bf16, what the trainer ran before; there the start-up warning names the slow GEMM). ATen's bf16
+// curve departs from the fp32 curve by bf16 rounding alone; that departure is the spread the fused
+// curve must stay within: its mean distance from the fp32 curve at most 1.5x ATen's + 0.001 nats, and
+// its mean over the last 10 steps no further from fp32's than the larger of ATen's last-10 distance
+// and that spread, + 0.001. The fused kernels keep more in fp32 (the softmax's probabilities, the
+// GELU's intermediate) than ATen's bf16 kernels, so they should not depart further; a wrong kernel
+// (a bad rounding, a lost gradient) departs by far more than 0.001: with the residual adds' bias
+// gradient halved the fused curve ran 0.035 nats from fp32's (measured; with the fused fp32 run as the
+// reference, as before, that bug went unseen). Measured at this learning rate: AMD EPYC with
+// AVX512-BF16, ATen 1.3e-4 and fused 3.1e-4 nats from fp32's; Xeon with AMX 2e-4 and 3e-4.
+// train.lr 1e-3, not the recipe's 3e-3: at 3e-3 this run spikes at step 15 (loss 8.4, gradient norm
+// 50, in fp32 too) and is chaotic from step 20 on, where any bit of difference (another CPU's GEMM
+// order: AMX on a Xeon) sends two runs apart. There, on a Xeon with AMX, the fused curve ran 0.093
+// nats from fp32's against ATen's 0.017 for this seed, and closer than ATen's for 4 of 8 seeds: a
+// test of the CPU's luck, not of the kernels. At 1e-3 both ran within 3e-4 of fp32 for 6 seeds there.
 TEST_CASE("bf16 fused GELU and attention: the tiny recipe's bf16 curve stays within the spread of ATen's") {
   test::TempDir dir("bf16-curve");
   std::map<std::string, bool> warned;
   const std::string base =
       "--config configs/tiny.yaml --set model.n_layer=2 --set train.seq_len=64 --set train.micro_batch=4 "
-      "--set train.grad_accum=1 --set train.steps=30 --set train.eval_interval=0 --set train.threads=1 "
+      "--set train.grad_accum=1 --set train.steps=30 --set train.lr=1e-3 --set train.eval_interval=0 --set train.threads=1 "
       "--set logging.interval=100 --set logging.progress=false --set state.at_end=false "
       "--set logging.save_model=false --set logging.peak_tflops=1";
   auto run = [&](const std::string& name, const std::string& env, const std::string& sets) {
@@ -318,7 +325,7 @@ TEST_CASE("bf16 fused GELU and attention: the tiny recipe's bf16 curve stays wit
     warned[name] = r.output.find("ATen's fallback GEMM") != std::string::npos;
     return run_dir;
   };
-  const auto fp32 = losses(run("fp32", "", ""));
+  const auto fp32 = losses(run("fp32", "SUBLINEAR_ATEN_KERNELS=1", ""));  // ATen's ops alone: the reference
   const auto fused_dir = run("fused", "", "--set precision.compute=bf16");
   const auto aten_dir = run("aten", "SUBLINEAR_ATEN_KERNELS=1", "--set precision.compute=bf16");
   // The widened linears where the libraries have no bf16 GEMM instructions; the warning only where ATen's
@@ -351,8 +358,8 @@ TEST_CASE("bf16 fused GELU and attention: the tiny recipe's bf16 curve stays wit
   WARN("mean |loss - fp32 loss| over 30 steps: ATen bf16 " << spread << ", fused bf16 " << fused_from_fp32
                                                             << "; last-10 means: fp32 " << tail_mean(fp32) << ", ATen "
                                                             << tail_mean(aten) << ", fused " << tail_mean(fused));
-  CHECK(fused_from_fp32 <= 1.5 * spread + 0.005);
+  CHECK(fused_from_fp32 <= 1.5 * spread + 0.001);
   CHECK(std::abs(tail_mean(fused) - tail_mean(fp32)) <=
-        std::max(std::abs(tail_mean(aten) - tail_mean(fp32)), spread) + 0.005);
+        std::max(std::abs(tail_mean(aten) - tail_mean(fp32)), spread) + 0.001);
   CHECK(fused.back() < fused.front() - 1.0);  // it trains
 }

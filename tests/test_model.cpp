@@ -298,7 +298,7 @@ TEST_CASE("fused causal attention equals softmax(q k^T / sqrt(hd) + mask) v and 
     bool views;
     double logit_scale;
   };
-  // hd 24 and 80 end on a half tile (8 columns), hd 12 on scalar columns; T 2, 5 and 68 leave tiles of
+  // hd 24 and 80 end on a half tile (8 columns), hd 12 on a narrow edge (4 columns); T 2, 5 and 68 leave tiles of
   // 2, 5 and 4 rows.
   for (const Case c : {Case{2, 3, 1, 16, true, 1}, Case{2, 2, 64, 32, true, 1}, Case{1, 4, 150, 64, true, 1},
                        Case{2, 2, 129, 16, false, 1}, Case{1, 2, 70, 8, false, 8}, Case{1, 2, 5, 24, true, 1},
@@ -393,7 +393,7 @@ std::vector<torch::Tensor> attention_on(bool baseline, const torch::Tensor& q, c
 
 TEST_CASE("fused attention: the baseline clone equals the AVX2 + FMA clone within 2e-6 relative (+1e-6 absolute) "
           "forward, 1e-5 (+1e-5) backward; both match the double-precision reference") {
-  // Shapes whose rows end on scalar columns (hd 12), half tiles (hd 24) and partial row tiles (T 5, 70),
+  // Shapes whose rows end on a narrow edge (hd 12), half tiles (hd 24) and partial row tiles (T 5, 70),
   // across the 64-row blocks (T 70, 129).
   torch::manual_seed(8);
   const bool vector = vector_clones_run_here();
@@ -469,7 +469,7 @@ TEST_CASE("fused GELU: the baseline clone equals the AVX2 + FMA clone within 1e-
 // of every length from 1 to 33 (every 16-lane tail, whole vectors and none) and values in the saturated
 // tails, +-inf and NaN; compared as raw bits (NaN payloads included).
 namespace {
-// While alive, the GELU's vector clone is kept on 8 lanes (on) or may take 16 (off).
+// While alive, the vector clones are kept on 8 lanes (on) or may take 16 (off): device::force_avx2_kernels.
 class Avx2Lanes {
  public:
   explicit Avx2Lanes(bool on) : before_(device::force_avx2_kernels(on)) {}
@@ -874,7 +874,7 @@ torch::Tensor causal_operand(const GemmCase& c) {
 // row tile (M 19 = 8 + 8 + 3), a partial vector (N 45 = 32 + 13), odd K (a 0-padded pair), each causal
 // kind (A zero past the mask, as the attention's P and dS are), with and without accumulation, A read
 // along rows and down columns (pack_row_pairs, pack_column_pairs with strides (1, ld)).
-TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the fp32 summation bound", "[avx512]") {
+TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the fp32 summation bound", "[avx512bf16]") {
   if (!model::bf16_dot_products()) {
     SUBLINEAR_SKIP("this CPU has no AVX512-BF16 (or oneDNN is capped below avx512_core_bf16): the bf16 products cannot run here");
   }
@@ -921,18 +921,22 @@ TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the 
 
 // The fp32 products on 16 lanes (model/small_gemm.h: the AVX2 clone's arithmetic, up to 64 columns a
 // tile) against the AVX2 clone, raw bits, over every C element (cols_to_diag's extra columns included:
-// both forms write the same ones): a short row tile (M 19 = 6 + 6 + 6 + 1), column widths that leave
-// each kind of 16-lane tail and the AVX2 clone's 8-column and scalar tails (N 5, 45, 77, 130), each
-// causal kind, with and without accumulation, A along rows and down columns, NaN and infinity in B.
+// both forms write the same ones): every last row-tile height (M 19 = 6 + 6 + 6 + 1, 64 = ... + 4,
+// 45 = ... + 3, 8 = 6 + 2, 11 = 6 + 5, 7 = 6 + 1), every column width 1-17 and widths that leave each
+// kind of 16-lane tail past whole 64-column tiles and the AVX2 clone's 8-column and narrow edges
+// (N 45, 64, 77, 130), each causal kind, with and without accumulation, A along rows and down columns,
+// alpha 0.75, NaN and infinity in B.
 TEST_CASE("small_gemm: the 16-lane form gives the AVX2 clone's bits", "[avx512]") {
   if (!device::cpu_features().avx512_lanes || !device::cpu_has_avx2_fma()) {
     SUBLINEAR_SKIP("this CPU (or ATEN_CPU_CAPABILITY) gives no AVX-512 lanes: only the AVX2 products run here");
   }
   torch::manual_seed(35);
   using model::Causal;
-  for (const GemmCase c : {GemmCase{19, 45, 33, Causal::all, 0}, GemmCase{64, 130, 64, Causal::cols_to_diag, 66},
-                           GemmCase{19, 77, 45, Causal::k_to_diag, 7}, GemmCase{45, 64, 19, Causal::k_from_diag, 5},
-                           GemmCase{7, 5, 1, Causal::all, 0}, GemmCase{13, 77, 64, Causal::cols_to_diag, 0}}) {
+  std::vector<GemmCase> cases{GemmCase{19, 45, 33, Causal::all, 0}, GemmCase{64, 130, 64, Causal::cols_to_diag, 66},
+                              GemmCase{19, 77, 45, Causal::k_to_diag, 7}, GemmCase{45, 64, 19, Causal::k_from_diag, 5},
+                              GemmCase{7, 5, 1, Causal::all, 0}, GemmCase{13, 77, 64, Causal::cols_to_diag, 0}};
+  for (int64_t n = 1; n <= 17; ++n) cases.push_back({n % 2 ? 11 : 8, n, 9, Causal::all, 0});
+  for (const GemmCase& c : cases) {
     for (const bool transposed_a : {false, true}) {
       for (const bool accumulate : {false, true}) {
         CAPTURE(c.M, c.N, c.K, static_cast<int>(c.causal), c.diag, transposed_a, accumulate);

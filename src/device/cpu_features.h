@@ -38,8 +38,8 @@ struct CpuFeatures {
   // AVX-512 F/BW/VL/DQ, and oneDNN's cap allows avx512_core_bf16 (a lower cap stands for a CPU without).
   bool bf16_dot = false;
   // The fused GELU, softmax rows and fp32 attention products may run on 16 lanes
-  // (device::avx512_kernels): AVX-512 F/BW/VL/DQ,
-  // and ATen's own kernels dispatch to AVX-512 (ATEN_CPU_CAPABILITY=avx2 caps this too).
+  // (device::avx512_kernels): AVX-512 F/BW/VL/DQ, and ATen's own kernels dispatch to AVX-512
+  // (ATEN_CPU_CAPABILITY=avx2 caps this too).
   bool avx512_lanes = false;
   LowpMatmul bf16_matmul = LowpMatmul::aten;
   LowpMatmul fp16_matmul = LowpMatmul::aten;
@@ -57,8 +57,9 @@ const CpuFeatures& cpu_features();
 // ---- which clone of the fused CPU kernels runs ----
 // The project's fused CPU kernels (causal attention and its GEMM tiles, GELU, a bf16 run's LayerNorm and
 // residual add, AdamW) are each built
-// twice: an AVX2 + FMA clone (x86-64-v3) and a baseline x86-64 clone (GELU's vector clone also has a
-// 16-lane AVX-512 form: avx512_kernels below). The vector clone runs where the
+// twice: an AVX2 + FMA clone (x86-64-v3) and a baseline x86-64 clone (GELU's, the softmax rows' and
+// the fp32 GEMM tiles' vector clones also have a 16-lane AVX-512 form: avx512_kernels below). The
+// vector clone runs where the
 // CPU has AVX2 and FMA, unless the baseline is forced: SUBLINEAR_FORCE_BASELINE=1 in the environment
 // (read once, at the first kernel call; unset, empty or 0: not forced; any other value forces it), or
 // force_baseline_kernels(true) (the tests run both clones in one process). Attention and GELU results

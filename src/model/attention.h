@@ -10,7 +10,8 @@
 // at::scaled_dot_product_attention, and so does everything under SUBLINEAR_ATEN_KERNELS=1
 // (device::fused_kernels()). Its row kernels and GEMM tiles have AVX2 + FMA and baseline clones
 // (model/clones.h): results differ between the clones by float rounding. On AVX-512
-// (device::avx512_kernels()) the softmax rows take their exps 16 at a time, bit for bit the AVX2 clone.
+// (device::avx512_kernels()) the softmax rows take their exps 16 at a time and the fp32 GEMM tiles 16
+// columns per instruction, bit for bit the AVX2 clone.
 // On a CPU with AVX512-BF16 (device::CpuFeatures::bf16_dot; the vector clones running) a bf16 head's
 // six products take bf16 operands instead (small_gemm_bf16: two exact products per instruction, fp32
 // sums): q, k, v, the output gradient are bf16 already; the probabilities P and the scores' gradient dS

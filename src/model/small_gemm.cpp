@@ -92,7 +92,7 @@ __attribute__((always_inline)) inline void row_tile(const MatA& a, const float* 
 
 // What a row tile [r0, last] of C needs under s.causal (the contract in small_gemm.h): columns up to
 // n_end (up to the diagonal, rounded up to whole vectors of `vec` columns: a few extra columns cost
-// less than a scalar edge) and k in [k0, k1). Shared by both GEMMs.
+// less than a narrow edge) and k in [k0, k1). Shared by every form (the fp32 ones with vec 8).
 struct TileBounds {
   int64_t n_end, k0, k1;
 };
