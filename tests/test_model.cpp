@@ -357,18 +357,22 @@ TEST_CASE("fused causal attention equals softmax(q k^T / sqrt(hd) + mask) v and 
 
 namespace {
 
-// While alive, the fused kernels run the clone asked for (baseline forced, or the CPU's vector clone);
-// the setting before is restored after.
-class KernelClone {
+// While alive, one of the kernel switches of device/cpu_features.h holds `on`; the setting before is
+// restored after (also when a REQUIRE throws).
+template <bool (*Force)(bool)>
+class ForcedKernels {
  public:
-  explicit KernelClone(bool baseline) : before_(device::force_baseline_kernels(baseline)) {}
-  ~KernelClone() { device::force_baseline_kernels(before_); }
-  KernelClone(const KernelClone&) = delete;
-  KernelClone& operator=(const KernelClone&) = delete;
+  explicit ForcedKernels(bool on) : before_(Force(on)) {}
+  ~ForcedKernels() { Force(before_); }
+  ForcedKernels(const ForcedKernels&) = delete;
+  ForcedKernels& operator=(const ForcedKernels&) = delete;
 
  private:
   bool before_;
 };
+
+// The fused kernels run the baseline clone (on) or the CPU's vector clone (off).
+using KernelClone = ForcedKernels<device::force_baseline_kernels>;
 
 // Whether the AVX2 + FMA clones can run on this CPU; where they cannot, says so (the test then checks
 // the baseline clone only, against the reference).
@@ -469,17 +473,8 @@ TEST_CASE("fused GELU: the baseline clone equals the AVX2 + FMA clone within 1e-
 // of every length from 1 to 33 (every 16-lane tail, whole vectors and none) and values in the saturated
 // tails, +-inf and NaN; compared as raw bits (NaN payloads included).
 namespace {
-// While alive, the vector clones are kept on 8 lanes (on) or may take 16 (off): device::force_avx2_kernels.
-class Avx2Lanes {
- public:
-  explicit Avx2Lanes(bool on) : before_(device::force_avx2_kernels(on)) {}
-  ~Avx2Lanes() { device::force_avx2_kernels(before_); }
-  Avx2Lanes(const Avx2Lanes&) = delete;
-  Avx2Lanes& operator=(const Avx2Lanes&) = delete;
-
- private:
-  bool before_;
-};
+// The vector clones are kept on 8 lanes (on) or may take 16 (off).
+using Avx2Lanes = ForcedKernels<device::force_avx2_kernels>;
 
 torch::Tensor bits(const torch::Tensor& t) {
   return t.contiguous().view(t.scalar_type() == torch::kBFloat16 ? torch::kInt16 : torch::kInt32);

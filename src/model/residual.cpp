@@ -83,12 +83,14 @@ torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& y,
   const float* bp = b.const_data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool bf16 = y.scalar_type() == torch::kBFloat16;
+  const auto* y16 = bf16 ? y.const_data_ptr<c10::BFloat16>() : nullptr;
+  const float* y32 = bf16 ? nullptr : y.const_data_ptr<float>();
   const int64_t C = b.numel(), rows = x.numel() / C;
   for_each_row(rows, [&](int64_t r, int64_t) {
     if (bf16)
-      add_widened_bias(xp + r * C, y.const_data_ptr<c10::BFloat16>() + r * C, bp, op + r * C, C);
+      add_widened_bias(xp + r * C, y16 + r * C, bp, op + r * C, C);
     else
-      add_bias(xp + r * C, y.const_data_ptr<float>() + r * C, bp, op + r * C, C);
+      add_bias(xp + r * C, y32 + r * C, bp, op + r * C, C);
   });
   return out;
 }
@@ -104,10 +106,11 @@ std::pair<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor&
   const int64_t rows = gc.numel() / C;
   auto partial = torch::zeros({pieces_of(rows), C}, gc.options());
   const float* gp = gc.const_data_ptr<float>();
+  auto* dy16 = bf16 ? dy.data_ptr<c10::BFloat16>() : nullptr;
   float* pp = partial.data_ptr<float>();
   for_each_row(rows, [&](int64_t r, int64_t c) {
     if (bf16)
-      narrow_and_sum(gp + r * C, dy.data_ptr<c10::BFloat16>() + r * C, pp + c * C, C);
+      narrow_and_sum(gp + r * C, dy16 + r * C, pp + c * C, C);
     else
       sum_rows(gp + r * C, pp + c * C, C);
   });

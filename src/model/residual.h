@@ -7,8 +7,8 @@
 // call under SUBLINEAR_ATEN_KERNELS=1 (device::fused_kernels()) take x + y.
 //
 // With the branch linear's bias b (fp32, one per column): x + (y + b), the bias added in fp32 in the
-// same pass (y bf16, or an fp32 run's fp32 y), so the linear runs without it (no bias broadcast into its output before the GEMM, no
-// separate column sum in its backward). Against autocast's biased linear, whose output is
+// same pass (y bf16, or an fp32 run's fp32 y), so the linear runs without it (no bias broadcast into
+// its output before the GEMM, no separate column sum in its backward). Against autocast's biased linear, whose output is
 // bf16(acc + bf16(b)), this rounds acc to bf16 alone and adds the unrounded b in fp32: one bf16
 // rounding of the branch either way, b itself no longer rounded. Backward: dx = g, dy = bf16(g) and
 // db = g summed over rows in fp32 (ATen's sums bf16(g) and rounds the sum to bf16), in fixed pieces of
@@ -33,8 +33,7 @@ bool residual_add_fused(const torch::Tensor& x, const torch::Tensor& y);
 // for the stream x: asked before that linear, as gelu_tanh_bias_fused is. x an fp32 contiguous CPU
 // tensor, CPU autocast off (an fp32 branch: dy is g, db its column sums; addmm accumulates onto the
 // bias inside its GEMM, so the two differ by fp32 rounding: about half of l12's outputs, by 1 ulp) or
-// on in bf16 (a bf16 branch), b an fp32 CPU
-// vector of x.size(-1), the fused kernels on. Where it says false the bias stays in the linear.
+// on in bf16 (a bf16 branch), b an fp32 CPU vector of x.size(-1), the fused kernels on. Where it says false the bias stays in the linear.
 bool residual_bias_fused(const torch::Tensor& x, const torch::Tensor& b);
 
 }  // namespace sl::model
