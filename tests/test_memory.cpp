@@ -1,11 +1,15 @@
 // Tracking CPU allocator and the memory tracker: a known allocation shows up exactly.
 #include "catch.h"
+#include <cstdlib>
+#include <string>
 #include <torch/torch.h>
 
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
+#include "test_util.h"
 
 using namespace sl;
+using namespace sl::test;
 
 TEST_CASE("a known allocation shows up exactly, and frees back to baseline") {
   memory::TrackingCPUAllocator::install();
@@ -34,7 +38,7 @@ TEST_CASE("the tracker reports the allocator's numbers on CPU") {
   auto after = tracker.read();
   CHECK(after.allocated_bytes - before.allocated_bytes == 256 * 256 * 4);
   CHECK(after.peak_allocated_bytes >= after.allocated_bytes);
-  CHECK(after.reserved_bytes == after.allocated_bytes);
+  CHECK(after.reserved_bytes == after.allocated_bytes + memory::TrackingCPUAllocator::instance().cached_bytes());
 }
 
 TEST_CASE("temporaries count toward the peak but not the current bytes") {
@@ -47,4 +51,62 @@ TEST_CASE("temporaries count toward the peak but not the current bytes") {
   const auto after = tracker.read();
   CHECK(after.allocated_bytes - base.allocated_bytes == 4);  // the scalar
   CHECK(after.peak_allocated_bytes - base.allocated_bytes >= 512 * 512 * 4);
+}
+
+// The free-block cache (memory/tracking_allocator.h): a freed block is kept and handed to the next
+// request of its exact size (the same address), counts in no pool's bytes (the counters and the peak
+// are tensor bytes; the tracker's reserved bytes include it), and release_cached hands it back.
+TEST_CASE("freed CPU blocks are reused by exact size, count as reserved but not allocated, and can be released") {
+  if (const char* off = std::getenv("SUBLINEAR_NO_CPU_CACHE"); off && std::string(off) == "1")
+    SUBLINEAR_SKIP("SUBLINEAR_NO_CPU_CACHE=1 is set: this process runs without the cache");
+  memory::TrackingCPUAllocator::install();
+  auto& alloc = memory::TrackingCPUAllocator::instance();
+  memory::Tracker tracker(torch::kCPU);
+  alloc.release_cached();
+  const int64_t base = alloc.current_bytes();
+  constexpr int64_t kBytes = 3 * 1000 * 4;
+  void* first = nullptr;
+  {
+    auto t = torch::empty({3, 1000}, torch::kFloat32);
+    first = t.data_ptr();
+  }
+  CHECK(alloc.current_bytes() == base);
+  CHECK(alloc.cached_bytes() == kBytes);
+  const auto held = tracker.read();
+  CHECK(held.reserved_bytes - held.allocated_bytes == kBytes);
+  {
+    auto other = torch::empty({7}, torch::kFloat32);  // another size: the kept block stays kept
+    CHECK(alloc.cached_bytes() == kBytes);
+    auto again = torch::empty({1000, 3}, torch::kFloat32);  // the same bytes
+    CHECK(again.data_ptr() == first);
+    CHECK(alloc.cached_bytes() == 0);
+    CHECK(alloc.current_bytes() - base == kBytes + 7 * 4);
+  }
+  CHECK(alloc.cached_bytes() == kBytes + 7 * 4);
+  alloc.release_cached();
+  CHECK(alloc.cached_bytes() == 0);
+  CHECK(alloc.current_bytes() == base);
+}
+
+// SUBLINEAR_NO_CPU_CACHE=1 turns the cache off (every free reaches malloc): a training step's reserved
+// bytes are then its allocated bytes, while with the cache the step's freed activations are held.
+TEST_CASE("SUBLINEAR_NO_CPU_CACHE=1: a trainer run's reserved bytes equal its allocated bytes; without it they exceed them") {
+  for (const bool off : {false, true}) {
+    CAPTURE(off);
+    TempDir dir("nocache");
+    const auto r = run("cd " + kSourceDir + " && OMP_NUM_THREADS=1 " + (off ? "SUBLINEAR_NO_CPU_CACHE=1 " : "env -u SUBLINEAR_NO_CPU_CACHE ") + kTrainer +
+                       " --config configs/tiny.yaml --set train.steps=2 --set train.eval_interval=0 --set logging.dir=" +
+                       dir.path.string() + " --set logging.save_model=false --set state.at_end=false");
+    REQUIRE(r.code == 0);
+    const auto steps = read_jsonl(dir.path / "metrics.jsonl");
+    int seen = 0;
+    for (const auto& rec : steps) {
+      if (rec.contains("event") || !rec.contains("reserved_bytes")) continue;
+      ++seen;
+      const int64_t reserved = rec["reserved_bytes"].get<int64_t>(), allocated = rec["allocated_bytes"].get<int64_t>();
+      if (off) CHECK(reserved == allocated);
+      else CHECK(reserved > allocated);
+    }
+    CHECK(seen == 2);
+  }
 }

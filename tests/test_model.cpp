@@ -914,6 +914,54 @@ TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the 
   }
 }
 
+// The bf16 packings (words moved, not computed) against their definitions in small_gemm.h, word by
+// word: row counts and pair counts that leave every partial 16 x 16 block of the transpose (rows 1-17,
+// 33; cols 1-35, odd ones pairing their last element with 0), a row stride past the columns (ldx),
+// and the destination's words outside the packed ones left as they were.
+TEST_CASE("bf16 packings (AVX512-BF16): pairs along rows, down columns and transposed, word by word", "[avx512bf16]") {
+  if (!model::bf16_dot_products()) {
+    SUBLINEAR_SKIP("this CPU has no AVX512-BF16 (or oneDNN is capped below avx512_core_bf16): the bf16 products cannot run here");
+  }
+  torch::manual_seed(37);
+  constexpr uint32_t kUntouched = 0xDEADBEEFu;
+  auto bits = [](const c10::BFloat16* x, int64_t i) { return static_cast<uint32_t>(x[i].x); };
+  for (const int64_t rows : {1, 2, 7, 15, 16, 17, 33}) {
+    for (const int64_t cols : {1, 2, 3, 16, 31, 32, 33, 35}) {
+      CAPTURE(rows, cols);
+      const int64_t ldx = cols + 5, cps = (cols + 1) / 2;
+      const auto x = torch::randn({rows, ldx}).to(torch::kBFloat16);
+      const auto* X = x.const_data_ptr<c10::BFloat16>();
+      auto want_pair = [&](int64_t r0, int64_t c0, int64_t r1, int64_t c1, bool has_hi) {
+        return bits(X, r0 * ldx + c0) | (has_hi ? bits(X, r1 * ldx + c1) << 16 : 0u);
+      };
+      const int64_t ld_rows = cps + 3, ld_t = rows + 3, ld_cols = cols + 3;
+      std::vector<uint32_t> along(static_cast<size_t>(rows * ld_rows), kUntouched);
+      std::vector<uint32_t> transposed(static_cast<size_t>(cps * ld_t), kUntouched);
+      std::vector<uint32_t> down(static_cast<size_t>((rows + 1) / 2 * ld_cols), kUntouched);
+      model::pack_row_pairs(X, ldx, rows, cols, along.data(), ld_rows);
+      model::pack_row_pairs_transposed(X, ldx, rows, cols, transposed.data(), ld_t);
+      model::pack_column_pairs(X, ldx, rows, cols, down.data(), ld_cols);
+      int64_t wrong = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t cp = 0; cp < ld_rows; ++cp) {
+          const uint32_t want = cp < cps ? want_pair(r, 2 * cp, r, 2 * cp + 1, 2 * cp + 1 < cols) : kUntouched;
+          wrong += along[r * ld_rows + cp] != want;
+        }
+      for (int64_t cp = 0; cp < cps; ++cp)
+        for (int64_t r = 0; r < ld_t; ++r) {
+          const uint32_t want = r < rows ? want_pair(r, 2 * cp, r, 2 * cp + 1, 2 * cp + 1 < cols) : kUntouched;
+          wrong += transposed[cp * ld_t + r] != want;
+        }
+      for (int64_t rp = 0; rp < (rows + 1) / 2; ++rp)
+        for (int64_t c = 0; c < ld_cols; ++c) {
+          const uint32_t want = c < cols ? want_pair(2 * rp, c, 2 * rp + 1, c, 2 * rp + 1 < rows) : kUntouched;
+          wrong += down[rp * ld_cols + c] != want;
+        }
+      CHECK(wrong == 0);
+    }
+  }
+}
+
 // The fp32 products on 16 lanes (model/small_gemm.h: the AVX2 clone's arithmetic, up to 64 columns a
 // tile) against the AVX2 clone, raw bits, over every C element (cols_to_diag's extra columns included:
 // both forms write the same ones): every last row-tile height (M 19 = 6 + 6 + 6 + 1, 64 = ... + 4,

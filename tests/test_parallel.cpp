@@ -122,8 +122,8 @@ std::vector<StepMetrics> step_metrics(const std::filesystem::path& run_dir) {
 // sequences; at step 1 the parameters are identical, so the only difference is the order of fp32 sums
 // (two per-rank half-batch means and gradients averaged instead of one full-batch one): ~1e-7 relative
 // per gradient element and per loss, and the norm, accumulated in float64 over those elements, differs
-// by no more than its elements do (world 1 without the engine: LibTorch's clip_grad_norm_, an fp32
-// blocked sum, adds ~1e-7 more). Measured: <= 2.7e-7 for both numbers, every stage. Later steps add the parameter drift bounded above (~lr * 1e-7 per
+// by no more than its elements do (world 1 without the engine: optim::clip_grad_norm, a float64 sum
+// too; before 2026-11-26 LibTorch's fp32 norms, which added ~1e-7 more). Measured: <= 2.7e-7 for both numbers, every stage. Later steps add the parameter drift bounded above (~lr * 1e-7 per
 // step), far below 1e-5 of the loss or norm over 10 steps. A missing division by the world size or by
 // the number of micro-batches doubles the gradient: a relative grad_norm difference of 0.5.
 constexpr double kMetricTol = 1e-5;

@@ -26,6 +26,7 @@
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
 #include "checkpointing/runner.h"
+#include "optim/clip.h"
 #include "optim/optimizer.h"
 #include "train/peak_flops.h"
 #include "train/schedule.h"
@@ -271,6 +272,68 @@ TEST_CASE("the fused AdamW update is bitwise the same on the baseline clone and 
     CHECK(torch::equal(b.exp_avg(), v.exp_avg()));
     CHECK(torch::equal(b.exp_avg_sq(), v.exp_avg_sq()));
     CHECK_FALSE(torch::equal(base_p[i], init[i]));  // they did step
+  }
+}
+
+// The CPU path's clipping (two passes over all gradients) against LibTorch's clip_grad_norm_: sizes with
+// partial vectors and a second 2^15-element piece (40000), a norm above the threshold (scaled), one
+// below (untouched, bit for bit), an infinite gradient (untouched, norm not finite), and the baseline
+// clone's norm bit for bit the AVX2 + FMA clone's.
+TEST_CASE("clip_grad_norm on CPU: LibTorch's clip_grad_norm_ to float rounding; untouched below the threshold or when not finite") {
+  torch::manual_seed(13);
+  const std::vector<std::vector<int64_t>> shapes = {{1}, {7}, {40000}, {64, 300}};
+  auto params_with_grads = [&](double scale) {
+    std::vector<torch::Tensor> ps;
+    for (const auto& s : shapes) {
+      auto p = torch::zeros(s).requires_grad_(true);
+      p.mutable_grad() = torch::randn(s) * scale;
+      ps.push_back(p);
+    }
+    return ps;
+  };
+  auto grads_of = [](const std::vector<torch::Tensor>& ps) {
+    std::vector<torch::Tensor> gs;
+    for (const auto& p : ps) gs.push_back(p.grad());
+    return gs;
+  };
+  for (const double clip : {1.0, 1e6}) {
+    CAPTURE(clip);
+    auto ref = params_with_grads(0.5), got = params_with_grads(0.0);
+    for (size_t i = 0; i < ref.size(); ++i) got[i].mutable_grad().copy_(ref[i].grad());
+    const auto before = grads_of(got);
+    std::vector<torch::Tensor> saved;
+    for (const auto& g : before) saved.push_back(g.clone());
+    double sq = 0.0;  // the fp64 reference: the norm, and the gradients scaled by its coefficient
+    for (const auto& g : saved) sq += g.to(torch::kFloat64).pow(2).sum().item<double>();
+    const double exact = std::sqrt(sq), coef = std::min(1.0, clip / (exact + 1e-6));
+    const double libtorch = torch::nn::utils::clip_grad_norm_(ref, clip);  // fp32 norms: ~1e-7 off
+    const auto norm = optim::clip_grad_norm(grads_of(got), clip);
+    REQUIRE(norm.scalar_type() == torch::kFloat32);
+    CHECK(std::abs(norm.item<double>() - exact) <= 1e-7 * exact);  // fp64 sum, one fp32 rounding
+    CHECK(std::abs(norm.item<double>() - libtorch) <= 1e-5 * libtorch);
+    for (size_t i = 0; i < ref.size(); ++i) {
+      CAPTURE(i);
+      // one fp32 rounding of the coefficient and one of the product: 2^-23 relative at most
+      CHECK(torch::allclose(got[i].grad().to(torch::kFloat64), saved[i].to(torch::kFloat64) * coef, 2.4e-7, 0.0));
+      CHECK(torch::allclose(got[i].grad(), ref[i].grad(), 1e-5, 0.0));
+      if (clip > exact) CHECK(torch::equal(got[i].grad(), saved[i]));  // below the threshold: untouched
+      else CHECK_FALSE(torch::equal(got[i].grad(), saved[i]));
+    }
+  }
+  auto inf = params_with_grads(1.0);
+  inf[2].mutable_grad()[5] = std::numeric_limits<float>::infinity();
+  std::vector<torch::Tensor> saved;
+  for (const auto& p : inf) saved.push_back(p.grad().clone());
+  CHECK_FALSE(std::isfinite(optim::clip_grad_norm(grads_of(inf), 1.0).item<double>()));
+  for (size_t i = 0; i < inf.size(); ++i) CHECK(torch::equal(inf[i].grad(), saved[i]));
+  if (device::cpu_has_avx2_fma()) {
+    const auto ps = params_with_grads(3.0);
+    const bool was = device::force_baseline_kernels(true);
+    const float base = optim::clip_grad_norm(grads_of(ps), 0.0).item<float>();
+    device::force_baseline_kernels(false);
+    const float vec = optim::clip_grad_norm(grads_of(ps), 0.0).item<float>();
+    device::force_baseline_kernels(was);
+    CHECK(base == vec);
   }
 }
 

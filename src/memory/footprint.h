@@ -33,7 +33,7 @@ inline constexpr int64_t kGradNormChunk = int64_t{1} << 20;
 //                AdamW's update makes two temporaries the size of its largest tensor (sqrt of the
 //                second moment, and that divided by the bias correction), and the sharded engine's
 //                gradient norm one float64 chunk (kGradNormChunk elements, or the largest group if
-//                smaller); LibTorch's clip_grad_norm_ (world 1, no sharding) only scalars.
+//                smaller); the single-process clipping (optim/clip.h, world 1, no sharding) only scalars.
 // Non-parameter buffers (the RoPE tables) count in both.
 // Offload (parallel/engine.h) moves terms to host memory: offload.optimizer the fp32 master shard
 // (zero1/2 keep the whole group on the device in the compute dtype; zero3 nothing), the moments, a

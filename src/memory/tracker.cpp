@@ -75,7 +75,7 @@ Snapshot Tracker::read() const {
     auto& a = TrackingCPUAllocator::instance();
     s.allocated_bytes = a.current_bytes();
     s.peak_allocated_bytes = a.peak_bytes();
-    s.reserved_bytes = s.allocated_bytes;
+    s.reserved_bytes = s.allocated_bytes + a.cached_bytes();  // and the freed blocks kept for reuse
   }
   if (TrackingCPUAllocator::installed()) {
     auto& a = TrackingCPUAllocator::instance();

@@ -1,5 +1,5 @@
 // Device memory readings (and the host pool's, for offloaded state) with one meaning on CPU and CUDA: current and peak tensor bytes
-// (the tracking CPU allocator, or CUDA's caching-allocator stats) and reserved bytes (CUDA only).
+// (the tracking CPU allocator, or CUDA's caching-allocator stats) and reserved bytes (tensors plus what the allocator holds for reuse).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -11,7 +11,7 @@ namespace sl::memory {
 struct Snapshot {
   int64_t allocated_bytes = 0;       // tensor bytes live now
   int64_t peak_allocated_bytes = 0;  // highest allocated_bytes since the last reset_peak()
-  int64_t reserved_bytes = 0;        // CUDA: held by the caching allocator; CPU: equal to allocated
+  int64_t reserved_bytes = 0;        // CUDA: held by the caching allocator; CPU: allocated + the freed blocks kept for reuse
   // Host memory of offloaded state (device/host.h), from the tracking allocator's host pool.
   int64_t host_allocated_bytes = 0;
   int64_t host_peak_bytes = 0;  // since the last reset_peak()

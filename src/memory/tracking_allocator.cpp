@@ -1,6 +1,10 @@
 // Tracking CPU allocator: c10::alloc_cpu/free_cpu plus a size table and current/peak counters.
 #include "memory/tracking_allocator.h"
 
+#include <cstdlib>
+#include <new>
+#include <string>
+
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
@@ -45,9 +49,43 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
                      nbytes, " bytes with ", current.load(), " of the ", limit, "-byte ",
                      host ? "memory.host_limit" : "memory.limit", " in use");
   }
-  void* ptr = nullptr;
+  void* ptr = take_cached(nbytes);
+  if (ptr == nullptr) ptr = system_alloc(nbytes, host);
   try {
-    ptr = c10::alloc_cpu(nbytes);
+    std::lock_guard<std::mutex> lock(mu_);  // counted inside it: a timeline sees the counters' order
+    Block& b = blocks_[ptr];
+    b = {nbytes, host, 0};
+    count(current, host ? host_peak_ : peak_, static_cast<int64_t>(nbytes));
+    count(live_now_, live_peak_, static_cast<int64_t>(nbytes));
+    if (auto& timeline = Timeline::instance(); timeline.on()) b.timeline_id = timeline.on_alloc(static_cast<int64_t>(nbytes), host);
+  } catch (...) {  // no room for the table's entry: the block goes back rather than leaking
+    c10::free_cpu(ptr);
+    throw;
+  }
+  allocs_.fetch_add(1);
+  return {ptr, ptr, &free_block, c10::Device(c10::DeviceType::CPU)};
+}
+
+void* TrackingCPUAllocator::take_cached(size_t nbytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = cache_.find(nbytes);
+  if (it == cache_.end()) return nullptr;
+  void* ptr = it->second.back();
+  it->second.pop_back();
+  if (it->second.empty()) cache_.erase(it);
+  cached_.fetch_sub(static_cast<int64_t>(nbytes));
+  return ptr;
+}
+
+// c10's allocation (64-byte aligned); when the system refuses, once more after the cache is handed back.
+void* TrackingCPUAllocator::system_alloc(size_t nbytes, bool host) {
+  try {
+    return c10::alloc_cpu(nbytes);
+  } catch (const c10::Error&) {
+    release_cached();
+  }
+  try {
+    return c10::alloc_cpu(nbytes);
   } catch (const c10::Error& e) {  // the system refused: the same exception as a CUDA OOM (exit 4)
     refused_.store(static_cast<int64_t>(nbytes));
     refused_host_.store(host);
@@ -55,20 +93,38 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
                      " bytes with ", current_.load() + host_current_.load(), " bytes of tensors allocated (",
                      e.what_without_backtrace(), ")");
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);  // counted inside it: a timeline sees the counters' order
-    Block& b = blocks_[ptr];
-    b = {nbytes, host, 0};
-    count(current, host ? host_peak_ : peak_, static_cast<int64_t>(nbytes));
-    if (auto& timeline = Timeline::instance(); timeline.on()) b.timeline_id = timeline.on_alloc(static_cast<int64_t>(nbytes), host);
+}
+
+bool TrackingCPUAllocator::keep(void* ptr, size_t nbytes) {
+  static const bool off = [] {
+    const char* v = std::getenv("SUBLINEAR_NO_CPU_CACHE");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  if (off || cached_.load() + static_cast<int64_t>(nbytes) > live_peak_.load()) return false;
+  try {  // called from a deleter, which must not throw: without room for the entry, free the block
+    cache_[nbytes].push_back(ptr);
+  } catch (const std::bad_alloc&) {
+    return false;
   }
-  allocs_.fetch_add(1);
-  return {ptr, ptr, &free_block, c10::Device(c10::DeviceType::CPU)};
+  cached_.fetch_add(static_cast<int64_t>(nbytes));
+  return true;
+}
+
+void TrackingCPUAllocator::release_cached() {
+  std::unordered_map<size_t, std::vector<void*>> blocks;  // taken whole: no allocation while memory is short
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    blocks.swap(cache_);
+    cached_.store(0);
+  }
+  for (const auto& [bytes, ptrs] : blocks)
+    for (void* ptr : ptrs) c10::free_cpu(ptr);
 }
 
 void TrackingCPUAllocator::free_block(void* ptr) {
   if (ptr == nullptr) return;
   auto& self = instance();
+  bool kept = false;
   {
     std::lock_guard<std::mutex> lock(self.mu_);
     auto it = self.blocks_.find(ptr);
@@ -76,10 +132,12 @@ void TrackingCPUAllocator::free_block(void* ptr) {
       const Block b = it->second;
       self.blocks_.erase(it);
       (b.host ? self.host_current_ : self.current_).fetch_sub(static_cast<int64_t>(b.bytes));
+      self.live_now_.fetch_sub(static_cast<int64_t>(b.bytes));
       if (auto& timeline = Timeline::instance(); timeline.on()) timeline.on_free(b.timeline_id, static_cast<int64_t>(b.bytes), b.host);
+      kept = self.keep(ptr, b.bytes);
     }
   }
-  c10::free_cpu(ptr);
+  if (!kept) c10::free_cpu(ptr);
 }
 
 std::vector<LiveBlock> TrackingCPUAllocator::live_blocks() const {

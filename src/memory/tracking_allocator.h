@@ -3,6 +3,13 @@
 // Two pools: what is allocated while a device::HostScope is open (device/host.h: offloaded state)
 // is host memory, counted and limited (memory.host_limit) apart; everything else is the simulated
 // device memory that memory.limit caps.
+// Freed blocks are kept for reuse by exact size (a training step frees and asks again for the same
+// sizes, and glibc's malloc spent ~2 % of an l12 bf16 step sorting its bins and the kernel faulting
+// in pages again for the large ones). They count in neither pool (the counters and the limits are
+// tensor bytes); the cache holds at most the largest number of tensor bytes of both pools ever live
+// at once, so it never makes the process hold more than twice its peak. An allocation the system
+// refuses empties the cache and tries again. SUBLINEAR_NO_CPU_CACHE=1 (read once, at the first free)
+// turns it off, for memory checkers that want every free to reach malloc.
 // It cannot see memory that bypasses c10's CPU allocator: oneDNN/BLAS scratch buffers, tensors made
 // with from_blob, pinned host memory, communication buffers, and tensors allocated before install().
 // While a memory timeline records (memory/timeline.h), every allocation and free of both pools is
@@ -37,6 +44,9 @@ class TrackingCPUAllocator final : public c10::Allocator {
   int64_t current_bytes() const { return current_.load(); }
   int64_t peak_bytes() const { return peak_.load(); }
   int64_t num_allocs() const { return allocs_.load(); }
+  // Bytes of freed blocks kept for reuse, and handing them all back to the system.
+  int64_t cached_bytes() const { return cached_.load(); }
+  void release_cached();
   // The device pool's peak restarts from its current bytes; an armed memory timeline starts here.
   void reset_peak();
   // The device pool's peak since reset_peak(); a recording memory timeline ends here, in the same
@@ -72,8 +82,13 @@ class TrackingCPUAllocator final : public c10::Allocator {
   };
   std::vector<LiveBlock> live_blocks() const;  // call under mu_
   static void count(std::atomic<int64_t>& current, std::atomic<int64_t>& peak, int64_t bytes);
+  void* take_cached(size_t nbytes);      // a kept block of exactly nbytes, or null
+  bool keep(void* ptr, size_t nbytes);   // call under mu_: whether the block went into the cache
+  void* system_alloc(size_t nbytes, bool host);
   std::mutex mu_;
   std::unordered_map<void*, Block> blocks_;
+  std::unordered_map<size_t, std::vector<void*>> cache_;  // freed blocks by size, the last freed last
+  std::atomic<int64_t> cached_{0}, live_now_{0}, live_peak_{0};  // live: both pools' tensor bytes
   std::atomic<int64_t> current_{0}, peak_{0}, allocs_{0}, limit_{0}, refused_{0};
   std::atomic<int64_t> host_current_{0}, host_peak_{0}, host_limit_{0};
   std::atomic<bool> refused_host_{false};

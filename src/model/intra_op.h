@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
@@ -54,6 +55,19 @@ void for_each_piece(std::initializer_list<torch::Tensor> outputs, std::initializ
       kernel(ptrs, size0);  // contiguous operands: unit inner strides
     }
   }, grain);
+}
+
+// Pieces of several flat arrays (array k has sizes[k] elements), at most `piece` elements each, array
+// by array in order: one parallel pass over many tensors (gradient clipping, AdamW: for_each_index
+// over the pieces) in place of one pass (and one thread launch) per tensor.
+struct ArrayPiece {
+  int64_t array, begin, size;
+};
+inline std::vector<ArrayPiece> pieces_of_arrays(const std::vector<int64_t>& sizes, int64_t piece) {
+  std::vector<ArrayPiece> out;
+  for (int64_t k = 0; k < static_cast<int64_t>(sizes.size()); ++k)
+    for (int64_t b = 0; b < sizes[k]; b += piece) out.push_back({k, b, std::min(piece, sizes[k] - b)});
+  return out;
 }
 
 // Row pieces, for the kernels whose backward sums a column total (a bias's or a norm weight's

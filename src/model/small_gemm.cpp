@@ -316,29 +316,81 @@ bool bf16_dot_products() { return device::cpu_features().bf16_dot; }
 SL_BF16_DOT void pack_row_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
   row_pairs(x, ldx, rows, cols, dst, ld);
 }
-SL_BF16_DOT void pack_row_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
-                                int64_t ld) {
-  row_pairs(x, ldx, rows, cols, dst, ld);
-}
 SL_BF16_DOT void pack_column_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld) {
   column_pairs(x, ldx, rows, cols, dst, ld);
 }
-SL_BF16_DOT void pack_column_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
-                                   int64_t ld) {
-  column_pairs(x, ldx, rows, cols, dst, ld);
+
+// From bf16 rows the pairs are the rows' own 32-bit words (element 2 cp low, 2 cp + 1 high, as x86
+// stores them), so the three packings below move words: copies, one 16-bit interleave, a transpose.
+SL_BF16_DOT void pack_row_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
+                                int64_t ld) {
+  if (cols % 2) return row_pairs(x, ldx, rows, cols, dst, ld);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * ld, x + r * ldx, cols * sizeof(c10::BFloat16));
 }
 
+// 16 bf16 of row lo and 16 of row hi (lanes below `mask`) as 16 pairs.
+SL_BF16_DOT inline __m512i interleave16(const c10::BFloat16* lo, const c10::BFloat16* hi, __mmask16 mask) {
+  const __m512i l = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, lo));
+  const __m512i h = hi ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, hi)) : _mm512_setzero_si512();
+  return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+}
+
+SL_BF16_DOT void pack_column_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
+                                   int64_t ld) {
+  for (int64_t rp = 0; rp < (rows + 1) / 2; ++rp) {
+    const c10::BFloat16* lo = x + 2 * rp * ldx;
+    const c10::BFloat16* hi = 2 * rp + 1 < rows ? lo + ldx : nullptr;  // none: pairs with 0
+    uint32_t* d = dst + rp * ld;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const auto mask = static_cast<__mmask16>(cols - c >= 16 ? 0xFFFFu : (1u << (cols - c)) - 1u);
+      _mm512_mask_storeu_epi32(d + c, mask, interleave16(lo + c, hi ? hi + c : nullptr, mask));
+    }
+  }
+}
+
+// v[i] holds row i's 16 words; afterwards v[j] holds column j's 16 (row i in lane i).
+SL_BF16_DOT inline void transpose16x16(__m512i (&v)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: (row 2i, row 2i + 1) of columns 4L, 4L + 1 | 4L + 2, 4L + 3
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + k], lane L: rows 4g..4g+3 of column 4L + k
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i b = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    v[k] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
+    v[4 + k] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
+    v[8 + k] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(2, 0, 2, 0));
+    v[12 + k] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : (1u << n) - 1u); }
+
+// The rows' whole pairs as a word matrix, transposed 16 x 16 at a time; an odd last column pairs with 0.
 SL_BF16_DOT void pack_row_pairs_transposed(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols,
                                            uint32_t* dst, int64_t ld) {
-  // 8 rows at a time: each pair column is written 8 words in a row.
-  const int64_t cps = (cols + 1) / 2;
-  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    const int64_t r1 = std::min(rows, r0 + 8);
-    for (int64_t cp = 0; cp < cps; ++cp)
-      for (int64_t r = r0; r < r1; ++r) {
-        const c10::BFloat16* xr = x + r * ldx;
-        dst[cp * ld + r] = pair(xr[2 * cp], 2 * cp + 1 < cols ? xr[2 * cp + 1] : c10::BFloat16(0.0f));
-      }
+  const int64_t whole = cols / 2;
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t nr = std::min<int64_t>(16, rows - r0);
+    for (int64_t c0 = 0; c0 < whole; c0 += 16) {
+      const int64_t nc = std::min<int64_t>(16, whole - c0);
+      __m512i v[16];
+      for (int i = 0; i < 16; ++i)
+        v[i] = i < nr ? _mm512_maskz_loadu_epi32(first_lanes(nc), x + (r0 + i) * ldx + 2 * c0) : _mm512_setzero_si512();
+      transpose16x16(v);
+      for (int j = 0; j < nc; ++j) _mm512_mask_storeu_epi32(dst + (c0 + j) * ld + r0, first_lanes(nr), v[j]);
+    }
+    if (cols % 2)
+      for (int64_t r = r0; r < r0 + nr; ++r) dst[whole * ld + r] = pair(x[r * ldx + cols - 1], c10::BFloat16(0.0f));
   }
 }
 

@@ -73,7 +73,7 @@ bool fused_eligible(torch::optim::AdamW& opt) {
     if (static_cast<const torch::optim::AdamWOptions&>(group.options()).amsgrad()) return false;
     for (const auto& p : group.params()) {
       if (!fp32_cpu_contiguous(p)) return false;
-      if (p.grad().defined() && (!p.grad().device().is_cpu() || p.grad().scalar_type() != torch::kFloat32)) return false;
+      if (p.grad().defined() && !fp32_cpu_contiguous(p.grad())) return false;
       const auto it = opt.state().find(p.unsafeGetTensorImpl());
       if (it == opt.state().end() || !it->second) continue;
       const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
@@ -98,12 +98,22 @@ torch::optim::AdamWParamState& state_of(torch::optim::AdamW& opt, const torch::T
   return static_cast<torch::optim::AdamWParamState&>(*it->second);
 }
 
-// One parameter, split over ATen's intra-op threads (each element on its own).
-void fused_update(const torch::Tensor& p, const torch::Tensor& g, torch::optim::AdamWParamState& st,
-                  const AdamWCoeffs& k) {
-  model::for_each_piece({p, st.exp_avg(), st.exp_avg_sq()}, {g}, /*grain=*/1 << 14, [&](char** d, int64_t n) {
-    adamw_kernel(reinterpret_cast<float*>(d[0]), reinterpret_cast<float*>(d[1]), reinterpret_cast<float*>(d[2]),
-                 reinterpret_cast<const float*>(d[3]), n, k);
+// One parameter's update: its flat arrays and constants.
+struct Update {
+  float *p, *m, *v;
+  const float* g;
+  AdamWCoeffs k;
+};
+
+// Every update in one pass over pieces of all the parameters on ATen's intra-op threads (each element
+// on its own, so the split changes no bit): one thread launch a step, not one per parameter (most of
+// them too small to split at all).
+void fused_updates(const std::vector<Update>& updates, const std::vector<int64_t>& sizes) {
+  const auto pieces = model::pieces_of_arrays(sizes, /*piece=*/1 << 14);
+  model::for_each_index(static_cast<int64_t>(pieces.size()), [&](int64_t i, int) {
+    const Update& u = updates[pieces[i].array];
+    const int64_t b = pieces[i].begin;
+    adamw_kernel(u.p + b, u.m + b, u.v + b, u.g + b, pieces[i].size, u.k);
   });
 }
 
@@ -190,15 +200,20 @@ void adamw_step(torch::optim::AdamW& opt) {
     return;
   }
   torch::NoGradGuard no_grad;
+  std::vector<Update> updates;
+  std::vector<int64_t> sizes;
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      auto& st = state_of(opt, p);
+      auto& st = state_of(opt, p);  // fused_eligible: every tensor here is contiguous fp32 on the CPU
       st.step(st.step() + 1);
-      fused_update(p, p.grad().contiguous(), st, coeffs(o, st.step()));
+      updates.push_back({p.data_ptr<float>(), st.exp_avg().data_ptr<float>(), st.exp_avg_sq().data_ptr<float>(),
+                         p.grad().const_data_ptr<float>(), coeffs(o, st.step())});
+      sizes.push_back(p.numel());
     }
   }
+  fused_updates(updates, sizes);
 }
 
 }  // namespace sl::optim

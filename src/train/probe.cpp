@@ -7,6 +7,7 @@
 
 #include "checkpointing/runner.h"
 #include "memory/tracker.h"
+#include "memory/tracking_allocator.h"
 #include "model/gpt.h"
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
@@ -40,6 +41,9 @@ ProbeResult probe_step(const config::RunConfig& cfg, const checkpointing::Plan& 
   } catch (const c10::OutOfMemoryError&) {
     out.oom = true;
   }
+  // The probe's model and activations are gone: their freed blocks (sizes of this micro-batch, which
+  // the run may never ask for again) go back to the system rather than filling the CPU cache.
+  if (memory::TrackingCPUAllocator::installed()) memory::TrackingCPUAllocator::instance().release_cached();
   return out;
 }
 

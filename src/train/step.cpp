@@ -14,6 +14,7 @@
 #include "device/device.h"
 #include "errors.h"
 #include "log/clock.h"
+#include "optim/clip.h"
 #include "optim/optimizer.h"
 #include "parallel/comm.h"
 #include "parallel/engine.h"
@@ -29,25 +30,6 @@ using device::Label;
 using device::LabelScope;
 using device::Phase;
 using device::set_phase;
-
-// The global L2 norm of `grads` as a 0-d device tensor (fp32 like the gradients: the arithmetic of
-// torch::nn::utils::clip_grad_norm_) and, when clip > 0, the gradients scaled by
-// min(1, clip / (norm + 1e-6)) on the device, by 1 (left alone) when the norm is not finite (the step
-// is then skipped or aborted). Nothing is read: the coefficient never visits the host.
-torch::Tensor local_norm_and_clip(const std::vector<torch::Tensor>& grads, double clip) {
-  if (grads.empty()) return {};
-  torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> norms;
-  norms.reserve(grads.size());
-  for (const auto& g : grads) norms.push_back(g.norm());
-  const torch::Tensor total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm();
-  if (clip > 0.0) {
-    const auto coef = torch::clamp(clip / (total + 1e-6), std::nullopt, 1.0);
-    const auto safe = torch::where(torch::isfinite(total), coef, torch::ones_like(coef));
-    for (const auto& g : grads) g.mul_(safe);
-  }
-  return total;
-}
 
 // Copies `t` (a few float64 values on the device) to the host: the one host synchronization of an
 // optimizer step (on CUDA it waits for everything queued before it). Recorded as
@@ -224,7 +206,7 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   set_phase(Phase::optimizer);
   const std::vector<torch::Tensor> grads = engine ? engine->grads() : local_grads(model);
   const torch::Tensor found_inf = scaler ? scaler->unscale(grads) : torch::Tensor();  // unscale before clipping
-  const torch::Tensor norm = engine ? engine->grad_norm_sq_share() : local_norm_and_clip(grads, grad_clip);
+  const torch::Tensor norm = engine ? engine->grad_norm_sq_share() : optim::clip_grad_norm(grads, grad_clip);
   const StepReading got = read_step(loss, norm, found_inf, scaler, engine, stop);
   r.loss = got.loss;
   r.stop = got.stop;
