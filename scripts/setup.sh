@@ -17,8 +17,7 @@ TRANSFORMERS_VERSION=5.23.0  # the reference GPT-2 / LLaMA tests/test_hf.cpp che
 TOKENIZERS_VERSION=0.23.3    # Hugging Face tokenizers: scripts/prepare_data.py tokenizes with it; tests check ours against it
 TENSORBOARD_VERSION=2.21.0   # the reader tests/test_tensorboard checks logging.tensorboard's event files with
 PACKAGES=(cmake ninja-build g++ ccache libgloo-dev libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
-          nlohmann-json3-dev catch2 python3-venv zlib1g-dev libicu-dev libprotobuf-dev protobuf-compiler
-          libjemalloc-dev)
+          nlohmann-json3-dev catch2 python3-venv zlib1g-dev libicu-dev libprotobuf-dev protobuf-compiler)
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SUBLINEAR_HOME="${SUBLINEAR_HOME:-$HOME/.cache/sublinear}"

@@ -4,8 +4,8 @@
 // is host memory, counted and limited (memory.host_limit) apart; everything else is the simulated
 // device memory that memory.limit caps.
 // Freed blocks are kept for reuse by exact size (a training step frees and asks again for the same
-// sizes, and glibc's malloc spent ~2 % of an l12 bf16 step sorting its bins and the kernel faulting
-// in pages again for the large ones). They count in neither pool (the counters and the limits are
+// sizes; for the large ones glibc's malloc searched and consolidated its bins and the kernel faulted
+// their pages in again, step after step). They count in neither pool (the counters and the limits are
 // tensor bytes); the cache holds at most the largest number of tensor bytes of both pools ever live
 // at once, so it never makes the process hold more than twice its peak. An allocation the system
 // refuses empties the cache and tries again. SUBLINEAR_NO_CPU_CACHE=1 (read once, at the first free)
