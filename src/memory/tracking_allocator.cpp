@@ -1,4 +1,5 @@
-// Tracking CPU allocator: c10::alloc_cpu/free_cpu plus a size table and current/peak counters.
+// Tracking CPU allocator: c10::alloc_cpu/free_cpu plus a size table, current/peak counters and a
+// cache of freed blocks by size.
 #include "memory/tracking_allocator.h"
 
 #include <cstdlib>
@@ -51,16 +52,20 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
   }
   void* ptr = take_cached(nbytes);
   if (ptr == nullptr) ptr = system_alloc(nbytes, host);
-  try {
+  {
     std::lock_guard<std::mutex> lock(mu_);  // counted inside it: a timeline sees the counters' order
-    Block& b = blocks_[ptr];
+    Block* entry = nullptr;
+    try {
+      entry = &blocks_[ptr];
+    } catch (...) {  // no room for the table's entry: the block goes back rather than leaking
+      c10::free_cpu(ptr);
+      throw;
+    }
+    Block& b = *entry;
     b = {nbytes, host, 0};
     count(current, host ? host_peak_ : peak_, static_cast<int64_t>(nbytes));
     count(live_now_, live_peak_, static_cast<int64_t>(nbytes));
     if (auto& timeline = Timeline::instance(); timeline.on()) b.timeline_id = timeline.on_alloc(static_cast<int64_t>(nbytes), host);
-  } catch (...) {  // no room for the table's entry: the block goes back rather than leaking
-    c10::free_cpu(ptr);
-    throw;
   }
   allocs_.fetch_add(1);
   return {ptr, ptr, &free_block, c10::Device(c10::DeviceType::CPU)};
@@ -69,7 +74,7 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
 void* TrackingCPUAllocator::take_cached(size_t nbytes) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto it = cache_.find(nbytes);
-  if (it == cache_.end()) return nullptr;
+  if (it == cache_.end() || it->second.empty()) return nullptr;  // empty: a keep() that ran out of memory
   void* ptr = it->second.back();
   it->second.pop_back();
   if (it->second.empty()) cache_.erase(it);

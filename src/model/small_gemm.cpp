@@ -329,7 +329,7 @@ SL_BF16_DOT void pack_row_pairs(const c10::BFloat16* x, int64_t ldx, int64_t row
 }
 
 // 16 bf16 of row lo and 16 of row hi (lanes below `mask`) as 16 pairs.
-SL_BF16_DOT inline __m512i interleave16(const c10::BFloat16* lo, const c10::BFloat16* hi, __mmask16 mask) {
+SL_BF16_DOT static inline __m512i interleave16(const c10::BFloat16* lo, const c10::BFloat16* hi, __mmask16 mask) {
   const __m512i l = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, lo));
   const __m512i h = hi ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, hi)) : _mm512_setzero_si512();
   return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
@@ -349,7 +349,7 @@ SL_BF16_DOT void pack_column_pairs(const c10::BFloat16* x, int64_t ldx, int64_t 
 }
 
 // v[i] holds row i's 16 words; afterwards v[j] holds column j's 16 (row i in lane i).
-SL_BF16_DOT inline void transpose16x16(__m512i (&v)[16]) {
+SL_BF16_DOT static inline void transpose16x16(__m512i (&v)[16]) {
   __m512i t[16], u[16];
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: (row 2i, row 2i + 1) of columns 4L, 4L + 1 | 4L + 2, 4L + 3
     t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
@@ -373,7 +373,7 @@ SL_BF16_DOT inline void transpose16x16(__m512i (&v)[16]) {
   }
 }
 
-inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : (1u << n) - 1u); }
+static inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : (1u << n) - 1u); }
 
 // The rows' whole pairs as a word matrix, transposed 16 x 16 at a time; an odd last column pairs with 0.
 SL_BF16_DOT void pack_row_pairs_transposed(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols,

@@ -13,7 +13,7 @@ namespace {
 
 constexpr int64_t kPiece = 1 << 15;  // elements per task of the CPU passes
 
-// x's squares summed in fp64 on 16 lanes (element i into lane i % 16: four independent vector sums),
+// x's squares summed in fp64 on 16 lanes (element i into lane i % 16: independent vector sums),
 // the lanes in a fixed tree. Every multiply and add rounds on its own (this file is built with
 // -ffp-contract=off), so both clones give the same bits.
 SL_KERNEL_BODY double sum_squares_body(const float* x, int64_t n) {

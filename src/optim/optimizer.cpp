@@ -107,7 +107,8 @@ struct Update {
 
 // Every update in one pass over pieces of all the parameters on ATen's intra-op threads (each element
 // on its own, so the split changes no bit): one thread launch a step, not one per parameter (most of
-// them too small to split at all).
+// them too small to split at all). A parameter listed twice would race with itself: make_adamw's
+// groups hold each tensor once (the tied embedding is one parameter).
 void fused_updates(const std::vector<Update>& updates, const std::vector<int64_t>& sizes) {
   const auto pieces = model::pieces_of_arrays(sizes, /*piece=*/1 << 14);
   model::for_each_index(static_cast<int64_t>(pieces.size()), [&](int64_t i, int) {
@@ -200,6 +201,9 @@ void adamw_step(torch::optim::AdamW& opt) {
     return;
   }
   torch::NoGradGuard no_grad;
+  for (auto& group : opt.param_groups())  // every state first: one that cannot be made changes no step count
+    for (auto& p : group.params())
+      if (p.grad().defined()) state_of(opt, p);
   std::vector<Update> updates;
   std::vector<int64_t> sizes;
   for (auto& group : opt.param_groups()) {
