@@ -21,7 +21,15 @@ trainer's full/none step-time ratio. It also measures the GEMM peak in the run's
 the trainer does (a 1024 x 1024 x 1024 torch.mm at the thread count, best of 5 timed after a warm-up;
 once before the rounds and once after them, the best of the 10 kept) and gives `none`'s achieved
 model FLOP/s (the trainer's model.flops_per_token x tokens/s of the fastest steps) as a fraction of it,
-for both programs; and the first-step loss of both. The CPU's model and its bf16-relevant flags
+for both programs. Beside each round's timed `none` trainer run it measures a@b again, right before and
+right after (the best product of a 2 s window each), and gives the trainer's fraction of that round's
+own peak (median, min-max over rounds): the two halves of one figure measured minutes apart on a shared
+VM can catch different loads. And best against best: the fastest step of all rounds against the highest
+a@b figure read anywhere in the run, each the least disturbed of many. None of them removes load that
+slows the step and not the product: a 1024^3 bf16 product works in cache, while the step streams its
+activations through memory, whose bandwidth other tenants share (on the dev VM a 64 MiB copy read 30-41 GB/s
+within a minute while the product read 370-417 GFLOP/s, the two not moving together). Where a bf16 a@b is not the trainer's GEMM (no bf16
+instructions, below) the per-round and best-against-best figures are left out. And the first-step loss of both. The CPU's model and its bf16-relevant flags
 (/proc/cpuinfo) go in the JSON and the table header: without avx512_bf16 / amx_bf16 (and without
 AVX-512 for oneDNN's emulated path) a bf16 matmul takes ATen's fallback gemm (eager's), while the
 trainer's linears widen to fp32 GEMMs (src/model/linear.h), and the bf16 figures describe that CPU only.
@@ -37,7 +45,8 @@ Usage: bench/vs_eager.py [--trainer build/trainer] [--rounds 3] [--steps 12] [--
        bench/vs_eager.py --from-json bench/results/vs_eager.json [--out ...]
 Cost: fp32 ~1 minute per round and recipe on 2 cores (l12: ~0.6 s/step). bf16 on an AVX2 CPU (ATen's
 fallback gemm): tiny ~5-10 s/step (the trainer ~5, eager ~5-10), l12 ~6x that by its FLOPs, and the
-bf16 GEMM peak measurements ~20 s each (two). A benchmark,
+bf16 GEMM peak measurements ~20 s each (two); each round's own peaks ~7 s per recipe (two 2 s windows
+and the interpreter's start, `none` only). A benchmark,
 not a test: run it on an otherwise idle machine; the figures hold for the CPU it ran on (recorded in the JSON).
 """
 import argparse
@@ -137,14 +146,18 @@ n = 1024
 g = torch.Generator().manual_seed(1024)  # as src/train/peak_flops.cpp: fp32 randn operands, then the dtype
 a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
 layouts = {"a@b": lambda: torch.mm(a, b), "a@b.t()": lambda: torch.mm(a, b.t()), "a.t()@b": lambda: torch.mm(a.t(), b)}
-if dtype != torch.float32:  # the trainer's widened GEMM (src/model/linear.h): fp32 GEMM on widened operands, rounded once
+window = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+if window > 0:  # a round's own measurement: the trainer's layout only, as many products as fit the window
+    layouts = {"a@b": layouts["a@b"]}
+elif dtype != torch.float32:  # the trainer's widened GEMM (src/model/linear.h): fp32 GEMM on widened operands, rounded once
     layouts["widened"] = lambda: torch.mm(a.float(), b.float()).to(dtype)
 ms = {}
 with torch.no_grad():
     for name, mm in layouts.items():  # a@b first: the trainer's measurement
         mm()  # warm-up
         ms[name] = []
-        for _ in range(5):
+        end = time.perf_counter() + window
+        while len(ms[name]) < 5 or time.perf_counter() < end:
             t0 = time.perf_counter()
             mm()
             ms[name].append((time.perf_counter() - t0) * 1e3)
@@ -154,17 +167,23 @@ print(json.dumps({"dtype": sys.argv[1], "n": n, "threads": torch.get_num_threads
 """
 
 
-def gemm_peak(dtype, threads):
+ROUND_PEAK_WINDOW_S = 2.0  # each of a round's two peak measurements: products back to back for this long
+
+
+def gemm_peak(dtype, threads, window_s=0.0):
     """The GEMM peak as the trainer measures it at start (logging.peak_tflops=0 off CUDA): an n=1024
     torch.mm(a, b) of contiguous operands in `dtype` at `threads` intra-op threads, warm-up then the best of
     5 (same ATen: the trainer links the venv's torch). Also a@b.t() and a.t()@b the same way: ATen's
     fallback bf16 gemm (no oneDNN bf16 kernel) is ~5-10x faster on those layouts than on a@b, so on such
     a CPU the a@b figure is no ceiling for the model's matmuls; and in bf16 the widened GEMM (fp32 GEMM
     on the operands converted to fp32, the result rounded to bf16), which the trainer's linears and its
-    own peak measurement take where the CPU has no bf16 GEMM (src/model/linear.h)."""
+    own peak measurement take where the CPU has no bf16 GEMM (src/model/linear.h). window_s > 0: a@b
+    alone, the best of as many products as fit in window_s seconds (at least 5), for the measurements
+    beside each round's `none` run: a window of seconds, like the steps the fastest is taken from, so a
+    burst of load from other tenants at the moment of measuring does not set the round's peak."""
     out = {}
     t0 = time.perf_counter()
-    measure([venv_python(), "-c", GEMM_PEAK, dtype, str(threads)], out)
+    measure([venv_python(), "-c", GEMM_PEAK, dtype, str(threads), str(window_s)], out)
     r = json.loads(out["stdout"].strip().splitlines()[-1])
     r["wall_s"] = time.perf_counter() - t0
     return r
@@ -197,15 +216,28 @@ def measure(args, out=None):
     return usage.ru_maxrss * 1024
 
 
+def timed_trainer_run(a, recipe, mode, d):
+    """The round's timed trainer run; for `none` where a.round_peaks, with the GEMM peak measured right
+    before and right after it (a@b, the best product of a 2 s window each): load from other tenants that slows the steps slows
+    those measurements alike, so `none`'s fraction of the peak is taken per round against the round's own."""
+    paired = mode == "none" and a.round_peaks
+    before = gemm_peak(PEAK_DTYPE[a.precision], a.threads, ROUND_PEAK_WINDOW_S) if paired else None
+    tr = trainer_run(a.trainer, recipe, MODES[mode], a.steps, a.threads, d, a.precision)
+    if paired:
+        after = gemm_peak(PEAK_DTYPE[a.precision], a.threads, ROUND_PEAK_WINDOW_S)
+        tr["round_peak"] = {"before": before["flops"], "after": after["flops"], "flops": max(before["flops"], after["flops"])}
+    return tr
+
+
 def one_round(a, rnd, recipe, mode):
     with tempfile.TemporaryDirectory() as d:
         if rnd % 2 == 0:
-            tr = trainer_run(a.trainer, recipe, MODES[mode], a.steps, a.threads, d, a.precision)
+            tr = timed_trainer_run(a, recipe, mode, d)
             ea = eager_run(tr["summary"], a.steps, a.threads, a.precision)
         else:  # the eager run needs a summary: a 1-step trainer run gives the same recipe and plan
             probe = trainer_run(a.trainer, recipe, MODES[mode], 1, a.threads, os.path.join(d, "probe"), a.precision)
             ea = eager_run(probe["summary"], a.steps, a.threads, a.precision)
-            tr = trainer_run(a.trainer, recipe, MODES[mode], a.steps, a.threads, d, a.precision)
+            tr = timed_trainer_run(a, recipe, mode, d)
         tr.pop("summary")
         return {"round": rnd, "recipe": recipe, "mode": mode, "trainer": tr,
                 "eager": {k: ea[k] for k in ("median_step_ms", "min_step_ms", "median_tokens_per_s", "peak_rss_bytes",
@@ -216,8 +248,127 @@ def one_round(a, rnd, recipe, mode):
                 "median_ratio": tr["median_tokens_per_s"] / ea["median_tokens_per_s"]}
 
 
+def step_tokens(r):
+    """Tokens per optimizer step of a round's trainer run (from its median step and tokens/s)."""
+    return r["trainer"]["median_tokens_per_s"] * r["trainer"]["median_step_ms"] / 1e3
+
+
 def mib(b):
     return f"{b / 2**20:.0f}"
+
+
+def mode_row(rs, peak):
+    """One recipe and mode's figures over its rounds `rs` (the table's row and the JSON summary's)."""
+    med = lambda f: statistics.median(f(r) for r in rs)
+    ratios = [r["ratio"] for r in rs]
+    row = {"trainer_ms": med(lambda r: r["trainer"]["min_step_ms"]),
+           "eager_ms": med(lambda r: r["eager"]["min_step_ms"]),
+           "median_ratio": med(lambda r: r["median_ratio"]),
+           # Each side's fastest step over every round: load on this VM only ever slows a step
+           # down, so the least disturbed step of many is the closest to either program's speed.
+           "trainer_best_ms": min(r["trainer"]["min_step_ms"] for r in rs),
+           "eager_best_ms": min(r["eager"]["min_step_ms"] for r in rs),
+           "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+           "tracked": med(lambda r: r["trainer"]["tracked_peak_bytes"]),
+           "trainer_rss": med(lambda r: r["trainer"]["peak_rss_bytes"]),
+           "eager_rss": med(lambda r: r["eager"]["peak_rss_bytes"])}
+    row["best_ratio"] = row["eager_best_ms"] / row["trainer_best_ms"]
+    tokens = step_tokens(rs[0])
+    row["trainer_tps"], row["eager_tps"] = tokens / row["trainer_ms"] * 1e3, tokens / row["eager_ms"] * 1e3
+    if rs[0]["trainer"].get("flops_per_token"):
+        peak_fractions(row, rs, peak)
+    if "losses" in rs[0]["trainer"]:
+        row["first_loss_trainer"] = [r["trainer"]["losses"][0] for r in rs]
+        row["first_loss_eager"] = [r["eager"]["losses"][0] for r in rs]
+    return row
+
+
+def ab_is_the_gemm(r):
+    """Whether a@b in the run's dtype is the GEMM the trainer's linears take: fp32, or bf16 where oneDNN
+    runs it natively (not where the trainer widens and a bf16 a@b takes ATen's fallback gemm)."""
+    return r["eager"].get("precision", "fp32") == "fp32" or r["trainer"].get("cpu_features", {}).get("bf16_linear") == "onednn_native"
+
+
+def peak_fractions(row, rs, peak):
+    """Model FLOP/s (recompute not counted) at the fastest steps' tokens/s, and as fractions of the GEMM
+    peak: the run-wide one (the median of the rounds' fastest steps against the best of its products),
+    each round's own (its fastest step against the products beside it; median over rounds) and best
+    against best (the fastest step of all rounds against the highest peak read anywhere in the run)."""
+    fpt, tokens = rs[0]["trainer"]["flops_per_token"], step_tokens(rs[0])
+    rate = lambda ms: fpt * tokens / (ms * 1e-3)
+    row["flops_per_token"] = fpt
+    row["trainer_model_flops"], row["eager_model_flops"] = fpt * row["trainer_tps"], fpt * row["eager_tps"]
+    if peak:
+        row["trainer_of_peak"] = row["trainer_model_flops"] / peak["flops"]
+        row["eager_of_peak"] = row["eager_model_flops"] / peak["flops"]
+        if peak.get("layout_flops"):
+            fastest = max(peak["layout_flops"].values())
+            row["trainer_of_fastest_layout"] = row["trainer_model_flops"] / fastest
+            row["eager_of_fastest_layout"] = row["eager_model_flops"] / fastest
+    paired = [r for r in rs if "round_peak" in r["trainer"]]
+    if paired:
+        fractions = [rate(r["trainer"]["min_step_ms"]) / r["trainer"]["round_peak"]["flops"] for r in paired]
+        row["trainer_of_round_peak"] = statistics.median(fractions)
+        row["trainer_of_round_peak_min"], row["trainer_of_round_peak_max"] = min(fractions), max(fractions)
+        row["round_peaks"] = [r["trainer"]["round_peak"]["flops"] for r in paired]
+    if peak and ab_is_the_gemm(rs[0]):
+        row["highest_peak"] = max([peak["flops"]] + row.get("round_peaks", []))
+        row["trainer_best_of_highest_peak"] = rate(row["trainer_best_ms"]) / row["highest_peak"]
+
+
+def row_line(recipe, mode, row):
+    return (f"| {recipe} | {mode} | {row['trainer_ms']:.1f} | {row['eager_ms']:.1f} | {row['trainer_tps']:.0f} "
+            f"| {row['eager_tps']:.0f} | {row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) "
+            f"| {row['best_ratio']:.2f}x | {row['median_ratio']:.2f}x "
+            f"| {mib(row['tracked'])} | {mib(row['trainer_rss'])} | {mib(row['eager_rss'])} |")
+
+
+def full_over_none_line(recipe, runs, summary):
+    """The recompute cost: full's step time over none's, three ways."""
+    full, none = summary[f"{recipe}/full"], summary[f"{recipe}/none"]
+    r, e = full["trainer_ms"] / none["trainer_ms"], full["eager_ms"] / none["eager_ms"]
+    best = lambda side: full[side] / none[side]
+    inside = [x["trainer"]["over_no_recompute"] for x in runs
+              if x["recipe"] == recipe and x["mode"] == "full" and "over_no_recompute" in x["trainer"]]
+    summary[f"{recipe}/full_over_none"] = r
+    return (f"\n{recipe}: full / none step time: trainer {r:.3f}, eager {e:.3f} (medians of the rounds' "
+            f"fastest steps); trainer {best('trainer_best_ms'):.3f}, eager {best('eager_best_ms'):.3f} "
+            f"(fastest steps of all rounds)"
+            + (f"; trainer {statistics.median(inside):.3f} (full's step / its step less its measured "
+               f"recompute time, median over rounds)" if inside else ""))
+
+
+def flops_line(recipe, row, peak):
+    """`none`'s achieved model FLOP/s and its fractions of the GEMM peak (peak_fractions)."""
+    line = (f"\n{recipe}: none's achieved model FLOP/s ({row['flops_per_token'] / 1e6:.2f} MFLOP/token x the "
+            f"fastest steps' tokens/s, recompute not counted): trainer {row['trainer_model_flops'] / 1e9:.2f} "
+            f"GFLOP/s, eager {row['eager_model_flops'] / 1e9:.2f} GFLOP/s")
+    if "trainer_of_peak" in row:
+        line += (f"; as a fraction of the {peak['dtype']} GEMM peak ({peak['flops'] / 1e9:.2f} GFLOP/s, ATen's a@b, "
+                 f"which the trainer measures too unless it widens): trainer {row['trainer_of_peak']:.3f}, "
+                 f"eager {row['eager_of_peak']:.3f}")
+    if "trainer_of_round_peak" in row:
+        line += (f"; of each round's own peak (a@b measured right before and right after its timed `none` run, "
+                 f"the best product of two {ROUND_PEAK_WINDOW_S:g} s windows; those peaks "
+                 f"{min(row['round_peaks']) / 1e9:.0f}-{max(row['round_peaks']) / 1e9:.0f} GFLOP/s), median over "
+                 f"rounds: trainer {row['trainer_of_round_peak']:.3f} "
+                 f"({row['trainer_of_round_peak_min']:.3f}-{row['trainer_of_round_peak_max']:.3f})")
+    if "trainer_best_of_highest_peak" in row:
+        line += (f"; the fastest step of all rounds ({row['trainer_best_ms']:.1f} ms) against the highest a@b peak "
+                 f"read in the run ({row['highest_peak'] / 1e9:.2f} GFLOP/s; each the least disturbed of many): "
+                 f"trainer {row['trainer_best_of_highest_peak']:.3f}")
+    if "trainer_of_fastest_layout" in row:
+        name, rate = max(peak["layout_flops"].items(), key=lambda kv: kv[1])
+        line += (f"; of the fastest layout ({name}, {rate / 1e9:.2f} GFLOP/s): trainer "
+                 f"{row['trainer_of_fastest_layout']:.3f}, eager {row['eager_of_fastest_layout']:.3f}")
+    return line
+
+
+def first_loss_line(recipe, got):
+    fmt = lambda xs: "/".join(f"{x:.4f}" for x in xs)
+    return (f"\n{recipe}: first-step loss, trainer | eager (per round; ln vocab = 5.5452 for vocab 256; "
+            f"same recipe, each program's own init and data draws): "
+            + "; ".join(f"{m} {fmt(r['first_loss_trainer'])} | {fmt(r['first_loss_eager'])}" for m, r in got))
 
 
 def table(runs, recipes, modes, peak=None):
@@ -227,77 +378,20 @@ def table(runs, recipes, modes, peak=None):
     summary = {}
     for recipe in recipes:
         for mode in modes:
-            rs = [r for r in runs if r["recipe"] == recipe and r["mode"] == mode]
-            med = lambda f: statistics.median(f(r) for r in rs)
-            ratios = [r["ratio"] for r in rs]
-            tokens = rs[0]["trainer"]["median_tokens_per_s"] * rs[0]["trainer"]["median_step_ms"] / 1e3
-            row = {"trainer_ms": med(lambda r: r["trainer"]["min_step_ms"]),
-                   "eager_ms": med(lambda r: r["eager"]["min_step_ms"]),
-                   "median_ratio": med(lambda r: r["median_ratio"]),
-                   # Each side's fastest step over every round: load on this VM only ever slows a step
-                   # down, so the least disturbed step of many is the closest to either program's speed.
-                   "trainer_best_ms": min(r["trainer"]["min_step_ms"] for r in rs),
-                   "eager_best_ms": min(r["eager"]["min_step_ms"] for r in rs),
-                   "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                   "tracked": med(lambda r: r["trainer"]["tracked_peak_bytes"]),
-                   "trainer_rss": med(lambda r: r["trainer"]["peak_rss_bytes"]),
-                   "eager_rss": med(lambda r: r["eager"]["peak_rss_bytes"])}
-            row["best_ratio"] = row["eager_best_ms"] / row["trainer_best_ms"]
-            row["trainer_tps"], row["eager_tps"] = tokens / row["trainer_ms"] * 1e3, tokens / row["eager_ms"] * 1e3
-            fpt = rs[0]["trainer"].get("flops_per_token")
-            if fpt:  # model FLOPs (recompute not counted) per second at the fastest steps' tokens/s
-                row["flops_per_token"] = fpt
-                row["trainer_model_flops"], row["eager_model_flops"] = fpt * row["trainer_tps"], fpt * row["eager_tps"]
-                if peak:
-                    row["trainer_of_peak"] = row["trainer_model_flops"] / peak["flops"]
-                    row["eager_of_peak"] = row["eager_model_flops"] / peak["flops"]
-                    if peak.get("layout_flops"):
-                        fastest = max(peak["layout_flops"].values())
-                        row["trainer_of_fastest_layout"] = row["trainer_model_flops"] / fastest
-                        row["eager_of_fastest_layout"] = row["eager_model_flops"] / fastest
-            if "losses" in rs[0]["trainer"]:
-                row["first_loss_trainer"] = [r["trainer"]["losses"][0] for r in rs]
-                row["first_loss_eager"] = [r["eager"]["losses"][0] for r in rs]
+            row = mode_row([r for r in runs if r["recipe"] == recipe and r["mode"] == mode], peak)
             summary[f"{recipe}/{mode}"] = row
-            lines.append(f"| {recipe} | {mode} | {row['trainer_ms']:.1f} | {row['eager_ms']:.1f} | {row['trainer_tps']:.0f} "
-                         f"| {row['eager_tps']:.0f} | {row['ratio']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) "
-                         f"| {row['best_ratio']:.2f}x | {row['median_ratio']:.2f}x "
-                         f"| {mib(row['tracked'])} | {mib(row['trainer_rss'])} | {mib(row['eager_rss'])} |")
+            lines.append(row_line(recipe, mode, row))
     for recipe in recipes:
         if f"{recipe}/none" in summary and f"{recipe}/full" in summary:
-            r = summary[f"{recipe}/full"]["trainer_ms"] / summary[f"{recipe}/none"]["trainer_ms"]
-            e = summary[f"{recipe}/full"]["eager_ms"] / summary[f"{recipe}/none"]["eager_ms"]
-            best = lambda side: summary[f"{recipe}/full"][side] / summary[f"{recipe}/none"][side]
-            inside = [x["trainer"]["over_no_recompute"] for x in runs
-                      if x["recipe"] == recipe and x["mode"] == "full" and "over_no_recompute" in x["trainer"]]
-            lines.append(f"\n{recipe}: full / none step time: trainer {r:.3f}, eager {e:.3f} (medians of the rounds' "
-                         f"fastest steps); trainer {best('trainer_best_ms'):.3f}, eager {best('eager_best_ms'):.3f} "
-                         f"(fastest steps of all rounds)"
-                         + (f"; trainer {statistics.median(inside):.3f} (full's step / its step less its measured "
-                            f"recompute time, median over rounds)" if inside else ""))
-            summary[f"{recipe}/full_over_none"] = r
+            lines.append(full_over_none_line(recipe, runs, summary))
     for recipe in recipes:
         row = summary.get(f"{recipe}/none")
         if row and "trainer_model_flops" in row:
-            line = (f"\n{recipe}: none's achieved model FLOP/s ({row['flops_per_token'] / 1e6:.2f} MFLOP/token x the "
-                    f"fastest steps' tokens/s, recompute not counted): trainer {row['trainer_model_flops'] / 1e9:.2f} "
-                    f"GFLOP/s, eager {row['eager_model_flops'] / 1e9:.2f} GFLOP/s")
-            if "trainer_of_peak" in row:
-                line += (f"; as a fraction of the {peak['dtype']} GEMM peak ({peak['flops'] / 1e9:.2f} GFLOP/s, ATen's a@b, "
-                         f"which the trainer measures too unless it widens): trainer {row['trainer_of_peak']:.3f}, "
-                         f"eager {row['eager_of_peak']:.3f}")
-            if "trainer_of_fastest_layout" in row:
-                name, rate = max(peak["layout_flops"].items(), key=lambda kv: kv[1])
-                line += (f"; of the fastest layout ({name}, {rate / 1e9:.2f} GFLOP/s): trainer "
-                         f"{row['trainer_of_fastest_layout']:.3f}, eager {row['eager_of_fastest_layout']:.3f}")
-            lines.append(line)
+            lines.append(flops_line(recipe, row, peak))
     for recipe in recipes:
         got = [(m, summary[f"{recipe}/{m}"]) for m in modes if "first_loss_trainer" in summary[f"{recipe}/{m}"]]
         if got:
-            fmt = lambda xs: "/".join(f"{x:.4f}" for x in xs)
-            lines.append(f"\n{recipe}: first-step loss, trainer | eager (per round; ln vocab = 5.5452 for vocab 256; "
-                         f"same recipe, each program's own init and data draws): "
-                         + "; ".join(f"{m} {fmt(r['first_loss_trainer'])} | {fmt(r['first_loss_eager'])}" for m, r in got))
+            lines.append(first_loss_line(recipe, got))
     return "\n".join(lines) + "\n", summary
 
 
@@ -352,6 +446,9 @@ def main():
         if name not in RECIPES and name not in MODES:
             sys.exit(f"vs_eager: unknown recipe or mode '{name}' (recipes: {', '.join(RECIPES)}; modes: {', '.join(MODES)})")
     flags = cpu_flags()
+    # Per-round peaks where a@b is the trainer's GEMM: fp32, or a CPU with bf16 instructions (without
+    # them a bf16 a@b takes ATen's fallback gemm, seconds per call, and the trainer widens instead).
+    a.round_peaks = a.precision == "fp32" or flags["flags"]["avx512_bf16"] or flags["flags"]["amx_bf16"]
     peaks = [gemm_peak(PEAK_DTYPE[a.precision], a.threads)]
     print(f"{PEAK_DTYPE[a.precision]} GEMM peak (1024^3, {a.threads} threads, best of 5): "
           + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in peaks[0]["layout_flops"].items())
@@ -366,6 +463,11 @@ def main():
                       f"{r['trainer']['median_step_ms']:.1f} / {r['eager']['median_step_ms']:.1f}; step-1 loss "
                       f"{r['trainer']['losses'][0]:.4f} / {r['eager']['losses'][0]:.4f}; process wall "
                       f"{r['trainer']['wall_s']:.1f} / {r['eager']['wall_s']:.1f} s)", flush=True)
+                if "round_peak" in r["trainer"]:
+                    rate = r["trainer"]["flops_per_token"] * step_tokens(r) / (r["trainer"]["min_step_ms"] * 1e-3)
+                    print(f"        {recipe} none: {rate / 1e9:.1f} GFLOP/s = {rate / r['trainer']['round_peak']['flops']:.3f} "
+                          f"of the round's peak ({r['trainer']['round_peak']['before'] / 1e9:.1f} before, "
+                          f"{r['trainer']['round_peak']['after'] / 1e9:.1f} after)", flush=True)
                 runs.append(r)
     peaks.append(gemm_peak(PEAK_DTYPE[a.precision], a.threads))
     best = max(peaks, key=lambda p: p["flops"])
