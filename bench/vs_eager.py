@@ -25,13 +25,11 @@ for both programs. Beside each round's timed `none` trainer run it measures a@b 
 right after (the best product of a 2 s window each), and gives the trainer's fraction of that round's
 own peak (median, min-max over rounds): the two halves of one figure measured minutes apart on a shared
 VM can catch different loads. And best against best: the fastest step of all rounds against the highest
-a@b figure read anywhere in the run, each the least disturbed of many. None of them removes load that
-slows the step and not the product: a 1024^3 bf16 product works in cache, while the step streams its
-activations through memory, whose bandwidth other tenants share (on the dev VM a 64 MiB copy read 30-41 GB/s
-within a minute while the product read 370-417 GFLOP/s, the two not moving together). Where a bf16 a@b is not the trainer's GEMM (no bf16
-instructions, below) the per-round and best-against-best figures are left out. And the first-step loss of both. The CPU's model and its bf16-relevant flags
-(/proc/cpuinfo) go in the JSON and the table header: without avx512_bf16 / amx_bf16 (and without
-AVX-512 for oneDNN's emulated path) a bf16 matmul takes ATen's fallback gemm (eager's), while the
+a@b figure read anywhere in the run, each the least disturbed of many. Neither removes load that slows
+the step and not the in-cache product (shared memory bandwidth: docs/precision.md, fifth session).
+Where a bf16 a@b is not the trainer's GEMM (no bf16 instructions, below) both are left out. And the
+first-step loss of both. The CPU's model and its bf16-relevant flags (/proc/cpuinfo) go in the JSON
+and the table header: without avx512_bf16 / amx_bf16 (and without AVX-512 for oneDNN's emulated path) a bf16 matmul takes ATen's fallback gemm (eager's), while the
 trainer's linears widen to fp32 GEMMs (src/model/linear.h), and the bf16 figures describe that CPU only.
 That gemm's speed depends on the operands' layout (AVX2 EPYC, 2 threads, 1024^3: a@b ~0.85 GFLOP/s,
 ~100x below fp32; a@b.t() ~19, a.t()@b ~23), so the peak is also measured on those two layouts and as
@@ -46,7 +44,7 @@ Usage: bench/vs_eager.py [--trainer build/trainer] [--rounds 3] [--steps 12] [--
 Cost: fp32 ~1 minute per round and recipe on 2 cores (l12: ~0.6 s/step). bf16 on an AVX2 CPU (ATen's
 fallback gemm): tiny ~5-10 s/step (the trainer ~5, eager ~5-10), l12 ~6x that by its FLOPs, and the
 bf16 GEMM peak measurements ~20 s each (two); each round's own peaks ~7 s per recipe (two 2 s windows
-and the interpreter's start, `none` only). A benchmark,
+and the interpreter's start, per round and recipe, `none` only). A benchmark,
 not a test: run it on an otherwise idle machine; the figures hold for the CPU it ran on (recorded in the JSON).
 """
 import argparse
@@ -218,14 +216,16 @@ def measure(args, out=None):
 
 def timed_trainer_run(a, recipe, mode, d):
     """The round's timed trainer run; for `none` where a.round_peaks, with the GEMM peak measured right
-    before and right after it (a@b, the best product of a 2 s window each): load from other tenants that slows the steps slows
-    those measurements alike, so `none`'s fraction of the peak is taken per round against the round's own."""
+    before and right after it (a@b, the best product of a 2 s window each), so that `none`'s fraction of
+    the peak can be taken per round against a peak read seconds from its steps. That narrows the time
+    between the two halves of the figure; it does not remove load that slows the step and not the product."""
     paired = mode == "none" and a.round_peaks
     before = gemm_peak(PEAK_DTYPE[a.precision], a.threads, ROUND_PEAK_WINDOW_S) if paired else None
     tr = trainer_run(a.trainer, recipe, MODES[mode], a.steps, a.threads, d, a.precision)
     if paired:
         after = gemm_peak(PEAK_DTYPE[a.precision], a.threads, ROUND_PEAK_WINDOW_S)
-        tr["round_peak"] = {"before": before["flops"], "after": after["flops"], "flops": max(before["flops"], after["flops"])}
+        tr["round_peak"] = {"before": before["flops"], "after": after["flops"],
+                            "flops": max(before["flops"], after["flops"])}
     return tr
 
 
@@ -257,7 +257,7 @@ def mib(b):
     return f"{b / 2**20:.0f}"
 
 
-def mode_row(rs, peak):
+def mode_row(rs, peak, highest):
     """One recipe and mode's figures over its rounds `rs` (the table's row and the JSON summary's)."""
     med = lambda f: statistics.median(f(r) for r in rs)
     ratios = [r["ratio"] for r in rs]
@@ -276,7 +276,7 @@ def mode_row(rs, peak):
     tokens = step_tokens(rs[0])
     row["trainer_tps"], row["eager_tps"] = tokens / row["trainer_ms"] * 1e3, tokens / row["eager_ms"] * 1e3
     if rs[0]["trainer"].get("flops_per_token"):
-        peak_fractions(row, rs, peak)
+        peak_fractions(row, rs, peak, highest)
     if "losses" in rs[0]["trainer"]:
         row["first_loss_trainer"] = [r["trainer"]["losses"][0] for r in rs]
         row["first_loss_eager"] = [r["eager"]["losses"][0] for r in rs]
@@ -286,14 +286,16 @@ def mode_row(rs, peak):
 def ab_is_the_gemm(r):
     """Whether a@b in the run's dtype is the GEMM the trainer's linears take: fp32, or bf16 where oneDNN
     runs it natively (not where the trainer widens and a bf16 a@b takes ATen's fallback gemm)."""
-    return r["eager"].get("precision", "fp32") == "fp32" or r["trainer"].get("cpu_features", {}).get("bf16_linear") == "onednn_native"
+    return (r["eager"].get("precision", "fp32") == "fp32"
+            or r["trainer"].get("cpu_features", {}).get("bf16_linear") == "onednn_native")
 
 
-def peak_fractions(row, rs, peak):
+def peak_fractions(row, rs, peak, highest):
     """Model FLOP/s (recompute not counted) at the fastest steps' tokens/s, and as fractions of the GEMM
-    peak: the run-wide one (the median of the rounds' fastest steps against the best of its products),
-    each round's own (its fastest step against the products beside it; median over rounds) and best
-    against best (the fastest step of all rounds against the highest peak read anywhere in the run)."""
+    peak: the run-wide one (the median of the rounds' fastest steps against the best of its products);
+    where the rounds measured their own peaks (`none`) and a@b is the trainer's GEMM, each round's own
+    (its fastest step against the products beside it; median over rounds) and best against best (the
+    fastest step of all rounds against `highest`, the highest peak read anywhere in the run)."""
     fpt, tokens = rs[0]["trainer"]["flops_per_token"], step_tokens(rs[0])
     rate = lambda ms: fpt * tokens / (ms * 1e-3)
     row["flops_per_token"] = fpt
@@ -306,14 +308,13 @@ def peak_fractions(row, rs, peak):
             row["trainer_of_fastest_layout"] = row["trainer_model_flops"] / fastest
             row["eager_of_fastest_layout"] = row["eager_model_flops"] / fastest
     paired = [r for r in rs if "round_peak" in r["trainer"]]
-    if paired:
+    if paired and ab_is_the_gemm(rs[0]):
         fractions = [rate(r["trainer"]["min_step_ms"]) / r["trainer"]["round_peak"]["flops"] for r in paired]
         row["trainer_of_round_peak"] = statistics.median(fractions)
         row["trainer_of_round_peak_min"], row["trainer_of_round_peak_max"] = min(fractions), max(fractions)
         row["round_peaks"] = [r["trainer"]["round_peak"]["flops"] for r in paired]
-    if peak and ab_is_the_gemm(rs[0]):
-        row["highest_peak"] = max([peak["flops"]] + row.get("round_peaks", []))
-        row["trainer_best_of_highest_peak"] = rate(row["trainer_best_ms"]) / row["highest_peak"]
+        row["highest_peak"] = highest
+        row["trainer_best_of_highest_peak"] = rate(row["trainer_best_ms"]) / highest
 
 
 def row_line(recipe, mode, row):
@@ -376,9 +377,12 @@ def table(runs, recipes, modes, peak=None):
              "| ratio of the fastest steps of all rounds | ratio of medians | trainer tracked peak MiB | trainer RSS MiB "
              "| eager RSS MiB |", "|" + "---|" * 12]
     summary = {}
+    # the highest a@b figure read anywhere in the run: the run-wide products' best and every round's own
+    rounds_own = [r["trainer"]["round_peak"]["flops"] for r in runs if "round_peak" in r["trainer"]]
+    highest = max([peak["flops"]] + rounds_own) if peak else None
     for recipe in recipes:
         for mode in modes:
-            row = mode_row([r for r in runs if r["recipe"] == recipe and r["mode"] == mode], peak)
+            row = mode_row([r for r in runs if r["recipe"] == recipe and r["mode"] == mode], peak, highest)
             summary[f"{recipe}/{mode}"] = row
             lines.append(row_line(recipe, mode, row))
     for recipe in recipes:
@@ -448,6 +452,7 @@ def main():
     flags = cpu_flags()
     # Per-round peaks where a@b is the trainer's GEMM: fp32, or a CPU with bf16 instructions (without
     # them a bf16 a@b takes ATen's fallback gemm, seconds per call, and the trainer widens instead).
+    # (ONEDNN_MAX_CPU_ISA may cap oneDNN below them; the figures are then left out by ab_is_the_gemm.)
     a.round_peaks = a.precision == "fp32" or flags["flags"]["avx512_bf16"] or flags["flags"]["amx_bf16"]
     peaks = [gemm_peak(PEAK_DTYPE[a.precision], a.threads)]
     print(f"{PEAK_DTYPE[a.precision]} GEMM peak (1024^3, {a.threads} threads, best of 5): "
@@ -465,7 +470,8 @@ def main():
                       f"{r['trainer']['wall_s']:.1f} / {r['eager']['wall_s']:.1f} s)", flush=True)
                 if "round_peak" in r["trainer"]:
                     rate = r["trainer"]["flops_per_token"] * step_tokens(r) / (r["trainer"]["min_step_ms"] * 1e-3)
-                    print(f"        {recipe} none: {rate / 1e9:.1f} GFLOP/s = {rate / r['trainer']['round_peak']['flops']:.3f} "
+                    own = r["trainer"]["round_peak"]["flops"]
+                    print(f"        {recipe} none: {rate / 1e9:.1f} GFLOP/s = {rate / own:.3f} "
                           f"of the round's peak ({r['trainer']['round_peak']['before'] / 1e9:.1f} before, "
                           f"{r['trainer']['round_peak']['after'] / 1e9:.1f} after)", flush=True)
                 runs.append(r)
