@@ -29,9 +29,9 @@ a@b figure read anywhere in the run, each the least disturbed of many. Neither r
 the step and not the in-cache product (shared memory bandwidth: docs/precision.md, fifth session).
 Where a bf16 a@b is not the trainer's GEMM (no bf16 instructions, below) both are left out. And the
 first-step loss of both. The CPU's model and its bf16-relevant flags (/proc/cpuinfo) go in the JSON
-and the table header: without avx512_bf16 / amx_bf16 (and without AVX-512 for oneDNN's emulated path) a bf16 matmul takes ATen's fallback gemm (eager's), while the
-trainer's linears widen to fp32 GEMMs (src/model/linear.h), and the bf16 figures describe that CPU only.
-That gemm's speed depends on the operands' layout (AVX2 EPYC, 2 threads, 1024^3: a@b ~0.85 GFLOP/s,
+and the table header: without avx512_bf16 / amx_bf16 (and without AVX-512 for oneDNN's emulated path)
+a bf16 matmul takes ATen's fallback gemm (eager's), while the trainer's linears widen to fp32 GEMMs
+(src/model/linear.h), and the bf16 figures describe that CPU only. That gemm's speed depends on the operands' layout (AVX2 EPYC, 2 threads, 1024^3: a@b ~0.85 GFLOP/s,
 ~100x below fp32; a@b.t() ~19, a.t()@b ~23), so the peak is also measured on those two layouts and as
 the widened GEMM, and the fraction given against the fastest too: on such a CPU the a@b figure is no
 ceiling. Writes <out>.md (table), <out>.json
@@ -43,8 +43,8 @@ Usage: bench/vs_eager.py [--trainer build/trainer] [--rounds 3] [--steps 12] [--
        bench/vs_eager.py --from-json bench/results/vs_eager.json [--out ...]
 Cost: fp32 ~1 minute per round and recipe on 2 cores (l12: ~0.6 s/step). bf16 on an AVX2 CPU (ATen's
 fallback gemm): tiny ~5-10 s/step (the trainer ~5, eager ~5-10), l12 ~6x that by its FLOPs, and the
-bf16 GEMM peak measurements ~20 s each (two); each round's own peaks ~7 s per recipe (two 2 s windows
-and the interpreter's start, per round and recipe, `none` only). A benchmark,
+bf16 GEMM peak measurements ~20 s each (two); each round's own peaks ~7 s per round and recipe (two
+2 s windows and the interpreter's starts; `none` only). A benchmark,
 not a test: run it on an otherwise idle machine; the figures hold for the CPU it ran on (recorded in the JSON).
 """
 import argparse

@@ -201,21 +201,23 @@ void adamw_step(torch::optim::AdamW& opt) {
     return;
   }
   torch::NoGradGuard no_grad;
-  for (auto& group : opt.param_groups())  // every state first: one that cannot be made changes no step count
+  struct Stepped {
+    const torch::Tensor* p;
+    torch::optim::AdamWParamState* st;  // the map owns it; later inserts do not move it
+    const torch::optim::AdamWOptions* o;
+  };
+  std::vector<Stepped> stepped;  // every state made first: one that cannot be made changes no step count
+  for (auto& group : opt.param_groups())
     for (auto& p : group.params())
-      if (p.grad().defined()) state_of(opt, p);
+      if (p.grad().defined())
+        stepped.push_back({&p, &state_of(opt, p), &static_cast<const torch::optim::AdamWOptions&>(group.options())});
   std::vector<Update> updates;
   std::vector<int64_t> sizes;
-  for (auto& group : opt.param_groups()) {
-    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
-    for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      auto& st = state_of(opt, p);  // fused_eligible: every tensor here is contiguous fp32 on the CPU
-      st.step(st.step() + 1);
-      updates.push_back({p.data_ptr<float>(), st.exp_avg().data_ptr<float>(), st.exp_avg_sq().data_ptr<float>(),
-                         p.grad().const_data_ptr<float>(), coeffs(o, st.step())});
-      sizes.push_back(p.numel());
-    }
+  for (const auto& [p, st, o] : stepped) {  // fused_eligible: every tensor here is contiguous fp32 on the CPU
+    st->step(st->step() + 1);
+    updates.push_back({p->data_ptr<float>(), st->exp_avg().data_ptr<float>(), st->exp_avg_sq().data_ptr<float>(),
+                       p->grad().const_data_ptr<float>(), coeffs(*o, st->step())});
+    sizes.push_back(p->numel());
   }
   fused_updates(updates, sizes);
 }
