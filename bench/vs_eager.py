@@ -502,6 +502,8 @@ def cpu_line(cpu, flags, features, precision):
     path = features.get("bf16_linear") or features.get("bf16_matmul")
     if path:
         line += f"; the trainer's bf16 linear path: {path}"
+    if features.get("onednn_max_cpu_isa"):  # set for the whole run: eager, the peaks and the trainer alike
+        line += f"; oneDNN capped at {features['onednn_max_cpu_isa']} (ONEDNN_MAX_CPU_ISA, for every process of the run)"
     if precision != "fp32" and path == "widened":
         line += (" (no bf16 instructions for oneDNN on this CPU: the trainer widens its bf16 linears to fp32 GEMMs, while "
                  "eager's bf16 matmuls take ATen's fallback gemm (no AVX-512), far slower than fp32, or oneDNN's emulated "
