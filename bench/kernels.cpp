@@ -13,6 +13,10 @@
 //              allocate + free against LibTorch's default allocator, times the allocations of one
 //              forward + backward of the l12 model, as a share of that step's time. (Timing the step
 //              with and without tracking cannot resolve 2 % on a noisy machine; this can.)
+//   model:     the l12 model's forward + backward under bf16 autocast outside the trainer (no optimizer,
+//              data or logging), each step right after a 1024^3 bf16 product: the model's own share of
+//              the bf16 GEMM peak, the bound on the trainer's `none` figure (docs/precision.md). Only
+//              where oneDNN multiplies bf16 natively (elsewhere a bf16 a@b takes seconds).
 //   build/bench_kernels [B nh T hd threads reps]   (default: the l12 recipe, 8 4 256 64 2 30; GELU on
 //                                                   (B T, 4 nh hd))
 #include <algorithm>
@@ -27,11 +31,13 @@
 #include <torch/torch.h>
 
 #include "config/config.h"
+#include "device/cpu_features.h"
 #include "memory/tracking_allocator.h"
 #include "model/attention.h"
 #include "model/gelu.h"
 #include "model/layernorm.h"
 #include "model/gpt.h"
+#include "train/trainer.h"
 
 namespace {
 
@@ -193,6 +199,58 @@ void bench_allocator(int64_t reps) {
               static_cast<long long>(tracked.allocs), overhead_ms, 100.0 * overhead_ms / plain.ms);
 }
 
+// The best of n products a @ b, ms.
+double best_product_ms(const torch::Tensor& a, const torch::Tensor& b, int n) {
+  double best = 1e30;
+  for (int i = 0; i < n; ++i) best = std::min(best, time_ms([&] { a.mm(b); }));
+  return best;
+}
+
+// One forward, loss and backward of `gpt` under bf16 autocast (gradients zeroed, not freed, as the
+// trainer zeroes them), ms.
+double autocast_step_ms(model::GPT& gpt, const torch::Tensor& idx, const torch::Tensor& targets) {
+  return time_ms([&] {
+    gpt->zero_grad(/*set_to_none=*/false);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    const auto loss = model::GPTImpl::loss(gpt->forward(idx), targets);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    loss.backward();
+  });
+}
+
+// The l12 model (B 8, T 256) under bf16 autocast, outside the trainer: each step right after the best
+// of three 1024^3 bf16 products. Model FLOPs are the trainer's (train::flops_per_token, the PaLM formula).
+void bench_model_bf16(int64_t reps) {
+  if (device::cpu_features().linear_path("bf16") != device::LowpMatmul::native) {
+    std::printf("\nl12 model, bf16, outside the trainer: skipped (no native bf16 GEMM on this CPU)\n");
+    return;
+  }
+  config::ModelConfig c;
+  c.n_layer = 12, c.n_head = 4, c.n_embd = 256, c.vocab_size = 256, c.max_seq_len = 256;
+  model::GPT gpt(c, torch::kCPU);
+  const int64_t B = 8, T = 256;
+  const auto idx = torch::randint(0, 256, {B, T}, torch::kInt64), targets = torch::randint(0, 256, {B, T}, torch::kInt64);
+  const auto a = torch::randn({1024, 1024}).to(torch::kBFloat16), b = torch::randn({1024, 1024}).to(torch::kBFloat16);
+  const double step_flops = train::flops_per_token(*gpt, T) * static_cast<double>(B * T);
+  std::vector<double> steps, peaks, fractions;
+  for (int64_t r = 0; r < reps + 2; ++r) {
+    const double peak = 2.0 * 1024 * 1024 * 1024 / (best_product_ms(a, b, 3) * 1e-3);
+    const double ms = autocast_step_ms(gpt, idx, targets);
+    if (r < 2) continue;  // warm-up
+    steps.push_back(ms), peaks.push_back(peak), fractions.push_back(step_flops / (ms * 1e-3) / peak);
+  }
+  const double fastest = *std::min_element(steps.begin(), steps.end());
+  const double highest = *std::max_element(peaks.begin(), peaks.end());
+  std::printf("\nl12 model, bf16 autocast, forward + backward outside the trainer (%lld steps, %.1f GFLOP each)\n",
+              static_cast<long long>(steps.size()), step_flops * 1e-9);
+  std::printf("| fastest step ms | median step ms | bf16 1024^3 peak GFLOP/s (highest) | fastest step / highest peak | "
+              "step / the peak read before it (median) |\n|---|---|---|---|---|\n");
+  std::printf("| %.1f | %.1f | %.1f | %.3f | %.3f |\n", fastest, median_ms(steps), highest * 1e-9,
+              step_flops / (fastest * 1e-3) / highest, median_ms(fractions));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -208,5 +266,6 @@ int main(int argc, char** argv) {
   }
   bench_layer_norm(B * T, nh * hd, reps);
   bench_allocator(std::max<int64_t>(reps / 3, 3));
+  bench_model_bf16(std::max<int64_t>(reps / 2, 5));
   return 0;
 }
