@@ -37,6 +37,7 @@
 #include "model/gelu.h"
 #include "model/layernorm.h"
 #include "model/gpt.h"
+#include "precision/autocast.h"
 #include "train/trainer.h"
 
 namespace {
@@ -211,11 +212,11 @@ double best_product_ms(const torch::Tensor& a, const torch::Tensor& b, int n) {
 double autocast_step_ms(model::GPT& gpt, const torch::Tensor& idx, const torch::Tensor& targets) {
   return time_ms([&] {
     gpt->zero_grad(/*set_to_none=*/false);
-    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-    const auto loss = model::GPTImpl::loss(gpt->forward(idx), targets);
-    at::autocast::set_autocast_enabled(at::kCPU, false);
-    at::autocast::clear_cache();
+    torch::Tensor loss;
+    {
+      const precision::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);  // the trainer's guard
+      loss = model::GPTImpl::loss(gpt->forward(idx), targets);
+    }
     loss.backward();
   });
 }
