@@ -159,6 +159,13 @@ double alloc_free_ns() {
   return median_ms(per);
 }
 
+// The l12 recipe's GPT-2 (12 layers, d 256, 4 heads, vocab 256, context 256), fp32 parameters.
+model::GPT l12_model() {
+  config::ModelConfig c;
+  c.n_layer = 12, c.n_head = 4, c.n_embd = 256, c.vocab_size = 256, c.max_seq_len = 256;
+  return model::GPT(c, torch::kCPU);
+}
+
 // One forward + backward of the l12 GPT-2 (B 8, T 256): median ms, and allocations per step when
 // the tracking allocator is installed.
 struct StepCost {
@@ -184,9 +191,7 @@ StepCost model_step(model::GPT& gpt, int64_t reps) {
 }
 
 void bench_allocator(int64_t reps) {
-  config::ModelConfig c;
-  c.n_layer = 12, c.n_head = 4, c.n_embd = 256, c.vocab_size = 256, c.max_seq_len = 256;
-  model::GPT gpt(c, torch::kCPU);
+  model::GPT gpt = l12_model();
   const double plain_ns = alloc_free_ns();
   const StepCost plain = model_step(gpt, reps);
   sl::memory::TrackingCPUAllocator::install();  // for the rest of the process
@@ -228,9 +233,7 @@ void bench_model_bf16(int64_t reps) {
     std::printf("\nl12 model, bf16, outside the trainer: skipped (no native bf16 GEMM on this CPU)\n");
     return;
   }
-  config::ModelConfig c;
-  c.n_layer = 12, c.n_head = 4, c.n_embd = 256, c.vocab_size = 256, c.max_seq_len = 256;
-  model::GPT gpt(c, torch::kCPU);
+  model::GPT gpt = l12_model();
   const int64_t B = 8, T = 256;
   const auto idx = torch::randint(0, 256, {B, T}, torch::kInt64), targets = torch::randint(0, 256, {B, T}, torch::kInt64);
   const auto a = torch::randn({1024, 1024}).to(torch::kBFloat16), b = torch::randn({1024, 1024}).to(torch::kBFloat16);
