@@ -19,6 +19,7 @@
 #include "config/config.h"
 #include "data/loader.h"
 #include "device/cpu_features.h"
+#include "memory/footprint.h"
 #include "memory/tracker.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
@@ -340,6 +341,53 @@ TEST_CASE("clip_grad_norm on CPU: LibTorch's clip_grad_norm_ to float rounding; 
     device::force_baseline_kernels(was);
     CHECK(base == vec);
   }
+}
+
+// The engine's gradient norm (ZeRO and DDP, and bf16 parameter copies at world 1) takes the clipping's
+// fused float64 pass where its gradients are CPU tensors: no float64 copy (the planner counts none),
+// the sum of squares to float64 rounding; anything else (a bf16 or strided tensor) is refused, and
+// a device that is not the CPU keeps the float64 chunks the planner counts.
+TEST_CASE("sum_of_squares: float64 over fp32 CPU gradients, the engine's norm on the CPU without a float64 copy") {
+  torch::manual_seed(17);
+  std::vector<torch::Tensor> gs;
+  double ref = 0.0;
+  for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{40000}, int64_t{70001}}) {
+    gs.push_back(torch::randn({n}) * 3.0);
+    ref += gs.back().to(torch::kFloat64).pow(2).sum().item<double>();
+  }
+  const auto sq = optim::sum_of_squares(gs);
+  REQUIRE(sq.has_value());
+  CHECK(std::abs(*sq - ref) <= 1e-13 * ref);  // each square exact in float64; ~1e5 float64 additions
+  CHECK_FALSE(optim::sum_of_squares({gs[2].to(torch::kBFloat16)}).has_value());
+  CHECK_FALSE(optim::sum_of_squares({gs[0], torch::randn({8, 9}).t()}).has_value());
+
+  auto cfg = config::load_string("", {"model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=32",
+                                      "train.micro_batch=2", "train.device=cpu", "parallel.timeout_s=60",
+                                      "parallel.sharding=zero1"});
+  torch::manual_seed(cfg.train.seed);
+  model::GPT m(cfg.model, torch::kCPU);
+  parallel::LaunchEnv env;
+  env.rank = 0, env.world = 1, env.local_rank = 0, env.local_world = 1, env.master_port = test::free_port();
+  parallel::Engine engine(m, cfg, std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
+  double expected = 0.0;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : m->parameters()) {  // the .grad are views of the engine's flat gradient
+      REQUIRE(p.grad().defined());
+      p.grad().copy_(torch::randn(p.sizes()));
+      expected += p.grad().to(torch::kFloat64).pow(2).sum().item<double>();
+    }
+  }
+  OpNames names;
+  const auto share = engine.grad_norm_sq_share();
+  CHECK(names.seen.count("aten::linalg_vector_norm") == 0);
+  CHECK(names.seen.count("aten::_to_copy") == 0);
+  REQUIRE(share.scalar_type() == torch::kFloat64);
+  CHECK(std::abs(share.item<double>() - expected) <= 1e-13 * expected);
+  CHECK(memory::predict_states(cfg).grad_norm_temp_bytes == 0);
+  auto lazy = cfg;
+  lazy.train.device = "lazy";
+  CHECK(memory::predict_states(lazy).grad_norm_temp_bytes > 0);  // the float64 chunks off the CPU
 }
 
 TEST_CASE("AdamW decays matrices only, and its state is two moments per parameter") {

@@ -107,6 +107,13 @@ std::vector<int64_t> unit_param_counts(const config::ModelConfig& m) {
 
 namespace {
 
+// Where the engine's gradients are CPU tensors (the CPU device, or offload.gradients' host shards), its
+// norm is one fused float64 pass with no copy (optim::sum_of_squares); elsewhere (CUDA, the lazy test
+// device) float64 copies of kGradNormChunk elements at a time.
+bool engine_grads_on_cpu(const config::RunConfig& cfg) {
+  return cfg.offload.gradients || (!runs_on_cuda(cfg) && cfg.train.device != "lazy");
+}
+
 // offload.*: the terms the engine keeps on the host instead (parallel/engine.cpp, state_bytes).
 void place_offloaded(const config::RunConfig& cfg, PeakPrediction& p) {
   const auto& o = cfg.offload;
@@ -154,7 +161,8 @@ PeakPrediction predict_states(const config::RunConfig& cfg) {
   // norm reads whole groups (none) or shards. World 1 without sharding has no engine.
   const int64_t group = largest_group_params(cfg, n), shard = ceil_div(group, N);
   p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? largest_param(cfg.model) : shard);
-  if (N > 1 || !sh.replicated()) p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh.replicated() ? group : shard);
+  if ((N > 1 || !sh.replicated()) && !engine_grads_on_cpu(cfg))
+    p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh.replicated() ? group : shard);
   p.host_staging_bytes = device::host_staging_bytes(4 * largest_param(cfg.model));  // fp32 masters and moments
   if (cfg.state.async && cfg.state.every > 0) p.host_snapshot_bytes = 12 * (sh.replicated() ? n : ceil_div(n, N));
   place_offloaded(cfg, p);

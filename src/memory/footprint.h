@@ -16,8 +16,8 @@
 
 namespace sl::memory {
 
-// parallel::Engine::grad_norm reduces the gradient in float64 this many elements at a time: one
-// chunk's float64 copy (8 MiB) is its temporary.
+// parallel::Engine::grad_norm_sq_share reduces a gradient that is not on the CPU in float64 this many
+// elements at a time: one chunk's float64 copy (8 MiB) is its temporary (on the CPU: none).
 inline constexpr int64_t kGradNormChunk = int64_t{1} << 20;
 
 // Per rank, for cfg.world_size ranks and parallel.sharding (P, G, O = fp32 weights, gradients and
@@ -33,12 +33,13 @@ inline constexpr int64_t kGradNormChunk = int64_t{1} << 20;
 //                AdamW's update makes two temporaries the size of its largest tensor (sqrt of the
 //                second moment, and that divided by the bias correction), and the sharded engine's
 //                gradient norm one float64 chunk (kGradNormChunk elements, or the largest group if
-//                smaller); the single-process clipping (optim/clip.h, world 1, no sharding) only scalars.
+//                smaller) where its gradients are not on the CPU; the single-process clipping
+//                (optim/clip.h, world 1, no sharding) and the engine's on CPU gradients only scalars.
 // Non-parameter buffers (the RoPE tables) count in both.
 // Offload (parallel/engine.h) moves terms to host memory: offload.optimizer the fp32 master shard
 // (zero1/2 keep the whole group on the device in the compute dtype; zero3 nothing), the moments, a
 // host copy of the gradient shard (the host AdamW, a fused in-place CPU kernel, makes no temporaries);
-// offload.gradients the gradient shard and the gradient norm's chunk; offload.activations the
+// offload.gradients the gradient shard (its norm then a CPU pass without a copy); offload.activations the
 // checkpointed inputs (memory/activations.h).
 struct PeakPrediction {
   int64_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0;  // held by this rank
@@ -46,7 +47,7 @@ struct PeakPrediction {
   int64_t batch_bytes = 0;  // the (B, T) int64 inputs and targets of one micro-batch
   int64_t buffer_bytes = 0;  // the model's non-parameter buffers (RoPE cos/sin tables)
   int64_t adamw_temp_bytes = 0;  // AdamW's two temporaries of its largest tensor
-  int64_t grad_norm_temp_bytes = 0;  // the gradient norm's float64 chunk (sharded engine only)
+  int64_t grad_norm_temp_bytes = 0;  // the gradient norm's float64 chunk (the engine, off the CPU)
   // Host memory (not in the device peak): a save or the final-weights export on a non-CPU device
   // stages one bounded piece at a time (device/staging.h); CPU runs write from the tensors themselves.
   int64_t host_staging_bytes = 0;

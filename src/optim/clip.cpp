@@ -58,25 +58,39 @@ torch::Tensor clip_with_aten(const std::vector<torch::Tensor>& grads, double cli
   return total;
 }
 
-torch::Tensor clip_on_cpu(const std::vector<torch::Tensor>& grads, double clip) {
-  std::vector<int64_t> sizes;
+// The flat pieces of `grads` (contiguous fp32 CPU tensors).
+struct Pieces {
   std::vector<float*> data;
-  for (const auto& g : grads) sizes.push_back(g.numel()), data.push_back(g.data_ptr<float>());
-  const auto pieces = model::pieces_of_arrays(sizes, kPiece);
-  std::vector<double> partial(pieces.size());
-  model::for_each_index(static_cast<int64_t>(pieces.size()), [&](int64_t i, int) {
-    partial[i] = sum_squares(data[pieces[i].array] + pieces[i].begin, pieces[i].size);
+  std::vector<model::ArrayPiece> pieces;
+  explicit Pieces(const std::vector<torch::Tensor>& grads) {
+    std::vector<int64_t> sizes;
+    for (const auto& g : grads) sizes.push_back(g.numel()), data.push_back(g.data_ptr<float>());
+    pieces = model::pieces_of_arrays(sizes, kPiece);
+  }
+  float* begin(const model::ArrayPiece& p) const { return data[p.array] + p.begin; }
+};
+
+double sum_of_squares_of(const Pieces& all) {
+  std::vector<double> partial(all.pieces.size());
+  model::for_each_index(static_cast<int64_t>(all.pieces.size()), [&](int64_t i, int) {
+    partial[i] = sum_squares(all.begin(all.pieces[i]), all.pieces[i].size);
   });
   double sq = 0.0;
   for (const double s : partial) sq += s;  // piece order
+  return sq;
+}
+
+torch::Tensor clip_on_cpu(const std::vector<torch::Tensor>& grads, double clip) {
+  const Pieces all(grads);
+  const double sq = sum_of_squares_of(all);
   const float norm = static_cast<float>(std::sqrt(sq));
   if (clip > 0.0) {
     // clip_coefficient's formula in fp64, rounded once (no tensor to read back: tests count host
     // reads); ATen's fp32 steps there may give an ulp more or less.
     const float s = std::isfinite(norm) ? static_cast<float>(std::min(1.0, clip / (static_cast<double>(norm) + 1e-6))) : 1.0f;
     if (s != 1.0f)
-      model::for_each_index(static_cast<int64_t>(pieces.size()), [&](int64_t i, int) {
-        scale(data[pieces[i].array] + pieces[i].begin, pieces[i].size, s);
+      model::for_each_index(static_cast<int64_t>(all.pieces.size()), [&](int64_t i, int) {
+        scale(all.begin(all.pieces[i]), all.pieces[i].size, s);
       });
   }
   return torch::full({}, norm, torch::kFloat32);
@@ -88,6 +102,11 @@ torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double cli
   if (grads.empty()) return {};
   torch::NoGradGuard no_grad;
   return cpu_fp32_contiguous(grads) ? clip_on_cpu(grads, clip) : clip_with_aten(grads, clip);
+}
+
+std::optional<double> sum_of_squares(const std::vector<torch::Tensor>& grads) {
+  if (!cpu_fp32_contiguous(grads)) return std::nullopt;
+  return sum_of_squares_of(Pieces(grads));
 }
 
 }  // namespace sl::optim

@@ -1,5 +1,6 @@
 // Gradient clipping on the single-process path (parallel/engine.h clips sharded gradients itself).
 #pragma once
+#include <optional>
 #include <vector>
 
 #include <torch/types.h>
@@ -15,5 +16,11 @@ namespace sl::optim {
 // form would be ~300 ops a step (a norm and a mul_ per tensor, most too small to split over threads).
 // Anything else takes the ATen ops (per-tensor norms in fp32, their norm, mul_ by the coefficient).
 torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double clip);
+
+// The sum of the squares of every element of `grads` in fp64, the CPU path's first pass above (each
+// square exact in fp64; pieces of 32 Ki elements summed on the intra-op threads, then in piece order,
+// so the bits depend on no thread count), for contiguous fp32 CPU tensors; nullopt for any other.
+// parallel::Engine's gradient norm takes it where its gradients live on the CPU.
+std::optional<double> sum_of_squares(const std::vector<torch::Tensor>& grads);
 
 }  // namespace sl::optim

@@ -15,6 +15,7 @@
 #include "device/device.h"
 #include "device/host.h"
 #include "memory/footprint.h"
+#include "optim/clip.h"
 #include "optim/optimizer.h"
 
 namespace sl::parallel {
@@ -416,8 +417,12 @@ torch::Tensor Engine::grad_norm_sq_share() {
   if (sharding_.replicated() && rank_ != 0) return torch::zeros({}, gs.front().options().dtype(torch::kDouble));
   // Accumulated in float64: the norm (and so the clip factor) must not depend on how the gradient is
   // cut into buckets or shards, or the stages would drift apart by rounding (visible under bf16).
-  // Chunk by chunk: a float64 norm converts its input first, and a whole group's float64 copy is
-  // twice the group's gradient (memory/footprint.h counts one chunk's copy).
+  // Gradients on the CPU (the CPU device, or offload.gradients' host shards): the single-process
+  // clipping's fused float64 pass, no copy (was 11 float64 conversions, ~13 ms of a 0.45 s l12 step).
+  if (const auto sq = optim::sum_of_squares(gs))
+    return torch::scalar_tensor(*sq, torch::TensorOptions().dtype(torch::kDouble)).to(device_);
+  // Elsewhere chunk by chunk: a float64 norm converts its input first, and a whole group's float64
+  // copy is twice the group's gradient (memory/footprint.h counts one chunk's copy).
   device::HostScope host(offload_grads_);  // the chunks' float64 copies are made where the gradient lives
   std::vector<torch::Tensor> norms;
   for (const auto& t : gs)
