@@ -346,7 +346,7 @@ TEST_CASE("clip_grad_norm on CPU: LibTorch's clip_grad_norm_ to float rounding; 
 // The engine's gradient norm (ZeRO and DDP, and bf16 parameter copies at world 1) takes the clipping's
 // fused float64 pass where its gradients are CPU tensors: no float64 copy (the planner counts none),
 // the sum of squares to float64 rounding; anything else (a bf16 or strided tensor) is refused, and
-// a device that is not the CPU keeps the float64 chunks the planner counts.
+// CUDA keeps the float64 chunks the planner counts (offload.gradients' host shards do not).
 TEST_CASE("sum_of_squares: float64 over fp32 CPU gradients, the engine's norm on the CPU without a float64 copy") {
   torch::manual_seed(17);
   std::vector<torch::Tensor> gs;
@@ -355,9 +355,15 @@ TEST_CASE("sum_of_squares: float64 over fp32 CPU gradients, the engine's norm on
     gs.push_back(torch::randn({n}) * 3.0);
     ref += gs.back().to(torch::kFloat64).pow(2).sum().item<double>();
   }
+  // Each square is exact in float64 and every term positive: the sums' rounding (16 lanes per piece of
+  // 2^15, then ~4 pieces) stays near 1e-16 relative; 1e-13 leaves room and still catches a float32 sum.
   const auto sq = optim::sum_of_squares(gs);
   REQUIRE(sq.has_value());
-  CHECK(std::abs(*sq - ref) <= 1e-13 * ref);  // each square exact in float64; ~1e5 float64 additions
+  CHECK(std::abs(*sq - ref) <= 1e-13 * ref);
+  const auto big = torch::randn({40010});  // a view with a storage offset, as zero1's shard of a flat buffer
+  const auto part = big.narrow(0, 5, 40000);
+  const double part_ref = part.to(torch::kFloat64).pow(2).sum().item<double>();
+  CHECK(std::abs(optim::sum_of_squares({part}).value() - part_ref) <= 1e-13 * part_ref);
   CHECK_FALSE(optim::sum_of_squares({gs[2].to(torch::kBFloat16)}).has_value());
   CHECK_FALSE(optim::sum_of_squares({gs[0], torch::randn({8, 9}).t()}).has_value());
 
@@ -385,9 +391,14 @@ TEST_CASE("sum_of_squares: float64 over fp32 CPU gradients, the engine's norm on
   REQUIRE(share.scalar_type() == torch::kFloat64);
   CHECK(std::abs(share.item<double>() - expected) <= 1e-13 * expected);
   CHECK(memory::predict_states(cfg).grad_norm_temp_bytes == 0);
-  auto lazy = cfg;
-  lazy.train.device = "lazy";
-  CHECK(memory::predict_states(lazy).grad_norm_temp_bytes > 0);  // the float64 chunks off the CPU
+  auto cuda = cfg;
+  cuda.train.device = "cuda";
+  CHECK(memory::predict_states(cuda).grad_norm_temp_bytes > 0);  // the float64 chunks on the GPU
+  cuda.parallel.sharding = config::Sharding::kZero2;
+  cuda.offload.optimizer = cuda.offload.gradients = true;
+  const auto host = memory::predict_states(cuda);
+  CHECK(host.grad_norm_temp_bytes == 0);  // the gradient shards on the host: the CPU pass
+  CHECK(host.host_peak_bytes() == host.host_states_bytes() + host.host_snapshot_bytes);
 }
 
 TEST_CASE("AdamW decays matrices only, and its state is two moments per parameter") {

@@ -108,11 +108,9 @@ std::vector<int64_t> unit_param_counts(const config::ModelConfig& m) {
 namespace {
 
 // Where the engine's gradients are CPU tensors (the CPU device, or offload.gradients' host shards), its
-// norm is one fused float64 pass with no copy (optim::sum_of_squares); elsewhere (CUDA, the lazy test
-// device) float64 copies of kGradNormChunk elements at a time.
-bool engine_grads_on_cpu(const config::RunConfig& cfg) {
-  return cfg.offload.gradients || (!runs_on_cuda(cfg) && cfg.train.device != "lazy");
-}
+// norm is one fused float64 pass with no copy (optim::sum_of_squares); on CUDA float64 copies of
+// kGradNormChunk elements at a time. (The lazy test device runs at world 1 without sharding: no engine.)
+bool engine_grads_on_cpu(const config::RunConfig& cfg) { return cfg.offload.gradients || !runs_on_cuda(cfg); }
 
 // offload.*: the terms the engine keeps on the host instead (parallel/engine.cpp, state_bytes).
 void place_offloaded(const config::RunConfig& cfg, PeakPrediction& p) {
@@ -128,10 +126,9 @@ void place_offloaded(const config::RunConfig& cfg, PeakPrediction& p) {
   p.optimizer_bytes = 0;
   p.host_grads_bytes = 4 * n / N;  // the shard itself (offload.gradients) or the host AdamW's copy of it
   if (o.gradients) p.grads_bytes = 0;
-  // The host AdamW is the fused CPU kernel (optim/optimizer.h): in place, no temporaries.
-  p.host_temp_bytes = o.gradients ? p.grad_norm_temp_bytes : 0;
+  // The host AdamW is the fused CPU kernel (optim/optimizer.h): in place, no temporaries; the norm of
+  // host gradients (offload.gradients) is a CPU pass without a copy (engine_grads_on_cpu).
   p.adamw_temp_bytes = 0;
-  if (o.gradients) p.grad_norm_temp_bytes = 0;
 }
 
 }  // namespace

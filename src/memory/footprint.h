@@ -58,12 +58,13 @@ struct PeakPrediction {
   int64_t host_snapshot_bytes = 0;
   // offload.* (the terms above then count what stays on the device): the rank's shard of the fp32
   // masters, of the gradient (its host copy, or the shard itself with offload.gradients) and of the
-  // moments in host memory, and the optimizer step's temporaries there.
-  int64_t host_params_bytes = 0, host_grads_bytes = 0, host_optimizer_bytes = 0, host_temp_bytes = 0;
+  // moments in host memory (the optimizer step makes no temporaries there: a fused in-place AdamW, and
+  // the gradient norm a pass without a copy).
+  int64_t host_params_bytes = 0, host_grads_bytes = 0, host_optimizer_bytes = 0;
   ActivationEstimate activations;  // activations.host_bytes: offload.activations' inputs
   int64_t host_states_bytes() const { return host_params_bytes + host_grads_bytes + host_optimizer_bytes; }
   int64_t host_peak_bytes() const {
-    return host_states_bytes() + std::max(activations.host_bytes, host_temp_bytes) + host_snapshot_bytes;
+    return host_states_bytes() + activations.host_bytes + host_snapshot_bytes;
   }
   int64_t model_states_bytes() const { return params_bytes + grads_bytes + optimizer_bytes; }
   int64_t activation_phase_bytes() const { return transient_bytes + activations.peak_bytes; }
