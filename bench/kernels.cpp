@@ -38,6 +38,7 @@
 #include "model/layernorm.h"
 #include "model/gpt.h"
 #include "precision/autocast.h"
+#include "train/peak_flops.h"
 #include "train/trainer.h"
 
 namespace {
@@ -205,13 +206,6 @@ void bench_allocator(int64_t reps) {
               static_cast<long long>(tracked.allocs), overhead_ms, 100.0 * overhead_ms / plain.ms);
 }
 
-// The best of n products a @ b, ms.
-double best_product_ms(const torch::Tensor& a, const torch::Tensor& b, int n) {
-  double best = 1e30;
-  for (int i = 0; i < n; ++i) best = std::min(best, time_ms([&] { a.mm(b); }));
-  return best;
-}
-
 // One forward, loss and backward of `gpt` under bf16 autocast (gradients zeroed, not freed, as the
 // trainer zeroes them), ms.
 double autocast_step_ms(model::GPT& gpt, const torch::Tensor& idx, const torch::Tensor& targets) {
@@ -226,8 +220,9 @@ double autocast_step_ms(model::GPT& gpt, const torch::Tensor& idx, const torch::
   });
 }
 
-// The l12 model (B 8, T 256) under bf16 autocast, outside the trainer: each step right after the best
-// of three 1024^3 bf16 products. Model FLOPs are the trainer's (train::flops_per_token, the PaLM formula).
+// The l12 model (B 8, T 256) under bf16 autocast, outside the trainer: each step right after the
+// trainer's own bf16 peak measurement (train::measure_gemm_flops: the best of five 1024^3 products).
+// Model FLOPs are the trainer's (train::flops_per_token, the PaLM formula).
 void bench_model_bf16(int64_t reps) {
   if (device::cpu_features().linear_path("bf16") != device::LowpMatmul::native) {
     std::printf("\nl12 model, bf16, outside the trainer: skipped (no native bf16 GEMM on this CPU)\n");
@@ -236,11 +231,10 @@ void bench_model_bf16(int64_t reps) {
   model::GPT gpt = l12_model();
   const int64_t B = 8, T = 256;
   const auto idx = torch::randint(0, 256, {B, T}, torch::kInt64), targets = torch::randint(0, 256, {B, T}, torch::kInt64);
-  const auto a = torch::randn({1024, 1024}).to(torch::kBFloat16), b = torch::randn({1024, 1024}).to(torch::kBFloat16);
   const double step_flops = train::flops_per_token(*gpt, T) * static_cast<double>(B * T);
   std::vector<double> steps, peaks, fractions;
   for (int64_t r = 0; r < reps + 2; ++r) {
-    const double peak = 2.0 * 1024 * 1024 * 1024 / (best_product_ms(a, b, 3) * 1e-3);
+    const double peak = train::measure_gemm_flops(torch::kCPU, torch::kBFloat16);
     const double ms = autocast_step_ms(gpt, idx, targets);
     if (r < 2) continue;  // warm-up
     steps.push_back(ms), peaks.push_back(peak), fractions.push_back(step_flops / (ms * 1e-3) / peak);

@@ -1,4 +1,5 @@
-// Gradient clipping on the single-process path (parallel/engine.h clips sharded gradients itself).
+// Gradient clipping on the single-process path (parallel/engine.h clips sharded gradients itself), and
+// the float64 sum of squares both paths' norms take on CPU gradients.
 #pragma once
 #include <optional>
 #include <vector>
