@@ -14,9 +14,10 @@
 //              forward + backward of the l12 model, as a share of that step's time. (Timing the step
 //              with and without tracking cannot resolve 2 % on a noisy machine; this can.)
 //   model:     the l12 model's forward + backward under bf16 autocast outside the trainer (no optimizer,
-//              data or logging), each step right after a 1024^3 bf16 product: the model's own share of
-//              the bf16 GEMM peak, the bound on the trainer's `none` figure (docs/precision.md). Only
-//              where oneDNN multiplies bf16 natively (elsewhere a bf16 a@b takes seconds).
+//              data or logging), each step right after 0.5 s of 1024^3 bf16 products (the best of them is
+//              the bf16 GEMM peak): the model's own share of that peak, the bound on the trainer's `none`
+//              figure (docs/precision.md). Only where oneDNN multiplies bf16 natively (elsewhere a bf16
+//              a@b takes seconds).
 //   build/bench_kernels [B nh T hd threads reps]   (default: the l12 recipe, 8 4 256 64 2 30; GELU on
 //                                                   (B T, 4 nh hd))
 #include <algorithm>
@@ -221,7 +222,7 @@ double autocast_step_ms(model::GPT& gpt, const torch::Tensor& idx, const torch::
 }
 
 // The l12 model (B 8, T 256) under bf16 autocast, outside the trainer: each step right after the
-// trainer's own bf16 peak measurement (train::measure_gemm_flops: the best of five 1024^3 products).
+// trainer's own bf16 GEMM rate (train::measure_gemm_flops: the best 1024^3 product over 0.5 s).
 // Model FLOPs are the trainer's (train::flops_per_token, the PaLM formula).
 void bench_model_bf16(int64_t reps) {
   if (device::cpu_features().linear_path("bf16") != device::LowpMatmul::native) {

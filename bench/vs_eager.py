@@ -26,7 +26,7 @@ right after (the best product of a 2 s window each), and gives the trainer's fra
 own peak (median, min-max over rounds): the two halves of one figure measured minutes apart on a shared
 VM can catch different loads. And best against best: the fastest step of all rounds against the highest
 a@b figure read anywhere in the run, each the least disturbed of many. Neither removes load that slows
-the step and not the in-cache product (shared memory bandwidth: docs/precision.md, fifth session).
+the step and not the in-cache product (shared memory bandwidth).
 Where a bf16 a@b is not the trainer's GEMM (no bf16 instructions, below) both are left out. And the
 first-step loss of both. The CPU's model and its bf16-relevant flags (/proc/cpuinfo) go in the JSON
 and the table header: without avx512_bf16 / amx_bf16 (and without AVX-512 for oneDNN's emulated path)

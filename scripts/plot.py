@@ -8,6 +8,10 @@ kind "batch" (sweep_batch.sh):
                            that did not fit are marked with x (at the memory limit), and the limit is
                            drawn as a horizontal line when there is one;
   throughput_vs_batch.png  tokens/s vs micro-batch, one line per mode.
+  Every tried micro-batch has an unlabelled tick; labels go to each mode's largest size that fits,
+  then the smallest and largest tried, then the powers of two, each only where it stays one digit's
+  width clear of the labels placed before it (the bisection tries neighbours such as 30 and 31, whose
+  labels would run together). The legend names each mode's largest size that fits.
 kind "budget" (bench/budget_vs_uniform.py):
   step_time_vs_budget.png  median step time vs activation budget: mode budget, and the best uniform
                            mode that fits each budget (labelled with its name); recipes other than l12
@@ -52,8 +56,12 @@ def subtitle(doc):
     return ", ".join(parts)
 
 
-def finish(fig, ax, path, xlabel, ylabel, title, plt):
-    """Labels, grid, legend, layout; saves the figure to path and returns path."""
+DPI = 120  # figures are drawn and saved at this resolution, so the tick labels placed are the ones saved
+
+
+def finish(fig, ax, path, xlabel, ylabel, title, plt, tick_priority=None):
+    """Labels, grid, legend, layout; with tick_priority, the x tick labels that stay readable
+    (readable_xticks); saves the figure to path and returns path."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=11)
@@ -61,15 +69,73 @@ def finish(fig, ax, path, xlabel, ylabel, title, plt):
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if tick_priority:
+        readable_xticks(fig, ax, tick_priority)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 
 
+def readable_xticks(fig, ax, priority):
+    """Labels the x ticks at the values of `priority` that can be read, most important first: a value is
+    labelled when its label's drawn extent stays at least one digit's width clear of every label kept
+    before it (closer, "30" and "31" read as "3031"). Measured with the figure's renderer after layout,
+    so the kept labels are apart in the saved picture. Returns the labelled values, ascending."""
+    candidates = sorted(set(priority))
+    ax.set_xticks(candidates)
+    ax.set_xticklabels([str(v) for v in candidates])
+    fig.canvas.draw()  # places the candidate labels
+    renderer = fig.canvas.get_renderer()
+    box = {int(lab.get_text()): lab.get_window_extent(renderer)
+           for lab in ax.xaxis.get_majorticklabels() if lab.get_text()}
+    gap = digit_width(ax, renderer)
+    kept = []
+    for v in dict.fromkeys(priority):
+        b = box.get(v)
+        if b is not None and all(b.x0 >= box[k].x1 + gap or box[k].x0 >= b.x1 + gap for k in kept):
+            kept.append(v)
+    kept.sort()
+    ax.set_xticks(kept)
+    ax.set_xticklabels([str(v) for v in kept])
+    return kept
+
+
+def digit_width(ax, renderer):
+    """Width in pixels of the digit 0 in the x tick labels' font."""
+    label = ax.xaxis.get_majorticklabels()[0]
+    width, _, _ = renderer.get_text_width_height_descent("0", label.get_fontproperties(), ismath=False)
+    return width
+
+
+def batch_tick_priority(batches, largest):
+    """x tick label candidates in order of importance: each mode's largest micro-batch that fits, the
+    smallest and largest tried, then the powers of two between them."""
+    lo, hi = min(batches), max(batches)
+    powers = [2 ** i for i in range(hi.bit_length()) if lo <= 2 ** i <= hi]
+    return list(dict.fromkeys([b for b in largest.values() if b is not None] + [lo, hi] + powers))
+
+
 def log2_batches(ax, batches):
+    """A log2 x axis with an unlabelled tick at every tried micro-batch (labels: readable_xticks)."""
+    from matplotlib.ticker import FixedLocator, NullFormatter
     ax.set_xscale("log", base=2)
-    ax.set_xticks(batches)
-    ax.set_xticklabels([str(b) for b in batches])
+    ax.xaxis.set_minor_locator(FixedLocator(batches))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def largest_fits(rows, modes):
+    """{mode: largest micro-batch that fits, or None}."""
+    out = {}
+    for m in modes:
+        fit = [r["micro_batch"] for r in rows if r["mode"] == m and r["fits"]]
+        out[m] = max(fit) if fit else None
+    return out
+
+
+def mode_label(m, rows, largest):
+    """A legend entry: the mode, and where some size failed, its largest size that fits."""
+    failed = any(r["mode"] == m and not r["fits"] for r in rows)
+    return f"{m} (largest that fits: {largest[m]})" if failed and largest[m] is not None else m
 
 
 def plot_batch(doc, out, plt):
@@ -77,10 +143,12 @@ def plot_batch(doc, out, plt):
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     limit = doc.get("limit_bytes")
     batches = sorted({r["micro_batch"] for r in rows})
+    largest = largest_fits(rows, modes)
+    ticks = batch_tick_priority(batches, largest)
     paths = []
 
     # Peak memory vs micro-batch.
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=DPI)
     failed_labelled = False
     top = max([r["peak_bytes"] for r in rows if r.get("peak_bytes")] + [limit or 0]) / MIB
     for i, m in enumerate(modes):
@@ -88,7 +156,7 @@ def plot_batch(doc, out, plt):
         ok = sorted((r["micro_batch"], r["peak_bytes"]) for r in rows
                     if r["mode"] == m and r["fits"] and r.get("peak_bytes") is not None)
         if ok:
-            ax.plot([b for b, _ in ok], [p / MIB for _, p in ok], "o-", color=color, label=m)
+            ax.plot([b for b, _ in ok], [p / MIB for _, p in ok], "o-", color=color, label=mode_label(m, rows, largest))
         bad = sorted(r["micro_batch"] for r in rows if r["mode"] == m and not r["fits"])
         if bad:
             # At the limit line, stacked a little per mode so coinciding sizes stay visible.
@@ -104,19 +172,19 @@ def plot_batch(doc, out, plt):
     log2_batches(ax, batches)
     paths.append(finish(fig, ax, os.path.join(out, "memory_vs_batch.png"), "micro-batch (sequences)",
                         "peak allocated memory (MiB)",
-                        f"Peak memory vs micro-batch per checkpointing mode\n{subtitle(doc)}", plt))
+                        f"Peak memory vs micro-batch per checkpointing mode\n{subtitle(doc)}", plt, ticks))
 
     # Throughput vs micro-batch.
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=DPI)
     for i, m in enumerate(modes):
         ok = sorted((r["micro_batch"], r["tokens_per_s"]) for r in rows
                     if r["mode"] == m and r["fits"] and r.get("tokens_per_s") is not None)
         if ok:
-            ax.plot([b for b, _ in ok], [t for _, t in ok], "o-", color=f"C{i}", label=m)
+            ax.plot([b for b, _ in ok], [t for _, t in ok], "o-", color=f"C{i}", label=mode_label(m, rows, largest))
     log2_batches(ax, batches)
     paths.append(finish(fig, ax, os.path.join(out, "throughput_vs_batch.png"), "micro-batch (sequences)",
                         "throughput (tokens/s, median step)",
-                        f"Training throughput vs micro-batch per checkpointing mode\n{subtitle(doc)}", plt))
+                        f"Training throughput vs micro-batch per checkpointing mode\n{subtitle(doc)}", plt, ticks))
     return paths
 
 

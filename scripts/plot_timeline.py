@@ -24,6 +24,7 @@ import json
 import sys
 
 MIB = 2 ** 20
+DPI = 110  # figures are laid out and saved at this resolution
 # Bottom of the stack first: what lives all step, then what the step makes, in the order it comes.
 KIND_ORDER = ["weights", "buffers", "gradients", "optimizer_state", "input", "activations", "loss", "recompute",
               "backward", "gathered_params", "comm", "offload", "optimizer_temp", "eval", "other"]
@@ -154,6 +155,51 @@ def draw_one(ax, t, path, use_time, np, title, top):
     return handles, peak
 
 
+TITLE_WIDTH = 48  # characters per title line: a 4.2-inch panel holds about 55 at 9 pt (DejaVu Sans, ~5.4 pt a character)
+TITLE_LINES = 2
+
+
+def words_outside_brackets(text):
+    """Splits text at the spaces that are not inside brackets, so "[0..2)", "(step 2)" and
+    "[attention, mlp]" stay whole ("[" and "(" open, "]" and ")" close)."""
+    words, depth, word = [], 0, ""
+    for ch in text:
+        depth += ch in "[("
+        depth = max(0, depth - (ch in "])"))
+        if ch == " " and depth == 0:
+            words.append(word)
+            word = ""
+        else:
+            word += ch
+    words.append(word)
+    return [w for w in words if w]
+
+
+def panel_title(description, step, width=TITLE_WIDTH, lines=TITLE_LINES):
+    """A panel's title: the timeline's checkpointing plan ("sqrt k=2: 2 of 2 segments checkpointed:
+    [0..2) [2..4)", the trainer's Plan::describe) and "(step N)", wrapped at the spaces outside brackets
+    into at most `lines` lines of `width` characters. Where the plan does not fit, its last words give way
+    to "…" (whole words: never a bracket cut open); a single word wider than a line keeps its line."""
+    suffix = f"(step {step})"
+    out, cut = [[]], False
+    for w in words_outside_brackets(description):
+        if out[-1] and len(" ".join(out[-1] + [w])) > width:
+            if len(out) == lines:
+                cut = True
+                break
+            out.append([])
+        out[-1].append(w)
+    if not cut and len(" ".join(out[-1] + [suffix])) <= width:
+        out[-1].append(suffix)
+    elif not cut and len(out) < lines:
+        out.append([suffix])
+    else:
+        while len(out[-1]) > 1 and len(" ".join(out[-1] + ["…", suffix])) > width:
+            out[-1].pop()
+        out[-1] += ["…", suffix]
+    return "\n".join(" ".join(line) for line in out if line)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("inputs", nargs="+", help="memory_timeline.json files, drawn left to right")
@@ -163,29 +209,38 @@ def main():
     args = ap.parse_args()
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.patches import Patch
 
     timelines = []
     for path in args.inputs:
         with open(path) as f:
             timelines.append(json.load(f))
-    titles = args.titles.split(",") if args.titles else [
-        f"{t.get('checkpointing', '')[:48]} (step {t['step']})" for t in timelines]
-    fig, axes = plt.subplots(1, len(timelines), figsize=(4.2 * len(timelines) + 1.8, 4.6), sharey=True, squeeze=False)
+    titles = args.titles.split(",") if args.titles else None
+    fig = draw_figure(timelines, args.inputs, titles, args.time)
+    fig.savefig(args.out, dpi=DPI)
+    print(args.out)
+
+
+def draw_figure(timelines, paths, titles=None, use_time=False):
+    """The panels of `timelines` side by side (titles: default panel_title of each), laid out; prints
+    each one's event count and peak. Returns the figure."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Patch
+
+    titles = titles or [panel_title(t.get("checkpointing", ""), t["step"]) for t in timelines]
+    fig, axes = plt.subplots(1, len(timelines), figsize=(4.2 * len(timelines) + 1.8, 4.6), sharey=True, squeeze=False,
+                             dpi=DPI)
     kinds = {}
     top = max(t["peak"]["device_bytes"] for t in timelines) / MIB * 1.3  # room for the phase names
-    for ax, t, path, title in zip(axes[0], timelines, args.inputs, titles):
-        handles, peak = draw_one(ax, t, path, args.time, np, title, top)
+    for ax, t, path, title in zip(axes[0], timelines, paths, titles):
+        handles, peak = draw_one(ax, t, path, use_time, np, title, top)
         kinds.update(handles)
         print(f"{path}: {len(t['events'])} events, peak {peak} bytes ({peak / MIB:.2f} MiB)")
     axes[0][0].set_ylabel("device memory (MiB)")
     legend = [Patch(color=kinds[k], label=k) for k in KIND_ORDER if k in kinds]
     fig.legend(handles=legend, loc="center right", fontsize=8, title="label (blocks: shades)", title_fontsize=8)
     fig.tight_layout(rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
-    fig.savefig(args.out, dpi=110)
-    print(args.out)
+    return fig
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
 #include <spdlog/spdlog.h>
 
 #include "config/config.h"
+#include "device/build_info.h"
 #include "errors.h"
 #include "interop/export.h"
 #include "log/metrics.h"
@@ -86,6 +87,9 @@ int run_sample(const Cli& cli) {
 void add_commands(CLI::App& app, Cli& cli) {
   app.require_subcommand(0, 1);
   app.add_flag("--help-config", cli.help_config, "print every recipe key with its type, default and meaning");
+  app.set_version_flag("--version", [] { return sl::device::version_text(sl::device::build_info()); },
+                       "print the version, the commit, the LibTorch version, the CUDA and CPU code compiled in and "
+                       "what this machine has of them, then exit");
   auto add_run_options = [&](CLI::App* cmd) {
     cmd->add_option("-c,--config", cli.config_path, "YAML recipe, e.g. configs/tiny.yaml");
     cmd->add_option("-s,--set", cli.overrides, "override a recipe key: --set section.key=value (repeatable)");
@@ -148,8 +152,12 @@ int dispatch(const Cli& cli) {
     throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
   auto overrides = cli.overrides;
   if (cli.no_profile) overrides.push_back("checkpointing.profile_costs=false");
-  // plan --memory: the memory to fit, also what a share budget (checkpointing.budget: 90%) is a share of
-  if (cli.plan_cmd->parsed() && !cli.plan_memory.empty()) overrides.push_back("memory.limit=" + cli.plan_memory);
+  // plan --memory: the memory to fit, also what a share budget (checkpointing.budget: 90%) is a share of;
+  // read first, so a size it cannot take is reported as the flag's
+  if (cli.plan_cmd->parsed() && !cli.plan_memory.empty()) {
+    sl::config::parse_bytes(cli.plan_memory, "--memory");
+    overrides.push_back("memory.limit=" + cli.plan_memory);
+  }
   // plan --world-size: the recipe is checked for that world size (train.global_batch, DDP offload) as a
   // rank launched at it would check it.
   if (cli.plan_cmd->parsed() && cli.plan_world > 0) ::setenv("WORLD_SIZE", std::to_string(cli.plan_world).c_str(), 1);
@@ -169,7 +177,7 @@ int main(int argc, char** argv) {
   add_commands(app, cli);
   try {
     app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
+  } catch (const CLI::Success& e) {  // --help, --version: printed, exit 0
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);

@@ -248,3 +248,44 @@ TEST_CASE("config::choice puts each mode together with the parameters it uses, f
   REQUIRE(std::holds_alternative<mode::Budget>(share));
   CHECK(std::get<mode::Budget>(share).share == 0.9);
 }
+
+TEST_CASE("sizes beyond 64 bits, infinite, NaN or negative exit 2 naming the key: recipe keys and plan --memory") {
+  // 2^63 bytes is the first size int64_t cannot hold: 8388608 TiB = 2^23 x 2^40 is refused, one TiB
+  // less (2^63 - 2^40, exact in a double) is the largest TiB count taken.
+  CHECK(config::parse_bytes("8388607TiB", "k") == (int64_t{8388607} << 40));
+  CHECK_THROWS_WITH(config::parse_bytes("8388608TiB", "memory.limit"),
+                    Catch::Contains("memory.limit: '8388608TiB' is 9.22e+18 bytes, more than the largest size"));
+  CHECK_THROWS_WITH(config::parse_bytes("1e30GiB", "memory.limit"), Catch::Contains("memory.limit: '1e30GiB' is 1.07e+39 bytes"));
+  CHECK_THROWS_WITH(config::parse_bytes("1e400", "memory.host_limit"), Catch::Contains("memory.host_limit: '1e400' is inf bytes"));
+  CHECK_THROWS_WITH(config::parse_bytes("inf", "memory.limit"), Catch::Contains("memory.limit: 'inf' is inf bytes"));
+  CHECK_THROWS_WITH(config::parse_bytes("nan", "memory.limit"), Catch::Contains("memory.limit: 'nan' is not a size"));
+  CHECK_THROWS_WITH(config::parse_bytes("-1GiB", "memory.limit"), Catch::Contains("memory.limit: '-1GiB' is negative"));
+  CHECK(config::parse_bytes("1e-400GiB", "k") == 0);  // below a double's smallest: 0 bytes
+  struct Case {
+    const char* args;
+    const char* expect;
+  };
+  const std::vector<Case> cases = {
+      {"--set memory.limit=1e30GiB", "memory.limit: '1e30GiB' is 1.07e+39 bytes"},
+      {"--set memory.host_limit=inf", "memory.host_limit: 'inf' is inf bytes"},
+      {"--set checkpointing.mode=budget --set checkpointing.budget=1e30GiB", "checkpointing.budget: '1e30GiB'"},
+      {"--set memory.limit=-2GiB", "memory.limit: '-2GiB' is negative"},
+      {"plan --memory 1e30GiB", "--memory: '1e30GiB' is 1.07e+39 bytes"},
+      {"plan --memory nan", "--memory: 'nan' is not a size"},
+  };
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.args) {
+      test::TempDir dir("bigsize");
+      const auto out = dir.path / "out";
+      const std::string args(c.args);
+      const bool plan = args.starts_with("plan");
+      const auto r = test::trainer((plan ? args + " --config configs/tiny.yaml --out " + (out / "plan.json").string()
+                                         : "--config configs/tiny.yaml " + args) +
+                                   " --set logging.dir=" + out.string());
+      INFO(r.output);
+      CHECK(r.code == kExitConfig);
+      CHECK_THAT(r.output, Catch::Contains(c.expect));
+      CHECK_FALSE(std::filesystem::exists(out));  // no run directory, no plan.json
+    }
+  }
+}

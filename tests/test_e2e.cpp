@@ -188,7 +188,7 @@ TEST_CASE("every checkpointing mode trains the same 20-step loss sequence and lo
   CHECK(summary["checkpointing"]["k"] == 3);
 }
 
-TEST_CASE("bf16 autocast trains the tiny recipe like fp32; fp16 logs its loss scale and skipped steps") {
+TEST_CASE("bf16 autocast trains the tiny recipe like fp32; fp16 logs its loss scale and skipped steps", "[numerics]") {
   auto last5 = [](const std::vector<json>& steps) {
     double s = 0;
     for (size_t i = steps.size() - 5; i < steps.size(); ++i) s += steps[i]["loss"].get<double>();
@@ -219,13 +219,22 @@ TEST_CASE("bf16 autocast trains the tiny recipe like fp32; fp16 logs its loss sc
   };
   json s32, s16b, s16;
   const auto fp32 = run("fp32", &s32), bf16 = run("bf16", &s16b), fp16 = run("fp16", &s16);
-  // Tolerance: the mean of the last 5 losses within 0.05 nats of fp32's (both fall ~2.7 nats from 5.56 in 20 steps).
+  // The mean of the last 5 losses within 0.05 nats of fp32's (both fall ~2.7 nats from 5.56 in 20
+  // steps). From the arithmetic: a step's loss carries bf16's rounding of the logits, each position's
+  // loss moving by <= 2 max|dz| ~ 2 x 2^-9 x |z| <= 0.03 with |z| <= 8; and the parameters' drift D,
+  // which moves the loss by g . D: the gradient's norm sits on well-conditioned elements, whose
+  // directions move by <= 2 x 1.6e-2 (tests/runs.h kRounded), so |g . D| <= |g| x 3.2e-2 x B with
+  // |g| <= 3 and B = adamw_travel_bound <= 0.07 (lr 3e-3, 20 steps): <= 7e-3. Together < 0.04.
   CHECK(std::abs(last5(bf16) - last5(fp32)) < 0.05);
   CHECK(last5(bf16) < bf16.front()["loss"].get<double>() - 2.0);
   CHECK(s16b["skipped_steps"] == 0);
   CHECK(bf16.front()["loss_scale"] == 1.0);
   CHECK(fp16.front()["loss_scale"] == 65536.0);
-  CHECK(std::abs(last5(fp16) - last5(fp32)) < 0.1);
+  // fp16 rounds finer (2^-12): bf16's bound holds, plus the steps its loss scaler skipped (no update
+  // while the scale comes down), each leaving its curve one step behind fp32's: worth fp32's own
+  // slope over its last 5 steps per skipped step.
+  const double late_slope = std::max(0.0, (fp32[fp32.size() - 6]["loss"].get<double>() - fp32.back()["loss"].get<double>()) / 5);
+  CHECK(std::abs(last5(fp16) - last5(fp32)) < 0.05 + s16["skipped_steps"].get<double>() * late_slope);
   // bf16 keeps activations in half the bytes where autocast computes in it.
   CHECK(s16b["median_activation_peak_bytes"].get<int64_t>() < 0.8 * s32["median_activation_peak_bytes"].get<int64_t>());
 }

@@ -4,6 +4,7 @@
 #include <string>
 #include <torch/torch.h>
 
+#include "memory/footprint.h"
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "test_util.h"
@@ -112,4 +113,11 @@ TEST_CASE("SUBLINEAR_NO_CPU_CACHE=1: a trainer run's reserved bytes equal its al
     }
     CHECK(seen == 2);
   }
+}
+
+// A training state holds the CPU generator's state (state/components.cpp); the planner counts it in an
+// asynchronous save's host snapshot as memory::kCpuRngStateBytes, which must be what LibTorch makes.
+TEST_CASE("the planner's size of the CPU RNG state is the tensor LibTorch's generator returns") {
+  const auto state = at::globalContext().defaultGenerator(torch::kCPU).get_state();
+  CHECK(static_cast<int64_t>(state.nbytes()) == memory::kCpuRngStateBytes);
 }

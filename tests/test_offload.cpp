@@ -9,9 +9,12 @@
 //  - under one memory.limit, a recipe that runs out of memory without offload trains with it, bitwise
 //    equal to the run without a limit;
 //  - memory.host_limit exceeded is a clean exit 4 that names host memory (before training when the
-//    offloaded states cannot fit it, in the step that runs out otherwise);
+//    offloaded states cannot fit it, in the step that runs out otherwise), its oom record and
+//    host_memory giving the host pool's peak and limit;
+//  - memory.host_limit equal to the planner's host peak trains, one byte less does not (exact);
 //  - placements a sharding stage cannot carry are refused when the recipe is read.
 // (kill -9 and --resume with offload: tests/test_resume.cpp.)
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -159,7 +162,7 @@ TEST_CASE("every placement trains bitwise like the recipe without offload (fp32,
   }
 }
 
-TEST_CASE("the planner predicts the device and host peaks within 5% and the bytes moved per step") {
+TEST_CASE("the planner predicts the device and host peaks within 5% and the bytes moved per step", "[numerics]") {
   Runner& run = shared_runner();
   for (const int world : {1, 2}) {
     for (const auto& p : kPlacements) {
@@ -386,4 +389,76 @@ TEST_CASE("configs/7b_24gb.yaml: the planner puts a 7B fine-tune under 22 GiB of
   auto plain = cfg;
   plain.offload = config::OffloadConfig{};
   CHECK(memory::predict_states(plain).model_states_bytes() > 24 * gib);
+}
+
+// The planner's host peak is every tensor the run makes in host memory, to the byte, on the rank where it
+// is largest: the offloaded states of every engine group with its padding to the world size, the host
+// AdamW's piece index, and state.async's snapshot with its RNG state. A memory.host_limit equal to it is
+// enough for every rank, and one byte less is not: at world 1 the host pool reaches it exactly; at world
+// 2 the rank that reaches it may be rank 1 (its range can straddle a group's matrices-then-vectors
+// boundary: one more AdamW piece), so rank 0's peak (the one summary.json has) is at most the figure and
+// a limit one byte lower stops a rank with exit 4 in host memory.
+TEST_CASE("memory.host_limit at exactly the planner's host peak trains and the host pool reaches it to the byte "
+          "(zero2 and zero3; world 1 and 2; with and without state.async's snapshot)") {
+  Runner& run = shared_runner();
+  for (const int world : {1, 2})
+    for (const Placement* p : {&kPlacements[1], &kPlacements[2]})  // zero2: optimizer + gradients; zero3: + parameters
+      for (const int every : {0, 2}) {                             // 2: snapshots after steps 2 and 4 (state.async)
+        const std::string sets = base_sets(*p, "fp32") + p->sets + fmt::format(" --set state.every={}", every);
+        const int64_t predicted = planner::predict_peak(recipe_config(sets, world)).host_peak_bytes();
+        INFO(p->name << ", world " << world << ", state.every " << every << ": predicted host peak " << predicted);
+        const auto dir = run.train(world, sets + fmt::format(" --set memory.host_limit={}", predicted));  // every rank exits 0
+        const auto s = summary(dir);
+        CHECK(s["host_memory"]["limit_bytes"].get<int64_t>() == predicted);
+        CHECK(s["host_memory"]["predicted_peak_bytes"].get<int64_t>() == predicted);
+        if (every > 0) CHECK(s["state"]["snapshot_bytes"].get<int64_t>() > 0);
+        if (world == 1) {
+          CHECK(s["host_memory"]["peak_bytes"].get<int64_t>() == predicted);
+          continue;
+        }
+        CHECK(s["host_memory"]["peak_bytes"].get<int64_t>() <= predicted);
+        test::TempDir below("offload-host-exact");
+        const auto m = test::launch(world, fmt::format("--config {} {} --set memory.host_limit={} --set logging.dir={}",
+                                                       run.recipe, sets, predicted - 1, (below.path / "run").string()));
+        std::string outputs;
+        for (const auto& o : m.outputs) outputs += o + "\n----\n";
+        INFO(outputs);
+        CHECK(std::count(m.codes.begin(), m.codes.end(), kExitOom) >= 1);
+        CHECK(outputs.find("out of host memory") != std::string::npos);
+      }
+}
+
+TEST_CASE("a host out-of-memory in a step reports the host pool: its peak and memory.host_limit in the oom record and "
+          "host_memory") {
+  Runner& run = shared_runner();
+  const Placement& p = kPlacements[4];  // everything offloaded: the checkpointed inputs go to the host in forward
+  const std::string sets = base_sets(p, "fp32") + p.sets;
+  const auto predicted = planner::predict_peak(recipe_config(sets, 1));
+  REQUIRE(predicted.activations.host_bytes > 0);
+  // Room for the offloaded states, not for all the checkpointed inputs: the first forward runs out.
+  const int64_t limit = predicted.host_states_bytes() + predicted.activations.host_bytes / 2;
+  test::TempDir dir("offload-host-oom");
+  const auto run_dir = dir.path / "run";
+  const auto r = test::trainer(fmt::format("--config {} {} --set memory.host_limit={} --set logging.dir={}", run.recipe,
+                                           sets, limit, run_dir.string()));
+  INFO(r.output);
+  REQUIRE(r.code == kExitOom);
+  const auto s = summary(run_dir);
+  const auto& oom = s["oom"];
+  REQUIRE(oom.is_object());
+  CHECK(oom["memory"] == "host");
+  CHECK(oom["limit_bytes"].get<int64_t>() == limit);
+  const int64_t peak = oom["peak_bytes"].get<int64_t>(), requested = oom["requested_bytes"].get<int64_t>();
+  // The states were in host memory before the step; the refused request did not fit beside what was live
+  // (live <= peak): the allocator refuses when live + requested > limit.
+  CHECK(peak >= predicted.host_states_bytes());
+  CHECK(peak <= limit);
+  CHECK(peak + requested > limit);
+  // host_memory's peak is the pool's, the failed step included (no step finished).
+  CHECK(s["host_memory"]["peak_bytes"].get<int64_t>() == peak);
+  CHECK(s["host_memory"]["limit_bytes"].get<int64_t>() == limit);
+  const auto events = test::events(run_dir / "metrics.jsonl", "oom");
+  REQUIRE(events.size() == 1);
+  CHECK(events[0]["limit_bytes"].get<int64_t>() == limit);
+  CHECK(events[0]["peak_bytes"].get<int64_t>() == peak);
 }

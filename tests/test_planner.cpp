@@ -7,7 +7,10 @@
 #include <cctype>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
+#include <set>
+#include <sstream>
 
 #include "catch.h"
 #include <fmt/format.h>
@@ -204,6 +207,22 @@ TEST_CASE("the bf16 model holds on AVX-512 without bf16 instructions", "[avx512]
                         "onednn_emulated");
 }
 
+namespace {
+// The CPU's feature flags as the kernel lists them (/proc/cpuinfo's first "flags" line): a source
+// apart from the cpuinfo library ATen asks, for checks that must not restate cpu_features.cpp.
+std::set<std::string> proc_cpu_flags() {
+  std::ifstream in("/proc/cpuinfo");
+  std::set<std::string> out;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    for (std::string w; words >> w;) out.insert(w);
+    break;
+  }
+  return out;
+}
+}  // namespace
+
 TEST_CASE("the CPU features follow the libraries' caps and name the CPU") {
   const auto& f = device::cpu_features();
   const auto j = f.to_json();
@@ -211,11 +230,33 @@ TEST_CASE("the CPU features follow the libraries' caps and name the CPU") {
                           "native_bf16", "bf16_matmul", "bf16_dot"})
     CHECK(j.contains(key));
   CHECK(!f.aten_capability.empty());
-  // The path is what the flags say: oneDNN's bf16 kernels with the instructions, without them, or none.
-  if (!f.onednn_bf16) CHECK(f.bf16_matmul == device::LowpMatmul::aten);
-  else CHECK(f.bf16_matmul == (f.native_bf16 ? device::LowpMatmul::native : device::LowpMatmul::emulated));
-  // The fused attention's bf16 products: the instructions, and a cap that allows them.
-  CHECK(f.bf16_dot == (f.avx512 && f.avx512_bf16 && device::onednn_isa_allows(f.onednn_max_isa, "avx512_core_bf16")));
+  // What the kernel's flag list and oneDNN's cap (onednn_isa_allows: its table is checked case by case
+  // below) say, apart from the library answers cpu_features reads: the bf16 instructions oneDNN may
+  // use, and whether the fused attention's AVX512-BF16 products may run.
+  const auto flags = proc_cpu_flags();
+  REQUIRE(flags.count("avx2"));  // every CPU the suite supports; an empty list would make the rest vacuous
+  auto has = [&](const char* flag) { return flags.count(flag) > 0; };
+  const std::string& cap = f.onednn_max_isa;
+  const bool avx512 = has("avx512f") && has("avx512bw") && has("avx512vl") && has("avx512dq");
+  const bool bf16_instructions =
+      (has("avx512_bf16") && device::onednn_isa_allows(cap, "avx512_core_bf16")) ||
+      (has("amx_bf16") && has("amx_tile") && device::onednn_isa_allows(cap, "avx512_core_amx")) ||
+      (has("avx_ne_convert") && device::onednn_isa_allows(cap, "avx2_vnni_2"));
+  fmt::print("CPU flags: avx512 {}, avx512_bf16 {}, amx_bf16 {}, avx_ne_convert {}; oneDNN cap '{}'\n", avx512,
+             has("avx512_bf16"), has("amx_bf16"), has("avx_ne_convert"), cap);
+  CHECK(f.avx512 == avx512);
+  CHECK(f.native_bf16 == bf16_instructions);
+  // The path: ATen's gemm where oneDNN takes no bf16 matmul (the library's own answer); else oneDNN's
+  // kernels with the instructions (native) or without them (emulated).
+  const auto want_path = !f.onednn_bf16       ? device::LowpMatmul::aten
+                         : bf16_instructions  ? device::LowpMatmul::native
+                                              : device::LowpMatmul::emulated;
+  CHECK(f.bf16_matmul == want_path);
+  // oneDNN takes bf16 matmuls only on AVX-512 (or with AVX-NE-CONVERT), and not under a cap below
+  // avx512_core: an AVX2-only CPU, or one capped at AVX2, is on ATen's gemm.
+  if (!avx512 && !has("avx_ne_convert")) CHECK(f.bf16_matmul == device::LowpMatmul::aten);
+  // The fused attention's bf16 products: AVX-512 with AVX512-BF16, and a cap that allows them.
+  CHECK(f.bf16_dot == (avx512 && has("avx512_bf16") && device::onednn_isa_allows(cap, "avx512_core_bf16")));
   CHECK(device::onednn_isa_allows("", "avx512_core_bf16"));
   CHECK(device::onednn_isa_allows("AVX512_CORE_VNNI", "avx512_core"));
   CHECK_FALSE(device::onednn_isa_allows("AVX512_CORE_VNNI", "avx512_core_bf16"));
@@ -290,6 +331,11 @@ TEST_CASE("trainer plan writes plan.json with the breakdown and the largest micr
   // 32000 x 4096 embedding, is 500 MiB in fp32), printed in the report.
   CHECK(plan["host_staging_bytes"] == int64_t{64} << 20);
   CHECK(r.output.find("host staging of a save") != std::string::npos);
+  // One row per mode the plan compares: the recipe's own, none, full, sqrt and selective (all parts).
+  std::vector<std::string> mode_names;
+  for (const auto& m : plan["modes"]) mode_names.push_back(m["mode"].get<std::string>());
+  CHECK(mode_names == std::vector<std::string>{"recipe (full)", "none", "full", "sqrt",
+                                               "selective [attention, mlp, norm]"});
   for (const auto& m : plan["modes"]) CHECK(m["largest_micro_batch"] == 0);
 
   auto tiny = test::trainer("plan --config configs/tiny.yaml --memory 100MiB --out " + out.string());

@@ -233,9 +233,10 @@ TEST_CASE("kill -9 and --resume auto with offload: bitwise the uninterrupted run
 
 namespace {
 
-// Tolerance of tests/test_parallel.cpp for the same steps at another world size: relative difference
-// of loss and grad_norm <= 1e-5 at every step (only the order of fp32 sums differs; a lost moment, a
-// stale shard or a missing rank moves them by 1e-2 or more).
+// Tolerance of tests/test_parallel.cpp for the same steps at another world size, derived there (its
+// kMetricTol): relative difference of loss and grad_norm <= 1e-5 at every step, where only the order
+// of fp32 sums differs (a rounding bound, not a figure of one CPU); a lost moment, a stale shard or a
+// missing rank moves them by 1e-2 or more.
 constexpr double kMetricTol = 1e-5;
 
 // Step records after `after`, as (loss, grad_norm).
@@ -288,7 +289,7 @@ const std::string kSavedDir = fmt::format("state/step-{:08d}", kSaved);
 
 }  // namespace
 
-TEST_CASE("re-sharding: a world 2 / zero3 state resumed at world 1 holds the saved parameters exactly") {
+TEST_CASE("re-sharding: a world 2 / zero3 state resumed at world 1 holds the saved parameters exactly", "[numerics]") {
   test::TempDir dir("reshard-2to1");
   // World 2 / zero3 to 10 steps, saving at 6 and 10: the saved state and the uninterrupted run.
   const auto src = dir.path / "w2-zero3";
@@ -317,7 +318,7 @@ TEST_CASE("re-sharding: a world 2 / zero3 state resumed at world 1 holds the sav
   check_within_tolerance(got, records_after(src / "metrics.jsonl", kSaved));
 }
 
-TEST_CASE("re-sharding: a world 1 state resumed at world 2 under zero1, zero2, zero3 holds the saved parameters exactly") {
+TEST_CASE("re-sharding: a world 1 state resumed at world 2 under zero1, zero2, zero3 holds the saved parameters exactly", "[numerics]") {
   test::TempDir dir("reshard-1to2");
   const auto src = dir.path / "w1";
   run_ok(1, kReshard + kWorld1 + dir_arg(src));
@@ -370,7 +371,7 @@ std::vector<json> require_same_states(const fs::path& a, const std::vector<fs::p
 
 }  // namespace
 
-TEST_CASE("re-sharding at odd world sizes: zero1/2/3 states go 3 -> 2 -> 3 and 3 -> 1 with the saved parameters and moments exactly") {
+TEST_CASE("re-sharding at odd world sizes: zero1/2/3 states go 3 -> 2 -> 3 and 3 -> 1 with the saved parameters and moments exactly", "[numerics]") {
   test::TempDir dir("reshard-odd");
   for (const std::string stage : {"zero1", "zero2", "zero3"}) {
     INFO("parallel.sharding " << stage);

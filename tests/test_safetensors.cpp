@@ -244,6 +244,10 @@ TEST_CASE("safetensors interop with the reference implementation (Python safeten
       CHECK(d["dtype"] == safetensors_name(t.scalar_type()));
       CHECK(d["shape"].get<std::vector<int64_t>>() == t.sizes().vec());
       const auto flat = t.reshape({-1}).to(torch::kFloat64);
+      // Both sides sum the same float64 values (JSON carries a double exactly): at most 24 terms, so two
+      // orders differ by at most 2 x 23 x 2^-53 sum|t| (Higham 4.2): ~5e-15 relative, ~5e-13 absolute
+      // for these randn values (sum|t| < 100); the int64 steps are whole numbers below 2^53, exact.
+      // epsilon 1e-12 and margin 1e-9 hold both with room; a wrong dtype or byte order fails them.
       CHECK(d["sum"].get<double>() == Approx(flat.sum().item<double>()).epsilon(1e-12).margin(1e-9));
       const auto first = d["first"].get<std::vector<double>>();
       REQUIRE(static_cast<int64_t>(first.size()) == std::min<int64_t>(4, flat.numel()));

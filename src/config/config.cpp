@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <concepts>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -252,7 +253,7 @@ std::vector<Field> logging_fields() {
       field(&R::logging, &LoggingConfig::dir, "logging", "dir", "run directory; \"\" = runs/<recipe name>-<timestamp>"),
       field(&R::logging, &LoggingConfig::interval, "logging", "interval", "console line every N steps"),
       field(&R::logging, &LoggingConfig::skip_first, "logging", "skip_first", "warm-up steps excluded from the medians in summary.json"),
-      field(&R::logging, &LoggingConfig::peak_tflops, "logging", "peak_tflops", "device peak TFLOP/s for MFU in the compute dtype; 0 = a datasheet peak for known CUDA devices, else a GEMM rate in precision.compute measured at start"),
+      field(&R::logging, &LoggingConfig::peak_tflops, "logging", "peak_tflops", "device peak TFLOP/s for MFU in the compute dtype; 0 = a datasheet peak for known CUDA devices, else the best GEMM rate in precision.compute over 0.5 s (512^3, 1024^3, the model's shapes) measured at start. A step faster than the peak raises it (MFU <= 1)"),
       field(&R::logging, &LoggingConfig::progress, "logging", "progress", "progress bar when stdout is a terminal"),
       field(&R::logging, &LoggingConfig::save_model, "logging", "save_model", "write the final weights to <run dir>/model/{model.safetensors, config.json} in Hugging Face layout, fp32 (zero3 streams them unit by unit)"),
       field(&R::logging, &LoggingConfig::profile_step, "logging", "profile_step", "record this optimizer step (1-based; rank 0) with LibTorch's profiler into <run dir>/profile.json (Chrome trace); 0 = off"),
@@ -479,21 +480,28 @@ int64_t parse_bytes(const std::string& text, const std::string& key) {
   static const std::pair<const char*, double> units[] = {
       {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0}, {"TB", 1e12},
       {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"kB", 1e3}, {"B", 1.0}};
-  size_t pos = 0;
-  double value = 0.0;
-  try {
-    value = std::stod(text, &pos);
-  } catch (const std::exception&) {
-    throw ConfigError(fmt::format("{}: '{}' is not a size; write e.g. 8GiB, 512MiB or 2GB", key, text));
-  }
-  std::string unit = text.substr(pos);
+  const auto not_a_size = [&] {
+    return ConfigError(fmt::format("{}: '{}' is not a size; write e.g. 8GiB, 512MiB or 2GB (units B, KiB, MiB, GiB, TiB, "
+                                   "KB, MB, GB, TB)", key, text));
+  };
+  // strtod: a number beyond a double's range reads as +-inf, one below its smallest as (nearly) 0.
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  if (end == text.c_str()) throw not_a_size();
+  std::string unit = text.substr(static_cast<size_t>(end - text.c_str()));
   unit.erase(0, unit.find_first_not_of(' '));
   double scale = unit.empty() ? 1.0 : 0.0;
   for (const auto& [name, factor] : units)
     if (unit == name) scale = factor;
-  if (scale == 0.0 || !(value >= 0.0))
-    throw ConfigError(fmt::format("{}: '{}' is not a size; write e.g. 8GiB, 512MiB or 2GB (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)", key, text));
-  return static_cast<int64_t>(value * scale);
+  if (scale == 0.0 || std::isnan(value)) throw not_a_size();
+  if (value < 0.0) throw ConfigError(fmt::format("{}: '{}' is negative; a size is 0 or more bytes", key, text));
+  // 2^63 bytes (8 EiB) is the first that int64_t cannot hold; doubles hold it exactly, and every double
+  // below it converts to int64_t without overflow.
+  const double bytes = value * scale;
+  if (!(bytes < 9223372036854775808.0))
+    throw ConfigError(fmt::format("{}: '{}' is {:.3g} bytes, more than the largest size, 2^63 - 1 bytes (8 EiB); "
+                                  "write a size below it", key, text, bytes));
+  return static_cast<int64_t>(bytes);
 }
 
 int64_t memory_limit_bytes(const RunConfig& cfg) { return parse_bytes(cfg.memory.limit, "memory.limit"); }

@@ -1,8 +1,6 @@
 // trainer export: choose the newest weights of a run, stream them out in Hugging Face layout.
 #include "interop/export.h"
 
-#include <charconv>
-
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -32,16 +30,8 @@ config::RunConfig run_recipe(const fs::path& run, const std::string& who) {
 // The step the run's final weights were written at; -1 when there are none, or they are unreadable (warned:
 // a valid saved state can still be exported).
 int64_t final_step(const fs::path& file) {
-  std::error_code ec;
-  if (!fs::exists(file, ec)) return -1;
   try {
-    const state::SafetensorsFile f(file);
-    const auto it = f.metadata().find("sublinear_step");
-    if (it == f.metadata().end()) return -1;  // not written by a trainer (or by an older one): the saved states decide
-    const char* end = it->second.data() + it->second.size();
-    int64_t step = -1;
-    const auto [ptr, err] = std::from_chars(it->second.data(), end, step);
-    return err == std::errc() && ptr == end && step >= 0 ? step : -1;
+    return state::final_weights_step(file);  // -1 without a recorded step: the saved states decide
   } catch (const Error& e) {
     spdlog::warn("export: ignoring the final weights: {}", e.what());
     return -1;

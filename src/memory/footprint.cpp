@@ -93,6 +93,34 @@ int64_t bucket_cap_params(const config::RunConfig& cfg) {
   return std::max(cap, largest_param(cfg.model));  // a bigger single tensor gets its own bucket
 }
 
+std::vector<EngineGroup> engine_groups(const config::RunConfig& cfg) {
+  torch::NoGradGuard no_grad;
+  model::GPT g(cfg.model, torch::kMeta);
+  const auto units = g->units();
+  std::vector<EngineGroup> groups;
+  auto add = [&](const torch::Tensor& t) {
+    groups.back().params += t.numel();
+    if (t.dim() >= 2) groups.back().decay += t.numel();
+  };
+  if (cfg.parallel.sharding.shards_params()) {  // zero3: one group per unit
+    for (const auto& unit : units) {
+      groups.emplace_back();
+      for (const auto& p : unit) add(p.tensor);
+    }
+    return groups;
+  }
+  const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
+  int64_t bytes = 0;
+  for (auto u = units.rbegin(); u != units.rend(); ++u)
+    for (auto it = u->rbegin(); it != u->rend(); ++it) {
+      const auto b = static_cast<int64_t>(it->tensor.nbytes());  // fp32, as the model is built
+      if (groups.empty() || (bytes + b > cap && bytes > 0)) groups.emplace_back(), bytes = 0;
+      add(it->tensor);
+      bytes += b;
+    }
+  return groups;
+}
+
 std::vector<int64_t> unit_param_counts(const config::ModelConfig& m) {
   torch::NoGradGuard no_grad;
   model::GPT g(m, torch::kMeta);
@@ -112,19 +140,75 @@ namespace {
 // kGradNormChunk elements at a time. (The lazy test device runs at world 1 without sharding: no engine.)
 bool engine_grads_on_cpu(const config::RunConfig& cfg) { return cfg.offload.gradients || !runs_on_cuda(cfg); }
 
-// offload.*: the terms the engine keeps on the host instead (parallel/engine.cpp, state_bytes).
+// One rank's part of the engine's layout (parallel/engine.cpp), in elements, summed over the groups. A
+// group of n_g parameters (its d_g matrix elements first, the rest after) is padded to a multiple of the
+// world size W. held: a sharded rank's shard, ceil(n_g / W), or a replicated rank's whole padded group:
+// the fp32 masters and gradient buffers offload.optimizer puts on the host. owned: the real elements of
+// it, which the optimizer updates (AdamW's moments) and a state file holds. pieces: the host AdamW's
+// work items, kAdamwPiece elements of each tensor it updates (the owned part of [0, d_g) and of [d_g, n_g)).
+struct RankPart {
+  int64_t held = 0, owned = 0, pieces = 0;
+};
+RankPart rank_part(const std::vector<EngineGroup>& groups, int64_t W, bool replicated, int64_t rank) {
+  RankPart r;
+  for (const auto& g : groups) {
+    const int64_t padded = ceil_div(g.params, W) * W, shard = replicated ? padded : padded / W;
+    const int64_t lo = replicated ? 0 : rank * shard, hi = lo + shard;
+    const auto overlap = [&](int64_t a, int64_t b) { return std::max<int64_t>(0, std::min(b, hi) - std::max(a, lo)); };
+    const int64_t decay = overlap(0, g.decay), rest = overlap(g.decay, g.params);
+    r.held += shard;
+    r.owned += decay + rest;
+    r.pieces += ceil_div(decay, kAdamwPiece) + ceil_div(rest, kAdamwPiece);
+  }
+  return r;
+}
+
+// Host memory, to the byte: offload.optimizer's states (4 B per held element each of the masters and the
+// gradient shard, or the host AdamW's copy of it; 8 B per owned element of the moments) and state.async's
+// snapshot (12 B per owned element, or per parameter on a replicated rank, and the RNG states) are held
+// from the first step or save on; the host AdamW's index of its pieces (model::for_each_index: one int64
+// per piece) lives through the optimizer step. The states and the snapshot are largest on rank 0 (every
+// rank holds as much, and rank 0 owns no padding); the index may be one piece larger per group on a rank
+// whose range straddles a group's d_g: the optimizer-phase term is the largest rank's excess over rank 0's
+// states. Without an engine (world 1, sharding none) the snapshot is the whole model's.
+void place_host(const config::RunConfig& cfg, PeakPrediction& p) {
+  const bool offload = cfg.offload.optimizer, snapshot = cfg.state.async && cfg.state.every > 0;
+  if (!offload && !snapshot) return;
+  const int64_t n = total_params(cfg.model), W = std::max<int64_t>(1, cfg.world_size);
+  const bool replicated = cfg.parallel.sharding.replicated();
+  const bool need_groups = offload || (!replicated && W > 1);
+  const auto groups = need_groups ? engine_groups(cfg) : std::vector<EngineGroup>{};
+  const auto part = [&](int64_t rank) { return need_groups ? rank_part(groups, W, replicated, rank) : RankPart{n, n, 0}; };
+  const auto held_bytes = [&](const RankPart& r) {
+    return (offload ? 8 * r.held + 8 * r.owned : 0) +
+           (snapshot ? 12 * (replicated ? n : r.owned) + rng_state_bytes(runs_on_cuda(cfg)) : 0);
+  };
+  const RankPart r0 = part(0);
+  if (offload) {
+    p.host_params_bytes = 4 * r0.held;
+    p.host_grads_bytes = 4 * r0.held;
+    p.host_optimizer_bytes = 8 * r0.owned;
+  }
+  if (snapshot) p.host_snapshot_bytes = held_bytes(r0) - p.host_states_bytes();
+  if (!offload) return;
+  int64_t optimizer_phase = 0;  // max over ranks of held + index, less rank 0's held
+  for (int64_t rank = 0; rank < (replicated ? 1 : W); ++rank) {
+    const RankPart r = rank == 0 ? r0 : part(rank);
+    optimizer_phase = std::max(optimizer_phase, held_bytes(r) + 8 * r.pieces - held_bytes(r0));
+  }
+  p.host_optimizer_temp_bytes = optimizer_phase;
+}
+
+// offload.*: the device terms the engine keeps on the host instead (parallel/engine.cpp, state_bytes;
+// their host size: place_host).
 void place_offloaded(const config::RunConfig& cfg, PeakPrediction& p) {
   const auto& o = cfg.offload;
   if (!o.optimizer) return;
   const int64_t n = total_params(cfg.model);
   const config::Sharding sh = cfg.parallel.sharding;
-  const int64_t N = sh.replicated() ? 1 : std::max<int64_t>(1, cfg.world_size);  // DDP: each rank the whole model
   const int64_t cp = dtype_bytes(cfg.precision.param_dtype);
-  p.host_params_bytes = 4 * n / N;
   p.params_bytes = sh.shards_params() ? 0 : cp * n;  // zero1/2: the whole model in the compute dtype for the all-gather
-  p.host_optimizer_bytes = p.optimizer_bytes;
   p.optimizer_bytes = 0;
-  p.host_grads_bytes = 4 * n / N;  // the shard itself (offload.gradients) or the host AdamW's copy of it
   if (o.gradients) p.grads_bytes = 0;
   // The host AdamW is the fused CPU kernel (optim/optimizer.h): in place, no temporaries; the norm of
   // host gradients (offload.gradients) is a CPU pass without a copy (engine_grads_on_cpu).
@@ -161,8 +245,8 @@ PeakPrediction predict_states(const config::RunConfig& cfg) {
   if ((N > 1 || !sh.replicated()) && !engine_grads_on_cpu(cfg))
     p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh.replicated() ? group : shard);
   p.host_staging_bytes = device::host_staging_bytes(4 * largest_param(cfg.model));  // fp32 masters and moments
-  if (cfg.state.async && cfg.state.every > 0) p.host_snapshot_bytes = 12 * (sh.replicated() ? n : ceil_div(n, N));
   place_offloaded(cfg, p);
+  place_host(cfg, p);
   return p;
 }
 

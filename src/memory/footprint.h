@@ -19,6 +19,10 @@ namespace sl::memory {
 // parallel::Engine::grad_norm_sq_share reduces a gradient that is not on the CPU in float64 this many
 // elements at a time: one chunk's float64 copy (8 MiB) is its temporary (on the CPU: none).
 inline constexpr int64_t kGradNormChunk = int64_t{1} << 20;
+// The fused CPU AdamW (optim/optimizer.cpp, fused_updates) splits every tensor it updates into pieces of
+// this many elements and indexes them with an int64 tensor (model::for_each_index), made in host memory
+// under offload.optimizer: 8 bytes a piece, through the optimizer step.
+inline constexpr int64_t kAdamwPiece = int64_t{1} << 14;
 
 // Per rank, for cfg.world_size ranks and parallel.sharding (P, G, O = fp32 weights, gradients and
 // AdamW's two moments of the whole model; N = world size):
@@ -54,17 +58,27 @@ struct PeakPrediction {
   // state.async with state.every > 0: a save's host snapshot of this rank's state file (state/state.h
   // AsyncSave), allocated at the first save and reused by the later ones until the run ends: the fp32 parameters and both AdamW
   // moments of the elements this rank's optimizer updates (12 B each: every element on rank 0 of a
-  // replicated run, 1/N of them under zero1/2/3). It counts in the host peak.
+  // replicated run; under zero1/2/3 rank 0's part of every group, ceil(n_g / N) of its n_g), and the
+  // RNG states (rng_state_bytes). It counts in the host peak.
   int64_t host_snapshot_bytes = 0;
   // offload.* (the terms above then count what stays on the device): the rank's shard of the fp32
   // masters, of the gradient (its host copy, or the shard itself with offload.gradients) and of the
   // moments in host memory (the optimizer step makes no temporaries there: a fused in-place AdamW, and
-  // the gradient norm a pass without a copy).
+  // the gradient norm a pass without a copy), each group's shard with its padding to a multiple of the
+  // world size (engine_groups); the moments only of the real elements. Rank 0's, the largest.
   int64_t host_params_bytes = 0, host_grads_bytes = 0, host_optimizer_bytes = 0;
+  // offload.optimizer: the host AdamW's index of its pieces (kAdamwPiece), during the optimizer step,
+  // from the rank where it is largest beside the held host memory (that rank's held host memory and
+  // index, less rank 0's held host memory; the index may be a piece larger per group on another rank).
+  int64_t host_optimizer_temp_bytes = 0;
   ActivationEstimate activations;  // activations.host_bytes: offload.activations' inputs
   int64_t host_states_bytes() const { return host_params_bytes + host_grads_bytes + host_optimizer_bytes; }
+  // The host pool's peak on the rank where it is largest, to the byte on CPU: the held states and snapshot
+  // plus the larger of the two phases' transients, the checkpointed inputs (forward and backward) and the
+  // AdamW index (the optimizer step). These are every tensor a run makes in host memory
+  // (tests/test_offload.cpp trains at memory.host_limit equal to it).
   int64_t host_peak_bytes() const {
-    return host_states_bytes() + activations.host_bytes + host_snapshot_bytes;
+    return host_states_bytes() + host_snapshot_bytes + std::max(activations.host_bytes, host_optimizer_temp_bytes);
   }
   int64_t model_states_bytes() const { return params_bytes + grads_bytes + optimizer_bytes; }
   int64_t activation_phase_bytes() const { return transient_bytes + activations.peak_bytes; }
@@ -74,8 +88,16 @@ struct PeakPrediction {
   }
 };
 
+// The RNG states a training state holds (state/components.cpp): the CPU generator's, 5056 bytes
+// (at::CPUGeneratorImpl::get_state: the legacy THGeneratorState layout; tests/test_memory.cpp checks it
+// against LibTorch), and on CUDA the run's GPU's, 16 bytes (Philox seed and offset).
+inline constexpr int64_t kCpuRngStateBytes = 5056, kCudaRngStateBytes = 16;
+inline int64_t rng_state_bytes(bool cuda) { return kCpuRngStateBytes + (cuda ? kCudaRngStateBytes : 0); }
+
 // Model states, sharding transients, batch, buffers, optimizer temporaries and host staging of the
-// recipe, per rank of cfg.world_size: every term but the activations. O(1) in n_layer.
+// recipe, per rank of cfg.world_size: every term but the activations. O(1) in n_layer, except the host
+// terms at world size > 1 (offload.optimizer, state.async's snapshot under sharding): O(n_layer), from
+// group_param_counts.
 PeakPrediction predict_states(const config::RunConfig& cfg);
 // The whole prediction for a given plan (planner::predict_peak resolves the recipe's own).
 PeakPrediction predict_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan);
@@ -101,6 +123,14 @@ int64_t largest_param(const config::ModelConfig& m);
 // Parameters in the largest gradient bucket the engine can form: parallel.bucket_mb's worth, or a
 // bigger single tensor (which gets a bucket of its own).
 int64_t bucket_cap_params(const config::RunConfig& cfg);
+// The groups of parallel::Engine (its plan_groups, reproduced on a meta-device model): zero3 one group
+// per unit; zero1/2 and DDP buckets of parallel.bucket_mb, filled with the fp32 parameters in reverse
+// unit order, a tensor larger than the cap in a bucket of its own. params: the group's parameter
+// elements; decay: those of its matrices (laid out first: weight decay applies to them). O(n_layer).
+struct EngineGroup {
+  int64_t params = 0, decay = 0;
+};
+std::vector<EngineGroup> engine_groups(const config::RunConfig& cfg);
 // Parameters per sharding unit: [0] embeddings (token + position tables), [1..L] the blocks,
 // [L+1] the final norm (+ LM head when untied). Counted on a meta-device model: O(n_layer).
 std::vector<int64_t> unit_param_counts(const config::ModelConfig& m);

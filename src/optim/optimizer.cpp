@@ -1,5 +1,6 @@
 #include "optim/optimizer.h"
 #include "device/alloc_tag.h"
+#include "memory/footprint.h"
 #include "model/clones.h"
 #include "model/intra_op.h"
 
@@ -110,7 +111,7 @@ struct Update {
 // them too small to split at all). A parameter listed twice would race with itself: make_adamw's
 // groups hold each tensor once (the tied embedding is one parameter).
 void fused_updates(const std::vector<Update>& updates, const std::vector<int64_t>& sizes) {
-  const auto pieces = model::pieces_of_arrays(sizes, /*piece=*/1 << 14);
+  const auto pieces = model::pieces_of_arrays(sizes, memory::kAdamwPiece);
   model::for_each_index(static_cast<int64_t>(pieces.size()), [&](int64_t i, int) {
     const Update& u = updates[pieces[i].array];
     const int64_t b = pieces[i].begin;

@@ -482,6 +482,65 @@ std::vector<fs::path> set_aside_other_trajectories(const fs::path& root, const F
   return moved;
 }
 
+int64_t final_weights_step(const fs::path& file) {
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return -1;
+  const SafetensorsFile f(file);
+  const auto it = f.metadata().find("sublinear_step");
+  if (it == f.metadata().end()) return -1;  // not written by a trainer (or by an older one)
+  const char* end = it->second.data() + it->second.size();
+  int64_t step = -1;
+  const auto [ptr, err] = std::from_chars(it->second.data(), end, step);
+  return err == std::errc() && ptr == end && step >= 0 ? step : -1;
+}
+
+namespace {
+
+// Moves directory `from` to `to`: a rename, or across file systems (a state.dir on another disk) a copy
+// and then the removal of `from`. IoError naming both on failure (a partial copy is removed; `from` stays).
+void move_dir(const fs::path& from, const fs::path& to) {
+  std::error_code ec;
+  fs::rename(from, to, ec);
+  if (!ec) return;
+  if (ec == std::errc::cross_device_link) {
+    fs::copy(from, to, fs::copy_options::recursive, ec);
+    if (!ec) {
+      fs::remove_all(from, ec);
+      if (!ec) return;
+    } else {
+      std::error_code ignored;
+      fs::remove_all(to, ignored);
+    }
+  }
+  throw IoError(fmt::format("state: cannot move {} to {} ({})", from.string(), to.string(), ec.message()));
+}
+
+}  // namespace
+
+fs::path set_aside_final_weights(const fs::path& run_dir, const fs::path& root, const Found& resumed) {
+  const fs::path model = run_dir / "model";
+  int64_t step = -1;
+  try {
+    step = final_weights_step(model / "model.safetensors");
+  } catch (const std::exception& e) {  // unreadable: export and sample ignore it too (with their own warning)
+    spdlog::warn("--resume: cannot read the step of the final weights in {} ({}); left in place", model.string(), e.what());
+    return {};
+  }
+  std::error_code ec;
+  const bool here = fs::equivalent(resumed.dir.parent_path(), root, ec);
+  if (step < 0 || step < resumed.step || (step == resumed.step && here)) return {};
+  const fs::path aside = root / "abandoned";
+  fs::create_directories(aside, ec);
+  fs::path to = aside / ("model-" + step_dir_name(step));
+  for (int k = 2; fs::exists(to, ec); ++k) to = aside / fmt::format("model-{}-{}", step_dir_name(step), k);
+  move_dir(model, to);
+  fsync_dir(run_dir);
+  spdlog::warn("--resume from step {}: the final weights {} (step {}) are from a trajectory this run abandons; moved to {} "
+               "(trainer export and sample now read this run's weights; delete it when no longer needed)",
+               resumed.step, model.string(), step, to.string());
+  return to;
+}
+
 Found find_local(const std::string& resume, const fs::path& root) {
   return resume == "auto" ? find_auto(root) : find_path(resume);
 }
@@ -705,7 +764,11 @@ std::unique_ptr<AsyncSave> begin_save(Parts& s, const Counters& st, std::unique_
 void load(const Found& found, Parts& s, Counters& st) {
   const Reader reader(found.dir, found.meta);
   for (const auto& part : components(s, st)) part->load(found.meta, reader);
-  on_rank0_together(s, "setting aside the abandoned states", [&] { set_aside_other_trajectories(state_root(s.cfg, s.run_dir), found); });
+  on_rank0_together(s, "setting aside the abandoned states", [&] {
+    const fs::path root = state_root(s.cfg, s.run_dir);
+    set_aside_other_trajectories(root, found);
+    set_aside_final_weights(s.run_dir, root, found);
+  });
 }
 
 }  // namespace sl::state

@@ -189,9 +189,21 @@ void recover_replaced(const std::filesystem::path& root);
 // lies elsewhere), so --resume auto and state.keep only ever see this trajectory. Returns the moved.
 std::vector<std::filesystem::path> set_aside_other_trajectories(const std::filesystem::path& root, const Found& resumed);
 
+// The step logging.save_model's final weights (<run dir>/model/model.safetensors) were written at, from
+// their `sublinear_step` metadata; -1 when the file is missing or records no step. An unreadable file
+// throws (StateFileError / DataError).
+int64_t final_weights_step(const std::filesystem::path& file);
+// The final weights of a trajectory the resumed run abandons (a step past the resumed one, or at it when
+// the resumed state is not this run's own): <run dir>/model/ is moved, whole, beside the abandoned states
+// to <root>/abandoned/model-step-NNNNNNNN (never deleted; a warning names it), so that `trainer export`
+// and `trainer sample --run` read this trajectory's weights and not the abandoned branch's. Returns where
+// it went, or "" when nothing was moved.
+std::filesystem::path set_aside_final_weights(const std::filesystem::path& run_dir, const std::filesystem::path& root,
+                                              const Found& resumed);
+
 // Loads a found state into a built run's parts: parameters (re-sharded to this run's layout), AdamW
 // moments and step, loss scaler, RNG states, data samplers, and the loop's counters; then (rank 0)
-// set_aside_other_trajectories in this run's state root.
+// set_aside_other_trajectories in this run's state root and set_aside_final_weights of its run directory.
 void load(const Found& found, Parts& s, Counters& st);
 
 }  // namespace sl::state

@@ -100,6 +100,19 @@ void check_step(Session& s, LoopState& st, const StepResult& r, int64_t step, lo
   }
 }
 
+// The step's hardware FLOP/s per device (the model's and recompute's) against the MFU's peak: a step
+// that beats the peak raises it (a `peak_raised` event; a warning at the first raise), so the step's
+// mfu and hfu, and every later step's, are at most 1.
+void observe_peak(Session& s, const StepResult& r, int64_t step, log::ProgressBar& bar) {
+  const double tps = static_cast<double>(s.tokens_per_step()) / (r.ms * 1e-3);
+  const double achieved = (s.flops_per_token + s.recompute_flops_per_token) * tps / static_cast<double>(s.world());
+  const double previous = s.peak.flops();
+  if (!s.peak.observe(achieved, step + 1)) return;
+  s.runlog->event("peak_raised", {{"step", step + 1}, {"peak_flops", s.peak.flops()}, {"previous_peak_flops", previous},
+                                  {"source", s.peak.source()}});
+  if (s.peak.raises() == 1) warn(s, bar, peak_raised_message(s.peak, previous));
+}
+
 Json step_record(const Session& s, const StepResult& r, int64_t step, double lr, const checkpointing::Stats& rs) {
   const double world = static_cast<double>(s.world());
   const double tps = static_cast<double>(s.tokens_per_step()) / (r.ms * 1e-3);
@@ -114,8 +127,8 @@ Json step_record(const Session& s, const StepResult& r, int64_t step, double lr,
           {"tokens", s.tokens_per_step()},
           {"tokens_per_s", tps},
           {"samples_per_s", static_cast<double>(t.micro_batch * t.grad_accum) * world / (r.ms * 1e-3)},
-          {"mfu", s.flops_per_token * tps / (s.peak_flops * world)},  // per-device peak
-          {"hfu", (s.flops_per_token + s.recompute_flops_per_token) * tps / (s.peak_flops * world)},
+          {"mfu", s.peak.utilisation(s.flops_per_token * tps / world)},  // per-device peak
+          {"hfu", s.peak.utilisation((s.flops_per_token + s.recompute_flops_per_token) * tps / world)},
           {"recompute_ms", rs.recompute_ms},
           {"peak_allocated_bytes", r.mem.peak_allocated_bytes},
           {"activation_peak_bytes", r.activation_peak_bytes()},
@@ -139,7 +152,6 @@ void accumulate(Session& s, LoopState& st, const StepResult& r, const Json& rec,
   if (step >= skip_first || s.cfg.train.steps <= skip_first) {
     st.step_ms.push_back(r.ms);
     st.tok_s.push_back(rec["tokens_per_s"].get<double>());
-    st.mfus.push_back(rec["mfu"].get<double>());
     st.samp_s.push_back(rec["samples_per_s"].get<double>());
     st.recompute_ms.push_back(rec["recompute_ms"].get<double>());
     st.act_peaks.push_back(static_cast<double>(r.activation_peak_bytes()));
@@ -332,6 +344,7 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
   check_step(s, st, r, step, bar);
   {
     RECORD_FUNCTION("sublinear::log_step", std::vector<c10::IValue>{});
+    observe_peak(s, r, step, bar);
     const Json rec = step_record(s, r, step, lr, s.runner->take_stats());
     s.runlog->step(rec);
     accumulate(s, st, r, rec, step);
@@ -349,11 +362,29 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
   return s.world() > 1 ? r.stop : local_stop(s);
 }
 
+// The `oom` record (event and summary.json) of a refusal in host memory (memory.host_limit, offloaded
+// state and snapshots) or device memory: that pool's peak and limit, and the bytes this rank's tracking
+// allocator refused there (null when another rank refused, or off the tracking allocator).
+Json oom_record(Session& s, int64_t step, const char* phase, bool host, const std::string& message) {
+  const memory::Snapshot snap = s.tracker->read();
+  auto& alloc = memory::TrackingCPUAllocator::instance();
+  const bool refused_here = memory::TrackingCPUAllocator::installed() && alloc.last_refused_bytes() > 0 &&
+                            alloc.last_refused_host() == host;
+  const int64_t limit = host ? config::host_limit_bytes(s.cfg) : s.limit;
+  Json rec = {{"step", step},
+              {"phase", phase},
+              {"requested_bytes", refused_here ? Json(alloc.last_refused_bytes()) : Json(nullptr)},
+              {"peak_bytes", host ? snap.host_peak_bytes : snap.peak_allocated_bytes},
+              {"limit_bytes", limit > 0 ? Json(limit) : Json(nullptr)},
+              {"memory", host ? "host" : "device"},
+              {"message", message}};
+  s.runlog->event("oom", rec);
+  return rec;
+}
+
 Outcome oom_outcome(Session& s, const LoopState& st, const std::string& what) {
   Outcome o;
   o.code = kExitOom;
-  const memory::Snapshot snap = s.tracker->read();
-  const int64_t requested = s.device.is_cpu() ? memory::TrackingCPUAllocator::instance().last_refused_bytes() : -1;
   const char* phase = current_phase();
   // The tracking allocator records whether its last refusal was in the host pool (offloaded state).
   const bool host = memory::TrackingCPUAllocator::installed() && memory::TrackingCPUAllocator::instance().last_refused_host();
@@ -363,15 +394,15 @@ Outcome oom_outcome(Session& s, const LoopState& st, const std::string& what) {
                                  log::format_bytes(memory::predict_peak(s.cfg, s.runner->plan()).host_peak_bytes()))
                    : fmt::format("out of memory in {} at step {} ({}). To fit, {}", phase, st.steps_done + 1,
                                  what.substr(0, 300), planner::oom_advice(s.cfg, s.limit));
-  o.oom = {{"step", st.steps_done + 1},
-           {"phase", phase},
-           {"requested_bytes", requested >= 0 ? Json(requested) : Json(nullptr)},
-           {"peak_bytes", snap.peak_allocated_bytes},
-           {"limit_bytes", s.limit > 0 ? Json(s.limit) : Json(nullptr)},
-           {"memory", host ? "host" : "device"},
-           {"message", o.message}};
-  s.runlog->event("oom", o.oom);
+  o.oom = oom_record(s, st.steps_done + 1, phase, host, o.message);
   return o;
+}
+
+// An OomError inside the loop: state.async's host snapshot of the state after step st.steps_done, refused
+// on this rank or another (agreed over ranks; the message names the rank), the only code there that
+// throws one. Recorded as an out-of-memory in host memory, phase state_snapshot.
+Outcome snapshot_oom_outcome(Session& s, const LoopState& st, const std::string& message) {
+  return {kExitOom, message, oom_record(s, st.steps_done, "state_snapshot", /*host=*/true, message)};
 }
 
 // Anything else thrown inside the loop: a collective that failed inside a gradient hook (autograd
@@ -547,6 +578,8 @@ Outcome train_loop(Session& s, LoopState& st) {
     o = oom_outcome(s, st, e.what_without_backtrace());
   } catch (const std::bad_alloc& e) {
     o = oom_outcome(s, st, e.what());
+  } catch (const OomError& e) {
+    o = snapshot_oom_outcome(s, st, e.what());
   } catch (const Error& e) {
     o = {e.code, e.what(), nullptr};
     if (e.code != kExitNonFinite && e.code != kExitDistributed)
@@ -558,6 +591,8 @@ Outcome train_loop(Session& s, LoopState& st) {
     o = unexpected_outcome(s, st, e.what());
   }
   settle_pending_save(s, st, bar);
+  // The host pool's peak where no step record saw it: a step that failed, a snapshot after the last step.
+  st.host_peak_bytes = std::max(st.host_peak_bytes, s.tracker->read().host_peak_bytes);
   if (o.code == kExitDistributed)
     s.runlog->event("distributed_failure", {{"step", st.steps_done + 1}, {"message", o.message}});
   bar.finish();

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -50,42 +53,130 @@ std::optional<double> datasheet_peak(const std::string& device_name, const std::
   return std::nullopt;
 }
 
-PeakFlops peak_flops(torch::Device device, const std::string& dtype, double override_tflops) {
-  if (override_tflops > 0.0) return {override_tflops * 1e12, dtype, "logging.peak_tflops"};
-  const std::string name = cuda_device_name(device);
-  if (!name.empty())
-    if (const auto peak = datasheet_peak(name, dtype)) return {*peak, dtype, "datasheet: " + name};
-  return {measure_gemm_flops(device, scalar_type(dtype)), dtype, "measured_" + dtype + "_gemm"};
-}
-
 namespace {
 
-// An n x n operand in `dtype` on `device`, drawn on the host from `gen`: a generator of the
-// measurement's own, so the default generators (the run's dropout stream) are not touched.
+// A flat operand of `n` elements in `dtype` on `device`, drawn on the host from `gen`: a generator of
+// the measurement's own, so the default generators (the run's dropout stream) are not touched.
 torch::Tensor gemm_operand(int64_t n, at::Generator& gen, torch::Device device, c10::ScalarType dtype) {
-  return torch::randn({n, n}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(device, dtype);
+  return torch::randn({n}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(device, dtype);
+}
+
+// The leading r x c elements of a flat operand, as a matrix.
+torch::Tensor leading(const torch::Tensor& flat, int64_t r, int64_t c) { return flat.narrow(0, 0, r * c).view({r, c}); }
+
+// `shape` cut to at most kProbeOperandElems elements per operand: k to 4096, then n, then m.
+GemmShape cut(GemmShape s) {
+  const int64_t cap = kProbeOperandElems;
+  s.k = std::clamp<int64_t>(s.k, 1, 4096);
+  s.n = std::clamp<int64_t>(s.n, 1, cap / s.k);
+  s.m = std::clamp<int64_t>(s.m, 1, std::min(cap / s.k, cap / s.n));
+  return s;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace
 
-double measure_gemm_flops(torch::Device device, c10::ScalarType dtype) {
+nlohmann::json GemmProbe::to_json() const {
+  nlohmann::json list = nlohmann::json::array();
+  for (const auto& s : shapes) list.push_back({s.m, s.k, s.n});
+  return {{"shapes_mkn", list}, {"products", products}, {"seconds", seconds}, {"threads", threads},
+          {"best_shape_mkn", {best.m, best.k, best.n}}};
+}
+
+std::vector<GemmShape> model_gemm_shapes(const config::ModelConfig& m, int64_t rows) {
+  const int64_t d = m.n_embd, v = m.vocab_size;
+  std::vector<GemmShape> shapes = {{rows, d, 3 * d}, {rows, d, d}, {rows, d, v}, {rows, 3 * d, d}, {rows, v, d},
+                                   {d, rows, 3 * d}};
+  for (int64_t layer = 0; layer < std::max<int64_t>(1, m.n_layer); ++layer) {
+    const int64_t h = config::mlp_hidden(m, layer);
+    const int64_t up = m.arch == "llama" ? 2 * h : h;  // SwiGLU's [gate; up] in one product
+    shapes.insert(shapes.end(), {{rows, d, up}, {rows, h, d}, {up, rows, d}});
+  }
+  return shapes;
+}
+
+std::vector<GemmShape> probe_shapes(const std::vector<GemmShape>& model) {
+  std::vector<GemmShape> out;
+  auto add = [&](const GemmShape& s) {
+    if (s.m <= 0 || s.k <= 0 || s.n <= 0) return;
+    const GemmShape c = cut(s);
+    if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+  };
+  add({512, 512, 512});
+  add({1024, 1024, 1024});
+  for (const auto& s : model) add(s);
+  return out;
+}
+
+PeakFlops peak_flops(torch::Device device, const std::string& dtype, double override_tflops,
+                     const std::vector<GemmShape>& model_shapes) {
+  if (override_tflops > 0.0) return {override_tflops * 1e12, dtype, "logging.peak_tflops", std::nullopt};
+  const std::string name = cuda_device_name(device);
+  if (!name.empty())
+    if (const auto peak = datasheet_peak(name, dtype)) return {*peak, dtype, "datasheet: " + name, std::nullopt};
+  GemmProbe probe;
+  const double flops = measure_gemm_peak(device, scalar_type(dtype), probe_shapes(model_shapes), kProbeWindowS, &probe);
+  return {flops, dtype, "measured_" + dtype + "_gemm", probe};
+}
+
+double measure_gemm_peak(torch::Device device, c10::ScalarType dtype, const std::vector<GemmShape>& shapes,
+                         double window_s, GemmProbe* report) {
+  TORCH_CHECK(!shapes.empty(), "measure_gemm_peak: no shapes");
   torch::NoGradGuard no_grad;
-  const int64_t n = 1024;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/1024);
-  auto a = gemm_operand(n, gen, device, dtype), b = gemm_operand(n, gen, device, dtype);
-  auto wait = [&] {
+  // Two operands of kProbeOperandElems elements: every shape's are views of their leading elements.
+  const auto a = gemm_operand(kProbeOperandElems, gen, device, dtype), b = gemm_operand(kProbeOperandElems, gen, device, dtype);
+  auto product = [&](const GemmShape& s) {
+    model::mm(leading(a, s.m, s.k), leading(b, s.k, s.n));
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
   };
-  auto c = model::mm(a, b);  // warm-up
-  wait();
-  double best_ms = 1e30;
-  for (int i = 0; i < 5; ++i) {
+  const auto start = std::chrono::steady_clock::now();
+  // Warm-ups, one per shape, as long as the window lasts (a slow GEMM path measures fewer shapes).
+  size_t warm = 0;
+  while (warm < shapes.size() && (warm == 0 || seconds_since(start) < window_s)) product(shapes[warm++]);
+  double best = 0.0;
+  GemmProbe probe{shapes, 0, 0.0, at::get_num_threads(), shapes.front()};
+  for (size_t i = 0; probe.products == 0 || seconds_since(start) < window_s; i = (i + 1) % warm) {
     const auto t0 = std::chrono::steady_clock::now();
-    c = model::mm(a, b);
-    wait();
-    best_ms = std::min(best_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    product(shapes[i]);
+    const double rate = shapes[i].flops() / seconds_since(t0);
+    if (rate > best) best = rate, probe.best = shapes[i];
+    ++probe.products;
   }
-  return 2.0 * static_cast<double>(n * n * n) / (best_ms * 1e-3);
+  probe.shapes.resize(warm);
+  probe.seconds = seconds_since(start);
+  if (report) *report = probe;
+  return best;
+}
+
+double measure_gemm_flops(torch::Device device, c10::ScalarType dtype) {
+  return measure_gemm_peak(device, dtype, {{1024, 1024, 1024}});
+}
+
+PeakTracker::PeakTracker(PeakFlops initial) : initial_(std::move(initial)), flops_(initial_.flops) {}
+
+bool PeakTracker::observe(double achieved_flops, int64_t step) {
+  if (!(achieved_flops > flops_) || !std::isfinite(achieved_flops)) return false;
+  flops_ = achieved_flops;
+  raised_at_ = step;
+  ++raises_;
+  return true;
+}
+
+double PeakTracker::utilisation(double flops) const { return flops_ > 0.0 ? flops / flops_ : 0.0; }
+
+std::string PeakTracker::source() const {
+  return raised_at_ ? fmt::format("{}, raised by step {}", initial_.source, *raised_at_) : initial_.source;
+}
+
+std::string peak_raised_message(const PeakTracker& tracker, double previous_flops) {
+  return fmt::format("step {} ran at {:.3g} FLOP/s per device, above the peak FLOP/s for MFU {:.3g} ({}): that peak "
+                     "was underestimated, so it is raised to the step's rate and MFU is counted against it from here "
+                     "on (summary.json: model.peak_flops); set logging.peak_tflops to the device's peak to fix it",
+                     tracker.raised_at().value_or(0), tracker.flops(), previous_flops, tracker.initial().source);
 }
 
 }  // namespace sl::train

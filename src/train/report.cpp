@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "device/build_info.h"
 #include "interop/hf.h"
 #include "planner/planner.h"
 #include "train/run.h"
@@ -155,11 +156,31 @@ Json host_report(const Session& s, const LoopState& st) {
           {"limit_bytes", host_limit > 0 ? Json(host_limit) : Json(nullptr)}};
 }
 
+// summary.json's model block: setup's, with the MFU's peak as the run ends (raised by a step that beat
+// it: train/peak_flops.h), what it started from and how it was measured.
+Json model_report(const Session& s) {
+  Json m = s.model_info;
+  const auto& first = s.peak.initial();
+  m["peak_flops"] = s.peak.flops();
+  m["peak_flops_source"] = s.peak.source();
+  m["peak_flops_initial"] = first.flops;
+  m["peak_flops_raised_at_step"] = s.peak.raised_at() ? Json(*s.peak.raised_at()) : Json(nullptr);
+  m["peak_flops_probe"] = first.probe ? first.probe->to_json() : Json(nullptr);
+  return m;
+}
+
+// The median step's model FLOP/s per device over the final peak (the median commutes with the
+// positive factor flops_per_token / world), so it is at most 1 as every step's rate is.
+double median_mfu(const Session& s, const LoopState& st) {
+  return s.peak.utilisation(s.flops_per_token * median(st.tok_s) / static_cast<double>(s.world()));
+}
+
 Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json parallel, Json final_weights, double wall_s) {
   auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
   return {{"config", s.resolved},
+          {"build", device::build_info()},  // what `trainer --version` prints
           {"environment", s.environment},
-          {"model", s.model_info},
+          {"model", model_report(s)},
           {"checkpointing", s.runner->plan().to_json()},
           {"run_dir", s.run_dir},
           {"steps", st.steps_done},
@@ -171,7 +192,7 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
           {"median_step_ms", median(st.step_ms)},
           {"median_tokens_per_s", median(st.tok_s)},
           {"median_samples_per_s", median(st.samp_s)},
-          {"median_mfu", median(st.mfus)},
+          {"median_mfu", median_mfu(s, st)},
           {"median_recompute_ms", median(st.recompute_ms)},
           {"median_activation_peak_bytes", static_cast<int64_t>(median(st.act_peaks))},
           {"predicted_activation_peak_bytes", s.predicted.peak_bytes},

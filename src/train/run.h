@@ -33,6 +33,7 @@
 #include "precision/loss_scaler.h"
 #include "state/state.h"
 #include "text/tokenizer.h"
+#include "train/peak_flops.h"
 #include "train/trainer.h"
 
 namespace sl::train {
@@ -60,7 +61,8 @@ struct Session {
   std::unique_ptr<log::RunLog> runlog;
   std::string run_dir;
   std::unique_ptr<log::RunDirLock> run_lock;  // rank 0: held from set-up to exit (log/run_dir.h)
-  double flops_per_token = 0, recompute_flops_per_token = 0, peak_flops = 0;
+  double flops_per_token = 0, recompute_flops_per_token = 0;
+  PeakTracker peak;  // the MFU denominator: per device, raised by a step that beats it (train/peak_flops.h)
   memory::ActivationEstimate predicted;
   nlohmann::json resolved, environment, model_info;  // summary.json's config, environment, model
   state::Found resume_from;  // --resume: the saved state this run continues (found() false: a fresh start)
@@ -89,7 +91,7 @@ struct LoopState : state::Counters {
   int64_t host_states_bytes = 0;  // offload: model states in host memory after the last step
   double last_loss = NAN;
   double wall_s = 0;  // the loop's wall-clock time
-  std::vector<double> step_ms, tok_s, samp_s, mfus, recompute_ms, act_peaks;  // after logging.skip_first
+  std::vector<double> step_ms, tok_s, samp_s, recompute_ms, act_peaks;  // after logging.skip_first
 };
 
 // The session's parts a training state is made of, lent to state::save / state::load.

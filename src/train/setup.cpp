@@ -300,8 +300,9 @@ void describe(Session& s) {
   s.predicted = memory::estimate_activation_peak(cfg, s.runner->plan());
   // A budget schedule solved with profiled bytes: its peak by those bytes, the model it was solved with.
   if (s.runner->plan().budget.bytes_source == "profile") s.predicted.peak_bytes = s.runner->plan().budget.predicted_peak_bytes;
-  const PeakFlops peak = peak_flops(s.device, cfg.precision.compute, cfg.logging.peak_tflops);
-  s.peak_flops = peak.flops;
+  // The probe runs the model's own GEMM shapes (a micro-batch's rows) beside square ones.
+  const auto shapes = model_gemm_shapes(cfg.model, cfg.train.micro_batch * cfg.train.seq_len);
+  s.peak = PeakTracker(peak_flops(s.device, cfg.precision.compute, cfg.logging.peak_tflops, shapes));
   s.environment = {{"torch_version", TORCH_VERSION},
                    {"device", s.device.str()},
                    {"cuda_available", torch::cuda::is_available()},
@@ -315,9 +316,9 @@ void describe(Session& s) {
                   {"matmul_params", s.model->num_matmul_params()},
                   {"flops_per_token", s.flops_per_token},
                   {"recompute_flops_per_token", s.recompute_flops_per_token},
-                  {"peak_flops", s.peak_flops},
-                  {"peak_flops_source", peak.source},
-                  {"peak_flops_dtype", peak.dtype}};
+                  {"peak_flops", s.peak.flops()},
+                  {"peak_flops_source", s.peak.source()},
+                  {"peak_flops_dtype", s.peak.initial().dtype}};
 }
 
 // A bf16/fp16 run on a CPU where matmuls in that dtype take ATen's fallback GEMM (no oneDNN kernel for
@@ -349,7 +350,7 @@ void print_settings(const Session& s) {
   rows.emplace_back("train data", s.splits.train->describe());
   rows.emplace_back("val data", s.splits.val->describe());
   rows.emplace_back("peak FLOP/s for MFU",
-                    fmt::format("{:.3g} ({})", s.peak_flops, s.model_info["peak_flops_source"].get<std::string>()));
+                    fmt::format("{:.3g} ({})", s.peak.flops(), s.peak.source()));
   fmt::print("{}", log::format_table(rows));
   std::fflush(stdout);
   warn_fallback_matmuls(s);
