@@ -289,7 +289,7 @@ const std::string kSavedDir = fmt::format("state/step-{:08d}", kSaved);
 
 }  // namespace
 
-TEST_CASE("re-sharding: a world 2 / zero3 state resumed at world 1 holds the saved parameters exactly", "[numerics]") {
+TEST_CASE("re-sharding: a world 2 / zero3 state resumed at world 1 holds the saved parameters exactly") {
   test::TempDir dir("reshard-2to1");
   // World 2 / zero3 to 10 steps, saving at 6 and 10: the saved state and the uninterrupted run.
   const auto src = dir.path / "w2-zero3";
@@ -371,7 +371,7 @@ std::vector<json> require_same_states(const fs::path& a, const std::vector<fs::p
 
 }  // namespace
 
-TEST_CASE("re-sharding at odd world sizes: zero1/2/3 states go 3 -> 2 -> 3 and 3 -> 1 with the saved parameters and moments exactly", "[numerics]") {
+TEST_CASE("re-sharding at odd world sizes: zero1/2/3 states go 3 -> 2 -> 3 and 3 -> 1 with the saved parameters and moments exactly") {
   test::TempDir dir("reshard-odd");
   for (const std::string stage : {"zero1", "zero2", "zero3"}) {
     INFO("parallel.sharding " << stage);
