@@ -93,32 +93,34 @@ int64_t bucket_cap_params(const config::RunConfig& cfg) {
   return std::max(cap, largest_param(cfg.model));  // a bigger single tensor gets its own bucket
 }
 
-std::vector<EngineGroup> engine_groups(const config::RunConfig& cfg) {
-  torch::NoGradGuard no_grad;
-  model::GPT g(cfg.model, torch::kMeta);
-  const auto units = g->units();
-  std::vector<EngineGroup> groups;
-  auto add = [&](const torch::Tensor& t) {
-    groups.back().params += t.numel();
-    if (t.dim() >= 2) groups.back().decay += t.numel();
-  };
-  if (cfg.parallel.sharding.shards_params()) {  // zero3: one group per unit
-    for (const auto& unit : units) {
-      groups.emplace_back();
-      for (const auto& p : unit) add(p.tensor);
-    }
-    return groups;
-  }
-  const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
+std::vector<std::vector<model::NamedParam>> engine_group_members(const std::vector<std::vector<model::NamedParam>>& units,
+                                                                 bool per_unit, int64_t cap_bytes) {
+  if (per_unit) return {units.rbegin(), units.rend()};
+  std::vector<std::vector<model::NamedParam>> groups;
   int64_t bytes = 0;
   for (auto u = units.rbegin(); u != units.rend(); ++u)
     for (auto it = u->rbegin(); it != u->rend(); ++it) {
-      const auto b = static_cast<int64_t>(it->tensor.nbytes());  // fp32, as the model is built
-      if (groups.empty() || (bytes + b > cap && bytes > 0)) groups.emplace_back(), bytes = 0;
-      add(it->tensor);
+      const auto b = static_cast<int64_t>(it->tensor.nbytes());
+      if (groups.empty() || (bytes + b > cap_bytes && bytes > 0)) groups.emplace_back(), bytes = 0;
+      groups.back().push_back(*it);
       bytes += b;
     }
   return groups;
+}
+
+std::vector<EngineGroup> engine_groups(const config::RunConfig& cfg) {
+  torch::NoGradGuard no_grad;
+  model::GPT g(cfg.model, torch::kMeta);  // fp32, as the engine's groups are built
+  const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
+  std::vector<EngineGroup> out;
+  for (const auto& members : engine_group_members(g->units(), cfg.parallel.sharding.shards_params(), cap)) {
+    EngineGroup& e = out.emplace_back();
+    for (const auto& p : members) {
+      e.params += p.tensor.numel();
+      if (p.tensor.dim() >= 2) e.decay += p.tensor.numel();
+    }
+  }
+  return out;
 }
 
 std::vector<int64_t> unit_param_counts(const config::ModelConfig& m) {

@@ -14,6 +14,10 @@
 #include "config/config.h"
 #include "memory/activations.h"
 
+namespace sl::model {
+struct NamedParam;
+}
+
 namespace sl::memory {
 
 // parallel::Engine::grad_norm_sq_share reduces a gradient that is not on the CPU in float64 this many
@@ -97,7 +101,7 @@ inline int64_t rng_state_bytes(bool cuda) { return kCpuRngStateBytes + (cuda ? k
 // Model states, sharding transients, batch, buffers, optimizer temporaries and host staging of the
 // recipe, per rank of cfg.world_size: every term but the activations. O(1) in n_layer, except the host
 // terms at world size > 1 (offload.optimizer, state.async's snapshot under sharding): O(n_layer), from
-// group_param_counts.
+// engine_groups.
 PeakPrediction predict_states(const config::RunConfig& cfg);
 // The whole prediction for a given plan (planner::predict_peak resolves the recipe's own).
 PeakPrediction predict_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan);
@@ -123,10 +127,15 @@ int64_t largest_param(const config::ModelConfig& m);
 // Parameters in the largest gradient bucket the engine can form: parallel.bucket_mb's worth, or a
 // bigger single tensor (which gets a bucket of its own).
 int64_t bucket_cap_params(const config::RunConfig& cfg);
-// The groups of parallel::Engine (its plan_groups, reproduced on a meta-device model): zero3 one group
-// per unit; zero1/2 and DDP buckets of parallel.bucket_mb, filled with the fp32 parameters in reverse
-// unit order, a tensor larger than the cap in a bucket of its own. params: the group's parameter
-// elements; decay: those of its matrices (laid out first: weight decay applies to them). O(n_layer).
+// Which parameters make which group of parallel::Engine (its plan_groups takes them from here, the host
+// terms below count them): with `per_unit` (zero3) one group per unit, the last unit first (backward's
+// order); otherwise buckets of at most `cap_bytes`, filled with the parameters from the last to the
+// first, a larger tensor in a bucket of its own.
+std::vector<std::vector<model::NamedParam>> engine_group_members(const std::vector<std::vector<model::NamedParam>>& units,
+                                                                 bool per_unit, int64_t cap_bytes);
+// The recipe's engine groups (engine_group_members on a meta-device model): params, the group's
+// parameter elements; decay, those of its matrices (laid out first: weight decay applies to them).
+// O(n_layer).
 struct EngineGroup {
   int64_t params = 0, decay = 0;
 };

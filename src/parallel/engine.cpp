@@ -104,27 +104,16 @@ bool Engine::low_precision_copy() const { return param_dtype_ != at::kFloat; }
 Engine::Layout Engine::plan_groups(const config::RunConfig& cfg, const std::vector<std::vector<model::NamedParam>>& units) const {
   Layout l;
   l.group_of_unit.assign(units.size(), -1);
-  if (sharding_.shards_params()) {
-    for (auto u = static_cast<int64_t>(units.size()) - 1; u >= 0; --u) {
-      l.group_of_unit[static_cast<size_t>(u)] = static_cast<int64_t>(l.members.size());
-      l.members.push_back(units[static_cast<size_t>(u)]);
-      l.names.push_back(model::unit_name(model_->cfg, u));
+  const bool per_unit = sharding_.shards_params();
+  l.members = memory::engine_group_members(units, per_unit, static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024));
+  for (size_t g = 0; g < l.members.size(); ++g) {
+    if (!per_unit) {
+      l.names.push_back(fmt::format("bucket {}", g));
+      continue;
     }
-    return l;
-  }
-  const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
-  int64_t bytes = 0;
-  for (auto u = units.rbegin(); u != units.rend(); ++u) {
-    for (auto it = u->rbegin(); it != u->rend(); ++it) {
-      const auto b = static_cast<int64_t>(it->tensor.nbytes());
-      if (l.members.empty() || (bytes + b > cap && bytes > 0)) {
-        l.members.emplace_back();
-        l.names.push_back(fmt::format("bucket {}", l.names.size()));
-        bytes = 0;
-      }
-      l.members.back().push_back(*it);
-      bytes += b;
-    }
+    const size_t u = units.size() - 1 - g;  // the last unit first
+    l.group_of_unit[u] = static_cast<int64_t>(g);
+    l.names.push_back(model::unit_name(model_->cfg, static_cast<int64_t>(u)));
   }
   return l;
 }
