@@ -4,6 +4,7 @@
 #include <variant>
 
 #include "catch.h"
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "config/config.h"
@@ -288,4 +289,37 @@ TEST_CASE("sizes beyond 64 bits, infinite, NaN or negative exit 2 naming the key
       CHECK_FALSE(std::filesystem::exists(out));  // no run directory, no plan.json
     }
   }
+}
+
+// logging.memory_timeline records the tracking CPU allocator, so it needs the run on the CPU; with
+// train.device: auto only the resolved device says (the trainer's set-up asks after resolving it).
+TEST_CASE("logging.memory_timeline: auto is accepted by the recipe and refused once it resolves to CUDA") {
+  const auto cfg = config::load_string("logging:\n  memory_timeline: 2\ntrain:\n  device: auto\n", {});
+  CHECK_NOTHROW(config::validate_resolved_device(cfg, /*on_cuda=*/false));  // auto on a machine without CUDA
+  CHECK_THROWS_AS(config::validate_resolved_device(cfg, /*on_cuda=*/true), ConfigError);
+  CHECK_THROWS_WITH(config::validate_resolved_device(cfg, /*on_cuda=*/true),
+                    Catch::Contains("logging.memory_timeline") && Catch::Contains("train.device: auto puts this run on CUDA"));
+  auto off = cfg;
+  off.logging.memory_timeline = 0;
+  CHECK_NOTHROW(config::validate_resolved_device(off, /*on_cuda=*/true));
+  CHECK_THROWS_WITH(config::load_string("logging:\n  memory_timeline: 2\ntrain:\n  device: cuda\n", {}),
+                    Catch::Contains("logging.memory_timeline") && Catch::Contains("train.device: cuda"));
+}
+
+// train.micro_batch: auto sizes the micro-batch to what has to fit: the GPU's memory on CUDA, memory.limit
+// on the CPU. With train.device: auto the recipe cannot tell which, so the resolved device decides.
+TEST_CASE("train.micro_batch auto without memory.limit: accepted with device auto, refused once it resolves to the CPU") {
+  const auto recipe = [](const char* device) {
+    return fmt::format("train:\n  device: {}\n  micro_batch: auto\n  global_batch: 8\n", device);
+  };
+  const auto cfg = config::load_string(recipe("auto"), {});
+  CHECK_NOTHROW(config::validate_resolved_device(cfg, /*on_cuda=*/true));
+  CHECK_THROWS_WITH(config::validate_resolved_device(cfg, /*on_cuda=*/false),
+                    Catch::Contains("train.micro_batch") && Catch::Contains("memory.limit") &&
+                        Catch::Contains("train.device: auto puts this run on the CPU"));
+  auto limited = cfg;
+  limited.memory.limit = "1GiB";
+  CHECK_NOTHROW(config::validate_resolved_device(limited, /*on_cuda=*/false));
+  CHECK_THROWS_WITH(config::load_string(recipe("cpu"), {}),
+                    Catch::Contains("train.micro_batch") && Catch::Contains("memory.limit"));
 }

@@ -180,38 +180,47 @@ TEST_CASE("train.device cuda: saves, kill -9, --resume auto, final weights and e
 // The planner on a GPU: `trainer plan`'s prediction (summary.json's predicted_peak_bytes) against the
 // CUDA caching allocator's peak (allocated bytes, not reserved), on the GPT-2 124M shape at
 // micro-batch 4 (T 1024), where activations are most of the peak. kBound is the planner's promise on
-// CPU (tests/test_planner.cpp). Then memory.limit on CUDA (the caching allocator's memory fraction):
-// a run past it exits 4 with an oom event, and the planner's advice runs under it.
-TEST_CASE("train.device cuda: predicted peaks within 5 % of the caching allocator's; memory.limit exits 4 past it", "[cuda]") {
+// CPU (tests/test_planner.cpp). Then memory.limit on CUDA, a limit on allocated bytes as on CPU
+// (memory/cuda_limit.h): a run past it exits 4 with an oom event; the planner's advice runs under it,
+// its allocated peak at most the limit; and a limit between the first run's allocated and reserved
+// peaks lets that run train again, its reserved bytes (the caching allocator's cache) above the limit.
+TEST_CASE("train.device cuda: predicted peaks within 5 % of the caching allocator's; memory.limit limits allocated bytes", "[cuda]") {
   if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
   constexpr double kBound = 0.05;
   test::TempDir dir("device-cuda-memory");
   const std::string base = "--config configs/gpt2_124m.yaml --set train.device=cuda --set train.micro_batch=4 "
                            "--set train.grad_accum=1 --set train.steps=3 --set train.eval_interval=0 "
                            "--set state.at_end=false --set logging.save_model=false --set logging.progress=false";
+  auto summary_of = [](const fs::path& run_dir) { return nlohmann::json::parse(test::read_text(run_dir / "summary.json")); };
   int n = 0;
+  int64_t first_allocated = 0, first_reserved = 0;  // the first run's (checkpointing none, fp32) peaks
   for (const std::string sets : {"--set checkpointing.mode=none", "--set checkpointing.mode=full",
                                  "--set checkpointing.mode=sqrt", "--set precision.compute=bf16",
                                  "--set precision.compute=bf16 --set checkpointing.mode=full"}) {
+    const bool first = n == 0;
     const auto run_dir = dir.path / std::to_string(n++);
     const auto r = test::trainer(base + " " + sets + dir_arg(run_dir));
     INFO(sets << "\n" << r.output);
     REQUIRE(r.code == 0);
-    const auto s = nlohmann::json::parse(test::read_text(run_dir / "summary.json"));
+    const auto s = summary_of(run_dir);
     CHECK(s.at("environment").at("memory_source") == "cuda_caching_allocator");
     const double predicted = s.at("predicted_peak_bytes").get<double>(), measured = s.at("peak_allocated_bytes").get<double>();
     WARN(sets << ": measured " << measured / (1 << 20) << " MiB, predicted " << predicted / (1 << 20) << " MiB");
     CHECK(std::abs(predicted - measured) <= kBound * measured);
+    REQUIRE(s.at("peak_reserved_bytes").is_number());  // beside the allocated peak on CUDA
+    CHECK(s.at("peak_reserved_bytes").get<double>() >= measured);
+    if (first) first_allocated = s.at("peak_allocated_bytes").get<int64_t>(), first_reserved = s.at("peak_reserved_bytes").get<int64_t>();
   }
 
+  constexpr int64_t kLimit = 3LL << 30;
   const auto oom_dir = dir.path / "oom";
   const auto oom = test::trainer(base + " --set memory.limit=3GiB" + dir_arg(oom_dir));
   INFO(oom.output);
   CHECK(oom.code == 4);
-  CHECK(oom.output.find("out of memory") != std::string::npos);
-  const auto summary = nlohmann::json::parse(test::read_text(oom_dir / "summary.json"));
+  CHECK(oom.output.find("out of memory (memory.limit)") != std::string::npos);
+  const auto summary = summary_of(oom_dir);
   CHECK(summary.at("exit_status").at("code") == 4);
-  CHECK(summary.at("memory_limit_bytes") == 3LL << 30);
+  CHECK(summary.at("memory_limit_bytes") == kLimit);
   CHECK(test::events(oom_dir / "metrics.jsonl", "oom").size() == 1);
   const auto advice = oom.output.find("full: micro_batch ");
   REQUIRE(advice != std::string::npos);
@@ -221,4 +230,19 @@ TEST_CASE("train.device cuda: predicted peaks within 5 % of the caching allocato
                                 std::to_string(mb) + dir_arg(dir.path / "ok"));
   INFO(ok.output);
   CHECK(ok.code == 0);
+  if (ok.code == 0) CHECK(summary_of(dir.path / "ok").at("peak_allocated_bytes").get<int64_t>() <= kLimit);
+
+  // The first run again under a limit halfway between its allocated and reserved peaks: the same
+  // allocations (the limit changes none), so the same allocated peak, under the limit; the caching
+  // allocator's reserved bytes pass it, which a cap on reserved bytes (setMemoryFraction) forbids.
+  REQUIRE(first_reserved > first_allocated);  // the caching allocator keeps freed blocks and rounds blocks up
+  const int64_t between = first_allocated + (first_reserved - first_allocated) / 2;
+  const auto again_dir = dir.path / "between";
+  const auto again = test::trainer(base + " --set checkpointing.mode=none --set memory.limit=" + std::to_string(between) +
+                                   dir_arg(again_dir));
+  INFO(again.output);
+  REQUIRE(again.code == 0);
+  const auto s = summary_of(again_dir);
+  CHECK(s.at("peak_allocated_bytes").get<int64_t>() <= between);
+  CHECK(s.at("peak_reserved_bytes").get<int64_t>() > between);
 }

@@ -4,6 +4,7 @@
 #include <string>
 #include <torch/torch.h>
 
+#include "memory/cuda_limit.h"
 #include "memory/footprint.h"
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
@@ -110,6 +111,7 @@ TEST_CASE("SUBLINEAR_NO_CPU_CACHE=1: a trainer run's reserved bytes equal its al
       const int64_t reserved = rec["reserved_bytes"].get<int64_t>(), allocated = rec["allocated_bytes"].get<int64_t>();
       if (off) CHECK(reserved == allocated);
       else CHECK(reserved > allocated);
+      CHECK(rec.at("peak_reserved_bytes").is_null());  // a CUDA figure: the tracking allocator does not follow it
     }
     CHECK(seen == 2);
   }
@@ -120,4 +122,74 @@ TEST_CASE("SUBLINEAR_NO_CPU_CACHE=1: a trainer run's reserved bytes equal its al
 TEST_CASE("the planner's size of the CPU RNG state is the tensor LibTorch's generator returns") {
   const auto state = at::globalContext().defaultGenerator(torch::kCPU).get_state();
   CHECK(static_cast<int64_t>(state.nbytes()) == memory::kCpuRngStateBytes);
+}
+
+// memory.limit on CUDA (memory/cuda_limit.h): AllocatedLimit admits an allocation against the exact
+// allocated bytes, here those of a simulated caching allocator that hands out blocks of the request plus
+// `extra` bytes (its rounding, or a cached block handed out whole), as CUDA's counts block sizes.
+namespace {
+struct FakeCachingAllocator {
+  int64_t allocated = 0;  // the exact allocated bytes (the sum of live block sizes)
+  int64_t extra = 0;      // what a block holds beyond its request
+  int takes = 0, give_backs = 0, reads = 0;
+  int64_t admit(memory::AllocatedLimit& limit, int64_t n) {
+    return limit.admit(
+        static_cast<size_t>(n), /*device=*/0,
+        [&] {  // allocates: the handle is the block's size
+          ++takes;
+          allocated += n + extra;
+          return n + extra;
+        },
+        [&](int64_t& block) {  // frees it
+          ++give_backs;
+          allocated -= block;
+          block = 0;
+        },
+        [&] {
+          ++reads;
+          return allocated;
+        });
+  }
+};
+}  // namespace
+
+TEST_CASE("memory.limit on CUDA: allocated bytes are admitted up to the limit, exactly, and a refusal allocates nothing") {
+  memory::AllocatedLimit limit;
+  FakeCachingAllocator dev;
+  SECTION("no limit: no statistics read") {
+    CHECK(dev.admit(limit, 1 << 20) == 1 << 20);
+    CHECK(dev.reads == 0);
+  }
+  limit.set(1000);
+  SECTION("far from the limit: one exact reading after each allocation; up to the limit exactly") {
+    CHECK(dev.admit(limit, 400) == 400);
+    CHECK(dev.admit(limit, 400) == 400);
+    CHECK(dev.reads == 2);
+    CHECK(dev.admit(limit, 200) == 200);  // 800 + 200 = 1000: the limit itself is allowed
+    CHECK(dev.allocated == 1000);
+  }
+  SECTION("a request past the exact bytes is refused before anything is allocated") {
+    dev.admit(limit, 800);
+    CHECK_THROWS_AS(dev.admit(limit, 201), c10::OutOfMemoryError);
+    CHECK(dev.takes == 1);
+    CHECK(dev.allocated == 800);
+    CHECK_THROWS_WITH(dev.admit(limit, 201), Catch::Contains("CUDA device 0 out of memory (memory.limit)") &&
+                                                 Catch::Contains("allocating 201 bytes") &&
+                                                 Catch::Contains("to at least 1001, past the 1000-byte memory.limit"));
+  }
+  SECTION("after frees the exact bytes decide, not the bytes at the last admission") {
+    dev.admit(limit, 800);
+    dev.allocated -= 500;  // tensors freed since: 300 live
+    CHECK(dev.admit(limit, 600) == 600);
+    CHECK(dev.allocated == 900);
+  }
+  SECTION("a block larger than its request that passes the limit is given back and refused") {
+    dev.admit(limit, 600);
+    dev.extra = 200;  // 600 + 300 fits, but the block of 500 does not
+    CHECK_THROWS_AS(dev.admit(limit, 300), c10::OutOfMemoryError);
+    CHECK(dev.takes == 2);
+    CHECK(dev.give_backs == 1);
+    CHECK(dev.allocated == 600);
+    CHECK(dev.admit(limit, 200) == 400);  // 600 + 400 = 1000
+  }
 }

@@ -15,6 +15,7 @@
 //  - placements a sharding stage cannot carry are refused when the recipe is read.
 // (kill -9 and --resume with offload: tests/test_resume.cpp.)
 #include <algorithm>
+#include <thread>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -27,8 +28,11 @@
 #include "budget/budget.h"
 #include "checkpointing/plan.h"
 #include "config/config.h"
+#include "device/device.h"
+#include "device/host.h"
 #include "errors.h"
 #include "memory/footprint.h"
+#include "memory/tracking_allocator.h"
 #include "planner/planner.h"
 #include "runs.h"
 #include "test_util.h"
@@ -461,4 +465,30 @@ TEST_CASE("a host out-of-memory in a step reports the host pool: its peak and me
   REQUIRE(events.size() == 1);
   CHECK(events[0]["limit_bytes"].get<int64_t>() == limit);
   CHECK(events[0]["peak_bytes"].get<int64_t>() == peak);
+}
+
+// On CUDA the engine's gradient hooks run on autograd's device thread, where no caller's HostScope is
+// open: a host copy made there (device::host_readable of a reduce-scattered gradient shard under
+// offload.gradients) must open its own, or it escapes the host pool and memory.host_limit. The lazy
+// device copies to the host as CUDA does; a fresh std::thread has no scope open, as the device thread.
+TEST_CASE("a host copy made on a thread without a HostScope (autograd's CUDA thread) counts in the host pool") {
+  memory::TrackingCPUAllocator::install();
+  config::TrainConfig t;
+  t.device = "lazy";
+  const auto dev = device::resolve_device(t);
+  const auto on_device = torch::ones({1 << 16}, torch::TensorOptions().device(dev));
+  int64_t before = 0, during = 0;
+  bool scope_open = true;
+  std::thread hook([&] {
+    scope_open = device::HostScope::active();
+    before = memory::TrackingCPUAllocator::instance().host_current_bytes();
+    const auto h = device::host_readable(on_device);
+    during = memory::TrackingCPUAllocator::instance().host_current_bytes();
+    CHECK(h.device().is_cpu());
+  });
+  hook.join();
+  CHECK_FALSE(scope_open);
+  // The copy's 256 KiB (2^16 float32) are host-pool bytes while it lives (the pool may hold more:
+  // other live host tensors are not freed in between on this thread).
+  CHECK(during - before >= static_cast<int64_t>(on_device.nbytes()));
 }

@@ -7,7 +7,10 @@
 //  - odd and larger worlds: world 3 (every stage) = world 1 x 12, world 4 (zero3) = world 1 x 8;
 //  - per-rank model-state memory, measured by the tracking allocator, is within the ZeRO formulas;
 //  - a rank that dies or hangs makes the survivor exit 5 within parallel.timeout_s;
-//  - torchrun (through scripts/launch.sh) and bad launch environments.
+//  - torchrun (through scripts/launch.sh) and bad launch environments;
+//  - the ProcessGroupNCCL variables set before NCCL's process group, and the LOCAL_RANK check against
+//    the visible CUDA devices; on a GPU ([cuda], skipped elsewhere) that check in a launched trainer,
+//    and with two GPUs an NCCL run's clean shutdown and a killed rank's peer exiting 5 in its bound.
 // "Same parameters" is tests/runs.h's same_training: every element within twice the distance AdamW can
 // move a parameter in the run (lr x steps in units of its bounded update), and the median element
 // within 1e-2 of it, both derived there from the arithmetic of a reordered fp32 sum; the only
@@ -17,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -29,10 +33,12 @@
 #include <torch/torch.h>
 
 #include "config/config.h"
+#include "device/device.h"
 #include "errors.h"
 #include "interop/hf.h"
 #include "planner/planner.h"
 #include "model/gpt.h"
+#include "parallel/comm.h"
 #include "runs.h"
 #include "test_util.h"
 
@@ -576,4 +582,115 @@ TEST_CASE("a failure on rank 0 alone ends every rank with rank 0's exit code and
     CHECK(m.outputs[1].find("writing the final weights failed") != std::string::npos);
     CHECK(summary(run_dir)["exit_status"]["code"] == kExitIo);
   }
+}
+
+// ProcessGroupNCCL's failure handling (src/parallel/comm.cpp says why each variable): the process
+// group's watchdog aborts the communicators and leaves the process alive (2), no flight-recorder dump
+// or its heartbeat-monitor SIGABRT on a failed collective, and no 60 s "dump" sleep before the
+// abort; a variable the user set, under its name or its deprecated alias, is theirs.
+TEST_CASE("the NCCL failure variables are set unless the user set them; no dump sleep unless dumps are on") {
+  using Set = std::vector<std::pair<std::string, std::string>>;
+  const std::pair<std::string, std::string> abort_comms{"TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"},
+      no_dump{"TORCH_NCCL_DUMP_ON_TIMEOUT", "0"}, no_sleep{"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "0"};
+  CHECK(parallel::nccl_env_defaults({}) == Set{abort_comms, no_dump, no_sleep});
+  CHECK(parallel::nccl_env_defaults({{"TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"}}) == Set{no_dump, no_sleep});
+  CHECK(parallel::nccl_env_defaults({{"NCCL_ASYNC_ERROR_HANDLING", "1"}}) == Set{no_dump, no_sleep});
+  CHECK(parallel::nccl_env_defaults({{"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "500"}}) == Set{abort_comms, no_dump});
+  // Dumps the user turned on keep their time (every spelling ProcessGroupNCCL reads as true); off: no sleep.
+  for (const std::string on : {"1", "true", "True", "yes", "y", "T"})
+    CHECK(parallel::nccl_env_defaults({{"TORCH_NCCL_DUMP_ON_TIMEOUT", on}}) == Set{abort_comms});
+  for (const std::string off : {"0", "false", "no"})
+    CHECK(parallel::nccl_env_defaults({{"TORCH_NCCL_DUMP_ON_TIMEOUT", off}}) == Set{abort_comms, no_sleep});
+  // nccl_env_now() reads these variables, and only these, from the process environment.
+  const char* before = std::getenv("TORCH_NCCL_DUMP_ON_TIMEOUT");
+  const std::string saved = before ? before : "";
+  ::setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "yes", 1);
+  ::setenv("TORCH_NCCL_SOMETHING_ELSE", "1", 1);
+  const auto now = parallel::nccl_env_now();
+  CHECK(now.at("TORCH_NCCL_DUMP_ON_TIMEOUT") == "yes");
+  CHECK_FALSE(now.contains("TORCH_NCCL_SOMETHING_ELSE"));
+  ::unsetenv("TORCH_NCCL_SOMETHING_ELSE");
+  if (before) ::setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", saved.c_str(), 1);
+  else ::unsetenv("TORCH_NCCL_DUMP_ON_TIMEOUT");
+}
+
+// A rank on CUDA uses cuda:LOCAL_RANK; one past the visible devices is a launch error (exit 2) that
+// names LOCAL_RANK, CUDA_VISIBLE_DEVICES when set, and what to do, not CUDA's "invalid device ordinal".
+TEST_CASE("a LOCAL_RANK past the visible CUDA devices is a config error naming it and what to do") {
+  auto message = [](int64_t local_rank, int64_t count, const std::string& visible, bool set) {
+    try {
+      device::check_local_rank(local_rank, count, visible, set);
+    } catch (const ConfigError& e) {
+      CHECK(e.code == kExitConfig);
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  CHECK(message(0, 1, "", true) == "(no error)");
+  CHECK(message(1, 2, "0,1", false) == "(no error)");
+  const auto m = message(3, 2, "0,1", true);
+  INFO(m);
+  CHECK(m.find("LOCAL_RANK=3 but only 2 CUDA devices are visible (CUDA_VISIBLE_DEVICES=0,1)") != std::string::npos);
+  CHECK(m.find("torchrun --nproc-per-node=2") != std::string::npos);
+  CHECK(m.find("list more devices in CUDA_VISIBLE_DEVICES") != std::string::npos);
+  const auto all = message(2, 2, "", true);  // every device visible: no CUDA_VISIBLE_DEVICES to point at
+  INFO(all);
+  CHECK(all.find("LOCAL_RANK=2 but only 2 CUDA devices are visible:") != std::string::npos);
+  CHECK(all.find("CUDA_VISIBLE_DEVICES") == std::string::npos);
+  const auto unset = message(1, 1, "", false);  // a launcher that sets no LOCAL_RANK: RANK stood in for it
+  INFO(unset);
+  CHECK(unset.find("LOCAL_RANK is not set, so this rank took its RANK=1") != std::string::npos);
+  CHECK(unset.find("only 1 CUDA device is visible") != std::string::npos);
+  CHECK(unset.find("one node") != std::string::npos);
+  CHECK(message(-1, 2, "", true).find("LOCAL_RANK=-1") != std::string::npos);
+}
+
+TEST_CASE("CUDA: a LOCAL_RANK with no visible device exits 2 naming LOCAL_RANK and CUDA_VISIBLE_DEVICES", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  test::TempDir dir("local-rank");
+  const auto recipe = dir.file("recipe.yaml", kRecipe);
+  // One device visible (CUDA_VISIBLE_DEVICES=0), rank 1 of 2 on it; it fails before the rendezvous.
+  const std::string run = "cd " + test::kSourceDir + " && env -u LOCAL_RANK CUDA_VISIBLE_DEVICES=0 RANK=1 WORLD_SIZE=2 ";
+  const std::string args = test::kTrainer + " --config " + recipe + " --set train.device=cuda --set logging.dir=" +
+                           (dir.path / "run").string();
+  auto r = test::run(run + "LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 " + args);
+  INFO(r.output);
+  CHECK(r.code == kExitConfig);
+  CHECK(r.output.find("LOCAL_RANK=1 but only 1 CUDA device is visible (CUDA_VISIBLE_DEVICES=0)") != std::string::npos);
+  r = test::run(run + args);  // no LOCAL_RANK: RANK stands in for it, and the message says so
+  INFO(r.output);
+  CHECK(r.code == kExitConfig);
+  CHECK(r.output.find("LOCAL_RANK is not set, so this rank took its RANK=1") != std::string::npos);
+}
+
+// Two ranks over NCCL, one GPU each. A normal run shuts the process group down (ProcessGroupNCCL
+// warns "destroy_process_group() was not called" on rank 0 otherwise); a rank killed with -9 leaves
+// the other blocked on a collective that never completes, which the watchdog times out after
+// parallel.timeout_s, aborting the communicators: exit 5 with the summary, no SIGABRT, no 8-minute
+// hold at exit (the defaults' heartbeat monitor). The bound's slack is the CPU test's 5 s (a busy
+// machine's process start and summary write) over the watchdog's 0.1 s poll and ncclCommAbort, which
+// waits for no peer.
+TEST_CASE("NCCL: a normal run shuts the process group down; a killed rank makes the other exit 5 within "
+          "parallel.timeout_s", "[cuda]") {
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < 2) SUBLINEAR_SKIP("needs two CUDA devices");
+  test::TempDir dir("nccl");
+  const auto recipe = dir.file("recipe.yaml", kRecipe);
+  const auto run_dir = dir.path / "run";
+  const auto m = test::launch(2, "--config " + recipe + " --set train.device=cuda --set train.steps=3 --set logging.dir=" +
+                                     run_dir.string());
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r << ":\n" << m.outputs[r]);
+    CHECK(m.codes[r] == 0);
+    CHECK(m.outputs[r].find("destroy_process_group") == std::string::npos);
+  }
+  CHECK(summary(run_dir)["parallel"]["backend"] == "nccl");
+
+  test::TempDir kill_dir("nccl-kill");
+  const auto kill_recipe = kill_dir.file("recipe.yaml", kRecipe);
+  auto r = kill_one(kill_dir.path, kill_recipe, "KILL", 1, 10, "--set train.device=cuda");
+  INFO(r.output << "\nrank 0:\n" << test::read_text(kill_dir.path / "rank0.log"));
+  const auto [code, ms] = parse_kill(r.output);
+  CHECK(code == kExitDistributed);
+  CHECK(ms < 10'000 + 5'000);
+  CHECK(summary(kill_dir.path / "run")["exit_status"]["code"] == kExitDistributed);
 }

@@ -5,10 +5,12 @@
 #include <ATen/record_function.h>
 #include <ATen/autocast_mode.h>
 #include <fmt/format.h>
+#include <thread>
 #include <torch/torch.h>
 
 #include "config/config.h"
 #include "data/loader.h"
+#include "device/host.h"
 #include "errors.h"
 #include "memory/activations.h"
 #include "memory/tracker.h"
@@ -357,6 +359,57 @@ TEST_CASE("the forward's autocast state is re-applied during recompute, and the 
   CHECK(seen[0]);
   CHECK(seen[1]);  // recompute saw the forward's autocast state
   CHECK_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
+  CHECK(w.grad().defined());
+}
+
+// On CUDA autograd runs the backward on its device thread, whose thread-local settings are a fresh
+// thread's (autocast off with its cache on, no HostScope open), not the forward's. A backward started
+// on a new std::thread is the same situation on the CPU: the recompute must still see the forward's
+// autocast cache setting (zero3 turns the cache off) and host scope.
+TEST_CASE("a recompute on another thread (autograd's CUDA thread) sees the forward's autocast cache and host scope") {
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  struct Seen {
+    bool cache, host, autocast;
+  };
+  std::vector<Seen> seen;
+  auto fn = [&](const std::vector<torch::Tensor>& in) {
+    seen.push_back({at::autocast::is_autocast_cache_enabled(), device::HostScope::active(),
+                    at::autocast::is_autocast_enabled(at::kCPU)});
+    return std::vector<torch::Tensor>{in[0].mm(w).relu()};
+  };
+  checkpointing::Options opts;
+  torch::Tensor out;
+  {
+    const bool cache_before = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_cache_enabled(false);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    device::HostScope host;
+    out = checkpointing::checkpoint("other thread", fn, {torch::randn({4, 8})}, {w}, opts)[0];
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::set_autocast_cache_enabled(cache_before);
+  }
+  Seen in_backward_thread{};
+  bool cache_after = false;
+  std::thread backward([&] {
+    in_backward_thread = {at::autocast::is_autocast_cache_enabled(), device::HostScope::active(),
+                          at::autocast::is_autocast_enabled(at::kCPU)};
+    out.sum().backward();
+    cache_after = at::autocast::is_autocast_cache_enabled();
+  });
+  backward.join();
+  REQUIRE(seen.size() == 2);
+  CHECK_FALSE(seen[0].cache);
+  CHECK(seen[0].host);
+  // The backward thread starts with a fresh thread's settings (else this case shows nothing) ...
+  CHECK(in_backward_thread.cache);
+  CHECK_FALSE(in_backward_thread.host);
+  CHECK_FALSE(in_backward_thread.autocast);
+  // ... and its recompute ran with the forward's.
+  CHECK_FALSE(seen[1].cache);
+  CHECK(seen[1].host);
+  CHECK(seen[1].autocast);
+  CHECK(cache_after);  // the backward thread's own setting restored after the recompute
   CHECK(w.grad().defined());
 }
 

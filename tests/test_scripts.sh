@@ -11,6 +11,7 @@
 #     tests (exit 77, SKIP_RETURN_CODE) are counted and named with their reasons, ctest's exit status
 #     is kept,
 #   - scripts/check_links.py: passes on this tree; fails naming a missing page and a missing anchor
+#   - bench/gpu.sh: --help, argument errors and a run without a pack exit 2 (its runs: a GPU machine),
 #   - scripts/check_design.py: passes on this tree; fails naming an include against the layer order, an
 #     unplaced folder, a torch header in the torch-free bottom; fails naming a string comparison with a sharding
 #     stage outside src/config.
@@ -252,6 +253,18 @@ link_rules() {
   grep -q '^docs/a.md:5: b.md (no such file)$' <<< "$out" || { echo "the missing file is not named:"; echo "$out"; return 1; }
 }
 check "check_links.py: every README and docs/ link resolves" link_rules
+
+gpu_sh_arguments() {  # bench/gpu.sh's usage and refusals (its runs need a build and a GPU: bench/gpu.sh run)
+  local gpu="$ROOT/bench/gpu.sh" out
+  out="$("$gpu" --help)" || { echo "--help failed"; return 1; }
+  grep -q 'bench/gpu.sh pack' <<< "$out" && grep -q 'bench/gpu.sh run' <<< "$out" || { echo "--help: $out"; return 1; }
+  "$gpu" > /dev/null 2>&1; [[ $? == 2 ]] || { echo "no command: not exit 2"; return 1; }
+  out="$("$gpu" bogus 2>&1)"; [[ $? == 2 && "$out" == *"unknown command: bogus"* ]] || { echo "bogus: $out"; return 1; }
+  out="$("$gpu" run --budget soon 2>&1)"; [[ $? == 2 && "$out" == *"--budget needs a number"* ]] || { echo "$out"; return 1; }
+  mkdir -p "$TMP/gputree/bench" && cp "$gpu" "$TMP/gputree/bench/"  # a tree without .gpu/pack.tar.xz
+  out="$("$TMP/gputree/bench/gpu.sh" run 2>&1)"; [[ $? == 2 && "$out" == *"bench/gpu.sh pack"* ]] || { echo "no pack: $out"; return 1; }
+}
+check "gpu.sh: usage, and argument errors and a missing pack exit 2" gpu_sh_arguments
 
 echo "$passed passed, $failed failed"
 ((failed == 0))

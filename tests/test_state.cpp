@@ -31,6 +31,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 
 #include "catch.h"
@@ -38,6 +39,10 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <torch/cuda.h>
+
+#include "device/host.h"
+#include "memory/tracking_allocator.h"
 #include "state/safetensors.h"
 #include "state/state.h"
 #include "test_util.h"
@@ -865,4 +870,192 @@ TEST_CASE("after a rollback trainer export and sample read the resumed trajector
   const auto at = out_text.rfind('\n');  // --json: one object on the last line
   const json printed = json::parse(at == std::string::npos ? out_text : out_text.substr(at + 1));
   CHECK(printed["weights"] == (root / step_name(10)).string() + " (step 10)");
+}
+
+// ---- state.async: host reads while a save is written, and the CUDA snapshot ----
+
+namespace {
+
+// An environment variable set for a scope (children started in it inherit it).
+struct ScopedEnv {
+  std::string name;
+  ScopedEnv(std::string n, const std::string& value) : name(std::move(n)) { ::setenv(name.c_str(), value.c_str(), 1); }
+  ~ScopedEnv() { ::unsetenv(name.c_str()); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+};
+
+// The host synchronizations and collectives in logging.profile_step's Chrome trace, by name: every
+// .item() (aten::_local_scalar_dense), the step's declared read (sublinear::host_read), every
+// collective (the process group's own record, gloo:* or nccl:*, and any c10d::* op), and on CUDA every
+// runtime call that blocks the host on the device (cuda*Synchronize, the synchronous cudaMemcpy), as
+// CUPTI records them.
+std::map<std::string, int64_t> profiled_syncs(const fs::path& profile) {
+  const json trace = json::parse(test::read_text(profile));
+  std::map<std::string, int64_t> seen;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.value("ph", "") != "X") continue;
+    const std::string name = e.value("name", "");
+    const bool cuda_sync = name.rfind("cuda", 0) == 0 && (name.find("Synchronize") != std::string::npos || name == "cudaMemcpy");
+    const bool collective = name.rfind("gloo:", 0) == 0 || name.rfind("nccl:", 0) == 0 || name.rfind("c10d::", 0) == 0;
+    if (name == "aten::_local_scalar_dense" || name == "sublinear::host_read" || collective || cuda_sync)
+      ++seen[name];
+  }
+  return seen;
+}
+
+std::string describe(const std::map<std::string, int64_t>& counts) {
+  std::string out;
+  for (const auto& [name, n] : counts) out += fmt::format("{}{} x{}", out.empty() ? "" : ", ", name, n);
+  return out.empty() ? "none" : out;
+}
+
+// The position of the first record of `kind` at `step` in metrics.jsonl (events and step records in
+// the order written); -1 when there is none.
+int64_t position(const std::vector<json>& records, const std::string& kind, int64_t step) {
+  for (size_t i = 0; i < records.size(); ++i)
+    if (records[i].value("event", "") == kind && records[i].value("step", int64_t{-1}) == step) return static_cast<int64_t>(i);
+  return -1;
+}
+
+}  // namespace
+
+// The loop learns that every rank's writer is done from the step's own reduction and read (a count
+// beside the stop flags), not from a collective and an .item() of its own each step. Step 3 runs while
+// the save of step 2 is held in flight (SUBLINEAR_STATE_WRITE_DELAY_MS: 3 s, against ~0.1 s a step);
+// its profile is compared with step 3 of the same run without saves.
+TEST_CASE("state.async at world 2 (Gloo): a step while a save is written makes the host reads and collectives of a "
+          "step without one") {
+  test::TempDir dir("state-async-syncs");
+  const std::string args = kArgs + " --set train.steps=3 --set logging.profile_step=3 --set state.at_end=false";
+  const auto saving = dir.path / "saving", plain = dir.path / "plain";
+  {
+    const ScopedEnv hold("SUBLINEAR_STATE_WRITE_DELAY_MS", "3000");
+    const auto m = test::launch(2, args + " --set state.every=2 --set state.async=true" + dir_arg(saving));
+    INFO(m.outputs[0] << "\n---- rank 1:\n" << m.outputs[1]);
+    REQUIRE(m.codes == std::vector<int>{0, 0});
+  }
+  const auto m = test::launch(2, args + " --set state.every=0" + dir_arg(plain));
+  INFO(m.outputs[0] << "\n---- rank 1:\n" << m.outputs[1]);
+  REQUIRE(m.codes == std::vector<int>{0, 0});
+
+  // Step 3 was inside the save: after the snapshot of step 2, before its publication.
+  const auto records = test::read_jsonl(saving / "metrics.jsonl");
+  const int64_t snapshot = position(records, "state_snapshot", 2), profiled = position(records, "profile", 3),
+                published = position(records, "state_saved", 2);
+  INFO("metrics.jsonl positions: snapshot " << snapshot << ", profile of step 3 " << profiled << ", published " << published);
+  REQUIRE(snapshot >= 0);
+  REQUIRE(profiled > snapshot);
+  REQUIRE(published > profiled);
+
+  const auto with_save = profiled_syncs(saving / "profile.json"), without = profiled_syncs(plain / "profile.json");
+  INFO("step 3 during the save: " << describe(with_save) << "\nstep 3 without saves: " << describe(without));
+  CHECK(with_save.count("sublinear::host_read") == 1);
+  CHECK(with_save.at("sublinear::host_read") == 1);
+  CHECK(with_save == without);
+}
+
+TEST_CASE("the CUDA snapshot's block: every tensor aligned to its element size, back to back, no padding") {
+  // A byte tensor first and odd sizes: laid out in order of element size, 8, 4, 2, 1 bytes.
+  const std::vector<at::Tensor> ts = {torch::zeros({3}, torch::kUInt8), torch::zeros({5}, torch::kFloat),
+                                      torch::zeros({7}, torch::kBFloat16), torch::zeros({2}, torch::kDouble),
+                                      torch::zeros({1}, torch::kUInt8), torch::zeros({4}, torch::kFloat)};
+  int64_t total = -1;
+  const auto at = device::packed_offsets(ts, total);
+  REQUIRE(at.size() == ts.size());
+  // doubles [0, 16), floats [16, 36) and [36, 52), bf16 [52, 66), bytes [66, 69) and [69, 70).
+  CHECK(at == std::vector<int64_t>{66, 16, 52, 0, 69, 36});
+  CHECK(total == 70);  // 3 + 20 + 14 + 16 + 1 + 16 bytes: exactly the tensors'
+  for (size_t i = 0; i < ts.size(); ++i) CHECK(at[i] % ts[i].element_size() == 0);
+}
+
+TEST_CASE("page-locked bytes count in the host pool, and memory.host_limit refuses them as it refuses a host tensor") {
+  auto& pool = memory::TrackingCPUAllocator::instance();
+  const int64_t before = pool.host_current_bytes();
+  pool.reset_host_peak();
+  pool.set_host_limit(before + 1000);
+  pool.clear_refusal();
+  pool.add_host_external(600);
+  CHECK(pool.host_current_bytes() == before + 600);
+  CHECK(pool.host_peak_bytes() == before + 600);
+  // 600 + 500 > 1000: refused, nothing counted, the refusal recorded as the host pool's.
+  CHECK_THROWS_AS(pool.add_host_external(500), c10::OutOfMemoryError);
+  CHECK(pool.host_current_bytes() == before + 600);
+  CHECK(pool.last_refused_bytes() == 500);
+  CHECK(pool.last_refused_host());
+  pool.remove_host_external(600);
+  CHECK(pool.host_current_bytes() == before);
+  CHECK(pool.host_peak_bytes() == before + 600);  // the peak stays
+  pool.set_host_limit(0);
+  pool.clear_refusal();
+}
+
+// On a GPU (its own ctest entry, state_cuda; skipped elsewhere) the snapshot is one page-locked block
+// with non-blocking copies and one event. The asynchronous run must be the synchronous one bitwise (its
+// losses, and its files byte for byte: a copy that read a tensor after the next step's optimizer had
+// written it would show there), resume bitwise from a state it wrote mid-run, count the block in the
+// host pool, and a step during a save must make the host synchronizations of a step without one; a
+// memory.host_limit below the block refuses it as it refuses a host tensor.
+namespace {
+
+const std::string kCudaArgs =
+    kArgs + " --set train.device=cuda --set state.every=4 --set state.keep=0 --set logging.profile_step=6";
+
+// The block past memory.host_limit: exit 4, an out-of-memory in host memory at the snapshot, the
+// whole block (`block_bytes`) refused at once, nothing of that save left behind.
+void pinned_block_refused(const fs::path& run, int64_t block_bytes) {
+  const auto r = test::trainer(kCudaArgs + " --set memory.host_limit=1MiB" + dir_arg(run));
+  INFO(r.output);
+  REQUIRE(r.code == 4);
+  const json oom = json::parse(test::read_text(run / "summary.json"))["oom"];
+  CHECK(oom["memory"] == "host");
+  CHECK(oom["phase"] == "state_snapshot");
+  CHECK(oom["step"] == 4);
+  CHECK(oom["requested_bytes"] == block_bytes);
+  CHECK(has(oom["message"].get<std::string>(), "snapshot of step 4"));
+  CHECK(names_in(run / "state").empty());
+}
+
+}  // namespace
+
+TEST_CASE("state.async on CUDA: the snapshot's files are the synchronous save's, a resume from one is bitwise, and a "
+          "step during a save makes no extra host synchronization", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  test::TempDir dir("state-async-cuda");
+  const auto sync_run = dir.path / "sync", async_run = dir.path / "async";
+  run_ok(kCudaArgs + " --set state.async=false" + dir_arg(sync_run));
+  const auto want = test::trace(sync_run / "metrics.jsonl");
+  REQUIRE(want.steps.size() == static_cast<size_t>(kSteps));
+  {
+    const ScopedEnv hold("SUBLINEAR_STATE_WRITE_DELAY_MS", "2000");  // steps 5.. run while step 4's save is held
+    run_ok(kCudaArgs + " --set state.async=true" + dir_arg(async_run));
+  }
+  CHECK(test::trace_diff(test::trace(async_run / "metrics.jsonl"), want) == "");
+  for (const int step : {4, 8, 12}) {
+    INFO("step " << step);
+    const auto a = async_run / "state" / step_name(step), b = sync_run / "state" / step_name(step);
+    CHECK(test::read_text(a / "rank-00000.safetensors") == test::read_text(b / "rank-00000.safetensors"));
+    CHECK(meta_without_async(a) == meta_without_async(b));
+  }
+  // The block in the host pool from the save of step 4 on: without offload it is all the pool holds.
+  const auto snapshots = test::events(async_run / "metrics.jsonl", "state_snapshot");
+  REQUIRE_FALSE(snapshots.empty());
+  const int64_t block = snapshots[0]["snapshot_bytes"].get<int64_t>();
+  for (const auto& r : test::read_jsonl(async_run / "metrics.jsonl"))
+    if (!r.contains("event") && r["step"].get<int64_t>() == 5) CHECK(r["host_peak_bytes"].get<int64_t>() == block);
+
+  // Step 6: during the save of step 4 in the asynchronous run (published after it), no save in the other.
+  const auto records = test::read_jsonl(async_run / "metrics.jsonl");
+  CHECK(position(records, "state_saved", 4) > position(records, "profile", 6));
+  const auto during = profiled_syncs(async_run / "profile.json"), plain = profiled_syncs(sync_run / "profile.json");
+  WARN("host synchronizations of step 6 during an asynchronous save: " << describe(during) << "; without a save: " << describe(plain));
+  CHECK(during.count("sublinear::host_read") == 1);
+  CHECK(during == plain);
+
+  // --resume from the asynchronous run's state of step 4 (the later ones set aside): steps 5..12 again,
+  // bitwise the uninterrupted run.
+  run_ok(kCudaArgs + " --set state.async=true --resume " + (async_run / "state" / step_name(4)).string() + dir_arg(async_run));
+  CHECK(test::trace_diff(test::trace(async_run / "metrics.jsonl"), want) == "");
+
+  pinned_block_refused(dir.path / "limited", block);
 }

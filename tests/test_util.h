@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -26,8 +27,15 @@
 
 namespace sl::test {
 
-inline const std::string kSourceDir = SUBLINEAR_SOURCE_DIR;
-inline const std::string kTrainer = SUBLINEAR_TRAINER;
+// The source tree and the trainer binary: the build's (compiled in), unless the environment names
+// others in SUBLINEAR_SOURCE_DIR / SUBLINEAR_TRAINER (bench/gpu.sh runs the test binaries on another
+// machine, against a copy of the tree and a carried trainer). SUBLINEAR_PYTHON likewise, below.
+inline std::string env_or(const char* name, const char* built) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::string(v) : std::string(built);
+}
+inline const std::string kSourceDir = env_or("SUBLINEAR_SOURCE_DIR", SUBLINEAR_SOURCE_DIR);
+inline const std::string kTrainer = env_or("SUBLINEAR_TRAINER", SUBLINEAR_TRAINER);
 
 struct Result {
   int code;
@@ -210,7 +218,7 @@ bool poll_until(Pred&& pred, std::chrono::milliseconds timeout, std::chrono::mil
 
 // ---- training states (tests/test_resume.cpp, tests/test_state.cpp) ----
 
-inline const std::string kPython = SUBLINEAR_PYTHON;
+inline const std::string kPython = env_or("SUBLINEAR_PYTHON", SUBLINEAR_PYTHON);
 
 // The records of a JSONL file. strict: every line must parse (a final line without its newline
 // too); otherwise lines that do not parse (a record being written right now) are left out.

@@ -316,6 +316,13 @@ BlockBytes measure_block(model::Block& block, const torch::Tensor& x, const mode
   }
   torch::AutoGradMode grad_on(true);
   for (auto& p : block->parameters()) p.mutable_grad() = torch::zeros_like(p);
+  // One unmeasured backward first: on CUDA it runs on autograd's device thread, whose first matmul
+  // makes that thread's cuBLAS handle and workspace (~33 MiB, held for the process's life, as in
+  // training, where the model's first backward makes it). Measured, it would count as one block's bytes.
+  {
+    auto in = x.detach().requires_grad_();
+    block->forward(in, rope).sum().backward();
+  }
   BlockBytes out;
   for (uint8_t parts = 0; parts < kPartSets; ++parts) measure_parts(block, parts, x, rope, meter, out);
   {
@@ -423,16 +430,16 @@ std::optional<Plan> formula_plan(const config::RunConfig& cfg) { return try_budg
 
 namespace {
 
-// The least activation budget any schedule fits (bisection on the solver's feasibility, 1 % steps).
-int64_t least_budget(const config::RunConfig& cfg) {
-  const auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
-  const auto costs = formula_costs(cfg).blocks;
+// The least activation budget any schedule fits (bisection on the solver's feasibility, 1 % steps), on
+// the bytes the solver refused with (the profile's where it measured them, else the formula's).
+int64_t least_budget(const config::RunConfig& cfg, const Costs& costs) {
+  const auto mem = solver_model(cfg, costs);
   double lo = 0, hi = 1;
-  const int64_t quanta = budget_quanta(static_cast<int64_t>(costs.size())) / 4;
-  while (!solve_budget(mem, costs, hi, quanta).feasible && hi < 1e18) hi *= 2;
+  const int64_t quanta = budget_quanta(static_cast<int64_t>(costs.blocks.size())) / 4;
+  while (!solve_budget(mem, costs.blocks, hi, quanta).feasible && hi < 1e18) hi *= 2;
   while (hi - lo > 0.01 * hi) {
     const double mid = (lo + hi) / 2;
-    (solve_budget(mem, costs, mid, quanta).feasible ? hi : lo) = mid;
+    (solve_budget(mem, costs.blocks, mid, quanta).feasible ? hi : lo) = mid;
   }
   return static_cast<int64_t>(hi);
 }
@@ -441,7 +448,7 @@ int64_t least_budget(const config::RunConfig& cfg) {
 
 Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
   if (auto p = try_budget_plan(cfg, costs)) return *p;
-  const int64_t budget = memory::activation_budget_bytes(cfg), least = least_budget(cfg);
+  const int64_t budget = memory::activation_budget_bytes(cfg), least = least_budget(cfg, costs);
   // What checkpointing.budget would have to say: the activations plus the transient it also counts.
   const int64_t transient = memory::predict_peak(cfg, checkpointing::make_plan({}, cfg.model.n_layer)).transient_bytes;
   const double share = std::get<config::mode::Budget>(config::choice(cfg.checkpointing)).share;

@@ -27,16 +27,25 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// RNG and autocast state at the moment a piece ran forward.
+// RNG, autocast and host-placement state at the moment a piece ran forward. Thread-local settings all:
+// on CUDA the backward, and with it the recompute, runs on autograd's device thread, which has none of
+// the forward thread's (a fresh thread's defaults: autocast off with its cache on, no HostScope), so
+// the recompute re-applies each of them (as torch.utils.checkpoint re-applies its autocast kwargs).
 struct ForwardState {
   bool rng = false;
   at::Tensor cpu_rng, cuda_rng;
   c10::DeviceIndex cuda_device = -1;
   bool autocast_cpu = false, autocast_cuda = false;
   at::ScalarType autocast_cpu_dtype = at::kBFloat16, autocast_cuda_dtype = at::kHalf;
+  // zero3 runs with autocast's weight-cast cache off (train/setup.cpp): a recompute that cached the
+  // casts would keep a unit's low-precision weights alive past the unit's release.
+  bool autocast_cache = true;
+  bool host_scope = false;  // device::HostScope::active(): the piece's host allocations count in the host pool
 
   static ForwardState capture(bool preserve_rng, const std::vector<at::Tensor>& inputs) {
     ForwardState s;
+    s.autocast_cache = at::autocast::is_autocast_cache_enabled();
+    s.host_scope = device::HostScope::active();
     s.autocast_cpu = at::autocast::is_autocast_enabled(at::kCPU);
     s.autocast_cuda = at::autocast::is_autocast_enabled(at::kCUDA);
     s.autocast_cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
@@ -60,11 +69,13 @@ struct ForwardState {
   }
 };
 
-// While alive: grad mode on, the forward's autocast state applied, the forward's RNG state set.
-// Restores the caller's RNG and autocast state on destruction.
+// While alive: grad mode on, the forward's autocast state (cache setting included) and host scope
+// applied, the forward's RNG state set. Restores the caller's RNG and autocast state on destruction.
 class Replay {
  public:
-  explicit Replay(const ForwardState& s) : grad_(true) {
+  explicit Replay(const ForwardState& s) : grad_(true), host_(s.host_scope) {
+    prev_autocast_cache_ = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_cache_enabled(s.autocast_cache);
     prev_autocast_cpu_ = at::autocast::is_autocast_enabled(at::kCPU);
     prev_autocast_cuda_ = at::autocast::is_autocast_enabled(at::kCUDA);
     prev_cpu_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
@@ -89,6 +100,7 @@ class Replay {
     at::autocast::set_autocast_enabled(at::kCUDA, prev_autocast_cuda_);
     at::autocast::set_autocast_dtype(at::kCPU, prev_cpu_dtype_);
     at::autocast::set_autocast_dtype(at::kCUDA, prev_cuda_dtype_);
+    at::autocast::set_autocast_cache_enabled(prev_autocast_cache_);
   }
   Replay(const Replay&) = delete;
   Replay& operator=(const Replay&) = delete;
@@ -110,6 +122,8 @@ class Replay {
     }
   }
   torch::AutoGradMode grad_;
+  device::HostScope host_;
+  bool prev_autocast_cache_ = true;
   bool rng_ = false, nested_ = false;
   at::Tensor prev_cpu_rng_, prev_cuda_rng_;
   c10::DeviceIndex cuda_device_ = -1;
@@ -390,7 +404,14 @@ struct OutputFreeLinearFunction : torch::autograd::Function<OutputFreeLinearFunc
     shape.back() = W.size(0);
     const auto dtype = at::autocast::is_autocast_enabled(a.device().type())
                            ? at::autocast::get_autocast_dtype(a.device().type()) : a.scalar_type();
-    return at::zeros({1}, a.options().dtype(dtype)).expand(shape);
+    // The placeholder meets what the forward's output met (the residual dropout), which must draw the
+    // forward's mask. The CPU draws a mask element by element whatever the layout: one broadcast zero
+    // costs no memory. CUDA's dropout takes its vectorized kernel only on a contiguous input, and the
+    // two kernels consume the Philox stream differently: there the placeholder is a contiguous (unread,
+    // uninitialized) tensor, as the forward's output was, and the replayed masks are the forward's.
+    const auto opts = a.options().dtype(dtype);
+    if (a.device().is_cpu()) return at::zeros({1}, opts).expand(shape);
+    return at::empty(shape, opts);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {

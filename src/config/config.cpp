@@ -226,7 +226,7 @@ std::vector<Field> memory_fields() {
   using R = RunConfig;
   return {
       field(&R::memory, &MemoryConfig::track_cpu, "memory", "track_cpu", "install the tracking CPU allocator so CPU peak bytes are exact"),
-      field(&R::memory, &MemoryConfig::limit, "memory", "limit", "device-memory limit for tensors, e.g. 8GiB (units B, KiB, MiB, GiB, KB, MB, GB); 0 = none. CPU: the tracking allocator refuses past it; CUDA: caps the caching allocator"),
+      field(&R::memory, &MemoryConfig::limit, "memory", "limit", "device-memory limit on the bytes in live tensors (allocated bytes, on CPU and CUDA), e.g. 8GiB (units B, KiB, MiB, GiB, KB, MB, GB); 0 = none. Past it: out of memory (exit 4). On CUDA the caching allocator's cache (reserved bytes) may pass it"),
       field(&R::memory, &MemoryConfig::host_limit, "memory", "host_limit", "host-memory limit for offloaded state (offload.*), a size like memory.limit; 0 = none. Past it: exit 4 naming host memory"),
   };
 }
@@ -751,8 +751,6 @@ void validate_train(const RunConfig& c) {
   if (t.micro_batch.is_auto()) {
     if (t.global_batch == 0)
       fail("train.micro_batch", "auto needs train.global_batch: the sequences per optimizer step to keep");
-    if (parse_bytes(c.memory.limit, "memory.limit") == 0 && t.device != "cuda")
-      fail("train.micro_batch", "auto needs memory.limit on CPU (what has to fit), e.g. memory.limit: 4GiB");
   }
   check_global_batch(c);
   positive("train.steps", t.steps);
@@ -892,11 +890,27 @@ void validate_devices_and_logging(const RunConfig& c) {
   if (c.logging.skip_first < 0) fail("logging.skip_first", "must be >= 0");
   if (c.logging.profile_step < 0) fail("logging.profile_step", "must be >= 0 (0 = off)");
   if (c.logging.memory_timeline < 0) fail("logging.memory_timeline", "must be >= 0 (0 = off)");
-  if (c.logging.memory_timeline > 0 && (t.device == "cuda" || t.device == "lazy" || !c.memory.track_cpu))
+  if (c.logging.memory_timeline > 0 && (t.device == "lazy" || !c.memory.track_cpu))
     fail("logging.memory_timeline", "records the tracking CPU allocator: it needs train.device: cpu (or auto on a "
                                     "machine without CUDA) and memory.track_cpu: true");
+  if (t.device != "auto") validate_resolved_device(c, t.device == "cuda");  // auto: in the trainer's set-up, once resolved
   if (!(c.logging.peak_tflops >= 0.0)) fail("logging.peak_tflops", "must be >= 0 (0 = measure)");
 }
+
+}  // namespace
+
+void validate_resolved_device(const RunConfig& c, bool on_cuda) {
+  if (c.train.micro_batch.is_auto() && !on_cuda && parse_bytes(c.memory.limit, "memory.limit") == 0)
+    fail("train.micro_batch", fmt::format("auto needs memory.limit on CPU (what has to fit), e.g. memory.limit: 4GiB; "
+                                          "train.device: {} puts this run on the CPU", c.train.device));
+  if (c.logging.memory_timeline > 0 && on_cuda)
+    fail("logging.memory_timeline",
+         fmt::format("records the tracking CPU allocator, but train.device: {} puts this run on CUDA: set "
+                     "train.device: cpu to record a step's timeline, or logging.memory_timeline: 0 to train on CUDA",
+                     c.train.device));
+}
+
+namespace {
 
 // offload.*: host placement follows the engine's shard (the masters, moments and gradient shard it
 // keeps per rank; under DDP the whole model), so state offload needs the engine; each kind needs the

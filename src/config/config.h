@@ -179,6 +179,11 @@ RunConfig load_string(const std::string& yaml_text, const std::vector<std::strin
 // naming the key.
 void validate(const RunConfig& cfg);
 
+// The checks that need the device train.device resolved to (auto: CUDA when available), which
+// validate() cannot know: logging.memory_timeline records the tracking CPU allocator, so a run that
+// resolved to CUDA refuses it. Throws ConfigError naming logging.memory_timeline and train.device.
+void validate_resolved_device(const RunConfig& cfg, bool on_cuda);
+
 // WORLD_SIZE from the environment (torchrun sets it); 1 when unset or malformed. load() stores it in
 // RunConfig::world_size before validating.
 int64_t world_size_from_env();

@@ -91,7 +91,7 @@ Json cuda_info() {
   const std::vector<std::string> archs;
 #endif
   const Json version = cuda_version();
-#if defined(USE_C10D_NCCL)
+#if defined(SUBLINEAR_NCCL)
   const bool nccl = true;
 #else
   const bool nccl = false;

@@ -1,8 +1,11 @@
 // The run's device (see device.h).
 #include "device/device.h"
 
+#include <cstdlib>
 #include <mutex>
+#include <string>
 
+#include <fmt/format.h>
 #include <torch/csrc/lazy/backend/backend_device.h>
 #include <torch/csrc/lazy/core/lazy_graph_executor.h>
 #include <torch/csrc/lazy/ts_backend/ts_backend_impl.h>
@@ -21,9 +24,30 @@ c10::Device resolve_device(const config::TrainConfig& t, int64_t local_rank) {
   const bool has_cuda = torch::cuda::is_available();
   if (t.device == "cuda" && !has_cuda)
     throw ConfigError("train.device: 'cuda' was asked for but no CUDA device is available; use cpu or auto");
-  if (t.device == "cuda" || (t.device == "auto" && has_cuda))
+  if (t.device == "cuda" || (t.device == "auto" && has_cuda)) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    const char* set = std::getenv("LOCAL_RANK");
+    check_local_rank(local_rank, torch::cuda::device_count(), visible ? visible : "", set && *set);
     return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+  }
   return c10::Device(c10::kCPU);
+}
+
+void check_local_rank(int64_t local_rank, int64_t device_count, const std::string& visible_devices,
+                      bool local_rank_set) {
+  if (local_rank >= 0 && local_rank < device_count) return;
+  const std::string visible = fmt::format("{} CUDA device{} {} visible{}", device_count, device_count == 1 ? "" : "s",
+                                          device_count == 1 ? "is" : "are",
+                                          visible_devices.empty() ? "" : " (CUDA_VISIBLE_DEVICES=" + visible_devices + ")");
+  const std::string more = visible_devices.empty() ? "" : ", or list more devices in CUDA_VISIBLE_DEVICES";
+  if (local_rank_set)
+    throw ConfigError(fmt::format("LOCAL_RANK={} but only {}: each rank uses the CUDA device numbered by its "
+                                  "LOCAL_RANK, so start at most {} rank{} per node (torchrun --nproc-per-node={}){}",
+                                  local_rank, visible, device_count, device_count == 1 ? "" : "s", device_count, more));
+  throw ConfigError(fmt::format("LOCAL_RANK is not set, so this rank took its RANK={} as its CUDA device number "
+                                "(right when every rank runs on one node), but only {}: on several nodes have the "
+                                "launcher set LOCAL_RANK (torchrun does); on one, start at most {} rank{}{}",
+                                local_rank, visible, device_count, device_count == 1 ? "" : "s", more));
 }
 
 at::Tensor to_device(const at::Tensor& t, c10::Device device) {

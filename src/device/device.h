@@ -10,6 +10,7 @@
 //         XLA-style device must, or each step would replay every earlier one.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -19,8 +20,15 @@
 namespace sl::device {
 
 // Resolves train.device ("auto" = CUDA when available). Throws ConfigError when cuda is asked for and
-// none is present.
+// none is present, or when device `local_rank` is not among the visible ones (check_local_rank).
 c10::Device resolve_device(const config::TrainConfig& t, int64_t local_rank = 0);
+
+// A rank on CUDA uses device cuda:LOCAL_RANK. Throws ConfigError (exit 2) when that device is not
+// among the `device_count` visible ones, naming LOCAL_RANK, CUDA_VISIBLE_DEVICES (`visible_devices`:
+// its value, "" when unset) and what to do. `local_rank_set`: false when the launcher set no
+// LOCAL_RANK and LaunchEnv took RANK for it (right on one node only), which the message then says.
+void check_local_rank(int64_t local_rank, int64_t device_count, const std::string& visible_devices,
+                      bool local_rank_set = true);
 
 // A batch tensor (CPU, from the loader) on `device`.
 at::Tensor to_device(const at::Tensor& t, c10::Device device);

@@ -12,10 +12,13 @@
 //         transfer overlaps compute. Contract for the faster version (not built, no GPU to test it):
 //         page-locked buffers, copies on a side stream with an event recorded after each, and the
 //         consumer's stream waiting on that event before the first use; a host buffer is reused only
-//         after its copy's event has completed.
+//         after its copy's event has completed. (state.async's snapshot, HostSnapshot below, is
+//         already built that way: one page-locked block, non-blocking copies, one event.)
 //   lazy  the test device: copies go through at::Tensor::to like any other device.
 #pragma once
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -48,9 +51,67 @@ at::Tensor to_device_copy(const at::Tensor& h, c10::Device device);
 // Zeros of `numel` elements on the host.
 at::Tensor host_zeros(int64_t numel, c10::ScalarType dtype);
 // `t` as host arithmetic can read it: on the CPU `t` itself (no copy: device and host are one RAM,
-// and a copy would only add a transient), elsewhere a copy on the CPU.
+// and a copy would only add a transient), elsewhere a copy on the CPU, in the host pool.
+// Every function here that makes a host tensor opens its own HostScope: on CUDA, the gradient hooks
+// and recomputes that call them run on autograd's device thread, where a caller's scope does not hold.
 at::Tensor host_readable(const at::Tensor& t);
 // Copies `src` into `dst` (the same number of elements), one on the host and the other on the device.
 void copy_into(const at::Tensor& dst, const at::Tensor& src);
+
+// ---- state.async: a snapshot taken on the loop's thread, read by the save's writer thread ----
+//
+// HostSnapshot::take(src, reuse) copies every tensor of `src` (contiguous) to host memory:
+//   cpu, lazy  tensor by tensor with to_host_reusing (host-pool CPU tensors): done when take() returns.
+//   cuda       (any tensor of `src` on CUDA) ONE page-locked block from the CUDA runtime (cudaHostAlloc
+//              on the tensors' device; not LibTorch's caching host allocator, which rounds a block up to
+//              a power of two), the tensors back to back in it as packed_offsets lays them out: exactly
+//              their bytes. The block counts in the host pool (ExternalHostBytes below:
+//              memory.host_limit refuses it with c10::OutOfMemoryError as it refuses a host tensor,
+//              host_peak_bytes shows it, the planner's host_snapshot_bytes is its size); a block the CUDA
+//              runtime refuses is the same error. Device tensors are copied in with non-blocking copies
+//              on the current stream (take() waits for none of them), host tensors (the RNG states,
+//              offloaded states) with plain copies, and one event is recorded on that stream after the
+//              last copy. Stream order makes the copies read each tensor after every kernel queued
+//              before take() and before any queued after it (the next step's optimizer), and a device
+//              temporary freed after take() (a .contiguous() copy) is reused by the caching allocator
+//              only on that stream, after the copies. The block is freed, after its event, with the last
+//              tensor that views it (cudaFreeHost: once, when the run ends or the layout changes).
+// `reuse` (the previous snapshot, no longer read) lends its buffers when it holds the same number of
+// tensors with the same dtypes and sizes; otherwise new buffers are made and its own are freed.
+// wait() (any thread) returns once every copy has landed: on CUDA it blocks on the event, elsewhere
+// it returns at once. Read tensors() only after it.
+class HostSnapshot {
+ public:
+  HostSnapshot();
+  ~HostSnapshot();
+  HostSnapshot(HostSnapshot&&) noexcept;
+  HostSnapshot& operator=(HostSnapshot&&) noexcept;
+  static HostSnapshot take(const std::vector<at::Tensor>& src, HostSnapshot reuse);
+  const std::vector<at::Tensor>& tensors() const { return tensors_; }
+  void wait() const;
+
+  struct Pinned;  // the CUDA block and its event (host.cpp)
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::shared_ptr<Pinned> pinned_;
+};
+
+// How the host pool counts memory that c10's CPU allocator does not make (a CUDA snapshot's block):
+// the tracking allocator sets it when it is installed (memory/tracking_allocator.h; this layer is
+// below it); unset, such blocks count nowhere, as there is no host pool. `add` throws
+// c10::OutOfMemoryError when the bytes would pass memory.host_limit (nothing counted then);
+// `refused` records a block the system refused. Set before any snapshot is taken.
+struct ExternalHostBytes {
+  void (*add)(int64_t bytes) = nullptr;
+  void (*remove)(int64_t bytes) = nullptr;
+  void (*refused)(int64_t bytes) = nullptr;
+};
+void set_external_host_bytes(const ExternalHostBytes& counter);
+
+// Where each tensor of `tensors` starts in a CUDA snapshot's block (bytes), and the block's size in
+// `total`: back to back, the largest element size first (8, 4, 2, 1 bytes; in their order within a
+// size), so every tensor starts aligned to its element size with no padding (total = their bytes).
+std::vector<int64_t> packed_offsets(const std::vector<at::Tensor>& tensors, int64_t& total);
 
 }  // namespace sl::device

@@ -143,8 +143,8 @@ namespace {
 bool engine_grads_on_cpu(const config::RunConfig& cfg) { return cfg.offload.gradients || !runs_on_cuda(cfg); }
 
 // One rank's part of the engine's layout (parallel/engine.cpp), in elements, summed over the groups. A
-// group of n_g parameters (its d_g matrix elements first, the rest after) is padded to a multiple of the
-// world size W. held: a sharded rank's shard, ceil(n_g / W), or a replicated rank's whole padded group:
+// group of n_g parameters (its d_g matrix elements first, the rest after) is padded to W shards of
+// shard_elems(n_g, W). held: a sharded rank's shard, or a replicated rank's whole padded group:
 // the fp32 masters and gradient buffers offload.optimizer puts on the host. owned: the real elements of
 // it, which the optimizer updates (AdamW's moments) and a state file holds. pieces: the host AdamW's
 // work items, kAdamwPiece elements of each tensor it updates (the owned part of [0, d_g) and of [d_g, n_g)).
@@ -154,7 +154,7 @@ struct RankPart {
 RankPart rank_part(const std::vector<EngineGroup>& groups, int64_t W, bool replicated, int64_t rank) {
   RankPart r;
   for (const auto& g : groups) {
-    const int64_t padded = ceil_div(g.params, W) * W, shard = replicated ? padded : padded / W;
+    const int64_t padded = shard_elems(g.params, W) * W, shard = replicated ? padded : padded / W;
     const int64_t lo = replicated ? 0 : rank * shard, hi = lo + shard;
     const auto overlap = [&](int64_t a, int64_t b) { return std::max<int64_t>(0, std::min(b, hi) - std::max(a, lo)); };
     const int64_t decay = overlap(0, g.decay), rest = overlap(g.decay, g.params);

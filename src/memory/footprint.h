@@ -27,6 +27,18 @@ inline constexpr int64_t kGradNormChunk = int64_t{1} << 20;
 // this many elements and indexes them with an int64 tensor (model::for_each_index), made in host memory
 // under offload.optimizer: 8 bytes a piece, through the optimizer step.
 inline constexpr int64_t kAdamwPiece = int64_t{1} << 14;
+// Every rank's shard of an engine group starts on a 16-byte boundary in each dtype the group is held
+// in (fp32 masters and gradients; bf16/fp16 compute copies and reduce buffers): a multiple of 8
+// elements. NCCL's collectives and _fused_adamw_ take their vectorized paths only on aligned
+// addresses (the flat buffers themselves come 512-byte aligned from the caching allocator).
+inline constexpr int64_t kShardAlignElems = 8;
+// Elements of one rank's shard of a group of `numel` parameters over `world` ranks: ceil(numel / world)
+// rounded up to kShardAlignElems. The group is padded to world x shard elements (zeros that no
+// optimizer reads: the padding is counted in what a rank holds, not in what it owns).
+inline constexpr int64_t shard_elems(int64_t numel, int64_t world) {
+  const int64_t per_rank = (numel + world - 1) / world;
+  return (per_rank + kShardAlignElems - 1) / kShardAlignElems * kShardAlignElems;
+}
 
 // Per rank, for cfg.world_size ranks and parallel.sharding (P, G, O = fp32 weights, gradients and
 // AdamW's two moments of the whole model; N = world size):

@@ -1,4 +1,4 @@
-// Memory readings: CPU from the tracking allocator, CUDA from the caching allocator's stats.
+// Memory readings: CPU from the tracking allocator, CUDA from the caching allocator's stats; memory.limit.
 #include "memory/tracker.h"
 #include <ATen/Context.h>
 
@@ -9,10 +9,10 @@
 
 #include <unistd.h>
 
-#include <algorithm>
 #include <fstream>
 #include <string>
 
+#include "memory/cuda_limit.h"
 #include "memory/tracking_allocator.h"
 
 namespace sl::memory {
@@ -45,8 +45,8 @@ Capacity device_capacity(c10::Device device) {
   return {physical, "physical memory"};
 }
 
-// CUDA: the caching allocator is made on the first CUDA tensor; its statistics and memory fraction
-// refuse ("Allocator not initialized") before that, so the tracker initializes the device first.
+// CUDA: the caching allocator is made on the first CUDA tensor; its statistics refuse ("Allocator not
+// initialized") before that, so the tracker initializes the device first.
 Tracker::Tracker(c10::Device device) : device_(device) {
   if (device_.is_cuda()) at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
 }
@@ -71,6 +71,7 @@ Snapshot Tracker::read() const {
     s.allocated_bytes = stats.allocated_bytes[all].current;
     s.peak_allocated_bytes = stats.allocated_bytes[all].peak;
     s.reserved_bytes = stats.reserved_bytes[all].current;
+    s.peak_reserved_bytes = stats.reserved_bytes[all].peak;
   } else if (TrackingCPUAllocator::installed()) {
     auto& a = TrackingCPUAllocator::instance();
     s.allocated_bytes = a.current_bytes();
@@ -89,21 +90,26 @@ Snapshot Tracker::close_step() const {
   Snapshot s = read();
   if (!device_.is_cuda() && TrackingCPUAllocator::installed())
     s.peak_allocated_bytes = TrackingCPUAllocator::instance().peak_bytes_closing_timeline();
+  if (s.peak_reserved_bytes) {
+    int64_t seen = steps_peak_reserved_.load();
+    while (*s.peak_reserved_bytes > seen && !steps_peak_reserved_.compare_exchange_weak(seen, *s.peak_reserved_bytes)) {
+    }
+  }
   return s;
 }
 
+std::optional<int64_t> Tracker::steps_peak_reserved_bytes() const {
+  const int64_t peak = steps_peak_reserved_.load();
+  return peak >= 0 ? std::optional<int64_t>(peak) : std::nullopt;
+}
+
 void Tracker::set_limit(int64_t bytes) {
-  limit_ = bytes;
   if (device_.is_cuda()) {
-    if (bytes <= 0) return;
-    c10::cuda::CUDAGuard guard(device_.index());
-    size_t free = 0, total = 0;
-    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    c10::cuda::CUDACachingAllocator::setMemoryFraction(std::min(1.0, static_cast<double>(bytes) / static_cast<double>(total)),
-                                                       device_.index());
+    set_cuda_limit(device_.index(), bytes);
   } else {
     TrackingCPUAllocator::instance().set_limit(bytes);
   }
+  limit_ = bytes;
 }
 
 void Tracker::set_host_limit(int64_t bytes) { TrackingCPUAllocator::instance().set_host_limit(bytes); }

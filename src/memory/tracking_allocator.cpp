@@ -27,6 +27,10 @@ TrackingCPUAllocator& TrackingCPUAllocator::instance() {
 void TrackingCPUAllocator::install() {
   if (g_installed.exchange(true)) return;
   c10::SetCPUAllocator(&instance(), /*priority=*/1);
+  // Page-locked blocks the device layer makes itself (state.async's snapshot on CUDA) join the host pool.
+  device::set_external_host_bytes({[](int64_t b) { instance().add_host_external(b); },
+                                   [](int64_t b) { instance().remove_host_external(b); },
+                                   [](int64_t b) { instance().note_host_refused(b); }});
 }
 
 bool TrackingCPUAllocator::installed() { return g_installed.load(); }
@@ -69,6 +73,18 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
   }
   allocs_.fetch_add(1);
   return {ptr, ptr, &free_block, c10::Device(c10::DeviceType::CPU)};
+}
+
+void TrackingCPUAllocator::add_host_external(int64_t bytes) {
+  const int64_t limit = host_limit_.load();
+  if (limit > 0 && host_current_.load() + bytes > limit) {
+    note_host_refused(bytes);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "host out of memory: tried to allocate ", bytes,
+                     " bytes of page-locked memory with ", host_current_.load(), " of the ", limit,
+                     "-byte memory.host_limit in use");
+  }
+  std::lock_guard<std::mutex> lock(mu_);  // counted inside it, in the order allocate() counts
+  count(host_current_, host_peak_, bytes);
 }
 
 void* TrackingCPUAllocator::take_cached(size_t nbytes) {

@@ -11,7 +11,8 @@
 // refuses empties the cache and tries again. SUBLINEAR_NO_CPU_CACHE=1 (read once, at the first free)
 // turns it off, for memory checkers that want every free to reach malloc.
 // It cannot see memory that bypasses c10's CPU allocator: oneDNN/BLAS scratch buffers, tensors made
-// with from_blob, pinned host memory, communication buffers, and tensors allocated before install().
+// with from_blob, pinned host memory, communication buffers, and tensors allocated before install();
+// page-locked memory that the project allocates itself is added to the host pool (add_host_external).
 // While a memory timeline records (memory/timeline.h), every allocation and free of both pools is
 // also told to it, inside the same lock that orders the counters; otherwise its cost is one relaxed load.
 #pragma once
@@ -32,7 +33,8 @@ class TrackingCPUAllocator final : public c10::Allocator {
  public:
   // The process-wide instance (static lifetime, as c10 requires).
   static TrackingCPUAllocator& instance();
-  // Makes it LibTorch's CPU allocator (priority 1 beats the default). Idempotent.
+  // Makes it LibTorch's CPU allocator (priority 1 beats the default), and the counter of the page-locked
+  // memory the device layer allocates itself (device::set_external_host_bytes). Idempotent.
   static void install();
   static bool installed();
 
@@ -72,6 +74,15 @@ class TrackingCPUAllocator final : public c10::Allocator {
   int64_t host_peak_bytes() const { return host_peak_.load(); }
   void reset_host_peak() { host_peak_.store(host_current_.load()); }
   void set_host_limit(int64_t bytes) { host_limit_.store(bytes); }
+  // Host memory that c10's CPU allocator does not make (state.async's page-locked snapshot on CUDA,
+  // device/host.h), counted in the host pool all the same: add_host_external refuses bytes that would
+  // take the pool past memory.host_limit as allocate() does (c10::OutOfMemoryError, recorded as the
+  // last refusal, in the host pool), else counts them (current and peak); remove_host_external gives
+  // them back. note_host_refused records a refusal the system made. A memory timeline does not see
+  // these bytes (it records CPU runs, which make none).
+  void add_host_external(int64_t bytes);
+  void remove_host_external(int64_t bytes) { host_current_.fetch_sub(bytes); }
+  void note_host_refused(int64_t bytes) { refused_.store(bytes), refused_host_.store(true); }
 
  private:
   static void free_block(void* ptr);

@@ -1,17 +1,24 @@
 // c10d rendezvous and process group (Gloo on CPU, NCCL on CUDA when the build has it).
 #include "parallel/comm.h"
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <thread>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
-#ifdef USE_C10D_NCCL
+// SUBLINEAR_NCCL (CMakeLists.txt): nccl.h of LibTorch's NCCL version was found. Not USE_C10D_NCCL,
+// which the torch wheel's CMake target defines for every file of a CUDA build, nccl.h or not.
+#ifdef SUBLINEAR_NCCL
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -67,18 +74,101 @@ std::string resolve_backend(const std::string& backend, c10::Device device) {
   const std::string b = backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : backend;
   if (b == "nccl" && !device.is_cuda())
     throw ConfigError("parallel.backend: nccl needs CUDA tensors; this run is on CPU: use gloo or auto");
-#ifndef USE_C10D_NCCL
-  if (b == "nccl")
-    throw ConfigError("parallel.backend: nccl: this build has no NCCL (nccl.h was not found at configure time); use gloo");
-#endif
+  if (b == "nccl" && !nccl_built())
+    throw ConfigError("parallel.backend: nccl: this build has no NCCL backend (CMake found no nccl.h of the NCCL "
+                      "version LibTorch was built with: see the `sublinear: NCCL` line of its output); use gloo, or "
+                      "install the nvidia-nccl wheel torch requires and reconfigure");
   return b;
+}
+
+bool nccl_built() {
+#ifdef SUBLINEAR_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+// ProcessGroupNCCL's failure handling is set by variables it reads when a process group is created
+// (torch 2.11: names in ProcessGroupNCCL.hpp, defaults and uses in ProcessGroupNCCL.cpp). A collective
+// fails when NCCL reports an error or it has not finished parallel.timeout_s after its launch. The
+// watchdog thread, which polls every collective each 100 ms, then marks it failed, logs it, posts a
+// "dump" flag to the store (a TCPStore set: sent, no reply awaited), sleeps 4 x
+// TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (the flight recorder's time to dump) and acts as
+// TORCH_NCCL_ASYNC_ERROR_HANDLING says. Seeing the flag, process group 0's heartbeat monitor
+// (TORCH_NCCL_DUMP_ON_TIMEOUT) dumps the flight recorder, sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC,
+// then SIGABRTs the process unless the group was shut down or aborted meanwhile; the group's
+// destructor joins that thread, sleep included. With the defaults a failing rank dies by SIGABRT with
+// no summary, or is held ~8 minutes at its exit. Set here, each only when neither it nor its alias is
+// already in the environment (the user's setting wins):
+//  - TORCH_NCCL_ASYNC_ERROR_HANDLING: default 3 (SkipCleanUp: the watchdog rethrows on its own thread,
+//    std::terminate, SIGABRT, no summary). Set to 2 (CleanUpOnly): the watchdog aborts this rank's
+//    communicators (ncclCommAbort: the kernels waiting on the peer stop, so the stream, and the host
+//    read waiting on it, move on) and leaves the process alive; Comm::check() after that read (or
+//    Pending::wait, or the next launch on an aborted communicator) throws DistError: exit 5, summary.
+//  - TORCH_NCCL_DUMP_ON_TIMEOUT: default 1. Set to 0: the heartbeat monitor ignores a failed
+//    collective (no dump, no sleep, no SIGABRT). It still SIGABRTs a watchdog that makes no progress
+//    for TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (default 480 s; TORCH_NCCL_ENABLE_MONITORING default 1):
+//    both left as they are, since a watchdog stuck in a CUDA or NCCL call leaves nothing else that can
+//    end the rank, and 480 s is far above any stall of a working watchdog.
+//  - TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC: default 15000, i.e. a 60 s sleep before the abort, and
+//    again for each further failed collective in the watchdog's list (the destructor's join waits them
+//    out). Set to 0, unless the user turned dumps on (TORCH_NCCL_DUMP_ON_TIMEOUT true), who then wants
+//    the time for them.
+// Left at their defaults: TORCH_NCCL_BLOCKING_WAIT (0: a wait never blocks the host, Pending::wait) and
+// TORCH_NCCL_PROPAGATE_ERROR (0). In 2.11 a propagated error only sets the other ranks' process-group
+// error to REMOTE_ERROR and aborts nothing, so a rank blocked on the failed peer still ends at its own
+// timeout; and it makes every watchdog ask the store each 100 ms with a blocking round trip: with the
+// store's host (rank 0) hung, each ask waits out the store's timeout (parallel.timeout_s) while the
+// watchdog cannot time the collective out; with it dead, each ask logs a warning, ten a second.
+// The bound: a rank whose collective failed (a peer that died or hung) exits 5 with its summary within
+// parallel.timeout_s of that collective's launch + 0.1 s (the watchdog's poll) + ncclCommAbort's own
+// time (local: it stops this rank's kernels and frees the communicator, waiting for no peer) + the
+// run's wrap-up (summary.json); Comm::close() then aborts again (a no-op on aborted communicators) and
+// joins the watchdog, which drains its list without sleeping.
+std::vector<std::pair<std::string, std::string>> nccl_env_defaults(const std::map<std::string, std::string>& set) {
+  std::vector<std::pair<std::string, std::string>> out;
+  if (!set.contains("TORCH_NCCL_ASYNC_ERROR_HANDLING") && !set.contains("NCCL_ASYNC_ERROR_HANDLING"))
+    out.emplace_back("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2");
+  const auto dump = set.find("TORCH_NCCL_DUMP_ON_TIMEOUT");
+  if (dump == set.end()) out.emplace_back("TORCH_NCCL_DUMP_ON_TIMEOUT", "0");
+  // ProcessGroupNCCL's getCvarBool: y, yes, 1, t, true (any case) are true.
+  std::string v = dump == set.end() ? "" : dump->second;
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  const bool dumping = v == "y" || v == "yes" || v == "1" || v == "t" || v == "true";
+  if (!dumping && !set.contains("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"))
+    out.emplace_back("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "0");
+  return out;
+}
+
+std::map<std::string, std::string> nccl_env_now() {
+  std::map<std::string, std::string> now;
+  for (const char* name : {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                           "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"})
+    if (const char* v = std::getenv(name)) now[name] = v;
+  return now;
 }
 
 Pending::Pending(Comm* comm, c10::intrusive_ptr<c10d::Work> work, std::string what)
     : comm_(comm), work_(std::move(work)), what_(std::move(what)) {}
 Pending::Pending(Pending&&) noexcept = default;
-Pending& Pending::operator=(Pending&&) noexcept = default;
-Pending::~Pending() = default;
+Pending& Pending::operator=(Pending&& other) noexcept {
+  if (this == &other) return *this;
+  abandon();
+  comm_ = other.comm_;
+  work_ = std::move(other.work_);
+  what_ = std::move(other.what_);
+  then_ = std::move(other.then_);
+  return *this;
+}
+Pending::~Pending() { abandon(); }
+
+// A collective dropped before its wait (an exception between launch and wait): whether it finished is
+// unknown here, so the process group is aborted, not shut down, at the end (Comm::close).
+void Pending::abandon() noexcept {
+  if (work_ && comm_) comm_->abandoned_.fetch_add(1);
+  work_.reset();
+}
 
 void Pending::wait() {
   if (!work_) return;
@@ -147,19 +237,13 @@ Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device 
       pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, static_cast<int>(env_.rank),
                                                         static_cast<int>(env_.world), opts);
     } else {
-#ifdef USE_C10D_NCCL
+#ifdef SUBLINEAR_NCCL
       // Non-blocking waits (ProcessGroupNCCL's default): Work::wait() only orders the CUDA stream, so
       // a step's collectives never stall the host; its one read waits for them with everything else.
-      // Errors are ProcessGroupNCCL's asynchronous error handling: its watchdog thread polls every
-      // collective; one that fails (a peer's NCCL error, propagated through the store) or runs past
-      // opts->timeout (parallel.timeout_s: a dead or hung peer) gets the error set on its work. Mode
-      // 2 (CleanUpOnly) then aborts this rank's communicators, which ends the NCCL kernels waiting on
-      // the peer, so the stream, and the host read waiting on it, move on, and leaves the process
-      // alive: Comm::check() after the read (or Pending::wait, or the next launch on an aborted
-      // communicator) throws DistError, exit 5 with a summary, about timeout_s after the peer went.
-      // The default mode (3, tear down) would abort the process from the watchdog, with no summary.
-      // The user's own setting wins.
-      ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
+      // Errors are found by ProcessGroupNCCL's watchdog thread, which then aborts the communicators
+      // and leaves the process alive, as the variables set here make it (nccl_env_defaults above).
+      for (const auto& [name, value] : nccl_env_defaults(nccl_env_now()))
+        ::setenv(name.c_str(), value.c_str(), /*overwrite=*/0);
       auto opts = c10d::ProcessGroupNCCL::Options::create();
       opts->timeout = timeout;
       pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, static_cast<int>(env_.rank),
@@ -174,13 +258,65 @@ Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device 
                                 "the port is free",
                                 env_.master_addr, env_.master_port, env_.rank, env_.world, cfg.timeout_s, short_what(e)));
   }
-  barrier("start-up barrier");
+  try {
+    barrier("start-up barrier");
+  } catch (...) {
+    close();  // no destructor runs for a constructor that throws: abort the group here
+    throw;
+  }
 }
 
-Comm::~Comm() = default;
+Comm::~Comm() { close(); }
+
+void Comm::close() noexcept {
+  if (!pg_) return;
+  bool clean = false;
+  try {
+    clean = failure_.empty() && abandoned_.load() == 0 && collectives_done();
+    if (clean) pg_->shutdown();
+  } catch (const std::exception& e) {
+    spdlog::warn("rank {}: shutting the {} process group down failed, aborting it: {}", env_.rank, backend_,
+                 short_what(e));
+    clean = false;
+  } catch (...) {
+    clean = false;
+  }
+  try {
+    if (!clean) pg_->abort();
+  } catch (const std::exception& e) {
+    spdlog::warn("rank {}: aborting the {} process group: {}", env_.rank, backend_, short_what(e));
+  } catch (...) {
+  }
+  pg_.reset();  // after shutdown() or abort(): ProcessGroupNCCL's destructor only joins its threads
+}
+
+// Whether every collective this rank waited for has finished (a collective never waited for is
+// counted by abandoned_ instead). NCCL: each wait ordered the current stream after its collective,
+// and the trainer waits on the device's default stream only (the one stream it computes on, also
+// autograd's in backward), so an event recorded on it now completes once they have all finished; a
+// collective still running is given parallel.timeout_s, by when the watchdog has failed it (or,
+// sooner, reported an error). Gloo: every wait returned after its collective ended. This is what makes
+// shutdown() safe: its ncclCommFinalize synchronizes the communicator's streams while holding the
+// communicator's lock, so with a collective hung on a dead peer it would never return, and the
+// watchdog, waiting for the same lock to abort it, could not help.
+bool Comm::collectives_done() {
+#ifdef SUBLINEAR_NCCL
+  if (backend_ != "nccl") return true;
+  c10::cuda::CUDAEvent passed;
+  passed.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s_);
+  while (!passed.query()) {
+    if (pg_->getError() != c10d::ErrorType::SUCCESS || std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return pg_->getError() == c10d::ErrorType::SUCCESS;
+#else
+  return true;
+#endif
+}
 
 void Comm::check(const std::string& what) {
-#ifdef USE_C10D_NCCL
+#ifdef SUBLINEAR_NCCL
   if (backend_ != "nccl") return;
   const auto error = pg_->getError();  // a flag the watchdog set: no device or network wait
   if (error == c10d::ErrorType::SUCCESS) return;

@@ -5,12 +5,18 @@
 // the collective's result (Gloo: it blocks until done; NCCL: it only orders the CUDA stream, and
 // check() after the step's host read asks for what the watchdog found); a failure (peer died,
 // timeout) throws DistError (exit 5) and is remembered, so an error that surfaces through autograd
-// (collectives launched from gradient hooks) is still reported as a distributed failure.
+// (collectives launched from gradient hooks) is still reported as a distributed failure. The process
+// group is closed when the Comm goes: shut down cleanly after a run whose collectives all finished,
+// aborted (never waiting on a peer) after a failure.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -47,6 +53,18 @@ struct LaunchEnv {
 // nccl is asked for on CPU or the build has no NCCL.
 std::string resolve_backend(const std::string& backend, c10::Device device);
 
+// Whether this build has the NCCL backend (CMake found the nccl.h of LibTorch's NCCL version).
+bool nccl_built();
+
+// The ProcessGroupNCCL variables the trainer sets before creating the process group, given those of
+// them already in the environment (`set`: name -> value, as nccl_env_now() reads them): each
+// (name, value) to set. A variable already set, under its name or its deprecated alias, is the
+// user's and is left alone. comm.cpp says why each is set and what bound on a failing rank's exit
+// they give.
+std::vector<std::pair<std::string, std::string>> nccl_env_defaults(const std::map<std::string, std::string>& set);
+// The variables nccl_env_defaults() looks at, as this process's environment has them.
+std::map<std::string, std::string> nccl_env_now();
+
 // A pending collective. wait() blocks until it finished and throws DistError when it failed.
 class Comm;
 class Pending {
@@ -55,7 +73,7 @@ class Pending {
   Pending(Comm* comm, c10::intrusive_ptr<c10d::Work> work, std::string what);
   Pending(Pending&&) noexcept;
   Pending& operator=(Pending&&) noexcept;
-  ~Pending();
+  ~Pending();  // a collective never waited for counts as abandoned (~Comm then aborts)
   void wait();
   // Runs after a successful wait() (e.g. copying this rank's slice out of an all-reduced buffer).
   // Gloo: wait() returns once the backend has also released the work, so the tensors it held are free.
@@ -64,6 +82,7 @@ class Pending {
 
  private:
   static void await_release(const c10::intrusive_ptr<c10d::Work>& work);
+  void abandon() noexcept;
   Comm* comm_ = nullptr;
   c10::intrusive_ptr<c10d::Work> work_;
   std::string what_;
@@ -76,6 +95,13 @@ class Comm {
   // the TCPStore at MASTER_ADDR:MASTER_PORT, or every rank joins torchrun's agent store) and create
   // the process group. Throws DistError when the rendezvous fails within parallel.timeout_s.
   Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device device);
+  // Ends the process group; never throws. After a run whose every collective was waited for and
+  // finished (NCCL: this rank's stream passed them; one still running is given at most
+  // parallel.timeout_s, by when the watchdog has failed it) and no failure: Backend::shutdown() (NCCL:
+  // flushes and destroys the communicators, so no "destroy_process_group() was not called" warning;
+  // Gloo has none to call). Otherwise (a DistError, a collective abandoned or unfinished, a watchdog
+  // error): Backend::abort() (NCCL: ncclCommAbort, which stops this rank's kernels and waits for no
+  // peer). Then the process group is released. A failed start-up barrier does the same.
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -123,7 +149,10 @@ class Comm {
   [[noreturn]] void fail(const std::string& what, const std::string& detail);
 
  private:
+  friend class Pending;
   Pending start(const std::string& what, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch);
+  void close() noexcept;  // ~Comm's work
+  bool collectives_done();
   LaunchEnv env_;
   std::string backend_ = "none";
   c10::Device device_;
@@ -132,6 +161,7 @@ class Comm {
   c10::intrusive_ptr<c10d::Backend> pg_;
   std::string failure_;
   int64_t agreements_ = 0;  // agree_on_failure calls so far: each posts under its own store keys
+  std::atomic<int64_t> abandoned_{0};  // collectives launched and never waited for (Pending::abandon)
 };
 
 }  // namespace sl::parallel

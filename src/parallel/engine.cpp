@@ -32,7 +32,6 @@ struct GradReadyHook : torch::autograd::FunctionPostHook {
   std::function<void()> fn;
 };
 
-int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 at::ScalarType precision_dtype(const std::string& name) {
   return name == "bf16" ? at::kBFloat16 : name == "fp16" ? at::kHalf : at::kFloat;
@@ -132,8 +131,8 @@ std::unique_ptr<Engine::Group> Engine::make_group(const std::string& name, std::
     g->names.push_back(pname);
     g->params.push_back(p);
   }
-  g->padded = round_up(g->numel, world_);
-  g->shard = g->padded / world_;
+  g->shard = memory::shard_elems(g->numel, world_);  // 16-byte aligned shards (the planner counts the padding)
+  g->padded = g->shard * world_;
   const auto opts = fp32_options();
   if (!sharding_.shards_grads()) {
     g->flat_grad = torch::zeros({g->padded}, opts);
@@ -348,10 +347,15 @@ void Engine::launch(size_t gi) {
   if (!g.flat_grad.defined()) {  // no gradient reached this group (unused parameters): reduce zeros
     finish_in_flight();
     device::LabelScope label(device::Label::comm);
-    g.flat_grad = torch::zeros({g.padded}, g.shard_grad.options().dtype(reduce_dtype_));
+    // On the device, as the hook path makes it: the collective's buffer (under offload.gradients the
+    // shard is on the host, and NCCL takes no host tensor).
+    g.flat_grad = torch::zeros({g.padded}, fp32_options().dtype(reduce_dtype_));
     add_transient(grad_buffer_bytes(g));
   }
   if (sharding_.shards_params()) release_group(g);  // its backward is over
+  // NCCL takes device tensors only: a buffer on the host here is this engine's bug, named as one.
+  TORCH_INTERNAL_ASSERT(g.flat_grad.device() == device_, "gradient buffer of ", g.name, " on ", g.flat_grad.device(),
+                        ", not the run's device ", device_);
   // In place: the output is this rank's slice of the group's gradient buffer.
   g.rs_out = g.flat_grad.narrow(0, rank_ * g.shard, g.shard);
   g.pending = comm_->reduce_scatter_sum(g.rs_out, g.flat_grad, "gradient reduce-scatter of " + g.name);

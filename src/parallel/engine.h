@@ -2,7 +2,8 @@
 //
 // Parameters are grouped: for none/zero1/zero2 into buckets of parallel.bucket_mb in reverse
 // parameter order (the order gradients arrive in), for zero3 into units (the embeddings, each block,
-// the final norm + head). Each group is one flat fp32 buffer padded to a multiple of the world size;
+// the final norm + head). Each group is one flat fp32 buffer of W shards of S elements
+// (memory::shard_elems: a multiple of 8, so every shard starts 16-byte aligned in fp32, bf16 and fp16);
 // rank r owns elements [r*S, (r+1)*S). Inside a group matrices come first and vectors last, so a
 // rank's shard splits into at most one decayed and one undecayed AdamW tensor: LibTorch's own AdamW
 // updates the shard and, being elementwise, gives the same numbers as on the whole tensor.

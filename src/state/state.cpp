@@ -612,21 +612,18 @@ Saved saved_result(const fs::path& root, int64_t step, const std::vector<double>
   return out;
 }
 
-// A host copy of every tensor of this rank's file (the host pool), into `reuse`'s buffers where they
-// fit (the previous snapshot: the same names in the same order, device::to_host_reusing).
-Named host_snapshot(const Named& tensors, Named reuse, int64_t& bytes) {
-  const bool same = reuse.size() == tensors.size() &&
-                    std::equal(reuse.begin(), reuse.end(), tensors.begin(), [](const auto& a, const auto& b) { return a.first == b.first; });
-  Named out;
-  out.reserve(tensors.size());
+// A host copy of every tensor of this rank's file (device::HostSnapshot: the host pool; on CUDA one
+// page-locked block whose copies may still be in flight), into `reuse`'s buffers when they fit (the
+// previous snapshot: the same dtypes and sizes in the same order). `bytes`: the tensors' bytes.
+device::HostSnapshot host_snapshot(const Named& tensors, device::HostSnapshot reuse, int64_t& bytes) {
+  std::vector<at::Tensor> src;
+  src.reserve(tensors.size());
   bytes = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto& [name, t] = tensors[i];
-    // Contiguous, so the writer thread copies nothing (it allocates in no pool).
-    out.emplace_back(name, device::to_host_reusing(t.contiguous(), same ? reuse[i].second : at::Tensor()));
+  for (const auto& [name, t] : tensors) {
+    src.push_back(t.contiguous());  // so the writer thread copies nothing (it allocates in no pool)
     bytes += static_cast<int64_t>(t.nbytes());
   }
-  return out;
+  return device::HostSnapshot::take(src, std::move(reuse));
 }
 
 // SUBLINEAR_STATE_WRITE_DELAY_MS: the asynchronous writer waits this long after writing its file before
@@ -660,7 +657,8 @@ struct AsyncSave::Writer {
   int64_t keep = 0;    // rank 0, after a save published without pruning: state.keep, applied first
   std::string newest;  // ... keeping this state (the newest published)
   Json content;  // rank 0: meta.json's content at the snapshot
-  Named snapshot;
+  std::vector<std::string> names;  // of the snapshot's tensors
+  device::HostSnapshot snapshot;
   Clock::time_point t0;
   std::vector<double> mine{0.0, 0.0, 0.0};
   std::string error;
@@ -669,12 +667,25 @@ struct AsyncSave::Writer {
 
   void run() {
     prune_earlier();
-    mine = write_rank_file(tmp, rank, snapshot, error);
+    mine = write_snapshot();
     if (const int64_t ms = write_delay_ms()) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     finished.store(true, std::memory_order_release);
   }
   void join() {
     if (thread.joinable()) thread.join();
+  }
+  // This rank's file from the snapshot, once its copies have landed (on CUDA the one wait of the save).
+  std::vector<double> write_snapshot() {
+    try {
+      snapshot.wait();
+    } catch (const std::exception& e) {
+      error = fmt::format("the snapshot's copies to host memory failed: {}", e.what());
+      return {0.0, 0.0, 0.0};
+    }
+    Named named;
+    named.reserve(names.size());
+    for (size_t i = 0; i < names.size(); ++i) named.emplace_back(names[i], snapshot.tensors()[i]);
+    return write_rank_file(tmp, rank, named, error);
   }
   // The earlier save's state.keep, off the loop (deleting a large state takes a while); a failure is a
   // warning, the next publication prunes again.
@@ -697,7 +708,7 @@ AsyncSave::AsyncSave(Parts& s, const Counters& st, AsyncSave* previous)
   w.rank = s.launch.rank;
   on_rank0_together(s, "state directory", [&] { make_fresh_dir(w.root, w.tmp); });
   if (s.rank0()) w.content = meta_content(s, st);
-  Named reuse;
+  device::HostSnapshot reuse;
   if (previous != nullptr) {
     previous->writer_->join();
     reuse = std::move(previous->writer_->snapshot);
@@ -710,7 +721,7 @@ AsyncSave::AsyncSave(Parts& s, const Counters& st, AsyncSave* previous)
 
 // The host snapshot, agreed over ranks (a collective): one rank out of host memory (rank 0 of a
 // replicated run holds the whole model's) fails every rank, with exit 4 naming the snapshot.
-void AsyncSave::take_snapshot(Parts& s, const Counters& st, Named reuse) {
+void AsyncSave::take_snapshot(Parts& s, const Counters& st, device::HostSnapshot reuse) {
   int code = kExitOk;
   std::string error;
   auto refused = [&](const std::string& why) {
@@ -718,10 +729,13 @@ void AsyncSave::take_snapshot(Parts& s, const Counters& st, Named reuse) {
     error = fmt::format("out of host memory for the asynchronous save's snapshot of step {} ({}). Raise "
                         "memory.host_limit, or set state.async: false to write the state without a snapshot",
                         st.steps_done, why.substr(0, 300));
-    writer_->snapshot.clear();
+    writer_->snapshot = device::HostSnapshot();
   };
   try {
-    writer_->snapshot = host_snapshot(rank_tensors(s, st), std::move(reuse), snapshot_bytes_);
+    const Named tensors = rank_tensors(s, st);
+    writer_->names.clear();
+    for (const auto& [name, t] : tensors) writer_->names.push_back(name);
+    writer_->snapshot = host_snapshot(tensors, std::move(reuse), snapshot_bytes_);
   } catch (const c10::Error& e) {  // c10::OutOfMemoryError: memory.host_limit, or the system refusing it
     refused(e.what_without_backtrace());
   } catch (const std::bad_alloc& e) {

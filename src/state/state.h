@@ -30,6 +30,7 @@
 
 #include "config/config.h"
 #include "data/loader.h"
+#include "device/host.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
 #include "parallel/engine.h"
@@ -135,14 +136,16 @@ Saved save(Parts& s, const Counters& st);
 
 // An asynchronous save (state.async): the state after one step, written while the steps go on.
 //   begin_save   (collective) rank 0 makes <root>/.step-N.tmp; every rank copies the tensors of its
-//                file into host memory (device::to_host: the host pool, what memory.host_limit caps
-//                and host_peak_bytes shows; the snapshot's size is the planner's host_snapshot_bytes)
-//                and rank 0 fixes meta.json's content (counters, samplers, scaler, AdamW step); a
-//                thread then writes this rank's file from the snapshot. This call is all the loop
-//                waits for: one copy at memory bandwidth. Given the previous finished save, its
-//                snapshot's buffers are copied into (device::to_host_reusing): the snapshot memory is
-//                allocated once, at the first save, and held until the run ends.
-//   done         (local) the thread has finished, written or failed.
+//                file into host memory (device::HostSnapshot: the host pool, what memory.host_limit
+//                caps and host_peak_bytes shows; the snapshot's size is the planner's
+//                host_snapshot_bytes) and rank 0 fixes meta.json's content (counters, samplers,
+//                scaler, AdamW step); a thread then writes this rank's file from the snapshot. This
+//                call is all the loop waits for: on the CPU one copy at memory bandwidth; on CUDA the
+//                copies into page-locked memory are queued on the current stream and the writer
+//                thread, not the loop, waits for them (one event). Given the previous finished save,
+//                its snapshot's buffers are copied into: the snapshot memory is allocated once, at
+//                the first save, and held until the run ends.
+//   done         (local, no device or collective call) the thread has finished, written or failed.
 //   finish       (collective, every rank at the same point) waits for the thread, agrees on every
 //                rank's file and publishes as save() does: meta.json, the rename, `latest`; state.keep
 //                too when `last` (no save follows), else the next save's thread applies it before
@@ -166,7 +169,7 @@ class AsyncSave {
 
  private:
   struct Writer;
-  void take_snapshot(Parts& s, const Counters& st, std::vector<std::pair<std::string, at::Tensor>> reuse);
+  void take_snapshot(Parts& s, const Counters& st, device::HostSnapshot reuse);
   int64_t step_ = 0, snapshot_bytes_ = 0;
   double snapshot_ms_ = 0;
   bool pruned_ = false;  // finish() applied state.keep

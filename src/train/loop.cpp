@@ -134,6 +134,7 @@ Json step_record(const Session& s, const StepResult& r, int64_t step, double lr,
           {"activation_peak_bytes", r.activation_peak_bytes()},
           {"allocated_bytes", r.mem.allocated_bytes},
           {"reserved_bytes", r.mem.reserved_bytes},
+          {"peak_reserved_bytes", r.mem.peak_reserved_bytes ? Json(*r.mem.peak_reserved_bytes) : Json(nullptr)},  // CUDA
           {"host_peak_bytes", r.mem.host_peak_bytes},
           {"host_allocated_bytes", r.mem.host_allocated_bytes},
           {"offload_to_host_bytes", r.moved_to_host + rs.offload_to_host},
@@ -321,8 +322,12 @@ void save_timeline(Session& s, const LoopState& st, const std::vector<data::Batc
                s.cfg.train.steps, j["events"].size(), log::format_bytes(peak), path);
 }
 
-// One optimizer step: learning rate, micro-batches, the step, checks, record, console, eval; with
-// logging.profile_step, the step up to its console line recorded by the profiler; with
+bool save_writing(const LoopState& st);
+void poll_pending_save(Session& s, LoopState& st, log::ProgressBar& bar, const StepResult& r);
+
+// One optimizer step: learning rate, micro-batches, the step, checks, record, console, the publication
+// of an asynchronous save its writers have finished (poll_pending_save), eval; with
+// logging.profile_step, the step up to that publication recorded by the profiler; with
 // logging.memory_timeline, its allocations from train_step's start to its peak reading.
 // Returns why the run stops after it (0: it goes on; agreed over ranks, see agreed_stop).
 int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
@@ -332,7 +337,7 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
   for (auto& g : s.opt->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
   std::vector<data::Batch> micro;
   for (int64_t m = 0; m < t.grad_accum; ++m) micro.push_back(s.train_loader->next());
-  const StopPoll poll = s.world() > 1 ? StopPoll([&s] { return local_stop(s); }) : StopPoll();
+  const StopPoll poll = s.world() > 1 ? StopPoll([&] { return LocalPoll(local_stop(s), save_writing(st)); }) : StopPoll();
   SpikeCheck spike;  // the loss against the moving average, made once, where the weights can still be kept
   const HoldFn hold = [&](double loss) {
     spike = check_spike(st, loss, t);
@@ -354,6 +359,7 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
       spdlog::info("{}", log::format_step_line(rec, t.steps));
     }
   }
+  poll_pending_save(s, st, bar, r);
   if (profiler.on()) save_profile(s, st, profiler, bar);
   if (timeline.on) save_timeline(s, st, micro, bar);
   if (const int stop = handle_spike(s, st, r, spike, step, bar)) return stop;
@@ -475,13 +481,21 @@ void finish_pending_save(Session& s, LoopState& st, log::ProgressBar& bar, bool 
   st.finished_save = std::move(pending);
 }
 
-// Publishes the save in flight once every rank's writer is done (agreed over ranks: one small
-// all-reduce per step while a save is in flight).
-void poll_pending_save(Session& s, LoopState& st, log::ProgressBar& bar) {
+// Whether this rank's save in flight is still being written (a flag its writer thread sets: no device
+// or collective call).
+bool save_writing(const LoopState& st) { return st.pending_save && !st.pending_save->done(); }
+
+// After step `r`'s record: publishes the save in flight once every rank's writer is done. At world 1
+// that is this rank's own flag; at world > 1 it is r.save_writing, every rank's flag summed in the
+// step's own reduction and read with its one host read (loop_step's StopPoll), so a step during a save
+// costs no collective and no host read of its own. A writer that finishes after a step's poll is seen
+// at the next step's: the save is published after the first step whose read begins once every rank's
+// writer has finished, at most one step after the last of them (or earlier, at the next save or the
+// end of the run, which wait for it).
+void poll_pending_save(Session& s, LoopState& st, log::ProgressBar& bar, const StepResult& r) {
   if (!st.pending_save) return;
-  double busy = st.pending_save->done() ? 0.0 : 1.0;
-  if (s.world() > 1) busy = s.comm->all_reduce_max(busy, "state save poll");
-  if (busy == 0.0) finish_pending_save(s, st, bar, /*last=*/false);
+  const bool writing = s.world() > 1 ? r.save_writing : save_writing(st);
+  if (!writing) finish_pending_save(s, st, bar, /*last=*/false);
 }
 
 // state.async: the host snapshot of the state after this step and its writer started; published by a
@@ -554,7 +568,6 @@ Outcome run_steps(Session& s, LoopState& st, log::ProgressBar& bar) {
   const auto& c = s.cfg;
   for (int64_t step = st.steps_done; step < c.train.steps; ++step) {
     if (const int stop = loop_step(s, st, step, bar)) return stop_run(s, st, bar, stop);
-    poll_pending_save(s, st, bar);
     if (c.state.every > 0 && st.steps_done % c.state.every == 0) save_state(s, st, bar, "every");
   }
   if (s.world() > 1 && st.steps_done > 0) {  // what landed after the last step's read (see agreed_stop)

@@ -177,6 +177,7 @@ double median_mfu(const Session& s, const LoopState& st) {
 
 Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json parallel, Json final_weights, double wall_s) {
   auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
+  const auto reserved_peak = s.tracker->steps_peak_reserved_bytes();
   return {{"config", s.resolved},
           {"build", device::build_info()},  // what `trainer --version` prints
           {"environment", s.environment},
@@ -199,6 +200,7 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
           {"predicted_peak_bytes", memory::predict_peak(s.cfg, s.runner->plan()).peak_bytes()},  // per rank, from the planner
           {"wall_s", wall_s},
           {"peak_allocated_bytes", st.peak_bytes},
+          {"peak_reserved_bytes", reserved_peak ? Json(*reserved_peak) : Json(nullptr)},  // CUDA: beside the allocated peak
           {"memory_breakdown",
            {{"params_bytes", st.states_at_peak.params},
             {"grads_bytes", st.states_at_peak.grads},

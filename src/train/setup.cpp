@@ -54,6 +54,7 @@ void init_process(Session& s) {
   s.cfg.world_size = s.launch.world;
   config::validate(s.cfg);  // train.global_batch against the real world size
   s.device = device::resolve_device(s.cfg.train, s.launch.local_rank);
+  config::validate_resolved_device(s.cfg, s.device.is_cuda());  // train.device: auto, now resolved
   if (s.device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(s.device);  // one GPU per local rank
   if (s.cfg.train.threads > 0) at::set_num_threads(static_cast<int>(s.cfg.train.threads));
   // Rendezvous before reading data or building the model: a missing peer fails fast (exit 5).

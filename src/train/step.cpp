@@ -46,22 +46,25 @@ struct StepReading {
   double grad_norm = 0.0;  // global
   bool found_inf = false;  // fp16: some rank's gradients are not finite
   int stop = 0;            // the agreed stop reason (see StopPoll)
+  bool save_writing = false;  // some rank's asynchronous save is still being written (see StopPoll)
 };
 
-// A rank's stop reason as three counts on the device, [log write failed, SIGTERM, SIGINT] (a fill
-// with a host scalar: no copy, no wait): summed over ranks they say which reasons any rank had, and
-// stop_from_counts takes the largest, as an all-reduce max would.
-torch::Tensor stop_counts(int stop, const torch::TensorOptions& options) {
-  auto counts = torch::zeros({3}, options);
-  const int slot = stop == kStopIo ? 0 : stop == SIGTERM ? 1 : stop == SIGINT ? 2 : -1;
+// A rank's poll as four counts on the device, [log write failed, SIGTERM, SIGINT, save being written]
+// (a fill with a host scalar: no copy, no wait): summed over ranks they say which reasons any rank had,
+// and stop_from_counts takes the largest, as an all-reduce max would; the last is how many ranks are
+// still writing.
+torch::Tensor poll_counts(const LocalPoll& p, const torch::TensorOptions& options) {
+  auto counts = torch::zeros({4}, options);
+  const int slot = p.stop == kStopIo ? 0 : p.stop == SIGTERM ? 1 : p.stop == SIGINT ? 2 : -1;
   if (slot >= 0) counts[slot].fill_(1.0);
+  if (p.save_writing) counts[3].fill_(1.0);
   return counts;
 }
 int stop_from_counts(const double* c) {
   return c[0] > 0.0 ? kStopIo : c[1] > 0.0 ? SIGTERM : c[2] > 0.0 ? SIGINT : 0;
 }
 
-// Packs [this rank's mean loss, its gradient-norm value, its found-inf flag, with a poll its stop counts], sums it
+// Packs [this rank's mean loss, its gradient-norm value, its found-inf flag, with a poll its counts], sums it
 // over ranks (one all-reduce of a device tensor; the norm value is a share of the squared norm with an
 // engine, the norm itself without one, i.e. at world 1), moves the loss scale on (fp16, on the device,
 // from the agreed flag), then reads all of it, with the new scale, in one host read.
@@ -72,7 +75,7 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
     return t.defined() ? t.reshape({1}).to(torch::kDouble) : torch::zeros({1}, loss.options());  // loss: float64
   };
   std::vector<torch::Tensor> parts{f64(loss), f64(norm), f64(found_inf)};
-  if (poll) parts.push_back(stop_counts(poll(), loss.options()));  // [3, 6): only where a loop polls
+  if (poll) parts.push_back(poll_counts(poll(), loss.options()));  // [3, 7): only where a loop polls
   auto packed = torch::cat(parts);
   const int64_t world = engine ? engine->comm().world() : 1;
   if (world > 1) engine->comm().all_reduce_sum(packed, "loss, gradient norm and found-inf reduction").wait();
@@ -85,7 +88,7 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
   if (world > 1) engine->comm().check("loss, gradient norm and found-inf reduction");
   if (scaler) scaler->observe(v[scale_at]);
   return {world > 1 ? v[0] / static_cast<double>(world) : v[0], engine ? std::sqrt(v[1]) : v[1], v[2] > 0.0,
-          poll ? stop_from_counts(&v[3]) : 0};
+          poll ? stop_from_counts(&v[3]) : 0, poll && v[6] > 0.0};
 }
 
 // Zeroes the gradients (kept allocated, so peak - model states is the activation peak).
@@ -210,6 +213,7 @@ StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim:
   const StepReading got = read_step(loss, norm, found_inf, scaler, engine, stop);
   r.loss = got.loss;
   r.stop = got.stop;
+  r.save_writing = got.save_writing;
   if (!std::isfinite(r.loss) && !scaler) return r;
   r.skipped = scaler && got.found_inf;
   if (r.skipped) {

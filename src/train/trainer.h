@@ -69,11 +69,19 @@ int64_t optimizer_state_bytes(const torch::optim::AdamW& opt);  // AdamW's momen
 // SIGTERM) or kStopIo (rank 0 could not write its logs). Ranks agree on the largest.
 constexpr int kStopIo = 1000;  // above every signal number
 constexpr int kStopSpike = 1001;  // a loss spike under train.on_spike: stop (every rank sees the same loss)
-using StopPoll = std::function<int()>;
+// What a rank's loop tells the others at each step's read (world > 1): its stop reason, and whether
+// its asynchronous save (state.async) is still being written. Made from a bare stop reason too (no save).
+struct LocalPoll {
+  int stop = 0;
+  bool save_writing = false;
+  LocalPoll(int stop_reason = 0, bool writing = false) : stop(stop_reason), save_writing(writing) {}  // NOLINT(google-explicit-constructor)
+};
+using StopPoll = std::function<LocalPoll()>;
 
 struct StepResult {
   double loss = 0.0, grad_norm = 0.0, ms = 0.0;
   int stop = 0;  // the stop reason agreed over ranks at this step's read (0 without a StopPoll)
+  bool save_writing = false;  // with a StopPoll: some rank's asynchronous save was still being written at it
   double loss_scale = 1.0;  // the scale this step's backward used (1 without a scaler)
   bool skipped = false;     // non-finite gradients under fp16: no optimizer step, the scale backed off
   bool nonfinite_grads = false;  // fp32/bf16: the loss is finite but the gradient norm is not; no optimizer step
@@ -99,8 +107,10 @@ struct StepResult {
 // backward ("sublinear::host_read" in a profiler trace); the skip/abort decisions and the clip
 // coefficient are made on the host from that read, and nothing after it (clipping, AdamW, the ZeRO
 // all-gather) waits for the device. With a `stop` poll (the loop, at world > 1), each rank's stop
-// reason, polled just before the read, travels in the same reduction: StepResult::stop is the
-// agreed one, and the loop needs no collective of its own to stop every rank after the same step.
+// reason and whether its asynchronous save is still being written, polled just before the read,
+// travel in the same reduction: StepResult::stop is the agreed reason and save_writing whether any
+// rank's save was still being written, so the loop needs no collective of its own to stop every rank
+// after the same step or to publish a save.
 // `hold`, when set, sees the step's loss (the mean over ranks, so every rank decides alike) after the
 // read and before the optimizer step; true keeps gradients and weights as they are (held = true).
 using HoldFn = std::function<bool(double loss)>;
