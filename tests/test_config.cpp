@@ -323,3 +323,16 @@ TEST_CASE("train.micro_batch auto without memory.limit: accepted with device aut
   CHECK_THROWS_WITH(config::load_string(recipe("cpu"), {}),
                     Catch::Contains("train.micro_batch") && Catch::Contains("memory.limit"));
 }
+
+// memory.limit on the CPU is the tracking allocator's: with train.device: auto the recipe cannot tell
+// whether the run will be on the CPU, so the resolved device decides whether memory.track_cpu: false
+// leaves the limit unenforced (refused) or does not matter (CUDA).
+TEST_CASE("memory.limit with memory.track_cpu false: accepted with device auto, refused once it resolves to the CPU") {
+  const auto cfg = config::load_string("train:\n  device: auto\nmemory:\n  limit: 1GiB\n  track_cpu: false\n", {});
+  CHECK_NOTHROW(config::validate_resolved_device(cfg, /*on_cuda=*/true));
+  CHECK_THROWS_WITH(config::validate_resolved_device(cfg, /*on_cuda=*/false),
+                    Catch::Contains("memory.limit") && Catch::Contains("memory.track_cpu") &&
+                        Catch::Contains("train.device: auto puts this run on the CPU"));
+  CHECK_THROWS_WITH(config::load_string("train:\n  device: cpu\nmemory:\n  limit: 1GiB\n  track_cpu: false\n", {}),
+                    Catch::Contains("memory.limit") && Catch::Contains("memory.track_cpu"));
+}

@@ -884,8 +884,6 @@ void validate_devices_and_logging(const RunConfig& c) {
   positive("parallel.timeout_s", c.parallel.timeout_s);
 
   validate_lazy_device(c);
-  if (parse_bytes(c.memory.limit, "memory.limit") > 0 && !c.memory.track_cpu && t.device == "cpu")
-    fail("memory.limit", "on CPU the limit is enforced by the tracking allocator: keep memory.track_cpu: true");
   positive("logging.interval", c.logging.interval);
   if (c.logging.skip_first < 0) fail("logging.skip_first", "must be >= 0");
   if (c.logging.profile_step < 0) fail("logging.profile_step", "must be >= 0 (0 = off)");
@@ -900,6 +898,9 @@ void validate_devices_and_logging(const RunConfig& c) {
 }  // namespace
 
 void validate_resolved_device(const RunConfig& c, bool on_cuda) {
+  if (!on_cuda && parse_bytes(c.memory.limit, "memory.limit") > 0 && !c.memory.track_cpu)
+    fail("memory.limit", fmt::format("on CPU the limit is enforced by the tracking allocator: keep memory.track_cpu: "
+                                     "true (train.device: {} puts this run on the CPU)", c.train.device));
   if (c.train.micro_batch.is_auto() && !on_cuda && parse_bytes(c.memory.limit, "memory.limit") == 0)
     fail("train.micro_batch", fmt::format("auto needs memory.limit on CPU (what has to fit), e.g. memory.limit: 4GiB; "
                                           "train.device: {} puts this run on the CPU", c.train.device));

@@ -88,8 +88,8 @@ struct HostSnapshot::Pinned {
   c10::cuda::CUDAEvent copied;  // recorded on the copies' stream after the last one (cudaEventDisableTiming)
 
   Pinned(int64_t n, c10::DeviceIndex dev) : bytes(n), device(dev) {
-    if (g_external.add) g_external.add(bytes);  // memory.host_limit: OutOfMemoryError, nothing allocated
     const c10::cuda::CUDAGuard guard(device);  // the run's device: no context made on another
+    if (g_external.add) g_external.add(bytes);  // memory.host_limit: OutOfMemoryError, nothing allocated
     const cudaError_t err = cudaHostAlloc(&ptr, std::max<size_t>(static_cast<size_t>(bytes), 1), cudaHostAllocPortable);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();  // an allocation error is not sticky: clear it for the next call
@@ -184,7 +184,10 @@ HostSnapshot HostSnapshot::take(const std::vector<at::Tensor>& src, HostSnapshot
   try {
     for (size_t i = 0; i < src.size(); ++i) out.tensors_[i].copy_(src[i], /*non_blocking=*/src[i].is_cuda());
   } catch (...) {
-    out.pinned_->copied.record(stream);  // after the copies made: the block is freed only once they land
+    try {
+      out.pinned_->copied.record(stream);  // after the copies made: the block is freed only once they land
+    } catch (...) {  // a failed device: the copy's own error is the one to report
+    }
     throw;
   }
   out.pinned_->copied.record(stream);

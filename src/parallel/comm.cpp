@@ -272,7 +272,9 @@ void Comm::close() noexcept {
   if (!pg_) return;
   bool clean = false;
   try {
-    clean = failure_.empty() && abandoned_.load() == 0 && collectives_done();
+    // Gloo's shutdown() does nothing (torch 2.11): only NCCL's needs every rank at the same exit.
+    const bool together = backend_ != "nccl" || leave_together_;
+    clean = together && failure_.empty() && abandoned_.load() == 0 && collectives_done();
     if (clean) pg_->shutdown();
   } catch (const std::exception& e) {
     spdlog::warn("rank {}: shutting the {} process group down failed, aborting it: {}", env_.rank, backend_,

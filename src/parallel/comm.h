@@ -146,6 +146,10 @@ class Comm {
   void check(const std::string& what);
   // The first collective failure seen (empty when none).
   const std::string& failure() const { return failure_; }
+  // Every rank has met at the run's last agreement and leaves from there: the one exit at which NCCL's
+  // shutdown() is safe (it finalizes the communicators, which waits for every rank to do the same; a
+  // rank leaving alone while its peers are mid-step would hang there). Without it ~Comm aborts.
+  void ranks_leave_together() { leave_together_ = true; }
   [[noreturn]] void fail(const std::string& what, const std::string& detail);
 
  private:
@@ -162,6 +166,7 @@ class Comm {
   std::string failure_;
   int64_t agreements_ = 0;  // agree_on_failure calls so far: each posts under its own store keys
   std::atomic<int64_t> abandoned_{0};  // collectives launched and never waited for (Pending::abandon)
+  bool leave_together_ = false;         // ranks_leave_together()
 };
 
 }  // namespace sl::parallel

@@ -736,7 +736,11 @@ void AsyncSave::take_snapshot(Parts& s, const Counters& st, device::HostSnapshot
     writer_->names.clear();
     for (const auto& [name, t] : tensors) writer_->names.push_back(name);
     writer_->snapshot = host_snapshot(tensors, std::move(reuse), snapshot_bytes_);
-  } catch (const c10::Error& e) {  // c10::OutOfMemoryError: memory.host_limit, or the system refusing it
+  } catch (const c10::OutOfMemoryError& e) {  // memory.host_limit, or the system refusing pinned memory
+    refused(e.what_without_backtrace());
+  } catch (const c10::AcceleratorError&) {  // a device fault in the copies: not host memory, reported as itself
+    throw;
+  } catch (const c10::Error& e) {  // the CPU allocator refusing without the tracking allocator
     refused(e.what_without_backtrace());
   } catch (const std::bad_alloc& e) {
     refused(e.what());

@@ -74,16 +74,18 @@ Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
 // A stretch some ranks may have failed alone, entered with exit code `entry_code` on every rank: the
 // first rank whose outcome changed in it (Comm::agree_on_failure) gives every rank its exit code and
 // message (another rank's named). Unchanged when none changed. A collective that fails here is a
-// distributed failure.
-void agree_outcome(Session& s, Outcome& o, int entry_code, const std::string& what) {
+// distributed failure. Returns whether every rank met in it (the agreement's collective went through).
+bool agree_outcome(Session& s, Outcome& o, int entry_code, const std::string& what) {
   try {
     const auto f = s.comm->agree_on_failure(o.code != entry_code ? o.code : kExitOk, o.message, what);
-    if (f.code == kExitOk || f.rank == s.launch.rank) return;
+    if (f.code == kExitOk || f.rank == s.launch.rank) return true;
     o.code = f.code;
     o.message = fmt::format("rank {}: {} failed: {}", f.rank, what, f.message);
+    return true;
   } catch (const Error& e) {
     o.code = e.code;
     o.message = e.what();
+    return false;
   }
 }
 
@@ -250,7 +252,8 @@ int finish(Session& s, const LoopState& st, Outcome o) {
   entry = o.code;
   Json parallel = parallel_report(s, st, o);
   write_summary(s, summary_json(s, st, o, std::move(parallel), std::move(final_weights), st.wall_s), o);
-  if (together && ranks_aligned(entry)) agree_outcome(s, o, entry, "writing summary.json");
+  // Met here, every rank exits from this point (with one code): NCCL's group may be shut down cleanly.
+  if (together && ranks_aligned(entry) && agree_outcome(s, o, entry, "writing summary.json")) s.comm->ranks_leave_together();
   print_closing_line(s, st, o);
   return o.code;
 }
