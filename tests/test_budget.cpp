@@ -27,6 +27,7 @@
 #include "runs.h"
 #include "test_util.h"
 #include "train/trainer.h"
+#include "parallel/single.h"
 
 using namespace sl;
 
@@ -259,8 +260,9 @@ Gradients gradients(const config::RunConfig& cfg, const checkpointing::Plan& pla
   data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
   torch::manual_seed(1234);
   Gradients out;
+  parallel::Single single(m);
   out.loss = train::forward_backward([&](const torch::Tensor& idx) { return runner.forward(idx); }, {loader.next()},
-                                     torch::kCPU, {}).item<double>();
+                                     torch::kCPU, single).item<double>();
   for (const auto& p : m->parameters()) out.grads.push_back(p.grad().clone());
   return out;
 }

@@ -21,6 +21,7 @@
 #include "checkpointing/runner.h"
 #include "train/trainer.h"
 #include "measure.h"
+#include "parallel/single.h"
 
 using namespace sl;
 
@@ -53,8 +54,9 @@ Result run_once(const config::RunConfig& cfg, int64_t micro_batches = 1) {
   torch::manual_seed(1234);  // the dropout stream
   Result r;
   const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), nullptr};
+  parallel::Single single(m);
   r.loss = train::forward_backward([&](const torch::Tensor& idx) { return runner.forward(idx); }, batches, torch::kCPU,
-                                   prec).item<double>();
+                                   single, prec).item<double>();
   for (const auto& p : m->parameters()) r.grads.push_back(p.grad().clone());
   return r;
 }

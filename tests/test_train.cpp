@@ -27,6 +27,7 @@
 #include "model/gpt.h"
 #include "parallel/comm.h"
 #include "parallel/engine.h"
+#include "parallel/single.h"
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
 #include "checkpointing/runner.h"
@@ -46,6 +47,11 @@ namespace {
 config::RunConfig small_config() {
   auto cfg = config::load_string("", {"model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=32"});
   return cfg;
+}
+
+// train_loop over a session setup() built, as train::run() calls it.
+train::Outcome loop(train::Session& s, train::LoopState& st) {
+  return train::train_loop(s.cfg, s.proc, s.learn, s.data, s.meter, s.out, st);
 }
 
 train::ForwardFn fwd(model::GPT& m) {
@@ -69,12 +75,13 @@ TEST_CASE("accumulation 4 x micro-batch 2 gives the gradients of micro-batch 8")
 
   std::vector<data::Batch> micro;
   for (int i = 0; i < 4; ++i) micro.push_back({big.x.narrow(0, 2 * i, 2), big.y.narrow(0, 2 * i, 2)});
+  parallel::Single single(m);
   m->zero_grad();
-  const double loss_acc = train::forward_backward(fwd(m), micro, torch::kCPU).item<double>();
+  const double loss_acc = train::forward_backward(fwd(m), micro, torch::kCPU, single).item<double>();
   auto g_acc = grads_of(m);
 
   m->zero_grad();
-  const double loss_big = train::forward_backward(fwd(m), {big}, torch::kCPU).item<double>();
+  const double loss_big = train::forward_backward(fwd(m), {big}, torch::kCPU, single).item<double>();
   auto g_big = grads_of(m);
 
   CHECK(loss_acc == Approx(loss_big).epsilon(1e-6));
@@ -423,7 +430,8 @@ TEST_CASE("sum_of_squares: float64 over fp32 CPU gradients, the engine's norm on
 TEST_CASE("AdamW decays matrices only, and its state is two moments per parameter") {
   auto cfg = small_config();
   model::GPT m(cfg.model, torch::kCPU);
-  auto opt = train::make_optimizer(m, cfg.train);
+  parallel::Single single(m);
+  auto opt = single.make_optimizer(cfg.train);
   REQUIRE(opt->param_groups().size() == 2);
   for (const auto& p : opt->param_groups()[0].params()) CHECK(p.dim() >= 2);
   for (const auto& p : opt->param_groups()[1].params()) CHECK(p.dim() < 2);
@@ -433,12 +441,12 @@ TEST_CASE("AdamW decays matrices only, and its state is two moments per paramete
 
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(5000, 256, 3);
   data::Loader loader(src, 2, 32, 1);
-  train::forward_backward(fwd(m), {loader.next()}, torch::kCPU);
+  train::forward_backward(fwd(m), {loader.next()}, torch::kCPU, single);
   opt->step();
-  auto bytes = train::model_state_bytes(m, *opt);
+  auto bytes = single.state_bytes();
   CHECK(bytes.params == m->num_params() * 4);
   CHECK(bytes.grads == bytes.params);
-  CHECK(bytes.optimizer == 2 * bytes.params);
+  CHECK(train::optimizer_state_bytes(*opt) == 2 * bytes.params);
 }
 
 TEST_CASE("model FLOPs per token: 6N + 12 L T d") {
@@ -469,7 +477,8 @@ TEST_CASE("fp16 loss scaling: an inf gradient skips the step, backs off the scal
                                       "precision.compute=fp16", "precision.init_scale=1024"});
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
-  auto opt = train::make_optimizer(m, cfg.train);
+  parallel::Single single(m);
+  auto opt = single.make_optimizer(cfg.train);
   precision::LossScaler scaler(cfg.precision, torch::kCPU);
   REQUIRE(scaler.enabled());
   const train::StepPrecision prec{precision::compute_dtype("fp16"), &scaler};
@@ -477,8 +486,11 @@ TEST_CASE("fp16 loss scaling: an inf gradient skips the step, backs off the scal
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(5000, 256, 3);
   data::Loader loader(src, 2, 32, 1);
 
+  const train::ForwardFn forward = fwd(m);
+  const train::StepParts parts{.forward = forward, .strategy = single, .opt = *opt, .tracker = tracker,
+                               .device = torch::kCPU, .precision = prec, .grad_clip = 1.0};
   // A clean step first: it updates the weights and keeps the scale.
-  auto r = train::train_step(fwd(m), m, *opt, {loader.next(), loader.next()}, 1.0, torch::kCPU, tracker, prec);
+  auto r = train::train_step(parts, {loader.next(), loader.next()});
   CHECK_FALSE(r.skipped);
   CHECK(r.loss_scale == 1024.0);
   CHECK(scaler.scale() == 1024.0);
@@ -488,7 +500,7 @@ TEST_CASE("fp16 loss scaling: an inf gradient skips the step, backs off the scal
   for (const auto& p : m->parameters()) before.push_back(p.detach().clone());
   auto* block = m->blocks[0]->as<model::BlockImpl>();
   block->w_qkv.register_hook([](torch::Tensor g) { return g * std::numeric_limits<float>::infinity(); });
-  r = train::train_step(fwd(m), m, *opt, {loader.next(), loader.next()}, 1.0, torch::kCPU, tracker, prec);
+  r = train::train_step(parts, {loader.next(), loader.next()});
   CHECK(r.skipped);
   CHECK(r.loss_scale == 1024.0);
   CHECK(scaler.scale() == 512.0);
@@ -507,7 +519,8 @@ TEST_CASE("fp16 accumulation: every micro-step uses the same scale; unscaled gra
     data::Loader loader(src, 2, 32, 1);
     std::vector<data::Batch> micro;
     for (int i = 0; i < 4; ++i) micro.push_back(loader.next());
-    train::forward_backward(fwd(m), micro, torch::kCPU, {precision::compute_dtype("fp16"), &scaler});
+    parallel::Single single(m);
+    train::forward_backward(fwd(m), micro, torch::kCPU, single, {precision::compute_dtype("fp16"), &scaler});
     auto g = grads_of(m);
     REQUIRE(scaler.unscale(g).item<float>() == 0.0f);  // no inf/NaN found
     return g;
@@ -568,15 +581,15 @@ FaultRun run_with_fault(const config::RunConfig& cfg, std::function<torch::Tenso
   FaultRun out;
   auto s = train::setup(cfg);
   int call = 0;
-  auto* block = s->model->blocks[0]->as<model::BlockImpl>();
-  block->w_qkv.register_hook([&, m = s->model](torch::Tensor g) {
+  auto* block = s->learn.model->blocks[0]->as<model::BlockImpl>();
+  block->w_qkv.register_hook([&, m = s->learn.model](torch::Tensor g) {
     ++call;
     out.seen[call] = snapshot(m);
     return fault(call, g);
   });
-  out.code = train::finish(*s, out.st, train::train_loop(*s, out.st));
-  out.final_params = snapshot(s->model);
-  const auto& state = s->opt->state();
+  out.code = train::finish(*s, out.st, loop(*s, out.st));
+  out.final_params = snapshot(s->learn.model);
+  const auto& state = s->learn.opt->state();
   auto it = state.find(block->w_qkv.unsafeGetTensorImpl());
   if (it != state.end()) out.adam_steps = static_cast<torch::optim::AdamWParamState&>(*it->second).step();
   return out;
@@ -750,9 +763,9 @@ int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int
   syncs::Counter::reset();
   for (int64_t s = 0; s < steps; ++s) {
     const train::StopPoll poll = [&] { return stops[s]; };
-    agreed.push_back(train::train_step(forward, m, *opt, {loader.next(), loader.next()}, 1.0, torch::kCPU, tracker,
-                                       prec, &engine, poll)
-                         .stop);
+    const train::StepParts parts{.forward = forward, .strategy = engine, .opt = *opt, .tracker = tracker,
+                                 .device = torch::kCPU, .precision = prec, .grad_clip = 1.0};
+    agreed.push_back(train::train_step(parts, {loader.next(), loader.next()}, poll).stop);
   }
   return syncs::Counter::count();
 }
@@ -778,7 +791,7 @@ TEST_CASE("one host synchronization per optimizer step: the loop at world 1, acc
   {
     syncs::Counter counter;
     syncs::Counter::reset();
-    o = train::train_loop(*s, st);
+    o = loop(*s, st);
     count = syncs::Counter::count();
   }
   INFO(compute << ": " << count << " host syncs in " << st.steps_done << " steps: " << o.message);
@@ -835,7 +848,7 @@ TEST_CASE("logging.profile_step writes one step's Chrome trace with the GEMMs an
   auto cfg = loop_config(dir.path / "run", {"logging.profile_step=2", "checkpointing.mode=full", "checkpointing.skip_last=false"});
   auto s = train::setup(cfg);
   train::LoopState st;
-  auto o = train::train_loop(*s, st);
+  auto o = loop(*s, st);
   REQUIRE(o.code == kExitOk);
   const auto trace = nlohmann::json::parse(test::read_text(dir.path / "run" / "profile.json"));
   std::map<std::string, int> seen;
@@ -1075,7 +1088,7 @@ TEST_CASE("trainer --version prints the version, commit, LibTorch, CUDA and CPU 
   auto cfg = loop_config(dir.path / "run");
   auto s = train::setup(cfg);
   train::LoopState st;
-  REQUIRE(train::finish(*s, st, train::train_loop(*s, st)) == 0);
+  REQUIRE(train::finish(*s, st, loop(*s, st)) == 0);
   const auto summary = json::parse(test::read_text(dir.path / "run" / "summary.json"));
   REQUIRE(summary.contains("build"));
   CHECK(summary["build"] == info);

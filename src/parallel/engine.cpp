@@ -285,8 +285,10 @@ void Engine::add_grad_hooks() {
 
 torch::TensorOptions Engine::fp32_options() const { return torch::TensorOptions().dtype(torch::kFloat).device(device_); }
 
-std::unique_ptr<torch::optim::AdamW> Engine::make_optimizer(const config::TrainConfig& t) {
-  std::vector<torch::Tensor> decay, no_decay;
+Strategy::Trainables Engine::trainables() {
+  Trainables t;
+  auto& decay = t.decay;
+  auto& no_decay = t.no_decay;
   if (sharding_.replicated() && !offload_optimizer_) {
     for (const auto& p : model_->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
   } else {
@@ -304,7 +306,25 @@ std::unique_ptr<torch::optim::AdamW> Engine::make_optimizer(const config::TrainC
       piece(g.decay, g.numel, no_decay);
     }
   }
-  return optim::make_adamw(std::move(decay), std::move(no_decay), t);
+  return t;
+}
+
+std::string Engine::describe() const {
+  return fmt::format("{} rank(s), backend {}, sharding {}", world_, comm_->backend(), sharding_.name());
+}
+
+double Engine::global_norm(double summed_shares) const { return std::sqrt(summed_shares); }
+
+void Engine::sum_over_ranks(torch::Tensor& t, const std::string& what) {
+  if (world_ > 1) comm_->all_reduce_sum(t, what).wait();
+}
+
+void Engine::check_reduction(const std::string& what) {
+  if (world_ > 1) comm_->check(what);
+}
+
+nlohmann::json Engine::layout() const {
+  return {{"largest_group_bytes", largest_unit_bytes()}, {"groups", groups()}, {"groups_launched_during_backward", launched_from_hooks()}};
 }
 
 void Engine::attach(checkpointing::Runner& runner) {
@@ -511,6 +531,18 @@ StateBytes Engine::state_bytes() const {
     if (g->host_grad.defined()) s.host_grads += static_cast<int64_t>(g->host_grad.nbytes());
   }
   return s;
+}
+
+// The optimizer tensor whose storage holds the span: a parameter itself (DDP) or a shard piece.
+OptSlot Engine::optimizer_slot(torch::optim::AdamW& opt, const Span& span) const {
+  const auto* storage = span.values.storage().unsafeGetStorageImpl();
+  const int64_t at = span.values.storage_offset(), len = span.end - span.begin;
+  for (auto& group : opt.param_groups())
+    for (auto& p : group.params())
+      if (p.storage().unsafeGetStorageImpl() == storage && at >= p.storage_offset() &&
+          at + len <= p.storage_offset() + p.numel())
+        return {p, at - p.storage_offset()};
+  throw std::logic_error("state: no optimizer tensor holds parameter " + span.param);
 }
 
 std::vector<Span> Engine::owned_spans() const {

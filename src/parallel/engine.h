@@ -48,34 +48,11 @@
 #include "config/config.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
+#include "parallel/strategy.h"
 
 namespace sl::parallel {
 
-// Bytes of model states this rank holds between steps, by what its buffers are.
-// Device-resident bytes (params, grads; optimizer is filled by the caller from AdamW's state) and
-// what offload keeps in host memory instead (masters, gradient shard or its host copy).
-struct StateBytes {
-  int64_t params = 0, grads = 0, optimizer = 0;
-  int64_t host_params = 0, host_grads = 0;
-  bool optimizer_on_host = false;  // AdamW's moments live on the host
-  int64_t total() const { return params + grads + optimizer; }
-};
-
-// Bytes offload moved since the last take_moved(): host -> device and device -> host.
-struct Moved {
-  int64_t to_device = 0, to_host = 0;
-};
-
-// A run of one parameter's elements, [begin, end) of its flattened values, and the 1-D tensor on this
-// rank that holds them (a view: writing it writes the parameter or the rank's shard). Saved training
-// states are made of spans, so a state written under one sharding can be read under another.
-struct Span {
-  std::string param;  // the name in the model ("blocks.0.w_qkv")
-  int64_t begin = 0, end = 0;
-  torch::Tensor values;
-};
-
-class Engine {
+class Engine final : public Strategy {
  public:
   Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
   ~Engine();
@@ -84,40 +61,46 @@ class Engine {
 
   config::Sharding sharding() const { return sharding_; }
   Comm& comm() { return *comm_; }
+  int64_t world() const override { return world_; }
+  std::string describe() const override;  // ranks, backend, sharding
 
-  // AdamW over what this rank updates: the model's parameters (none) or its shards (zero*), with
-  // train.weight_decay on matrices only.
-  std::unique_ptr<torch::optim::AdamW> make_optimizer(const config::TrainConfig& t);
   // zero3: gathers/frees units around the forward (unit 0 embeddings, 1..L blocks, L+1 head).
-  void attach(checkpointing::Runner& runner);
+  void attach(checkpointing::Runner& runner) override;
 
-  void zero_grad();
+  void zero_grad() override;
   // Around each micro-batch's backward; `last` marks the micro-batch whose gradients are reduced
   // (none/zero1) — zero2/3 reduce-scatter every micro-batch and accumulate the shard.
-  void begin_backward(bool last);
-  void end_backward();  // launches what is left, waits; after the last: gradients are averaged
+  void begin_backward(bool last) override;
+  void end_backward() override;  // launches what is left, waits; after the last: gradients are averaged
   // The gradients the optimizer will use (this rank's shards for zero*).
-  std::vector<torch::Tensor> grads() const;
+  std::vector<torch::Tensor> grads() const override;
   // This rank's share of the squared global L2 norm of the averaged gradient: a float64 0-d device
   // tensor, not read. Summed over ranks it is the squared norm (zero*: each rank holds a disjoint
   // shard; none: every rank holds the whole gradient, so rank 0 gives it and the others 0), which the
   // trainer does in its one all-reduce and host read per step.
   torch::Tensor grad_norm_sq_share();
   // Scales by max_norm / (norm + 1e-6) when that is < 1: a host scalar, nothing waits for the device.
-  void clip(double max_norm, double norm);
+  void clip(double max_norm, double norm) override;
+  // The strategy's norm: grad_norm_sq_share(), summed over ranks and square-rooted by global_norm.
+  torch::Tensor norm_share(const std::vector<torch::Tensor>&, double) override { return grad_norm_sq_share(); }
+  double global_norm(double summed_shares) const override;
+  void sum_over_ranks(torch::Tensor& t, const std::string& what) override;
+  void check_reduction(const std::string& what) override;
   void after_step();              // zero1/2: all-gather the updated parameters
   // The step itself: AdamW over what this rank updates (on the host with offload.optimizer, its
   // gradients copied there first), then after_step().
-  void optimizer_step(torch::optim::AdamW& opt);
+  void optimizer_step(torch::optim::AdamW& opt) override;
   // After held_spans() were written (a load): a low-precision compute copy is re-made from the masters.
-  void params_loaded();
-  StateBytes state_bytes() const;
+  void params_loaded() override;
+  StateBytes state_bytes() const override;
   // The elements this rank's optimizer updates (none: every parameter in full; zero*: the shard).
-  std::vector<Span> owned_spans() const;
+  std::vector<Span> owned_spans() const override;
   // The fp32 parameter elements this rank stores between steps, what a load writes (zero3, a
   // low-precision compute copy or offload.optimizer: its master shard; otherwise every parameter).
   // Call params_loaded() after.
-  std::vector<Span> held_spans() const;
+  std::vector<Span> held_spans() const override;
+  // The shard piece (or, DDP, the parameter) whose storage holds the span.
+  OptSlot optimizer_slot(torch::optim::AdamW& opt, const Span& span) const override;
   // zero3: gather every unit (a collective on every rank) so the whole model can be read; release_all
   // frees them again. No-ops for the other stages.
   void gather_all();
@@ -125,20 +108,26 @@ class Engine {
   // One unit (model::kEmbeddingUnit, block_unit(l), head_unit) readable through param_values(), so the
   // model can be read unit by unit (final weights) holding at most one gathered unit: zero3 gathers it;
   // with a low-precision compute copy its groups' fp32 masters are gathered (collectives on every rank).
-  void gather_unit(int64_t unit);
-  void release_unit(int64_t unit);
+  void gather_unit(int64_t unit) override;
+  void release_unit(int64_t unit) override;
   // A parameter's full fp32 values, flat (between gather_unit and release_unit of its unit).
-  torch::Tensor param_values(const std::string& name) const;
+  torch::Tensor param_values(const std::string& name) const override;
   // Largest transient bytes seen (gathered parameters and not-yet-reduced gradients), and reset.
-  int64_t take_transient_peak();
+  int64_t take_transient_peak() override;
   int64_t largest_unit_bytes() const;  // the largest group's parameter bytes
   int64_t groups() const { return static_cast<int64_t>(groups_.size()); }
   // Groups whose reduction the last reducing backward launched from a gradient hook, i.e. while
   // backward was still running (the rest were launched after it returned).
   int64_t launched_from_hooks() const { return launched_from_hooks_; }
   // zero3: group all-gathers since the last zero_grad() (one step: forward, recompute, backward, eval).
-  int64_t gathers() const { return gathers_; }
-  Moved take_moved();
+  int64_t gathers() const override { return gathers_; }
+  Moved take_moved() override;
+  // largest_group_bytes, groups, groups_launched_during_backward.
+  nlohmann::json layout() const override;
+
+ protected:
+  // The model's parameters (DDP without offload) or this rank's shard pieces, each group's matrices and vectors.
+  Trainables trainables() override;
 
  private:
   struct Group;

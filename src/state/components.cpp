@@ -23,16 +23,6 @@ using Json = nlohmann::json;
 
 // ---- model states: parameters and AdamW moments, by element span ----
 
-std::vector<parallel::Span> model_spans(const Parts& s) {
-  std::vector<parallel::Span> out;
-  for (const auto& item : s.model->named_parameters())
-    out.push_back({item.key(), 0, item.value().numel(), item.value().detach().view({-1})});
-  return out;
-}
-
-std::vector<parallel::Span> owned_spans(const Parts& s) { return s.engine ? s.engine->owned_spans() : model_spans(s); }
-std::vector<parallel::Span> held_spans(const Parts& s) { return s.engine ? s.engine->held_spans() : model_spans(s); }
-
 // Parameters and optimizer states are replicated on every rank unless sharded: rank 0 writes them.
 bool writes_model_states(const Parts& s) { return !s.cfg.parallel.sharding.replicated() || s.rank0(); }
 
@@ -43,32 +33,6 @@ std::map<std::string, std::vector<int64_t>> param_shapes(const config::ModelConf
   std::map<std::string, std::vector<int64_t>> out;
   for (const auto& item : meta->named_parameters()) out[item.key()] = item.value().sizes().vec();
   return out;
-}
-
-// The optimizer tensor whose storage holds a span (a parameter itself, or a ZeRO shard piece), and
-// the span's offset in it.
-struct OptSlot {
-  torch::Tensor param;
-  int64_t offset = 0;
-};
-
-OptSlot opt_slot(torch::optim::AdamW& opt, const parallel::Span& sp) {
-  const auto* storage = sp.values.storage().unsafeGetStorageImpl();
-  const int64_t at = sp.values.storage_offset(), len = sp.end - sp.begin;
-  for (auto& group : opt.param_groups())
-    for (auto& p : group.params())
-      if (p.storage().unsafeGetStorageImpl() == storage && at >= p.storage_offset() &&
-          at + len <= p.storage_offset() + p.numel())
-        return {p, at - p.storage_offset()};
-  throw std::logic_error("state: no optimizer tensor holds parameter " + sp.param);
-}
-
-// The optimizer tensor of a span: without an engine the model's parameter itself (found by name: a
-// tensor on a device without storage, such as the lazy test device, has no storage to compare),
-// with one the shard piece whose storage holds it.
-OptSlot slot_of(Parts& s, const parallel::Span& sp) {
-  if (!s.engine) return {s.model->named_parameters()[sp.param], 0};
-  return opt_slot(*s.opt, sp);
 }
 
 torch::optim::AdamWParamState* adam_state(torch::optim::AdamW& opt, const torch::Tensor& p) {
@@ -87,13 +51,13 @@ int64_t adam_step(torch::optim::AdamW& opt) {
 void add_model_states(Parts& s, Named& out) {
   const auto shapes = param_shapes(s.cfg.model);
   const bool moments = adam_step(*s.opt) > 0;
-  for (const auto& sp : owned_spans(s)) {
+  for (const auto& sp : s.strategy.owned_spans()) {
     const auto& shape = shapes.at(sp.param);
     const int64_t numel = c10::multiply_integers(shape);
     auto as_saved = [&](const torch::Tensor& flat) { return sp.begin == 0 && sp.end == numel ? flat.view(shape) : flat; };
     out.emplace_back(tensor_name("param", sp, numel), as_saved(sp.values));
     if (!moments) continue;
-    const OptSlot slot = slot_of(s, sp);
+    const parallel::OptSlot slot = s.strategy.optimizer_slot(*s.opt, sp);
     auto* st = adam_state(*s.opt, slot.param);
     const int64_t len = sp.end - sp.begin;
     out.emplace_back(tensor_name("exp_avg", sp, numel), as_saved(st->exp_avg().view({-1}).narrow(0, slot.offset, len)));
@@ -102,14 +66,14 @@ void add_model_states(Parts& s, Named& out) {
 }
 
 void load_params(const Reader& r, Parts& s) {
-  for (const auto& sp : held_spans(s)) r.read("param", sp, sp.values);
-  if (s.engine) s.engine->params_loaded();
+  for (const auto& sp : s.strategy.held_spans()) r.read("param", sp, sp.values);
+  s.strategy.params_loaded();
 }
 
 void load_moments(const Reader& r, Parts& s, int64_t step) {
   if (step == 0 || !r.has("exp_avg")) return;
-  for (const auto& sp : owned_spans(s)) {
-    const OptSlot slot = slot_of(s, sp);
+  for (const auto& sp : s.strategy.owned_spans()) {
+    const parallel::OptSlot slot = s.strategy.optimizer_slot(*s.opt, sp);
     auto* st = adam_state(*s.opt, slot.param);
     if (!st) {
       device::HostScope host(s.cfg.offload.optimizer);  // the moments live where the masters do

@@ -33,7 +33,7 @@
 #include "device/host.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
-#include "parallel/engine.h"
+#include "parallel/strategy.h"
 #include "precision/loss_scaler.h"
 #include "state/safetensors.h"
 
@@ -41,8 +41,8 @@ namespace sl::state {
 
 // What a training state is made of, as a run holds it: the only things save() and load() read or
 // write. The run (train/) lends them for the call; nothing here outlives it.
-//   model + engine   the parameters: whole (engine null: world 1 without sharding) or the element
-//                    spans this rank's optimizer updates (engine->owned_spans()), re-sharded on load
+//   model + strategy the parameters: the element spans this rank's optimizer updates
+//                    (strategy.owned_spans(): whole parameters, or a ZeRO shard), re-sharded on load
 //   opt              AdamW's moments of those spans and its step count
 //   scaler           the dynamic loss scale and its growth tracker (fp16)
 //   loaders          the train and validation samplers' positions
@@ -53,7 +53,7 @@ struct Parts {
   parallel::Comm* comm = nullptr;
   c10::Device device{c10::kCPU};
   model::GPT model{nullptr};
-  parallel::Engine* engine = nullptr;
+  parallel::Strategy& strategy;
   torch::optim::AdamW* opt = nullptr;
   precision::LossScaler* scaler = nullptr;
   data::Loader* train_loader = nullptr;

@@ -9,6 +9,7 @@
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
+#include "parallel/single.h"
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
 
@@ -25,7 +26,8 @@ ProbeResult probe_step(const config::RunConfig& cfg, const checkpointing::Plan& 
     torch::manual_seed(opts.seed.value_or(static_cast<uint64_t>(cfg.train.seed)));
     model::GPT m(cfg.model, device);
     checkpointing::Runner runner(cfg.checkpointing, m, plan);
-    auto opt = make_optimizer(m, cfg.train);
+    parallel::Single single(m);
+    auto opt = single.make_optimizer(cfg.train);
     std::optional<precision::LossScaler> scaler;
     if (opts.loss_scaler) scaler.emplace(cfg.precision, device);
     const StepPrecision prec{precision::compute_dtype(cfg.precision.compute), scaler ? &*scaler : nullptr};
@@ -36,7 +38,9 @@ ProbeResult probe_step(const config::RunConfig& cfg, const checkpointing::Plan& 
       x = torch::randint(0, cfg.model.vocab_size, {cfg.train.micro_batch, cfg.train.seq_len}, torch::kInt64);
     for (int i = 0; i < opts.steps; ++i) {
       const data::Batch batch = opts.loader ? opts.loader->next() : data::Batch{x, x};
-      out.last = train_step(fwd, m, *opt, {batch}, clip, device, tracker, prec);
+      out.last = train_step({.forward = fwd, .strategy = single, .opt = *opt, .tracker = tracker, .device = device,
+                             .precision = prec, .grad_clip = clip},
+                            {batch});
     }
   } catch (const c10::OutOfMemoryError&) {
     out.oom = true;

@@ -35,29 +35,27 @@ bool ranks_aligned(int code) {
 // The final weights as a Hugging Face checkpoint, <run dir>/model/{model.safetensors, config.json} (and the
 // run's tokenizer.json with a tokenizer_config.json when it has one):
 // streamed tensor by tensor; under zero3 every rank gathers one unit at a time and rank 0 writes it.
-// Returns summary.json's final_weights block (null when none were written).
-Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
-  if (!s.cfg.logging.save_model || !ranks_aligned(o.code) || o.code == kExitNonFinite || o.code == kExitIo) return nullptr;
-  auto params = s.model->named_parameters();
+// Returns summary.json's final_weights block (null when none were written). Called with logging.save_model on.
+Json save_final_model(const config::ModelConfig& m, const Process& proc, parallel::Strategy& strategy,
+                      const std::filesystem::path& tokenizer_path, log::RunLog& runlog, const LoopState& st, Outcome& o) {
+  if (!ranks_aligned(o.code) || o.code == kExitNonFinite || o.code == kExitIo) return nullptr;
   interop::WeightsSource source;
-  if (s.engine) {
-    source.enter = [&](int64_t unit) { s.engine->gather_unit(unit); };
-    source.leave = [&](int64_t unit) { s.engine->release_unit(unit); };
-    s.engine->take_transient_peak();  // from here on: what the export gathers
-  }
+  source.enter = [&](int64_t unit) { strategy.gather_unit(unit); };
+  source.leave = [&](int64_t unit) { strategy.release_unit(unit); };
+  strategy.take_transient_peak();  // from here on: what the export gathers
   source.values = [&](const interop::HfTensor& t) {  // fp32: the masters under a low-precision compute copy
-    const auto flat = s.engine ? s.engine->param_values(t.param) : params[t.param].detach().view({-1});
+    const auto flat = strategy.param_values(t.param);
     return flat.narrow(0, t.begin(), t.end() - t.begin());  // on the run's device: the writer stages it to host
   };
   try {
     // The run's copy of its tokenizer (record_tokenizer) beside the weights, so AutoTokenizer loads the folder too.
-    const auto tokenizer = s.tokenizer_path.empty() ? std::filesystem::path() : s.runlog->dir() / "tokenizer.json";
-    const auto eos = tokenizer.empty() || !s.rank0() ? std::nullopt : text::inspect_tokenizer_file(tokenizer).end_of_text_id;
-    const auto w = interop::write_hf(s.runlog->dir() / "model" / "model.safetensors", s.cfg.model, torch::kFloat, source,
-                                     s.rank0(), {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}}, eos);
-    if (s.rank0() && !tokenizer.empty()) text::write_hf_tokenizer(s.runlog->dir() / "model", tokenizer, s.cfg.model.max_seq_len);
+    const auto tokenizer = tokenizer_path.empty() ? std::filesystem::path() : runlog.dir() / "tokenizer.json";
+    const auto eos = tokenizer.empty() || !proc.rank0() ? std::nullopt : text::inspect_tokenizer_file(tokenizer).end_of_text_id;
+    const auto w = interop::write_hf(runlog.dir() / "model" / "model.safetensors", m, torch::kFloat, source, proc.rank0(),
+                                     {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}}, eos);
+    if (proc.rank0() && !tokenizer.empty()) text::write_hf_tokenizer(runlog.dir() / "model", tokenizer, m.max_seq_len);
     return {{"path", w.file.string()}, {"step", st.steps_done}, {"bytes", w.digest.bytes}, {"tensors", w.tensors},
-            {"gathered_peak_bytes", s.engine ? s.engine->take_transient_peak() : 0}};
+            {"gathered_peak_bytes", strategy.take_transient_peak()}};
   } catch (const Error& e) {  // a failed write on rank 0 must not strand the others
     o.code = e.code;
     o.message = e.what();
@@ -75,10 +73,10 @@ Json save_final_model(Session& s, const LoopState& st, Outcome& o) {
 // first rank whose outcome changed in it (Comm::agree_on_failure) gives every rank its exit code and
 // message (another rank's named). Unchanged when none changed. A collective that fails here is a
 // distributed failure. Returns whether every rank met in it (the agreement's collective went through).
-bool agree_outcome(Session& s, Outcome& o, int entry_code, const std::string& what) {
+bool agree_outcome(const Process& proc, Outcome& o, int entry_code, const std::string& what) {
   try {
-    const auto f = s.comm->agree_on_failure(o.code != entry_code ? o.code : kExitOk, o.message, what);
-    if (f.code == kExitOk || f.rank == s.launch.rank) return true;
+    const auto f = proc.comm->agree_on_failure(o.code != entry_code ? o.code : kExitOk, o.message, what);
+    if (f.code == kExitOk || f.rank == proc.launch.rank) return true;
     o.code = f.code;
     o.message = fmt::format("rank {}: {} failed: {}", f.rank, what, f.message);
     return true;
@@ -90,19 +88,21 @@ bool agree_outcome(Session& s, Outcome& o, int entry_code, const std::string& wh
 }
 
 // Per-rank memory, gathered to rank 0 (skipped when a peer failed: the collective could not pair).
-Json parallel_report(Session& s, const LoopState& st, Outcome& o) {
-  if (!s.engine) return nullptr;
-  const auto sb = s.engine->state_bytes();
-  const int64_t opt_bytes = optimizer_state_bytes(*s.opt);
-  const std::vector<double> mine{static_cast<double>(s.launch.rank), static_cast<double>(st.rest_bytes),
+Json parallel_report(const config::RunConfig& cfg, const Process& proc, const Learner& learn, const Meter& meter,
+                     const LoopState& st, Outcome& o) {
+  Json layout = learn.strategy->layout();
+  if (layout.is_null()) return nullptr;  // one process: no parallel block (docs/logs.md)
+  const auto sb = learn.strategy->state_bytes();
+  const int64_t opt_bytes = optimizer_state_bytes(*learn.opt);
+  const std::vector<double> mine{static_cast<double>(proc.launch.rank), static_cast<double>(st.rest_bytes),
                                  static_cast<double>(sb.params),     static_cast<double>(sb.grads),
                                  static_cast<double>(opt_bytes),     static_cast<double>(st.transient_peak),
-                                 static_cast<double>(st.peak_bytes), static_cast<double>(s.build_peak_bytes),
-                                 static_cast<double>(s.load_peak_bytes)};
+                                 static_cast<double>(st.peak_bytes), static_cast<double>(meter.build_peak_bytes),
+                                 static_cast<double>(meter.load_peak_bytes)};
   std::vector<double> all = mine;
-  if (ranks_aligned(o.code) && s.world() > 1) {
+  if (ranks_aligned(o.code) && proc.world() > 1) {
     try {
-      all = s.comm->all_gather(mine, "per-rank memory report");
+      all = proc.comm->all_gather(mine, "per-rank memory report");
     } catch (const parallel::DistError& e) {
       o = {kExitDistributed, e.what(), nullptr};
     }
@@ -121,35 +121,31 @@ Json parallel_report(Session& s, const LoopState& st, Outcome& o) {
                      {"build_peak_bytes", at(7)},
                      {"load_peak_bytes", at(8)}});
   }
-  return {{"world_size", s.world()},
-          {"backend", s.comm->backend()},
-          {"sharding", s.cfg.parallel.sharding},
-          {"params_bytes_unsharded", 4 * s.model->num_params()},
-          {"largest_group_bytes", s.engine->largest_unit_bytes()},
-          {"groups", s.engine->groups()},
-          {"groups_launched_during_backward", s.engine->launched_from_hooks()},
-          {"gathers_last_step", st.gathers},
-          {"ranks", ranks}};
+  layout.update({{"world_size", proc.world()},
+                 {"backend", proc.comm->backend()},
+                 {"sharding", cfg.parallel.sharding},
+                 {"params_bytes_unsharded", 4 * learn.model->num_params()},
+                 {"gathers_last_step", st.gathers},
+                 {"ranks", ranks}});
+  return layout;
 }
 
 // Saved training states: where this run resumed from (and in which torchrun restart), and what it saved.
-Json state_report(const Session& s, const LoopState& st) {
-  return {{"resumed_from", s.resume_from.found() ? Json(s.resume_from.dir.string()) : Json(nullptr)},
-          {"resumed_at_step", s.resume_from.found() ? Json(s.resume_from.step) : Json(nullptr)},
-          {"restart", s.launch.restart_count},  // torchrun's TORCHELASTIC_RESTART_COUNT: 0 on the first attempt
+Json state_report(const config::StateConfig& c, const Process& proc, const Start& start, const LoopState& st) {
+  return {{"resumed_from", start.resume_from.found() ? Json(start.resume_from.dir.string()) : Json(nullptr)},
+          {"resumed_at_step", start.resume_from.found() ? Json(start.resume_from.step) : Json(nullptr)},
+          {"restart", proc.launch.restart_count},  // torchrun's TORCHELASTIC_RESTART_COUNT: 0 on the first attempt
           {"saves", st.save_ms.size()},
           {"last_saved_step", st.last_saved_step >= 0 ? Json(st.last_saved_step) : Json(nullptr)},
           {"state_bytes", st.state_bytes},
-          {"async", s.cfg.state.async},
+          {"async", c.async},
           {"snapshot_bytes", st.snapshot_bytes()},
           {"median_save_ms", median(st.save_ms)},
           {"median_save_blocking_ms", median(st.save_blocking_ms)}};
 }
 
 // Offloaded state in host memory (offload.*): measured and predicted, and the limit.
-Json host_report(const Session& s, const LoopState& st) {
-  const auto predicted = memory::predict_peak(s.cfg, s.runner->plan());
-  const int64_t host_limit = config::host_limit_bytes(s.cfg);
+Json host_report(int64_t host_limit, const memory::PeakPrediction& predicted, const LoopState& st) {
   return {{"peak_bytes", st.host_peak_bytes},
           {"states_bytes", st.host_states_bytes},
           {"predicted_peak_bytes", predicted.host_peak_bytes()},
@@ -160,46 +156,49 @@ Json host_report(const Session& s, const LoopState& st) {
 
 // summary.json's model block: setup's, with the MFU's peak as the run ends (raised by a step that beat
 // it: train/peak_flops.h), what it started from and how it was measured.
-Json model_report(const Session& s) {
-  Json m = s.model_info;
-  const auto& first = s.peak.initial();
-  m["peak_flops"] = s.peak.flops();
-  m["peak_flops_source"] = s.peak.source();
+Json model_report(const Json& model_info, const PeakTracker& peak) {
+  Json m = model_info;
+  const auto& first = peak.initial();
+  m["peak_flops"] = peak.flops();
+  m["peak_flops_source"] = peak.source();
   m["peak_flops_initial"] = first.flops;
-  m["peak_flops_raised_at_step"] = s.peak.raised_at() ? Json(*s.peak.raised_at()) : Json(nullptr);
+  m["peak_flops_raised_at_step"] = peak.raised_at() ? Json(*peak.raised_at()) : Json(nullptr);
   m["peak_flops_probe"] = first.probe ? first.probe->to_json() : Json(nullptr);
   return m;
 }
 
 // The median step's model FLOP/s per device over the final peak (the median commutes with the
 // positive factor flops_per_token / world), so it is at most 1 as every step's rate is.
-double median_mfu(const Session& s, const LoopState& st) {
-  return s.peak.utilisation(s.flops_per_token * median(st.tok_s) / static_cast<double>(s.world()));
+double median_mfu(const Meter& meter, int64_t world, const LoopState& st) {
+  return meter.peak.utilisation(meter.flops_per_token * median(st.tok_s) / static_cast<double>(world));
 }
 
+// summary.json (docs/logs.md): a report on every part of the run, so the one function here that reads the
+// whole Session.
 Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json parallel, Json final_weights, double wall_s) {
   auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
-  const auto reserved_peak = s.tracker->steps_peak_reserved_bytes();
-  return {{"config", s.resolved},
+  const auto predicted = memory::predict_peak(s.cfg, s.learn.runner->plan());  // per rank, from the planner
+  const auto reserved_peak = s.meter.tracker->steps_peak_reserved_bytes();
+  return {{"config", s.out.resolved},
           {"build", device::build_info()},  // what `trainer --version` prints
-          {"environment", s.environment},
-          {"model", model_report(s)},
-          {"checkpointing", s.runner->plan().to_json()},
-          {"run_dir", s.run_dir},
+          {"environment", s.out.environment},
+          {"model", model_report(s.out.model_info, s.meter.peak)},
+          {"checkpointing", s.learn.runner->plan().to_json()},
+          {"run_dir", s.out.run_dir},
           {"steps", st.steps_done},
           {"skipped_steps", st.skipped_steps},
-          {"tokens", st.steps_done * s.tokens_per_step()},
+          {"tokens", st.steps_done * tokens_per_step(s.cfg.train, s.proc.world())},
           {"final_loss", finite(st.last_loss)},
           {"final_val_loss", finite(st.last_val)},
           {"warmup_steps_excluded", std::min<int64_t>(s.cfg.logging.skip_first, st.steps_done)},
           {"median_step_ms", median(st.step_ms)},
           {"median_tokens_per_s", median(st.tok_s)},
           {"median_samples_per_s", median(st.samp_s)},
-          {"median_mfu", median_mfu(s, st)},
+          {"median_mfu", median_mfu(s.meter, s.proc.world(), st)},
           {"median_recompute_ms", median(st.recompute_ms)},
           {"median_activation_peak_bytes", static_cast<int64_t>(median(st.act_peaks))},
-          {"predicted_activation_peak_bytes", s.predicted.peak_bytes},
-          {"predicted_peak_bytes", memory::predict_peak(s.cfg, s.runner->plan()).peak_bytes()},  // per rank, from the planner
+          {"predicted_activation_peak_bytes", s.meter.predicted.peak_bytes},
+          {"predicted_peak_bytes", predicted.peak_bytes()},
           {"wall_s", wall_s},
           {"peak_allocated_bytes", st.peak_bytes},
           {"peak_reserved_bytes", reserved_peak ? Json(*reserved_peak) : Json(nullptr)},  // CUDA: beside the allocated peak
@@ -208,10 +207,10 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
             {"grads_bytes", st.states_at_peak.grads},
             {"optimizer_state_bytes", st.states_at_peak.optimizer},
             {"activations_and_other_bytes", std::max<int64_t>(0, st.peak_bytes - st.states_at_peak.total())}}},
-          {"memory_limit_bytes", s.limit > 0 ? Json(s.limit) : Json(nullptr)},
-          {"host_memory", host_report(s, st)},
-          {"micro_batch_search", s.batch_search},
-          {"state", state_report(s, st)},
+          {"memory_limit_bytes", s.meter.limit > 0 ? Json(s.meter.limit) : Json(nullptr)},
+          {"host_memory", host_report(config::host_limit_bytes(s.cfg), predicted, st)},
+          {"micro_batch_search", s.meter.batch_search},
+          {"state", state_report(s.cfg.state, s.proc, s.start, st)},
           {"final_weights", std::move(final_weights)},
           {"parallel", std::move(parallel)},
           {"oom", o.oom},
@@ -219,19 +218,19 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
 }
 
 // Writes summary.json; a failure is the run's exit status only when nothing failed before it.
-void write_summary(Session& s, const Json& summary, Outcome& o) {
+void write_summary(log::RunLog& runlog, const Json& summary, Outcome& o) {
   try {
-    s.runlog->write_json("summary.json", summary);
+    runlog.write_json("summary.json", summary);
   } catch (const IoError& e) {
     if (o.code == kExitOk) o = {kExitIo, e.what(), nullptr};
     else spdlog::error("{}", e.what());
   }
 }
 
-void print_closing_line(const Session& s, const LoopState& st, const Outcome& o) {
-  if (!s.rank0() && o.code != kExitOk) spdlog::error("rank {}: {}", s.launch.rank, o.message);
-  if (!s.rank0()) return;
-  const auto summary_path = (s.runlog->dir() / "summary.json").string();
+void print_closing_line(const Process& proc, const log::RunLog& runlog, const LoopState& st, const Outcome& o) {
+  if (!proc.rank0() && o.code != kExitOk) spdlog::error("rank {}: {}", proc.launch.rank, o.message);
+  if (!proc.rank0()) return;
+  const auto summary_path = (runlog.dir() / "summary.json").string();
   if (o.code == kExitOk)
     spdlog::info("done: {} steps, median {:.1f} ms/step, {:.0f} tok/s, peak {} -> {}", st.steps_done, median(st.step_ms),
                  median(st.tok_s), log::format_bytes(st.peak_bytes), summary_path);
@@ -245,16 +244,18 @@ int finish(Session& s, const LoopState& st, Outcome o) {
   // Ranks that left the loop together stay together: what one rank alone fails at from here on (rank 0
   // writing the final weights or the summary) becomes every rank's outcome before the next collective
   // or the exit, so no rank waits in a collective another never joins and all exit with one code.
-  const bool together = ranks_aligned(o.code) && s.world() > 1;
+  const bool together = ranks_aligned(o.code) && s.proc.world() > 1;
   int entry = o.code;
-  Json final_weights = save_final_model(s, st, o);
-  if (together) agree_outcome(s, o, entry, "writing the final weights");
+  Json final_weights = s.cfg.logging.save_model
+                          ? save_final_model(s.cfg.model, s.proc, *s.learn.strategy, s.data.tokenizer_path, *s.out.runlog, st, o)
+                          : Json(nullptr);
+  if (together) agree_outcome(s.proc, o, entry, "writing the final weights");
   entry = o.code;
-  Json parallel = parallel_report(s, st, o);
-  write_summary(s, summary_json(s, st, o, std::move(parallel), std::move(final_weights), st.wall_s), o);
+  Json parallel = parallel_report(s.cfg, s.proc, s.learn, s.meter, st, o);
+  write_summary(*s.out.runlog, summary_json(s, st, o, std::move(parallel), std::move(final_weights), st.wall_s), o);
   // Met here, every rank exits from this point (with one code): NCCL's group may be shut down cleanly.
-  if (together && ranks_aligned(entry) && agree_outcome(s, o, entry, "writing summary.json")) s.comm->ranks_leave_together();
-  print_closing_line(s, st, o);
+  if (together && ranks_aligned(entry) && agree_outcome(s.proc, o, entry, "writing summary.json")) s.proc.comm->ranks_leave_together();
+  print_closing_line(s.proc, *s.out.runlog, st, o);
   return o.code;
 }
 

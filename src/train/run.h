@@ -1,11 +1,12 @@
 // A training run in named pieces, so each can be read (and tested) alone:
 //   setup()       (setup.cpp) device, rendezvous, data, run directory, --resume's state, the
-//                 model-state check, micro-batch search, model, checkpointing runner, sharding engine,
+//                 model-state check, micro-batch search, model, checkpointing runner, data-parallel strategy,
 //                 optimizer, run log -> one Session; restore() loads the saved state into it;
 //   train_loop()  (loop.cpp) the optimizer steps from where the run stands, eval, state saves, stop
 //                 flags and events; every failure becomes an Outcome;
 //   finish()      (report.cpp) final model, per-rank memory, summary.json, the closing console line.
-// run() is those calls; state/state.h saves and loads the Session and LoopState.
+// run() is those calls over the Session's parts; state/state.h saves and loads the parts a training state
+// is made of (state_parts) and LoopState.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -29,7 +30,7 @@
 #include "memory/tracker.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
-#include "parallel/engine.h"
+#include "parallel/strategy.h"
 #include "precision/loss_scaler.h"
 #include "state/state.h"
 #include "text/tokenizer.h"
@@ -38,42 +39,82 @@
 
 namespace sl::train {
 
-// Everything a run is made of, built once by setup().
-struct Session {
-  config::RunConfig cfg;  // resolved: train.micro_batch: auto replaced by the chosen value
+// Who this process is: its place in the launch (torchrun's environment), its device, and its
+// communicator (world 1 too: a single process has one).
+struct Process {
   parallel::LaunchEnv launch;
   torch::Device device{torch::kCPU};
   std::shared_ptr<parallel::Comm> comm;
-  data::Splits splits;
-  std::unique_ptr<memory::Tracker> tracker;
-  int64_t limit = 0;                  // memory.limit in bytes (0 = none)
-  int64_t build_peak_bytes = 0;       // tensor bytes at the peak of building the model and engine (above what was live before)
-  int64_t load_peak_bytes = 0;        // the same while reading weights in: model.init_from, or --resume's state
-  nlohmann::json batch_search = nullptr;  // train.micro_batch: auto's trials
-  std::unique_ptr<data::Loader> train_loader, val_loader;
+  int64_t world() const { return launch.world; }
+  bool rank0() const { return launch.rank == 0; }
+};
+
+// What trains, as setup() built it: the model under its checkpointing plan (runner, forward), the
+// data-parallel strategy (parallel/strategy.h), AdamW over what it updates, and the step's precision.
+struct Learner {
   model::GPT model{nullptr};
   std::unique_ptr<checkpointing::Runner> runner;
-  std::unique_ptr<parallel::Engine> engine;  // world > 1 or sharding: DDP / ZeRO
+  std::unique_ptr<parallel::Strategy> strategy;
   std::unique_ptr<torch::optim::AdamW> opt;
   std::unique_ptr<precision::LossScaler> scaler;
   ForwardFn forward;
   StepPrecision precision;
-  std::unique_ptr<log::RunLog> runlog;
-  std::string run_dir;
-  std::unique_ptr<log::RunDirLock> run_lock;  // rank 0: held from set-up to exit (log/run_dir.h)
-  double flops_per_token = 0, recompute_flops_per_token = 0;
-  PeakTracker peak;  // the MFU denominator: per device, raised by a step that beats it (train/peak_flops.h)
-  memory::ActivationEstimate predicted;
-  nlohmann::json resolved, environment, model_info;  // summary.json's config, environment, model
-  state::Found resume_from;  // --resume: the saved state this run continues (found() false: a fresh start)
-  std::unique_ptr<interop::HfCheckpoint> init_from;  // model.init_from, opened and checked (fresh starts only)
-  std::filesystem::path tokenizer_path;  // the data's tokenizer.json (data.tokenizer), copied into the run directory; "" = none
-  std::optional<text::TextCodec> codec;  // train.sample_interval: the samples' tokenizer (or bytes)
-
-  int64_t world() const { return launch.world; }
-  bool rank0() const { return launch.rank == 0; }
-  int64_t tokens_per_step() const { return cfg.train.micro_batch * cfg.train.grad_accum * cfg.train.seq_len * world(); }
 };
+
+// The data: token splits, the train and validation loaders, the data's tokenizer.json (data.tokenizer,
+// copied into the run directory; "" = none) and, with train.sample_interval, the samples' codec.
+struct Inputs {
+  data::Splits splits;
+  std::unique_ptr<data::Loader> train_loader, val_loader;
+  std::filesystem::path tokenizer_path;
+  std::optional<text::TextCodec> codec;
+};
+
+// Where the run writes: its directory (rank 0 holds its lock from set-up to exit: log/run_dir.h), the
+// run log (metrics.jsonl, events, JSON files), and summary.json's config, environment and model blocks.
+struct Outputs {
+  std::string run_dir;
+  std::unique_ptr<log::RunDirLock> run_lock;
+  std::unique_ptr<log::RunLog> runlog;
+  nlohmann::json resolved, environment, model_info;
+};
+
+// What the run measures and predicts about itself: memory (the tracker, memory.limit in bytes, the
+// peaks of building and loading, the planner's activation estimate, micro_batch auto's trials) and speed
+// (FLOPs per token, the MFU's peak: per device, raised by a step that beats it, train/peak_flops.h).
+struct Meter {
+  std::unique_ptr<memory::Tracker> tracker;
+  int64_t limit = 0;                  // memory.limit in bytes (0 = none)
+  int64_t build_peak_bytes = 0;       // tensor bytes at the peak of building the model and strategy (above what was live before)
+  int64_t load_peak_bytes = 0;        // the same while reading weights in: model.init_from, or --resume's state
+  nlohmann::json batch_search = nullptr;  // train.micro_batch: auto's trials
+  memory::ActivationEstimate predicted;
+  double flops_per_token = 0, recompute_flops_per_token = 0;
+  PeakTracker peak;
+};
+
+// Where the run starts from: --resume's saved state (found() false: a fresh start) or model.init_from,
+// opened and checked (fresh starts only).
+struct Start {
+  state::Found resume_from;
+  std::unique_ptr<interop::HfCheckpoint> init_from;
+};
+
+// The parts setup() builds; run() holds them and lends each phase the ones it uses.
+struct Session {
+  config::RunConfig cfg;  // resolved: train.micro_batch: auto replaced by the chosen value
+  Process proc;
+  Start start;
+  Inputs data;
+  Meter meter;
+  Learner learn;
+  Outputs out;
+};
+
+// Tokens one optimizer step trains on, over every rank.
+inline int64_t tokens_per_step(const config::TrainConfig& t, int64_t world) {
+  return t.micro_batch * t.grad_accum * t.seq_len * world;
+}
 
 // What the step loop accumulates for the summary. Its state::Counters (steps_done, skipped_steps,
 // consecutive_skips, last_val) are also part of a saved training state (state/state.h).
@@ -94,8 +135,9 @@ struct LoopState : state::Counters {
   std::vector<double> step_ms, tok_s, samp_s, recompute_ms, act_peaks;  // after logging.skip_first
 };
 
-// The session's parts a training state is made of, lent to state::save / state::load.
-state::Parts state_parts(Session& s);
+// The parts a training state is made of, lent to state::save / state::load.
+state::Parts state_parts(const config::RunConfig& cfg, const Process& proc, Learner& learn, Inputs& data,
+                         const std::string& run_dir);
 
 // How the loop ended: the exit code, its message, and the oom record when it ran out of memory.
 struct Outcome {
@@ -112,8 +154,9 @@ void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, 
 std::unique_ptr<Session> setup(const config::RunConfig& cfg);
 // --resume: loads the state setup() found into the session and the loop's counters; a torchrun restart
 // (TORCHELASTIC_RESTART_COUNT > 0) is first logged as a `restart` event, found state or not.
-void restore(Session& s, LoopState& st);
-Outcome train_loop(Session& s, LoopState& st);
+void restore(state::Parts& saves, const Start& start, Meter& meter, log::RunLog& runlog, LoopState& st);
+Outcome train_loop(const config::RunConfig& cfg, const Process& proc, Learner& learn, Inputs& data, Meter& meter,
+                   Outputs& out, LoopState& st);
 // Returns the process exit code: the outcome's, or kExitIo when summary.json cannot be written
 // after an otherwise clean run.
 int finish(Session& s, const LoopState& st, Outcome outcome);

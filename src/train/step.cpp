@@ -14,10 +14,8 @@
 #include "device/device.h"
 #include "errors.h"
 #include "log/clock.h"
-#include "optim/clip.h"
-#include "optim/optimizer.h"
 #include "parallel/comm.h"
-#include "parallel/engine.h"
+#include "parallel/strategy.h"
 #include "precision/autocast.h"
 #include "train/trainer.h"
 
@@ -64,12 +62,12 @@ int stop_from_counts(const double* c) {
   return c[0] > 0.0 ? kStopIo : c[1] > 0.0 ? SIGTERM : c[2] > 0.0 ? SIGINT : 0;
 }
 
-// Packs [this rank's mean loss, its gradient-norm value, its found-inf flag, with a poll its counts], sums it
-// over ranks (one all-reduce of a device tensor; the norm value is a share of the squared norm with an
-// engine, the norm itself without one, i.e. at world 1), moves the loss scale on (fp16, on the device,
-// from the agreed flag), then reads all of it, with the new scale, in one host read.
+// Packs [this rank's mean loss, its share of the gradient norm, its found-inf flag, with a poll its counts],
+// sums it over ranks (the strategy's one all-reduce of a device tensor; none for one process), moves the
+// loss scale on (fp16, on the device, from the agreed flag), then reads all of it, with the new scale, in
+// one host read.
 StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, const torch::Tensor& found_inf,
-                      precision::LossScaler* scaler, parallel::Engine* engine, const StopPoll& poll) {
+                      precision::LossScaler* scaler, parallel::Strategy& strategy, const StopPoll& poll) {
   torch::NoGradGuard no_grad;
   const auto f64 = [&](const torch::Tensor& t) {
     return t.defined() ? t.reshape({1}).to(torch::kDouble) : torch::zeros({1}, loss.options());  // loss: float64
@@ -77,47 +75,27 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
   std::vector<torch::Tensor> parts{f64(loss), f64(norm), f64(found_inf)};
   if (poll) parts.push_back(poll_counts(poll(), loss.options()));  // [3, 7): only where a loop polls
   auto packed = torch::cat(parts);
-  const int64_t world = engine ? engine->comm().world() : 1;
-  if (world > 1) engine->comm().all_reduce_sum(packed, "loss, gradient norm and found-inf reduction").wait();
+  const std::string what = "loss, gradient norm and found-inf reduction";
+  strategy.sum_over_ranks(packed, what);
   const auto scale_at = static_cast<size_t>(packed.size(0));
   if (scaler) {
     scaler->update(packed[2]);
     packed = torch::cat({packed, scaler->scale_tensor().to(torch::kDouble)});
   }
   const std::vector<double> v = read_to_host(packed);
-  if (world > 1) engine->comm().check("loss, gradient norm and found-inf reduction");
+  strategy.check_reduction(what);
   if (scaler) scaler->observe(v[scale_at]);
-  return {world > 1 ? v[0] / static_cast<double>(world) : v[0], engine ? std::sqrt(v[1]) : v[1], v[2] > 0.0,
+  const auto world = static_cast<double>(strategy.world());
+  return {v[0] / world, strategy.global_norm(v[1]), v[2] > 0.0,
           poll ? stop_from_counts(&v[3]) : 0, poll && v[6] > 0.0};
-}
-
-// Zeroes the gradients (kept allocated, so peak - model states is the activation peak).
-void zero_grads(torch::optim::AdamW& opt, parallel::Engine* engine) {
-  if (engine)
-    engine->zero_grad();
-  else
-    opt.zero_grad(/*set_to_none=*/false);
-}
-
-std::vector<torch::Tensor> local_grads(model::GPT& model) {
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : model->parameters())
-    if (p.grad().defined()) grads.push_back(p.grad());
-  return grads;
 }
 
 }  // namespace
 
 const char* current_phase() { return device::phase_name(device::current_phase().phase); }
 
-std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t) {
-  std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  return optim::make_adamw(std::move(decay), std::move(no_decay), t);
-}
-
 torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
-                               const StepPrecision& precision, parallel::Engine* engine) {
+                               parallel::Strategy& strategy, const StepPrecision& precision) {
   const double n = static_cast<double>(micro.size());
   torch::Tensor total;  // float64 on the device: the same sum the host made of each loss's value
   for (const auto& b : micro) {
@@ -134,11 +112,11 @@ torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data:
       loss = model::GPTImpl::loss(logits, y);
     }
     set_phase(Phase::backward);
-    if (engine) engine->begin_backward(&b == &micro.back());
+    strategy.begin_backward(&b == &micro.back());
     // Divided by a 0-d tensor, not a double: the same float division on CPU and CUDA, and the form the
     // lazy test device differentiates (a double scalar there reaches nll_loss_backward as float64).
     ((precision.scaler ? precision.scaler->scale_loss(loss) : loss) / torch::scalar_tensor(n, loss.options())).backward();
-    if (engine) engine->end_backward();
+    strategy.end_backward();
     const auto l = loss.detach().to(torch::kDouble);
     total = total.defined() ? total + l : l;
   }
@@ -190,58 +168,56 @@ double flops_per_token(const model::GPTImpl& model, int64_t seq_len) {
          12.0 * static_cast<double>(c.n_layer) * static_cast<double>(seq_len) * static_cast<double>(c.n_embd);
 }
 
+namespace {
+
+// Model states after the step, by place: the strategy's buffers, AdamW's moments on the device or (offload)
+// the host, and the bytes offload copied during the step.
+void record_states(const StepParts& p, StepResult& r) {
+  const auto sb = p.strategy.state_bytes();
+  const int64_t moments = optimizer_state_bytes(p.opt);
+  r.states = {sb.params, sb.grads, sb.optimizer_on_host ? 0 : moments};
+  r.host_states = sb.host_params + sb.host_grads + (sb.optimizer_on_host ? moments : 0);
+  const auto moved = p.strategy.take_moved();
+  r.moved_to_device = moved.to_device, r.moved_to_host = moved.to_host;
+}
+
+}  // namespace
+
 // One host synchronization: read_step's read, after backward (see trainer.h). The step time is wall
 // clock from here to the return. On CUDA nothing waits for the device at either end: the kernels the
 // step queues after its read (clipping, AdamW, the ZeRO all-gather) finish during the next step and
 // count in its time, so step times still add up to the run's wall time and show its throughput.
-StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
-                      const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
-                      memory::Tracker& tracker, const StepPrecision& precision, parallel::Engine* engine,
-                      const StopPoll& stop, const HoldFn& hold) {
+StepResult train_step(const StepParts& p, const std::vector<data::Batch>& micro, const StopPoll& stop, const HoldFn& hold) {
   StepResult r;
-  auto* scaler = precision.scaler && precision.scaler->enabled() ? precision.scaler : nullptr;
-  tracker.reset_peak();
+  auto* scaler = p.precision.scaler && p.precision.scaler->enabled() ? p.precision.scaler : nullptr;
+  p.tracker.reset_peak();
   const auto t0 = Clock::now();
-  if (engine) engine->take_moved();  // this step's transfers only (not an eval's gathers)
-  zero_grads(opt, engine);
+  p.strategy.take_moved();  // this step's transfers only (not an eval's gathers)
+  p.strategy.zero_grad();
   r.loss_scale = scaler ? scaler->scale() : 1.0;
-  const torch::Tensor loss = forward_backward(forward, micro, device, precision, engine);
+  const torch::Tensor loss = forward_backward(p.forward, micro, p.device, p.strategy, p.precision);
   set_phase(Phase::optimizer);
-  const std::vector<torch::Tensor> grads = engine ? engine->grads() : local_grads(model);
+  const std::vector<torch::Tensor> grads = p.strategy.grads();
   const torch::Tensor found_inf = scaler ? scaler->unscale(grads) : torch::Tensor();  // unscale before clipping
-  const torch::Tensor norm = engine ? engine->grad_norm_sq_share() : optim::clip_grad_norm(grads, grad_clip);
-  const StepReading got = read_step(loss, norm, found_inf, scaler, engine, stop);
+  const torch::Tensor norm = p.strategy.norm_share(grads, p.grad_clip);
+  const StepReading got = read_step(loss, norm, found_inf, scaler, p.strategy, stop);
   r.loss = got.loss;
   r.stop = got.stop;
   r.save_writing = got.save_writing;
   if (!std::isfinite(r.loss) && !scaler) return r;
   r.skipped = scaler && got.found_inf;
-  if (r.skipped) {
-    r.grad_norm = std::numeric_limits<double>::quiet_NaN();
-  } else {
-    r.grad_norm = got.grad_norm;  // global over ranks: every rank takes the same branches below
-    if (engine && grad_clip > 0.0 && std::isfinite(r.grad_norm)) engine->clip(grad_clip, r.grad_norm);
-  }
+  r.grad_norm = r.skipped ? std::numeric_limits<double>::quiet_NaN() : got.grad_norm;  // global: every rank branches alike
+  if (!r.skipped && p.grad_clip > 0.0 && std::isfinite(r.grad_norm)) p.strategy.clip(p.grad_clip, r.grad_norm);
   r.nonfinite_grads = !r.skipped && !std::isfinite(r.grad_norm);
   r.held = !r.skipped && !r.nonfinite_grads && hold && hold(r.loss);
   if (!r.skipped && !r.nonfinite_grads && !r.held) {
     RECORD_FUNCTION("sublinear::optimizer_step", std::vector<c10::IValue>{});
-    if (engine) engine->optimizer_step(opt);
-    else optim::adamw_step(opt);
+    p.strategy.optimizer_step(p.opt);
   }
-  device::end_step(device);
+  device::end_step(p.device);
   r.ms = ms_since(t0);
-  r.mem = tracker.close_step();  // a memory timeline of this step ends here (memory/timeline.h)
-  if (engine) {
-    const auto sb = engine->state_bytes();
-    const int64_t moments = optimizer_state_bytes(opt);
-    r.states = {sb.params, sb.grads, sb.optimizer_on_host ? 0 : moments};
-    r.host_states = sb.host_params + sb.host_grads + (sb.optimizer_on_host ? moments : 0);
-    const auto moved = engine->take_moved();
-    r.moved_to_device = moved.to_device, r.moved_to_host = moved.to_host;
-  } else {
-    r.states = model_state_bytes(model, opt);
-  }
+  r.mem = p.tracker.close_step();  // a memory timeline of this step ends here (memory/timeline.h)
+  record_states(p, r);
   return r;
 }
 

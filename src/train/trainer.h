@@ -19,7 +19,7 @@
 #include "precision/loss_scaler.h"
 
 namespace sl::parallel {
-class Engine;
+class Strategy;
 }
 
 namespace sl::train {
@@ -28,9 +28,6 @@ namespace sl::train {
 // (reported with an out-of-memory failure; the thread's phase of device/alloc_tag.h, which a memory
 // timeline also records).
 const char* current_phase();
-
-// AdamW with two groups: matrices (dim >= 2) decay with train.weight_decay, vectors do not.
-std::unique_ptr<torch::optim::AdamW> make_optimizer(model::GPT& model, const config::TrainConfig& t);
 
 // idx (B, T) -> logits (B, T, V): the model's forward, or a checkpointing runner's.
 using ForwardFn = std::function<torch::Tensor(const torch::Tensor&)>;
@@ -47,10 +44,11 @@ struct StepPrecision {
 // device, not read (train_step reads it with the step's other numbers, once per step).
 // The forward runs under autocast; each micro-batch's loss is multiplied by the loss scale before its
 // backward (the same scale for every micro-batch of the step).
-// With a data-parallel engine, gradients are reduced across ranks during the backward of the last
-// micro-batch (zero2/3: of every micro-batch) and the returned loss is still this rank's.
+// The strategy brackets each backward (begin_backward / end_backward): data parallelism reduces gradients
+// across ranks during the backward of the last micro-batch (zero2/3: of every micro-batch); the returned
+// loss is still this rank's.
 torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
-                               const StepPrecision& precision = {}, parallel::Engine* engine = nullptr);
+                               parallel::Strategy& strategy, const StepPrecision& precision = {});
 
 // Mean loss over the first `batches` batches of `loader` (rewound first, so every eval scores the same
 // windows), in eval mode without autograd, through `forward`
@@ -62,7 +60,6 @@ struct ModelStateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
   int64_t total() const { return params + grads + optimizer; }
 };
-ModelStateBytes model_state_bytes(model::GPT& model, const torch::optim::AdamW& opt);
 int64_t optimizer_state_bytes(const torch::optim::AdamW& opt);  // AdamW's moments, as allocated
 
 // Why a rank wants the run to stop after the current step: 0 (go on), a signal number (SIGINT,
@@ -100,8 +97,9 @@ struct StepResult {
 // optimizer step; with one, non-finite gradients skip the step (skipped = true) and back off the scale.
 // Without one, a non-finite gradient norm (finite loss) leaves gradients and weights untouched and
 // sets nonfinite_grads; the caller aborts or skips (train.on_nonfinite).
-// With an engine: gradients are averaged across ranks, the norm is global, the optimizer updates this
-// rank's shard and the parameters are gathered after; the loss is the mean over ranks.
+// The strategy (parallel/strategy.h) takes the data-parallel part: across ranks gradients are averaged,
+// the norm is global, the optimizer updates this rank's shard and the parameters are gathered after;
+// the loss is the mean over ranks. One path for every strategy: forward/backward, reduce, clip, step.
 // One host synchronization per call: the loss, the gradient norm, the fp16 found-inf flag and the new
 // loss scale are summed over ranks in one small device tensor and read to the host once, after
 // backward ("sublinear::host_read" in a profiler trace); the skip/abort decisions and the clip
@@ -114,10 +112,19 @@ struct StepResult {
 // `hold`, when set, sees the step's loss (the mean over ranks, so every rank decides alike) after the
 // read and before the optimizer step; true keeps gradients and weights as they are (held = true).
 using HoldFn = std::function<bool(double loss)>;
-StepResult train_step(const ForwardFn& forward, model::GPT& model, torch::optim::AdamW& opt,
-                      const std::vector<data::Batch>& micro, double grad_clip, torch::Device device,
-                      memory::Tracker& tracker, const StepPrecision& precision = {}, parallel::Engine* engine = nullptr,
-                      const StopPoll& stop = {}, const HoldFn& hold = {});
+// What a step uses, lent by its caller (the loop, the micro-batch probe): grad_clip is train.grad_clip
+// (0 = off, the norm still measured).
+struct StepParts {
+  const ForwardFn& forward;
+  parallel::Strategy& strategy;
+  torch::optim::AdamW& opt;
+  memory::Tracker& tracker;
+  torch::Device device;
+  StepPrecision precision;
+  double grad_clip = 0.0;
+};
+StepResult train_step(const StepParts& parts, const std::vector<data::Batch>& micro, const StopPoll& stop = {},
+                      const HoldFn& hold = {});
 
 // Does one micro-batch of `micro_batch` sequences train (two real optimizer steps of a fresh model,
 // random tokens) without running out of memory? Everything it allocates is freed on return.
