@@ -71,7 +71,7 @@ void check_step(Session& s, LoopState& st, const StepResult& r, int64_t step, lo
     }
     return;
   }
-  if (r.nonfinite_grads && cfg.train.on_nonfinite == "abort") {
+  if (r.nonfinite_grads && cfg.train.on_nonfinite == config::OnNonfinite::kAbort) {
     s.runlog->event("non_finite_grad", {{"step", step + 1}, {"loss", r.loss}, {"action", "abort"}});
     throw NonFiniteError(fmt::format("step {}: gradients hold NaN/Inf while the loss is finite ({:.4f}); stopped before "
                                      "the optimizer step, weights untouched. Lower train.lr, or set "
@@ -212,12 +212,13 @@ int handle_spike(Session& s, LoopState& st, const StepResult& r, const SpikeChec
   s.runlog->event("spike", {{"step", step + 1}, {"loss", r.loss}, {"average", c.average},
                             {"threshold", t.spike_threshold}, {"action", t.on_spike}});
   if (r.held) ++st.skipped_steps;
-  const char* what = t.on_spike == "warn" ? "the step is kept" : t.on_spike == "skip" ? "weights untouched"
-                                                                                       : "weights untouched; stopping";
+  const char* what = t.on_spike == config::OnSpike::kWarn   ? "the step is kept"
+                     : t.on_spike == config::OnSpike::kSkip ? "weights untouched"
+                                                            : "weights untouched; stopping";
   warn(s, bar, fmt::format("step {:>5}/{} | loss spike: {:.4f} is {:.2f}x the moving average {:.4f} "
                            "(train.on_spike: {}): {}", step + 1, t.steps, r.loss, r.loss / c.average, c.average,
-                           t.on_spike, what));
-  return t.on_spike == "stop" ? kStopSpike : 0;
+                           t.on_spike.name(), what));
+  return t.on_spike == config::OnSpike::kStop ? kStopSpike : 0;
 }
 
 // This rank's reason to stop after the current step (see StopPoll): a signal (torchrun forwards it
@@ -341,7 +342,7 @@ int loop_step(Session& s, LoopState& st, int64_t step, log::ProgressBar& bar) {
   SpikeCheck spike;  // the loss against the moving average, made once, where the weights can still be kept
   const HoldFn hold = [&](double loss) {
     spike = check_spike(st, loss, t);
-    return spike.spike && (t.on_spike == "skip" || t.on_spike == "stop");  // every rank sees the same (mean) loss
+    return spike.spike && t.on_spike.holds();  // every rank sees the same (mean) loss
   };
   TimelineArm timeline(s.rank0() && s.cfg.logging.memory_timeline == step + 1, step + 1, s, micro);
   const StepResult r = train_step(s.forward, s.model, *s.opt, micro, t.grad_clip, s.device, *s.tracker, s.precision,
@@ -376,7 +377,7 @@ Json oom_record(Session& s, int64_t step, const char* phase, bool host, const st
   auto& alloc = memory::TrackingCPUAllocator::instance();
   const bool refused_here = memory::TrackingCPUAllocator::installed() && alloc.last_refused_bytes() > 0 &&
                             alloc.last_refused_host() == host;
-  const int64_t limit = host ? config::host_limit_bytes(s.cfg) : s.limit;
+  const int64_t limit = host ? s.cfg.memory.host_limit.bytes : s.limit;
   Json rec = {{"step", step},
               {"phase", phase},
               {"requested_bytes", refused_here ? Json(alloc.last_refused_bytes()) : Json(nullptr)},

@@ -149,7 +149,7 @@ Json state_report(const Session& s, const LoopState& st) {
 // Offloaded state in host memory (offload.*): measured and predicted, and the limit.
 Json host_report(const Session& s, const LoopState& st) {
   const auto predicted = memory::predict_peak(s.cfg, s.runner->plan());
-  const int64_t host_limit = config::host_limit_bytes(s.cfg);
+  const int64_t host_limit = s.cfg.memory.host_limit.bytes;
   return {{"peak_bytes", st.host_peak_bytes},
           {"states_bytes", st.host_states_bytes},
           {"predicted_peak_bytes", predicted.host_peak_bytes()},

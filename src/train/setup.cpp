@@ -66,7 +66,7 @@ void init_process(Session& s) {
 void choose_run_dir(Session& s) {
   const auto& cfg = s.cfg;
   if (!cfg.logging.dir.empty()) s.run_dir = cfg.logging.dir;
-  else if (cfg.resume == "auto" && cfg.state.dir.empty()) s.run_dir = log::newest_run_with_state(log::kRunsDir, cfg.recipe_name).string();
+  else if (cfg.resume == config::kResumeNewest && cfg.state.dir.empty()) s.run_dir = log::newest_run_with_state(log::kRunsDir, cfg.recipe_name).string();
   if (s.run_dir.empty()) s.run_dir = default_run_dir(s);
 }
 
@@ -175,7 +175,7 @@ void choose_micro_batch(Session& s) {
                     {"grad_accum", found.grad_accum}, {"global_batch", cfg.train.global_batch}};
   if (found.micro_batch == 0)
     throw OomError(fmt::format("train.micro_batch: auto: not even micro-batch 1 fits memory.limit {}; {}",
-                               cfg.memory.limit, planner::oom_advice(cfg, s.limit)));
+                               cfg.memory.limit.text, planner::oom_advice(cfg, s.limit)));
   cfg.train.micro_batch = found.micro_batch;
   cfg.train.grad_accum = found.grad_accum;
   if (s.rank0())
@@ -331,7 +331,7 @@ void warn_fallback_matmuls(const Session& s) {
   spdlog::warn("precision.compute {}: this CPU has no oneDNN matmul kernel for it (no AVX-512, or ONEDNN_MAX_CPU_ISA below it), so its matmuls take "
                "ATen's fallback GEMM, far slower than fp32 (0.8 against 104 GFLOP/s on an AVX2 AMD EPYC), and SUBLINEAR_ATEN_KERNELS "
                "turned off the widened linears that avoid it: unset it, or train in precision.compute: fp32 (docs/precision.md)",
-               s.cfg.precision.compute);
+               s.cfg.precision.compute.name());
 }
 
 void print_settings(const Session& s) {
@@ -363,7 +363,7 @@ namespace {
 
 // offload.*: the model states placed in host memory against memory.host_limit (when set).
 void check_host_states_fit(const config::RunConfig& cfg, const memory::PeakPrediction& p) {
-  const int64_t host_limit = config::host_limit_bytes(cfg);
+  const int64_t host_limit = cfg.memory.host_limit.bytes;
   if (host_limit <= 0 || p.host_states_bytes() <= host_limit) return;
   throw OomError(fmt::format(
       "the offloaded model states cannot fit host memory: {} per rank (fp32 masters {}, gradients {}, AdamW moments {}) "
@@ -410,9 +410,9 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   open_init_from(*s);
   check_run_dir_early(*s);
   s->tracker = std::make_unique<memory::Tracker>(s->device);
-  s->limit = config::memory_limit_bytes(s->cfg);
+  s->limit = s->cfg.memory.limit.bytes;
   s->tracker->set_limit(s->limit);  // before the model exists: the limit covers everything, as on a GPU
-  s->tracker->set_host_limit(config::host_limit_bytes(s->cfg));
+  s->tracker->set_host_limit(s->cfg.memory.host_limit.bytes);
   check_model_states_fit(s->cfg, s->device, s->limit);
   if (s->cfg.train.micro_batch.is_auto()) choose_micro_batch(*s);
   // The plan, resolved once before a model exists; a budget no schedule fits stops here (exit 2),
