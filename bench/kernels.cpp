@@ -225,7 +225,7 @@ double autocast_step_ms(model::GPT& gpt, const torch::Tensor& idx, const torch::
 // trainer's own bf16 GEMM rate (train::measure_gemm_flops: the best 1024^3 product over 0.5 s).
 // Model FLOPs are the trainer's (train::flops_per_token, the PaLM formula).
 void bench_model_bf16(int64_t reps) {
-  if (device::cpu_features().linear_path("bf16") != device::LowpMatmul::native) {
+  if (device::cpu_features().linear_path(config::Dtype::kBf16) != device::LowpMatmul::native) {
     std::printf("\nl12 model, bf16, outside the trainer: skipped (no native bf16 GEMM on this CPU)\n");
     return;
   }

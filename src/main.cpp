@@ -36,7 +36,9 @@ struct Cli {
   std::string plan_memory, plan_out;
   int64_t plan_world = 0;
   sl::interop::ExportRequest export_req;
+  std::string export_dtype = "fp32";  // export --dtype, parsed in dispatch()
   sl::interop::SampleRequest sample_req;
+  std::string sample_device = "auto";  // sample --device, parsed in dispatch()
   bool sample_json = false, sample_no_cache = false, sample_ignore_eot = false;
   CLI::App* plan_cmd = nullptr;
   CLI::App* export_cmd = nullptr;
@@ -57,14 +59,22 @@ void add_sample_command(CLI::App& app, Cli& cli) {
   cmd->add_option("--temperature", r.temperature, "softmax temperature; 0 = greedy (default 1)");
   cmd->add_option("--top-k", r.top_k, "sample among the k most likely tokens; 0 = all (default)");
   cmd->add_option("--seed", r.seed, "sampling seed: the same seed gives the same text (default 1337)");
-  cmd->add_option("--device", r.device, "auto (default: cuda when available) | cpu | cuda");
+  cmd->add_option("--device", cli.sample_device, "auto (default: cuda when available) | cpu | cuda");
   cmd->add_flag("--no-cache", cli.sample_no_cache, "recompute the whole sequence for every token (no KV cache; for comparison)");
   cmd->add_flag("--ignore-eot", cli.sample_ignore_eot, "keep going past the end-of-text token");
   cmd->add_flag("--json", cli.sample_json, "print one JSON object (ids, text, timings) instead of the text");
 }
 
+// A flag that names a recipe choice (export --dtype, sample --device), read by the recipe's parser;
+// `expected` lists the names the command takes (the command refuses the others it parses).
+template <class Choice> Choice parse_flag(const std::string& text, const char* flag, const char* expected) {
+  if (const auto c = Choice::parse(text)) return *c;
+  throw sl::ConfigError(fmt::format("{} {}: expected {}", flag, text, expected));
+}
+
 int run_sample(const Cli& cli) {
   auto req = cli.sample_req;
+  req.device = parse_flag<sl::config::DeviceChoice>(cli.sample_device, "sample --device", "auto, cpu or cuda");
   req.use_cache = !cli.sample_no_cache;
   req.stop_at_eot = !cli.sample_ignore_eot;
   const auto r = sl::interop::sample(req);
@@ -119,11 +129,13 @@ void add_commands(CLI::App& app, Cli& cli) {
   cli.export_cmd->add_option("--run", req.run, "the run directory (its config.json, state/ and model/)")->required();
   cli.export_cmd->add_option("--out", req.out, "a directory, or a .safetensors file with config.json beside it "
                                                "(default: <run>/hf-step-NNNNNNNN/)");
-  cli.export_cmd->add_option("--dtype", req.dtype, "fp32 (default) or bf16 (for inference tools)");
+  cli.export_cmd->add_option("--dtype", cli.export_dtype, "fp32 (default) or bf16 (for inference tools)");
   add_sample_command(app, cli);
 }
 
-int run_export(const sl::interop::ExportRequest& req) {
+int run_export(const Cli& cli) {
+  auto req = cli.export_req;
+  req.dtype = parse_flag<sl::config::Dtype>(cli.export_dtype, "export --dtype", "fp32 or bf16");
   sl::memory::TrackingCPUAllocator::install();  // to report the export's peak tensor memory
   const auto r = sl::interop::export_run(req);
   fmt::print("exported step {} from {} -> {} ({}; peak tensor memory {}, peak_tensor_bytes={})\n", r.step, r.source,
@@ -133,7 +145,7 @@ int run_export(const sl::interop::ExportRequest& req) {
 }
 
 int run_plan(const sl::config::RunConfig& cfg, const Cli& cli) {
-  const int64_t memory = cli.plan_memory.empty() ? sl::config::memory_limit_bytes(cfg)
+  const int64_t memory = cli.plan_memory.empty() ? cfg.memory.limit.bytes
                                                  : sl::config::parse_bytes(cli.plan_memory, "--memory");
   const auto report = sl::planner::plan(cfg, memory);
   fmt::print("{}", sl::planner::format_plan(report));
@@ -146,7 +158,7 @@ int run_plan(const sl::config::RunConfig& cfg, const Cli& cli) {
 
 // The parsed command: export, sample, plan or train.
 int dispatch(const Cli& cli) {
-  if (cli.export_cmd->parsed()) return run_export(cli.export_req);
+  if (cli.export_cmd->parsed()) return run_export(cli);
   if (cli.sample_cmd->parsed()) return run_sample(cli);
   if (cli.config_path.empty())
     throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");

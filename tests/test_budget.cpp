@@ -338,7 +338,7 @@ TEST_CASE("budget recipe keys: a share needs memory.limit, sizes and shares pars
                     Catch::Contains("(0%, 100%]"));
   CHECK_THROWS_WITH(load({"checkpointing.mode=full", "checkpointing.budget=1GiB"}),
                     Catch::Contains("only used with checkpointing.mode: budget"));
-  CHECK(config::parse_budget(load({"checkpointing.mode=budget", "checkpointing.budget=2GiB"})).bytes == (int64_t{2} << 30));
+  CHECK(load({"checkpointing.mode=budget", "checkpointing.budget=2GiB"}).checkpointing.budget.bytes == (int64_t{2} << 30));
   const auto share = load({"checkpointing.mode=budget", "checkpointing.budget=50%", "memory.limit=1GiB"});
   const auto p = planner::predict_peak(share);
   const int64_t room = (int64_t{1} << 30) - p.model_states_bytes() - p.buffer_bytes - p.batch_bytes;
@@ -384,7 +384,7 @@ TEST_CASE("micro_batch: auto with a budget: the largest micro-batch at which som
   auto cfg = six_layers({"checkpointing.mode=budget", "checkpointing.budget=80%", "memory.limit=24MiB",
                          "train.micro_batch=auto", "train.global_batch=64"});
   cfg.train.micro_batch = 1;
-  const int64_t limit = config::memory_limit_bytes(cfg);
+  const int64_t limit = cfg.memory.limit.bytes;
   const int64_t mb = planner::largest_micro_batch(cfg, limit, 64);
   REQUIRE(mb > 1);
   REQUIRE(mb < 64);

@@ -30,7 +30,7 @@ TEST_CASE("tiny recipe resolves to the tiny preset") {
   CHECK(cfg.model.preset == "tiny");
   CHECK(cfg.model.n_layer == 4);
   CHECK(cfg.model.vocab_size == 256);
-  CHECK(cfg.data.source == "llmc");
+  CHECK(cfg.data.source == config::DataSource::kLlmc);
 }
 
 TEST_CASE("precedence: --set beats YAML beats preset beats defaults") {
@@ -69,6 +69,86 @@ TEST_CASE("resolved config serializes every section and key") {
     for (auto& [k, v] : keys.items()) yaml += "  " + k + ": " + v.dump() + "\n";
   }
   CHECK(config::to_json(config::load_string(yaml, {})) == j);
+}
+
+// The recipe's choices, sizes, budget and loss scale are read once, at load, into typed values; the
+// recipe's text is what config.json and the start-up table print, and it loads back to the same values.
+TEST_CASE("typed recipe values are parsed at load and printed as the recipe wrote them") {
+  const auto cfg = config::load_string(
+      "model:\n  arch: llama\n  bias: false\n  tie_embeddings: false\n"
+      "data:\n  source: bin\n  raw_dtype: uint32\n"
+      "train:\n  device: cpu\n  on_nonfinite: skip\n  on_spike: stop\n"
+      "checkpointing:\n  mode: budget\n  budget: 90%\n"
+      "precision:\n  compute: bf16\n  param_dtype: bf16\n  reduce_dtype: bf16\n  loss_scale: 1024\n"
+      "parallel:\n  backend: gloo\n  sharding: zero2\n"
+      "memory:\n  limit: 8GiB\n  host_limit: 512 MiB\n",
+      {});
+  CHECK(cfg.model.arch == config::Arch::kLlama);
+  CHECK(cfg.data.source == config::DataSource::kBin);
+  CHECK(cfg.data.source.llmc());  // bin is llmc's old name
+  CHECK(cfg.data.raw_dtype.bytes() == 4);
+  CHECK(cfg.train.device == config::DeviceChoice::kCpu);
+  CHECK(cfg.train.on_nonfinite == config::OnNonfinite::kSkip);
+  CHECK(cfg.train.on_spike == config::OnSpike::kStop);
+  CHECK(cfg.train.on_spike.holds());
+  CHECK(cfg.precision.compute == config::Dtype::kBf16);
+  CHECK(cfg.precision.param_dtype.bytes() == 2);
+  CHECK(cfg.precision.reduce_dtype == config::Dtype::kBf16);
+  CHECK_FALSE(cfg.precision.loss_scale.dynamic());
+  CHECK(cfg.precision.loss_scale.fixed == 1024.0);
+  CHECK(cfg.parallel.backend == config::Backend::kGloo);
+  CHECK(cfg.memory.limit.bytes == int64_t{8} << 30);
+  CHECK(cfg.memory.host_limit.bytes == int64_t{512} << 20);
+  CHECK(cfg.checkpointing.budget.bytes == 0);
+  CHECK(cfg.checkpointing.budget.share == 0.9);  // 90 / 100, correctly rounded: the double nearest 0.9
+  const auto j = config::to_json(cfg);
+  CHECK(j["model"]["arch"] == "llama");
+  CHECK(j["data"]["source"] == "bin");
+  CHECK(j["train"]["on_spike"] == "stop");
+  CHECK(j["precision"]["param_dtype"] == "bf16");
+  CHECK(j["precision"]["loss_scale"] == "1024");
+  CHECK(j["parallel"]["backend"] == "gloo");
+  CHECK(j["memory"]["limit"] == "8GiB");
+  CHECK(j["memory"]["host_limit"] == "512 MiB");
+  CHECK(j["checkpointing"]["budget"] == "90%");
+  const auto rows = config::to_rows(cfg);
+  const auto row = [&](const std::string& key) {
+    for (const auto& [k, v] : rows)
+      if (k == key) return v;
+    return std::string("(no row)");
+  };
+  CHECK(row("memory.host_limit") == "512 MiB");
+  CHECK(row("precision.compute") == "bf16");
+  std::string yaml;
+  for (auto& [sec, keys] : j.items()) {
+    yaml += sec + ":\n";
+    for (auto& [k, v] : keys.items()) yaml += "  " + k + ": " + v.dump() + "\n";
+  }
+  CHECK(config::to_json(config::load_string(yaml, {})) == j);
+}
+
+TEST_CASE("a bad value of a typed key is refused at load naming the key, with its line from YAML, alone from --set") {
+  const std::vector<std::pair<std::string, std::string>> names = {
+      {"model.arch", "gpt3"},        {"precision.compute", "fp8"},   {"precision.param_dtype", "fp8"},
+      {"precision.reduce_dtype", "fp8"}, {"parallel.backend", "mpi"}, {"train.device", "gpu"},
+      {"data.source", "csv"},        {"data.raw_dtype", "int8"},     {"train.on_nonfinite", "ignore"},
+      {"train.on_spike", "maybe"}};
+  for (const auto& [key, value] : names) {
+    INFO(key);
+    const auto dot = key.find('.');
+    const std::string yaml = key.substr(0, dot) + ":\n  " + key.substr(dot + 1) + ": " + value + "\n";
+    const std::string said = key + ": '" + value + "' is not one of ";
+    CHECK_THROWS_WITH(config::load_string(yaml, {}), Catch::Contains(said) && Catch::Contains("(line 2)"));
+    CHECK_THROWS_WITH(config::load_string("", {key + "=" + value}), Catch::Contains(said) && !Catch::Contains("line"));
+  }
+  CHECK_THROWS_WITH(config::load_string("memory:\n  host_limit: lots\n", {}),
+                    Catch::Contains("memory.host_limit: 'lots' is not a size") && Catch::Contains("(line 2)"));
+  CHECK_THROWS_WITH(config::load_string("", {"memory.limit=lots"}),
+                    Catch::Contains("memory.limit: 'lots' is not a size") && !Catch::Contains("line"));
+  CHECK_THROWS_WITH(config::load_string("checkpointing:\n  mode: budget\n  budget: 0%\n", {}),
+                    Catch::Contains("checkpointing.budget: '0%' is not a share") && Catch::Contains("(line 3)"));
+  CHECK_THROWS_WITH(config::load_string("", {"precision.loss_scale=-2"}),
+                    Catch::Contains("precision.loss_scale: a fixed scale must be > 0") && !Catch::Contains("line"));
 }
 
 TEST_CASE("--help-config lists every key with its doc") {
@@ -318,7 +398,7 @@ TEST_CASE("train.micro_batch auto without memory.limit: accepted with device aut
                     Catch::Contains("train.micro_batch") && Catch::Contains("memory.limit") &&
                         Catch::Contains("train.device: auto puts this run on the CPU"));
   auto limited = cfg;
-  limited.memory.limit = "1GiB";
+  limited.memory.limit = {int64_t{1} << 30, "1GiB"};
   CHECK_NOTHROW(config::validate_resolved_device(limited, /*on_cuda=*/false));
   CHECK_THROWS_WITH(config::load_string(recipe("cpu"), {}),
                     Catch::Contains("train.micro_batch") && Catch::Contains("memory.limit"));

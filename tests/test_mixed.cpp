@@ -174,7 +174,7 @@ TEST_CASE("bf16 compute copy under zero3: per-rank peak within the ZeRO-3 bound,
   const double act_fp32 = fp32["median_activation_peak_bytes"].get<double>(), act_bf16 = bf16["median_activation_peak_bytes"].get<double>();
   INFO("activation peaks " << act_fp32 << " -> " << act_bf16 << ", weight copies " << copies);
   CHECK(act_bf16 < act_fp32);  // the bf16 residual stream, either way
-  if (device::cpu_features().linear_path("bf16") == device::LowpMatmul::widened) CHECK(act_fp32 - act_bf16 < 0.5 * copies);
+  if (device::cpu_features().linear_path(config::Dtype::kBf16) == device::LowpMatmul::widened) CHECK(act_fp32 - act_bf16 < 0.5 * copies);
   else CHECK(act_fp32 - act_bf16 >= 0.5 * copies);
 }
 
@@ -346,7 +346,7 @@ TEST_CASE("bf16 fused kernels: the tiny recipe's bf16 curve stays within 0.001 n
   // The widened linears where the libraries have no bf16 GEMM instructions; the warning only where ATen's
   // gemm then runs.
   const bool no_bf16_gemm = device::cpu_features().bf16_matmul == device::LowpMatmul::aten;
-  CHECK(test::summary(fused_dir)["environment"]["cpu"]["bf16_linear"] == device::to_string(device::cpu_features().linear_path("bf16")));
+  CHECK(test::summary(fused_dir)["environment"]["cpu"]["bf16_linear"] == device::to_string(device::cpu_features().linear_path(config::Dtype::kBf16)));
   CHECK(test::summary(aten_dir)["environment"]["cpu"]["bf16_linear"] == device::to_string(device::cpu_features().bf16_matmul));
   CHECK_FALSE(warned["fp32"]);
   CHECK_FALSE(warned["fused"]);

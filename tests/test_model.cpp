@@ -88,12 +88,12 @@ TEST_CASE("preset parameter counts") {
 }
 
 TEST_CASE("forward shapes and causality, both architectures") {
-  for (const std::string arch : {"gpt2", "llama"}) {
+  for (const config::Arch arch : {config::Arch::kGpt2, config::Arch::kLlama}) {
     DYNAMIC_SECTION(arch) {
       torch::manual_seed(0);
       config::ModelConfig c;
       c.arch = arch, c.n_layer = 2, c.n_head = 2, c.n_embd = 32, c.vocab_size = 50, c.max_seq_len = 16;
-      c.bias = arch == "gpt2", c.tie_embeddings = arch == "gpt2";
+      c.bias = arch == config::Arch::kGpt2, c.tie_embeddings = arch == config::Arch::kGpt2;
       model::GPT m(c, torch::kCPU);
       m->eval();
       torch::NoGradGuard no_grad;
@@ -151,7 +151,7 @@ TEST_CASE("dropout is active in training and off in eval") {
 TEST_CASE("RMSNorm's own backward matches autograd through at::rms_norm") {
   torch::manual_seed(0);
   auto c = preset("tiny");
-  c.arch = "llama", c.bias = false, c.n_layer = 1;
+  c.arch = config::Arch::kLlama, c.bias = false, c.n_layer = 1;
   model::GPT m(c, torch::kCPU);
   auto* b = m->blocks[0]->as<model::BlockImpl>();
   {
@@ -214,7 +214,7 @@ TEST_CASE("a GPT-2 block (fused attention on packed QKV, fc bias in the GELU) eq
   // parameter gradient, the fc bias's (now summed inside the GELU's backward) included.
   torch::manual_seed(5);
   config::ModelConfig c;
-  c.arch = "gpt2", c.n_layer = 1, c.n_head = 3, c.n_embd = 48, c.vocab_size = 50, c.max_seq_len = 40;
+  c.arch = config::Arch::kGpt2, c.n_layer = 1, c.n_head = 3, c.n_embd = 48, c.vocab_size = 50, c.max_seq_len = 40;
   model::Block block(c, 0, torch::kCPU);
   {
     torch::NoGradGuard no_grad;  // non-zero biases and norm weights (they start at 0 and 1)
@@ -1487,7 +1487,7 @@ std::map<std::string, torch::Tensor> block_run(model::Block& block, const torch:
 TEST_CASE("a GPT-2 block under bf16 autocast takes the bf16 fused kernels, as close to fp32 as on ATen's") {
   torch::manual_seed(17);
   config::ModelConfig c;
-  c.arch = "gpt2", c.n_layer = 1, c.n_head = 4, c.n_embd = 64, c.vocab_size = 50, c.max_seq_len = 80;
+  c.arch = config::Arch::kGpt2, c.n_layer = 1, c.n_head = 4, c.n_embd = 64, c.vocab_size = 50, c.max_seq_len = 80;
   model::Block block(c, 0, torch::kCPU);
   {
     torch::NoGradGuard no_grad;
@@ -1817,7 +1817,7 @@ TEST_CASE("widened linear takes its path exactly where the CPU has no low-precis
       const auto other = dt == torch::kBFloat16 ? torch::kHalf : torch::kBFloat16;
       CHECK(model::widened_dtype(x32.to(other)) == expected(dt, forced_off));
       // The path the planner and summary.json report for the model's linears says the same.
-      CHECK((f.linear_path(dt == torch::kBFloat16 ? "bf16" : "fp16") == device::LowpMatmul::widened) ==
+      CHECK((f.linear_path(dt == torch::kBFloat16 ? config::Dtype::kBf16 : config::Dtype::kFp16) == device::LowpMatmul::widened) ==
             expected(dt, false).has_value());
       // Not on the CPU, or no tensor: never.
       CHECK_FALSE(model::widened_dtype(torch::empty({4, 8}, torch::TensorOptions().device(torch::kMeta))).has_value());

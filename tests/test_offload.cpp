@@ -474,7 +474,7 @@ TEST_CASE("a host out-of-memory in a step reports the host pool: its peak and me
 TEST_CASE("a host copy made on a thread without a HostScope (autograd's CUDA thread) counts in the host pool") {
   memory::TrackingCPUAllocator::install();
   config::TrainConfig t;
-  t.device = "lazy";
+  t.device = config::DeviceChoice::kLazy;
   const auto dev = device::resolve_device(t);
   const auto on_device = torch::ones({1 << 16}, torch::TensorOptions().device(dev));
   int64_t before = 0, during = 0;

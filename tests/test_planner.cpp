@@ -139,7 +139,7 @@ void check_recipes(const std::vector<Recipe>& recipes) {
         CHECK(std::abs(err) <= kBound);
         if (std::abs(err) >= std::abs(worst)) worst = err, worst_case = what;
       }
-    fmt::print("planner [{}] worst: {}\n", device::to_string(device::cpu_features().linear_path("bf16")), worst_case);
+    fmt::print("planner [{}] worst: {}\n", device::to_string(device::cpu_features().linear_path(config::Dtype::kBf16)), worst_case);
   }
 }
 
@@ -148,7 +148,7 @@ void check_recipes(const std::vector<Recipe>& recipes) {
 TEST_CASE("predicted peak is within 5% of the measured peak: gpt2 and llama, fp32 and bf16, every mode") {
   // On ATen's fallback GEMM (an AVX2-only CPU under SUBLINEAR_ATEN_KERNELS=1) bf16 matmuls are ~50x
   // slower: its smallest batches only (the larger ones were measured within 3% when the model was made).
-  const bool slow_bf16 = device::cpu_features().linear_path("bf16") == device::LowpMatmul::aten;
+  const bool slow_bf16 = device::cpu_features().linear_path(config::Dtype::kBf16) == device::LowpMatmul::aten;
   auto recipes = activation_recipes(Set::all);
   if (slow_bf16) {
     recipes.erase(recipes.begin(), recipes.begin() + 3);  // the bf16 ones
@@ -204,7 +204,7 @@ TEST_CASE("the bf16 model holds on the AVX2 path") {
   // repeat it exactly.
   const auto& f = device::cpu_features();
   const bool on_the_path = f.bf16_matmul == device::LowpMatmul::aten && !f.avx512 &&
-                           f.linear_path("bf16") == device::LowpMatmul::widened;
+                           f.linear_path(config::Dtype::kBf16) == device::LowpMatmul::widened;
   if (!on_the_path) check_capped_cpu_path("AVX2", "aten", "[.cpu-path]", "", "widened");
   check_capped_cpu_path("AVX2", "aten", "[.cpu-path-quick]", "SUBLINEAR_ATEN_KERNELS=1", "aten");
 }
@@ -464,7 +464,7 @@ TEST_CASE("weight-heavy shape, world 1: predicted peak within 5%, gpt2 and llama
 // linears widen: elsewhere the model leaves out the head's weight gradient at its backward (4VC; fp32
 // under-predicts this shape by 11.7 %), a known gap (docs/memory.md).
 TEST_CASE("head-heavy shape, widened bf16 linears: predicted peak within 5%, gpt2 and llama", "[widened]") {
-  if (device::cpu_features().linear_path("bf16") != device::LowpMatmul::widened)
+  if (device::cpu_features().linear_path(config::Dtype::kBf16) != device::LowpMatmul::widened)
     SUBLINEAR_SKIP("this CPU has a bf16 GEMM: its linears do not widen");
   for (const auto& variant : {kWeightHeavyVariants[1], kWeightHeavyVariants[3]}) {
     auto sets = std::vector<std::string>{"model.n_layer=2", "model.n_embd=256", "model.vocab_size=16384", "train.micro_batch=1",

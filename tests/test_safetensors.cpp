@@ -454,7 +454,7 @@ TEST_CASE("a tensor on a device that is not the CPU is staged to host by the wri
   // The lazy test device (train.device: lazy): is_cpu() false, data_ptr() null, so any write from its
   // memory would fail or write garbage. 80 MiB of fp32: two staging pieces (64 MiB, then 16 MiB).
   config::TrainConfig t;
-  t.device = "lazy";
+  t.device = config::DeviceChoice::kLazy;
   const auto lazy = device::resolve_device(t);
   REQUIRE_FALSE(lazy.is_cpu());
   test::TempDir dir("st-device");

@@ -13,8 +13,9 @@
 #   - scripts/check_links.py: passes on this tree; fails naming a missing page and a missing anchor
 #   - bench/gpu.sh: --help, argument errors and a run without a pack exit 2 (its runs: a GPU machine),
 #   - scripts/check_design.py: passes on this tree; fails naming an include against the layer order, an
-#     unplaced folder, a torch header in the torch-free bottom; fails naming a string comparison with a sharding
-#     stage outside src/config.
+#     unplaced folder, a torch header in the torch-free bottom; fails naming each string comparison with a
+#     recipe choice's name (sharding stage, architecture, dtype, backend, device, data source, spike action)
+#     outside src/config.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
 # at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
@@ -193,8 +194,9 @@ CTEST
 }
 check "run_ctest.sh: skipped tests counted and named with their reasons, ctest's exit status kept" ctest_summary
 
-# 6. scripts/check_design.py: this tree passes; a tree with one string comparison of a stage fails
-#    naming it; the same comparison inside src/config (the parser) is allowed.
+# 6. scripts/check_design.py: this tree passes; a tree with string comparisons of recipe choices' names
+#    (one of each kind) fails naming every one; the same comparison inside src/config (the parser) is
+#    allowed.
 design_rules() {
   local out
   out="$(python3 "$ROOT/scripts/check_design.py" "$ROOT" 2>&1)" || { echo "this tree fails:"; echo "$out"; return 1; }
@@ -202,11 +204,18 @@ design_rules() {
   mkdir -p "$tree/src/parallel" "$tree/src/config"
   echo 'bool zero3(const Cfg& c) { return c.parallel.sharding == "zero3"; }' > "$tree/src/config/parse.cpp"
   python3 "$ROOT/scripts/check_design.py" "$tree" > /dev/null || { echo "src/config is the parser's: allowed"; return 1; }
-  echo 'if (sharding_ != "none") gather();  // a name' > "$tree/src/parallel/engine.cpp"
+  local comparisons=('if (sharding_ != "none") gather();  // a name' 'if (cfg.model.arch == "llama") rope();'
+                     'const bool lowp = compute != "fp32";' 'if (backend_ == "nccl") finalize();'
+                     'if (t.device == "lazy") return;' 'if (d.source == "synthetic") make();'
+                     'if ("skip" == t.on_spike) hold();')
+  printf '%s\n' "${comparisons[@]}" > "$tree/src/parallel/engine.cpp"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "a comparison passed:"; echo "$out"; return 1; }
-  grep -q '^src/parallel/engine.cpp:1: ' <<< "$out" || { echo "the comparison is not named:"; echo "$out"; return 1; }
+  local n
+  for n in $(seq 1 "${#comparisons[@]}"); do
+    grep -q "^src/parallel/engine.cpp:$n: " <<< "$out" || { echo "comparison $n is not named:"; echo "$out"; return 1; }
+  done
 }
-check "check_design.py: no mode or stage name compared outside src/config" design_rules
+check "check_design.py: no recipe choice's name compared outside src/config" design_rules
 
 # 7. scripts/check_design.py's layers: an include that points up the order (memory -> budget) fails
 #    naming the file and both folders; the same include pointing down (budget -> memory) passes; a

@@ -418,7 +418,7 @@ TEST_CASE("sum_of_squares: float64 over fp32 CPU gradients, the engine's norm on
   CHECK(std::abs(share.item<double>() - expected) <= kSumBound * expected);
   CHECK(memory::predict_states(cfg).grad_norm_temp_bytes == 0);
   auto cuda = cfg;
-  cuda.train.device = "cuda";
+  cuda.train.device = config::DeviceChoice::kCuda;
   CHECK(memory::predict_states(cuda).grad_norm_temp_bytes > 0);  // the float64 chunks on the GPU
   cuda.parallel.sharding = config::Sharding::kZero2;
   cuda.offload.optimizer = cuda.offload.gradients = true;
@@ -481,7 +481,7 @@ TEST_CASE("fp16 loss scaling: an inf gradient skips the step, backs off the scal
   auto opt = single.make_optimizer(cfg.train);
   precision::LossScaler scaler(cfg.precision, torch::kCPU);
   REQUIRE(scaler.enabled());
-  const train::StepPrecision prec{precision::compute_dtype("fp16"), &scaler};
+  const train::StepPrecision prec{precision::compute_dtype(config::Dtype::kFp16), &scaler};
   memory::Tracker tracker(torch::kCPU);
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(5000, 256, 3);
   data::Loader loader(src, 2, 32, 1);
@@ -520,7 +520,7 @@ TEST_CASE("fp16 accumulation: every micro-step uses the same scale; unscaled gra
     std::vector<data::Batch> micro;
     for (int i = 0; i < 4; ++i) micro.push_back(loader.next());
     parallel::Single single(m);
-    train::forward_backward(fwd(m), micro, torch::kCPU, single, {precision::compute_dtype("fp16"), &scaler});
+    train::forward_backward(fwd(m), micro, torch::kCPU, single, {precision::compute_dtype(config::Dtype::kFp16), &scaler});
     auto g = grads_of(m);
     REQUIRE(scaler.unscale(g).item<float>() == 0.0f);  // no inf/NaN found
     return g;
@@ -868,23 +868,23 @@ TEST_CASE("logging.profile_step writes one step's Chrome trace with the GEMMs an
 }
 
 TEST_CASE("MFU's peak is the compute dtype's: datasheet on known GPUs, measured otherwise, overridable") {
-  CHECK(train::datasheet_peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12);
-  CHECK(train::datasheet_peak("NVIDIA H100 80GB HBM3", "fp32") == 67e12);
-  CHECK(train::datasheet_peak("NVIDIA H100 PCIe", "bf16") == 756e12);  // not the SXM part's
-  CHECK(train::datasheet_peak("NVIDIA H200", "fp16") == 989e12);
-  CHECK(train::datasheet_peak("NVIDIA A100-SXM4-80GB", "bf16") == 312e12);
-  CHECK(train::datasheet_peak("NVIDIA L40S", "bf16") == 362e12);
-  CHECK_FALSE(train::datasheet_peak("Tesla V100-SXM2-16GB", "bf16").has_value());  // no bf16 tensor cores
-  CHECK(train::datasheet_peak("Tesla V100-SXM2-16GB", "fp16") == 125e12);
-  CHECK_FALSE(train::datasheet_peak("Some Future GPU", "bf16").has_value());
-  const auto over = train::peak_flops(torch::kCPU, "bf16", 2.5);
+  CHECK(train::datasheet_peak("NVIDIA H100 80GB HBM3", config::Dtype::kBf16) == 989e12);
+  CHECK(train::datasheet_peak("NVIDIA H100 80GB HBM3", config::Dtype::kFp32) == 67e12);
+  CHECK(train::datasheet_peak("NVIDIA H100 PCIe", config::Dtype::kBf16) == 756e12);  // not the SXM part's
+  CHECK(train::datasheet_peak("NVIDIA H200", config::Dtype::kFp16) == 989e12);
+  CHECK(train::datasheet_peak("NVIDIA A100-SXM4-80GB", config::Dtype::kBf16) == 312e12);
+  CHECK(train::datasheet_peak("NVIDIA L40S", config::Dtype::kBf16) == 362e12);
+  CHECK_FALSE(train::datasheet_peak("Tesla V100-SXM2-16GB", config::Dtype::kBf16).has_value());  // no bf16 tensor cores
+  CHECK(train::datasheet_peak("Tesla V100-SXM2-16GB", config::Dtype::kFp16) == 125e12);
+  CHECK_FALSE(train::datasheet_peak("Some Future GPU", config::Dtype::kBf16).has_value());
+  const auto over = train::peak_flops(torch::kCPU, config::Dtype::kBf16, 2.5);
   CHECK(over.flops == 2.5e12);
   CHECK(over.source == "logging.peak_tflops");
-  CHECK(over.dtype == "bf16");
-  const auto fp32 = train::peak_flops(torch::kCPU, "fp32", 0.0);
+  CHECK(over.dtype == config::Dtype::kBf16);
+  const auto fp32 = train::peak_flops(torch::kCPU, config::Dtype::kFp32, 0.0);
   CHECK(fp32.source == "measured_fp32_gemm");
   CHECK(fp32.flops > 1e8);
-  const auto bf16 = train::peak_flops(torch::kCPU, "bf16", 0.0);  // its own rate, whatever the CPU's bf16 path
+  const auto bf16 = train::peak_flops(torch::kCPU, config::Dtype::kBf16, 0.0);  // its own rate, whatever the CPU's bf16 path
   CHECK(bf16.source == "measured_bf16_gemm");
   CHECK(bf16.flops > 1e8);
 }
@@ -925,7 +925,7 @@ TEST_CASE("the GEMM probe for MFU's peak draws nothing from the run's generators
 TEST_CASE("MFU's peak: a step that beats it raises it, so no utilisation exceeds 1 (synthetic rates)") {
   // The issue's figures: a measured peak of 1.88e11 FLOP/s, steps at 101.5 % and 116.4 % of it.
   const double measured = 1.88e11;
-  train::PeakTracker t({measured, "fp32", "measured_fp32_gemm", std::nullopt});
+  train::PeakTracker t({measured, config::Dtype::kFp32, "measured_fp32_gemm", std::nullopt});
   CHECK_FALSE(t.observe(0.8 * measured, 1));  // below the peak: kept
   CHECK(t.flops() == measured);
   CHECK(t.source() == "measured_fp32_gemm");
@@ -949,7 +949,7 @@ TEST_CASE("MFU's peak: a step that beats it raises it, so no utilisation exceeds
   CHECK_FALSE(t.observe(std::numeric_limits<double>::infinity(), 5));
   CHECK(t.flops() == 1.2 * measured);
   // Any sequence: each rate observed, then divided by the peak, is at most 1 (the loop's order).
-  train::PeakTracker u({1.0, "bf16", "logging.peak_tflops", std::nullopt});
+  train::PeakTracker u({1.0, config::Dtype::kBf16, "logging.peak_tflops", std::nullopt});
   for (double rate : {0.5, 3.0, 2.0, 7.0, 7.0, 1e-3, 6.9}) {
     u.observe(rate, 1);
     CHECK(u.utilisation(rate) <= 1.0);
@@ -1115,7 +1115,7 @@ TEST_CASE("loss spikes: the moving average and the check (train/spike.h)") {
   train::observe_loss(c, std::nan(""), t.spike_window);  // a non-finite loss is left out
   CHECK(c.loss_average == Approx(6.0));
   CHECK(c.losses_seen == 4);
-  t.on_spike = "off";
+  t.on_spike = config::OnSpike::kOff;
   CHECK_FALSE(train::check_spike(c, 100.0, t).spike);
 }
 

@@ -190,10 +190,10 @@ namespace {
 // formula_costs of block `layer` (blocks differ only by their MLP size).
 BlockCost formula_block_cost(const config::RunConfig& cfg, int64_t layer) {
   const auto& mc = cfg.model;
-  const bool llama = mc.arch == "llama";
+  const bool llama = mc.arch == config::Arch::kLlama;
   const double tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len), T = static_cast<double>(cfg.train.seq_len);
   const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::mlp_hidden(mc, layer));
-  const double c = cfg.precision.compute == "fp32" ? 4.0 : 2.0, f = 4.0;
+  const double c = static_cast<double>(cfg.precision.compute.bytes()), f = 4.0;
   const double balance = memory::runs_on_cuda(cfg) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
   const double matmul = 2 * tok * (4 * C * C + (llama ? 3 : 2) * C * H);
   BlockCost b;
@@ -463,7 +463,7 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
       "'{}'{}); the least any schedule needs is about {} of activations, i.e. checkpointing.budget: {}. Raise the "
       "budget (or memory.limit), or lower train.micro_batch and raise train.grad_accum",
       log::format_bytes(std::max<int64_t>(0, budget)), cfg.train.micro_batch, cfg.train.seq_len,
-      cfg.checkpointing.budget.empty() ? "100%" : cfg.checkpointing.budget,
+      cfg.checkpointing.budget.text.empty() ? "100%" : cfg.checkpointing.budget.text,
       transient > 0 ? fmt::format(", less the {} the sharding holds beside them", log::format_bytes(transient)) : "",
       log::format_bytes(least), needed));
 }

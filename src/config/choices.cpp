@@ -9,28 +9,36 @@ namespace sl::config {
 
 namespace {
 
-// The choice whose name is `name` (its index in Choice::kNames), nullopt for any other text.
-template <class Choice, class Value>
-std::optional<Choice> by_name(std::string_view name) {
-  for (size_t i = 0; i < Choice::kNames.size(); ++i)
-    if (Choice::kNames[i] == name) return Choice(static_cast<Value>(i));
-  return std::nullopt;
-}
+template <class Choice> void name_to_json(nlohmann::json& j, const Choice& c) { j = std::string(c.name()); }
 
 }  // namespace
 
-std::optional<Sharding> Sharding::parse(std::string_view name) { return by_name<Sharding, Stage>(name); }
-std::optional<CheckpointingMode> CheckpointingMode::parse(std::string_view name) { return by_name<CheckpointingMode, Kind>(name); }
-
-void to_json(nlohmann::json& j, const Sharding& s) { j = std::string(s.name()); }
-void to_json(nlohmann::json& j, const CheckpointingMode& m) { j = std::string(m.name()); }
+void to_json(nlohmann::json& j, const Sharding& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const CheckpointingMode& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const Arch& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const Dtype& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const Backend& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const DeviceChoice& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const OnNonfinite& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const OnSpike& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const DataSource& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const RawDtype& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const MicroBatch& m) { j = m.is_auto() ? nlohmann::json("auto") : nlohmann::json(m.value()); }
 
 int64_t MicroBatch::value() const {
   if (auto_) throw std::logic_error("train.micro_batch: auto read as a number before set-up chose one");
   return n_;
 }
-std::ostream& operator<<(std::ostream& os, const Sharding& s) { return os << s.name(); }
-std::ostream& operator<<(std::ostream& os, const CheckpointingMode& m) { return os << m.name(); }
+
+std::ostream& operator<<(std::ostream& os, const Sharding& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const CheckpointingMode& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const Arch& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const Dtype& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const Backend& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const DeviceChoice& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const OnNonfinite& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const OnSpike& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const DataSource& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const RawDtype& c) { return os << c.name(); }
 
 }  // namespace sl::config

@@ -1,8 +1,10 @@
-// The recipe's named choices that decide how a run is built, parsed once where the recipe is read:
-// parallel.sharding (Sharding) and checkpointing.mode (CheckpointingMode). Past the parser no code sees
-// their names: it asks the value what it does (sharding.shards_params()) or compares values
-// (mode == CheckpointingMode::kBudget). Comparing one with a string does not compile, and
-// scripts/check_design.py keeps src/ free of string comparisons with these names.
+// The recipe's named choices, parsed once where the recipe is read: parallel.sharding (Sharding),
+// checkpointing.mode (CheckpointingMode), model.arch (Arch), the precision dtypes (Dtype),
+// parallel.backend (Backend), train.device (DeviceChoice), train.on_nonfinite (OnNonfinite),
+// train.on_spike (OnSpike), data.source (DataSource) and data.raw_dtype (RawDtype). Past the parser no
+// code sees their names: it asks the value what it does (sharding.shards_params(), dtype.bytes()) or
+// compares values (mode == CheckpointingMode::kBudget). Comparing one with a string does not compile,
+// and scripts/check_design.py keeps src/ free of string comparisons with these names.
 // Torch-free: the planner and the formulas use them too.
 #pragma once
 #include <array>
@@ -16,56 +18,154 @@
 
 namespace sl::config {
 
-// parallel.sharding: ZeRO's stages, each sharding one more kind of model state over the ranks
-// (none = DDP: every rank holds all of them).
-class Sharding {
+// What every named choice shares: it is one of Self::kNames, held as that name's index (a Self::Kind),
+// read by parse() and written back by name(). Self declares `enum Kind` and `kNames` in the same order.
+template <class Self>
+class NamedChoice {
  public:
-  enum Stage : uint8_t { kNone, kZero1, kZero2, kZero3 };
-  static constexpr std::array<std::string_view, 4> kNames = {"none", "zero1", "zero2", "zero3"};
+  // The choice named `name`; nullopt for any other text.
+  static std::optional<Self> parse(std::string_view name) {
+    for (size_t i = 0; i < Self::kNames.size(); ++i)
+      if (Self::kNames[i] == name) return Self(static_cast<typename Self::Kind>(i));
+    return std::nullopt;
+  }
+  constexpr auto kind() const { return static_cast<typename Self::Kind>(index_); }
+  constexpr std::string_view name() const { return Self::kNames[index_]; }
 
-  constexpr Sharding() = default;
-  constexpr Sharding(Stage s) : stage_(s) {}  // NOLINT(google-explicit-constructor): Sharding::kZero3 reads as a value
-  static std::optional<Sharding> parse(std::string_view name);
+  friend constexpr bool operator==(const Self& a, const Self& b) { return a.kind() == b.kind(); }
+  bool operator==(std::string_view) const = delete;  // compare values or ask what it does, never names
 
-  constexpr Stage stage() const { return stage_; }
-  constexpr std::string_view name() const { return kNames[stage_]; }
-
-  constexpr bool replicated() const { return stage_ == kNone; }       // none: DDP, nothing sharded
-  constexpr bool shards_optimizer() const { return stage_ != kNone; }  // zero1+: AdamW moments (and fp32 masters)
-  constexpr bool shards_grads() const { return stage_ >= kZero2; }     // zero2+: gradients reduce-scattered
-  constexpr bool shards_params() const { return stage_ == kZero3; }    // zero3: parameters gathered per unit
-
-  constexpr bool operator==(const Sharding&) const = default;
-  bool operator==(std::string_view) const = delete;  // compare stages or ask what it shards, never names
+ protected:
+  constexpr explicit NamedChoice(uint8_t index) : index_(index) {}
 
  private:
-  Stage stage_ = kNone;
+  uint8_t index_;
+};
+
+// parallel.sharding: ZeRO's stages, each sharding one more kind of model state over the ranks
+// (none = DDP: every rank holds all of them).
+class Sharding : public NamedChoice<Sharding> {
+ public:
+  enum Kind : uint8_t { kNone, kZero1, kZero2, kZero3 };
+  using Stage = Kind;
+  static constexpr std::array<std::string_view, 4> kNames = {"none", "zero1", "zero2", "zero3"};
+
+  constexpr Sharding() : Sharding(kNone) {}
+  constexpr Sharding(Stage s) : NamedChoice(s) {}  // NOLINT(google-explicit-constructor): Sharding::kZero3 reads as a value
+
+  constexpr Stage stage() const { return kind(); }
+
+  constexpr bool replicated() const { return kind() == kNone; }       // none: DDP, nothing sharded
+  constexpr bool shards_optimizer() const { return kind() != kNone; }  // zero1+: AdamW moments (and fp32 masters)
+  constexpr bool shards_grads() const { return kind() >= kZero2; }     // zero2+: gradients reduce-scattered
+  constexpr bool shards_params() const { return kind() == kZero3; }    // zero3: parameters gathered per unit
 };
 
 // checkpointing.mode: which activations a step keeps and which it recomputes. Its parameters stay in
 // their own keys (checkpointing.interval / segments, recompute, budget) and the checkpointing::Plan made
 // from them (checkpointing/runner.h, budget/budget.h).
-class CheckpointingMode {
+class CheckpointingMode : public NamedChoice<CheckpointingMode> {
  public:
   enum Kind : uint8_t { kNone, kFull, kInterval, kSqrt, kSelective, kBudget };
   static constexpr std::array<std::string_view, 6> kNames = {"none", "full", "interval", "sqrt", "selective", "budget"};
 
-  constexpr CheckpointingMode() = default;
-  constexpr CheckpointingMode(Kind k) : kind_(k) {}  // NOLINT(google-explicit-constructor)
-  static std::optional<CheckpointingMode> parse(std::string_view name);
-
-  constexpr Kind kind() const { return kind_; }
-  constexpr std::string_view name() const { return kNames[kind_]; }
+  constexpr CheckpointingMode() : CheckpointingMode(kNone) {}
+  constexpr CheckpointingMode(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
 
   // budget: the schedule is solved per block under a memory budget (budget/budget.h); the others
   // follow one rule for every block (checkpointing::make_plan).
-  constexpr bool solved() const { return kind_ == kBudget; }
+  constexpr bool solved() const { return kind() == kBudget; }
+};
 
-  constexpr bool operator==(const CheckpointingMode&) const = default;
-  bool operator==(std::string_view) const = delete;
+// model.arch: gpt2 (LayerNorm, GELU, learned positions) or llama (RMSNorm, SwiGLU, RoPE).
+class Arch : public NamedChoice<Arch> {
+ public:
+  enum Kind : uint8_t { kGpt2, kLlama };
+  static constexpr std::array<std::string_view, 2> kNames = {"gpt2", "llama"};
 
- private:
-  Kind kind_ = kNone;
+  constexpr Arch() : Arch(kGpt2) {}
+  constexpr Arch(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+};
+
+// precision.compute, precision.param_dtype, precision.reduce_dtype (and `trainer export --dtype`): a
+// floating-point type.
+class Dtype : public NamedChoice<Dtype> {
+ public:
+  enum Kind : uint8_t { kFp32, kBf16, kFp16 };
+  static constexpr std::array<std::string_view, 3> kNames = {"fp32", "bf16", "fp16"};
+
+  constexpr Dtype() : Dtype(kFp32) {}
+  constexpr Dtype(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+
+  constexpr int64_t bytes() const { return kind() == kFp32 ? 4 : 2; }  // bytes per element
+};
+
+// parallel.backend: the collectives' library; auto = NCCL on CUDA, Gloo on CPU (parallel/comm.h).
+class Backend : public NamedChoice<Backend> {
+ public:
+  enum Kind : uint8_t { kAuto, kGloo, kNccl };
+  static constexpr std::array<std::string_view, 3> kNames = {"auto", "gloo", "nccl"};
+
+  constexpr Backend() : Backend(kAuto) {}
+  constexpr Backend(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+};
+
+// train.device (and `trainer sample --device`): auto = CUDA when available; lazy is LibTorch's
+// lazy-tensor test device (device/device.h).
+class DeviceChoice : public NamedChoice<DeviceChoice> {
+ public:
+  enum Kind : uint8_t { kAuto, kCpu, kCuda, kLazy };
+  static constexpr std::array<std::string_view, 4> kNames = {"auto", "cpu", "cuda", "lazy"};
+
+  constexpr DeviceChoice() : DeviceChoice(kAuto) {}
+  constexpr DeviceChoice(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+};
+
+// train.on_nonfinite: what a step with NaN/Inf gradients (and a finite loss) does outside fp16.
+class OnNonfinite : public NamedChoice<OnNonfinite> {
+ public:
+  enum Kind : uint8_t { kAbort, kSkip };
+  static constexpr std::array<std::string_view, 2> kNames = {"abort", "skip"};
+
+  constexpr OnNonfinite() : OnNonfinite(kAbort) {}
+  constexpr OnNonfinite(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+};
+
+// train.on_spike: what a loss spike does (train/spike.h).
+class OnSpike : public NamedChoice<OnSpike> {
+ public:
+  enum Kind : uint8_t { kOff, kWarn, kSkip, kStop };
+  static constexpr std::array<std::string_view, 4> kNames = {"off", "warn", "skip", "stop"};
+
+  constexpr OnSpike() : OnSpike(kWarn) {}
+  constexpr OnSpike(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+
+  constexpr bool holds() const { return kind() == kSkip || kind() == kStop; }  // the spike's step leaves the weights untouched
+};
+
+// data.source: where the tokens come from (data/loader.h); bin is llmc's old name.
+class DataSource : public NamedChoice<DataSource> {
+ public:
+  enum Kind : uint8_t { kLlmc, kBin, kRaw, kText, kSynthetic };
+  static constexpr std::array<std::string_view, 5> kNames = {"llmc", "bin", "raw", "text", "synthetic"};
+
+  constexpr DataSource() : DataSource(kLlmc) {}
+  constexpr DataSource(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+
+  constexpr bool llmc() const { return kind() == kLlmc || kind() == kBin; }  // llm.c's shard format (either name)
+  constexpr bool token_file() const { return llmc() || kind() == kRaw; }   // token ids a tokenizer wrote (data.path)
+};
+
+// data.raw_dtype: the width of a raw (headerless) token file's ids.
+class RawDtype : public NamedChoice<RawDtype> {
+ public:
+  enum Kind : uint8_t { kUint16, kUint32 };
+  static constexpr std::array<std::string_view, 2> kNames = {"uint16", "uint32"};
+
+  constexpr RawDtype() : RawDtype(kUint16) {}
+  constexpr RawDtype(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+
+  constexpr int64_t bytes() const { return kind() == kUint32 ? 4 : 2; }  // bytes per token
 };
 
 // train.micro_batch: sequences per forward/backward, or auto: the largest that fits memory.limit while
@@ -97,11 +197,27 @@ template <class Choice> std::string choice_list() {
 }
 
 // JSON: the name, as in the recipe (logs, summary.json, state metadata, plan output).
-void to_json(nlohmann::json& j, const Sharding& s);
-void to_json(nlohmann::json& j, const CheckpointingMode& m);
+void to_json(nlohmann::json& j, const Sharding& c);
+void to_json(nlohmann::json& j, const CheckpointingMode& c);
+void to_json(nlohmann::json& j, const Arch& c);
+void to_json(nlohmann::json& j, const Dtype& c);
+void to_json(nlohmann::json& j, const Backend& c);
+void to_json(nlohmann::json& j, const DeviceChoice& c);
+void to_json(nlohmann::json& j, const OnNonfinite& c);
+void to_json(nlohmann::json& j, const OnSpike& c);
+void to_json(nlohmann::json& j, const DataSource& c);
+void to_json(nlohmann::json& j, const RawDtype& c);
 void to_json(nlohmann::json& j, const MicroBatch& m);  // "auto" or the number
 // Streams: the name (test messages; in fmt use .name()).
-std::ostream& operator<<(std::ostream& os, const Sharding& s);
-std::ostream& operator<<(std::ostream& os, const CheckpointingMode& m);
+std::ostream& operator<<(std::ostream& os, const Sharding& c);
+std::ostream& operator<<(std::ostream& os, const CheckpointingMode& c);
+std::ostream& operator<<(std::ostream& os, const Arch& c);
+std::ostream& operator<<(std::ostream& os, const Dtype& c);
+std::ostream& operator<<(std::ostream& os, const Backend& c);
+std::ostream& operator<<(std::ostream& os, const DeviceChoice& c);
+std::ostream& operator<<(std::ostream& os, const OnNonfinite& c);
+std::ostream& operator<<(std::ostream& os, const OnSpike& c);
+std::ostream& operator<<(std::ostream& os, const DataSource& c);
+std::ostream& operator<<(std::ostream& os, const RawDtype& c);
 
 }  // namespace sl::config

@@ -39,8 +39,15 @@ template <class T> concept Choice = requires(std::string_view name) {
   { T::parse(name) } -> std::same_as<std::optional<T>>;
 };
 
+// A recipe value written as text and parsed where it is read: a size, the budget, the loss scale.
+template <class T> concept ParsedText = std::is_same_v<T, Bytes> || std::is_same_v<T, Budget> || std::is_same_v<T, LossScale>;
+
+Bytes parse_size(const std::string& text, const std::string& key) { return {parse_bytes(text, key), text}; }
+Budget parse_budget(const std::string& text);
+LossScale parse_loss_scale(const std::string& text);
+
 template <class T> const char* type_name() {
-  if constexpr (Choice<T>) return "string";
+  if constexpr (Choice<T> || ParsedText<T>) return "string";
   else if constexpr (std::is_same_v<T, bool>) return "bool";
   else if constexpr (std::is_integral_v<T>) return "integer";
   else if constexpr (std::is_floating_point_v<T>) return "number";
@@ -73,6 +80,15 @@ template <class T> T convert(const YAML::Node& node, const std::string& name) {
     const auto text = convert<std::string>(node, name);
     if (const auto v = T::parse(text)) return *v;
     throw ConfigError(fmt::format("{}: '{}' is not one of {}{}", name, text, choice_list<T>(), where(node)));
+  } else if constexpr (ParsedText<T>) {
+    const auto text = convert<std::string>(node, name);
+    try {
+      if constexpr (std::is_same_v<T, Bytes>) return parse_size(text, name);
+      else if constexpr (std::is_same_v<T, Budget>) return parse_budget(text);
+      else return parse_loss_scale(text);
+    } catch (const ConfigError& e) {
+      throw ConfigError(std::string(e.what()) + where(node));
+    }
   } else {
     if (!node.IsScalar()) return fail();
     try {
@@ -338,6 +354,9 @@ Override parse_override(const std::string& text) {
     throw ConfigError(fmt::format("--set {}.{}: cannot parse value '{}': {}", o.section, o.key, value, e.msg));
   }
   if (o.value.IsNull()) o.value.reset(YAML::Node(std::string()));
+  // A value from --set stands on no line of a file: a fresh scalar node carries no parser mark, so a
+  // message about it names the key alone.
+  else if (o.value.IsScalar()) o.value.reset(YAML::Node(o.value.Scalar()));
   return o;
 }
 
@@ -430,12 +449,12 @@ std::vector<std::string> preset_names() { return {"tiny", "gpt2-124m", "gpt2-350
 
 void apply_preset(ModelConfig& m, const std::string& name) {
   auto gpt2 = [&](int64_t L, int64_t h, int64_t d, int64_t ctx) {
-    m.arch = "gpt2", m.n_layer = L, m.n_head = h, m.n_embd = d, m.vocab_size = 50257, m.max_seq_len = ctx;
+    m.arch = Arch::kGpt2, m.n_layer = L, m.n_head = h, m.n_embd = d, m.vocab_size = 50257, m.max_seq_len = ctx;
     m.mlp_hidden = 0, m.bias = true, m.tie_embeddings = true;
   };
   if (name.empty()) return;
   if (name == "tiny") {
-    m.arch = "gpt2", m.n_layer = 4, m.n_head = 4, m.n_embd = 128, m.vocab_size = 256, m.max_seq_len = 256;
+    m.arch = Arch::kGpt2, m.n_layer = 4, m.n_head = 4, m.n_embd = 128, m.vocab_size = 256, m.max_seq_len = 256;
     m.mlp_hidden = 0, m.bias = true, m.tie_embeddings = true;
   } else if (name == "gpt2-124m") {
     gpt2(12, 12, 768, 1024);
@@ -444,7 +463,7 @@ void apply_preset(ModelConfig& m, const std::string& name) {
   } else if (name == "1.3b") {
     gpt2(24, 16, 2048, 2048);  // GPT-3 XL shape
   } else if (name == "7b") {
-    m.arch = "llama", m.n_layer = 32, m.n_head = 32, m.n_embd = 4096, m.vocab_size = 32000;
+    m.arch = Arch::kLlama, m.n_layer = 32, m.n_head = 32, m.n_embd = 4096, m.vocab_size = 32000;
     m.max_seq_len = 4096, m.mlp_hidden = 11008, m.bias = false, m.tie_embeddings = false;
     m.norm_eps = 1e-6;
   } else {
@@ -504,10 +523,9 @@ int64_t parse_bytes(const std::string& text, const std::string& key) {
   return static_cast<int64_t>(bytes);
 }
 
-int64_t memory_limit_bytes(const RunConfig& cfg) { return parse_bytes(cfg.memory.limit, "memory.limit"); }
-int64_t host_limit_bytes(const RunConfig& cfg) { return parse_bytes(cfg.memory.host_limit, "memory.host_limit"); }
-
-Budget parse_budget(const RunConfig& cfg) { return parse_budget(cfg.checkpointing.budget); }
+void to_json(nlohmann::json& j, const Bytes& b) { j = b.text; }
+void to_json(nlohmann::json& j, const Budget& b) { j = b.text; }
+void to_json(nlohmann::json& j, const LossScale& s) { j = s.text; }
 
 CheckpointingChoice choice(const CheckpointingConfig& ck) {
   using Mode = CheckpointingMode;
@@ -525,13 +543,15 @@ CheckpointingChoice choice(const CheckpointingConfig& ck) {
       }
       return s;
     }
-    case Mode::kBudget: return parse_budget(ck.budget);
+    case Mode::kBudget: return ck.budget;
   }
   throw std::logic_error("choice: a checkpointing mode without an alternative");
 }
 
+namespace {
+
 Budget parse_budget(const std::string& text) {
-  if (text.empty()) return {0, 1.0};
+  if (text.empty()) return {0, 1.0, text};
   if (text.back() == '%') {
     double pct = 0;
     try {
@@ -543,16 +563,30 @@ Budget parse_budget(const std::string& text) {
     }
     if (!(pct > 0 && pct <= 100))
       throw ConfigError(fmt::format("checkpointing.budget: '{}' is not a share in (0%, 100%], e.g. 90%", text));
-    return {0, pct / 100.0};
+    return {0, pct / 100.0, text};
   }
   const int64_t bytes = parse_bytes(text, "checkpointing.budget");
   if (bytes <= 0) throw ConfigError("checkpointing.budget: must be a positive size such as 6GiB, or a share such as 90%");
-  return {bytes, 0.0};
+  return {bytes, 0.0, text};
 }
+
+LossScale parse_loss_scale(const std::string& text) {
+  if (text == "dynamic") return {0.0, text};
+  double fixed = 0.0;
+  try {
+    fixed = std::stod(text);
+  } catch (const std::exception&) {
+    throw ConfigError(fmt::format("precision.loss_scale: '{}' is neither dynamic nor a number", text));
+  }
+  if (!(fixed > 0.0)) throw ConfigError("precision.loss_scale: a fixed scale must be > 0");
+  return {fixed, text};
+}
+
+}  // namespace
 
 int64_t mlp_hidden(const ModelConfig& m) {
   if (m.mlp_hidden > 0) return m.mlp_hidden;
-  if (m.arch == "llama") return round_up(2 * 4 * m.n_embd / 3, 256);
+  if (m.arch == Arch::kLlama) return round_up(2 * 4 * m.n_embd / 3, 256);
   return 4 * m.n_embd;
 }
 
@@ -682,15 +716,6 @@ void positive(const std::string& key, int64_t v) {
   if (v <= 0) fail(key, fmt::format("must be > 0, got {}", v));
 }
 
-void one_of(const std::string& key, const std::string& v, std::initializer_list<const char*> allowed) {
-  std::string list;
-  for (auto a : allowed) {
-    if (v == a) return;
-    list += (list.empty() ? "" : " | ") + std::string(a);
-  }
-  fail(key, fmt::format("'{}' is not one of {}", v, list));
-}
-
 // model.layer_mlp_hidden: empty, or one entry per block, each 0 (model.mlp_hidden's) or positive.
 void validate_layer_widths(const ModelConfig& m) {
   const auto& w = m.layer_mlp_hidden;
@@ -704,7 +729,6 @@ void validate_layer_widths(const ModelConfig& m) {
 
 void validate_model(const RunConfig& c) {
   const auto& m = c.model;
-  one_of("model.arch", m.arch, {"gpt2", "llama"});
   positive("model.n_layer", m.n_layer);
   positive("model.n_head", m.n_head);
   positive("model.n_embd", m.n_embd);
@@ -719,7 +743,7 @@ void validate_model(const RunConfig& c) {
          "and model.init_from: \"\" (training states, state.*, save and resume it)");
   if (m.n_embd % m.n_head != 0)
     fail("model.n_embd", fmt::format("{} is not divisible by model.n_head = {}", m.n_embd, m.n_head));
-  if (m.arch == "llama" && (m.n_embd / m.n_head) % 2 != 0)
+  if (m.arch == Arch::kLlama && (m.n_embd / m.n_head) % 2 != 0)
     fail("model.n_head", "RoPE needs an even head size (n_embd / n_head)");
   if (!(m.dropout >= 0.0 && m.dropout < 1.0)) fail("model.dropout", fmt::format("must be in [0, 1), got {}", m.dropout));
   if (!(m.norm_eps > 0.0)) fail("model.norm_eps", "must be > 0");
@@ -730,13 +754,11 @@ void validate_model(const RunConfig& c) {
 void validate_data(const RunConfig& c) {
   const auto& m = c.model;
   const auto& d = c.data;
-  one_of("data.source", d.source, {"llmc", "bin", "raw", "text", "synthetic"});
-  one_of("data.raw_dtype", d.raw_dtype, {"uint16", "uint32"});
-  if (d.source != "synthetic" && d.path.empty()) fail("data.path", "is empty; give a token file or a text file");
+  if (d.source != DataSource::kSynthetic && d.path.empty()) fail("data.path", "is empty; give a token file or a text file");
   if (!(d.val_fraction > 0.0 && d.val_fraction < 1.0))
     fail("data.val_fraction", fmt::format("must be in (0, 1), got {}", d.val_fraction));
   positive("data.synthetic_tokens", d.synthetic_tokens);
-  if (d.source == "text" && m.vocab_size < 256)
+  if (d.source == DataSource::kText && m.vocab_size < 256)
     fail("model.vocab_size", fmt::format("text data uses one token per byte, so it must be >= 256, got {}", m.vocab_size));
 }
 
@@ -765,10 +787,7 @@ void validate_train(const RunConfig& c) {
   if (!(t.grad_clip >= 0.0)) fail("train.grad_clip", "must be >= 0 (0 = off)");
   if (t.eval_interval < 0) fail("train.eval_interval", "must be >= 0 (0 = never)");
   positive("train.eval_batches", t.eval_batches);
-  one_of("train.device", t.device, {"auto", "cpu", "cuda", "lazy"});
   if (t.threads < 0) fail("train.threads", "must be >= 0 (0 = all cores)");
-  one_of("train.on_nonfinite", t.on_nonfinite, {"abort", "skip"});
-  one_of("train.on_spike", t.on_spike, {"off", "warn", "skip", "stop"});
   if (!(t.spike_threshold > 1.0)) fail("train.spike_threshold", fmt::format("must be > 1 (a multiple of the moving average), got {}", t.spike_threshold));
   positive("train.spike_window", t.spike_window);
   if (t.sample_interval < 0) fail("train.sample_interval", "must be >= 0 (0 = never)");
@@ -784,12 +803,11 @@ void validate_checkpointing(const RunConfig& c) {
   const auto& k = c.checkpointing;
   const bool budget = k.mode == CheckpointingMode::kBudget;
   if (budget) {
-    const Budget b = parse_budget(c);
-    if (b.share > 0 && parse_bytes(c.memory.limit, "memory.limit") == 0)
+    if (k.budget.share > 0 && c.memory.limit.bytes == 0)
       fail("checkpointing.budget", fmt::format("{} is a share of memory.limit, which is not set: give memory.limit "
                                                "(e.g. 80GiB) or a size such as checkpointing.budget: 6GiB",
-                                               k.budget.empty() ? std::string("\"\" (100%)") : k.budget));
-  } else if (!k.budget.empty()) {
+                                               k.budget.text.empty() ? std::string("\"\" (100%)") : k.budget.text));
+  } else if (!k.budget.text.empty()) {
     fail("checkpointing.budget", fmt::format("is only used with checkpointing.mode: budget (mode is '{}')", k.mode.name()));
   }
   if (k.interval < 0) fail("checkpointing.interval", "must be >= 0");
@@ -819,34 +837,24 @@ void validate_checkpointing(const RunConfig& c) {
 void validate_param_dtypes(const RunConfig& c) {
   const auto& pr = c.precision;
   const Sharding sh = c.parallel.sharding;
-  one_of("precision.param_dtype", pr.param_dtype, {"fp32", "bf16", "fp16"});
-  one_of("precision.reduce_dtype", pr.reduce_dtype, {"fp32", "bf16", "fp16"});
-  if (pr.param_dtype != "fp32" && pr.param_dtype != pr.compute)
-    fail("precision.param_dtype", fmt::format("{} needs precision.compute: {} (it is '{}')", pr.param_dtype, pr.param_dtype, pr.compute));
-  if (pr.param_dtype != "fp32" && sh.replicated())
+  const auto fp32 = Dtype::kFp32;
+  if (pr.param_dtype != fp32 && pr.param_dtype != pr.compute)
+    fail("precision.param_dtype", fmt::format("{} needs precision.compute: {} (it is '{}')", pr.param_dtype.name(),
+                                              pr.param_dtype.name(), pr.compute.name()));
+  if (pr.param_dtype != fp32 && sh.replicated())
     fail("precision.param_dtype", fmt::format("{} keeps fp32 master weights in the optimizer's shard: set parallel.sharding "
-                                              "to zero1, zero2 or zero3 (any world size, 1 included)", pr.param_dtype));
-  if (pr.reduce_dtype != "fp32" && pr.reduce_dtype != pr.param_dtype)
-    fail("precision.reduce_dtype", fmt::format("{} needs precision.param_dtype: {} (it is '{}')", pr.reduce_dtype,
-                                               pr.reduce_dtype, pr.param_dtype));
-  if (pr.reduce_dtype != "fp32" && !sh.shards_grads())
+                                              "to zero1, zero2 or zero3 (any world size, 1 included)", pr.param_dtype.name()));
+  if (pr.reduce_dtype != fp32 && pr.reduce_dtype != pr.param_dtype)
+    fail("precision.reduce_dtype", fmt::format("{} needs precision.param_dtype: {} (it is '{}')", pr.reduce_dtype.name(),
+                                               pr.reduce_dtype.name(), pr.param_dtype.name()));
+  if (pr.reduce_dtype != fp32 && !sh.shards_grads())
     fail("precision.reduce_dtype", fmt::format("{} applies to the reduce-scatter of parallel.sharding zero2 or zero3 "
-                                               "(sharding is '{}'); use fp32", pr.reduce_dtype, sh.name()));
+                                               "(sharding is '{}'); use fp32", pr.reduce_dtype.name(), sh.name()));
 }
 
 void validate_precision(const RunConfig& c) {
   const auto& pr = c.precision;
-  one_of("precision.compute", pr.compute, {"fp32", "bf16", "fp16"});
   validate_param_dtypes(c);
-  if (pr.loss_scale != "dynamic") {
-    double fixed = 0.0;
-    try {
-      fixed = std::stod(pr.loss_scale);
-    } catch (const std::exception&) {
-      fail("precision.loss_scale", fmt::format("'{}' is neither dynamic nor a number", pr.loss_scale));
-    }
-    if (!(fixed > 0.0)) fail("precision.loss_scale", "a fixed scale must be > 0");
-  }
   if (!(pr.init_scale > 0.0)) fail("precision.init_scale", "must be > 0");
   if (!(pr.growth_factor > 1.0)) fail("precision.growth_factor", "must be > 1");
   if (!(pr.backoff_factor > 0.0 && pr.backoff_factor < 1.0)) fail("precision.backoff_factor", "must be in (0, 1)");
@@ -857,15 +865,15 @@ void validate_precision(const RunConfig& c) {
 // train.device: lazy exists to run the device-generic code on a device that is not the CPU (tests):
 // one process, fp32, no sharding, and nothing that reads device memory statistics.
 void validate_lazy_device(const RunConfig& c) {
-  if (c.train.device != "lazy") return;
+  if (c.train.device != DeviceChoice::kLazy) return;
   const auto why = [&](const std::string& key, const std::string& what) {
     fail(key, fmt::format("{}; train.device: lazy is a test device that runs one process in fp32", what));
   };
   if (c.world_size > 1) why("train.device", fmt::format("lazy runs at world size 1, not {}", c.world_size));
   if (!c.parallel.sharding.replicated()) why("parallel.sharding", "must be none with train.device: lazy");
-  if (c.precision.compute != "fp32" || c.precision.param_dtype != "fp32")
+  if (c.precision.compute != Dtype::kFp32 || c.precision.param_dtype != Dtype::kFp32)
     why("precision.compute", "must be fp32 (and precision.param_dtype fp32) with train.device: lazy");
-  if (parse_bytes(c.memory.limit, "memory.limit") > 0) why("memory.limit", "must be 0 with train.device: lazy (no memory statistics)");
+  if (c.memory.limit.bytes > 0) why("memory.limit", "must be 0 with train.device: lazy (no memory statistics)");
   if (c.train.micro_batch.is_auto()) why("train.micro_batch", "auto needs memory statistics, which train.device: lazy has not");
   if (c.checkpointing.mode == CheckpointingMode::kBudget) why("checkpointing.mode", "budget profiles device memory, which train.device: lazy has not");
   const auto m = c.checkpointing.mode;
@@ -877,9 +885,8 @@ void validate_lazy_device(const RunConfig& c) {
 
 void validate_devices_and_logging(const RunConfig& c) {
   const auto& t = c.train;
-  one_of("parallel.backend", c.parallel.backend, {"auto", "gloo", "nccl"});
   if (!(c.parallel.bucket_mb > 0.0)) fail("parallel.bucket_mb", "must be > 0");
-  if (c.parallel.backend == "nccl" && t.device == "cpu")
+  if (c.parallel.backend == Backend::kNccl && t.device == DeviceChoice::kCpu)
     fail("parallel.backend", "nccl needs CUDA tensors; use gloo (or auto) with train.device: cpu");
   positive("parallel.timeout_s", c.parallel.timeout_s);
 
@@ -888,27 +895,27 @@ void validate_devices_and_logging(const RunConfig& c) {
   if (c.logging.skip_first < 0) fail("logging.skip_first", "must be >= 0");
   if (c.logging.profile_step < 0) fail("logging.profile_step", "must be >= 0 (0 = off)");
   if (c.logging.memory_timeline < 0) fail("logging.memory_timeline", "must be >= 0 (0 = off)");
-  if (c.logging.memory_timeline > 0 && (t.device == "lazy" || !c.memory.track_cpu))
+  if (c.logging.memory_timeline > 0 && (t.device == DeviceChoice::kLazy || !c.memory.track_cpu))
     fail("logging.memory_timeline", "records the tracking CPU allocator: it needs train.device: cpu (or auto on a "
                                     "machine without CUDA) and memory.track_cpu: true");
-  if (t.device != "auto") validate_resolved_device(c, t.device == "cuda");  // auto: in the trainer's set-up, once resolved
+  if (t.device != DeviceChoice::kAuto) validate_resolved_device(c, t.device == DeviceChoice::kCuda);  // auto: in the trainer's set-up, once resolved
   if (!(c.logging.peak_tflops >= 0.0)) fail("logging.peak_tflops", "must be >= 0 (0 = measure)");
 }
 
 }  // namespace
 
 void validate_resolved_device(const RunConfig& c, bool on_cuda) {
-  if (!on_cuda && parse_bytes(c.memory.limit, "memory.limit") > 0 && !c.memory.track_cpu)
+  if (!on_cuda && c.memory.limit.bytes > 0 && !c.memory.track_cpu)
     fail("memory.limit", fmt::format("on CPU the limit is enforced by the tracking allocator: keep memory.track_cpu: "
-                                     "true (train.device: {} puts this run on the CPU)", c.train.device));
-  if (c.train.micro_batch.is_auto() && !on_cuda && parse_bytes(c.memory.limit, "memory.limit") == 0)
+                                     "true (train.device: {} puts this run on the CPU)", c.train.device.name()));
+  if (c.train.micro_batch.is_auto() && !on_cuda && c.memory.limit.bytes == 0)
     fail("train.micro_batch", fmt::format("auto needs memory.limit on CPU (what has to fit), e.g. memory.limit: 4GiB; "
-                                          "train.device: {} puts this run on the CPU", c.train.device));
+                                          "train.device: {} puts this run on the CPU", c.train.device.name()));
   if (c.logging.memory_timeline > 0 && on_cuda)
     fail("logging.memory_timeline",
          fmt::format("records the tracking CPU allocator, but train.device: {} puts this run on CUDA: set "
                      "train.device: cpu to record a step's timeline, or logging.memory_timeline: 0 to train on CUDA",
-                     c.train.device));
+                     c.train.device.name()));
 }
 
 namespace {
@@ -919,7 +926,6 @@ namespace {
 void validate_offload(const RunConfig& c) {
   const auto& o = c.offload;
   const Sharding sh = c.parallel.sharding;
-  host_limit_bytes(c);
   // DDP (none) keeps the whole model on every rank: at world > 1 each rank offloads it whole; one
   // process without sharding has no engine to hold the masters, and zero1 there is the same math.
   if (o.optimizer && sh.replicated() && c.world_size <= 1)

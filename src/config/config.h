@@ -14,10 +14,33 @@
 
 namespace sl::config {
 
+// A size in bytes read from the recipe ("8GiB", "512 MiB", "1048576"; parse_bytes), with the text it was
+// written as, which to_json and the start-up table print.
+struct Bytes {
+  int64_t bytes = 0;
+  std::string text = "0";
+};
+
+// checkpointing.budget: a size in bytes, or a share in (0, 1] of what memory.limit leaves after the
+// model states, batch and buffers (share > 0 only for "N%" and ""), with the recipe's text.
+struct Budget {
+  int64_t bytes = 0;
+  double share = 1.0;
+  std::string text;  // "" = 100%
+};
+
+// precision.loss_scale: dynamic (grown and backed off by the scaler), or a fixed scale > 0, with the
+// recipe's text.
+struct LossScale {
+  double fixed = 0.0;  // 0: dynamic
+  std::string text = "dynamic";
+  bool dynamic() const { return fixed == 0.0; }
+};
+
 // Field docs live in the key table in config.cpp (printed by `trainer --help-config`).
 struct ModelConfig {
   std::string preset = "";
-  std::string arch = "gpt2";
+  Arch arch = Arch::kGpt2;
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t n_embd = 128;
@@ -35,8 +58,8 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string source = "llmc";
-  std::string raw_dtype = "uint16";
+  DataSource source = DataSource::kLlmc;
+  RawDtype raw_dtype = RawDtype::kUint16;
   std::string path = "data/corpus_train.bin";
   std::string val_path = "data/corpus_val.bin";
   double val_fraction = 0.1;
@@ -60,10 +83,10 @@ struct TrainConfig {
   int64_t eval_interval = 50;
   int64_t eval_batches = 8;
   int64_t seed = 1337;
-  std::string device = "auto";
+  DeviceChoice device = DeviceChoice::kAuto;
   int64_t threads = 0;
-  std::string on_nonfinite = "abort";  // abort | skip
-  std::string on_spike = "warn";    // off | warn | skip | stop (train/spike.h)
+  OnNonfinite on_nonfinite = OnNonfinite::kAbort;  // abort | skip
+  OnSpike on_spike = OnSpike::kWarn;  // off | warn | skip | stop (train/spike.h)
   double spike_threshold = 1.5;     // a spike: loss > spike_threshold x the moving average of earlier losses
   int64_t spike_window = 50;        // the moving average's horizon in steps; checked once it covers this many
   int64_t sample_interval = 0;      // print a generated sample every N steps (needs a tokenizer); 0 = never
@@ -79,17 +102,17 @@ struct CheckpointingConfig {
   bool skip_last = true;
   // budget mode: the activation memory a step may use, a size ("6GiB") or a share of what memory.limit
   // leaves after the model states, batch and buffers ("90%"); "" = 100% (needs memory.limit).
-  std::string budget = "";
+  Budget budget = {};
   bool profile_costs = true;  // budget mode: time the block's parts in a short pass (false: FLOP formula)
   bool preserve_rng = true;
   bool check_recompute = false;
 };
 
 struct PrecisionConfig {
-  std::string compute = "fp32";
-  std::string param_dtype = "fp32";   // dtype of the parameters' compute copy (zero*: masters stay fp32 in the shard)
-  std::string reduce_dtype = "fp32";  // dtype gradients are reduce-scattered in (zero2/3)
-  std::string loss_scale = "dynamic";
+  Dtype compute = Dtype::kFp32;
+  Dtype param_dtype = Dtype::kFp32;   // dtype of the parameters' compute copy (zero*: masters stay fp32 in the shard)
+  Dtype reduce_dtype = Dtype::kFp32;  // dtype gradients are reduce-scattered in (zero2/3)
+  LossScale loss_scale = {};
   double init_scale = 65536.0;
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
@@ -98,7 +121,7 @@ struct PrecisionConfig {
 };
 
 struct ParallelConfig {
-  std::string backend = "auto";   // auto | gloo | nccl
+  Backend backend = Backend::kAuto;  // auto | gloo | nccl
   Sharding sharding = Sharding::kNone;  // none (DDP) | zero1 | zero2 | zero3
   double bucket_mb = 25.0;        // DDP gradient bucket size (MiB)
   int64_t timeout_s = 600;
@@ -106,8 +129,8 @@ struct ParallelConfig {
 
 struct MemoryConfig {
   bool track_cpu = true;
-  std::string limit = "0";
-  std::string host_limit = "0";  // host memory for offloaded state (offload.*); 0 = none
+  Bytes limit = {};       // device memory; 0 = none
+  Bytes host_limit = {};  // host memory for offloaded state (offload.*); 0 = none
 };
 
 // Where each kind of state lives (device/host.h): on the device (false) or in host memory (true), and
@@ -163,9 +186,12 @@ struct RunConfig {
   // train.global_batch is checked against it.
   // The planner predicts per-rank memory with it.
   int64_t world_size = 1;
-  // Not a recipe key: `trainer --resume auto|PATH` ("" = start fresh).
+  // Not a recipe key: `trainer --resume auto|PATH` ("" = start fresh; kResumeNewest = auto).
   std::string resume;
 };
+
+// `--resume auto`: the newest valid state of the run directory.
+inline constexpr std::string_view kResumeNewest = "auto";
 
 // Loads a YAML recipe (path may be empty: defaults only), applies overrides ("section.key=value"),
 // validates. Throws ConfigError naming the key (and the YAML line when it came from the file).
@@ -198,17 +224,11 @@ int64_t parse_bytes(const std::string& text, const std::string& key);
 // True when `text` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF):
 // what a prompt must be before it is tokenized or written into JSON.
 bool valid_utf8(std::string_view text);
-// memory.limit in bytes; 0 = no limit.
-int64_t memory_limit_bytes(const RunConfig& cfg);
-// memory.host_limit in bytes; 0 = no limit.
-int64_t host_limit_bytes(const RunConfig& cfg);
-// checkpointing.budget parsed: a size in bytes, or a share in (0, 1] (share > 0 only for "N%" and "").
-struct Budget {
-  int64_t bytes = 0;
-  double share = 0.0;
-};
-Budget parse_budget(const RunConfig& cfg);
-Budget parse_budget(const std::string& text);  // the same from checkpointing.budget's text
+
+// JSON: the recipe's text.
+void to_json(nlohmann::json& j, const Bytes& b);
+void to_json(nlohmann::json& j, const Budget& b);
+void to_json(nlohmann::json& j, const LossScale& s);
 
 // checkpointing.mode with the parameters that mode uses, one alternative per mode. The recipe keeps
 // the parameters in keys of their own (checkpointing.interval / segments, recompute, budget), so a

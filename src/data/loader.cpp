@@ -188,8 +188,8 @@ uint64_t splitmix64(uint64_t& state) {
 
 std::shared_ptr<TokenSource> open_file(const config::RunConfig& cfg, const std::string& path) {
   const auto& d = cfg.data;
-  if (d.source == "text") return open_text(path, cfg.model.vocab_size);
-  if (d.source == "raw") return open_raw(path, cfg.model.vocab_size, d.raw_dtype == "uint32" ? 4 : 2);
+  if (d.source == config::DataSource::kText) return open_text(path, cfg.model.vocab_size);
+  if (d.source == config::DataSource::kRaw) return open_raw(path, cfg.model.vocab_size, static_cast<int>(d.raw_dtype.bytes()));
   return open_llmc(path, cfg.model.vocab_size);  // llmc, or its old name bin
 }
 
@@ -321,7 +321,7 @@ Batch Loader::next() {
 Splits open_splits(const config::RunConfig& cfg) {
   const auto& d = cfg.data;
   Splits s;
-  if (d.source == "synthetic") {
+  if (d.source == config::DataSource::kSynthetic) {
     std::shared_ptr<TokenSource> all = make_synthetic(d.synthetic_tokens, cfg.model.vocab_size,
                                                       static_cast<uint64_t>(cfg.train.seed));
     const int64_t n_val = static_cast<int64_t>(static_cast<double>(all->size()) * d.val_fraction);
@@ -353,7 +353,7 @@ std::filesystem::path tokenizer_path(const config::DataConfig& d) {
                                   "beside the shards, or \"\" for none", d.tokenizer));
     return d.tokenizer;
   }
-  if (d.source != "llmc" && d.source != "bin" && d.source != "raw") return {};
+  if (!d.source.token_file()) return {};
   const auto beside = std::filesystem::path(d.path).parent_path() / "tokenizer.json";
   return std::filesystem::is_regular_file(beside, ec) ? beside : std::filesystem::path();
 }

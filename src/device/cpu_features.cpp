@@ -122,16 +122,16 @@ bool onednn_isa_allows(const std::string& cap, const std::string& isa) {
   return c == 0 || (i & c) == i;
 }
 
-LowpMatmul CpuFeatures::matmul_path(const std::string& compute) const {
-  if (compute == "bf16") return bf16_matmul;
-  if (compute == "fp16") return fp16_matmul;
+LowpMatmul CpuFeatures::matmul_path(config::Dtype compute) const {
+  if (compute == config::Dtype::kBf16) return bf16_matmul;
+  if (compute == config::Dtype::kFp16) return fp16_matmul;
   return LowpMatmul::aten;
 }
 
-LowpMatmul CpuFeatures::linear_path(const std::string& compute) const {
+LowpMatmul CpuFeatures::linear_path(config::Dtype compute) const {
   const LowpMatmul path = matmul_path(compute);
   const bool slow = path == LowpMatmul::aten || path == LowpMatmul::emulated;
-  return slow && compute != "fp32" && fused_kernels() ? LowpMatmul::widened : path;
+  return slow && compute != config::Dtype::kFp32 && fused_kernels() ? LowpMatmul::widened : path;
 }
 
 nlohmann::json CpuFeatures::to_json() const {
@@ -151,8 +151,8 @@ nlohmann::json CpuFeatures::to_json() const {
           {"avx512_lanes", avx512_lanes},
           {"bf16_matmul", to_string(bf16_matmul)},
           {"fp16_matmul", to_string(fp16_matmul)},
-          {"bf16_linear", to_string(linear_path("bf16"))},  // the model's linears: widened where bf16_matmul is aten or emulated
-          {"fp16_linear", to_string(linear_path("fp16"))},
+          {"bf16_linear", to_string(linear_path(config::Dtype::kBf16))},  // the model's linears: widened where bf16_matmul is aten or emulated
+          {"fp16_linear", to_string(linear_path(config::Dtype::kFp16))},
           {"fused_kernels", kernel_clone_name()},
           {"gelu_lanes", gelu_lanes()},  // 16 where the GELU's vector clone runs on AVX-512
           {"aten_kernels", !fused_kernels()}};  // SUBLINEAR_ATEN_KERNELS: GELU, attention and linears left to ATen

@@ -12,6 +12,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "config/choices.h"
+
 namespace sl::device {
 
 // How a low-precision (bf16 / fp16) matmul runs on CPU under autocast.
@@ -44,10 +46,10 @@ struct CpuFeatures {
   LowpMatmul bf16_matmul = LowpMatmul::aten;
   LowpMatmul fp16_matmul = LowpMatmul::aten;
 
-  LowpMatmul matmul_path(const std::string& compute) const;  // for precision.compute bf16 / fp16
+  LowpMatmul matmul_path(config::Dtype compute) const;  // for precision.compute bf16 / fp16
   // What the model's linears take for them: matmul_path, or widened on the aten and emulated paths
   // while the fused kernels are on (model/linear.h; SUBLINEAR_ATEN_KERNELS=1 leaves them the libraries').
-  LowpMatmul linear_path(const std::string& compute) const;
+  LowpMatmul linear_path(config::Dtype compute) const;
   nlohmann::json to_json() const;  // for summary.json's "environment"
 };
 

@@ -16,15 +16,15 @@
 namespace sl::device {
 
 c10::Device resolve_device(const config::TrainConfig& t, int64_t local_rank) {
-  if (t.device == "lazy") {  // config.cpp (validate_lazy_device) allows it at world 1, fp32 only
+  if (t.device == config::DeviceChoice::kLazy) {  // config.cpp (validate_lazy_device) allows it at world 1, fp32 only
     static std::once_flag started;
     std::call_once(started, [] { torch::lazy::InitTorchScriptBackend(); });
     return c10::Device(c10::kLazy);
   }
   const bool has_cuda = torch::cuda::is_available();
-  if (t.device == "cuda" && !has_cuda)
+  if (t.device == config::DeviceChoice::kCuda && !has_cuda)
     throw ConfigError("train.device: 'cuda' was asked for but no CUDA device is available; use cpu or auto");
-  if (t.device == "cuda" || (t.device == "auto" && has_cuda)) {
+  if (t.device == config::DeviceChoice::kCuda || (t.device == config::DeviceChoice::kAuto && has_cuda)) {
     const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
     const char* set = std::getenv("LOCAL_RANK");
     check_local_rank(local_rank, torch::cuda::device_count(), visible ? visible : "", set && *set);

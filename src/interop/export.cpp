@@ -9,6 +9,7 @@
 #include "errors.h"
 #include "interop/hf.h"
 #include "memory/tracking_allocator.h"
+#include "precision/autocast.h"
 #include "state/state.h"
 #include "text/tokenizer.h"
 
@@ -97,8 +98,8 @@ fs::path run_tokenizer(const fs::path& run) {
 }
 
 ExportReport export_run(const ExportRequest& req) {
-  if (req.dtype != "fp32" && req.dtype != "bf16")
-    throw ConfigError(fmt::format("export --dtype {}: expected fp32 or bf16", req.dtype));
+  if (req.dtype != config::Dtype::kFp32 && req.dtype != config::Dtype::kBf16)
+    throw ConfigError(fmt::format("export --dtype {}: expected fp32 or bf16", req.dtype.name()));
   const RunWeights w = run_weights(req.run, "export");
   const fs::path tokenizer = run_tokenizer(req.run);
   const auto eos = tokenizer.empty() ? std::nullopt : text::inspect_tokenizer_file(tokenizer).end_of_text_id;
@@ -109,7 +110,7 @@ ExportReport export_run(const ExportRequest& req) {
   auto& tracker = memory::TrackingCPUAllocator::instance();
   tracker.reset_peak();
   const int64_t before = tracker.current_bytes();
-  const auto written = write_hf(report.file, w.cfg.model, req.dtype == "bf16" ? at::kBFloat16 : at::kFloat, w.source, true,
+  const auto written = write_hf(report.file, w.cfg.model, precision::scalar_type(req.dtype), w.source, true,
                                 {{"format", "pt"}, {"sublinear_step", std::to_string(report.step)},
                                  {"sublinear_source", report.source}}, eos);
   if (!tokenizer.empty()) text::write_hf_tokenizer(report.file.parent_path(), tokenizer, w.cfg.model.max_seq_len);

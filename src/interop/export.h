@@ -16,7 +16,7 @@ namespace sl::interop {
 struct ExportRequest {
   std::filesystem::path run;  // a run directory (config.json, state/ and/or model/)
   std::filesystem::path out;  // a directory, or a *.safetensors file (config.json goes beside it); "" = <run>/hf-step-N
-  std::string dtype = "fp32";  // fp32 | bf16
+  config::Dtype dtype = config::Dtype::kFp32;  // fp32 | bf16
 };
 
 struct ExportReport {

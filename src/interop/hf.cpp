@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <exception>
 #include <fstream>
+#include <optional>
 #include <set>
+#include <stdexcept>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -88,14 +91,34 @@ void llama_layout(const config::ModelConfig& m, std::vector<HfTensor>& out) {
   if (!m.tie_embeddings) head.whole("lm_head.weight", {V, C}, "lm_head");
 }
 
-const char* prefix(const config::ModelConfig& m) { return m.arch == "llama" ? "model." : "transformer."; }
+const char* prefix(const config::ModelConfig& m) { return m.arch == config::Arch::kLlama ? "model." : "transformer."; }
 
 // ---- config.json ----
+
+// Hugging Face's model_type (config.json) of each architecture: the file format's names for them.
+struct ModelType {
+  config::Arch arch;
+  std::string_view name;
+};
+constexpr ModelType kModelTypes[] = {{config::Arch::kGpt2, "gpt2"}, {config::Arch::kLlama, "llama"}};
+
+std::string model_type(config::Arch arch) {
+  for (const auto& t : kModelTypes)
+    if (t.arch == arch) return std::string(t.name);
+  throw std::logic_error("model_type: an architecture without a Hugging Face model_type");
+}
+
+// The architecture of a model_type; nullopt for one this trainer does not run.
+std::optional<config::Arch> arch_of_model_type(std::string_view type) {
+  for (const auto& t : kModelTypes)
+    if (t.name == type) return t.arch;
+  return std::nullopt;
+}
 
 Json gpt2_config(const config::ModelConfig& m) {
   const bool has_gpt2_ids = m.vocab_size > 50256;  // GPT-2's <|endoftext|>; a byte vocabulary has none (hf_config may override)
   return {{"architectures", {"GPT2LMHeadModel"}},
-          {"model_type", "gpt2"},
+          {"model_type", model_type(config::Arch::kGpt2)},
           {"vocab_size", m.vocab_size},
           {"n_positions", m.max_seq_len},
           {"n_embd", m.n_embd},
@@ -117,7 +140,7 @@ Json gpt2_config(const config::ModelConfig& m) {
 
 Json llama_config(const config::ModelConfig& m) {
   return {{"architectures", {"LlamaForCausalLM"}},
-          {"model_type", "llama"},
+          {"model_type", model_type(config::Arch::kLlama)},
           {"vocab_size", m.vocab_size},
           {"hidden_size", m.n_embd},
           {"intermediate_size", config::mlp_hidden(m)},
@@ -222,13 +245,13 @@ std::vector<HfTensor> hf_layout(const config::ModelConfig& m) {
                       "this model (blocks of differing MLP sizes) has no Hugging Face layout; use its training states "
                       "(state.*) instead");
   std::vector<HfTensor> out;
-  if (m.arch == "llama") llama_layout(m, out);
+  if (m.arch == config::Arch::kLlama) llama_layout(m, out);
   else gpt2_layout(m, out);
   return out;
 }
 
 Json hf_config(const config::ModelConfig& m, at::ScalarType dtype, std::optional<int64_t> eos_id) {
-  Json j = m.arch == "llama" ? llama_config(m) : gpt2_config(m);
+  Json j = m.arch == config::Arch::kLlama ? llama_config(m) : gpt2_config(m);
   j["dtype"] = dtype == at::kBFloat16 ? "bfloat16" : "float32";
   if (eos_id) j["bos_token_id"] = j["eos_token_id"] = *eos_id;
   return j;
@@ -238,7 +261,7 @@ namespace {
 
 config::ModelConfig gpt2_model(const Json& hf) {
   config::ModelConfig m;
-  m.arch = "gpt2";
+  m.arch = config::Arch::kGpt2;
   m.n_layer = hf.value("n_layer", int64_t{12});
   m.n_head = hf.value("n_head", int64_t{12});
   m.n_embd = hf.value("n_embd", int64_t{768});
@@ -255,7 +278,7 @@ config::ModelConfig gpt2_model(const Json& hf) {
 
 config::ModelConfig llama_model(const Json& hf) {
   config::ModelConfig m;
-  m.arch = "llama";
+  m.arch = config::Arch::kLlama;
   m.n_layer = hf.value("num_hidden_layers", int64_t{32});
   m.n_head = hf.value("num_attention_heads", int64_t{32});
   m.n_embd = hf.value("hidden_size", int64_t{4096});
@@ -282,9 +305,9 @@ std::vector<std::string> config_differences(const Json& hf, const config::ModelC
   std::vector<std::string> diffs;
   try {
     const std::string type = hf.value("model_type", "");
-    if (type != m.arch)
-      diffs.push_back(fmt::format("model_type is \"{}\" but the recipe has model.arch: {}", type, m.arch));
-    else if (m.arch == "llama") check_llama_config(hf, m, diffs);
+    if (arch_of_model_type(type) != m.arch)
+      diffs.push_back(fmt::format("model_type is \"{}\" but the recipe has model.arch: {}", type, m.arch.name()));
+    else if (m.arch == config::Arch::kLlama) check_llama_config(hf, m, diffs);
     else check_gpt2_config(hf, m, diffs);
   } catch (const nlohmann::json::exception& e) {  // a key of the wrong type, e.g. "n_inner": "x"
     throw DataError(fmt::format("{}: {}: a key has the wrong type ({}); fix or remove the file", who, where, e.what()));
@@ -306,9 +329,9 @@ config::ModelConfig model_config_from_hf(const Json& hf, const std::string& wher
   config::ModelConfig m;
   try {
     const std::string type = hf.value("model_type", "");
-    if (type != "gpt2" && type != "llama")
-      throw DataError(fmt::format("{}: model_type \"{}\" is not one this trainer runs (gpt2, llama)", where, type));
-    m = type == "llama" ? llama_model(hf) : gpt2_model(hf);
+    const auto arch = arch_of_model_type(type);
+    if (!arch) throw DataError(fmt::format("{}: model_type \"{}\" is not one this trainer runs (gpt2, llama)", where, type));
+    m = *arch == config::Arch::kLlama ? llama_model(hf) : gpt2_model(hf);
   } catch (const nlohmann::json::exception& e) {
     throw DataError(fmt::format("{}: a key has the wrong type ({}); fix or remove the file", where, e.what()));
   }
@@ -498,7 +521,7 @@ void HfCheckpoint::check_tensors() {
   if (!problems.empty())
     throw DataError(fmt::format("model.init_from: {} does not fit the recipe's model ({} {}, {} layers, d {}): {}. "
                                 "Make the recipe describe the checkpoint's model",
-                                path_.string(), model_.arch, model_.arch == "llama" ? "LlamaForCausalLM" : "GPT2LMHeadModel",
+                                path_.string(), model_.arch.name(), model_.arch == config::Arch::kLlama ? "LlamaForCausalLM" : "GPT2LMHeadModel",
                                 model_.n_layer, model_.n_embd, fmt::join(problems, "; ")));
 }
 

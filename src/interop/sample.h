@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "config/choices.h"
+
 namespace sl::interop {
 
 struct SampleRequest {
@@ -19,7 +21,7 @@ struct SampleRequest {
   uint64_t seed = 1337;
   bool use_cache = true;
   bool stop_at_eot = true;   // stop once the end-of-text token is generated
-  std::string device = "auto";  // auto | cpu | cuda
+  config::DeviceChoice device = config::DeviceChoice::kAuto;  // auto | cpu | cuda
 };
 
 struct SampleReport {

@@ -12,7 +12,7 @@ namespace sl::memory {
 
 bool runs_on_cuda(const config::RunConfig& cfg) {
   const auto& d = cfg.train.device;
-  return d == "cuda" || (d == "auto" && torch::cuda::is_available());
+  return d == config::DeviceChoice::kCuda || (d == config::DeviceChoice::kAuto && torch::cuda::is_available());
 }
 
 namespace {
@@ -39,13 +39,13 @@ struct Sizes {
 // The sizes of block `layer` (they differ only in H, with model.layer_mlp_hidden).
 Sizes sizes_of(const config::RunConfig& cfg, device::LowpMatmul lowp, int64_t layer = 0) {
   const auto& m = cfg.model;
-  const bool lowp_on = cfg.precision.compute != "fp32";
+  const bool lowp_on = cfg.precision.compute != config::Dtype::kFp32;
   Sizes z;
   z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::mlp_hidden(m, layer));
   z.V = static_cast<double>(m.vocab_size), z.nh = static_cast<double>(m.n_head);
-  z.llama = m.arch == "llama";
+  z.llama = m.arch == config::Arch::kLlama;
   z.c = lowp_on ? 2.0 : 4.0;
-  z.lowp_params = cfg.precision.param_dtype != "fp32";
+  z.lowp_params = cfg.precision.param_dtype != config::Dtype::kFp32;
   z.r = z.lowp_params ? z.c : z.f;
   z.acc = lowp_on && lowp == device::LowpMatmul::emulated ? 4.0 : 0.0;
   z.widened = lowp_on && lowp == device::LowpMatmul::widened;
@@ -204,7 +204,7 @@ double block_cast_bytes(const Sizes& z) {
 }
 
 std::string path_name(const config::RunConfig& cfg, device::LowpMatmul lowp) {
-  if (cfg.precision.compute == "fp32") return "fp32";
+  if (cfg.precision.compute == config::Dtype::kFp32) return "fp32";
   return runs_on_cuda(cfg) ? "cuda" : device::to_string(lowp);
 }
 
@@ -224,7 +224,7 @@ device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg) {
   if (runs_on_cuda(cfg)) return device::LowpMatmul::native;
   const auto& cpu = device::cpu_features();
   // Only CPU tensors widen (model/linear.h): the lazy test device keeps the libraries' path.
-  if (cfg.train.device == "lazy") return cpu.matmul_path(cfg.precision.compute);
+  if (cfg.train.device == config::DeviceChoice::kLazy) return cpu.matmul_path(cfg.precision.compute);
   return cpu.linear_path(cfg.precision.compute);
 }
 

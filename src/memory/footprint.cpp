@@ -24,7 +24,7 @@ struct Dims {
 };
 
 Dims dims_of(const config::ModelConfig& m, int64_t layer = 0) {
-  const bool llama = m.arch == "llama";
+  const bool llama = m.arch == config::Arch::kLlama;
   return {m.n_embd, config::mlp_hidden(m, layer), m.vocab_size, m.max_seq_len, llama, m.bias && !llama, m.tie_embeddings};
 }
 
@@ -67,8 +67,6 @@ int64_t largest_group_params(const config::RunConfig& cfg, int64_t n) {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
-
-int64_t dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4 : 2; }
 
 int64_t total_params(const config::ModelConfig& m) {
   const Dims d = dims_of(m);
@@ -208,7 +206,7 @@ void place_offloaded(const config::RunConfig& cfg, PeakPrediction& p) {
   if (!o.optimizer) return;
   const int64_t n = total_params(cfg.model);
   const config::Sharding sh = cfg.parallel.sharding;
-  const int64_t cp = dtype_bytes(cfg.precision.param_dtype);
+  const int64_t cp = cfg.precision.param_dtype.bytes();
   p.params_bytes = sh.shards_params() ? 0 : cp * n;  // zero1/2: the whole model in the compute dtype for the all-gather
   p.optimizer_bytes = 0;
   if (o.gradients) p.grads_bytes = 0;
@@ -227,7 +225,7 @@ PeakPrediction predict_states(const config::RunConfig& cfg) {
   const int64_t P = 4 * n, G = 4 * n, O = 8 * n;
   // A low-precision compute copy (precision.param_dtype): fp32 masters only in the shard; zero1/2 keep
   // the whole model in the compute dtype, zero3 gathers units in it; zero2/3 reduce in reduce_dtype.
-  const int64_t cp = dtype_bytes(cfg.precision.param_dtype), cr = dtype_bytes(cfg.precision.reduce_dtype);
+  const int64_t cp = cfg.precision.param_dtype.bytes(), cr = cfg.precision.reduce_dtype.bytes();
   p.params_bytes = sh.shards_params() ? P / N : cp < 4 ? P / N + cp * n : P;
   p.grads_bytes = sh.shards_grads() ? G / N : G;
   p.optimizer_bytes = sh.shards_optimizer() ? O / N : O;
@@ -239,7 +237,7 @@ PeakPrediction predict_states(const config::RunConfig& cfg) {
     p.transient_bytes = (2 * cp + cr) * largest_unit_params(cfg.model);  // unit's, prefetched in backward
   }
   p.batch_bytes = 2 * 8 * cfg.train.micro_batch * cfg.train.seq_len;
-  if (cfg.model.arch == "llama") p.buffer_bytes = 4 * cfg.model.max_seq_len * (cfg.model.n_embd / cfg.model.n_head);
+  if (cfg.model.arch == config::Arch::kLlama) p.buffer_bytes = 4 * cfg.model.max_seq_len * (cfg.model.n_embd / cfg.model.n_head);
   // AdamW updates the model's parameters (none) or this rank's shard of each group; the engine's
   // norm reads whole groups (none) or shards. World 1 without sharding has no engine.
   const int64_t group = largest_group_params(cfg, n), shard = ceil_div(group, N);
@@ -263,7 +261,7 @@ int64_t activation_budget_bytes(const config::RunConfig& cfg) {
   const PeakPrediction p = predict_states(cfg);
   int64_t bytes = budget.bytes;
   if (budget.share > 0) {
-    const int64_t room = config::memory_limit_bytes(cfg) - p.model_states_bytes() - p.buffer_bytes - p.batch_bytes;
+    const int64_t room = cfg.memory.limit.bytes - p.model_states_bytes() - p.buffer_bytes - p.batch_bytes;
     bytes = static_cast<int64_t>(budget.share * static_cast<double>(room));
   }
   return bytes - p.transient_bytes;

@@ -124,9 +124,6 @@ PeakPrediction predict_peak(const config::RunConfig& cfg, const checkpointing::P
 // beside the activations. May be <= 0 (nothing fits).
 int64_t activation_budget_bytes(const config::RunConfig& cfg);  // checkpointing.mode budget only
 
-// Bytes per element of a precision.* dtype name (fp32 4; bf16, fp16 2).
-int64_t dtype_bytes(const std::string& dtype);
-
 // Parameter counts, closed formulas of the model config (gpt2 / llama, biases, tied head, mlp_hidden;
 // with model.layer_mlp_hidden a sum over the blocks),
 // saturating at kMaxParams so that byte counts made from them (x16) cannot overflow.

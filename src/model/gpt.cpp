@@ -101,7 +101,7 @@ BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch:
       n_head(cfg.n_head),
       n_embd(cfg.n_embd),
       hidden(config::mlp_hidden(cfg, layer_index)),
-      llama(cfg.arch == "llama"),
+      llama(cfg.arch == config::Arch::kLlama),
       dropout(cfg.dropout),
       eps(cfg.norm_eps) {
   auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
@@ -197,7 +197,7 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {
 GPTImpl::GPTImpl(const config::ModelConfig& c, torch::Device device, bool defer_params) : cfg(c) {
   auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   const int64_t C = cfg.n_embd;
-  const bool llama = cfg.arch == "llama";
+  const bool llama = cfg.arch == config::Arch::kLlama;
   auto param = [&](const std::string& name, std::vector<int64_t> shape) {
     return register_parameter(name, make_param(cfg, name, shape, opts, defer_params));
   };
@@ -229,7 +229,7 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
 }
 
 torch::Tensor GPTImpl::head(const torch::Tensor& x) {
-  auto h = norm(x, lnf_w, lnf_b, cfg.arch == "llama", cfg.norm_eps);
+  auto h = norm(x, lnf_w, lnf_b, cfg.arch == config::Arch::kLlama, cfg.norm_eps);
   return model::linear(h, cfg.tie_embeddings ? wte : lm_head);  // (B, T, V)
 }
 

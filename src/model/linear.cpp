@@ -22,7 +22,7 @@ bool is_lowp(c10::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 // fused kernels are on.
 bool widens(c10::ScalarType dt) {
   if (!is_lowp(dt)) return false;
-  return device::cpu_features().linear_path(dt == at::kBFloat16 ? "bf16" : "fp16") == device::LowpMatmul::widened;
+  return device::cpu_features().linear_path(dt == at::kBFloat16 ? config::Dtype::kBf16 : config::Dtype::kFp16) == device::LowpMatmul::widened;
 }
 
 // The GEMMs below take fp32 tensors on purpose: autocast must not cast them back (the linear's

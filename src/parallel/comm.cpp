@@ -70,11 +70,12 @@ LaunchEnv LaunchEnv::from_env() {
   return e;
 }
 
-std::string resolve_backend(const std::string& backend, c10::Device device) {
-  const std::string b = backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : backend;
-  if (b == "nccl" && !device.is_cuda())
+config::Backend resolve_backend(config::Backend backend, c10::Device device) {
+  using B = config::Backend;
+  const B b = backend == B::kAuto ? (device.is_cuda() ? B::kNccl : B::kGloo) : backend;
+  if (b == B::kNccl && !device.is_cuda())
     throw ConfigError("parallel.backend: nccl needs CUDA tensors; this run is on CPU: use gloo or auto");
-  if (b == "nccl" && !nccl_built())
+  if (b == B::kNccl && !nccl_built())
     throw ConfigError("parallel.backend: nccl: this build has no NCCL backend (CMake found no nccl.h of the NCCL "
                       "version LibTorch was built with: see the `sublinear: NCCL` line of its output); use gloo, or "
                       "install the nvidia-nccl wheel torch requires and reconfigure");
@@ -189,7 +190,7 @@ void Pending::wait() {
     then_ = nullptr;
     then();
   }
-  if (comm_->backend() == "gloo") await_release(work);
+  if (comm_->backend_ == config::Backend::kGloo) await_release(work);
 }
 
 // Gloo's worker thread drops its reference to a finished work (and with it the tensors the work
@@ -224,7 +225,7 @@ Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device 
       store_ = c10::make_intrusive<c10d::TCPStore>(env_.master_addr, o);
     }
     store_ = c10::make_intrusive<c10d::PrefixStore>("sublinear", store_);
-    if (backend_ == "gloo") {
+    if (backend_ == config::Backend::kGloo) {
       auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
       const std::string iface = env_str("GLOO_SOCKET_IFNAME", "");
       if (!iface.empty())
@@ -273,11 +274,11 @@ void Comm::close() noexcept {
   bool clean = false;
   try {
     // Gloo's shutdown() does nothing (torch 2.11): only NCCL's needs every rank at the same exit.
-    const bool together = backend_ != "nccl" || leave_together_;
+    const bool together = backend_ != config::Backend::kNccl || leave_together_;
     clean = together && failure_.empty() && abandoned_.load() == 0 && collectives_done();
     if (clean) pg_->shutdown();
   } catch (const std::exception& e) {
-    spdlog::warn("rank {}: shutting the {} process group down failed, aborting it: {}", env_.rank, backend_,
+    spdlog::warn("rank {}: shutting the {} process group down failed, aborting it: {}", env_.rank, backend(),
                  short_what(e));
     clean = false;
   } catch (...) {
@@ -286,7 +287,7 @@ void Comm::close() noexcept {
   try {
     if (!clean) pg_->abort();
   } catch (const std::exception& e) {
-    spdlog::warn("rank {}: aborting the {} process group: {}", env_.rank, backend_, short_what(e));
+    spdlog::warn("rank {}: aborting the {} process group: {}", env_.rank, backend(), short_what(e));
   } catch (...) {
   }
   pg_.reset();  // after shutdown() or abort(): ProcessGroupNCCL's destructor only joins its threads
@@ -303,7 +304,7 @@ void Comm::close() noexcept {
 // watchdog, waiting for the same lock to abort it, could not help.
 bool Comm::collectives_done() {
 #ifdef SUBLINEAR_NCCL
-  if (backend_ != "nccl") return true;
+  if (backend_ != config::Backend::kNccl) return true;
   c10::cuda::CUDAEvent passed;
   passed.record(c10::cuda::getCurrentCUDAStream(device_.index()));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s_);
@@ -319,7 +320,7 @@ bool Comm::collectives_done() {
 
 void Comm::check(const std::string& what) {
 #ifdef SUBLINEAR_NCCL
-  if (backend_ != "nccl") return;
+  if (backend_ != config::Backend::kNccl) return;
   const auto error = pg_->getError();  // a flag the watchdog set: no device or network wait
   if (error == c10d::ErrorType::SUCCESS) return;
   const char* kind = error == c10d::ErrorType::TIMEOUT        ? "a collective timed out"
@@ -373,7 +374,7 @@ Pending Comm::reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in, co
     out.copy_(in);
     return {};
   }
-  if (backend_ == "gloo") {
+  if (backend_ == config::Backend::kGloo) {
     // Gloo's reduce-scatter is an all-reduce of a copy of the input anyway; all-reducing the input
     // in place does the same traffic without the hidden copy (whose allocation time would depend on
     // Gloo's thread). `out` is then this rank's slice of it (often a view of exactly that slice).

@@ -14,7 +14,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -49,9 +51,9 @@ struct LaunchEnv {
   static LaunchEnv from_env();
 };
 
-// The backend parallel.backend resolves to for a device ("gloo" or "nccl"). Throws ConfigError when
+// The backend parallel.backend resolves to for a device (gloo or nccl). Throws ConfigError when
 // nccl is asked for on CPU or the build has no NCCL.
-std::string resolve_backend(const std::string& backend, c10::Device device);
+config::Backend resolve_backend(config::Backend backend, c10::Device device);
 
 // Whether this build has the NCCL backend (CMake found the nccl.h of LibTorch's NCCL version).
 bool nccl_built();
@@ -109,7 +111,7 @@ class Comm {
   int64_t rank() const { return env_.rank; }
   int64_t world() const { return env_.world; }
   const LaunchEnv& env() const { return env_; }
-  const std::string& backend() const { return backend_; }  // "none" for one process
+  std::string_view backend() const { return backend_ ? backend_->name() : "none"; }  // gloo, nccl, or none for one process
   bool distributed() const { return env_.world > 1; }
   c10::Device device() const { return device_; }  // this rank's device (cuda:LOCAL_RANK or cpu)
 
@@ -158,7 +160,7 @@ class Comm {
   void close() noexcept;  // ~Comm's work
   bool collectives_done();
   LaunchEnv env_;
-  std::string backend_ = "none";
+  std::optional<config::Backend> backend_;  // gloo or nccl; none for one process
   c10::Device device_;
   int64_t timeout_s_;
   c10::intrusive_ptr<c10d::Store> store_;

@@ -17,6 +17,7 @@
 #include "memory/footprint.h"
 #include "optim/clip.h"
 #include "optim/optimizer.h"
+#include "precision/autocast.h"
 
 namespace sl::parallel {
 namespace {
@@ -31,11 +32,6 @@ struct GradReadyHook : torch::autograd::FunctionPostHook {
   }
   std::function<void()> fn;
 };
-
-
-at::ScalarType precision_dtype(const std::string& name) {
-  return name == "bf16" ? at::kBFloat16 : name == "fp16" ? at::kHalf : at::kFloat;
-}
 
 }  // namespace
 
@@ -66,8 +62,8 @@ Engine::Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<C
     : model_(std::move(model)),
       comm_(std::move(comm)),
       sharding_(cfg.parallel.sharding),
-      param_dtype_(precision_dtype(cfg.precision.param_dtype)),
-      reduce_dtype_(precision_dtype(cfg.precision.reduce_dtype)),
+      param_dtype_(precision::scalar_type(cfg.precision.param_dtype)),
+      reduce_dtype_(precision::scalar_type(cfg.precision.reduce_dtype)),
       rank_(comm_->rank()),
       world_(comm_->world()),
       device_(comm_->device()),

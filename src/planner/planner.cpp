@@ -79,7 +79,7 @@ OffloadTraffic offload_traffic(const config::RunConfig& cfg, const checkpointing
   if (!o.any()) return t;
   const auto N = cfg.parallel.sharding.replicated() ? 1 : std::max<int64_t>(1, cfg.world_size);  // DDP: the whole model
   const int64_t micro = cfg.train.grad_accum, n = memory::total_params(cfg.model);
-  const int64_t cp = memory::dtype_bytes(cfg.precision.param_dtype), cr = memory::dtype_bytes(cfg.precision.reduce_dtype);
+  const int64_t cp = cfg.precision.param_dtype.bytes(), cr = cfg.precision.reduce_dtype.bytes();
   const auto units = memory::unit_param_counts(cfg.model);
   const int64_t recomputed = recomputed_params(units, plan);
   int64_t boundary = 0;
@@ -240,12 +240,18 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
 
 namespace {
 
-std::string weights_label(const std::string& param_dtype, const std::string& sharding, bool masters_on_host) {
+// A dtype plan.json records (precision.param_dtype, reduce_dtype); fp32 where it has none.
+config::Dtype dtype_in(const Json& j, const char* key) {
+  return config::Dtype::parse(j.value(key, std::string())).value_or(config::Dtype::kFp32);
+}
+
+std::string weights_label(config::Dtype param_dtype, const std::string& sharding, bool masters_on_host) {
+  const auto fp32 = config::Dtype::kFp32;
   if (masters_on_host)
-    return param_dtype == "fp32" ? "weights (fp32 copy; masters on the host)" : fmt::format("weights ({} copy; fp32 masters on the host)", param_dtype);
-  if (param_dtype == "fp32") return "weights (fp32)";
-  if (config::Sharding::parse(sharding).value_or(config::Sharding::kNone).shards_params()) return fmt::format("weights (fp32 master shard; gathered in {})", param_dtype);
-  return fmt::format("weights (fp32 master shard + {} copy)", param_dtype);
+    return param_dtype == fp32 ? "weights (fp32 copy; masters on the host)" : fmt::format("weights ({} copy; fp32 masters on the host)", param_dtype.name());
+  if (param_dtype == fp32) return "weights (fp32)";
+  if (config::Sharding::parse(sharding).value_or(config::Sharding::kNone).shards_params()) return fmt::format("weights (fp32 master shard; gathered in {})", param_dtype.name());
+  return fmt::format("weights (fp32 master shard + {} copy)", param_dtype.name());
 }
 
 }  // namespace
@@ -260,11 +266,11 @@ std::string breakdown_table(const Json& j) {
       {"parameters", fmt::format("{} ({:.3g} B)", j["params"].get<int64_t>(), j["params"].get<double>() / 1e9)},
       {"ranks x sharding", fmt::format("{} x {} (figures below are per rank)", j["world_size"].get<int64_t>(),
                                        j["sharding"].get<std::string>())},
-      {weights_label(j.value("param_dtype", "fp32"), j["sharding"].get<std::string>(),
+      {weights_label(dtype_in(j, "param_dtype"), j["sharding"].get<std::string>(),
                      j.contains("offload") && !j["offload"].is_null() && j["offload"]["optimizer"].get<bool>()),
        bytes(j["params_bytes"])},
-      {j.value("reduce_dtype", "fp32") == "fp32" ? std::string("gradients (fp32)")
-                                                 : fmt::format("gradients (fp32; reduce-scattered in {})", j.value("reduce_dtype", "fp32")),
+      {dtype_in(j, "reduce_dtype") == config::Dtype::kFp32 ? std::string("gradients (fp32)")
+                                                           : fmt::format("gradients (fp32; reduce-scattered in {})", dtype_in(j, "reduce_dtype").name()),
        bytes(j["grads_bytes"])},
       {"AdamW moments (fp32)", bytes(j["optimizer_state_bytes"])},
       {j.contains("offload") ? "model states on the device (host part below)" : "model states", bytes(j["model_states_bytes"])},

@@ -1,14 +1,24 @@
 // Autocast guard over at::autocast's thread-local state.
 #include "precision/autocast.h"
 
+#include <stdexcept>
+
 #include <ATen/autocast_mode.h>
 
 namespace sl::precision {
 
-std::optional<c10::ScalarType> compute_dtype(const std::string& compute) {
-  if (compute == "bf16") return c10::ScalarType::BFloat16;
-  if (compute == "fp16") return c10::ScalarType::Half;
-  return std::nullopt;
+c10::ScalarType scalar_type(config::Dtype dtype) {
+  switch (dtype.kind()) {
+    case config::Dtype::kFp32: return c10::ScalarType::Float;
+    case config::Dtype::kBf16: return c10::ScalarType::BFloat16;
+    case config::Dtype::kFp16: return c10::ScalarType::Half;
+  }
+  throw std::logic_error("scalar_type: a dtype without a tensor type");
+}
+
+std::optional<c10::ScalarType> compute_dtype(config::Dtype compute) {
+  if (compute == config::Dtype::kFp32) return std::nullopt;
+  return scalar_type(compute);
 }
 
 AutocastGuard::AutocastGuard(c10::DeviceType device, std::optional<c10::ScalarType> dtype) : device_(device) {

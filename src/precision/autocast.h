@@ -3,15 +3,18 @@
 // forward runs inside it, backward outside (recompute re-applies the forward's state itself).
 #pragma once
 #include <optional>
-#include <string>
 
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
+#include "config/choices.h"
+
 namespace sl::precision {
 
-// bf16 -> kBFloat16, fp16 -> kHalf, fp32 -> nullopt.
-std::optional<c10::ScalarType> compute_dtype(const std::string& compute);
+// The tensor type of a recipe dtype: fp32 -> kFloat, bf16 -> kBFloat16, fp16 -> kHalf.
+c10::ScalarType scalar_type(config::Dtype dtype);
+// precision.compute's autocast dtype: bf16 -> kBFloat16, fp16 -> kHalf, fp32 -> nullopt (no autocast).
+std::optional<c10::ScalarType> compute_dtype(config::Dtype compute);
 
 class AutocastGuard {
  public:

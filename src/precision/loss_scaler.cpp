@@ -6,13 +6,13 @@
 namespace sl::precision {
 
 LossScaler::LossScaler(const config::PrecisionConfig& cfg, c10::Device device)
-    : enabled_(cfg.compute == "fp16"),
-      dynamic_(cfg.loss_scale == "dynamic"),
+    : enabled_(cfg.compute == config::Dtype::kFp16),
+      dynamic_(cfg.loss_scale.dynamic()),
       growth_factor_(cfg.growth_factor),
       backoff_factor_(cfg.backoff_factor),
       growth_interval_(cfg.growth_interval) {
   if (!enabled_) return;
-  const double init = dynamic_ ? cfg.init_scale : std::stod(cfg.loss_scale);
+  const double init = dynamic_ ? cfg.init_scale : cfg.loss_scale.fixed;
   scale_ = at::full({1}, init, at::TensorOptions().dtype(at::kFloat).device(device));
   scale_host_ = static_cast<double>(static_cast<float>(init));  // what the fp32 tensor holds
   growth_tracker_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));

@@ -107,7 +107,9 @@ int64_t global_batch(const config::RunConfig& cfg) {
 // The math keys' values, as the resolved recipe JSON holds them (train.global_batch resolved).
 // A math value as compared on resume: data.source `bin` is the old name of `llmc`.
 Json canonical(const std::string& key, const Json& v) {
-  return key == "data.source" && v == "bin" ? Json("llmc") : v;
+  if (key != "data.source" || !v.is_string()) return v;
+  const auto source = config::DataSource::parse(v.get<std::string>());
+  return source && source->llmc() ? Json(config::DataSource(config::DataSource::kLlmc)) : v;
 }
 
 Json math_values(const Json& recipe, int64_t global) {
@@ -345,10 +347,10 @@ Found find_path(const fs::path& path) {
 
 // Where rank 0's choice lies, as the other ranks work it out from the same arguments.
 fs::path chosen_dir(const std::string& resume, const fs::path& root, int64_t step) {
-  const fs::path base = resume == "auto" ? root : fs::path(resume);
+  const fs::path base = resume == config::kResumeNewest ? root : fs::path(resume);
   std::error_code ec;
   if (fs::exists(base / "meta.json", ec)) return base;
-  return (resume == "auto" || fs::exists(base / "latest", ec) ? base : base / "state") / step_dir_name(step);
+  return (resume == config::kResumeNewest || fs::exists(base / "latest", ec) ? base : base / "state") / step_dir_name(step);
 }
 
 // ---- loading ----
@@ -542,7 +544,7 @@ fs::path set_aside_final_weights(const fs::path& run_dir, const fs::path& root, 
 }
 
 Found find_local(const std::string& resume, const fs::path& root) {
-  return resume == "auto" ? find_auto(root) : find_path(resume);
+  return resume == config::kResumeNewest ? find_auto(root) : find_path(resume);
 }
 
 fs::path step_dir(const fs::path& root, int64_t step) { return root / step_dir_name(step); }

@@ -24,7 +24,7 @@ BatchSearch find_micro_batch(const config::RunConfig& cfg, torch::Device device)
   for (int64_t d = 1; d <= global; ++d)
     if (global % d == 0) divisors.push_back(d);
   BatchSearch r;
-  const int64_t limit = config::memory_limit_bytes(cfg);
+  const int64_t limit = cfg.memory.limit.bytes;
   auto planned = cfg;
   planned.train.micro_batch = 1;
   r.predicted = limit > 0 ? planner::largest_micro_batch(planned, limit, global) : global;

@@ -85,7 +85,7 @@ void check_step(const config::RunConfig& cfg, const precision::LossScaler& scale
     }
     return;
   }
-  if (r.nonfinite_grads && cfg.train.on_nonfinite == "abort") {
+  if (r.nonfinite_grads && cfg.train.on_nonfinite == config::OnNonfinite::kAbort) {
     v.event("non_finite_grad", {{"step", step + 1}, {"loss", r.loss}, {"action", "abort"}});
     throw NonFiniteError(fmt::format("step {}: gradients hold NaN/Inf while the loss is finite ({:.4f}); stopped before "
                                      "the optimizer step, weights untouched. Lower train.lr, or set "
@@ -220,12 +220,13 @@ int handle_spike(const config::TrainConfig& t, const Voice& v, LoopState& st, co
   v.event("spike", {{"step", step + 1}, {"loss", r.loss}, {"average", c.average},
                             {"threshold", t.spike_threshold}, {"action", t.on_spike}});
   if (r.held) ++st.skipped_steps;
-  const char* what = t.on_spike == "warn" ? "the step is kept" : t.on_spike == "skip" ? "weights untouched"
-                                                                                       : "weights untouched; stopping";
+  const char* what = t.on_spike == config::OnSpike::kWarn   ? "the step is kept"
+                     : t.on_spike == config::OnSpike::kSkip ? "weights untouched"
+                                                            : "weights untouched; stopping";
   v.warn(fmt::format("step {:>5}/{} | loss spike: {:.4f} is {:.2f}x the moving average {:.4f} "
                            "(train.on_spike: {}): {}", step + 1, t.steps, r.loss, r.loss / c.average, c.average,
-                           t.on_spike, what));
-  return t.on_spike == "stop" ? kStopSpike : 0;
+                           t.on_spike.name(), what));
+  return t.on_spike == config::OnSpike::kStop ? kStopSpike : 0;
 }
 
 // This rank's reason to stop after the current step (see StopPoll): a signal (torchrun forwards it
@@ -380,7 +381,7 @@ int loop_step(Loop& l, LoopState& st, int64_t step) {
   SpikeCheck spike;  // the loss against the moving average, made once, where the weights can still be kept
   const HoldFn hold = [&](double loss) {
     spike = check_spike(st, loss, t);
-    return spike.spike && (t.on_spike == "skip" || t.on_spike == "stop");  // every rank sees the same (mean) loss
+    return spike.spike && t.on_spike.holds();  // every rank sees the same (mean) loss
   };
   TimelineArm timeline(l.proc.rank0() && l.cfg.logging.memory_timeline == step + 1, step + 1, learn, micro);
   const StepResult r = train_step({.forward = learn.forward, .strategy = *learn.strategy, .opt = *learn.opt,
@@ -407,7 +408,7 @@ Json oom_record(const config::RunConfig& cfg, const Meter& meter, const Voice& v
   auto& alloc = memory::TrackingCPUAllocator::instance();
   const bool refused_here = memory::TrackingCPUAllocator::installed() && alloc.last_refused_bytes() > 0 &&
                             alloc.last_refused_host() == host;
-  const int64_t limit = host ? config::host_limit_bytes(cfg) : meter.limit;
+  const int64_t limit = host ? cfg.memory.host_limit.bytes : meter.limit;
   Json rec = {{"step", step},
               {"phase", phase},
               {"requested_bytes", refused_here ? Json(alloc.last_refused_bytes()) : Json(nullptr)},

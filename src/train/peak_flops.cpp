@@ -13,6 +13,7 @@
 
 #include "log/clock.h"
 #include "model/linear.h"
+#include "precision/autocast.h"
 
 namespace sl::train {
 namespace {
@@ -38,16 +39,14 @@ std::string cuda_device_name(torch::Device device) {
   return at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;
 }
 
-c10::ScalarType scalar_type(const std::string& dtype) {
-  return dtype == "bf16" ? c10::kBFloat16 : dtype == "fp16" ? c10::kHalf : c10::kFloat;
-}
-
 }  // namespace
 
-std::optional<double> datasheet_peak(const std::string& device_name, const std::string& dtype) {
+std::optional<double> datasheet_peak(const std::string& device_name, config::Dtype dtype) {
   for (const auto& d : kDatasheets)
     if (device_name.find(d.name_part) != std::string::npos) {
-      const double tflops = dtype == "fp32" ? d.fp32_tflops : dtype == "fp16" ? d.fp16_tflops : d.bf16_tflops;
+      const double tflops = dtype == config::Dtype::kFp32   ? d.fp32_tflops
+                            : dtype == config::Dtype::kFp16 ? d.fp16_tflops
+                                                            : d.bf16_tflops;
       return tflops > 0 ? std::optional<double>(tflops * 1e12) : std::nullopt;
     }
   return std::nullopt;
@@ -92,7 +91,7 @@ std::vector<GemmShape> model_gemm_shapes(const config::ModelConfig& m, int64_t r
                                    {d, rows, 3 * d}};
   for (int64_t layer = 0; layer < std::max<int64_t>(1, m.n_layer); ++layer) {
     const int64_t h = config::mlp_hidden(m, layer);
-    const int64_t up = m.arch == "llama" ? 2 * h : h;  // SwiGLU's [gate; up] in one product
+    const int64_t up = m.arch == config::Arch::kLlama ? 2 * h : h;  // SwiGLU's [gate; up] in one product
     shapes.insert(shapes.end(), {{rows, d, up}, {rows, h, d}, {up, rows, d}});
   }
   return shapes;
@@ -111,15 +110,15 @@ std::vector<GemmShape> probe_shapes(const std::vector<GemmShape>& model) {
   return out;
 }
 
-PeakFlops peak_flops(torch::Device device, const std::string& dtype, double override_tflops,
+PeakFlops peak_flops(torch::Device device, config::Dtype dtype, double override_tflops,
                      const std::vector<GemmShape>& model_shapes) {
   if (override_tflops > 0.0) return {override_tflops * 1e12, dtype, "logging.peak_tflops", std::nullopt};
   const std::string name = cuda_device_name(device);
   if (!name.empty())
     if (const auto peak = datasheet_peak(name, dtype)) return {*peak, dtype, "datasheet: " + name, std::nullopt};
   GemmProbe probe;
-  const double flops = measure_gemm_peak(device, scalar_type(dtype), probe_shapes(model_shapes), kProbeWindowS, &probe);
-  return {flops, dtype, "measured_" + dtype + "_gemm", probe};
+  const double flops = measure_gemm_peak(device, precision::scalar_type(dtype), probe_shapes(model_shapes), kProbeWindowS, &probe);
+  return {flops, dtype, fmt::format("measured_{}_gemm", dtype.name()), probe};
 }
 
 double measure_gemm_peak(torch::Device device, c10::ScalarType dtype, const std::vector<GemmShape>& shapes,

@@ -36,14 +36,14 @@ struct GemmProbe {
 
 struct PeakFlops {
   double flops = 0.0;    // per device, FLOP/s
-  std::string dtype;     // "fp32", "bf16" or "fp16": the compute dtype it is the peak of
+  config::Dtype dtype;   // the compute dtype it is the peak of
   std::string source;    // "logging.peak_tflops", "datasheet: <device name>", "measured_<dtype>_gemm"
   std::optional<GemmProbe> probe;  // set when measured
 };
 
 // Dense tensor-core (bf16/fp16) or plain fp32 (no TF32: PyTorch's default for fp32 matmuls) peak of
 // a CUDA device from its name (e.g. "NVIDIA H100 80GB HBM3"), in FLOP/s; nullopt when not in the table.
-std::optional<double> datasheet_peak(const std::string& device_name, const std::string& dtype);
+std::optional<double> datasheet_peak(const std::string& device_name, config::Dtype dtype);
 
 // The matmuls of a training step of `model` over `rows` = micro_batch x seq_len tokens: the forward
 // products of the attention (qkv, output projection), the MLP (up, down) and the LM head, the input
@@ -58,7 +58,7 @@ std::vector<GemmShape> probe_shapes(const std::vector<GemmShape>& model);
 
 // `override_tflops` > 0 (logging.peak_tflops) wins; then the datasheet (CUDA); then the best of
 // measure_gemm_peak over probe_shapes(model_shapes).
-PeakFlops peak_flops(torch::Device device, const std::string& dtype, double override_tflops,
+PeakFlops peak_flops(torch::Device device, config::Dtype dtype, double override_tflops,
                      const std::vector<GemmShape>& model_shapes = {});
 
 // The best FLOP/s of `shapes` in `dtype` on `device`, by the GEMM the model's linears take (model::mm:

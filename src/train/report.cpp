@@ -208,7 +208,7 @@ Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json 
             {"optimizer_state_bytes", st.states_at_peak.optimizer},
             {"activations_and_other_bytes", std::max<int64_t>(0, st.peak_bytes - st.states_at_peak.total())}}},
           {"memory_limit_bytes", s.meter.limit > 0 ? Json(s.meter.limit) : Json(nullptr)},
-          {"host_memory", host_report(config::host_limit_bytes(s.cfg), predicted, st)},
+          {"host_memory", host_report(s.cfg.memory.host_limit.bytes, predicted, st)},
           {"micro_batch_search", s.meter.batch_search},
           {"state", state_report(s.cfg.state, s.proc, s.start, st)},
           {"final_weights", std::move(final_weights)},

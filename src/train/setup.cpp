@@ -69,7 +69,7 @@ Process init_process(config::RunConfig& cfg) {
 std::string choose_run_dir(const config::RunConfig& cfg, const Process& proc) {
   if (!cfg.logging.dir.empty()) return cfg.logging.dir;
   std::string dir;
-  if (cfg.resume == "auto" && cfg.state.dir.empty()) dir = log::newest_run_with_state(log::kRunsDir, cfg.recipe_name).string();
+  if (cfg.resume == config::kResumeNewest && cfg.state.dir.empty()) dir = log::newest_run_with_state(log::kRunsDir, cfg.recipe_name).string();
   return dir.empty() ? default_run_dir(proc, cfg.recipe_name) : dir;
 }
 
@@ -173,7 +173,7 @@ nlohmann::json choose_micro_batch(config::RunConfig& cfg, const Process& proc, i
   for (const auto& [b, ok] : found.trials) trials.push_back({{"micro_batch", b}, {"fits", ok}});
   if (found.micro_batch == 0)
     throw OomError(fmt::format("train.micro_batch: auto: not even micro-batch 1 fits memory.limit {}; {}",
-                               cfg.memory.limit, planner::oom_advice(cfg, limit)));
+                               cfg.memory.limit.text, planner::oom_advice(cfg, limit)));
   cfg.train.micro_batch = found.micro_batch;
   cfg.train.grad_accum = found.grad_accum;
   if (proc.rank0())
@@ -346,7 +346,7 @@ void warn_fallback_matmuls(const config::RunConfig& cfg, const Process& proc) {
   spdlog::warn("precision.compute {}: this CPU has no oneDNN matmul kernel for it (no AVX-512, or ONEDNN_MAX_CPU_ISA below it), so its matmuls take "
                "ATen's fallback GEMM, far slower than fp32 (0.8 against 104 GFLOP/s on an AVX2 AMD EPYC), and SUBLINEAR_ATEN_KERNELS "
                "turned off the widened linears that avoid it: unset it, or train in precision.compute: fp32 (docs/precision.md)",
-               cfg.precision.compute);
+               cfg.precision.compute.name());
 }
 
 // The start-up table (rank 0): the recipe's rows, then each part's own.
@@ -376,7 +376,7 @@ namespace {
 
 // offload.*: the model states placed in host memory against memory.host_limit (when set).
 void check_host_states_fit(const config::RunConfig& cfg, const memory::PeakPrediction& p) {
-  const int64_t host_limit = config::host_limit_bytes(cfg);
+  const int64_t host_limit = cfg.memory.host_limit.bytes;
   if (host_limit <= 0 || p.host_states_bytes() <= host_limit) return;
   throw OomError(fmt::format(
       "the offloaded model states cannot fit host memory: {} per rank (fp32 masters {}, gradients {}, AdamW moments {}) "
@@ -423,9 +423,9 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   check_run_dir_early(s->proc, s->out.run_dir, cfg.logging.overwrite || s->start.resume_from.found(), !cfg.resume.empty());
   auto& meter = s->meter;
   meter.tracker = std::make_unique<memory::Tracker>(s->proc.device);
-  meter.limit = config::memory_limit_bytes(cfg);
+  meter.limit = cfg.memory.limit.bytes;
   meter.tracker->set_limit(meter.limit);  // before the model exists: the limit covers everything, as on a GPU
-  meter.tracker->set_host_limit(config::host_limit_bytes(cfg));
+  meter.tracker->set_host_limit(cfg.memory.host_limit.bytes);
   check_model_states_fit(cfg, s->proc.device, meter.limit);
   if (cfg.train.micro_batch.is_auto()) meter.batch_search = choose_micro_batch(cfg, s->proc, meter.limit);
   // The plan, resolved once before a model exists; a budget no schedule fits stops here (exit 2),

@@ -23,7 +23,7 @@ struct SpikeCheck {
 inline SpikeCheck check_spike(const state::Counters& c, double loss, const config::TrainConfig& t) {
   SpikeCheck out;
   out.average = c.loss_average;
-  out.spike = t.on_spike != "off" && std::isfinite(loss) && c.losses_seen >= t.spike_window &&
+  out.spike = t.on_spike != config::OnSpike::kOff && std::isfinite(loss) && c.losses_seen >= t.spike_window &&
               loss > t.spike_threshold * c.loss_average;
   return out;
 }
