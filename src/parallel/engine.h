@@ -128,6 +128,7 @@ class Engine final : public Strategy {
  protected:
   // The model's parameters (DDP without offload) or this rank's shard pieces, each group's matrices and vectors.
   Trainables trainables() override;
+  bool shards_states() const override { return !sharding_.replicated(); }
 
  private:
   struct Group;

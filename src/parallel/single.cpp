@@ -1,23 +1,12 @@
-// One process without sharding (see single.h), and the choice of a run's strategy (strategy.h).
+// One process without sharding (see single.h).
 #include "parallel/single.h"
 
 #include <torch/torch.h>
 
 #include "optim/clip.h"
 #include "optim/optimizer.h"
-#include "parallel/engine.h"
 
 namespace sl::parallel {
-
-std::unique_ptr<torch::optim::AdamW> Strategy::make_optimizer(const config::TrainConfig& t) {
-  auto [decay, no_decay] = trainables();
-  return optim::make_adamw(std::move(decay), std::move(no_decay), t);
-}
-
-std::unique_ptr<Strategy> make_strategy(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm) {
-  if (comm->world() > 1 || !cfg.parallel.sharding.replicated()) return std::make_unique<Engine>(std::move(model), cfg, std::move(comm));
-  return std::make_unique<Single>(std::move(model));
-}
 
 // As Optimizer::zero_grad(set_to_none = false) does it: every parameter's gradient detached and zeroed.
 void Single::zero_grad() {

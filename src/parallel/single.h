@@ -44,6 +44,7 @@ class Single final : public Strategy {
 
  protected:
   Trainables trainables() override;
+  bool shards_states() const override { return false; }
 
  private:
   std::vector<Span> model_spans() const;

@@ -1,7 +1,7 @@
 // Data parallelism as a strategy, chosen once from the recipe (make_strategy) and applied from outside:
 // the step, the saves and the reports call the same interface whether one process trains (Single,
-// parallel/single.h) or several do under DDP or ZeRO-1/2/3 (Engine, parallel/engine.h). No caller asks
-// which one it holds.
+// parallel/single.h) or several do under DDP or ZeRO-1/2/3 (Engine, parallel/engine.h); none of them
+// tests which one it holds.
 //
 // A strategy owns, for its data-parallel layout:
 //   the gradients' path     zero_grad, begin/end_backward around each micro-batch's backward, grads(),
@@ -10,15 +10,17 @@
 //   the optimizer's layout  which tensors AdamW updates (the model's parameters or this rank's shards),
 //                           built by make_optimizer (the one AdamW builder: optim::make_adamw over them)
 //                           and stepped by optimizer_step;
-//   its share of saves      owned_spans (what this rank writes), held_spans (what a load fills),
-//                           optimizer_slot (where a span's AdamW moments live), params_loaded;
+//   its share of saves      writes_model_states, owned_spans (what this rank writes), held_spans (what a
+//                           load fills), optimizer_slot (where a span's AdamW moments live), params_loaded;
 //   its memory              state_bytes between steps, take_moved (offload's copies), take_transient_peak;
-//                           the planner's formula for it is memory::predict_states (memory/footprint.h).
-// Offload (the recipe's offload section) is a placement the data-parallel strategies share (Engine),
-// not a strategy of its own.
+//                           the planner's formula for it is memory::predict_states (memory/footprint.h),
+//                           which branches on the sharding stage as Engine does.
+// Engine is one class for DDP and the three ZeRO stages: it branches on the stage and on offload (the
+// recipe's offload section, a placement of the rank's shard) inside; one class per stage is not made.
 //
-// Adding a parallel dimension (sequence or tensor parallelism) adds a strategy or wraps one: the step
-// and the saves call this interface and need no change (docs/architecture.md, "Parallel strategies").
+// Adding a parallel dimension (sequence or tensor parallelism) adds a strategy that wraps Engine (Single's
+// norm is the norm itself, clipped before the read, so it does not sum over a group): the step and the
+// saves call this interface and need no change (docs/architecture.md, "Parallel strategies").
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -109,10 +111,13 @@ class Strategy {
   // zero3: group all-gathers since the last zero_grad() (one step: forward, recompute, backward, eval).
   virtual int64_t gathers() const = 0;
   // summary.json's parallel block's layout facts (largest group, groups, launched during backward);
-  // null for one process (the block is null then: docs/logs.md).
+  // null for Single (the block is null then: docs/logs.md).
   virtual nlohmann::json layout() const = 0;
 
   // ---- saves, loads, final weights ----
+  // Whether this rank writes the model states (parameters, moments) of a save: rank 0 where every rank
+  // holds the same, every rank where each holds its own shard.
+  bool writes_model_states(bool rank0) const;
   // The elements this rank's optimizer updates (one process, DDP: every parameter in full; zero*: the shard).
   virtual std::vector<Span> owned_spans() const = 0;
   // The fp32 parameter elements this rank stores between steps, what a load writes. Call params_loaded() after.
@@ -132,6 +137,8 @@ class Strategy {
     std::vector<torch::Tensor> decay, no_decay;
   };
   virtual Trainables trainables() = 0;
+  // Whether each rank holds its own part of the model states (ZeRO), not a replica.
+  virtual bool shards_states() const = 0;
 };
 
 // The run's strategy: Single for one process without sharding, else Engine (DDP / ZeRO over `comm`).

@@ -23,8 +23,6 @@ using Json = nlohmann::json;
 
 // ---- model states: parameters and AdamW moments, by element span ----
 
-// Parameters and optimizer states are replicated on every rank unless sharded: rank 0 writes them.
-bool writes_model_states(const Parts& s) { return !s.cfg.parallel.sharding.replicated() || s.rank0(); }
 
 // Every parameter's shape, from a model on the meta device (ZeRO-3 frees the real ones between units).
 std::map<std::string, std::vector<int64_t>> param_shapes(const config::ModelConfig& m) {
@@ -95,7 +93,7 @@ class ModelStates final : public Component {
   explicit ModelStates(Parts& s) : s_(s) {}
   void add_meta(Json& meta) const override { meta["optimizer"] = {{"adamw_step", adam_step(*s_.opt)}}; }
   void add_tensors(Named& out) const override {
-    if (writes_model_states(s_)) add_model_states(s_, out);
+    if (s_.strategy.writes_model_states(s_.rank0())) add_model_states(s_, out);
   }
   void load(const Json& meta, const Reader& r) override {
     torch::NoGradGuard no_grad;

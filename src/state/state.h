@@ -40,8 +40,9 @@
 namespace sl::state {
 
 // What a training state is made of, as a run holds it: the only things save() and load() read or
-// write. The run (train/) lends them for the call; nothing here outlives it.
-//   model + strategy the parameters: the element spans this rank's optimizer updates
+// write. The run (train/) lends them for the loop (saves) or the restore (load); an asynchronous save
+// keeps none of them past its own calls.
+//   strategy         the parameters: the element spans this rank's optimizer updates
 //                    (strategy.owned_spans(): whole parameters, or a ZeRO shard), re-sharded on load
 //   opt              AdamW's moments of those spans and its step count
 //   scaler           the dynamic loss scale and its growth tracker (fp16)
@@ -52,7 +53,6 @@ struct Parts {
   parallel::LaunchEnv launch;
   parallel::Comm* comm = nullptr;
   c10::Device device{c10::kCPU};
-  model::GPT model{nullptr};
   parallel::Strategy& strategy;
   torch::optim::AdamW* opt = nullptr;
   precision::LossScaler* scaler = nullptr;

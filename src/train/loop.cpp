@@ -74,9 +74,9 @@ struct Voice {
 // A step that did not update the weights, or should stop the run: fp16 overflow skips (diverged
 // after precision.max_skipped_steps in a row), a non-finite loss, non-finite gradients
 // (train.on_nonfinite). Throws NonFiniteError after writing the event.
-void check_step(const config::RunConfig& cfg, const precision::LossScaler& scaler, const Voice& v, LoopState& st,
-                const StepResult& r, int64_t step) {
-  const int64_t steps = cfg.train.steps;
+void check_step(const config::TrainConfig& t, int64_t max_skipped_steps, const precision::LossScaler& scaler, const Voice& v,
+                LoopState& st, const StepResult& r, int64_t step) {
+  const int64_t steps = t.steps;
   if (!r.skipped && !r.nonfinite_grads) {
     st.consecutive_skips = 0;
     if (!std::isfinite(r.loss)) {
@@ -85,7 +85,7 @@ void check_step(const config::RunConfig& cfg, const precision::LossScaler& scale
     }
     return;
   }
-  if (r.nonfinite_grads && cfg.train.on_nonfinite == config::OnNonfinite::kAbort) {
+  if (r.nonfinite_grads && t.on_nonfinite == config::OnNonfinite::kAbort) {
     v.event("non_finite_grad", {{"step", step + 1}, {"loss", r.loss}, {"action", "abort"}});
     throw NonFiniteError(fmt::format("step {}: gradients hold NaN/Inf while the loss is finite ({:.4f}); stopped before "
                                      "the optimizer step, weights untouched. Lower train.lr, or set "
@@ -103,7 +103,7 @@ void check_step(const config::RunConfig& cfg, const precision::LossScaler& scale
     v.warn(fmt::format("step {:>5}/{} | non-finite gradients at loss scale {:g}: step skipped, scale now {:g}",
                              step + 1, steps, r.loss_scale, scaler.scale()));
   }
-  const int64_t limit = cfg.precision.max_skipped_steps;
+  const int64_t limit = max_skipped_steps;
   if (r.skipped && limit > 0 && st.consecutive_skips >= limit) {
     v.event("diverged", {{"step", step + 1}, {"consecutive_skips", st.consecutive_skips},
                                  {"loss_scale", scaler.scale()}});
@@ -388,7 +388,7 @@ int loop_step(Loop& l, LoopState& st, int64_t step) {
                                    .tracker = *l.meter.tracker, .device = l.proc.device, .precision = learn.precision,
                                    .grad_clip = t.grad_clip},
                                   micro, poll, hold);
-  check_step(l.cfg, *learn.scaler, l.v, st, r, step);
+  check_step(t, l.cfg.precision.max_skipped_steps, *learn.scaler, l.v, st, r, step);
   log_step(l, st, r, step, lr);
   poll_pending_save(l.saves, l.v, st, r);
   if (profiler.on()) save_profile(l.run_dir, l.v, st, profiler);
@@ -402,13 +402,12 @@ int loop_step(Loop& l, LoopState& st, int64_t step) {
 // The `oom` record (event and summary.json) of a refusal in host memory (memory.host_limit, offloaded
 // state and snapshots) or device memory: that pool's peak and limit, and the bytes this rank's tracking
 // allocator refused there (null when another rank refused, or off the tracking allocator).
-Json oom_record(const config::RunConfig& cfg, const Meter& meter, const Voice& v, int64_t step, const char* phase, bool host,
+Json oom_record(const memory::Tracker& tracker, int64_t limit, const Voice& v, int64_t step, const char* phase, bool host,
                 const std::string& message) {
-  const memory::Snapshot snap = meter.tracker->read();
+  const memory::Snapshot snap = tracker.read();
   auto& alloc = memory::TrackingCPUAllocator::instance();
   const bool refused_here = memory::TrackingCPUAllocator::installed() && alloc.last_refused_bytes() > 0 &&
                             alloc.last_refused_host() == host;
-  const int64_t limit = host ? cfg.memory.host_limit.bytes : meter.limit;
   Json rec = {{"step", step},
               {"phase", phase},
               {"requested_bytes", refused_here ? Json(alloc.last_refused_bytes()) : Json(nullptr)},
@@ -432,7 +431,8 @@ Outcome oom_outcome(const Loop& l, const LoopState& st, const std::string& what)
                                  log::format_bytes(memory::predict_peak(l.cfg, l.learn.runner->plan()).host_peak_bytes()))
                    : fmt::format("out of memory in {} at step {} ({}). To fit, {}", phase, st.steps_done + 1,
                                  what.substr(0, 300), planner::oom_advice(l.cfg, l.meter.limit));
-  o.oom = oom_record(l.cfg, l.meter, l.v, st.steps_done + 1, phase, host, o.message);
+  o.oom = oom_record(*l.meter.tracker, host ? l.cfg.memory.host_limit.bytes : l.meter.limit, l.v, st.steps_done + 1, phase,
+                     host, o.message);
   return o;
 }
 
@@ -440,7 +440,8 @@ Outcome oom_outcome(const Loop& l, const LoopState& st, const std::string& what)
 // on this rank or another (agreed over ranks; the message names the rank), the only code there that
 // throws one. Recorded as an out-of-memory in host memory, phase state_snapshot.
 Outcome snapshot_oom_outcome(const Loop& l, const LoopState& st, const std::string& message) {
-  return {kExitOom, message, oom_record(l.cfg, l.meter, l.v, st.steps_done, "state_snapshot", /*host=*/true, message)};
+  return {kExitOom, message,
+          oom_record(*l.meter.tracker, l.cfg.memory.host_limit.bytes, l.v, st.steps_done, "state_snapshot", /*host=*/true, message)};
 }
 
 // Anything else thrown inside the loop: a collective that failed inside a gradient hook (autograd

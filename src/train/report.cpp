@@ -88,7 +88,7 @@ bool agree_outcome(const Process& proc, Outcome& o, int entry_code, const std::s
 }
 
 // Per-rank memory, gathered to rank 0 (skipped when a peer failed: the collective could not pair).
-Json parallel_report(const config::RunConfig& cfg, const Process& proc, const Learner& learn, const Meter& meter,
+Json parallel_report(config::Sharding sharding, const Process& proc, const Learner& learn, const Meter& meter,
                      const LoopState& st, Outcome& o) {
   Json layout = learn.strategy->layout();
   if (layout.is_null()) return nullptr;  // one process: no parallel block (docs/logs.md)
@@ -123,7 +123,7 @@ Json parallel_report(const config::RunConfig& cfg, const Process& proc, const Le
   }
   layout.update({{"world_size", proc.world()},
                  {"backend", proc.comm->backend()},
-                 {"sharding", cfg.parallel.sharding},
+                 {"sharding", sharding},
                  {"params_bytes_unsharded", 4 * learn.model->num_params()},
                  {"gathers_last_step", st.gathers},
                  {"ranks", ranks}});
@@ -251,7 +251,7 @@ int finish(Session& s, const LoopState& st, Outcome o) {
                           : Json(nullptr);
   if (together) agree_outcome(s.proc, o, entry, "writing the final weights");
   entry = o.code;
-  Json parallel = parallel_report(s.cfg, s.proc, s.learn, s.meter, st, o);
+  Json parallel = parallel_report(s.cfg.parallel.sharding, s.proc, s.learn, s.meter, st, o);
   write_summary(*s.out.runlog, summary_json(s, st, o, std::move(parallel), std::move(final_weights), st.wall_s), o);
   // Met here, every rank exits from this point (with one code): NCCL's group may be shut down cleanly.
   if (together && ranks_aligned(entry) && agree_outcome(s.proc, o, entry, "writing summary.json")) s.proc.comm->ranks_leave_together();

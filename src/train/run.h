@@ -1,7 +1,8 @@
 // A training run in named pieces, so each can be read (and tested) alone:
 //   setup()       (setup.cpp) device, rendezvous, data, run directory, --resume's state, the
 //                 model-state check, micro-batch search, model, checkpointing runner, data-parallel strategy,
-//                 optimizer, run log -> one Session; restore() loads the saved state into it;
+//                 optimizer, run log -> one Session of typed parts; restore() loads the saved state into the
+//                 parts a training state is made of (state_parts);
 //   train_loop()  (loop.cpp) the optimizer steps from where the run stands, eval, state saves, stop
 //                 flags and events; every failure becomes an Outcome;
 //   finish()      (report.cpp) final model, per-rank memory, summary.json, the closing console line.

@@ -1,5 +1,7 @@
-// A run's set-up: device, rendezvous, run directory, --resume's state, micro-batch search, model,
-// runner, engine, optimizer, run log (see run.h), and restoring a saved state into it.
+// A run's set-up: each part of the Session built by a function that returns it (run.h): the process
+// (device, rendezvous), the inputs, the run directory and --resume's state, the meter (micro-batch
+// search), the learner (model, runner, data-parallel strategy, optimizer), the run log; and restoring a
+// saved state into the parts a training state is made of.
 
 #include <chrono>
 #include <ctime>
@@ -447,7 +449,6 @@ state::Parts state_parts(const config::RunConfig& cfg, const Process& proc, Lear
           .launch = proc.launch,
           .comm = proc.comm.get(),
           .device = proc.device,
-          .model = learn.model,
           .strategy = *learn.strategy,
           .opt = learn.opt.get(),
           .scaler = learn.scaler.get(),

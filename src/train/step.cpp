@@ -142,16 +142,6 @@ double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch:
   return total.defined() ? total.item<double>() / static_cast<double>(batches) : 0.0;
 }
 
-ModelStateBytes model_state_bytes(model::GPT& model, const torch::optim::AdamW& opt) {
-  ModelStateBytes s;
-  for (const auto& p : model->parameters()) {
-    s.params += static_cast<int64_t>(p.nbytes());
-    if (p.grad().defined()) s.grads += static_cast<int64_t>(p.grad().nbytes());
-  }
-  s.optimizer = optimizer_state_bytes(opt);
-  return s;
-}
-
 int64_t optimizer_state_bytes(const torch::optim::AdamW& opt) {
   int64_t bytes = 0;
   for (const auto& [key, state] : opt.state()) {

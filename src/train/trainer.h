@@ -1,6 +1,5 @@
-// The training step and loop: device and thread set-up, AdamW with decay on matrices only,
-// warm-up + cosine LR, micro-batch accumulation normalized to one big batch, global-norm clipping,
-// periodic eval, throughput/MFU/memory records, and the exit status written into summary.json.
+// The training step (micro-batch accumulation normalized to one big batch, global-norm clipping, the
+// AdamW step through the data-parallel strategy), eval, the micro-batch search, FLOP counts, and run().
 #pragma once
 #include <algorithm>
 #include <cstdint>
