@@ -281,7 +281,10 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   if (seg.kept_blocks > 0) e.moment_d = always + kept * Wb + tied + backward + tok * (fC * n + S * kept);
   // B also holds the recomputed segment's output: its backward starts from it.
   if (seg.checkpointed > 0) e.moment_b = always + k * Wb + tied + backward + tok * (fC * n + S * k);
-  e.peak_bytes = static_cast<int64_t>(std::max({e.moment_f, e.moment_a, e.moment_d, e.moment_b}));
+  e.forward_peak_bytes = static_cast<int64_t>(e.moment_f);
+  e.start_peak_bytes = static_cast<int64_t>(e.moment_a);
+  e.backward_peak_bytes = static_cast<int64_t>(std::max(e.moment_d, e.moment_b));
+  e.peak_bytes = std::max({e.forward_peak_bytes, e.start_peak_bytes, e.backward_peak_bytes});
   return e;
 }
 
@@ -320,10 +323,10 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp) {
 
 namespace {
 
-// Moments F (segment first passes and the end of the forward) and A; `held` ends as what the forward
-// keeps for backward, `kept_weights` as the kept blocks' weight copies.
+// Moments F (segment first passes and the end of the forward), returned, and A, in `start`; `held`
+// ends as what the forward keeps for backward, `kept_weights` as the kept blocks' weight copies.
 double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, double& held, double& kept_weights,
-                       double& host) {
+                       double& host, double& start) {
   double all_weights = 0, peak = 0;
   for (double w : m.weights) all_weights += w;
   held = kept_weights = host = 0;
@@ -340,16 +343,17 @@ double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, dou
       kept_weights += m.weights[static_cast<size_t>(b)];
     }
   }
-  peak = std::max(peak, all_weights + m.head_weights + held + m.head - m.head_input);
-  return std::max(peak, kept_weights + m.head_weights + m.head_backward + held + m.head);
+  start = kept_weights + m.head_weights + m.head_backward + held + m.head;
+  return std::max(peak, all_weights + m.head_weights + held + m.head - m.head_input);
 }
 
 }  // namespace
 
-double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host) {
-  double held = 0, kept_weights = 0, offloaded = 0;
+double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host, PhasePeaks* phases) {
+  double held = 0, kept_weights = 0, offloaded = 0, start = 0;
   bool prefetched = false;  // offload: the input of the segment whose backward comes next is on the device
-  double peak = forward_moments(m, plan, held, kept_weights, offloaded);
+  const double forward = forward_moments(m, plan, held, kept_weights, offloaded, start);
+  double peak = 0;  // the blocks' backward (D, B)
   if (host) *host = offloaded;
   for (auto seg = plan.segments.rbegin(); seg != plan.segments.rend(); ++seg) {
     if (seg->checkpointed) {  // B: what comes before the segment (kept blocks' weight copies too), its input
@@ -379,7 +383,8 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
       kept_weights -= m.weights[i];
     }
   }
-  return m.held + peak;  // what every moment holds besides
+  if (phases) *phases = {m.held + forward, m.held + start, m.held + peak};  // what every moment holds besides
+  return m.held + std::max({forward, start, peak});
 }
 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
@@ -391,7 +396,11 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   ActivationEstimate e = estimate_activation_peak(cfg, SegmentCounts{}, lowp);
   e.moment_f = e.moment_a = e.moment_d = e.moment_b = 0;
   double host = 0;
-  e.peak_bytes = static_cast<int64_t>(chain_peak(chain_model(cfg, lowp), plan, &host));
+  PhasePeaks phases;
+  e.peak_bytes = static_cast<int64_t>(chain_peak(chain_model(cfg, lowp), plan, &host, &phases));
+  e.forward_peak_bytes = static_cast<int64_t>(phases.forward);
+  e.start_peak_bytes = static_cast<int64_t>(phases.start);
+  e.backward_peak_bytes = static_cast<int64_t>(phases.backward);
   e.host_bytes = static_cast<int64_t>(host);
   return e;
 }

@@ -118,6 +118,9 @@ struct ActivationEstimate {
   int64_t embed_mask_bytes = 0;      // Me, in every moment
   int64_t tied_grad_bytes = 0;       // in moments D and B
   int64_t weight_cast_bytes = 0;     // autocast's low-precision copies of all matmul weights
+  // The largest moment of each phase of the step, which a sharded engine holds different transients
+  // beside (memory/footprint.h): the forward (F), the start of backward (A), the blocks' backward (D, B).
+  int64_t forward_peak_bytes = 0, start_peak_bytes = 0, backward_peak_bytes = 0;
   int64_t peak_bytes = 0;            // max(F, A, D, B)
   int64_t host_bytes = 0;            // offload.activations: the checkpointed inputs in host memory at the end of the forward
 };
@@ -160,8 +163,12 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp);
 // uses the largest segment with every segment input: at most n*fC*tok more). With offload_inputs, the
 // inputs count only while their segment runs (first pass; recompute and backward, with the previous
 // checkpointed segment's input prefetched beside them); `host` gets what the forward offloaded.
-// Recipes with offload.activations always take the walk.
-double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host = nullptr);
+// Recipes with offload.activations always take the walk. `phases` gets the largest moment of each phase
+// (ActivationEstimate's forward, start and backward peaks; their maximum is the returned peak).
+struct PhasePeaks {
+  double forward = 0, start = 0, backward = 0;
+};
+double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host = nullptr, PhasePeaks* phases = nullptr);
 
 // Whether the recipe runs on CUDA (train.device cuda, or auto with a GPU present).
 bool runs_on_cuda(const config::RunConfig& cfg);
