@@ -223,7 +223,7 @@ void place_transients(const config::RunConfig& cfg, PeakPrediction& p) {
   const int64_t cp = dtype_bytes(cfg.precision.param_dtype), cr = dtype_bytes(cfg.precision.reduce_dtype);
   const auto padded = [&](int64_t elems) { return shard_elems(elems, W) * W; };
   if (sh == config::Sharding::kZero2) {
-    p.transient_backward_bytes = cr * padded(std::min(total_params(cfg.model), bucket_cap_params(cfg)));
+    p.transient_backward_bytes = p.transient_head_bytes = cr * padded(std::min(total_params(cfg.model), bucket_cap_params(cfg)));
   } else if (sh.shards_params()) {
     Dims d = dims_of(cfg.model);
     d.H = widest_mlp(cfg.model);
@@ -233,10 +233,12 @@ void place_transients(const config::RunConfig& cfg, PeakPrediction& p) {
     const int64_t grad = cr * std::max(ub, uh);  // one unit's gradient buffer
     p.transient_forward_bytes = cp * std::max({ue + (L > 0 ? ub : ut), ub + second, ub + ut});
     if (segment_of_three(cfg)) p.transient_forward_bytes = std::max(p.transient_forward_bytes, 3 * cp * ub + grad);
-    p.transient_start_bytes = cp * (ut + ub);
+    p.transient_forward_end_bytes = cp * ut;
+    p.transient_head_bytes = cp * (ut + ub) + cr * uh;
     p.transient_backward_bytes = cp * (ub + second) + grad;
   }
-  p.transient_bytes = std::max({p.transient_forward_bytes, p.transient_start_bytes, p.transient_backward_bytes});
+  p.transient_bytes = std::max({p.transient_forward_bytes, p.transient_forward_end_bytes, p.transient_head_bytes,
+                                p.transient_backward_bytes});
 }
 
 // offload.*: the device terms the engine keeps on the host instead (parallel/engine.cpp, state_bytes;
