@@ -2,7 +2,8 @@
 // an OOM run exits 4 with its event and summary, `trainer plan` writes plan.json, and predicted peaks
 // are within 5% of measured ones for both architectures, fp32 and bf16, every checkpointing mode and
 // several batch sizes, on every CPU path bf16 can take (device/cpu_features.h: this CPU's in process,
-// the others in a child process with oneDNN capped), and for a weight-heavy shape at world 1 and 2.
+// the others in a child process with oneDNN capped), and for a weight-heavy shape at world 1 and 2;
+// and every data-parallel strategy's per-rank peak within 2 % ([strategies], its own ctest entry).
 //
 // The byte bounds (kBound, 5 %) are not floating-point tolerances and not one machine's figure: a
 // peak is a count of bytes the tracking allocator saw, fixed by the recipe's shapes and the kernel
@@ -505,6 +506,109 @@ TEST_CASE("weight-heavy shape, world 2 DDP: every rank's peak within 5% of the p
   }
 }
 
+namespace {
+// Every data-parallel strategy's per-rank peak against the planner's (issue 52): a run of the trainer
+// (2 steps: the second holds the AdamW moments) per shape, its summary's predicted_peak_bytes against
+// every rank's tracked peak. The shapes: the 6-layer LLaMA and the 4-layer GPT-2 (tied head) of the
+// activation-heavy recipes above, micro-batch 4 x 128 tokens, with full checkpointing and with none.
+//
+// The bound, predicted / measured in [0.98, 1.02], is the issue's requirement: an under-prediction
+// becomes an out-of-memory on a tight budget, so the planner may not be more than 2 % under. It is
+// also what the planner's arithmetic allows. It counts exactly, to the byte, the model states per rank,
+// the batch, the RoPE tables and the engine's buffers at each phase of the step (a unit's parameters,
+// its prefetched neighbour, a gradient buffer; each group padded to the world size's shards):
+// tensors whose sizes are fixed by the shapes. It approximates only the activations
+// (memory/activations.h): their per-token terms, which leave out tensors of a few KiB a step (the
+// CPU generator's state each checkpointed segment keeps for its recompute, 5056 bytes; the loss's
+// scalars; the fused AdamW's piece index: < 0.1 % of these peaks) and count some a moment early
+// (LLaMA's fp32 block backward: +0.4 %), and it adds each moment's activations to the largest
+// transient of its kind even where the two do not meet. Measured: -0.5 % to +0.6 % on every shape and
+// strategy here, the same bytes on every run and rank. So 2 % fails on a buffer the planner leaves out
+// (one zero3 unit is 3-5 % of these peaks) and holds the model's approximations.
+constexpr double kStrategyBound = 0.02;
+
+struct StrategyShape {
+  std::string name;
+  std::vector<std::string> sets;
+};
+const std::vector<StrategyShape> kStrategyShapes = {
+    {"llama 6 layers, full", {"model.arch=llama", "model.n_layer=6", "checkpointing.mode=full"}},
+    {"llama 6 layers, none", {"model.arch=llama", "model.n_layer=6", "checkpointing.mode=none"}},
+    {"gpt2 4 layers, full", {"checkpointing.mode=full"}},
+    {"gpt2 4 layers, none", {"checkpointing.mode=none"}},
+};
+
+// Trains every shape at `world` ranks with the strategy's overrides and checks each rank's peak.
+void check_strategy(int world, const std::vector<std::string>& strategy) {
+  test::TempDir dir("planner-strategy");
+  for (size_t i = 0; i < kStrategyShapes.size(); ++i) {
+    const auto& shape = kStrategyShapes[i];
+    const auto run_dir = dir.path / std::to_string(i);
+    // Absolute paths and synthetic data: test::launch starts the ranks in the source directory.
+    std::string args = "--config " + test::kSourceDir + "/configs/tiny.yaml --set data.source=synthetic "
+                       "--set train.steps=2 --set train.micro_batch=4 --set train.grad_accum=1 --set train.eval_interval=0 "
+                       "--set parallel.timeout_s=60 --set logging.peak_tflops=1 --set logging.dir=" + run_dir.string();
+    for (const auto& kv : shape.sets) args += " --set " + kv;
+    for (const auto& kv : strategy) args += " --set " + kv;
+    test::MultiResult m;
+    if (world > 1) {
+      m = test::launch(world, args);
+    } else {
+      const auto r = test::trainer(args);
+      m = {{r.code}, {r.output}};
+    }
+    INFO(shape.name << "\nrank 0:\n" << m.outputs[0] << (world > 1 ? "\nrank 1:\n" + m.outputs[1] : std::string()));
+    REQUIRE(m.codes == std::vector<int>(static_cast<size_t>(world), 0));
+    const auto s = json::parse(test::read_text(run_dir / "summary.json"));
+    const double predicted = s["predicted_peak_bytes"].get<double>();
+    std::vector<double> measured = {s["peak_allocated_bytes"].get<double>()};  // rank 0's
+    if (s["parallel"].is_object())
+      for (const auto& rank : s["parallel"]["ranks"]) measured.push_back(rank["peak_allocated_bytes"].get<double>());
+    for (const double peak : measured) {
+      const double ratio = predicted / peak;
+      INFO(fmt::format("{} {}: predicted {:.0f}, measured {:.0f} (predicted / measured {:.4f})", shape.name,
+                       fmt::join(strategy, " "), predicted, peak, ratio));
+      CHECK(ratio >= 1 - kStrategyBound);
+      CHECK(ratio <= 1 + kStrategyBound);
+    }
+    fmt::print("planner strategy [{}] {}: predicted / measured {:.4f}\n", fmt::join(strategy, " "), shape.name,
+               predicted / *std::max_element(measured.begin(), measured.end()));
+  }
+}
+}  // namespace
+
+TEST_CASE("one process: predicted peak within 2% of the measured one, llama and gpt2, full and none", "[strategies]") {
+  check_strategy(1, {});
+}
+
+TEST_CASE("zero1 and zero2 at world 1: predicted peak within 2%, llama and gpt2, full and none", "[strategies]") {
+  for (const std::string stage : {"zero1", "zero2"}) {
+    INFO(stage);
+    check_strategy(1, {"parallel.sharding=" + stage});
+  }
+}
+
+TEST_CASE("DDP at world 2: every rank's peak within 2% of the prediction, llama and gpt2, full and none", "[strategies]") {
+  check_strategy(2, {"parallel.sharding=none"});
+}
+
+TEST_CASE("zero1 at world 2: every rank's peak within 2% of the prediction, llama and gpt2, full and none", "[strategies]") {
+  check_strategy(2, {"parallel.sharding=zero1"});
+}
+
+TEST_CASE("zero2 at world 2: every rank's peak within 2% of the prediction, llama and gpt2, full and none", "[strategies]") {
+  check_strategy(2, {"parallel.sharding=zero2"});
+}
+
+TEST_CASE("zero3 at world 2: every rank's peak within 2% of the prediction, llama and gpt2, full and none", "[strategies]") {
+  check_strategy(2, {"parallel.sharding=zero3"});
+}
+
+TEST_CASE("zero3 with offload.optimizer and offload.parameters at world 2: every rank's device peak within 2%",
+          "[strategies]") {
+  check_strategy(2, {"parallel.sharding=zero3", "offload.optimizer=true", "offload.parameters=true"});
+}
+
 TEST_CASE("parameter counts are closed formulas equal to the model's, gpt2 and llama, tied and untied") {
   const std::vector<std::vector<std::string>> shapes = {
       {},
@@ -587,7 +691,7 @@ TEST_CASE("the shipped GPU recipes fit what their headers say, at the world size
     double peak_gib;  // the header's per-rank peak
     int64_t largest_micro_batch, tokens_per_step;
   };
-  for (const Claim& c : {Claim{"7b_ckpt", 8, 80LL << 30, 37.8, 22, 4'194'304}, Claim{"7b_nockpt", 8, 80LL << 30, 60.2, 2, 4'194'304},
+  for (const Claim& c : {Claim{"7b_ckpt", 8, 80LL << 30, 36.3, 22, 4'194'304}, Claim{"7b_nockpt", 8, 80LL << 30, 58.9, 2, 4'194'304},
                          Claim{"1b_24gb", 1, 24'000'000'000LL, 19.7, 6, 524'288}}) {
     INFO(c.recipe);
     auto cfg = config::load(test::kSourceDir + "/configs/" + c.recipe + ".yaml", {});

@@ -928,7 +928,7 @@ void validate_offload(const RunConfig& c) {
   const Sharding sh = c.parallel.sharding;
   // DDP (none) keeps the whole model on every rank: at world > 1 each rank offloads it whole; one
   // process without sharding has no engine to hold the masters, and zero1 there is the same math.
-  if (o.optimizer && sh.replicated() && c.world_size <= 1)
+  if (o.optimizer && !c.parallel.uses_engine(c.world_size))
     fail("offload.optimizer", "places the optimizer's fp32 masters and moments in host memory, which the sharding engine "
                               "holds: at world size 1 set parallel.sharding: zero1 (the same numbers as none), or run "
                               "DDP at world size > 1");

@@ -125,6 +125,9 @@ struct ParallelConfig {
   Sharding sharding = Sharding::kNone;  // none (DDP) | zero1 | zero2 | zero3
   double bucket_mb = 25.0;        // DDP gradient bucket size (MiB)
   int64_t timeout_s = 600;
+  // Whether a run of `world` processes takes the data-parallel engine (parallel::make_strategy) rather
+  // than the one-process strategy: more than one rank, or any ZeRO stage (which shards even at world 1).
+  bool uses_engine(int64_t world) const { return world > 1 || !sharding.replicated(); }
 };
 
 struct MemoryConfig {

@@ -163,8 +163,20 @@ double widened_fc_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   return z.tok * (z.r * C + c * N + c * C - mlp_kept) + 8 * C * N + widened_scratch(z, C, N);
 }
 
-// E: the head's tensors at the start of backward.
-double head_bytes(const Sizes& z) { return z.r * z.C + 2 * z.c * z.C + (2 * z.f + z.c) * z.V; }
+// E: the head's tensors at the start of backward. In fp32 (no autocast) the final norm's output is
+// one tensor, the one the LM head saves (measured: E less one cC, to 16 bytes a token).
+double head_bytes(const Sizes& z) {
+  const double norm_out = z.c < z.f ? 2 * z.c * z.C : z.c * z.C;
+  return z.r * z.C + norm_out + (2 * z.f + z.c) * z.V;
+}
+
+// The LM head's weight gradient while its backward runs: fp32 (4VC; under autocast also the
+// compute-dtype product it is cast from, cVC), or on the widened path its fp32 weight gradient and
+// rounded weight with its scratch.
+double head_grad_bytes(const Sizes& z) {
+  if (z.widened) return 8 * z.V * z.C + widened_scratch(z, z.C, z.V);
+  return 4 * z.V * z.C + (z.c < z.f ? z.c * z.V * z.C : 0.0);
+}
 
 // F: what the forward holds beyond its saved tensors while a block runs without saving (a
 // checkpointed segment's first pass): h, then gpt2 u and GELU (or u and the accumulator), llama u
@@ -193,6 +205,14 @@ double head_backward_bytes(const Sizes& z) {
   if (!z.widened) return 0;
   const double held = 8 * z.V * z.C + widened_scratch(z, z.C, z.V);
   return std::max(0.0, held - z.tok * 2 * z.f * z.V);
+}
+
+// Moment H, the LM head's backward once the logits' gradient exists (where zero3 gathers the head and
+// zero2's first bucket gradient appears, memory/footprint.h): A less the loss's two fp32 tensors of V
+// per token gone by then (the log-softmax output and its gradient) and less the widened head's term A
+// holds (Wx), plus the head's weight gradient.
+int64_t head_moment(const Sizes& z, double start, double tok) {
+  return static_cast<int64_t>(std::max(0.0, start - head_backward_bytes(z) - tok * 2 * z.f * z.V + head_grad_bytes(z)));
 }
 
 // Under autocast the compute-dtype copies of one block's matmul weights (0 in fp32): cached through
@@ -282,6 +302,15 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   // B also holds the recomputed segment's output: its backward starts from it.
   if (seg.checkpointed > 0) e.moment_b = always + k * Wb + tied + backward + tok * (fC * n + S * k);
   e.peak_bytes = static_cast<int64_t>(std::max({e.moment_f, e.moment_a, e.moment_d, e.moment_b}));
+  // The moments a sharded engine's buffers meet (memory/footprint.h): F's two parts (the end of the
+  // forward; a block's forward: a first pass, or a kept block's end, with what the blocks before it
+  // keep), A, H and the blocks' backward.
+  const double weights_now = always + L * Wb + Wh;
+  e.forward_end_peak_bytes = static_cast<int64_t>(weights_now + tok * (fC * n + S * kept + E - z.c * z.C));
+  e.forward_block_peak_bytes = static_cast<int64_t>(weights_now + tok * (fC * n + std::max(n > 0 ? e.forward_bytes : 0.0, S * kept)));
+  e.start_peak_bytes = static_cast<int64_t>(e.moment_a);
+  e.head_backward_peak_bytes = head_moment(z, e.moment_a, tok);
+  e.backward_peak_bytes = static_cast<int64_t>(std::max(e.moment_d, e.moment_b));
   return e;
 }
 
@@ -320,36 +349,42 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp) {
 
 namespace {
 
-// Moments F (segment first passes and the end of the forward) and A; `held` ends as what the forward
-// keeps for backward, `kept_weights` as the kept blocks' weight copies.
+// Moments F (segment first passes and the end of the forward), returned, and in `phases` (less what
+// every moment holds) the forward's parts and A; `held` ends as what the forward keeps for backward,
+// `kept_weights` as the kept blocks' weight copies.
 double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, double& held, double& kept_weights,
-                       double& host) {
-  double all_weights = 0, peak = 0;
+                       double& host, PhasePeaks& phases) {
+  double all_weights = 0, passes = 0, blocks = 0;  // first passes; any block's forward (a bound, for phases)
   for (double w : m.weights) all_weights += w;
   held = kept_weights = host = 0;
   for (const auto& seg : plan.segments) {
     if (seg.checkpointed) {
       held += m.input;
       for (int64_t b = seg.begin; b < seg.end; ++b)
-        peak = std::max(peak, all_weights + m.head_weights + held + m.forward[static_cast<size_t>(b)]);
+        passes = std::max(passes, all_weights + m.head_weights + held + m.forward[static_cast<size_t>(b)]);
       if (m.offload_inputs || seg.offloaded) held -= m.input, host += m.input;  // to the host once the first pass is over
       continue;
     }
-    for (int64_t b = seg.begin; b < seg.end; ++b) {
+    for (int64_t b = seg.begin; b < seg.end; ++b) {  // a kept block's forward, ended: what it keeps
       held += m.kept[static_cast<size_t>(b)][plan.parts_of(b)];
       kept_weights += m.weights[static_cast<size_t>(b)];
+      blocks = std::max(blocks, all_weights + m.head_weights + held);
     }
   }
-  peak = std::max(peak, all_weights + m.head_weights + held + m.head - m.head_input);
-  return std::max(peak, kept_weights + m.head_weights + m.head_backward + held + m.head);
+  phases.forward_end = all_weights + m.head_weights + held + m.head - m.head_input;
+  phases.forward_block = std::max(passes, blocks);
+  phases.start = kept_weights + m.head_weights + m.head_backward + held + m.head;
+  return std::max(passes, phases.forward_end);
 }
 
 }  // namespace
 
-double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host) {
+double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host, PhasePeaks* phases) {
   double held = 0, kept_weights = 0, offloaded = 0;
   bool prefetched = false;  // offload: the input of the segment whose backward comes next is on the device
-  double peak = forward_moments(m, plan, held, kept_weights, offloaded);
+  PhasePeaks ph;
+  const double forward = forward_moments(m, plan, held, kept_weights, offloaded, ph);
+  double peak = 0;  // the blocks' backward (D, B)
   if (host) *host = offloaded;
   for (auto seg = plan.segments.rbegin(); seg != plan.segments.rend(); ++seg) {
     if (seg->checkpointed) {  // B: what comes before the segment (kept blocks' weight copies too), its input
@@ -379,7 +414,8 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
       kept_weights -= m.weights[i];
     }
   }
-  return m.held + peak;  // what every moment holds besides
+  if (phases) *phases = {m.held + ph.forward_end, m.held + ph.forward_block, m.held + ph.start, m.held + peak};  // what every moment holds besides
+  return m.held + std::max({forward, ph.start, peak});
 }
 
 ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
@@ -391,7 +427,13 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   ActivationEstimate e = estimate_activation_peak(cfg, SegmentCounts{}, lowp);
   e.moment_f = e.moment_a = e.moment_d = e.moment_b = 0;
   double host = 0;
-  e.peak_bytes = static_cast<int64_t>(chain_peak(chain_model(cfg, lowp), plan, &host));
+  PhasePeaks phases;
+  e.peak_bytes = static_cast<int64_t>(chain_peak(chain_model(cfg, lowp), plan, &host, &phases));
+  e.forward_end_peak_bytes = static_cast<int64_t>(phases.forward_end);
+  e.forward_block_peak_bytes = static_cast<int64_t>(phases.forward_block);
+  e.start_peak_bytes = static_cast<int64_t>(phases.start);
+  e.head_backward_peak_bytes = head_moment(sizes_of(cfg, lowp), phases.start, static_cast<double>(e.tokens));
+  e.backward_peak_bytes = static_cast<int64_t>(phases.backward);
   e.host_bytes = static_cast<int64_t>(host);
   return e;
 }

@@ -23,7 +23,12 @@
 //   the log-sum-exp, but llama's recomputed attention keeps its inputs q, k as the fp32 tensors RoPE
 //   made (bf16 q times the fp32 table): + (f - c)2C.
 // Around the blocks, at the start of backward: E = fC + 2cC + (2f + c)V (last block output, final norm
-//   output, the logits, log-softmax output and the logits' gradients).
+//   output, the logits, log-softmax output and the logits' gradients); in fp32 the final norm's output
+//   is one tensor, cC.
+// H, the LM head's backward once the logits' gradient exists: A less the log-softmax output and its
+//   gradient (2fV per token) and less Wx (below), plus the head's weight gradient: 4VC, under autocast
+//   + cVC (the compute-dtype product it is cast from), on the widened path 8VC + its scratch. It counts
+//   only beside a sharded engine's buffers (memory/footprint.h).
 // While a block's MLP runs backward it holds T beyond S: the residual gradient fC, under autocast its
 //   compute-dtype copy cC, and (M = the fp32 accumulator of a matmul output, below; 0 on most paths)
 //     gpt2  plain: cH + MH (the activation's gradient da, while its matmul runs)
@@ -119,6 +124,14 @@ struct ActivationEstimate {
   int64_t tied_grad_bytes = 0;       // in moments D and B
   int64_t weight_cast_bytes = 0;     // autocast's low-precision copies of all matmul weights
   int64_t peak_bytes = 0;            // max(F, A, D, B)
+  // The moments a sharded engine holds different buffers beside (memory/footprint.h), each the largest
+  // of its kind: the end of the forward (F's first part); a block's forward (a checkpointed segment's
+  // first pass, F's second part, or a kept block's end, with what it and the blocks before keep); the start of
+  // backward (A); the LM head's backward (H, above); the blocks' backward (D, B). The kept blocks'
+  // forward and H are not in peak_bytes: without sharding A bounds them wherever the activations
+  // outweigh the head's weight gradient (the head-heavy known gap, docs/memory.md).
+  int64_t forward_end_peak_bytes = 0, forward_block_peak_bytes = 0, start_peak_bytes = 0;
+  int64_t head_backward_peak_bytes = 0, backward_peak_bytes = 0;
   int64_t host_bytes = 0;            // offload.activations: the checkpointed inputs in host memory at the end of the forward
 };
 
@@ -160,8 +173,12 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp);
 // uses the largest segment with every segment input: at most n*fC*tok more). With offload_inputs, the
 // inputs count only while their segment runs (first pass; recompute and backward, with the previous
 // checkpointed segment's input prefetched beside them); `host` gets what the forward offloaded.
-// Recipes with offload.activations always take the walk.
-double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host = nullptr);
+// Recipes with offload.activations always take the walk. `phases` gets the largest moment of each kind
+// (ActivationEstimate's forward end, block forward, start and backward peaks).
+struct PhasePeaks {
+  double forward_end = 0, forward_block = 0, start = 0, backward = 0;
+};
+double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host = nullptr, PhasePeaks* phases = nullptr);
 
 // Whether the recipe runs on CUDA (train.device cuda, or auto with a GPU present).
 bool runs_on_cuda(const config::RunConfig& cfg);

@@ -199,6 +199,46 @@ void place_host(const config::RunConfig& cfg, PeakPrediction& p) {
   p.host_optimizer_temp_bytes = optimizer_phase;
 }
 
+// The AdamW step runs the fused CPU kernel (optim/optimizer.cpp: every tensor a contiguous fp32 CPU
+// tensor, updated in place), not LibTorch's AdamW with its temporaries: on the CPU device (the lazy test
+// device's tensors are not CPU tensors).
+bool fused_cpu_adamw(const config::RunConfig& cfg) { return !runs_on_cuda(cfg) && cfg.train.device != config::DeviceChoice::kLazy; }
+
+// A checkpointed segment of 3 or more blocks can exist (its recompute's start holds a third block, see
+// footprint.h): the recipe's uniform plan has one, or a budget schedule, not known here, may.
+bool segment_of_three(const config::RunConfig& cfg) {
+  const int64_t L = cfg.model.n_layer;
+  if (cfg.checkpointing.mode.solved()) return L >= 3;
+  return segment_counts(cfg.checkpointing, L).largest_checkpointed >= 3;
+}
+
+// The stage's transients beside each phase's activations (footprint.h), from the engine's buffers:
+// zero2's bucket gradient, zero3's gathered units (parameters in the compute dtype) and gradient buffer
+// (reduce dtype), each group padded to the world size's shards.
+void place_transients(const config::RunConfig& cfg, PeakPrediction& p) {
+  const config::Sharding sh = cfg.parallel.sharding;
+  const int64_t W = std::max<int64_t>(1, cfg.world_size);
+  const int64_t cp = cfg.precision.param_dtype.bytes(), cr = cfg.precision.reduce_dtype.bytes();
+  const auto padded = [&](int64_t elems) { return shard_elems(elems, W) * W; };
+  if (sh == config::Sharding::kZero2) {
+    p.transient_backward_bytes = p.transient_head_bytes = cr * padded(std::min(total_params(cfg.model), bucket_cap_params(cfg)));
+  } else if (sh.shards_params()) {
+    Dims d = dims_of(cfg.model);
+    d.H = widest_mlp(cfg.model);
+    const int64_t L = cfg.model.n_layer;
+    const int64_t ue = padded(embedding_params(d)), ub = L > 0 ? padded(block_params(d)) : 0, uh = padded(head_params(d));
+    const int64_t ut = uh + (d.tied ? ue : 0), second = L > 1 ? ub : 0;  // the head's gather; a second block
+    const int64_t grad = cr * std::max(ub, uh);  // one unit's gradient buffer
+    p.transient_forward_bytes = cp * std::max({ue + (L > 0 ? ub : ut), ub + second, ub + ut});
+    if (segment_of_three(cfg)) p.transient_forward_bytes = std::max(p.transient_forward_bytes, 3 * cp * ub + grad);
+    p.transient_forward_end_bytes = cp * ut;
+    p.transient_head_bytes = cp * (ut + ub) + cr * uh;
+    p.transient_backward_bytes = cp * (ub + second) + grad;
+  }
+  p.transient_bytes = std::max({p.transient_forward_bytes, p.transient_forward_end_bytes, p.transient_head_bytes,
+                                p.transient_backward_bytes});
+}
+
 // offload.*: the device terms the engine keeps on the host instead (parallel/engine.cpp, state_bytes;
 // their host size: place_host).
 void place_offloaded(const config::RunConfig& cfg, PeakPrediction& p) {
@@ -224,25 +264,19 @@ PeakPrediction predict_states(const config::RunConfig& cfg) {
   const config::Sharding sh = cfg.parallel.sharding;
   const int64_t P = 4 * n, G = 4 * n, O = 8 * n;
   // A low-precision compute copy (precision.param_dtype): fp32 masters only in the shard; zero1/2 keep
-  // the whole model in the compute dtype, zero3 gathers units in it; zero2/3 reduce in reduce_dtype.
-  const int64_t cp = cfg.precision.param_dtype.bytes(), cr = cfg.precision.reduce_dtype.bytes();
+  // the whole model in the compute dtype, zero3 gathers units in it (place_transients).
+  const int64_t cp = cfg.precision.param_dtype.bytes();
   p.params_bytes = sh.shards_params() ? P / N : cp < 4 ? P / N + cp * n : P;
   p.grads_bytes = sh.shards_grads() ? G / N : G;
   p.optimizer_bytes = sh.shards_optimizer() ? O / N : O;
-  if (sh == config::Sharding::kZero2) {
-    // One bucket's full gradient: it fills while the backward still holds activations. (Its
-    // reduce-scatter output slice comes when the bucket is complete, after most of them are freed.)
-    p.transient_bytes = std::min(cr * n, cr * bucket_cap_params(cfg));
-  } else if (sh.shards_params()) {  // the largest unit's gathered parameters and full gradient, and the next
-    p.transient_bytes = (2 * cp + cr) * largest_unit_params(cfg.model);  // unit's, prefetched in backward
-  }
+  place_transients(cfg, p);
   p.batch_bytes = 2 * 8 * cfg.train.micro_batch * cfg.train.seq_len;
   if (cfg.model.arch == config::Arch::kLlama) p.buffer_bytes = 4 * cfg.model.max_seq_len * (cfg.model.n_embd / cfg.model.n_head);
   // AdamW updates the model's parameters (none) or this rank's shard of each group; the engine's
   // norm reads whole groups (none) or shards. World 1 without sharding has no engine.
   const int64_t group = largest_group_params(cfg, n), shard = ceil_div(group, N);
-  p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? largest_param(cfg.model) : shard);
-  if ((N > 1 || !sh.replicated()) && !engine_grads_on_cpu(cfg))
+  if (!fused_cpu_adamw(cfg)) p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? largest_param(cfg.model) : shard);
+  if (cfg.parallel.uses_engine(N) && !engine_grads_on_cpu(cfg))
     p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh.replicated() ? group : shard);
   p.host_staging_bytes = device::host_staging_bytes(4 * largest_param(cfg.model));  // fp32 masters and moments
   place_offloaded(cfg, p);

@@ -43,18 +43,40 @@ inline constexpr int64_t shard_elems(int64_t numel, int64_t world) {
 // Per rank, for cfg.world_size ranks and parallel.sharding (P, G, O = fp32 weights, gradients and
 // AdamW's two moments of the whole model; N = world size):
 //   none  P + G + O      zero1  P + G + O/N      zero2  P + (G + O)/N      zero3  (P + G + O)/N
-// plus what the stage holds transiently at the backward's peak: zero2 one bucket's full gradient;
-// zero3 the largest unit's gathered parameters and its full gradient, and the next unit's parameters
-// (prefetched in backward). With precision.param_dtype bf16/fp16 parameters count 2 bytes when
-// gathered (the fp32 masters stay in the shard), and reduce_dtype sets the gradient buffers' size.
+// With precision.param_dtype bf16/fp16 parameters count 2 bytes when gathered (the fp32 masters stay
+// in the shard), and reduce_dtype sets the gradient buffers' size.
+// Beside the activations the stage holds transients (parallel/engine.cpp), which differ between the
+// moments of memory/activations.h: the forward (F), the start of backward (A: the loss's backward,
+// before any parameter gradient or gather), the LM head's backward (H, once the logits' gradient
+// exists) and the blocks' backward (D, B). With U_e, U_b, U_h the parameters of the embeddings, the
+// largest block and the head (final norm, and the LM head when untied), each group padded to N shards
+// (shard_elems), U_t = U_h, plus U_e when the head is tied (its gathers take the embeddings too), p and
+// r the bytes of param_dtype and reduce_dtype:
+//   zero2  F, A  none
+//          H, D, B  one bucket's full gradient, made at its first parameter gradient: r x its padded
+//                elements
+//   zero3  F     a block's forward: the unit and the next, prefetched, p max(U_e + U_b, 2 U_b, U_b + U_t);
+//                a checkpointed segment of 3 or more blocks also holds, at the start of its recompute,
+//                its last two blocks (gathered for its backward) and its first beside the gradient
+//                buffer of the unit after it, 3 p U_b + r max(U_b, U_h), with the activations of a
+//                block's forward beside the segment inputs (a budget schedule may have one);
+//                the end of the forward: the head's units, p U_t (the loss comes after their release)
+//          A     none
+//          H     the head's units, gathered by the hook on the logits' gradient, the last block,
+//                prefetched, and the head's gradient buffer: p (U_t + U_b) + r U_h
+//          D, B  the block and the one before it (prefetched), and one gradient buffer (the block's,
+//                or the unit's after it until the block's first gradient arrives): 2 p U_b + r max(U_b, U_h)
+//                (one block fewer in a one-block model)
 // A step's peak is the larger of two phases:
-//   activations  model states + transient + batch + activation peak (forward and backward)
+//   activations  model states + batch + the largest of each moment's activations plus its transient
 //   optimizer    model states + batch + the step's temporaries, after backward freed the activations:
-//                AdamW's update makes two temporaries the size of its largest tensor (sqrt of the
-//                second moment, and that divided by the bias correction), and the sharded engine's
+//                on CUDA AdamW's update makes two temporaries the size of its largest tensor (sqrt of
+//                the second moment, and that divided by the bias correction), and the sharded engine's
 //                gradient norm one float64 chunk (kGradNormChunk elements, or the largest group if
-//                smaller) where its gradients are not on the CPU; the single-process clipping
-//                (optim/clip.h, world 1, no sharding) and the engine's on CPU gradients only scalars.
+//                smaller); on the CPU the AdamW step is a fused in-place kernel (optim/optimizer.cpp)
+//                whose only tensor is its index of pieces (8 bytes per kAdamwPiece elements, left
+//                out), and the norms of CPU gradients, clipping's (optim/clip.h) and the engine's,
+//                make only scalars.
 // Non-parameter buffers (the RoPE tables) count in both.
 // Offload (parallel/engine.h) moves terms to host memory: offload.optimizer the fp32 master shard
 // (zero1/2 keep the whole group on the device in the compute dtype; zero3 nothing), the moments, a
@@ -63,7 +85,11 @@ inline constexpr int64_t shard_elems(int64_t numel, int64_t world) {
 // checkpointed inputs (memory/activations.h).
 struct PeakPrediction {
   int64_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0;  // held by this rank
-  int64_t transient_bytes = 0;  // sharding: gathered parameters / unreduced gradients at the peak
+  // sharding: gathered parameters and unreduced gradients beside the activations of a block's forward
+  // and of the forward's end (F), the head's backward (H) and the blocks' backward (D, B) (above), and
+  // the largest of them (the room a budget schedule leaves beside its activations)
+  int64_t transient_forward_bytes = 0, transient_forward_end_bytes = 0, transient_head_bytes = 0, transient_backward_bytes = 0;
+  int64_t transient_bytes = 0;
   int64_t batch_bytes = 0;  // the (B, T) int64 inputs and targets of one micro-batch
   int64_t buffer_bytes = 0;  // the model's non-parameter buffers (RoPE cos/sin tables)
   int64_t adamw_temp_bytes = 0;  // AdamW's two temporaries of its largest tensor
@@ -97,7 +123,15 @@ struct PeakPrediction {
     return host_states_bytes() + host_snapshot_bytes + std::max(activations.host_bytes, host_optimizer_temp_bytes);
   }
   int64_t model_states_bytes() const { return params_bytes + grads_bytes + optimizer_bytes; }
-  int64_t activation_phase_bytes() const { return transient_bytes + activations.peak_bytes; }
+  // The activations' own peak, and each moment a transient is held beside with it.
+  int64_t activation_phase_bytes() const {
+    const auto& a = activations;
+    const auto beside = [](int64_t transient, int64_t act) { return transient > 0 ? transient + act : 0; };
+    return std::max({a.peak_bytes, beside(transient_forward_bytes, a.forward_block_peak_bytes),
+                     beside(transient_forward_end_bytes, a.forward_end_peak_bytes),
+                     beside(transient_head_bytes, a.head_backward_peak_bytes),
+                     beside(transient_backward_bytes, a.backward_peak_bytes)});
+  }
   int64_t optimizer_phase_bytes() const { return std::max(adamw_temp_bytes, grad_norm_temp_bytes); }
   int64_t peak_bytes() const {
     return model_states_bytes() + buffer_bytes + batch_bytes + std::max(activation_phase_bytes(), optimizer_phase_bytes());
@@ -120,8 +154,8 @@ PeakPrediction predict_peak(const config::RunConfig& cfg, const checkpointing::P
 
 // checkpointing.budget as the bytes a budget schedule's activation peak may reach: the size given, or
 // the share of what memory.limit leaves after the model states, buffers and batch; less, under
-// zero2/zero3, the transient (a bucket's full gradient / the gathered units), which the step holds
-// beside the activations. May be <= 0 (nothing fits).
+// zero2/zero3, the largest phase's transient (transient_bytes: a bucket's full gradient / the gathered
+// units), which the step holds beside the activations. May be <= 0 (nothing fits).
 int64_t activation_budget_bytes(const config::RunConfig& cfg);  // checkpointing.mode budget only
 
 // Parameter counts, closed formulas of the model config (gpt2 / llama, biases, tied head, mlp_hidden;
