@@ -13,6 +13,11 @@
    so a new folder is placed on purpose.
 3. The bottom is torch-free: no file in TORCH_FREE includes a torch, ATen or c10 header, directly or
    through a project header.
+4. Parallelism is a strategy chosen once (parallel::make_strategy): outside src/parallel no code asks
+   whether a data-parallel engine exists (`engine ? a : b`, `if (engine)`, `!engine`, `engine && ...`).
+5. Phases take the parts they use: a parameter of type `Session&` (train/run.h, the whole run) appears
+   only in the functions of SESSION_READERS, which report on every part of the run.
+6. The step stays narrow: a function named in MAX_PARAMS takes at most that many parameters.
 
 Usage: scripts/check_design.py [ROOT] [--edges]   (ROOT: the repository, default: this script's
 parent's parent; --edges also prints every include edge between folders with its count)
@@ -57,6 +62,15 @@ LAYERS = [
     "interop",    # Hugging Face weights in and out; `trainer sample` (a model and its tokenizer from a run or folder)
     "train",      # the run: setup, the loop, the step, reports
 ]
+# Rule 4: a test of a data-parallel engine pointer (the engine is never optional: Single is the strategy
+# of one process).
+NULL_CHECK = re.compile(r'(!\s*(\w+\.)?engine\b(?!\()|\bengine\s*(\?|&&|\|\|)|if \((\w+\.)?engine\))')
+# Rule 5: the functions that may take the whole Session: finish() ends every part (final weights, the
+# parallel report, summary.json, the closing line) and summary_json() reports on every part.
+SESSION_READERS = {"finish", "summary_json"}
+SESSION_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bSession\s*&[^()]*)\)')
+# Rule 6: the most parameters a function of this name may take.
+MAX_PARAMS = {"train_step": 5}
 # Files that include no torch header, directly or through the project headers they include.
 TORCH_FREE = ["src/config/*", "src/log/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h"]
 TORCH = re.compile(r'#include\s*<(torch|ATen|c10)/')
@@ -79,6 +93,63 @@ def choice_comparisons(root: pathlib.Path):
             code = line.split("//", 1)[0]
             if COMPARISON.search(code):
                 found.append(f"{rel}:{n}: {line.strip()}")
+    return found
+
+
+def code_lines(path: pathlib.Path):
+    """(line number, the line without its // comment) for every line of a source file."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        yield n, line.split("//", 1)[0]
+
+
+def engine_null_checks(root: pathlib.Path):
+    found = []
+    for path in sources(root):
+        rel = path.relative_to(root)
+        if rel.parts[:2] == ("src", "parallel"):
+            continue  # the strategies themselves
+        found += [f"{rel}:{n}: {code.strip()}" for n, code in code_lines(path) if NULL_CHECK.search(code)]
+    return found
+
+
+def session_takers(root: pathlib.Path):
+    found = []
+    for path in sources(root):
+        rel = path.relative_to(root)
+        for n, code in code_lines(path):
+            for m in SESSION_PARAM.finditer(code):
+                if m.group(1) not in SESSION_READERS:
+                    found.append(f"{rel}:{n}: {m.group(1)} takes the whole Session: pass it the parts it reads")
+    return found
+
+
+def parameter_count(text: str, start: int) -> int:
+    """Parameters of the call or signature whose '(' is at text[start]: top-level commas + 1, 0 when empty."""
+    depth, commas, body = 0, 0, []
+    for ch in text[start:]:
+        depth += ch in "(<{[" 
+        depth -= ch in ")>}]"
+        if depth == 0:
+            break
+        if depth == 1 and ch == ",":
+            commas += 1
+        body.append(ch)
+    return commas + 1 if "".join(body[1:]).strip() else 0
+
+
+def wide_signatures(root: pathlib.Path):
+    """Declarations and definitions (a return type before the name) of MAX_PARAMS' functions past their limit."""
+    found = []
+    for path in sources(root):
+        text = "\n".join(code for _, code in code_lines(path))
+        for name, most in MAX_PARAMS.items():
+            for m in re.finditer(r'\b[\w:<>]+[&*]?\s+%s\s*\(' % name, text):
+                if m.group(0).split()[0] in ("return", "=", "else"):
+                    continue  # a call
+                n = parameter_count(text, m.end() - 1)
+                if n > most:
+                    line = text.count("\n", 0, m.start()) + 1
+                    found.append(f"{path.relative_to(root)}:{line}: {name} takes {n} parameters (at most {most})")
     return found
 
 
@@ -167,6 +238,14 @@ def main() -> int:
         print(t)
     print(f"torch headers in the torch-free bottom: {len(torch)} (must be 0)")
     broken += bool(torch)
+
+    for rule, found in (("data-parallel engine null checks outside src/parallel", engine_null_checks(root)),
+                        (f"functions taking the whole Session beyond {sorted(SESSION_READERS)}", session_takers(root)),
+                        ("signatures wider than MAX_PARAMS allows", wide_signatures(root))):
+        for f in found:
+            print(f)
+        print(f"{rule}: {len(found)} (must be 0)")
+        broken += bool(found)
     return 1 if broken else 0
 
 

@@ -20,7 +20,6 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import check_design  # noqa: E402  (the choice names and the comparison pattern live there)
 
-NULL_CHECK = re.compile(r'(!\s*(\w+\.)?engine\b(?!\()|\bengine\s*(\?|&&|\|\|)|if \((\w+\.)?engine\))')
 RUNCONFIG_PARAM = re.compile(r'RunConfig\s*&')
 RECIPE_COPY = re.compile(r'(auto|config::RunConfig|RunConfig)\s+\w+\s*=\s*(\w+\.)?cfg\s*;')
 # A function definition's first line: a return type and name, a parameter list, an opening brace at its end
@@ -36,17 +35,10 @@ def source_files(root, skip_config=True):
         yield path, rel
 
 
-def code_lines(path):
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        yield n, line.split("//", 1)[0]
-
-
-def count(root, pattern, skip_parallel=False):
+def count(root, pattern):
     hits = []
     for path, rel in source_files(root):
-        if skip_parallel and rel.parts[:2] == ("src", "parallel"):
-            continue
-        hits += [f"{rel}:{n}" for n, code in code_lines(path) if pattern.search(code)]
+        hits += [f"{rel}:{n}" for n, code in check_design.code_lines(path) if pattern.search(code)]
     return hits
 
 
@@ -97,7 +89,7 @@ def main():
         args.remove(str(top))
     root = pathlib.Path(args[0] if args else pathlib.Path(__file__).resolve().parent.parent).resolve()
     rows = [
-        ("strategy null checks (outside src/parallel)", len(count(root, NULL_CHECK, skip_parallel=True))),
+        ("strategy null checks (outside src/parallel)", len(check_design.engine_null_checks(root))),
         ("choice comparisons (outside src/config)", len(check_design.choice_comparisons(root))),
         ("RunConfig& parameters (outside src/config, main)", len(count(root, RUNCONFIG_PARAM))),
         ("recipe copies", len(count(root, RECIPE_COPY))),

@@ -15,7 +15,8 @@
 #   - scripts/check_design.py: passes on this tree; fails naming an include against the layer order, an
 #     unplaced folder, a torch header in the torch-free bottom; fails naming each string comparison with a
 #     recipe choice's name (sharding stage, architecture, dtype, backend, device, data source, spike action)
-#     outside src/config.
+#     outside src/config; fails naming an engine null check outside src/parallel, a function other than
+#     finish/summary_json taking the whole Session, and a train_step with more than 5 parameters.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
 # at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
@@ -244,6 +245,30 @@ layer_rules() {
     { echo "the torch chain is not named:"; echo "$out"; return 1; }
 }
 check "check_design.py: includes follow the layer order; the bottom is torch-free" layer_rules
+
+# 7b. scripts/check_design.py's shape rules: outside src/parallel a test of an engine pointer fails (inside,
+#     it passes); a function taking the whole Session fails unless it is finish or summary_json; a
+#     train_step declared with 6 parameters fails (5 passes). Each failure names its file and line.
+shape_rules() {
+  local tree="$TMP/shape" out
+  mkdir -p "$tree/src/train" "$tree/src/parallel"
+  echo 'void a() { if (engine) go(); }' > "$tree/src/parallel/engine.cpp"
+  printf '%s\n' 'int finish(Session& s, const LoopState& st, Outcome o);' \
+    'Json summary_json(const Session& s, const LoopState& st);' \
+    'StepResult train_step(const StepParts& p, const Micro& m, const Stop& s, const Hold& h, int x);' > "$tree/src/train/run.h"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" || { echo "an allowed shape failed:"; echo "$out"; return 1; }
+  printf '%s\n' 'auto g = engine ? engine->grads() : local_grads(m);' 'if (!s.engine) return;' \
+    'void report(const Session& s) {}' \
+    'StepResult train_step(const StepParts& p, const std::vector<Batch>& m, int a, int b, int c, int d);' > "$tree/src/train/step.cpp"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "a wide shape passed:"; echo "$out"; return 1; }
+  local want
+  for want in 'src/train/step.cpp:1: ' 'src/train/step.cpp:2: ' 'src/train/step.cpp:3: report takes the whole Session' \
+              'src/train/step.cpp:4: train_step takes 6 parameters (at most 5)'; do
+    grep -qF "$want" <<< "$out" || { echo "not named: $want"; echo "$out"; return 1; }
+  done
+  ! grep -q '^src/parallel/\|^src/train/run.h' <<< "$out" || { echo "an allowed line is named:"; echo "$out"; return 1; }
+}
+check "check_design.py: no engine null checks, no whole-Session parameters, a narrow train_step" shape_rules
 
 # 8. scripts/check_links.py: this tree passes; a link to a missing page, or to a heading that does
 #    not exist, fails naming the file, line and target; links in code are not links.
