@@ -65,7 +65,7 @@ LAYERS = [
 # Rule 4: a test of a data-parallel engine pointer (the engine is never optional: Single is the strategy
 # of one process).
 NULL_CHECK = re.compile(r'(!\s*(\w+\.)?engine\b(?!\()|\bengine\s*(\?|&&|\|\|)|if \((\w+\.)?engine\))')
-# Rule 5: the functions that may take the whole Session: finish() ends every part (final weights, the
+# Rule 5: the functions that may take the whole `Session`: finish() ends every part (final weights, the
 # parallel report, summary.json, the closing line) and summary_json() reports on every part.
 SESSION_READERS = {"finish", "summary_json"}
 SESSION_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bSession\s*&[^()]*)\)')
@@ -119,7 +119,7 @@ def session_takers(root: pathlib.Path):
         for n, code in code_lines(path):
             for m in SESSION_PARAM.finditer(code):
                 if m.group(1) not in SESSION_READERS:
-                    found.append(f"{rel}:{n}: {m.group(1)} takes the whole Session: pass it the parts it reads")
+                    found.append(f"{rel}:{n}: {m.group(1)} takes the whole `Session`: pass it the parts it reads")
     return found
 
 
@@ -240,7 +240,7 @@ def main() -> int:
     broken += bool(torch)
 
     for rule, found in (("data-parallel engine null checks outside src/parallel", engine_null_checks(root)),
-                        (f"functions taking the whole Session beyond {sorted(SESSION_READERS)}", session_takers(root)),
+                        (f"functions taking the whole `Session` beyond {sorted(SESSION_READERS)}", session_takers(root)),
                         ("signatures wider than MAX_PARAMS allows", wide_signatures(root))):
         for f in found:
             print(f)

@@ -110,7 +110,7 @@ TEST_CASE("bad shards throw DataError naming the file and the problem") {
   SECTION("corpus shorter than one sequence") {
     auto p = write_raw(dir, "s.bin", data::kShardMagic, 1, 100, ok);
     auto cfg = config::load_string("", {"data.path=" + p, "data.val_path=" + p, "train.seq_len=128"});
-    auto msg = data_error([&] { data::open_splits(cfg); });
+    auto msg = data_error([&] { data::open_splits(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed); });
     CHECK(msg.find("only 100 tokens, fewer than one sequence") != std::string::npos);
   }
 }
@@ -150,7 +150,7 @@ TEST_CASE("loader: targets are inputs shifted by one, deterministic per seed, di
 TEST_CASE("val_path empty holds out the tail of the training file") {
   auto cfg = config::load_string("", {"data.path=" + test::kSourceDir + "/data/corpus_train.bin", "data.val_path=",
                                       "data.val_fraction=0.25"});
-  auto s = data::open_splits(cfg);
+  auto s = data::open_splits(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed);
   const auto total = data::open_llmc(cfg.data.path, 256)->size();
   CHECK(s.val->size() == static_cast<int64_t>(total * 0.25));
   CHECK(s.train->size() + s.val->size() == total);

@@ -262,7 +262,7 @@ shape_rules() {
     'StepResult train_step(const StepParts& p, const std::vector<Batch>& m, int a, int b, int c, int d);' > "$tree/src/train/step.cpp"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "a wide shape passed:"; echo "$out"; return 1; }
   local want
-  for want in 'src/train/step.cpp:1: ' 'src/train/step.cpp:2: ' 'src/train/step.cpp:3: report takes the whole Session' \
+  for want in 'src/train/step.cpp:1: ' 'src/train/step.cpp:2: ' 'src/train/step.cpp:3: report takes the whole `Session`' \
               'src/train/step.cpp:4: train_step takes 6 parameters (at most 5)'; do
     grep -qF "$want" <<< "$out" || { echo "not named: $want"; echo "$out"; return 1; }
   done

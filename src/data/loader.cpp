@@ -186,11 +186,10 @@ uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-std::shared_ptr<TokenSource> open_file(const config::RunConfig& cfg, const std::string& path) {
-  const auto& d = cfg.data;
-  if (d.source == config::DataSource::kText) return open_text(path, cfg.model.vocab_size);
-  if (d.source == config::DataSource::kRaw) return open_raw(path, cfg.model.vocab_size, static_cast<int>(d.raw_dtype.bytes()));
-  return open_llmc(path, cfg.model.vocab_size);  // llmc, or its old name bin
+std::shared_ptr<TokenSource> open_file(const config::DataConfig& d, int64_t vocab_size, const std::string& path) {
+  if (d.source == config::DataSource::kText) return open_text(path, vocab_size);
+  if (d.source == config::DataSource::kRaw) return open_raw(path, vocab_size, static_cast<int>(d.raw_dtype.bytes()));
+  return open_llmc(path, vocab_size);  // llmc, or its old name bin
 }
 
 // The length of the UTF-8 sequence that lead byte c starts; 0 when c cannot start one (a continuation
@@ -318,25 +317,23 @@ Batch Loader::next() {
   return {buf.narrow(1, 0, T_).contiguous(), buf.narrow(1, 1, T_).contiguous()};
 }
 
-Splits open_splits(const config::RunConfig& cfg) {
-  const auto& d = cfg.data;
+Splits open_splits(const config::DataConfig& d, int64_t vocab_size, int64_t seq_len, int64_t seed) {
   Splits s;
   if (d.source == config::DataSource::kSynthetic) {
-    std::shared_ptr<TokenSource> all = make_synthetic(d.synthetic_tokens, cfg.model.vocab_size,
-                                                      static_cast<uint64_t>(cfg.train.seed));
+    std::shared_ptr<TokenSource> all = make_synthetic(d.synthetic_tokens, vocab_size, static_cast<uint64_t>(seed));
     const int64_t n_val = static_cast<int64_t>(static_cast<double>(all->size()) * d.val_fraction);
     s.train = slice(all, 0, all->size() - n_val);
     s.val = slice(all, all->size() - n_val, n_val);
   } else if (d.val_path.empty()) {
-    std::shared_ptr<TokenSource> all = open_file(cfg, d.path);
+    std::shared_ptr<TokenSource> all = open_file(d, vocab_size, d.path);
     const int64_t n_val = static_cast<int64_t>(static_cast<double>(all->size()) * d.val_fraction);
     s.train = slice(all, 0, all->size() - n_val);
     s.val = slice(all, all->size() - n_val, n_val);
   } else {
-    s.train = open_file(cfg, d.path);
-    s.val = open_file(cfg, d.val_path);
+    s.train = open_file(d, vocab_size, d.path);
+    s.val = open_file(d, vocab_size, d.val_path);
   }
-  const int64_t need = cfg.train.seq_len + 1;
+  const int64_t need = seq_len + 1;
   for (const auto* split : {&s.train, &s.val})
     if ((*split)->size() < need)
       throw DataError(fmt::format("{}: only {} tokens, fewer than one sequence of train.seq_len + 1 = {}; "

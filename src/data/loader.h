@@ -79,9 +79,10 @@ struct Splits {
   std::shared_ptr<TokenSource> val;
 };
 
-// Opens the configured data (train + val), checks every file against model.vocab_size and that
-// each split holds at least one sequence of train.seq_len + 1 tokens. Throws DataError.
-Splits open_splits(const config::RunConfig& cfg);
+// Opens the configured data (train + val), checks every file against the model's vocabulary (model.vocab_size)
+// and that each split holds at least one sequence of seq_len + 1 tokens (train.seq_len); synthetic data is
+// drawn from `seed` (train.seed). Throws DataError.
+Splits open_splits(const config::DataConfig& d, int64_t vocab_size, int64_t seq_len, int64_t seed);
 
 // The tokenizer.json the data was made with: data.tokenizer (DataError, exit 3, when it does not exist), else
 // tokenizer.json beside data.path for token files (llmc, raw) when there is one, else "".

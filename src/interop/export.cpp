@@ -74,7 +74,7 @@ RunWeights run_weights(const fs::path& run, const std::string& who) {
   RunWeights w{run_recipe(run, who), {}, "", 0};
   const fs::path final_file = run / "model" / "model.safetensors";
   const int64_t final = final_step(final_file);
-  const fs::path root = state::state_root(w.cfg, run);
+  const fs::path root = state::state_root(w.cfg.state, run);
   const state::Found found = newest_state(root, final);
   if (!found.found() && final < 0)
     throw ConfigError(fmt::format("{} --run {}: the run has neither a saved training state ({}) nor final weights "

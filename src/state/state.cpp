@@ -99,9 +99,8 @@ std::optional<Piece> parse_name(const std::string& name) {
 
 std::string project_version() { return SUBLINEAR_VERSION; }
 
-int64_t global_batch(const config::RunConfig& cfg) {
-  return cfg.train.global_batch > 0 ? cfg.train.global_batch
-                                    : cfg.train.micro_batch * cfg.train.grad_accum * std::max<int64_t>(1, cfg.world_size);
+int64_t global_batch(const config::TrainConfig& t, int64_t world) {
+  return t.global_batch > 0 ? t.global_batch : t.micro_batch * t.grad_accum * std::max<int64_t>(1, world);
 }
 
 // The math keys' values, as the resolved recipe JSON holds them (train.global_batch resolved).
@@ -126,7 +125,7 @@ Json math_values(const Json& recipe, int64_t global) {
 // recipe and its math) and each part's entries (components.h), as they stand now.
 Json meta_content(Parts& s, const Counters& st) {
   const Json recipe = config::to_json(s.cfg);
-  const Json math = math_values(recipe, global_batch(s.cfg));
+  const Json math = math_values(recipe, global_batch(s.cfg.train, s.cfg.world_size));
   Json meta = {{"format", "sublinear-training-state"},
                {"format_version", kFormatVersion},
                {"sublinear_version", project_version()},
@@ -549,8 +548,8 @@ Found find_local(const std::string& resume, const fs::path& root) {
 
 fs::path step_dir(const fs::path& root, int64_t step) { return root / step_dir_name(step); }
 
-fs::path state_root(const config::RunConfig& cfg, const fs::path& run_dir) {
-  return cfg.state.dir.empty() ? run_dir / "state" : fs::path(cfg.state.dir);
+fs::path state_root(const config::StateConfig& st, const fs::path& run_dir) {
+  return st.dir.empty() ? run_dir / "state" : fs::path(st.dir);
 }
 
 const std::vector<std::string>& math_keys() {
@@ -567,7 +566,7 @@ const std::vector<std::string>& math_keys() {
 
 void check_recipe(const Json& meta, const config::RunConfig& cfg) {
   const Json saved = meta.at("math");
-  const Json now = math_values(config::to_json(cfg), global_batch(cfg));
+  const Json now = math_values(config::to_json(cfg), global_batch(cfg.train, cfg.world_size));
   std::string diffs;
   for (const auto& key : math_keys())
     if (saved.contains(key) && canonical(key, saved.at(key)) != canonical(key, now.at(key)))  // newer keys: not compared
@@ -642,7 +641,7 @@ int64_t write_delay_ms() {
 
 Saved save(Parts& s, const Counters& st) {
   const auto t0 = Clock::now();
-  const fs::path root = state_root(s.cfg, s.run_dir);
+  const fs::path root = state_root(s.cfg.state, s.run_dir);
   const fs::path tmp = tmp_dir(root, st.steps_done);
   on_rank0_together(s, "state directory", [&] { make_fresh_dir(root, tmp); });
   std::string error;
@@ -705,7 +704,7 @@ AsyncSave::AsyncSave(Parts& s, const Counters& st, AsyncSave* previous)
     : step_(st.steps_done), writer_(std::make_unique<Writer>()) {
   Writer& w = *writer_;
   w.t0 = Clock::now();
-  w.root = state_root(s.cfg, s.run_dir);
+  w.root = state_root(s.cfg.state, s.run_dir);
   w.tmp = tmp_dir(w.root, step_);
   w.rank = s.launch.rank;
   on_rank0_together(s, "state directory", [&] { make_fresh_dir(w.root, w.tmp); });
@@ -785,7 +784,7 @@ void load(const Found& found, Parts& s, Counters& st) {
   const Reader reader(found.dir, found.meta);
   for (const auto& part : components(s, st)) part->load(found.meta, reader);
   on_rank0_together(s, "setting aside the abandoned states", [&] {
-    const fs::path root = state_root(s.cfg, s.run_dir);
+    const fs::path root = state_root(s.cfg.state, s.run_dir);
     set_aside_other_trajectories(root, found);
     set_aside_final_weights(s.run_dir, root, found);
   });

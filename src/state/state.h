@@ -75,7 +75,7 @@ struct Counters {
 inline constexpr int kFormatVersion = 2;
 
 // Where this run's states live: state.dir, else <run dir>/state.
-std::filesystem::path state_root(const config::RunConfig& cfg, const std::filesystem::path& run_dir);
+std::filesystem::path state_root(const config::StateConfig& st, const std::filesystem::path& run_dir);
 // <root>/step-NNNNNNNN: where the state after `step` steps is saved.
 std::filesystem::path step_dir(const std::filesystem::path& root, int64_t step);
 

@@ -457,7 +457,7 @@ Outcome unexpected_outcome(const parallel::Comm& comm, const Voice& v, const Loo
 std::string earlier_state_note(state::Parts& saves, const LoopState& st, int64_t step) {
   if (st.last_saved_step < 0) return "No earlier state exists";
   if (st.last_saved_step == step) return "";  // the same step: the error says where its earlier save is
-  const auto dir = state::step_dir(state::state_root(saves.cfg, saves.run_dir), st.last_saved_step);
+  const auto dir = state::step_dir(state::state_root(saves.cfg.state, saves.run_dir), st.last_saved_step);
   std::error_code ec;
   if (!std::filesystem::exists(dir / "meta.json", ec))
     return fmt::format("The state of step {} is no longer at {}; check the state directory", st.last_saved_step, dir.string());

@@ -96,7 +96,7 @@ void lock_run_dir(const Process& proc, Outputs& out, bool create) {
 // a state at all (auto), the run starts over and its logs are replaced (logging.overwrite set).
 state::Found find_resume_point(config::RunConfig& cfg, const Process& proc, const std::string& run_dir) {
   if (cfg.resume.empty()) return {};
-  const auto root = state::state_root(cfg, run_dir);
+  const auto root = state::state_root(cfg.state, run_dir);
   state::Found found = state::find_state(cfg.resume, root, *proc.comm);
   if (!found.found()) {
     cfg.logging.overwrite = true;
@@ -267,7 +267,7 @@ Inputs open_inputs(const config::RunConfig& cfg) {
     in.codec = text::TextCodec::open(in.tokenizer_path, cfg.model.vocab_size);
     in.codec->prompt(cfg.train.sample_prompt);  // a prompt it cannot start from fails now, not at the first sample
   }
-  in.splits = data::open_splits(cfg);  // after the tokenizer: a vocabulary mismatch is named as one, not as a token out of range
+  in.splits = data::open_splits(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed);  // after the tokenizer: a vocabulary mismatch is named as one, not as a token out of range
   return in;
 }
 
@@ -482,7 +482,7 @@ void load_state(state::Parts& saves, const Start& start, Meter& meter, log::RunL
   const double load_ms = ms_since(t0);
   // Already on disk where this run saves (a resume into another state.dir saves its own copy at the end).
   std::error_code ec;
-  if (std::filesystem::equivalent(from.dir.parent_path(), state::state_root(saves.cfg, saves.run_dir), ec))
+  if (std::filesystem::equivalent(from.dir.parent_path(), state::state_root(saves.cfg.state, saves.run_dir), ec))
     st.last_saved_step = st.steps_done;
   runlog.event("resume", {{"step", st.steps_done}, {"state", from.dir.string()},
                           {"saved_world_size", from.meta.at("world_size")}, {"saved_sharding", from.meta.at("sharding")},
