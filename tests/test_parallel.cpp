@@ -39,6 +39,9 @@
 #include "planner/planner.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
+#include "parallel/single.h"
+#include "parallel/stages.h"
+#include "parallel/zero3.h"
 #include "runs.h"
 #include "test_util.h"
 
@@ -154,6 +157,31 @@ MetricDiff max_rel_diff(const std::vector<StepMetrics>& a, const std::vector<Ste
 }
 
 }  // namespace
+
+namespace {
+// One in-process rank (world 1) and the strategy make_strategy picks for `sharding`.
+std::unique_ptr<parallel::Strategy> strategy_for(const std::string& sharding) {
+  const auto cfg = config::load_string("", {"model.n_layer=1", "model.n_embd=32", "model.n_head=2", "train.seq_len=16",
+                                            "train.device=cpu", "parallel.timeout_s=60", "parallel.sharding=" + sharding});
+  torch::manual_seed(cfg.train.seed);
+  model::GPT m(cfg.model, torch::kCPU);
+  parallel::LaunchEnv env;
+  env.rank = 0, env.world = 1, env.local_rank = 0, env.local_world = 1, env.master_port = test::free_port();
+  return parallel::make_strategy(m, cfg, std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
+}
+}  // namespace
+
+TEST_CASE("make_strategy picks one class per stage: none at world 1 is Single, zero1/2/3 are Zero1, Zero2, Zero3") {
+  CHECK(dynamic_cast<parallel::Single*>(strategy_for("none").get()) != nullptr);
+  const auto z1 = strategy_for("zero1");
+  CHECK(dynamic_cast<parallel::Zero1*>(z1.get()) != nullptr);
+  const auto z2 = strategy_for("zero2");
+  CHECK(dynamic_cast<parallel::Zero2*>(z2.get()) != nullptr);
+  CHECK(dynamic_cast<parallel::Zero3*>(z2.get()) == nullptr);  // Zero3 derives from Zero2: zero2 is not it
+  const auto z3 = strategy_for("zero3");
+  CHECK(dynamic_cast<parallel::Zero3*>(z3.get()) != nullptr);
+  for (const auto* s : {z1.get(), z2.get(), z3.get()}) CHECK(s->writes_model_states(false));  // each rank its shard
+}
 
 TEST_CASE("world 2 x micro 4 = world 1 x micro 8 = world 1 x 4 x accum 2 after 10 steps", "[numerics]") {
   Runner& run = shared_runner();

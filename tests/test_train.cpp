@@ -400,7 +400,8 @@ TEST_CASE("sum_of_squares: float64 over fp32 CPU gradients, the engine's norm on
   model::GPT m(cfg.model, torch::kCPU);
   parallel::LaunchEnv env;
   env.rank = 0, env.world = 1, env.local_rank = 0, env.local_world = 1, env.master_port = test::free_port();
-  parallel::Engine engine(m, cfg, std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
+  const auto made = parallel::make_engine(m, cfg, std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
+  auto& engine = *made;
   double expected = 0.0;
   {
     torch::NoGradGuard no_grad;
@@ -752,7 +753,8 @@ int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int
   env.rank = rank, env.world = 2, env.local_rank = rank, env.local_world = 2, env.master_port = port;
   auto comm = std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU);
   checkpointing::Runner runner(cfg.checkpointing, m);
-  parallel::Engine engine(m, cfg, comm);
+  const auto made = parallel::make_engine(m, cfg, comm);
+  auto& engine = *made;
   engine.attach(runner);
   auto opt = engine.make_optimizer(cfg.train);
   precision::LossScaler scaler(cfg.precision, torch::kCPU);

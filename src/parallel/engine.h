@@ -1,36 +1,21 @@
-// Data parallelism over a Comm: DDP (parallel.sharding: none) and ZeRO stages 1-3.
+// Data parallelism over a Comm: the base of the stage classes (parallel/stages.h: Ddp for
+// parallel.sharding none, Zero1, Zero2, Zero3), chosen once by make_engine.
 //
 // Parameters are grouped: for none/zero1/zero2 into buckets of parallel.bucket_mb in reverse
 // parameter order (the order gradients arrive in), for zero3 into units (the embeddings, each block,
-// the final norm + head). Each group is one flat fp32 buffer of W shards of S elements
-// (memory::shard_elems: a multiple of 8, so every shard starts 16-byte aligned in fp32, bf16 and fp16);
-// rank r owns elements [r*S, (r+1)*S). Inside a group matrices come first and vectors last, so a
-// rank's shard splits into at most one decayed and one undecayed AdamW tensor: LibTorch's own AdamW
-// updates the shard and, being elementwise, gives the same numbers as on the whole tensor.
+// the final norm + head). Each group (parallel/group.h) is one flat fp32 buffer of W shards of S
+// elements (memory::shard_elems: a multiple of 8, so every shard starts 16-byte aligned in fp32, bf16
+// and fp16); rank r owns elements [r*S, (r+1)*S). Inside a group matrices come first and vectors last,
+// so a rank's shard splits into at most one decayed and one undecayed AdamW tensor: LibTorch's own
+// AdamW updates the shard and, being elementwise, gives the same numbers as on the whole tensor.
 //
-//   none   params as built; .grad are views into the group's flat gradient; a group is all-reduced
-//          (async) as soon as its last gradient is accumulated, on the last micro-batch only.
-//   zero1  params are views into flat buffers; gradients as for none; AdamW over this rank's shard;
-//          after the step, parameters are all-gathered.
-//   zero2  like zero1, but each gradient is copied into a transient group buffer and freed; a ready
-//          group is reduce-scattered (every micro-batch) and only the rank's shard is kept.
-//   zero3  like zero2, and a unit's parameters exist only while gathered: before its forward
-//          (freed after; the next unit's all-gather is started meanwhile), before its backward (from a
-//          hook on its output's gradient, which also starts the previous block's all-gather; freed from
-//          a hook on its input's gradient), and before a recompute (the block's forward runs again).
-//
-// Offload (the recipe's offload section, device/host.h) keeps the rank's shard in host memory (under
-// DDP, none, the whole model is each rank's "shard": masters and moments on every rank's host, the
-// updated masters copied into the parameters after the step):
-//   optimizer   shard_param (the fp32 masters) and AdamW's moments live on the host and the AdamW step
-//               runs there, on the same fused kernel; the gradient shard is copied to a host buffer
-//               after clipping, and each group's master shard is copied back into its slot of
-//               flat_param (cast to the compute dtype) for the all-gather (zero1/2) or each gather (zero3).
-//   gradients   zero2/3: shard_grad lives on the host; each group's reduce-scatter result is added into
-//               it as the group finishes, so the device holds at most the groups in flight.
-//   parameters  zero3 with optimizer: the host masters are the only copy kept between uses; every
-//               gather copies the unit's shard in from the host.
-// Only bytes move: every value the optimizer reads and writes is the one it reads without offload.
+// Engine holds what every stage shares: the groups and their layout, the gradient hooks and the order
+// collectives launch in, the averaging, norm, clip and step, the transient-memory count and the spans
+// a save reads. A stage class binds each group's buffers (bind_group), takes each parameter's
+// gradient (take_grad), launches a ready group's reduction (launch_group) and says what follows the
+// step (after_step), what it holds (state bytes, spans) and how a unit is gathered. Offload is the
+// HostPlacement member (parallel/host_placement.h) every stage calls to place masters and gradient
+// shards and to copy them.
 //
 // Collectives launch in one fixed group order on every rank, so they pair up across ranks
 // whatever order autograd finishes gradients in. Sums are divided by the world size (Gloo has no AVG).
@@ -38,7 +23,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,25 +32,23 @@
 #include "config/config.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
+#include "parallel/group.h"
+#include "parallel/host_placement.h"
 #include "parallel/strategy.h"
 
 namespace sl::parallel {
 
-class Engine final : public Strategy {
+class Engine : public Strategy {
  public:
-  Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
-  ~Engine();
+  ~Engine() override;
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  config::Sharding sharding() const { return sharding_; }
   Comm& comm() { return *comm_; }
   int64_t world() const override { return world_; }
   std::string describe() const override;  // ranks, backend, sharding
 
-  // zero3: gathers/frees units around the forward (unit 0 embeddings, 1..L blocks, L+1 head).
-  void attach(checkpointing::Runner& runner) override;
-
+  void attach(checkpointing::Runner&) override {}
   void zero_grad() override;
   // Around each micro-batch's backward; `last` marks the micro-batch whose gradients are reduced
   // (none/zero1) — zero2/3 reduce-scatter every micro-batch and accumulate the shard.
@@ -78,7 +60,7 @@ class Engine final : public Strategy {
   // tensor, not read. Summed over ranks it is the squared norm (zero*: each rank holds a disjoint
   // shard; none: every rank holds the whole gradient, so rank 0 gives it and the others 0), which the
   // trainer does in its one all-reduce and host read per step.
-  torch::Tensor grad_norm_sq_share();
+  virtual torch::Tensor grad_norm_sq_share();
   // Scales by max_norm / (norm + 1e-6) when that is < 1: a host scalar, nothing waits for the device.
   void clip(double max_norm, double norm) override;
   // The strategy's norm: grad_norm_sq_share(), summed over ranks and square-rooted by global_norm.
@@ -86,25 +68,18 @@ class Engine final : public Strategy {
   double global_norm(double summed_shares) const override;
   void sum_over_ranks(torch::Tensor& t, const std::string& what) override;
   void check_reduction(const std::string& what) override;
-  void after_step();              // zero1/2: all-gather the updated parameters
   // The step itself: AdamW over what this rank updates (on the host with offload.optimizer, its
   // gradients copied there first), then after_step().
   void optimizer_step(torch::optim::AdamW& opt) override;
   // After held_spans() were written (a load): a low-precision compute copy is re-made from the masters.
-  void params_loaded() override;
+  void params_loaded() override { after_step(); }
   StateBytes state_bytes() const override;
-  // The elements this rank's optimizer updates (none: every parameter in full; zero*: the shard).
-  std::vector<Span> owned_spans() const override;
-  // The fp32 parameter elements this rank stores between steps, what a load writes (zero3, a
-  // low-precision compute copy or offload.optimizer: its master shard; otherwise every parameter).
-  // Call params_loaded() after.
-  std::vector<Span> held_spans() const override;
   // The shard piece (or, DDP, the parameter) whose storage holds the span.
   OptSlot optimizer_slot(torch::optim::AdamW& opt, const Span& span) const override;
   // zero3: gather every unit (a collective on every rank) so the whole model can be read; release_all
   // frees them again. No-ops for the other stages.
-  void gather_all();
-  void release_all();
+  virtual void gather_all() {}
+  virtual void release_all() {}
   // One unit (model::kEmbeddingUnit, block_unit(l), head_unit) readable through param_values(), so the
   // model can be read unit by unit (final weights) holding at most one gathered unit: zero3 gathers it;
   // with a low-precision compute copy its groups' fp32 masters are gathered (collectives on every rank).
@@ -121,17 +96,71 @@ class Engine final : public Strategy {
   int64_t launched_from_hooks() const { return launched_from_hooks_; }
   // zero3: group all-gathers since the last zero_grad() (one step: forward, recompute, backward, eval).
   int64_t gathers() const override { return gathers_; }
-  Moved take_moved() override;
+  Moved take_moved() override { return host_.take_moved(); }
   // largest_group_bytes, groups, groups_launched_during_backward.
   nlohmann::json layout() const override;
 
  protected:
-  // The model's parameters (DDP without offload) or this rank's shard pieces, each group's matrices and vectors.
-  Trainables trainables() override;
-  bool shards_states() const override { return !sharding_.replicated(); }
+  Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
+  // Makes the groups (a stage's bind_group gives them buffers) and checks every rank built the same
+  // model: called once, by make_engine, after the stage class is constructed.
+  void init(const config::RunConfig& cfg);
+  friend std::unique_ptr<Engine> make_engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
+
+  // ---- what a stage decides ----
+  virtual bool groups_per_unit() const { return false; }  // zero3: a group per unit, else buckets
+  // A new group's buffers: gradients (flat_grad, shard_grad, accum, step_grad) and masters.
+  virtual void bind_group(Group& g) = 0;
+  // Parameter i of g has this backward's gradient in its .grad.
+  virtual void take_grad(Group& g, size_t i) = 0;
+  virtual void launch_group(size_t gi) = 0;  // every gradient of the group is in
+  virtual void after_step() = 0;             // after the AdamW step (and a load)
+  virtual void count_group(StateBytes& s, const Group& g) const = 0;  // state_bytes' share of one group
+  // A group's full fp32 values drawn by a deferred model (zero3): the rank keeps its master shard.
+  virtual void bind_values(Group& g, torch::Tensor flat);
+  virtual void gather_params(int64_t) {}   // gather_unit without a low-precision copy (zero3 gathers)
+  virtual void release_params(int64_t) {}
+  // The elements of a group this rank's optimizer updates: its shard, or (DDP) the whole group.
+  virtual std::pair<int64_t, int64_t> owned_range(const Group& g) const;
+
+  // ---- what the stages share ----
+  std::vector<Span> shard_spans() const;     // the owned_range of every parameter, on the masters
+  std::vector<Span> param_spans() const;     // every parameter in full
+  Trainables shard_pieces();                 // the masters' owned ranges, matrices and vectors apart
+  void bind_flat_grad(Group& g);             // a persistent fp32 flat gradient, .grad views of it
+  // The fp32 master shard from the group's full fp32 values; the parameters become views of
+  // flat_param, in the compute dtype. `resident`: the compute copy is kept between uses (not zero3).
+  void shard_and_bind(Group& g, torch::Tensor flat, bool resident);
+  torch::Tensor full_values(const Group& g) const;  // a group's parameters, copied into one fp32 buffer
+  torch::Tensor compute_shard(Group& g);     // the rank's masters in the compute dtype, in its slot
+  void all_reduce(size_t gi);                // the last micro-batch's gradient all-reduce (none, zero1)
+  void ensure_grad_buffer(Group& g);         // zero2/3: the transient flat gradient, zeros if none came
+  void copy_into_buffer(Group& g, size_t i);  // zero2/3: parameter i's .grad into it, then freed
+  void reduce_scatter(size_t gi);
+  void finish_in_flight();
+  void all_gather_params();                  // zero1/2: every group's parameters from the shards
+  void add_transient(int64_t bytes);
+  torch::TensorOptions fp32_options() const;
+  bool low_precision_copy() const;  // precision.param_dtype is not fp32
+  int64_t param_buffer_bytes(const Group& g) const;  // flat_param, in the compute dtype
+  int64_t grad_buffer_bytes(const Group& g) const;   // zero2/3's transient flat_grad, in the reduce dtype
+
+  model::GPT model_;
+  std::shared_ptr<Comm> comm_;
+  std::string stage_name_;
+  at::ScalarType param_dtype_, reduce_dtype_;
+  int64_t rank_, world_;
+  c10::Device device_;
+  HostPlacement host_;    // the recipe's offload section
+  bool deferred_;         // the model came with deferred parameters (zero3 materializes its shards)
+  double init_sum_ = 0;   // sum of the initial parameters (checked equal on every rank)
+  std::vector<std::unique_ptr<Group>> groups_;  // in launch order
+  std::vector<std::vector<size_t>> unit_groups_;  // unit -> groups it needs gathered (zero1/2: holding its parameters)
+  bool last_micro_ = true;
+  bool in_backward_ = false;
+  int64_t gathers_ = 0;
 
  private:
-  struct Group;
   struct Layout {  // which parameters make which group (plan_groups)
     std::vector<std::vector<model::NamedParam>> members;
     std::vector<std::string> names;
@@ -140,61 +169,25 @@ class Engine final : public Strategy {
   void build_groups(const config::RunConfig& cfg);
   Layout plan_groups(const config::RunConfig& cfg, const std::vector<std::vector<model::NamedParam>>& units) const;
   std::unique_ptr<Group> make_group(const std::string& name, std::vector<model::NamedParam> named);
-  void shard_and_bind(Group& g, torch::Tensor flat);
   void materialize_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit);
   void index_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit);
   void add_grad_hooks();
   void on_param_grad(size_t group, size_t index);
   void check_same_init();
-  torch::TensorOptions fp32_options() const;
-  bool low_precision_copy() const;  // precision.param_dtype is not fp32
-  torch::Tensor compute_shard(Group& g);
   void gather_master(Group& g);
-  int64_t param_buffer_bytes(const Group& g) const;  // flat_param, in the compute dtype
-  int64_t grad_buffer_bytes(const Group& g) const;   // zero2/3's transient flat_grad, in the reduce dtype
-  void on_grad_ready(size_t group);
   void launch_ready();
-  void launch(size_t group);
   void finish(size_t group);
-  void finish_in_flight();
-  void gather(int64_t unit);
-  void release(int64_t unit);
-  void start_gather(Group& g);
-  void gather_group(Group& g);
-  void release_group(Group& g);
-  void unit_before(int64_t unit);
-  void unit_after(int64_t unit, const torch::Tensor& in, const torch::Tensor& out, bool needs_params_in_backward);
-  void unit_flush();
-  void prefetch_backward(int64_t unit);
-  void add_transient(int64_t bytes);
-  void grads_to_host();
-  void bind_replicated_masters(Group& g);
-  void masters_to_params();
-  // The elements of a group this rank's optimizer updates: its shard, or (DDP) the whole group.
-  std::pair<int64_t, int64_t> owned_range(const Group& g) const;
 
-  model::GPT model_;
-  std::shared_ptr<Comm> comm_;
-  config::Sharding sharding_;
-  at::ScalarType param_dtype_, reduce_dtype_;
-  int64_t rank_, world_;
-  c10::Device device_;
-  bool offload_optimizer_, offload_grads_;  // the recipe's offload section (offload.parameters is zero3 + optimizer)
-  Moved moved_;
-  bool deferred_;         // the model came with deferred parameters (zero3 materializes its shards)
-  double init_sum_ = 0;   // sum of the initial parameters (checked equal on every rank)
-  std::vector<std::unique_ptr<Group>> groups_;  // in launch order
-  std::vector<std::vector<size_t>> unit_groups_;  // unit -> groups it needs gathered (zero1/2: holding its parameters)
+  Trainables trainables() override { return shard_pieces(); }
   std::map<std::string, std::pair<size_t, size_t>> where_;  // parameter name -> (group, index in it)
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<size_t> in_flight_;
   size_t cursor_ = 0;
-  bool last_micro_ = true;
-  bool in_backward_ = false;
   int64_t launched_from_hooks_ = 0;
-  int64_t gathers_ = 0;
-  std::optional<std::pair<torch::Tensor, int64_t>> pending_out_;  // zero3: last unit output without a hook yet
   int64_t transient_ = 0, transient_peak_ = 0;
 };
+
+// The data-parallel engine for cfg.parallel.sharding: Ddp, Zero1, Zero2 or Zero3 (parallel/stages.h).
+std::unique_ptr<Engine> make_engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
 
 }  // namespace sl::parallel

@@ -13,7 +13,7 @@ std::unique_ptr<torch::optim::AdamW> Strategy::make_optimizer(const config::Trai
 }
 
 std::unique_ptr<Strategy> make_strategy(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm) {
-  if (cfg.parallel.uses_engine(comm->world())) return std::make_unique<Engine>(std::move(model), cfg, std::move(comm));
+  if (cfg.parallel.uses_engine(comm->world())) return make_engine(std::move(model), cfg, std::move(comm));
   return std::make_unique<Single>(std::move(model));
 }
 

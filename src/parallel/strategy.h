@@ -1,7 +1,7 @@
 // Data parallelism as a strategy, chosen once from the recipe (make_strategy) and applied from outside:
 // the step, the saves and the reports call the same interface whether one process trains (Single,
-// parallel/single.h) or several do under DDP or ZeRO-1/2/3 (Engine, parallel/engine.h); none of them
-// tests which one it holds.
+// parallel/single.h) or several do under DDP or ZeRO-1/2/3 (Ddp, Zero1, Zero2, Zero3 over the shared
+// Engine: parallel/stages.h, parallel/zero3.h, parallel/engine.h); none of them tests which one it holds.
 //
 // A strategy owns, for its data-parallel layout:
 //   the gradients' path     zero_grad, begin/end_backward around each micro-batch's backward, grads(),
@@ -14,11 +14,13 @@
 //                           load fills), optimizer_slot (where a span's AdamW moments live), params_loaded;
 //   its memory              state_bytes between steps, take_moved (offload's copies), take_transient_peak;
 //                           the planner's formula for it is memory::predict_states (memory/footprint.h),
-//                           which branches on the sharding stage as Engine does.
-// Engine is one class for DDP and the three ZeRO stages: it branches on the stage and on offload (the
-// recipe's offload section, a placement of the rank's shard) inside; one class per stage is not made.
+//                           which branches on the sharding stage.
+// Each data-parallel stage is its own class; what they share (groups, collectives' order, norm, clip,
+// step) is Engine. Offload (the recipe's offload section) is not a strategy: it is a placement of the
+// rank's masters, moments and gradient shard (HostPlacement, parallel/host_placement.h) that every stage
+// calls.
 //
-// Adding a parallel dimension (sequence or tensor parallelism) adds a strategy that wraps Engine (Single's
+// Adding a parallel dimension (sequence or tensor parallelism) adds a strategy that wraps an Engine (Single's
 // norm is the norm itself, clipped before the read, so it does not sum over a group): the step and the
 // saves call this interface and need no change (docs/architecture.md, "Parallel strategies").
 #pragma once
@@ -141,7 +143,7 @@ class Strategy {
   virtual bool shards_states() const = 0;
 };
 
-// The run's strategy: Single for one process without sharding, else Engine (DDP / ZeRO over `comm`).
+// The run's strategy: Single for one process without sharding, else make_engine's stage (DDP / ZeRO over `comm`).
 std::unique_ptr<Strategy> make_strategy(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
 
 }  // namespace sl::parallel
