@@ -13,6 +13,9 @@
    so a new folder is placed on purpose.
 3. The bottom is torch-free: no file in TORCH_FREE includes a torch, ATen or c10 header, directly or
    through a project header.
+7. No recipe is copied to ask "what if": outside src/config and src/main.cpp no code declares a
+   `RunConfig` by value (`RunConfig c = ...`) or copies a recipe into an `auto` (`auto c = cfg;`); a
+   what-if varies a copy of the memory model's input (memory::Scenario, `s.micro_batch = b`) instead.
 
 Usage: scripts/check_design.py [ROOT] [--edges]   (ROOT: the repository, default: this script's
 parent's parent; --edges also prints every include edge between folders with its count)
@@ -58,7 +61,10 @@ LAYERS = [
     "train",      # the run: setup, the loop, the step, reports
 ]
 # Files that include no torch header, directly or through the project headers they include.
-TORCH_FREE = ["src/config/*", "src/log/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h"]
+TORCH_FREE = ["src/config/*", "src/log/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h", "src/memory/scenario.*"]
+# Rule 7: a whole recipe copied (by value into a RunConfig, or into an auto from a name that holds one).
+RECIPE_COPY = re.compile(r'\b(auto|(config::)?RunConfig)\s+\w+\s*=\s*\*?(\w+(\.|->))*(cfg|recipe)\s*;'
+                         r'|\b(config::)?RunConfig\s+\w+\s*(=|\{)')
 TORCH = re.compile(r'#include\s*<(torch|ATen|c10)/')
 INCLUDE = re.compile(r'#include\s*"([^"]+)"')
 
@@ -79,6 +85,20 @@ def choice_comparisons(root: pathlib.Path):
             code = line.split("//", 1)[0]
             if COMPARISON.search(code):
                 found.append(f"{rel}:{n}: {line.strip()}")
+    return found
+
+
+def recipe_copies(root: pathlib.Path):
+    """Rule 7: FILE:LINE: code for every recipe copied outside src/config and src/main.cpp."""
+    found = []
+    for path in sources(root):
+        rel = path.relative_to(root)
+        if rel.parts[:2] == ("src", "config") or rel == pathlib.PurePath("src/main.cpp"):
+            continue  # the parser and the entry point make the recipe
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//", 1)[0]
+            if RECIPE_COPY.search(code):
+                found.append(f"{rel}:{n}: {code.strip()}: a recipe copied; vary a memory::Scenario (or pass the part) instead")
     return found
 
 
@@ -167,6 +187,12 @@ def main() -> int:
         print(t)
     print(f"torch headers in the torch-free bottom: {len(torch)} (must be 0)")
     broken += bool(torch)
+
+    copies = recipe_copies(root)
+    for c in copies:
+        print(c)
+    print(f"recipe copies outside src/config and src/main.cpp: {len(copies)} (must be 0)")
+    broken += bool(copies)
     return 1 if broken else 0
 
 

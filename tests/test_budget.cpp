@@ -552,7 +552,7 @@ TEST_CASE("costs per block follow each block's size: the formula, and the profil
   CHECK(f.blocks[0].forward == f.blocks[5].forward);
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
-  const auto p = budget::profile_costs(cfg, m, torch::kCPU);
+  const auto p = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
   REQUIRE(p.blocks.size() == 6);
   CHECK(p.source == "profile");
   // One timing per size: blocks of one size share it exactly.
@@ -572,7 +572,7 @@ TEST_CASE("the profile measures each block's bytes on the device; they agree wit
     const auto cfg = mixed_widths(all);
     torch::manual_seed(0);
     model::GPT m(cfg.model, torch::kCPU);
-    const auto costs = budget::profile_costs(cfg, m, torch::kCPU);
+    const auto costs = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
     REQUIRE(costs.bytes.size() == 6);
     const auto formula = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
     const auto solver = budget::solver_model(cfg, costs);
@@ -602,7 +602,7 @@ TEST_CASE("the profile measures each block's bytes on the device; they agree wit
                                    std::string("precision.compute=") + compute});
     torch::manual_seed(0);
     model::GPT m(cfg.model, torch::kCPU);
-    const auto costs = budget::profile_costs(cfg, m, torch::kCPU);
+    const auto costs = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
     const auto plan = budget::budget_plan(cfg, costs);
     CHECK(plan.budget.bytes_source == "profile");
     const auto measured = static_cast<double>(test::measured_activation_peak(cfg, plan));
@@ -650,7 +650,7 @@ TEST_CASE("with dropout 0.1 the profiled schedule keeps the measured activation 
     const auto before = at::detail::getDefaultCPUGenerator().get_state();
     model::GPT m(cfg.model, torch::kCPU);
     const auto after_init = at::detail::getDefaultCPUGenerator().get_state();
-    const auto costs = budget::profile_costs(cfg, m, torch::kCPU);
+    const auto costs = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
     CHECK(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), after_init));  // no draw left behind
     CHECK_FALSE(torch::equal(after_init, before));  // (the init did draw: the check above can see a draw)
     REQUIRE(costs.bytes.size() == 6);

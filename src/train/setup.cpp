@@ -161,14 +161,13 @@ void check_run_dir_early(const Process& proc, const std::string& run_dir, bool r
 // ranks), written into the recipe with its grad_accum; the trials for summary.json.
 nlohmann::json choose_micro_batch(config::RunConfig& cfg, const Process& proc, int64_t limit) {
   const int64_t world = proc.world();
-  auto per_rank = cfg;  // each rank holds global_batch / world of every step
-  per_rank.train.global_batch /= world;
-  BatchSearch found = find_micro_batch(per_rank, proc.device);
+  const int64_t per_rank = cfg.train.global_batch / world;  // each rank holds global_batch / world of every step
+  BatchSearch found = find_micro_batch(cfg, per_rank, proc.device);
   if (world > 1) {  // every rank must train the same micro-batch: take the smallest that fits everywhere
     const auto agreed =
         static_cast<int64_t>(-proc.comm->all_reduce_max(-static_cast<double>(found.micro_batch), "micro_batch auto"));
     if (agreed != found.micro_batch && agreed > 0)
-      found.micro_batch = agreed, found.grad_accum = per_rank.train.global_batch / agreed;
+      found.micro_batch = agreed, found.grad_accum = per_rank / agreed;
     if (agreed == 0) found.micro_batch = 0;
   }
   Json trials = Json::array();
@@ -212,7 +211,7 @@ budget::Costs rank0_costs(parallel::Comm& comm, budget::Costs mine) {
 // before any weight existed, that some schedule fits).
 checkpointing::Plan run_plan(const config::RunConfig& cfg, const Process& proc, model::GPT model, checkpointing::Plan resolved) {
   if (!cfg.checkpointing.mode.solved() || !cfg.checkpointing.profile_costs) return resolved;
-  const auto costs = rank0_costs(*proc.comm, budget::profile_costs(cfg, model, proc.device));
+  const auto costs = rank0_costs(*proc.comm, budget::profile_costs(cfg, model, proc.device, cfg.train.seed));
   return budget::budget_plan(cfg, costs);
 }
 
@@ -392,10 +391,10 @@ void check_host_states_fit(const config::RunConfig& cfg, const memory::PeakPredi
 
 void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit) {
   const auto capacity = limit > 0 ? memory::Capacity{limit, "memory.limit"} : memory::device_capacity(device);
-  auto states_cfg = cfg;  // model states do not depend on the checkpointing mode (a budget is checked below)
-  states_cfg.checkpointing = config::CheckpointingConfig{};
-  if (states_cfg.train.micro_batch.is_auto()) states_cfg.train.micro_batch = 1;  // the states do not depend on it
-  const memory::PeakPrediction p = planner::predict_peak(states_cfg);
+  // The states do not depend on the micro-batch (1 while auto) or the checkpointing mode (a budget is checked below).
+  memory::Scenario states_only(cfg, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
+  states_only.checkpointing = config::CheckpointingConfig{};
+  const memory::PeakPrediction p = planner::predict_peak(states_only);
   check_host_states_fit(cfg, p);
   const int64_t states = p.model_states_bytes();
   if (capacity.bytes <= 0 || states <= capacity.bytes) return;
