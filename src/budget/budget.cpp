@@ -192,7 +192,7 @@ BlockCost formula_block_cost(const Scenario& sc, int64_t layer) {
   const auto& mc = sc.model;
   const bool llama = mc.arch == config::Arch::kLlama;
   const double tok = static_cast<double>(sc.micro_batch * sc.seq_len), T = static_cast<double>(sc.seq_len);
-  const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::mlp_hidden(mc, layer));
+  const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::Shape(mc).hidden(layer));
   const double c = static_cast<double>(sc.precision.compute.bytes()), f = 4.0;
   const double balance = memory::runs_on_cuda(sc) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
   const double matmul = 2 * tok * (4 * C * C + (llama ? 3 : 2) * C * H);
@@ -377,8 +377,9 @@ Costs profile_costs(const Scenario& sc, model::GPT& model, torch::Device device,
   // first block that has it, and stands for every block of that size.
   std::map<int64_t, std::pair<BlockCost, BlockBytes>> by_width;
   Costs out{{}, "profile", "ms", {}};
+  const config::Shape shape(sc.model);
   for (int64_t l = 0; l < sc.model.n_layer; ++l) {
-    const int64_t width = config::mlp_hidden(sc.model, l);
+    const int64_t width = shape.hidden(l);
     if (!by_width.count(width)) {
       auto block = profiling_block(sc, l, device, gen);
       block->train();  // as the run trains it: dropout's masks, and on the CPU SDPA's math path with them

@@ -41,7 +41,7 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
   const auto& m = sc.model;
   const bool lowp_on = sc.precision.compute != config::Dtype::kFp32;
   Sizes z;
-  z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::mlp_hidden(m, layer));
+  z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::Shape(m).hidden(layer));
   z.V = static_cast<double>(m.vocab_size), z.nh = static_cast<double>(m.n_head);
   z.llama = m.arch == config::Arch::kLlama;
   z.c = lowp_on ? 2.0 : 4.0;
@@ -420,7 +420,7 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
 
 ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpointing::Plan& plan) {
   const auto lowp = lowp_matmul_path(sc);
-  if (!plan.mode.solved() && config::uniform_blocks(sc.model) && !sc.placement.offload.activations)
+  if (!plan.mode.solved() && sc.shape().uniform() && !sc.placement.offload.activations)
     return estimate_activation_peak(sc, segment_counts(plan), lowp);
   // Blocks that differ (a budget schedule, or model.layer_mlp_hidden), or offloaded inputs: the
   // per-token terms of block 0 with no parts recomputed; the moments by walking the plan block by block.
@@ -439,7 +439,7 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpoint
 }
 
 ActivationEstimate estimate_activation_peak(const Scenario& sc) {
-  if (!config::uniform_blocks(sc.model) || sc.placement.offload.activations) return estimate_activation_peak(sc, checkpointing::make_plan(sc.checkpointing, sc.model.n_layer));
+  if (!sc.shape().uniform() || sc.placement.offload.activations) return estimate_activation_peak(sc, checkpointing::make_plan(sc.checkpointing, sc.model.n_layer));
   return estimate_activation_peak(sc, segment_counts(sc.checkpointing, sc.model.n_layer), lowp_matmul_path(sc));
 }
 

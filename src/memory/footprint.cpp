@@ -11,56 +11,9 @@
 namespace sl::memory {
 namespace {
 
-// Saturating arithmetic for the parameter formulas (kMaxParams caps every count).
-int64_t sat_add(int64_t a, int64_t b) { return std::min(kMaxParams, a + b); }  // a, b <= kMaxParams
-int64_t sat_mul(int64_t a, int64_t b) {
-  if (a == 0 || b == 0) return 0;
-  return a > kMaxParams / b ? kMaxParams : std::min(kMaxParams, a * b);
-}
-
-struct Dims {
-  int64_t C, H, V, T;  // n_embd, mlp_hidden (of one block), vocab_size, max_seq_len
-  bool llama, bias, tied;
-};
-
-Dims dims_of(const config::ModelConfig& m, int64_t layer = 0) {
-  const bool llama = m.arch == config::Arch::kLlama;
-  return {m.n_embd, config::mlp_hidden(m, layer), m.vocab_size, m.max_seq_len, llama, m.bias && !llama, m.tie_embeddings};
-}
-
-// model/gpt.cpp's parameter set, unit by unit.
-int64_t embedding_params(const Dims& d) { return sat_add(sat_mul(d.V, d.C), d.llama ? 0 : sat_mul(d.T, d.C)); }
-
-int64_t block_params(const Dims& d) {
-  // ln1_w, ln2_w; w_qkv 3C x C, w_proj C x C; w_fc (H or 2H for SwiGLU) x C, w_out C x H.
-  int64_t n = sat_add(2 * d.C, sat_mul(4 * d.C, d.C));
-  n = sat_add(n, sat_mul((d.llama ? 3 : 2) * d.H, d.C));
-  // ln1_b, ln2_b, b_qkv 3C, b_proj C, b_fc H, b_out C.
-  if (d.bias) n = sat_add(n, 7 * d.C + d.H);
-  return n;
-}
-
-int64_t head_params(const Dims& d) { return sat_add(d.bias ? 2 * d.C : d.C, d.tied ? 0 : sat_mul(d.V, d.C)); }
-
-// The blocks' parameters: n_layer times one block's, or with per-block MLP sizes their sum (O(n_layer)).
-int64_t all_block_params(const config::ModelConfig& m) {
-  if (config::uniform_blocks(m)) return sat_mul(m.n_layer, block_params(dims_of(m)));
-  int64_t n = 0;
-  for (int64_t l = 0; l < m.n_layer; ++l) n = sat_add(n, block_params(dims_of(m, l)));
-  return n;
-}
-
-// The largest MLP inner size of any block.
-int64_t widest_mlp(const config::ModelConfig& m) {
-  int64_t h = config::mlp_hidden(m);
-  if (!config::uniform_blocks(m))
-    for (int64_t l = 0; l < m.n_layer; ++l) h = std::max(h, config::mlp_hidden(m, l));
-  return h;
-}
-
 // The largest flat group the engine forms: a unit under zero3, else a gradient bucket.
 int64_t largest_group_params(const Scenario& sc, int64_t n) {
-  if (sc.placement.sharding.shards_params()) return largest_unit_params(sc.model);
+  if (sc.placement.sharding.shards_params()) return sc.shape().largest_unit_params();
   return std::min(n, bucket_cap_params(sc));
 }
 
@@ -68,27 +21,9 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-int64_t total_params(const config::ModelConfig& m) {
-  const Dims d = dims_of(m);
-  return sat_add(sat_add(embedding_params(d), all_block_params(m)), head_params(d));
-}
-
-int64_t largest_unit_params(const config::ModelConfig& m) {
-  Dims d = dims_of(m);
-  d.H = widest_mlp(m);
-  return std::max({embedding_params(d), m.n_layer > 0 ? block_params(d) : 0, head_params(d)});
-}
-
-int64_t largest_param(const config::ModelConfig& m) {
-  Dims d = dims_of(m);
-  d.H = widest_mlp(m);
-  return std::max({sat_mul(d.V, d.C), d.llama ? 0 : sat_mul(d.T, d.C), sat_mul(3 * d.C, d.C),
-                   sat_mul((d.llama ? 2 : 1) * d.H, d.C)});
-}
-
 int64_t bucket_cap_params(const Scenario& sc) {
   const auto cap = static_cast<int64_t>(sc.placement.bucket_mb * 1024 * 1024) / 4;
-  return std::max(cap, largest_param(sc.model));  // a bigger single tensor gets its own bucket
+  return std::max(cap, sc.shape().largest_param());  // a bigger single tensor gets its own bucket
 }
 
 std::vector<std::vector<model::NamedParam>> engine_group_members(const std::vector<std::vector<model::NamedParam>>& units,
@@ -174,7 +109,7 @@ RankPart rank_part(const std::vector<EngineGroup>& groups, int64_t W, bool repli
 void place_host(const Scenario& sc, PeakPrediction& p) {
   const bool offload = sc.placement.offload.optimizer, snapshot = sc.async_snapshot;
   if (!offload && !snapshot) return;
-  const int64_t n = total_params(sc.model), W = std::max<int64_t>(1, sc.placement.world);
+  const int64_t n = sc.shape().total_params(), W = std::max<int64_t>(1, sc.placement.world);
   const bool replicated = sc.placement.sharding.replicated();
   const bool need_groups = offload || (!replicated && W > 1);
   const auto groups = need_groups ? engine_groups(sc) : std::vector<EngineGroup>{};
@@ -221,12 +156,11 @@ void place_transients(const Scenario& sc, PeakPrediction& p) {
   const int64_t cp = sc.precision.param_dtype.bytes(), cr = sc.precision.reduce_dtype.bytes();
   const auto padded = [&](int64_t elems) { return shard_elems(elems, W) * W; };
   if (sh == config::Sharding::kZero2) {
-    p.transient_backward_bytes = p.transient_head_bytes = cr * padded(std::min(total_params(sc.model), bucket_cap_params(sc)));
+    p.transient_backward_bytes = p.transient_head_bytes = cr * padded(std::min(sc.shape().total_params(), bucket_cap_params(sc)));
   } else if (sh.shards_params()) {
-    Dims d = dims_of(sc.model);
-    d.H = widest_mlp(sc.model);
-    const int64_t L = sc.model.n_layer;
-    const int64_t ue = padded(embedding_params(d)), ub = L > 0 ? padded(block_params(d)) : 0, uh = padded(head_params(d));
+    const config::Shape d(sc.model);
+    const int64_t L = d.n_layer;
+    const int64_t ue = padded(d.embedding_params()), ub = L > 0 ? padded(d.widest_block_params()) : 0, uh = padded(d.head_params());
     const int64_t ut = uh + (d.tied ? ue : 0), second = L > 1 ? ub : 0;  // the head's gather; a second block
     const int64_t grad = cr * std::max(ub, uh);  // one unit's gradient buffer
     p.transient_forward_bytes = cp * std::max({ue + (L > 0 ? ub : ut), ub + second, ub + ut});
@@ -244,7 +178,7 @@ void place_transients(const Scenario& sc, PeakPrediction& p) {
 void place_offloaded(const Scenario& sc, PeakPrediction& p) {
   const auto& o = sc.placement.offload;
   if (!o.optimizer) return;
-  const int64_t n = total_params(sc.model);
+  const int64_t n = sc.shape().total_params();
   const config::Sharding sh = sc.placement.sharding;
   const int64_t cp = sc.precision.param_dtype.bytes();
   p.params_bytes = sh.shards_params() ? 0 : cp * n;  // zero1/2: the whole model in the compute dtype for the all-gather
@@ -259,7 +193,8 @@ void place_offloaded(const Scenario& sc, PeakPrediction& p) {
 
 PeakPrediction predict_states(const Scenario& sc) {
   PeakPrediction p;
-  const int64_t n = total_params(sc.model);
+  const config::Shape shape(sc.model);
+  const int64_t n = shape.total_params();
   const int64_t N = std::max<int64_t>(1, sc.placement.world);
   const config::Sharding sh = sc.placement.sharding;
   const int64_t P = 4 * n, G = 4 * n, O = 8 * n;
@@ -275,10 +210,10 @@ PeakPrediction predict_states(const Scenario& sc) {
   // AdamW updates the model's parameters (none) or this rank's shard of each group; the engine's
   // norm reads whole groups (none) or shards. World 1 without sharding has no engine.
   const int64_t group = largest_group_params(sc, n), shard = ceil_div(group, N);
-  if (!fused_cpu_adamw(sc)) p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? largest_param(sc.model) : shard);
+  if (!fused_cpu_adamw(sc)) p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? shape.largest_param() : shard);
   if (sc.placement.uses_engine() && !engine_grads_on_cpu(sc))
     p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh.replicated() ? group : shard);
-  p.host_staging_bytes = device::host_staging_bytes(4 * largest_param(sc.model));  // fp32 masters and moments
+  p.host_staging_bytes = device::host_staging_bytes(4 * shape.largest_param());  // fp32 masters and moments
   place_offloaded(sc, p);
   place_host(sc, p);
   return p;

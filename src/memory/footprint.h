@@ -159,16 +159,8 @@ PeakPrediction predict_peak(const Scenario& sc, const checkpointing::Plan& plan)
 // units), which the step holds beside the activations. May be <= 0 (nothing fits).
 int64_t activation_budget_bytes(const Scenario& sc);  // checkpointing.mode budget only
 
-// Parameter counts, closed formulas of the model config (gpt2 / llama, biases, tied head, mlp_hidden;
-// with model.layer_mlp_hidden a sum over the blocks),
-// saturating at kMaxParams so that byte counts made from them (x16) cannot overflow.
-inline constexpr int64_t kMaxParams = INT64_MAX / 64;
-int64_t total_params(const config::ModelConfig& m);
-// The largest sharding unit (embeddings, one block, or final norm + untied head).
-int64_t largest_unit_params(const config::ModelConfig& m);
-// The largest single parameter tensor.
-int64_t largest_param(const config::ModelConfig& m);
-// Parameters in the largest gradient bucket the engine can form: parallel.bucket_mb's worth, or a
+// Parameter counts are the model's shape's (config::Shape: closed formulas, saturating at
+// config::kMaxParams). Parameters in the largest gradient bucket the engine can form: parallel.bucket_mb's worth, or a
 // bigger single tensor (which gets a bucket of its own).
 int64_t bucket_cap_params(const Scenario& sc);
 // Which parameters make which group of parallel::Engine (its plan_groups takes them from here, the host

@@ -3,10 +3,10 @@
 // of a recipe, typed and resolved once. A "what if" (another micro-batch, checkpointing mode or
 // placement) is a copy of a Scenario with one field changed, never a copy of the recipe.
 #pragma once
-#include <algorithm>
 #include <cstdint>
 
 #include "config/config.h"
+#include "config/shape.h"
 
 namespace sl::memory {
 
@@ -17,13 +17,12 @@ struct Placement {
   config::Sharding sharding = config::Sharding::kNone;  // parallel.sharding
   double bucket_mb = 25.0;                             // parallel.bucket_mb
   config::OffloadConfig offload;                       // offload.*
-  int64_t ranks() const { return std::max<int64_t>(1, world); }
   // A data-parallel engine runs (config::ParallelConfig::uses_engine).
   bool uses_engine() const { return world > 1 || !sharding.replicated(); }
 };
 
 struct Scenario {
-  config::ModelConfig model;                 // model.*
+  config::ModelConfig model;                 // model.* (the meta-device model of the engine's groups, a profiled block)
   int64_t micro_batch = 1;                   // train.micro_batch, resolved (a number, never auto)
   int64_t seq_len = 1;                       // train.seq_len
   int64_t grad_accum = 1;                    // train.grad_accum
@@ -36,6 +35,9 @@ struct Scenario {
   // logging.peak_tflops: the device's rate, against which offload's transfers are priced (the budget
   // solver's fourth choice, the planner's modelled step time); 0 = unknown.
   double peak_tflops = 0.0;
+
+  // The model's shape (parameter counts, MLP widths) of `model`.
+  config::Shape shape() const { return config::Shape(model); }
 
   Scenario() = default;
   // The recipe's scenario: its micro-batch, mode, placement at cfg.world_size ranks, precision and

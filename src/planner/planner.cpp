@@ -79,7 +79,7 @@ OffloadTraffic offload_traffic(const Scenario& sc, const checkpointing::Plan& pl
   const auto& o = sc.placement.offload;
   if (!o.any()) return t;
   const auto N = sc.placement.sharding.replicated() ? 1 : std::max<int64_t>(1, sc.placement.world);  // DDP: the whole model
-  const int64_t micro = sc.grad_accum, n = memory::total_params(sc.model);
+  const int64_t micro = sc.grad_accum, n = sc.shape().total_params();
   const int64_t cp = sc.precision.param_dtype.bytes(), cr = sc.precision.reduce_dtype.bytes();
   const auto units = memory::unit_param_counts(sc.model);
   const int64_t recomputed = recomputed_params(units, plan);
@@ -204,7 +204,7 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   if (sc.checkpointing.mode.solved()) base_sc.checkpointing = config::CheckpointingConfig{};
   const auto base = predict_peak(base_sc);
   Json j = {{"recipe", recipe.recipe_name},
-            {"params", memory::total_params(sc.model)},
+            {"params", sc.shape().total_params()},
             {"world_size", recipe.world_size},
             {"sharding", sc.placement.sharding},
             {"sharding_transient_bytes", base.transient_bytes},
