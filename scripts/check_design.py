@@ -18,6 +18,9 @@
 5. Phases take the parts they use: a parameter of type `Session&` (train/run.h, the whole run) appears
    only in the functions of SESSION_READERS, which report on every part of the run.
 6. The step stays narrow: a function named in MAX_PARAMS takes at most that many parameters.
+7. No recipe is copied to ask "what if": outside src/config and src/main.cpp no code declares a
+   `RunConfig` by value (`RunConfig c = ...`) or copies a recipe into an `auto` (`auto c = cfg;`); a
+   what-if varies a copy of the memory model's input (memory::Scenario, `s.micro_batch = b`) instead.
 
 Usage: scripts/check_design.py [ROOT] [--edges]   (ROOT: the repository, default: this script's
 parent's parent; --edges also prints every include edge between folders with its count)
@@ -72,7 +75,10 @@ SESSION_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bSession\s*&[^()]*)\)')
 # Rule 6: the most parameters a function of this name may take.
 MAX_PARAMS = {"train_step": 5}
 # Files that include no torch header, directly or through the project headers they include.
-TORCH_FREE = ["src/config/*", "src/log/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h"]
+TORCH_FREE = ["src/config/*", "src/log/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h", "src/memory/scenario.*"]
+# Rule 7: a whole recipe copied (by value into a RunConfig, or into an auto from a name that holds one).
+RECIPE_COPY = re.compile(r'\b(auto|(config::)?RunConfig)\s+\w+\s*=\s*\*?(\w+(\.|->))*(cfg|recipe)\s*;'
+                         r'|\b(config::)?RunConfig\s+\w+\s*(=|\{)')
 TORCH = re.compile(r'#include\s*<(torch|ATen|c10)/')
 INCLUDE = re.compile(r'#include\s*"([^"]+)"')
 
@@ -150,6 +156,19 @@ def wide_signatures(root: pathlib.Path):
                 if n > most:
                     line = text.count("\n", 0, m.start()) + 1
                     found.append(f"{path.relative_to(root)}:{line}: {name} takes {n} parameters (at most {most})")
+    return found
+
+
+def recipe_copies(root: pathlib.Path):
+    """Rule 7: FILE:LINE: code for every recipe copied outside src/config and src/main.cpp."""
+    found = []
+    for path in sources(root):
+        rel = path.relative_to(root)
+        if rel.parts[:2] == ("src", "config") or rel == pathlib.PurePath("src/main.cpp"):
+            continue  # the parser and the entry point make the recipe
+        for n, code in code_lines(path):
+            if RECIPE_COPY.search(code):
+                found.append(f"{rel}:{n}: {code.strip()}: a recipe copied; vary a memory::Scenario (or pass the part) instead")
     return found
 
 
@@ -241,7 +260,8 @@ def main() -> int:
 
     for rule, found in (("data-parallel engine null checks outside src/parallel", engine_null_checks(root)),
                         (f"functions taking the whole `Session` beyond {sorted(SESSION_READERS)}", session_takers(root)),
-                        ("signatures wider than MAX_PARAMS allows", wide_signatures(root))):
+                        ("signatures wider than MAX_PARAMS allows", wide_signatures(root)),
+                        ("recipe copies outside src/config and src/main.cpp", recipe_copies(root))):
         for f in found:
             print(f)
         print(f"{rule}: {len(found)} (must be 0)")

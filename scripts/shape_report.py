@@ -6,7 +6,8 @@
   choice comparisons     a string literal naming a recipe choice compared with == or != outside src/config
                          (scripts/check_design.py rule 1 fails on them)
   RunConfig& parameters  function parameters of type RunConfig& outside src/config and src/main.cpp
-  recipe copies          a whole recipe copied to ask "what if" (`auto c = cfg;`, `RunConfig c = ...;`)
+  recipe copies          a whole recipe copied to ask "what if" (`auto c = cfg;`, `RunConfig c = ...;`;
+                         scripts/check_design.py rule 7 fails on them)
   `Session` fields       data members of `train::Session` (src/train/run.h)
   longest functions      the longest function bodies in src/, by lines from the opening line to the closing brace
 
@@ -21,7 +22,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import check_design  # noqa: E402  (the choice names and the comparison pattern live there)
 
 RUNCONFIG_PARAM = re.compile(r'RunConfig\s*&')
-RECIPE_COPY = re.compile(r'(auto|config::RunConfig|RunConfig)\s+\w+\s*=\s*(\w+\.)?cfg\s*;')
 # A function definition's first line: a return type and name, a parameter list, an opening brace at its end
 # (the project's style puts the brace on the signature's last line).
 FUNC_START = re.compile(r'^[A-Za-z_][\w:<>,\s\*&~]*\b([\w:~]+)\s*\(')
@@ -92,7 +92,7 @@ def main():
         ("strategy null checks (outside src/parallel)", len(check_design.engine_null_checks(root))),
         ("choice comparisons (outside src/config)", len(check_design.choice_comparisons(root))),
         ("RunConfig& parameters (outside src/config, main)", len(count(root, RUNCONFIG_PARAM))),
-        ("recipe copies", len(count(root, RECIPE_COPY))),
+        ("recipe copies", len(check_design.recipe_copies(root))),
         ("Session fields", session_fields(root)),
     ]
     print("| figure | count |\n| --- | --- |")

@@ -13,6 +13,7 @@
 #include <set>
 
 #include "config/config.h"
+#include "config/shape.h"
 #include "data/loader.h"
 #include "errors.h"
 #include "interop/hf.h"
@@ -466,8 +467,8 @@ TEST_CASE("model.layer_mlp_hidden: one size per block, checked; parameter counts
   CHECK_THROWS_WITH(mixed_widths({"logging.save_model=true"}), Catch::Contains("logging.save_model"));
   CHECK_THROWS_WITH(interop::hf_layout(mixed_widths({}).model), Catch::Contains("no Hugging Face layout"));
   // Entries of 0 take model.mlp_hidden's size; all-equal entries are a uniform model.
-  CHECK(config::uniform_blocks(six_layers({"model.layer_mlp_hidden=[0, 256, 0, 0, 0, 0]"}).model));
-  CHECK_FALSE(config::uniform_blocks(mixed_widths({}).model));
+  CHECK(config::Shape(six_layers({"model.layer_mlp_hidden=[0, 256, 0, 0, 0, 0]"}).model).uniform());
+  CHECK_FALSE(config::Shape(mixed_widths({}).model).uniform());
   for (const std::string arch : {"gpt2", "llama"}) {
     auto cfg = mixed_widths({"model.arch=" + arch});
     torch::NoGradGuard no_grad;
@@ -475,9 +476,9 @@ TEST_CASE("model.layer_mlp_hidden: one size per block, checked; parameter counts
     INFO(arch);
     CHECK(m->blocks[1]->as<model::BlockImpl>()->w_out.size(1) == 512);
     CHECK(m->blocks[0]->as<model::BlockImpl>()->w_out.size(1) == 64);
-    CHECK(memory::total_params(cfg.model) == m->num_params());
+    CHECK(config::Shape(cfg.model).total_params() == m->num_params());
     const auto units = memory::unit_param_counts(cfg.model);
-    CHECK(memory::largest_unit_params(cfg.model) == *std::max_element(units.begin(), units.end()));
+    CHECK(config::Shape(cfg.model).largest_unit_params() == *std::max_element(units.begin(), units.end()));
   }
 }
 
@@ -489,7 +490,7 @@ TEST_CASE("recompute FLOPs per token count each recomputed block's own MLP size"
   const double C = 64, T = 64;
   double expected = 0;
   for (int64_t l = 0; l < 5; ++l) {
-    const auto H = static_cast<double>(config::mlp_hidden(cfg.model, l));
+    const auto H = static_cast<double>(config::Shape(cfg.model).hidden(l));
     expected += 2 * (4 * C * C + 2 * C * H) + 4 * T * C - 2 * C * H;  // every segment's one block skips w_out
   }
   CHECK(runner.recompute_flops_per_token(64) == Approx(expected));
@@ -552,7 +553,7 @@ TEST_CASE("costs per block follow each block's size: the formula, and the profil
   CHECK(f.blocks[0].forward == f.blocks[5].forward);
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
-  const auto p = budget::profile_costs(cfg, m, torch::kCPU);
+  const auto p = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
   REQUIRE(p.blocks.size() == 6);
   CHECK(p.source == "profile");
   // One timing per size: blocks of one size share it exactly.
@@ -572,7 +573,7 @@ TEST_CASE("the profile measures each block's bytes on the device; they agree wit
     const auto cfg = mixed_widths(all);
     torch::manual_seed(0);
     model::GPT m(cfg.model, torch::kCPU);
-    const auto costs = budget::profile_costs(cfg, m, torch::kCPU);
+    const auto costs = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
     REQUIRE(costs.bytes.size() == 6);
     const auto formula = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
     const auto solver = budget::solver_model(cfg, costs);
@@ -602,7 +603,7 @@ TEST_CASE("the profile measures each block's bytes on the device; they agree wit
                                    std::string("precision.compute=") + compute});
     torch::manual_seed(0);
     model::GPT m(cfg.model, torch::kCPU);
-    const auto costs = budget::profile_costs(cfg, m, torch::kCPU);
+    const auto costs = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
     const auto plan = budget::budget_plan(cfg, costs);
     CHECK(plan.budget.bytes_source == "profile");
     const auto measured = static_cast<double>(test::measured_activation_peak(cfg, plan));
@@ -650,7 +651,7 @@ TEST_CASE("with dropout 0.1 the profiled schedule keeps the measured activation 
     const auto before = at::detail::getDefaultCPUGenerator().get_state();
     model::GPT m(cfg.model, torch::kCPU);
     const auto after_init = at::detail::getDefaultCPUGenerator().get_state();
-    const auto costs = budget::profile_costs(cfg, m, torch::kCPU);
+    const auto costs = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
     CHECK(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), after_init));  // no draw left behind
     CHECK_FALSE(torch::equal(after_init, before));  // (the init did draw: the check above can see a draw)
     REQUIRE(costs.bytes.size() == 6);

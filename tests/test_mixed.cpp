@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include "config/config.h"
+#include "config/shape.h"
 #include "device/cpu_features.h"
 #include "planner/planner.h"
 #include "runs.h"
@@ -169,7 +170,7 @@ TEST_CASE("bf16 compute copy under zero3: per-rank peak within the ZeRO-3 bound,
   // of that. Where the linears widen (a CPU without a bf16 GEMM: model/linear.h) the fp32-parameter run
   // keeps no copies either, and the drop (the bf16 residual stream) stays below half of them.
   const auto cfg = config::load_string(kLlamaRecipe, {});
-  const double C = 512, H = static_cast<double>(config::mlp_hidden(cfg.model)), V = 4096;
+  const double C = 512, H = static_cast<double>(config::Shape(cfg.model).hidden()), V = 4096;
   const double copies = 8 * 2 * (4 * C * C + 3 * C * H) + 2 * V * C;
   const double act_fp32 = fp32["median_activation_peak_bytes"].get<double>(), act_bf16 = bf16["median_activation_peak_bytes"].get<double>();
   INFO("activation peaks " << act_fp32 << " -> " << act_bf16 << ", weight copies " << copies);

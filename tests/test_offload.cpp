@@ -28,6 +28,7 @@
 #include "budget/budget.h"
 #include "checkpointing/plan.h"
 #include "config/config.h"
+#include "config/shape.h"
 #include "device/device.h"
 #include "device/host.h"
 #include "errors.h"
@@ -378,7 +379,7 @@ TEST_CASE("mode budget takes offload as a fourth choice when transfers are cheap
 
 TEST_CASE("configs/7b_24gb.yaml: the planner puts a 7B fine-tune under 22 GiB of one 24 GB GPU, and not without offload") {
   auto cfg = config::load(test::kSourceDir + "/configs/7b_24gb.yaml", {});
-  REQUIRE(memory::total_params(cfg.model) > 6'700'000'000);
+  REQUIRE(config::Shape(cfg.model).total_params() > 6'700'000'000);
   const auto plan = budget::plan_for(cfg);
   const auto p = memory::predict_peak(cfg, plan);
   const int64_t gib = int64_t{1} << 30;

@@ -26,6 +26,7 @@
 #include <torch/torch.h>
 
 #include "config/config.h"
+#include "config/shape.h"
 #include "data/loader.h"
 #include "errors.h"
 #include "device/cpu_features.h"
@@ -364,7 +365,7 @@ TEST_CASE("trainer plan writes plan.json with the breakdown and the largest micr
   CHECK(none_mb >= 16);  // the recipe's own batch fits in 100 MiB (measured peak ~85 MiB)
   // A model whose largest tensor is under the staging bound stages that tensor at most (fp32 bytes).
   const auto tiny_cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {});
-  CHECK(plan["host_staging_bytes"] == 4 * memory::largest_param(tiny_cfg.model));
+  CHECK(plan["host_staging_bytes"] == 4 * config::Shape(tiny_cfg.model).largest_param());
   CHECK(plan["host_staging_bytes"].get<int64_t>() < int64_t{64} << 20);
   CHECK(full_mb > none_mb);
   // Bad --memory is a usage error.
@@ -404,7 +405,7 @@ TEST_CASE("micro_batch: auto finds what a brute-force search finds, keeping the 
 TEST_CASE("per-rank model states follow the ZeRO formulas") {
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {});
   const auto one = planner::predict_peak(cfg);
-  const int64_t n = memory::total_params(cfg.model);
+  const int64_t n = config::Shape(cfg.model).total_params();
   CHECK(one.params_bytes == 4 * n);
   CHECK(one.model_states_bytes() == 16 * n);
   CHECK(one.transient_bytes == 0);
@@ -626,14 +627,14 @@ TEST_CASE("parameter counts are closed formulas equal to the model's, gpt2 and l
     int64_t largest = 0;
     for (const auto& p : meta->parameters()) largest = std::max(largest, p.numel());
     const auto units = memory::unit_param_counts(m);
-    CHECK(memory::total_params(m) == meta->num_params());
-    CHECK(memory::total_params(m) == std::accumulate(units.begin(), units.end(), int64_t{0}));
-    CHECK(memory::largest_unit_params(m) == *std::max_element(units.begin(), units.end()));
-    CHECK(memory::largest_param(m) == largest);
+    CHECK(config::Shape(m).total_params() == meta->num_params());
+    CHECK(config::Shape(m).total_params() == std::accumulate(units.begin(), units.end(), int64_t{0}));
+    CHECK(config::Shape(m).largest_unit_params() == *std::max_element(units.begin(), units.end()));
+    CHECK(config::Shape(m).largest_param() == largest);
   }
   // The shipped 7B recipe, without building it.
   const auto seven = config::load(test::kSourceDir + "/configs/7b_ckpt.yaml", {}).model;
-  CHECK(memory::total_params(seven) == 6'738'415'616);
+  CHECK(config::Shape(seven).total_params() == 6'738'415'616);
 }
 
 TEST_CASE("the planner does O(1) work in n_layer: a billion layers are predicted at once") {
@@ -645,17 +646,17 @@ TEST_CASE("the planner does O(1) work in n_layer: a billion layers are predicted
     // minutes and gigabytes. No timing is asserted here (timings belong in bench/).
     const auto p = planner::predict_peak(cfg);
     INFO(mode);
-    CHECK(p.params_bytes == 4 * memory::total_params(cfg.model));
+    CHECK(p.params_bytes == 4 * config::Shape(cfg.model).total_params());
     CHECK(p.peak_bytes() > p.model_states_bytes());
   }
   const auto small = config::load(test::kSourceDir + "/configs/tiny.yaml", {}).model;
   auto big = small;
   big.n_layer = 1'000'000'000;
   const int64_t block = memory::unit_param_counts(small)[1];
-  CHECK(memory::total_params(big) - memory::total_params(small) == (big.n_layer - small.n_layer) * block);
+  CHECK(config::Shape(big).total_params() - config::Shape(small).total_params() == (big.n_layer - small.n_layer) * block);
   // Past int64 byte counts the formulas saturate instead of wrapping.
   big.n_embd = 1 << 20;
-  CHECK(memory::total_params(big) == memory::kMaxParams);
+  CHECK(config::Shape(big).total_params() == config::kMaxParams);
 }
 
 TEST_CASE("the O(1) segment counts equal the plan's for every mode") {

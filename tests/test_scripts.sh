@@ -16,7 +16,8 @@
 #     unplaced folder, a torch header in the torch-free bottom; fails naming each string comparison with a
 #     recipe choice's name (sharding stage, architecture, dtype, backend, device, data source, spike action)
 #     outside src/config; fails naming an engine null check outside src/parallel, a function other than
-#     finish/summary_json taking the whole Session, and a train_step with more than 5 parameters.
+#     finish/summary_json taking the whole Session, a train_step with more than 5 parameters, and each
+#     recipe copy outside src/config and src/main.cpp.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
 # at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
@@ -269,6 +270,28 @@ shape_rules() {
   ! grep -q '^src/parallel/\|^src/train/run.h' <<< "$out" || { echo "an allowed line is named:"; echo "$out"; return 1; }
 }
 check "check_design.py: no engine null checks, no whole-Session parameters, a narrow train_step" shape_rules
+
+# 7c. scripts/check_design.py rule 7 (recipe copies): a recipe copied outside src/config and src/main.cpp
+#     (into an auto, or by value into a RunConfig) fails naming each line; a reference to the recipe, a
+#     copy of a memory::Scenario, and the same copies in src/config and src/main.cpp pass.
+recipe_copy_rules() {
+  local tree="$TMP/copies" out
+  mkdir -p "$tree/src/planner" "$tree/src/config"
+  printf '%s\n' 'const config::RunConfig& r = session.cfg;' 'memory::Scenario c = sc;' 'auto s = scenario;' \
+    > "$tree/src/planner/planner.cpp"
+  printf '%s\n' 'auto c = cfg;' 'RunConfig d = load(path);' > "$tree/src/config/config.cpp"
+  printf '%s\n' 'auto cfg = config::load(path, sets);' 'config::RunConfig c = cfg;' > "$tree/src/main.cpp"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" || { echo "no copy, or an allowed one, failed:"; echo "$out"; return 1; }
+  local copies=('auto c = cfg;' 'config::RunConfig what_if = recipe;' 'auto probe = s->cfg;' 'RunConfig other{cfg};')
+  printf '%s\n' "${copies[@]}" >> "$tree/src/planner/planner.cpp"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "a recipe copy passed:"; echo "$out"; return 1; }
+  local n
+  for n in $(seq 1 "${#copies[@]}"); do
+    grep -q "^src/planner/planner.cpp:$((n + 3)): .*a recipe copied" <<< "$out" || { echo "copy $n is not named:"; echo "$out"; return 1; }
+  done
+  grep -q '^recipe copies outside src/config and src/main.cpp: 4 (must be 0)$' <<< "$out" || { echo "the count is not 4:"; echo "$out"; return 1; }
+}
+check "check_design.py: no recipe copied outside src/config and src/main.cpp" recipe_copy_rules
 
 # 8. scripts/check_links.py: this tree passes; a link to a missing page, or to a heading that does
 #    not exist, fails naming the file, line and target; links in code are not links.

@@ -19,6 +19,7 @@
 #include <torch/version.h>
 
 #include "config/config.h"
+#include "config/shape.h"
 #include "data/loader.h"
 #include "device/build_info.h"
 #include "device/cpu_features.h"
@@ -963,7 +964,7 @@ TEST_CASE("MFU's probe runs the model's own GEMM shapes beside square ones, each
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {});
   const int64_t rows = cfg.train.micro_batch * cfg.train.seq_len;  // 16 x 128 = 2048
   const auto model = train::model_gemm_shapes(cfg.model, rows);
-  const int64_t d = cfg.model.n_embd, v = cfg.model.vocab_size, h = config::mlp_hidden(cfg.model);  // 128, 256, 512
+  const int64_t d = cfg.model.n_embd, v = cfg.model.vocab_size, h = config::Shape(cfg.model).hidden();  // 128, 256, 512
   const std::vector<train::GemmShape> expected = {{rows, d, 3 * d}, {rows, d, d},     {rows, d, v},
                                                   {rows, 3 * d, d}, {rows, v, d},     {d, rows, 3 * d},
                                                   {rows, d, h},     {rows, h, d},     {h, rows, d}};

@@ -188,13 +188,13 @@ Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>&
 namespace {
 
 // formula_costs of block `layer` (blocks differ only by their MLP size).
-BlockCost formula_block_cost(const config::RunConfig& cfg, int64_t layer) {
-  const auto& mc = cfg.model;
+BlockCost formula_block_cost(const Scenario& sc, int64_t layer) {
+  const auto& mc = sc.model;
   const bool llama = mc.arch == config::Arch::kLlama;
-  const double tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len), T = static_cast<double>(cfg.train.seq_len);
-  const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::mlp_hidden(mc, layer));
-  const double c = static_cast<double>(cfg.precision.compute.bytes()), f = 4.0;
-  const double balance = memory::runs_on_cuda(cfg) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
+  const double tok = static_cast<double>(sc.micro_batch * sc.seq_len), T = static_cast<double>(sc.seq_len);
+  const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::Shape(mc).hidden(layer));
+  const double c = static_cast<double>(sc.precision.compute.bytes()), f = 4.0;
+  const double balance = memory::runs_on_cuda(sc) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
   const double matmul = 2 * tok * (4 * C * C + (llama ? 3 : 2) * C * H);
   BlockCost b;
   b.attention = 4 * tok * T * C / 1e9;
@@ -208,9 +208,9 @@ BlockCost formula_block_cost(const config::RunConfig& cfg, int64_t layer) {
 
 }  // namespace
 
-Costs formula_costs(const config::RunConfig& cfg) {
+Costs formula_costs(const Scenario& sc) {
   Costs out{{}, "formula", "GFLOP", {}};
-  for (int64_t l = 0; l < cfg.model.n_layer; ++l) out.blocks.push_back(formula_block_cost(cfg, l));
+  for (int64_t l = 0; l < sc.model.n_layer; ++l) out.blocks.push_back(formula_block_cost(sc, l));
   return out;
 }
 
@@ -218,14 +218,14 @@ namespace {
 
 // A block like the model's block `layer`, with its own weights (drawn from a generator of its own, so
 // the run's random stream is untouched; under zero3 the model's blocks hold no whole weights).
-model::Block profiling_block(const config::RunConfig& cfg, int64_t layer, torch::Device device, at::Generator& gen) {
-  model::Block block(cfg.model, layer, device, /*defer_params=*/true);
+model::Block profiling_block(const Scenario& sc, int64_t layer, torch::Device device, at::Generator& gen) {
+  model::Block block(sc.model, layer, device, /*defer_params=*/true);
   torch::NoGradGuard no_grad;
   for (auto& item : block->named_parameters()) {
     auto& p = item.value();
     auto value = item.key().rfind("ln", 0) == 0 && item.key().back() == 'w'
                      ? torch::ones(p.sizes())
-                     : torch::randn(p.sizes(), gen, torch::TensorOptions().dtype(torch::kFloat32)) * cfg.model.init_std;
+                     : torch::randn(p.sizes(), gen, torch::TensorOptions().dtype(torch::kFloat32)) * sc.model.init_std;
     p.set_data(value.to(device));
   }
   return block;
@@ -364,23 +364,24 @@ class GeneratorsKept {
 
 }  // namespace
 
-Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(cfg.train.seed));
-  auto x = torch::randn({cfg.train.micro_batch, cfg.train.seq_len, cfg.model.n_embd}, gen,
+Costs profile_costs(const Scenario& sc, model::GPT& model, torch::Device device, int64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
+  auto x = torch::randn({sc.micro_batch, sc.seq_len, sc.model.n_embd}, gen,
                         torch::TensorOptions().dtype(torch::kFloat32)).to(device);
-  const auto rope = model->rope(cfg.train.seq_len);
+  const auto rope = model->rope(sc.seq_len);
   torch::NoGradGuard no_grad;
-  precision::AutocastGuard autocast(device.type(), precision::compute_dtype(cfg.precision.compute));
+  precision::AutocastGuard autocast(device.type(), precision::compute_dtype(sc.precision.compute));
   ByteMeter meter{memory::Tracker(device), device};
   GeneratorsKept rng(device);  // the blocks train as the run's do (dropout draws), then the stream goes back
   // Blocks differ only by their MLP size (model.layer_mlp_hidden): each size is measured once, on the
   // first block that has it, and stands for every block of that size.
   std::map<int64_t, std::pair<BlockCost, BlockBytes>> by_width;
   Costs out{{}, "profile", "ms", {}};
-  for (int64_t l = 0; l < cfg.model.n_layer; ++l) {
-    const int64_t width = config::mlp_hidden(cfg.model, l);
+  const config::Shape shape(sc.model);
+  for (int64_t l = 0; l < sc.model.n_layer; ++l) {
+    const int64_t width = shape.hidden(l);
     if (!by_width.count(width)) {
-      auto block = profiling_block(cfg, l, device, gen);
+      auto block = profiling_block(sc, l, device, gen);
       block->train();  // as the run trains it: dropout's masks, and on the CPU SDPA's math path with them
       const BlockCost time = time_block(block, x, rope, device);
       by_width[width] = {time, meter.works() ? measure_block(block, x, rope, meter) : BlockBytes{}};
@@ -391,18 +392,18 @@ Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Devi
   return out;
 }
 
-double offload_cost(const config::RunConfig& cfg, const Costs& costs, double input_bytes) {
-  const auto& o = cfg.offload;
+double offload_cost(const Scenario& sc, const Costs& costs, double input_bytes) {
+  const auto& o = sc.placement.offload;
   const double exposed_s = 2.0 * input_bytes / (o.bandwidth_gbps * 1e9) * (1.0 - o.overlap);
   if (costs.unit == "ms") return 1e3 * exposed_s;
-  const double rate = cfg.logging.peak_tflops > 0 ? cfg.logging.peak_tflops * 1e12 * kModelledMfu
-                      : memory::runs_on_cuda(cfg)  ? kFormulaFlopsCuda
+  const double rate = sc.peak_tflops > 0 ? sc.peak_tflops * 1e12 * kModelledMfu
+                      : memory::runs_on_cuda(sc)  ? kFormulaFlopsCuda
                                                    : kFormulaFlopsCpu;
   return exposed_s * rate / 1e9;  // GFLOP the device could have run meanwhile
 }
 
-memory::ChainModel solver_model(const config::RunConfig& cfg, const Costs& costs) {
-  auto mem = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
+memory::ChainModel solver_model(const Scenario& sc, const Costs& costs) {
+  auto mem = memory::chain_model(sc, memory::lowp_matmul_path(sc));
   for (size_t i = 0; i < costs.bytes.size() && i < mem.kept.size(); ++i) {
     mem.kept[i] = costs.bytes[i].kept;
     mem.backward[i] = costs.bytes[i].backward;
@@ -411,12 +412,12 @@ memory::ChainModel solver_model(const config::RunConfig& cfg, const Costs& costs
   return mem;
 }
 
-std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const Costs& costs) {
+std::optional<Plan> try_budget_plan(const Scenario& sc, const Costs& costs) {
   const auto t0 = log::Clock::now();
-  const int64_t budget = memory::activation_budget_bytes(cfg);
-  const auto mem = solver_model(cfg, costs);
-  const double offload = cfg.offload.activations ? offload_cost(cfg, costs, mem.input) : -1.0;
-  const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(cfg.model.n_layer), offload);
+  const int64_t budget = memory::activation_budget_bytes(sc);
+  const auto mem = solver_model(sc, costs);
+  const double offload = sc.placement.offload.activations ? offload_cost(sc, costs, mem.input) : -1.0;
+  const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(sc.model.n_layer), offload);
   if (!s.feasible) return std::nullopt;
   Plan p = as_plan(s);
   p.budget = {budget, static_cast<int64_t>(std::ceil(s.quantum_bytes)), static_cast<int64_t>(s.peak_bytes), s.cost, 0.0,
@@ -426,14 +427,14 @@ std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const Costs& c
   return p;
 }
 
-std::optional<Plan> formula_plan(const config::RunConfig& cfg) { return try_budget_plan(cfg, formula_costs(cfg)); }
+std::optional<Plan> formula_plan(const Scenario& sc) { return try_budget_plan(sc, formula_costs(sc)); }
 
 namespace {
 
 // The least activation budget any schedule fits (bisection on the solver's feasibility, 1 % steps), on
 // the bytes the solver refused with (the profile's where it measured them, else the formula's).
-int64_t least_budget(const config::RunConfig& cfg, const Costs& costs) {
-  const auto mem = solver_model(cfg, costs);
+int64_t least_budget(const Scenario& sc, const Costs& costs) {
+  const auto mem = solver_model(sc, costs);
   double lo = 0, hi = 1;
   const int64_t quanta = budget_quanta(static_cast<int64_t>(costs.blocks.size())) / 4;
   while (!solve_budget(mem, costs.blocks, hi, quanta).feasible && hi < 1e18) hi *= 2;
@@ -446,12 +447,12 @@ int64_t least_budget(const config::RunConfig& cfg, const Costs& costs) {
 
 }  // namespace
 
-Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
-  if (auto p = try_budget_plan(cfg, costs)) return *p;
-  const int64_t budget = memory::activation_budget_bytes(cfg), least = least_budget(cfg, costs);
+Plan budget_plan(const Scenario& sc, const Costs& costs) {
+  if (auto p = try_budget_plan(sc, costs)) return *p;
+  const int64_t budget = memory::activation_budget_bytes(sc), least = least_budget(sc, costs);
   // What checkpointing.budget would have to say: the activations plus the transient it also counts.
-  const int64_t transient = memory::predict_peak(cfg, checkpointing::make_plan({}, cfg.model.n_layer)).transient_bytes;
-  const double share = std::get<config::mode::Budget>(config::choice(cfg.checkpointing)).share;
+  const int64_t transient = memory::predict_peak(sc, checkpointing::make_plan({}, sc.model.n_layer)).transient_bytes;
+  const double share = std::get<config::mode::Budget>(config::choice(sc.checkpointing)).share;
   std::string needed = log::format_bytes(least + transient);
   if (share > 0) {
     const double room = static_cast<double>(budget + transient) / share;
@@ -462,22 +463,22 @@ Plan budget_plan(const config::RunConfig& cfg, const Costs& costs) {
       "checkpointing.budget: no schedule fits {} of activations at micro-batch {} x {} tokens (checkpointing.budget "
       "'{}'{}); the least any schedule needs is about {} of activations, i.e. checkpointing.budget: {}. Raise the "
       "budget (or memory.limit), or lower train.micro_batch and raise train.grad_accum",
-      log::format_bytes(std::max<int64_t>(0, budget)), cfg.train.micro_batch, cfg.train.seq_len,
-      cfg.checkpointing.budget.text.empty() ? "100%" : cfg.checkpointing.budget.text,
+      log::format_bytes(std::max<int64_t>(0, budget)), sc.micro_batch, sc.seq_len,
+      sc.checkpointing.budget.text.empty() ? "100%" : sc.checkpointing.budget.text,
       transient > 0 ? fmt::format(", less the {} the sharding holds beside them", log::format_bytes(transient)) : "",
       log::format_bytes(least), needed));
 }
 
-std::optional<Plan> try_plan_for(const config::RunConfig& cfg) {
-  if (cfg.checkpointing.mode.solved()) return formula_plan(cfg);
-  Plan p = checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer);
-  for (auto& s : p.segments) s.offloaded = s.checkpointed && cfg.offload.activations;  // every input, in the uniform modes
+std::optional<Plan> try_plan_for(const Scenario& sc) {
+  if (sc.checkpointing.mode.solved()) return formula_plan(sc);
+  Plan p = checkpointing::make_plan(sc.checkpointing, sc.model.n_layer);
+  for (auto& s : p.segments) s.offloaded = s.checkpointed && sc.placement.offload.activations;  // every input, in the uniform modes
   return p;
 }
 
-Plan plan_for(const config::RunConfig& cfg) {
-  if (auto p = try_plan_for(cfg)) return *std::move(p);
-  return budget_plan(cfg, formula_costs(cfg));  // none fits: its ConfigError, with the least budget that would
+Plan plan_for(const Scenario& sc) {
+  if (auto p = try_plan_for(sc)) return *std::move(p);
+  return budget_plan(sc, formula_costs(sc));  // none fits: its ConfigError, with the least budget that would
 }
 
 }  // namespace sl::budget

@@ -26,6 +26,7 @@ using checkpointing::kPartNorm;
 using checkpointing::kPartSets;
 using checkpointing::Plan;
 using checkpointing::Segment;
+using memory::Scenario;
 
 // What re-running a block's pieces costs, in one unit for the whole chain (ms or GFLOP).
 struct BlockCost {
@@ -94,37 +95,38 @@ double schedule_cost(const std::vector<Segment>& segments, const std::vector<uin
 // (kModelledMfu of logging.peak_tflops, else kFormulaFlopsCpu / kFormulaFlopsCuda).
 inline constexpr double kModelledMfu = 0.5;
 inline constexpr double kFormulaFlopsCpu = 1e11, kFormulaFlopsCuda = 1e14;
-double offload_cost(const config::RunConfig& cfg, const Costs& costs, double input_bytes);
+double offload_cost(const Scenario& sc, const Costs& costs, double input_bytes);
 
 // Costs from the model's FLOPs (GFLOP per micro-batch): matmuls 2 FLOPs per multiply-add, attention
 // 4*T*C per token, elementwise parts (norms, activation) as bytes moved times a device balance (a byte
 // costs 20 FLOPs on a CPU, 300 on a GPU). Used by `trainer plan` and with checkpointing.profile_costs false.
-Costs formula_costs(const config::RunConfig& cfg);
+Costs formula_costs(const Scenario& sc);
 
 // Costs measured (ms): each piece of one block's forward timed at the run's micro-batch, sequence
 // length, device and precision (median of 5 after a warm-up); and, where the device's allocations are
 // tracked (CPU with the tracking allocator, CUDA), the block's bytes for every set of selective parts
 // (a forward and backward each) and without saving. Blocks differ only by their MLP size
 // (model.layer_mlp_hidden): one block of each size is measured and stands for every block of that size.
-Costs profile_costs(const config::RunConfig& cfg, model::GPT& model, torch::Device device);
+// The input and the blocks' weights are drawn from a generator seeded with `seed` (train.seed).
+Costs profile_costs(const Scenario& sc, model::GPT& model, torch::Device device, int64_t seed);
 
 // The activation model a schedule is solved with: memory::chain_model, its per-block terms replaced by
 // the measured ones when costs carry them.
-memory::ChainModel solver_model(const config::RunConfig& cfg, const Costs& costs);
+memory::ChainModel solver_model(const Scenario& sc, const Costs& costs);
 
 // The recipe's budget plan from costs: nullopt when no schedule fits the budget.
-std::optional<Plan> try_budget_plan(const config::RunConfig& cfg, const Costs& costs);
+std::optional<Plan> try_budget_plan(const Scenario& sc, const Costs& costs);
 // The same with formula costs (`trainer plan`, the micro-batch searches).
-std::optional<Plan> formula_plan(const config::RunConfig& cfg);
+std::optional<Plan> formula_plan(const Scenario& sc);
 // The same, throwing ConfigError naming checkpointing.budget when no schedule fits, with the smallest
 // activation peak any schedule reaches.
-Plan budget_plan(const config::RunConfig& cfg, const Costs& costs);
+Plan budget_plan(const Scenario& sc, const Costs& costs);
 
 // The plan a recipe runs: make_plan's (with offload.activations every checkpointed input offloaded), or
 // for mode budget budget_plan with formula costs.
-Plan plan_for(const config::RunConfig& cfg);
+Plan plan_for(const Scenario& sc);
 // The same, nullopt instead of the ConfigError when no budget schedule fits (probes at other
 // micro-batches: none fits, neither does the batch).
-std::optional<Plan> try_plan_for(const config::RunConfig& cfg);
+std::optional<Plan> try_plan_for(const Scenario& sc);
 
 }  // namespace sl::budget

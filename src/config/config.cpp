@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
 
+#include "config/shape.h"
 #include "errors.h"
 
 namespace sl::config {
@@ -441,8 +442,6 @@ YAML::Node parse_document(const std::string& text, const std::string& origin) {
   return docs.empty() ? YAML::Node() : docs.front();
 }
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
 }  // namespace
 
 std::vector<std::string> preset_names() { return {"tiny", "gpt2-124m", "gpt2-350m", "1.3b", "7b"}; }
@@ -584,23 +583,6 @@ LossScale parse_loss_scale(const std::string& text) {
 
 }  // namespace
 
-int64_t mlp_hidden(const ModelConfig& m) {
-  if (m.mlp_hidden > 0) return m.mlp_hidden;
-  if (m.arch == Arch::kLlama) return round_up(2 * 4 * m.n_embd / 3, 256);
-  return 4 * m.n_embd;
-}
-
-int64_t mlp_hidden(const ModelConfig& m, int64_t layer) {
-  const auto i = static_cast<size_t>(layer);
-  return i < m.layer_mlp_hidden.size() && m.layer_mlp_hidden[i] > 0 ? m.layer_mlp_hidden[i] : mlp_hidden(m);
-}
-
-bool uniform_blocks(const ModelConfig& m) {
-  for (int64_t l = 1; l < static_cast<int64_t>(m.layer_mlp_hidden.size()); ++l)
-    if (mlp_hidden(m, l) != mlp_hidden(m, 0)) return false;
-  return true;
-}
-
 namespace {
 
 // The whole text of a recipe file; a directory or an unreadable file is refused.
@@ -736,7 +718,7 @@ void validate_model(const RunConfig& c) {
   positive("model.max_seq_len", m.max_seq_len);
   if (m.mlp_hidden < 0) fail("model.mlp_hidden", fmt::format("must be >= 0, got {}", m.mlp_hidden));
   validate_layer_widths(m);
-  if (!uniform_blocks(m) && (c.logging.save_model || !m.init_from.empty()))
+  if (!Shape(m).uniform() && (c.logging.save_model || !m.init_from.empty()))
     fail(c.logging.save_model ? "logging.save_model" : "model.init_from",
          "Hugging Face's GPT-2 and LLaMA classes give every block one MLP size, so a model with per-block sizes "
          "(model.layer_mlp_hidden) cannot be written as or read from their checkpoints; set logging.save_model: false "

@@ -253,12 +253,6 @@ using Budget = config::Budget;  // the activation memory a step may use
 using CheckpointingChoice = std::variant<mode::None, mode::Full, mode::Interval, mode::Sqrt, mode::Selective, mode::Budget>;
 CheckpointingChoice choice(const CheckpointingConfig& ck);
 
-// The MLP inner size after defaults (4*d for gpt2, LLaMA's 2/3*4d rounded up to 256 for llama).
-int64_t mlp_hidden(const ModelConfig& model);
-// Block `layer`'s MLP inner size: its model.layer_mlp_hidden entry when that is set and > 0, else mlp_hidden().
-int64_t mlp_hidden(const ModelConfig& model, int64_t layer);
-// Whether every block has the same shape (model.layer_mlp_hidden gives none its own width).
-bool uniform_blocks(const ModelConfig& model);
 
 nlohmann::json to_json(const RunConfig& cfg);
 // Rows "section.key | value" for the start-up table.

@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
+#include "config/shape.h"
 #include "errors.h"
 #include "model/gpt.h"
 
@@ -41,7 +42,7 @@ struct LayoutBuilder {
 };
 
 void gpt2_layout(const config::ModelConfig& m, std::vector<HfTensor>& out) {
-  const int64_t C = m.n_embd, H = config::mlp_hidden(m), V = m.vocab_size;
+  const int64_t C = m.n_embd, H = config::Shape(m).hidden(), V = m.vocab_size;
   const bool bias = m.bias;
   auto b = [&](const std::string& param) { return bias ? param : std::string(); };
   LayoutBuilder emb{out, model::kEmbeddingUnit};
@@ -70,7 +71,7 @@ void gpt2_layout(const config::ModelConfig& m, std::vector<HfTensor>& out) {
 }
 
 void llama_layout(const config::ModelConfig& m, std::vector<HfTensor>& out) {
-  const int64_t C = m.n_embd, H = config::mlp_hidden(m), V = m.vocab_size;
+  const int64_t C = m.n_embd, H = config::Shape(m).hidden(), V = m.vocab_size;
   LayoutBuilder emb{out, model::kEmbeddingUnit};
   emb.whole("model.embed_tokens.weight", {V, C}, "wte");
   for (int64_t l = 0; l < m.n_layer; ++l) {
@@ -124,7 +125,7 @@ Json gpt2_config(const config::ModelConfig& m) {
           {"n_embd", m.n_embd},
           {"n_layer", m.n_layer},
           {"n_head", m.n_head},
-          {"n_inner", config::mlp_hidden(m)},
+          {"n_inner", config::Shape(m).hidden()},
           {"activation_function", "gelu_new"},  // the tanh approximation this project's GELU uses
           {"layer_norm_epsilon", m.norm_eps},
           {"resid_pdrop", m.dropout},
@@ -143,7 +144,7 @@ Json llama_config(const config::ModelConfig& m) {
           {"model_type", model_type(config::Arch::kLlama)},
           {"vocab_size", m.vocab_size},
           {"hidden_size", m.n_embd},
-          {"intermediate_size", config::mlp_hidden(m)},
+          {"intermediate_size", config::Shape(m).hidden()},
           {"num_hidden_layers", m.n_layer},
           {"num_attention_heads", m.n_head},
           {"num_key_value_heads", m.n_head},
@@ -183,9 +184,9 @@ void compare(const Json& hf, const std::vector<ConfigCheck>& checks, std::vector
 void check_gpt2_config(const Json& hf, const config::ModelConfig& m, std::vector<std::string>& diffs) {
   Json n_inner = hf.value("n_inner", Json(nullptr));
   const int64_t hidden = n_inner.is_null() ? 4 * hf.value("n_embd", m.n_embd) : n_inner.get<int64_t>();
-  if (hidden != config::mlp_hidden(m))
+  if (hidden != config::Shape(m).hidden())
     diffs.push_back(fmt::format("n_inner means an MLP of {} but the recipe gives {} (set model.mlp_hidden: {})", hidden,
-                                config::mlp_hidden(m), hidden));
+                                config::Shape(m).hidden(), hidden));
   const std::string act = hf.value("activation_function", "gelu_new");
   if (act != "gelu_new" && act != "gelu_pytorch_tanh")
     diffs.push_back(fmt::format("activation_function is \"{}\"; this trainer's GELU is the tanh approximation "
@@ -214,7 +215,7 @@ void check_llama_config(const Json& hf, const config::ModelConfig& m, std::vecto
                                 rs.is_null() ? rope_type : rs.dump()));
   compare(hf, {{"num_hidden_layers", m.n_layer, "model.n_layer"}, {"num_attention_heads", m.n_head, "model.n_head"},
                {"num_key_value_heads", m.n_head, ""}, {"hidden_size", m.n_embd, "model.n_embd"},
-               {"head_dim", m.n_embd / m.n_head, ""}, {"intermediate_size", config::mlp_hidden(m), "model.mlp_hidden"},
+               {"head_dim", m.n_embd / m.n_head, ""}, {"intermediate_size", config::Shape(m).hidden(), "model.mlp_hidden"},
                {"vocab_size", m.vocab_size, "model.vocab_size"}, {"rms_norm_eps", m.norm_eps, "model.norm_eps"},
                {"tie_word_embeddings", m.tie_embeddings, "model.tie_embeddings"}, {"hidden_act", "silu", ""},
                {"attention_bias", false, ""}, {"mlp_bias", false, ""}}, diffs);
@@ -240,7 +241,7 @@ std::vector<int64_t> HfTensor::param_shape() const {
 }
 
 std::vector<HfTensor> hf_layout(const config::ModelConfig& m) {
-  if (!config::uniform_blocks(m))
+  if (!config::Shape(m).uniform())
     throw ConfigError("model.layer_mlp_hidden: Hugging Face's GPT-2 and LLaMA classes give every block one MLP size, so "
                       "this model (blocks of differing MLP sizes) has no Hugging Face layout; use its training states "
                       "(state.*) instead");

@@ -10,8 +10,8 @@
 
 namespace sl::memory {
 
-bool runs_on_cuda(const config::RunConfig& cfg) {
-  const auto& d = cfg.train.device;
+bool runs_on_cuda(const Scenario& sc) {
+  const auto& d = sc.device;
   return d == config::DeviceChoice::kCuda || (d == config::DeviceChoice::kAuto && torch::cuda::is_available());
 }
 
@@ -37,29 +37,29 @@ struct Sizes {
 };
 
 // The sizes of block `layer` (they differ only in H, with model.layer_mlp_hidden).
-Sizes sizes_of(const config::RunConfig& cfg, device::LowpMatmul lowp, int64_t layer = 0) {
-  const auto& m = cfg.model;
-  const bool lowp_on = cfg.precision.compute != config::Dtype::kFp32;
+Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
+  const auto& m = sc.model;
+  const bool lowp_on = sc.precision.compute != config::Dtype::kFp32;
   Sizes z;
-  z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::mlp_hidden(m, layer));
+  z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::Shape(m).hidden(layer));
   z.V = static_cast<double>(m.vocab_size), z.nh = static_cast<double>(m.n_head);
   z.llama = m.arch == config::Arch::kLlama;
   z.c = lowp_on ? 2.0 : 4.0;
-  z.lowp_params = cfg.precision.param_dtype != config::Dtype::kFp32;
+  z.lowp_params = sc.precision.param_dtype != config::Dtype::kFp32;
   z.r = z.lowp_params ? z.c : z.f;
   z.acc = lowp_on && lowp == device::LowpMatmul::emulated ? 4.0 : 0.0;
   z.widened = lowp_on && lowp == device::LowpMatmul::widened;
-  z.tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len);
-  z.fused_attention = !lowp_on && !runs_on_cuda(cfg);
+  z.tok = static_cast<double>(sc.micro_batch * sc.seq_len);
+  z.fused_attention = !lowp_on && !runs_on_cuda(sc);
   z.dropout = m.dropout > 0;
   if (z.dropout) {
     // CUDA's fused dropout keeps a bool mask; the CPU's keeps its noise tensor, in the input's dtype
     // (a branch's output: the compute dtype; the embeddings: the parameters').
-    z.mask = runs_on_cuda(cfg) ? 1.0 : z.c;
-    z.embed_mask = runs_on_cuda(cfg) ? 1.0 : z.r;
-    z.math_attention = !runs_on_cuda(cfg);
+    z.mask = runs_on_cuda(sc) ? 1.0 : z.c;
+    z.embed_mask = runs_on_cuda(sc) ? 1.0 : z.r;
+    z.math_attention = !runs_on_cuda(sc);
   }
-  z.T = static_cast<double>(cfg.train.seq_len);
+  z.T = static_cast<double>(sc.seq_len);
   return z;
 }
 
@@ -223,9 +223,9 @@ double block_cast_bytes(const Sizes& z) {
   return c * (4 * z.C * z.C + (z.llama ? 3 : 2) * z.C * z.H);
 }
 
-std::string path_name(const config::RunConfig& cfg, device::LowpMatmul lowp) {
-  if (cfg.precision.compute == config::Dtype::kFp32) return "fp32";
-  return runs_on_cuda(cfg) ? "cuda" : device::to_string(lowp);
+std::string path_name(const Scenario& sc, device::LowpMatmul lowp) {
+  if (sc.precision.compute == config::Dtype::kFp32) return "fp32";
+  return runs_on_cuda(sc) ? "cuda" : device::to_string(lowp);
 }
 
 // n segments of k blocks, the last of last_size blocks (make_plan's layout), all checkpointed but the
@@ -240,12 +240,12 @@ SegmentCounts split_counts(int64_t k, int64_t n, int64_t last_size, bool skip_la
 
 }  // namespace
 
-device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg) {
-  if (runs_on_cuda(cfg)) return device::LowpMatmul::native;
+device::LowpMatmul lowp_matmul_path(const Scenario& sc) {
+  if (runs_on_cuda(sc)) return device::LowpMatmul::native;
   const auto& cpu = device::cpu_features();
   // Only CPU tensors widen (model/linear.h): the lazy test device keeps the libraries' path.
-  if (cfg.train.device == config::DeviceChoice::kLazy) return cpu.matmul_path(cfg.precision.compute);
-  return cpu.linear_path(cfg.precision.compute);
+  if (sc.device == config::DeviceChoice::kLazy) return cpu.matmul_path(sc.precision.compute);
+  return cpu.linear_path(sc.precision.compute);
 }
 
 SegmentCounts segment_counts(const checkpointing::Plan& plan) {
@@ -273,13 +273,13 @@ SegmentCounts segment_counts(const config::CheckpointingConfig& ck, int64_t L) {
   return s;
 }
 
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const SegmentCounts& seg, device::LowpMatmul lowp) {
-  const Sizes z = sizes_of(cfg, lowp);
+ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCounts& seg, device::LowpMatmul lowp) {
+  const Sizes z = sizes_of(sc, lowp);
   const auto n = static_cast<double>(seg.checkpointed), kept = static_cast<double>(seg.kept_blocks);
-  const auto k = static_cast<double>(seg.largest_checkpointed), L = static_cast<double>(cfg.model.n_layer);
+  const auto k = static_cast<double>(seg.largest_checkpointed), L = static_cast<double>(sc.model.n_layer);
   ActivationEstimate e;
-  e.tokens = cfg.train.micro_batch * cfg.train.seq_len;
-  e.matmul_path = path_name(cfg, lowp);
+  e.tokens = sc.micro_batch * sc.seq_len;
+  e.matmul_path = path_name(sc, lowp);
   e.block_bytes = block_bytes(z, seg);
   e.head_bytes = head_bytes(z);
   e.backward_bytes = backward_bytes(z, seg);
@@ -289,7 +289,7 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   e.embed_mask_bytes = static_cast<int64_t>(tok * z.embed_mask * z.C);
   const auto always = static_cast<double>(e.embed_mask_bytes);
   const double Wb = block_cast_bytes(z), Wh = head_cast_bytes(z);
-  if (cfg.model.tie_embeddings) e.tied_grad_bytes = 4 * cfg.model.vocab_size * cfg.model.n_embd;
+  if (sc.model.tie_embeddings) e.tied_grad_bytes = 4 * sc.model.vocab_size * sc.model.n_embd;
   const auto tied = static_cast<double>(e.tied_grad_bytes);
   e.weight_cast_bytes = static_cast<int64_t>(L * Wb + Wh);
   // F: end of the forward (the head, before its gradients) or a checkpointed block's first pass,
@@ -314,12 +314,12 @@ ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const 
   return e;
 }
 
-ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp) {
-  const auto L = cfg.model.n_layer;
-  const auto tok = static_cast<double>(cfg.train.micro_batch * cfg.train.seq_len);
+ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
+  const auto L = sc.model.n_layer;
+  const auto tok = static_cast<double>(sc.micro_batch * sc.seq_len);
   ChainModel m;
   for (int64_t layer = 0; layer < L; ++layer) {  // the blocks differ only by model.layer_mlp_hidden
-    const Sizes zl = sizes_of(cfg, lowp, layer);
+    const Sizes zl = sizes_of(sc, lowp, layer);
     std::array<double, checkpointing::kPartSets> kept{}, backward{};
     for (int b = 0; b < checkpointing::kPartSets; ++b) {
       SegmentCounts parts;
@@ -335,15 +335,15 @@ ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp) {
     m.weights.push_back(block_cast_bytes(zl));
     m.forward.push_back(tok * forward_block_bytes(zl));
   }
-  const Sizes z = sizes_of(cfg, lowp);
+  const Sizes z = sizes_of(sc, lowp);
   m.input = tok * z.r * z.C;
   m.head = tok * head_bytes(z);
   m.head_input = tok * z.c * z.C;
   m.head_weights = head_cast_bytes(z);
   m.head_backward = head_backward_bytes(z);
-  if (cfg.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(cfg.model.vocab_size * cfg.model.n_embd);
+  if (sc.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(sc.model.vocab_size * sc.model.n_embd);
   m.held = tok * z.embed_mask * z.C;
-  m.offload_inputs = cfg.offload.activations && !cfg.checkpointing.mode.solved();  // budget: per segment
+  m.offload_inputs = sc.placement.offload.activations && !sc.checkpointing.mode.solved();  // budget: per segment
   return m;
 }
 
@@ -418,29 +418,29 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
   return m.held + std::max({forward, ph.start, peak});
 }
 
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
-  const auto lowp = lowp_matmul_path(cfg);
-  if (!plan.mode.solved() && config::uniform_blocks(cfg.model) && !cfg.offload.activations)
-    return estimate_activation_peak(cfg, segment_counts(plan), lowp);
+ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpointing::Plan& plan) {
+  const auto lowp = lowp_matmul_path(sc);
+  if (!plan.mode.solved() && sc.shape().uniform() && !sc.placement.offload.activations)
+    return estimate_activation_peak(sc, segment_counts(plan), lowp);
   // Blocks that differ (a budget schedule, or model.layer_mlp_hidden), or offloaded inputs: the
   // per-token terms of block 0 with no parts recomputed; the moments by walking the plan block by block.
-  ActivationEstimate e = estimate_activation_peak(cfg, SegmentCounts{}, lowp);
+  ActivationEstimate e = estimate_activation_peak(sc, SegmentCounts{}, lowp);
   e.moment_f = e.moment_a = e.moment_d = e.moment_b = 0;
   double host = 0;
   PhasePeaks phases;
-  e.peak_bytes = static_cast<int64_t>(chain_peak(chain_model(cfg, lowp), plan, &host, &phases));
+  e.peak_bytes = static_cast<int64_t>(chain_peak(chain_model(sc, lowp), plan, &host, &phases));
   e.forward_end_peak_bytes = static_cast<int64_t>(phases.forward_end);
   e.forward_block_peak_bytes = static_cast<int64_t>(phases.forward_block);
   e.start_peak_bytes = static_cast<int64_t>(phases.start);
-  e.head_backward_peak_bytes = head_moment(sizes_of(cfg, lowp), phases.start, static_cast<double>(e.tokens));
+  e.head_backward_peak_bytes = head_moment(sizes_of(sc, lowp), phases.start, static_cast<double>(e.tokens));
   e.backward_peak_bytes = static_cast<int64_t>(phases.backward);
   e.host_bytes = static_cast<int64_t>(host);
   return e;
 }
 
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg) {
-  if (!config::uniform_blocks(cfg.model) || cfg.offload.activations) return estimate_activation_peak(cfg, checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer));
-  return estimate_activation_peak(cfg, segment_counts(cfg.checkpointing, cfg.model.n_layer), lowp_matmul_path(cfg));
+ActivationEstimate estimate_activation_peak(const Scenario& sc) {
+  if (!sc.shape().uniform() || sc.placement.offload.activations) return estimate_activation_peak(sc, checkpointing::make_plan(sc.checkpointing, sc.model.n_layer));
+  return estimate_activation_peak(sc, segment_counts(sc.checkpointing, sc.model.n_layer), lowp_matmul_path(sc));
 }
 
 }  // namespace sl::memory

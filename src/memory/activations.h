@@ -96,6 +96,7 @@
 #include "checkpointing/plan.h"
 #include "config/config.h"
 #include "device/cpu_features.h"
+#include "memory/scenario.h"
 
 namespace sl::memory {
 
@@ -136,12 +137,12 @@ struct ActivationEstimate {
 };
 
 // The recipe's device and precision decide the matmul path (CPU: cpu_features()).
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan);
+ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpointing::Plan& plan);
 // O(1) in n_layer; O(n_layer) for a model whose blocks differ (model.layer_mlp_hidden), whose peak is
 // always the walk's (chain_peak) since the formula's moments assume one block shape.
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg);
+ActivationEstimate estimate_activation_peak(const Scenario& sc);
 // With the CPU's low-precision matmul path given (`lowp` is ignored for fp32).
-ActivationEstimate estimate_activation_peak(const config::RunConfig& cfg, const SegmentCounts& seg, device::LowpMatmul lowp);
+ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCounts& seg, device::LowpMatmul lowp);
 
 // The same terms per block, for plans or models whose blocks differ (checkpointing.mode: budget,
 // model.layer_mlp_hidden: H is the block's own), in bytes of one
@@ -164,7 +165,7 @@ struct ChainModel {
   // Every checkpointed segment's (the uniform modes); a budget schedule marks its segments itself.
   bool offload_inputs = false;
 };
-ChainModel chain_model(const config::RunConfig& cfg, device::LowpMatmul lowp);
+ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp);
 // The activation peak of a plan by walking it: the forward (every checkpointed segment's first pass
 // and the end, moment F; the start of backward, A), then the backward from the last unit to the first
 // (each kept block's backward, D, with what the blocks before it keep; each checkpointed segment's
@@ -181,10 +182,10 @@ struct PhasePeaks {
 double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host = nullptr, PhasePeaks* phases = nullptr);
 
 // Whether the recipe runs on CUDA (train.device cuda, or auto with a GPU present).
-bool runs_on_cuda(const config::RunConfig& cfg);
+bool runs_on_cuda(const Scenario& sc);
 
 // The path a recipe's low-precision matmuls take: on CPU cpu_features().linear_path (the libraries' path,
 // or widened where that is ATen's gemm or oneDNN's emulated one), on CUDA native.
-device::LowpMatmul lowp_matmul_path(const config::RunConfig& cfg);
+device::LowpMatmul lowp_matmul_path(const Scenario& sc);
 
 }  // namespace sl::memory

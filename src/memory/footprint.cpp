@@ -11,84 +11,19 @@
 namespace sl::memory {
 namespace {
 
-// Saturating arithmetic for the parameter formulas (kMaxParams caps every count).
-int64_t sat_add(int64_t a, int64_t b) { return std::min(kMaxParams, a + b); }  // a, b <= kMaxParams
-int64_t sat_mul(int64_t a, int64_t b) {
-  if (a == 0 || b == 0) return 0;
-  return a > kMaxParams / b ? kMaxParams : std::min(kMaxParams, a * b);
-}
-
-struct Dims {
-  int64_t C, H, V, T;  // n_embd, mlp_hidden (of one block), vocab_size, max_seq_len
-  bool llama, bias, tied;
-};
-
-Dims dims_of(const config::ModelConfig& m, int64_t layer = 0) {
-  const bool llama = m.arch == config::Arch::kLlama;
-  return {m.n_embd, config::mlp_hidden(m, layer), m.vocab_size, m.max_seq_len, llama, m.bias && !llama, m.tie_embeddings};
-}
-
-// model/gpt.cpp's parameter set, unit by unit.
-int64_t embedding_params(const Dims& d) { return sat_add(sat_mul(d.V, d.C), d.llama ? 0 : sat_mul(d.T, d.C)); }
-
-int64_t block_params(const Dims& d) {
-  // ln1_w, ln2_w; w_qkv 3C x C, w_proj C x C; w_fc (H or 2H for SwiGLU) x C, w_out C x H.
-  int64_t n = sat_add(2 * d.C, sat_mul(4 * d.C, d.C));
-  n = sat_add(n, sat_mul((d.llama ? 3 : 2) * d.H, d.C));
-  // ln1_b, ln2_b, b_qkv 3C, b_proj C, b_fc H, b_out C.
-  if (d.bias) n = sat_add(n, 7 * d.C + d.H);
-  return n;
-}
-
-int64_t head_params(const Dims& d) { return sat_add(d.bias ? 2 * d.C : d.C, d.tied ? 0 : sat_mul(d.V, d.C)); }
-
-// The blocks' parameters: n_layer times one block's, or with per-block MLP sizes their sum (O(n_layer)).
-int64_t all_block_params(const config::ModelConfig& m) {
-  if (config::uniform_blocks(m)) return sat_mul(m.n_layer, block_params(dims_of(m)));
-  int64_t n = 0;
-  for (int64_t l = 0; l < m.n_layer; ++l) n = sat_add(n, block_params(dims_of(m, l)));
-  return n;
-}
-
-// The largest MLP inner size of any block.
-int64_t widest_mlp(const config::ModelConfig& m) {
-  int64_t h = config::mlp_hidden(m);
-  if (!config::uniform_blocks(m))
-    for (int64_t l = 0; l < m.n_layer; ++l) h = std::max(h, config::mlp_hidden(m, l));
-  return h;
-}
-
 // The largest flat group the engine forms: a unit under zero3, else a gradient bucket.
-int64_t largest_group_params(const config::RunConfig& cfg, int64_t n) {
-  if (cfg.parallel.sharding.shards_params()) return largest_unit_params(cfg.model);
-  return std::min(n, bucket_cap_params(cfg));
+int64_t largest_group_params(const Scenario& sc, int64_t n) {
+  if (sc.placement.sharding.shards_params()) return sc.shape().largest_unit_params();
+  return std::min(n, bucket_cap_params(sc));
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-int64_t total_params(const config::ModelConfig& m) {
-  const Dims d = dims_of(m);
-  return sat_add(sat_add(embedding_params(d), all_block_params(m)), head_params(d));
-}
-
-int64_t largest_unit_params(const config::ModelConfig& m) {
-  Dims d = dims_of(m);
-  d.H = widest_mlp(m);
-  return std::max({embedding_params(d), m.n_layer > 0 ? block_params(d) : 0, head_params(d)});
-}
-
-int64_t largest_param(const config::ModelConfig& m) {
-  Dims d = dims_of(m);
-  d.H = widest_mlp(m);
-  return std::max({sat_mul(d.V, d.C), d.llama ? 0 : sat_mul(d.T, d.C), sat_mul(3 * d.C, d.C),
-                   sat_mul((d.llama ? 2 : 1) * d.H, d.C)});
-}
-
-int64_t bucket_cap_params(const config::RunConfig& cfg) {
-  const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024) / 4;
-  return std::max(cap, largest_param(cfg.model));  // a bigger single tensor gets its own bucket
+int64_t bucket_cap_params(const Scenario& sc) {
+  const auto cap = static_cast<int64_t>(sc.placement.bucket_mb * 1024 * 1024) / 4;
+  return std::max(cap, sc.shape().largest_param());  // a bigger single tensor gets its own bucket
 }
 
 std::vector<std::vector<model::NamedParam>> engine_group_members(const std::vector<std::vector<model::NamedParam>>& units,
@@ -106,12 +41,12 @@ std::vector<std::vector<model::NamedParam>> engine_group_members(const std::vect
   return groups;
 }
 
-std::vector<EngineGroup> engine_groups(const config::RunConfig& cfg) {
+std::vector<EngineGroup> engine_groups(const Scenario& sc) {
   torch::NoGradGuard no_grad;
-  model::GPT g(cfg.model, torch::kMeta);  // fp32, as the engine's groups are built
-  const auto cap = static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024);
+  model::GPT g(sc.model, torch::kMeta);  // fp32, as the engine's groups are built
+  const auto cap = static_cast<int64_t>(sc.placement.bucket_mb * 1024 * 1024);
   std::vector<EngineGroup> out;
-  for (const auto& members : engine_group_members(g->units(), cfg.parallel.sharding.shards_params(), cap)) {
+  for (const auto& members : engine_group_members(g->units(), sc.placement.sharding.shards_params(), cap)) {
     EngineGroup& e = out.emplace_back();
     for (const auto& p : members) {
       e.params += p.tensor.numel();
@@ -138,7 +73,7 @@ namespace {
 // Where the engine's gradients are CPU tensors (the CPU device, or offload.gradients' host shards), its
 // norm is one fused float64 pass with no copy (optim::sum_of_squares); on CUDA float64 copies of
 // kGradNormChunk elements at a time. (The lazy test device runs at world 1 without sharding: no engine.)
-bool engine_grads_on_cpu(const config::RunConfig& cfg) { return cfg.offload.gradients || !runs_on_cuda(cfg); }
+bool engine_grads_on_cpu(const Scenario& sc) { return sc.placement.offload.gradients || !runs_on_cuda(sc); }
 
 // One rank's part of the engine's layout (parallel/engine.cpp), in elements, summed over the groups. A
 // group of n_g parameters (its d_g matrix elements first, the rest after) is padded to W shards of
@@ -171,17 +106,17 @@ RankPart rank_part(const std::vector<EngineGroup>& groups, int64_t W, bool repli
 // rank holds as much, and rank 0 owns no padding); the index may be one piece larger per group on a rank
 // whose range straddles a group's d_g: the optimizer-phase term is the largest rank's excess over rank 0's
 // states. Without an engine (world 1, sharding none) the snapshot is the whole model's.
-void place_host(const config::RunConfig& cfg, PeakPrediction& p) {
-  const bool offload = cfg.offload.optimizer, snapshot = cfg.state.async && cfg.state.every > 0;
+void place_host(const Scenario& sc, PeakPrediction& p) {
+  const bool offload = sc.placement.offload.optimizer, snapshot = sc.async_snapshot;
   if (!offload && !snapshot) return;
-  const int64_t n = total_params(cfg.model), W = std::max<int64_t>(1, cfg.world_size);
-  const bool replicated = cfg.parallel.sharding.replicated();
+  const int64_t n = sc.shape().total_params(), W = std::max<int64_t>(1, sc.placement.world);
+  const bool replicated = sc.placement.sharding.replicated();
   const bool need_groups = offload || (!replicated && W > 1);
-  const auto groups = need_groups ? engine_groups(cfg) : std::vector<EngineGroup>{};
+  const auto groups = need_groups ? engine_groups(sc) : std::vector<EngineGroup>{};
   const auto part = [&](int64_t rank) { return need_groups ? rank_part(groups, W, replicated, rank) : RankPart{n, n, 0}; };
   const auto held_bytes = [&](const RankPart& r) {
     return (offload ? 8 * r.held + 8 * r.owned : 0) +
-           (snapshot ? 12 * (replicated ? n : r.owned) + rng_state_bytes(runs_on_cuda(cfg)) : 0);
+           (snapshot ? 12 * (replicated ? n : r.owned) + rng_state_bytes(runs_on_cuda(sc)) : 0);
   };
   const RankPart r0 = part(0);
   if (offload) {
@@ -202,35 +137,34 @@ void place_host(const config::RunConfig& cfg, PeakPrediction& p) {
 // The AdamW step runs the fused CPU kernel (optim/optimizer.cpp: every tensor a contiguous fp32 CPU
 // tensor, updated in place), not LibTorch's AdamW with its temporaries: on the CPU device (the lazy test
 // device's tensors are not CPU tensors).
-bool fused_cpu_adamw(const config::RunConfig& cfg) { return !runs_on_cuda(cfg) && cfg.train.device != config::DeviceChoice::kLazy; }
+bool fused_cpu_adamw(const Scenario& sc) { return !runs_on_cuda(sc) && sc.device != config::DeviceChoice::kLazy; }
 
 // A checkpointed segment of 3 or more blocks can exist (its recompute's start holds a third block, see
 // footprint.h): the recipe's uniform plan has one, or a budget schedule, not known here, may.
-bool segment_of_three(const config::RunConfig& cfg) {
-  const int64_t L = cfg.model.n_layer;
-  if (cfg.checkpointing.mode.solved()) return L >= 3;
-  return segment_counts(cfg.checkpointing, L).largest_checkpointed >= 3;
+bool segment_of_three(const Scenario& sc) {
+  const int64_t L = sc.model.n_layer;
+  if (sc.checkpointing.mode.solved()) return L >= 3;
+  return segment_counts(sc.checkpointing, L).largest_checkpointed >= 3;
 }
 
 // The stage's transients beside each phase's activations (footprint.h), from the engine's buffers:
 // zero2's bucket gradient, zero3's gathered units (parameters in the compute dtype) and gradient buffer
 // (reduce dtype), each group padded to the world size's shards.
-void place_transients(const config::RunConfig& cfg, PeakPrediction& p) {
-  const config::Sharding sh = cfg.parallel.sharding;
-  const int64_t W = std::max<int64_t>(1, cfg.world_size);
-  const int64_t cp = cfg.precision.param_dtype.bytes(), cr = cfg.precision.reduce_dtype.bytes();
+void place_transients(const Scenario& sc, PeakPrediction& p) {
+  const config::Sharding sh = sc.placement.sharding;
+  const int64_t W = std::max<int64_t>(1, sc.placement.world);
+  const int64_t cp = sc.precision.param_dtype.bytes(), cr = sc.precision.reduce_dtype.bytes();
   const auto padded = [&](int64_t elems) { return shard_elems(elems, W) * W; };
   if (sh == config::Sharding::kZero2) {
-    p.transient_backward_bytes = p.transient_head_bytes = cr * padded(std::min(total_params(cfg.model), bucket_cap_params(cfg)));
+    p.transient_backward_bytes = p.transient_head_bytes = cr * padded(std::min(sc.shape().total_params(), bucket_cap_params(sc)));
   } else if (sh.shards_params()) {
-    Dims d = dims_of(cfg.model);
-    d.H = widest_mlp(cfg.model);
-    const int64_t L = cfg.model.n_layer;
-    const int64_t ue = padded(embedding_params(d)), ub = L > 0 ? padded(block_params(d)) : 0, uh = padded(head_params(d));
+    const config::Shape d(sc.model);
+    const int64_t L = d.n_layer;
+    const int64_t ue = padded(d.embedding_params()), ub = L > 0 ? padded(d.widest_block_params()) : 0, uh = padded(d.head_params());
     const int64_t ut = uh + (d.tied ? ue : 0), second = L > 1 ? ub : 0;  // the head's gather; a second block
     const int64_t grad = cr * std::max(ub, uh);  // one unit's gradient buffer
     p.transient_forward_bytes = cp * std::max({ue + (L > 0 ? ub : ut), ub + second, ub + ut});
-    if (segment_of_three(cfg)) p.transient_forward_bytes = std::max(p.transient_forward_bytes, 3 * cp * ub + grad);
+    if (segment_of_three(sc)) p.transient_forward_bytes = std::max(p.transient_forward_bytes, 3 * cp * ub + grad);
     p.transient_forward_end_bytes = cp * ut;
     p.transient_head_bytes = cp * (ut + ub) + cr * uh;
     p.transient_backward_bytes = cp * (ub + second) + grad;
@@ -241,12 +175,12 @@ void place_transients(const config::RunConfig& cfg, PeakPrediction& p) {
 
 // offload.*: the device terms the engine keeps on the host instead (parallel/engine.cpp, state_bytes;
 // their host size: place_host).
-void place_offloaded(const config::RunConfig& cfg, PeakPrediction& p) {
-  const auto& o = cfg.offload;
+void place_offloaded(const Scenario& sc, PeakPrediction& p) {
+  const auto& o = sc.placement.offload;
   if (!o.optimizer) return;
-  const int64_t n = total_params(cfg.model);
-  const config::Sharding sh = cfg.parallel.sharding;
-  const int64_t cp = cfg.precision.param_dtype.bytes();
+  const int64_t n = sc.shape().total_params();
+  const config::Sharding sh = sc.placement.sharding;
+  const int64_t cp = sc.precision.param_dtype.bytes();
   p.params_bytes = sh.shards_params() ? 0 : cp * n;  // zero1/2: the whole model in the compute dtype for the all-gather
   p.optimizer_bytes = 0;
   if (o.gradients) p.grads_bytes = 0;
@@ -257,45 +191,46 @@ void place_offloaded(const config::RunConfig& cfg, PeakPrediction& p) {
 
 }  // namespace
 
-PeakPrediction predict_states(const config::RunConfig& cfg) {
+PeakPrediction predict_states(const Scenario& sc) {
   PeakPrediction p;
-  const int64_t n = total_params(cfg.model);
-  const int64_t N = std::max<int64_t>(1, cfg.world_size);
-  const config::Sharding sh = cfg.parallel.sharding;
+  const config::Shape shape(sc.model);
+  const int64_t n = shape.total_params();
+  const int64_t N = std::max<int64_t>(1, sc.placement.world);
+  const config::Sharding sh = sc.placement.sharding;
   const int64_t P = 4 * n, G = 4 * n, O = 8 * n;
   // A low-precision compute copy (precision.param_dtype): fp32 masters only in the shard; zero1/2 keep
   // the whole model in the compute dtype, zero3 gathers units in it (place_transients).
-  const int64_t cp = cfg.precision.param_dtype.bytes();
+  const int64_t cp = sc.precision.param_dtype.bytes();
   p.params_bytes = sh.shards_params() ? P / N : cp < 4 ? P / N + cp * n : P;
   p.grads_bytes = sh.shards_grads() ? G / N : G;
   p.optimizer_bytes = sh.shards_optimizer() ? O / N : O;
-  place_transients(cfg, p);
-  p.batch_bytes = 2 * 8 * cfg.train.micro_batch * cfg.train.seq_len;
-  if (cfg.model.arch == config::Arch::kLlama) p.buffer_bytes = 4 * cfg.model.max_seq_len * (cfg.model.n_embd / cfg.model.n_head);
+  place_transients(sc, p);
+  p.batch_bytes = 2 * 8 * sc.micro_batch * sc.seq_len;
+  if (sc.model.arch == config::Arch::kLlama) p.buffer_bytes = 4 * sc.model.max_seq_len * (sc.model.n_embd / sc.model.n_head);
   // AdamW updates the model's parameters (none) or this rank's shard of each group; the engine's
   // norm reads whole groups (none) or shards. World 1 without sharding has no engine.
-  const int64_t group = largest_group_params(cfg, n), shard = ceil_div(group, N);
-  if (!fused_cpu_adamw(cfg)) p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? largest_param(cfg.model) : shard);
-  if (cfg.parallel.uses_engine(N) && !engine_grads_on_cpu(cfg))
+  const int64_t group = largest_group_params(sc, n), shard = ceil_div(group, N);
+  if (!fused_cpu_adamw(sc)) p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? shape.largest_param() : shard);
+  if (sc.placement.uses_engine() && !engine_grads_on_cpu(sc))
     p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh.replicated() ? group : shard);
-  p.host_staging_bytes = device::host_staging_bytes(4 * largest_param(cfg.model));  // fp32 masters and moments
-  place_offloaded(cfg, p);
-  place_host(cfg, p);
+  p.host_staging_bytes = device::host_staging_bytes(4 * shape.largest_param());  // fp32 masters and moments
+  place_offloaded(sc, p);
+  place_host(sc, p);
   return p;
 }
 
-PeakPrediction predict_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
-  PeakPrediction p = predict_states(cfg);
-  p.activations = estimate_activation_peak(cfg, plan);
+PeakPrediction predict_peak(const Scenario& sc, const checkpointing::Plan& plan) {
+  PeakPrediction p = predict_states(sc);
+  p.activations = estimate_activation_peak(sc, plan);
   return p;
 }
 
-int64_t activation_budget_bytes(const config::RunConfig& cfg) {
-  const config::Budget budget = std::get<config::mode::Budget>(config::choice(cfg.checkpointing));  // mode budget only
-  const PeakPrediction p = predict_states(cfg);
+int64_t activation_budget_bytes(const Scenario& sc) {
+  const config::Budget budget = std::get<config::mode::Budget>(config::choice(sc.checkpointing));  // mode budget only
+  const PeakPrediction p = predict_states(sc);
   int64_t bytes = budget.bytes;
   if (budget.share > 0) {
-    const int64_t room = cfg.memory.limit.bytes - p.model_states_bytes() - p.buffer_bytes - p.batch_bytes;
+    const int64_t room = sc.memory_limit - p.model_states_bytes() - p.buffer_bytes - p.batch_bytes;
     bytes = static_cast<int64_t>(budget.share * static_cast<double>(room));
   }
   return bytes - p.transient_bytes;

@@ -13,6 +13,7 @@
 
 #include "config/config.h"
 #include "memory/activations.h"
+#include "memory/scenario.h"
 
 namespace sl::model {
 struct NamedParam;
@@ -40,7 +41,7 @@ inline constexpr int64_t shard_elems(int64_t numel, int64_t world) {
   return (per_rank + kShardAlignElems - 1) / kShardAlignElems * kShardAlignElems;
 }
 
-// Per rank, for cfg.world_size ranks and parallel.sharding (P, G, O = fp32 weights, gradients and
+// Per rank, for the scenario's ranks (placement.world) and parallel.sharding (P, G, O = fp32 weights, gradients and
 // AdamW's two moments of the whole model; N = world size):
 //   none  P + G + O      zero1  P + G + O/N      zero2  P + (G + O)/N      zero3  (P + G + O)/N
 // With precision.param_dtype bf16/fp16 parameters count 2 bytes when gathered (the fp32 masters stay
@@ -145,31 +146,23 @@ inline constexpr int64_t kCpuRngStateBytes = 5056, kCudaRngStateBytes = 16;
 inline int64_t rng_state_bytes(bool cuda) { return kCpuRngStateBytes + (cuda ? kCudaRngStateBytes : 0); }
 
 // Model states, sharding transients, batch, buffers, optimizer temporaries and host staging of the
-// recipe, per rank of cfg.world_size: every term but the activations. O(1) in n_layer, except the host
+// scenario, per rank of its placement: every term but the activations. O(1) in n_layer, except the host
 // terms at world size > 1 (offload.optimizer, state.async's snapshot under sharding): O(n_layer), from
 // engine_groups.
-PeakPrediction predict_states(const config::RunConfig& cfg);
+PeakPrediction predict_states(const Scenario& sc);
 // The whole prediction for a given plan (planner::predict_peak resolves the recipe's own).
-PeakPrediction predict_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan);
+PeakPrediction predict_peak(const Scenario& sc, const checkpointing::Plan& plan);
 
 // checkpointing.budget as the bytes a budget schedule's activation peak may reach: the size given, or
 // the share of what memory.limit leaves after the model states, buffers and batch; less, under
 // zero2/zero3, the largest phase's transient (transient_bytes: a bucket's full gradient / the gathered
 // units), which the step holds beside the activations. May be <= 0 (nothing fits).
-int64_t activation_budget_bytes(const config::RunConfig& cfg);  // checkpointing.mode budget only
+int64_t activation_budget_bytes(const Scenario& sc);  // checkpointing.mode budget only
 
-// Parameter counts, closed formulas of the model config (gpt2 / llama, biases, tied head, mlp_hidden;
-// with model.layer_mlp_hidden a sum over the blocks),
-// saturating at kMaxParams so that byte counts made from them (x16) cannot overflow.
-inline constexpr int64_t kMaxParams = INT64_MAX / 64;
-int64_t total_params(const config::ModelConfig& m);
-// The largest sharding unit (embeddings, one block, or final norm + untied head).
-int64_t largest_unit_params(const config::ModelConfig& m);
-// The largest single parameter tensor.
-int64_t largest_param(const config::ModelConfig& m);
-// Parameters in the largest gradient bucket the engine can form: parallel.bucket_mb's worth, or a
+// Parameter counts are the model's shape's (config::Shape: closed formulas, saturating at
+// config::kMaxParams). Parameters in the largest gradient bucket the engine can form: parallel.bucket_mb's worth, or a
 // bigger single tensor (which gets a bucket of its own).
-int64_t bucket_cap_params(const config::RunConfig& cfg);
+int64_t bucket_cap_params(const Scenario& sc);
 // Which parameters make which group of parallel::Engine (its plan_groups takes them from here, the host
 // terms below count them): with `per_unit` (zero3) one group per unit, the last unit first (backward's
 // order); otherwise buckets of at most `cap_bytes`, filled with the parameters from the last to the
@@ -182,7 +175,7 @@ std::vector<std::vector<model::NamedParam>> engine_group_members(const std::vect
 struct EngineGroup {
   int64_t params = 0, decay = 0;
 };
-std::vector<EngineGroup> engine_groups(const config::RunConfig& cfg);
+std::vector<EngineGroup> engine_groups(const Scenario& sc);
 // Parameters per sharding unit: [0] embeddings (token + position tables), [1..L] the blocks,
 // [L+1] the final norm (+ LM head when untied). Counted on a meta-device model: O(n_layer).
 std::vector<int64_t> unit_param_counts(const config::ModelConfig& m);

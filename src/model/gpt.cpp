@@ -1,5 +1,6 @@
 // GPT model: parameters, GPT-2 style init, and the forward pass built from named block parts.
 #include "model/gpt.h"
+#include "config/shape.h"
 #include "model/attention.h"
 #include "model/gelu.h"
 #include "model/layernorm.h"
@@ -100,7 +101,7 @@ BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch:
     : layer(layer_index),
       n_head(cfg.n_head),
       n_embd(cfg.n_embd),
-      hidden(config::mlp_hidden(cfg, layer_index)),
+      hidden(config::Shape(cfg).hidden(layer_index)),
       llama(cfg.arch == config::Arch::kLlama),
       dropout(cfg.dropout),
       eps(cfg.norm_eps) {

@@ -14,15 +14,16 @@ namespace {
 
 using Json = nlohmann::json;
 using memory::PeakPrediction;
+using memory::Scenario;
 using budget::kModelledMfu;
 
 // The modes `trainer plan` compares (the recipe's own first).
-std::vector<std::pair<std::string, config::CheckpointingConfig>> plan_modes(const config::RunConfig& cfg) {
+std::vector<std::pair<std::string, config::CheckpointingConfig>> plan_modes(const config::CheckpointingConfig& recipe) {
   std::vector<std::pair<std::string, config::CheckpointingConfig>> out;
   auto add = [&](const std::string& name, config::CheckpointingConfig c) { out.emplace_back(name, std::move(c)); };
-  add(fmt::format("recipe ({})", cfg.checkpointing.mode.name()), cfg.checkpointing);
+  add(fmt::format("recipe ({})", recipe.mode.name()), recipe);
   config::CheckpointingConfig c;
-  c.skip_last = cfg.checkpointing.skip_last;
+  c.skip_last = recipe.skip_last;
   c.mode = config::CheckpointingMode::kNone;
   add("none", c);
   c.mode = config::CheckpointingMode::kFull;
@@ -37,18 +38,18 @@ std::vector<std::pair<std::string, config::CheckpointingConfig>> plan_modes(cons
 
 // Sequences each rank contributes to one optimizer step: micro_batch x grad_accum, or with
 // train.micro_batch: auto its share of train.global_batch.
-int64_t sequences_per_rank(const config::RunConfig& cfg) {
-  const int64_t world = std::max<int64_t>(1, cfg.world_size);
-  if (cfg.train.micro_batch.is_auto()) return (cfg.train.global_batch + world - 1) / world;
-  return cfg.train.micro_batch * cfg.train.grad_accum;
+int64_t sequences_per_rank(const config::TrainConfig& train, int64_t world_size) {
+  const int64_t world = std::max<int64_t>(1, world_size);
+  if (train.micro_batch.is_auto()) return (train.global_batch + world - 1) / world;
+  return train.micro_batch * train.grad_accum;
 }
 
 }  // namespace
 
-PeakPrediction predict_peak(const config::RunConfig& cfg) {
-  if (cfg.checkpointing.mode.solved()) return memory::predict_peak(cfg, budget::plan_for(cfg));
-  PeakPrediction p = memory::predict_states(cfg);
-  p.activations = memory::estimate_activation_peak(cfg);
+PeakPrediction predict_peak(const Scenario& sc) {
+  if (sc.checkpointing.mode.solved()) return memory::predict_peak(sc, budget::plan_for(sc));
+  PeakPrediction p = memory::predict_states(sc);
+  p.activations = memory::estimate_activation_peak(sc);
   return p;
 }
 
@@ -73,22 +74,22 @@ int64_t gathered_params(const config::ModelConfig& m, const std::vector<int64_t>
 
 }  // namespace
 
-OffloadTraffic offload_traffic(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
+OffloadTraffic offload_traffic(const Scenario& sc, const checkpointing::Plan& plan) {
   OffloadTraffic t;
-  const auto& o = cfg.offload;
+  const auto& o = sc.placement.offload;
   if (!o.any()) return t;
-  const auto N = cfg.parallel.sharding.replicated() ? 1 : std::max<int64_t>(1, cfg.world_size);  // DDP: the whole model
-  const int64_t micro = cfg.train.grad_accum, n = memory::total_params(cfg.model);
-  const int64_t cp = cfg.precision.param_dtype.bytes(), cr = cfg.precision.reduce_dtype.bytes();
-  const auto units = memory::unit_param_counts(cfg.model);
+  const auto N = sc.placement.sharding.replicated() ? 1 : std::max<int64_t>(1, sc.placement.world);  // DDP: the whole model
+  const int64_t micro = sc.grad_accum, n = sc.shape().total_params();
+  const int64_t cp = sc.precision.param_dtype.bytes(), cr = sc.precision.reduce_dtype.bytes();
+  const auto units = memory::unit_param_counts(sc.model);
   const int64_t recomputed = recomputed_params(units, plan);
   int64_t boundary = 0;
   if (o.optimizer && !o.gradients) t.to_host_bytes += 4 * n / N, boundary += 4 * n / N;
   if (o.gradients) t.streamed_to_host_bytes += micro * cr * n / N;
-  if (o.parameters) t.streamed_to_device_bytes += micro * cp * gathered_params(cfg.model, units, recomputed) / N;
+  if (o.parameters) t.streamed_to_device_bytes += micro * cp * gathered_params(sc.model, units, recomputed) / N;
   else if (o.optimizer) t.to_device_bytes += cp * n / N, boundary += cp * n / N;
   if (o.activations) {
-    const int64_t inputs = micro * memory::estimate_activation_peak(cfg, plan).host_bytes;
+    const int64_t inputs = micro * memory::estimate_activation_peak(sc, plan).host_bytes;
     t.streamed_to_host_bytes += inputs, t.streamed_to_device_bytes += inputs;
   }
   t.to_host_bytes += t.streamed_to_host_bytes;
@@ -97,20 +98,20 @@ OffloadTraffic offload_traffic(const config::RunConfig& cfg, const checkpointing
   t.streamed_s = static_cast<double>(std::max(t.streamed_to_host_bytes, t.streamed_to_device_bytes)) / bw;
   t.boundary_s = static_cast<double>(boundary) / bw;
   if (o.optimizer) t.host_adam_s = 28.0 * static_cast<double>(n) / static_cast<double>(N) / (o.host_gbps * 1e9);
-  const auto& m = cfg.model;
-  const double tokens = static_cast<double>(cfg.train.micro_batch * micro * cfg.train.seq_len);
+  const auto& m = sc.model;
+  const double tokens = static_cast<double>(sc.micro_batch * micro * sc.seq_len);
   const double flops = tokens * (6.0 * static_cast<double>(n) + 2.0 * static_cast<double>(recomputed) +
-                                 12.0 * static_cast<double>(m.n_layer * cfg.train.seq_len * m.n_embd));
-  if (cfg.logging.peak_tflops > 0) t.compute_s = flops / (cfg.logging.peak_tflops * 1e12 * kModelledMfu);
+                                 12.0 * static_cast<double>(m.n_layer * sc.seq_len * m.n_embd));
+  if (sc.peak_tflops > 0) t.compute_s = flops / (sc.peak_tflops * 1e12 * kModelledMfu);
   t.exposed_s = t.boundary_s + t.streamed_s - std::min(o.overlap * t.streamed_s, t.compute_s);
   t.step_s = t.compute_s + t.exposed_s + t.host_adam_s;
   return t;
 }
 
-int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, int64_t cap) {
+int64_t largest_micro_batch(const Scenario& sc, int64_t memory_bytes, int64_t cap) {
   auto fits = [&](int64_t b) {
-    auto c = cfg;
-    c.train.micro_batch = b;
+    Scenario c = sc;
+    c.micro_batch = b;
     if (!c.checkpointing.mode.solved()) return predict_peak(c).peak_bytes() <= memory_bytes;
     const auto plan = budget::formula_plan(c);
     return plan && memory::predict_peak(c, *plan).peak_bytes() <= memory_bytes;
@@ -129,7 +130,7 @@ namespace {
 
 // One row of the plan report: a mode's activation and total peak, and with memory_bytes the largest
 // micro-batch. A budget mode also writes its schedule (or null: none fits) into the report.
-Json mode_row(const std::string& name, const config::RunConfig& c, int64_t memory_bytes, int64_t per_rank, Json& report) {
+Json mode_row(const std::string& name, const Scenario& c, int64_t memory_bytes, int64_t per_rank, Json& report) {
   std::optional<checkpointing::Plan> schedule;
   if (c.checkpointing.mode.solved()) {
     schedule = budget::formula_plan(c);
@@ -154,12 +155,12 @@ namespace {
 
 // The recipe's placement: device and host peaks in its own checkpointing mode, what moves per step,
 // and the modelled step time (null when its budget fits no schedule).
-Json offload_report(const config::RunConfig& cfg) {
-  const auto& o = cfg.offload;
-  const auto plan = budget::try_plan_for(cfg);
+Json offload_report(const Scenario& sc) {
+  const auto& o = sc.placement.offload;
+  const auto plan = budget::try_plan_for(sc);
   if (!plan) return nullptr;
-  const PeakPrediction p = memory::predict_peak(cfg, *plan);
-  const OffloadTraffic t = offload_traffic(cfg, *plan);
+  const PeakPrediction p = memory::predict_peak(sc, *plan);
+  const OffloadTraffic t = offload_traffic(sc, *plan);
   return {{"optimizer", o.optimizer},
           {"gradients", o.gradients},
           {"parameters", o.parameters},
@@ -179,62 +180,61 @@ Json offload_report(const config::RunConfig& cfg) {
           {"transfer_s", t.streamed_s + t.boundary_s},
           {"exposed_transfer_s", t.exposed_s},
           {"host_adamw_s", t.host_adam_s},
-          {"compute_s", cfg.logging.peak_tflops > 0 ? Json(t.compute_s) : Json(nullptr)},
+          {"compute_s", sc.peak_tflops > 0 ? Json(t.compute_s) : Json(nullptr)},
           {"step_s", t.step_s},
-          {"peak_tflops", cfg.logging.peak_tflops},
+          {"peak_tflops", sc.peak_tflops},
           {"modelled_mfu", kModelledMfu}};
 }
 
 }  // namespace
 
 Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
-  auto cfg = recipe;
-  const bool auto_batch = cfg.train.micro_batch.is_auto();
-  const int64_t world = std::max<int64_t>(1, cfg.world_size);
+  const bool auto_batch = recipe.train.micro_batch.is_auto();
+  const int64_t world = std::max<int64_t>(1, recipe.world_size);
   // Sequences each rank contributes to one optimizer step.
-  const int64_t per_rank = sequences_per_rank(cfg);
+  const int64_t per_rank = sequences_per_rank(recipe.train, world);
   const int64_t global = per_rank * world;
+  Scenario sc(recipe, auto_batch ? 1 : recipe.train.micro_batch.value());
   if (auto_batch) {
-    cfg.train.micro_batch = 1;
-    cfg.train.micro_batch = std::max<int64_t>(1, memory_bytes > 0 ? largest_micro_batch(cfg, memory_bytes, per_rank) : 1);
-    cfg.train.grad_accum = (per_rank + cfg.train.micro_batch - 1) / cfg.train.micro_batch;
+    sc.micro_batch = std::max<int64_t>(1, memory_bytes > 0 ? largest_micro_batch(sc, memory_bytes, per_rank) : 1);
+    sc.grad_accum = (per_rank + sc.micro_batch - 1) / sc.micro_batch;
   }
   // The breakdown's states, batch and kernels do not depend on the mode (a budget may fit nothing).
-  auto base_cfg = cfg;
-  if (cfg.checkpointing.mode.solved()) base_cfg.checkpointing = config::CheckpointingConfig{};
-  const auto base = predict_peak(base_cfg);
-  Json j = {{"recipe", cfg.recipe_name},
-            {"params", memory::total_params(cfg.model)},
-            {"world_size", cfg.world_size},
-            {"sharding", cfg.parallel.sharding},
+  Scenario base_sc = sc;
+  if (sc.checkpointing.mode.solved()) base_sc.checkpointing = config::CheckpointingConfig{};
+  const auto base = predict_peak(base_sc);
+  Json j = {{"recipe", recipe.recipe_name},
+            {"params", sc.shape().total_params()},
+            {"world_size", recipe.world_size},
+            {"sharding", sc.placement.sharding},
             {"sharding_transient_bytes", base.transient_bytes},
-            {"micro_batch", cfg.train.micro_batch},
+            {"micro_batch", sc.micro_batch},
             {"micro_batch_auto", auto_batch},
-            {"grad_accum", cfg.train.grad_accum},
+            {"grad_accum", sc.grad_accum},
             {"global_batch", global},
-            {"seq_len", cfg.train.seq_len},
+            {"seq_len", sc.seq_len},
             {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)},
             {"params_bytes", base.params_bytes},
             {"grads_bytes", base.grads_bytes},
             {"optimizer_state_bytes", base.optimizer_bytes},
             {"model_states_bytes", base.model_states_bytes()},
             {"batch_bytes", base.batch_bytes},
-            {"logits_and_loss_bytes", static_cast<int64_t>(base.activations.tokens * 4 * 3 * cfg.model.vocab_size)},
+            {"logits_and_loss_bytes", static_cast<int64_t>(base.activations.tokens * 4 * 3 * sc.model.vocab_size)},
             {"buffers_bytes", base.buffer_bytes},
             {"optimizer_step_temp_bytes", base.optimizer_phase_bytes()},
             {"host_staging_bytes", base.host_staging_bytes},
             {"host_snapshot_bytes", base.host_snapshot_bytes},
             {"matmul_path", base.activations.matmul_path},
-            {"precision", cfg.precision.compute},
-            {"param_dtype", cfg.precision.param_dtype},
-            {"reduce_dtype", cfg.precision.reduce_dtype},
+            {"precision", sc.precision.compute},
+            {"param_dtype", sc.precision.param_dtype},
+            {"reduce_dtype", sc.precision.reduce_dtype},
             {"modes", Json::array()}};
-  for (const auto& [name, ck] : plan_modes(cfg)) {
-    auto c = cfg;
+  for (const auto& [name, ck] : plan_modes(sc.checkpointing)) {
+    Scenario c = sc;
     c.checkpointing = ck;
     j["modes"].push_back(mode_row(name, c, memory_bytes, per_rank, j));
   }
-  if (cfg.offload.any()) j["offload"] = offload_report(cfg);
+  if (sc.placement.offload.any()) j["offload"] = offload_report(sc);
   return j;
 }
 
@@ -386,10 +386,11 @@ std::string format_plan(const Json& j) {
 
 std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
   if (limit_bytes <= 0) return "lower train.micro_batch (raise train.grad_accum to keep the global batch) or enable checkpointing.mode: full";
-  const int64_t per_rank = sequences_per_rank(cfg);
+  const int64_t per_rank = sequences_per_rank(cfg.train, cfg.world_size);
+  const Scenario sc(cfg, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
   std::string out;
-  for (const auto& [name, ck] : plan_modes(cfg)) {
-    auto c = cfg;
+  for (const auto& [name, ck] : plan_modes(sc.checkpointing)) {
+    Scenario c = sc;
     c.checkpointing = ck;
     const int64_t mb = largest_micro_batch(c, limit_bytes);
     if (mb == 0) continue;
@@ -397,7 +398,7 @@ std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
   }
   if (out.empty())
     return fmt::format("the planner predicts nothing fits {} (model states alone: {}); shard or lower precision",
-                       log::format_bytes(limit_bytes), log::format_bytes(memory::predict_states(cfg).model_states_bytes()));
+                       log::format_bytes(limit_bytes), log::format_bytes(memory::predict_states(sc).model_states_bytes()));
   return "the planner predicts these fit " + log::format_bytes(limit_bytes) + ": " + out +
          " (set train.micro_batch / train.grad_accum / checkpointing.mode accordingly)";
 }

@@ -15,16 +15,19 @@
 
 namespace sl::planner {
 
-// The recipe's own checkpointing mode and micro-batch, per rank of cfg.world_size. O(1) in n_layer
-// (O(n_layer) with model.layer_mlp_hidden)
+// The scenario's peak in its own checkpointing mode and micro-batch, per rank of its placement. O(1)
+// in n_layer (O(n_layer) with model.layer_mlp_hidden)
 // (mode budget: its schedule is solved with formula costs, O(n_layer^2)).
-memory::PeakPrediction predict_peak(const config::RunConfig& cfg);
-// Largest micro-batch (<= cap) whose predicted peak fits `memory_bytes`; 0 when not even 1 fits.
-int64_t largest_micro_batch(const config::RunConfig& cfg, int64_t memory_bytes, int64_t cap = 1 << 16);
+memory::PeakPrediction predict_peak(const memory::Scenario& sc);
+// Largest micro-batch (<= cap) whose predicted peak fits `memory_bytes`; 0 when not even 1 fits. Each
+// probe is the scenario with only its micro_batch changed.
+int64_t largest_micro_batch(const memory::Scenario& sc, int64_t memory_bytes, int64_t cap = 1 << 16);
 
 // The `trainer plan` report: breakdown at the recipe's micro-batch for every checkpointing mode,
 // and with memory_bytes > 0 the largest micro-batch per mode and the accumulation that keeps the
-// recipe's global batch.
+// recipe's global batch. It reads the whole recipe (its name, train.micro_batch: auto and
+// train.global_batch beside the memory model's memory::Scenario), and asks each "what if" of a
+// Scenario with one field changed (the micro-batch, the checkpointing mode).
 nlohmann::json plan(const config::RunConfig& cfg, int64_t memory_bytes);
 std::string format_plan(const nlohmann::json& plan);
 
@@ -53,9 +56,11 @@ struct OffloadTraffic {
   double exposed_s = 0;  // the transfer time compute does not hide
   double step_s = 0;     // compute + exposed + host AdamW
 };
-OffloadTraffic offload_traffic(const config::RunConfig& cfg, const checkpointing::Plan& plan);
+OffloadTraffic offload_traffic(const memory::Scenario& sc, const checkpointing::Plan& plan);
 
-// One-line advice for an out-of-memory failure under `limit_bytes`: what the planner predicts fits.
+// One-line advice for an out-of-memory failure under `limit_bytes`: what the planner predicts fits,
+// per checkpointing mode, with the grad_accum that keeps the recipe's batch per rank (train.global_batch
+// under train.micro_batch: auto).
 std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes);
 
 }  // namespace sl::planner

@@ -11,23 +11,18 @@
 namespace sl::train {
 
 bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::Device device) {
-  auto c = cfg;
-  c.train.micro_batch = micro_batch;
-  const auto plan = budget::try_plan_for(c);  // budget: this micro-batch's schedule (formula costs)
+  const auto plan = budget::try_plan_for(memory::Scenario(cfg, micro_batch));  // budget: this micro-batch's schedule (formula costs)
   if (!plan) return false;
-  return !probe_step(c, *plan, {.device = device}).oom;  // train.seed, train.grad_clip, a loss scaler
+  return !probe_step(cfg, *plan, {.device = device, .micro_batch = micro_batch}).oom;  // train.seed, train.grad_clip, a loss scaler
 }
 
-BatchSearch find_micro_batch(const config::RunConfig& cfg, torch::Device device) {
-  const int64_t global = cfg.train.global_batch;
+BatchSearch find_micro_batch(const config::RunConfig& cfg, int64_t global, torch::Device device) {
   std::vector<int64_t> divisors;
   for (int64_t d = 1; d <= global; ++d)
     if (global % d == 0) divisors.push_back(d);
   BatchSearch r;
   const int64_t limit = cfg.memory.limit.bytes;
-  auto planned = cfg;
-  planned.train.micro_batch = 1;
-  r.predicted = limit > 0 ? planner::largest_micro_batch(planned, limit, global) : global;
+  r.predicted = limit > 0 ? planner::largest_micro_batch(memory::Scenario(cfg, 1), limit, global) : global;
   auto fits = [&](size_t i) {
     const bool ok = micro_batch_fits(cfg, divisors[i], device);
     r.trials.emplace_back(divisors[i], ok);

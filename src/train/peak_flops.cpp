@@ -11,6 +11,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
 
+#include "config/shape.h"
 #include "log/clock.h"
 #include "model/linear.h"
 #include "precision/autocast.h"
@@ -89,9 +90,10 @@ std::vector<GemmShape> model_gemm_shapes(const config::ModelConfig& m, int64_t r
   const int64_t d = m.n_embd, v = m.vocab_size;
   std::vector<GemmShape> shapes = {{rows, d, 3 * d}, {rows, d, d}, {rows, d, v}, {rows, 3 * d, d}, {rows, v, d},
                                    {d, rows, 3 * d}};
+  const config::Shape shape(m);
   for (int64_t layer = 0; layer < std::max<int64_t>(1, m.n_layer); ++layer) {
-    const int64_t h = config::mlp_hidden(m, layer);
-    const int64_t up = m.arch == config::Arch::kLlama ? 2 * h : h;  // SwiGLU's [gate; up] in one product
+    const int64_t h = shape.hidden(layer);
+    const int64_t up = shape.llama ? 2 * h : h;  // SwiGLU's [gate; up] in one product
     shapes.insert(shapes.end(), {{rows, d, up}, {rows, h, d}, {up, rows, d}});
   }
   return shapes;

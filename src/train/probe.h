@@ -27,6 +27,7 @@ struct ProbeOptions {
   // Where the micro-batches come from: one next() per step, just before it; null: random tokens,
   // (train.micro_batch, train.seq_len), drawn once after the set-up and used as inputs and targets.
   data::Loader* loader = nullptr;
+  std::optional<int64_t> micro_batch = std::nullopt;  // the random tokens' batch; nullopt: train.micro_batch
 };
 
 struct ProbeResult {

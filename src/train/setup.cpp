@@ -161,14 +161,13 @@ void check_run_dir_early(const Process& proc, const std::string& run_dir, bool r
 // ranks), written into the recipe with its grad_accum; the trials for summary.json.
 nlohmann::json choose_micro_batch(config::RunConfig& cfg, const Process& proc, int64_t limit) {
   const int64_t world = proc.world();
-  auto per_rank = cfg;  // each rank holds global_batch / world of every step
-  per_rank.train.global_batch /= world;
-  BatchSearch found = find_micro_batch(per_rank, proc.device);
+  const int64_t per_rank = cfg.train.global_batch / world;  // each rank holds global_batch / world of every step
+  BatchSearch found = find_micro_batch(cfg, per_rank, proc.device);
   if (world > 1) {  // every rank must train the same micro-batch: take the smallest that fits everywhere
     const auto agreed =
         static_cast<int64_t>(-proc.comm->all_reduce_max(-static_cast<double>(found.micro_batch), "micro_batch auto"));
     if (agreed != found.micro_batch && agreed > 0)
-      found.micro_batch = agreed, found.grad_accum = per_rank.train.global_batch / agreed;
+      found.micro_batch = agreed, found.grad_accum = per_rank / agreed;
     if (agreed == 0) found.micro_batch = 0;
   }
   Json trials = Json::array();
@@ -210,10 +209,11 @@ budget::Costs rank0_costs(parallel::Comm& comm, budget::Costs mine) {
 // budget's schedule from formula costs), or with checkpointing.profile_costs the schedule solved from
 // the block costs profiled on this model, device and precision (the formula schedule was the check,
 // before any weight existed, that some schedule fits).
-checkpointing::Plan run_plan(const config::RunConfig& cfg, const Process& proc, model::GPT model, checkpointing::Plan resolved) {
-  if (!cfg.checkpointing.mode.solved() || !cfg.checkpointing.profile_costs) return resolved;
-  const auto costs = rank0_costs(*proc.comm, budget::profile_costs(cfg, model, proc.device));
-  return budget::budget_plan(cfg, costs);
+checkpointing::Plan run_plan(const memory::Scenario& sc, int64_t seed, const Process& proc, model::GPT model,
+                             checkpointing::Plan resolved) {
+  if (!sc.checkpointing.mode.solved() || !sc.checkpointing.profile_costs) return resolved;
+  const auto costs = rank0_costs(*proc.comm, budget::profile_costs(sc, model, proc.device, seed));
+  return budget::budget_plan(sc, costs);
 }
 
 // The model on the run's device (zero3: deferred, the strategy draws each unit's values in turn and keeps
@@ -238,7 +238,7 @@ Learner build_learner(const config::RunConfig& cfg, const Process& proc, Meter& 
   const int64_t before_build = meter.tracker->read().allocated_bytes;
   l.model = make_model(cfg, proc.device, meter.limit);
   const int64_t model_peak = meter.tracker->read().peak_allocated_bytes;
-  auto plan = run_plan(cfg, proc, l.model, std::move(resolved));  // the budget profile resets the peak to measure its own
+  auto plan = run_plan(memory::Scenario(cfg), cfg.train.seed, proc, l.model, std::move(resolved));  // the budget profile resets the peak to measure its own
   meter.tracker->reset_peak();
   l.runner = std::make_unique<checkpointing::Runner>(cfg.checkpointing, l.model, std::move(plan));
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
@@ -308,15 +308,15 @@ void open_run_log(const config::RunConfig& cfg, const Process& proc, const Start
 
 // What the run predicts and measures about itself before its first step: FLOPs per token, the planner's
 // activation estimate, the MFU's peak (the probe runs the model's own GEMM shapes beside square ones).
-void measure(const config::RunConfig& cfg, const Process& proc, const Learner& learn, Meter& meter) {
-  meter.flops_per_token = flops_per_token(*learn.model, cfg.train.seq_len);
-  meter.recompute_flops_per_token = learn.runner->recompute_flops_per_token(cfg.train.seq_len);
+void measure(const memory::Scenario& sc, const Process& proc, const Learner& learn, Meter& meter) {
+  meter.flops_per_token = flops_per_token(*learn.model, sc.seq_len);
+  meter.recompute_flops_per_token = learn.runner->recompute_flops_per_token(sc.seq_len);
   const auto& plan = learn.runner->plan();
-  meter.predicted = memory::estimate_activation_peak(cfg, plan);
+  meter.predicted = memory::estimate_activation_peak(sc, plan);
   // A budget schedule solved with profiled bytes: its peak by those bytes, the model it was solved with.
   if (plan.budget.bytes_source == "profile") meter.predicted.peak_bytes = plan.budget.predicted_peak_bytes;
-  const auto shapes = model_gemm_shapes(cfg.model, cfg.train.micro_batch * cfg.train.seq_len);
-  meter.peak = PeakTracker(peak_flops(proc.device, cfg.precision.compute, cfg.logging.peak_tflops, shapes));
+  const auto shapes = model_gemm_shapes(sc.model, sc.micro_batch * sc.seq_len);
+  meter.peak = PeakTracker(peak_flops(proc.device, sc.precision.compute, sc.peak_tflops, shapes));
 }
 
 // summary.json's environment and model blocks.
@@ -342,13 +342,13 @@ void describe(const Process& proc, const Learner& learn, const Meter& meter, Out
 // A bf16/fp16 run on a CPU where matmuls in that dtype take ATen's fallback GEMM (no oneDNN kernel for
 // it: AVX2 only, or oneDNN capped below AVX-512) and SUBLINEAR_ATEN_KERNELS=1 turned the widened
 // linears off (model/linear.h) trains far slower than fp32 would (docs/precision.md).
-void warn_fallback_matmuls(const config::RunConfig& cfg, const Process& proc) {
-  if (!proc.device.is_cpu() || !precision::compute_dtype(cfg.precision.compute)) return;
-  if (memory::lowp_matmul_path(cfg) != device::LowpMatmul::aten) return;
+void warn_fallback_matmuls(const memory::Scenario& sc, const Process& proc) {
+  if (!proc.device.is_cpu() || !precision::compute_dtype(sc.precision.compute)) return;
+  if (memory::lowp_matmul_path(sc) != device::LowpMatmul::aten) return;
   spdlog::warn("precision.compute {}: this CPU has no oneDNN matmul kernel for it (no AVX-512, or ONEDNN_MAX_CPU_ISA below it), so its matmuls take "
                "ATen's fallback GEMM, far slower than fp32 (0.8 against 104 GFLOP/s on an AVX2 AMD EPYC), and SUBLINEAR_ATEN_KERNELS "
                "turned off the widened linears that avoid it: unset it, or train in precision.compute: fp32 (docs/precision.md)",
-               cfg.precision.compute.name());
+               sc.precision.compute.name());
 }
 
 // The start-up table (rank 0): the recipe's rows, then each part's own.
@@ -369,7 +369,7 @@ void print_settings(const config::RunConfig& cfg, const Process& proc, const Lea
   rows.emplace_back("peak FLOP/s for MFU", fmt::format("{:.3g} ({})", meter.peak.flops(), meter.peak.source()));
   fmt::print("{}", log::format_table(rows));
   std::fflush(stdout);
-  warn_fallback_matmuls(cfg, proc);
+  warn_fallback_matmuls(memory::Scenario(cfg), proc);
 }
 
 }  // namespace
@@ -377,8 +377,7 @@ void print_settings(const config::RunConfig& cfg, const Process& proc, const Lea
 namespace {
 
 // offload.*: the model states placed in host memory against memory.host_limit (when set).
-void check_host_states_fit(const config::RunConfig& cfg, const memory::PeakPrediction& p) {
-  const int64_t host_limit = cfg.memory.host_limit.bytes;
+void check_host_states_fit(int64_t host_limit, const memory::PeakPrediction& p) {
   if (host_limit <= 0 || p.host_states_bytes() <= host_limit) return;
   throw OomError(fmt::format(
       "the offloaded model states cannot fit host memory: {} per rank (fp32 masters {}, gradients {}, AdamW moments {}) "
@@ -392,14 +391,14 @@ void check_host_states_fit(const config::RunConfig& cfg, const memory::PeakPredi
 
 void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit) {
   const auto capacity = limit > 0 ? memory::Capacity{limit, "memory.limit"} : memory::device_capacity(device);
-  auto states_cfg = cfg;  // model states do not depend on the checkpointing mode (a budget is checked below)
-  states_cfg.checkpointing = config::CheckpointingConfig{};
-  if (states_cfg.train.micro_batch.is_auto()) states_cfg.train.micro_batch = 1;  // the states do not depend on it
-  const memory::PeakPrediction p = planner::predict_peak(states_cfg);
-  check_host_states_fit(cfg, p);
+  // The states do not depend on the micro-batch (1 while auto) or the checkpointing mode (a budget is checked below).
+  memory::Scenario states_only(cfg, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
+  states_only.checkpointing = config::CheckpointingConfig{};
+  const memory::PeakPrediction p = planner::predict_peak(states_only);
+  check_host_states_fit(cfg.memory.host_limit.bytes, p);
   const int64_t states = p.model_states_bytes();
   if (capacity.bytes <= 0 || states <= capacity.bytes) return;
-  const int64_t params = memory::total_params(cfg.model);
+  const int64_t params = config::Shape(cfg.model).total_params();
   const int64_t ranks_needed = (16 * params + capacity.bytes - 1) / capacity.bytes;
   throw OomError(fmt::format(
       "the model cannot fit: {} parameters need {} of model states per rank (weights {}, gradients {}, AdamW moments "
@@ -436,7 +435,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   open_loaders(cfg.train, s->proc, s->data);
   s->learn = build_learner(cfg, s->proc, meter, std::move(plan));
   meter.load_peak_bytes = peak_during(*meter.tracker, [&] { load_init_from(s->proc, s->start, *s->learn.strategy); });
-  measure(cfg, s->proc, s->learn, meter);
+  measure(memory::Scenario(cfg), s->proc, s->learn, meter);
   describe(s->proc, s->learn, meter, s->out);
   open_run_log(cfg, s->proc, s->start, s->data, s->out);
   print_settings(cfg, s->proc, s->learn, s->data, meter, s->out.run_dir);

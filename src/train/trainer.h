@@ -129,14 +129,14 @@ StepResult train_step(const StepParts& parts, const std::vector<data::Batch>& mi
 // random tokens) without running out of memory? Everything it allocates is freed on return.
 bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::Device device);
 
-// train.micro_batch: auto. Among the divisors of train.global_batch (so the global batch is kept
-// exactly, grad_accum = global / micro), the largest that fits, found by bisection with real steps,
-// starting from the planner's prediction. micro_batch 0 in the result: not even 1 fits.
+// train.micro_batch: auto. Among the divisors of `global` (one rank's share of train.global_batch, so the
+// global batch is kept exactly, grad_accum = global / micro), the largest that fits, found by bisection
+// with real steps, starting from the planner's prediction. micro_batch 0 in the result: not even 1 fits.
 struct BatchSearch {
   int64_t micro_batch = 0, grad_accum = 0, predicted = 0;
   std::vector<std::pair<int64_t, bool>> trials;  // (micro_batch, fits) in the order tried
 };
-BatchSearch find_micro_batch(const config::RunConfig& cfg, torch::Device device);
+BatchSearch find_micro_batch(const config::RunConfig& cfg, int64_t global, torch::Device device);
 
 // Model FLOPs per trained token: 6 N (N = matmul parameters) + 12 L T d (attention scores and
 // weighted sum, forward + backward, PaLM's convention). Recompute FLOPs are not included.

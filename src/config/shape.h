@@ -1,0 +1,56 @@
+// The model's shape: the sizes model.* gives the GPT-2 / LLaMA that model/gpt.h builds, resolved once
+// from the recipe's model section, with the arithmetic its readers share (each block's MLP width,
+// whether the blocks are alike, the parameters of each sharding unit, the largest tensor). The memory
+// model, the budget solver's FLOP costs, the MFU's FLOP count, the Hugging Face mapping and the model
+// itself read it; the parser's validation too, which is why it sits in config/, under all of them.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "config/config.h"
+
+namespace sl::config {
+
+// Parameter counts saturate here, so that byte counts made from them (x16) cannot overflow.
+inline constexpr int64_t kMaxParams = INT64_MAX / 64;
+
+struct Shape {
+  int64_t n_layer = 0, n_embd = 0, n_head = 0, vocab_size = 0, max_seq_len = 0;  // L, C, nh, V, T
+  Arch arch = Arch::kGpt2;
+  bool llama = false;  // arch llama: RMSNorm, SwiGLU, RoPE (no position table)
+  bool bias = false;   // the linears and norms have biases (model.bias; never under llama)
+  bool tied = false;   // model.tie_embeddings: the LM head is the token embedding
+
+  Shape() = default;
+  explicit Shape(const ModelConfig& m);
+
+  // MLP inner size: model.mlp_hidden, or when 0 4C (gpt2) / 2/3 of 4C rounded up to 256 (llama).
+  int64_t hidden() const { return hidden_; }
+  // Block `layer`'s: its model.layer_mlp_hidden entry when that is set and > 0, else hidden().
+  int64_t hidden(int64_t layer) const;
+  // Every block has the same width (model.layer_mlp_hidden gives none its own).
+  bool uniform() const { return uniform_; }
+  // The largest MLP inner size of any block.
+  int64_t widest_mlp() const { return widest_; }
+
+  // Parameters of model/gpt.cpp's units, closed formulas saturating at kMaxParams: the embeddings
+  // (token table, + position table for gpt2), block `layer`, the head (final norm, + LM head when
+  // untied), the whole model (O(n_layer) only when the blocks differ).
+  int64_t embedding_params() const;
+  int64_t block_params(int64_t layer) const { return block_params_of_width(hidden(layer)); }
+  int64_t head_params() const;
+  int64_t total_params() const;
+  // The widest block's parameters (a block of widest_mlp()), the largest sharding unit, and the
+  // largest single parameter tensor.
+  int64_t widest_block_params() const { return block_params_of_width(widest_); }
+  int64_t largest_unit_params() const;
+  int64_t largest_param() const;
+
+ private:
+  int64_t block_params_of_width(int64_t H) const;
+  std::vector<int64_t> layer_hidden_;  // model.layer_mlp_hidden (0 = hidden()); empty = uniform
+  int64_t hidden_ = 0, widest_ = 0;
+  bool uniform_ = true;
+};
+
+}  // namespace sl::config

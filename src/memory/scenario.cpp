@@ -1,0 +1,21 @@
+// The memory model's input, read from a recipe once.
+#include "memory/scenario.h"
+
+namespace sl::memory {
+
+Scenario::Scenario(const config::RunConfig& cfg) : Scenario(cfg, cfg.train.micro_batch.value()) {}
+
+Scenario::Scenario(const config::RunConfig& cfg, int64_t micro_batch)
+    : model(cfg.model),
+      micro_batch(micro_batch),
+      seq_len(cfg.train.seq_len),
+      grad_accum(cfg.train.grad_accum),
+      checkpointing(cfg.checkpointing),
+      placement{cfg.world_size, cfg.parallel.sharding, cfg.parallel.bucket_mb, cfg.offload},
+      precision(cfg.precision),
+      device(cfg.train.device),
+      memory_limit(cfg.memory.limit.bytes),
+      async_snapshot(cfg.state.async && cfg.state.every > 0),
+      peak_tflops(cfg.logging.peak_tflops) {}
+
+}  // namespace sl::memory

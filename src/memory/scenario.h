@@ -1,0 +1,51 @@
+// The memory model's input: exactly what the activation model (memory/activations.h), the footprint
+// (memory/footprint.h), the budget solver (budget/budget.h) and the planner (planner/planner.h) read
+// of a recipe, typed and resolved once. A "what if" (another micro-batch, checkpointing mode or
+// placement) is a copy of a Scenario with one field changed, never a copy of the recipe.
+#pragma once
+#include <cstdint>
+
+#include "config/config.h"
+#include "config/shape.h"
+
+namespace sl::memory {
+
+// Where the model states live and how they move: the ranks, their sharding stage and gradient buckets,
+// and what offload.* keeps in host memory with its transfer model (bandwidth, overlap, host rate).
+struct Placement {
+  int64_t world = 1;                                   // ranks (the recipe's world_size)
+  config::Sharding sharding = config::Sharding::kNone;  // parallel.sharding
+  double bucket_mb = 25.0;                             // parallel.bucket_mb
+  config::OffloadConfig offload;                       // offload.*
+  // A data-parallel engine runs (config::ParallelConfig::uses_engine).
+  bool uses_engine() const { return world > 1 || !sharding.replicated(); }
+};
+
+struct Scenario {
+  config::ModelConfig model;                 // model.* (the meta-device model of the engine's groups, a profiled block)
+  int64_t micro_batch = 1;                   // train.micro_batch, resolved (a number, never auto)
+  int64_t seq_len = 1;                       // train.seq_len
+  int64_t grad_accum = 1;                    // train.grad_accum
+  config::CheckpointingConfig checkpointing;  // checkpointing.* (mode, its parameters, the budget)
+  Placement placement;
+  config::PrecisionConfig precision;         // compute, param_dtype, reduce_dtype
+  config::DeviceChoice device = config::DeviceChoice::kAuto;  // train.device
+  int64_t memory_limit = 0;                  // memory.limit in bytes (0: none); a budget's share is of it
+  bool async_snapshot = false;               // state.async with state.every > 0: a host snapshot per save
+  // logging.peak_tflops: the device's rate, against which offload's transfers are priced (the budget
+  // solver's fourth choice, the planner's modelled step time); 0 = unknown.
+  double peak_tflops = 0.0;
+
+  // The model's shape (parameter counts, MLP widths) of `model`.
+  config::Shape shape() const { return config::Shape(model); }
+
+  Scenario() = default;
+  // The recipe's scenario: its micro-batch, mode, placement at cfg.world_size ranks, precision and
+  // device. A recipe converts implicitly, so a caller that holds one passes it where a Scenario is
+  // read. train.micro_batch auto has no number yet: std::logic_error (config::MicroBatch::value).
+  Scenario(const config::RunConfig& cfg);  // NOLINT(google-explicit-constructor)
+  // The same at a given micro-batch (a search's probe, or the number an auto micro-batch resolved to).
+  Scenario(const config::RunConfig& cfg, int64_t micro_batch);
+};
+
+}  // namespace sl::memory
