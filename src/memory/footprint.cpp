@@ -173,7 +173,7 @@ void place_transients(const Scenario& sc, PeakPrediction& p) {
                                 p.transient_backward_bytes});
 }
 
-// offload.*: the device terms the engine keeps on the host instead (parallel/engine.cpp, state_bytes;
+// offload.*: the device terms the engine keeps on the host instead (parallel/host_placement.h; each stage's count_group;
 // their host size: place_host).
 void place_offloaded(const Scenario& sc, PeakPrediction& p) {
   const auto& o = sc.placement.offload;

@@ -46,7 +46,7 @@ inline constexpr int64_t shard_elems(int64_t numel, int64_t world) {
 //   none  P + G + O      zero1  P + G + O/N      zero2  P + (G + O)/N      zero3  (P + G + O)/N
 // With precision.param_dtype bf16/fp16 parameters count 2 bytes when gathered (the fp32 masters stay
 // in the shard), and reduce_dtype sets the gradient buffers' size.
-// Beside the activations the stage holds transients (parallel/engine.cpp), which differ between the
+// Beside the activations the stage holds transients (parallel/stages.cpp, zero3.cpp), which differ between the
 // moments of memory/activations.h: the forward (F), the start of backward (A: the loss's backward,
 // before any parameter gradient or gather), the LM head's backward (H, once the logits' gradient
 // exists) and the blocks' backward (D, B). With U_e, U_b, U_h the parameters of the embeddings, the
@@ -79,7 +79,7 @@ inline constexpr int64_t shard_elems(int64_t numel, int64_t world) {
 //                out), and the norms of CPU gradients, clipping's (optim/clip.h) and the engine's,
 //                make only scalars.
 // Non-parameter buffers (the RoPE tables) count in both.
-// Offload (parallel/engine.h) moves terms to host memory: offload.optimizer the fp32 master shard
+// Offload (parallel/host_placement.h) moves terms to host memory: offload.optimizer the fp32 master shard
 // (zero1/2 keep the whole group on the device in the compute dtype; zero3 nothing), the moments, a
 // host copy of the gradient shard (the host AdamW, a fused in-place CPU kernel, makes no temporaries);
 // offload.gradients the gradient shard (its norm then a CPU pass without a copy); offload.activations the

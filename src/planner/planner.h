@@ -33,7 +33,7 @@ std::string format_plan(const nlohmann::json& plan);
 
 // What offload (the recipe's offload section) moves per optimizer step on this rank, and the step
 // time that costs on the recipe's hardware (offload.bandwidth_gbps, offload.overlap,
-// offload.host_gbps, logging.peak_tflops). Bytes, counted as parallel/engine.cpp and
+// offload.host_gbps, logging.peak_tflops). Bytes, counted as parallel/host_placement.cpp and
 // checkpointing/checkpoint.cpp move them:
 //   optimizer    to host: the gradient shard after clipping (4 B/param/N; not with offload.gradients);
 //                to device: the master shard, cast to the compute dtype, into the all-gather
