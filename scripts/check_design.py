@@ -15,12 +15,17 @@
    through a project header.
 4. Parallelism is a strategy chosen once (parallel::make_strategy): outside src/parallel no code asks
    whether a data-parallel engine exists (`engine ? a : b`, `if (engine)`, `!engine`, `engine && ...`).
-5. Phases take the parts they use: a parameter of type `Session&` (train/run.h, the whole run) appears
-   only in the functions of SESSION_READERS, which report on every part of the run.
+5. Phases take the parts they use: no function takes the whole run (a `Session&` parameter,
+   train/run.h); the end of the run, which reports on every part, is the `Session`'s own
+   (`Session::finish`, `Session::summary_json`).
 6. The step stays narrow: a function named in MAX_PARAMS takes at most that many parameters.
 7. No recipe is copied to ask "what if": outside src/config and src/main.cpp no code declares a
    `RunConfig` by value (`RunConfig c = ...`) or copies a recipe into an `auto` (`auto c = cfg;`); a
    what-if varies a copy of the memory model's input (memory::Scenario, `s.micro_batch = b`) instead.
+8. The whole recipe is a parameter only where it is read whole or nearly so: outside src/config and
+   src/main.cpp a `RunConfig&` parameter appears only in the functions of RECIPE_READERS; every other
+   function takes the sections or values it reads (`TrainConfig&`, a `memory::Scenario`, a
+   `parallel::Spec`, ...). A new reader is added to the list on purpose, with its reason.
 
 Usage: scripts/check_design.py [ROOT] [--edges]   (ROOT: the repository, default: this script's
 parent's parent; --edges also prints every include edge between folders with its count)
@@ -68,14 +73,34 @@ LAYERS = [
 # Rule 4: a test of a data-parallel engine pointer (the engine is never optional: Single is the strategy
 # of one process).
 NULL_CHECK = re.compile(r'(!\s*(\w+\.)?engine\b(?!\()|\bengine\s*(\?|&&|\|\|)|if \((\w+\.)?engine\))')
-# Rule 5: the functions that may take the whole `Session`: finish() ends every part (final weights, the
-# parallel report, summary.json, the closing line) and summary_json() reports on every part.
-SESSION_READERS = {"finish", "summary_json"}
+# Rule 5: a parameter of type `Session&` (the whole run).
 SESSION_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bSession\s*&[^()]*)\)')
 # Rule 6: the most parameters a function of this name may take.
 MAX_PARAMS = {"train_step": 5}
 # Files that include no torch header, directly or through the project headers they include.
 TORCH_FREE = ["src/config/*", "src/log/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h", "src/memory/scenario.*"]
+# Rule 8: the functions that take the whole recipe, each because it reads most of it.
+RECIPE_READERS = {
+    "Scenario": "memory/scenario.cpp: the memory model's input, read from the recipe once",
+    "of": "parallel::Spec::of: a strategy's sections, read from the recipe once",
+    "run": "train/loop.cpp: the whole run", "setup": "train/setup.cpp: every part of the run",
+    "train_loop": "steps, logging, eval, saves, the memory limit and the planner's advice on OOM",
+    "init_process": "sets world_size and validates the whole recipe against it",
+    "choose_run_dir": "logging.dir, --resume, state.dir and the recipe's name",
+    "find_resume_point": "--resume, state.*, logging.overwrite and every math key (check_recipe)",
+    "check_recipe": "compares every math key of the recipe with a saved state's",
+    "choose_micro_batch": "train.*, memory.limit, the probe and the planner's advice",
+    "find_micro_batch": "the probe builds the model, plan, strategy, optimizer and scaler",
+    "micro_batch_fits": "as find_micro_batch", "probe_step": "a fresh model, plan, optimizer and scaler: one real step",
+    "make_model": "model.*, train.seed, the stage's deferred build and the planner's OOM advice",
+    "build_learner": "model, plan, strategy, optimizer and precision: most sections",
+    "check_model_states_fit": "the states' prediction, memory.* and the advice naming the stage and world",
+    "open_run_log": "writes the whole resolved recipe (config.json)",
+    "print_settings": "prints the settings table of the recipe", "state_parts": "a save's meta.json holds the recipe",
+    "plan": "planner::plan reports on the whole recipe (trainer plan)",
+    "oom_advice": "proposes changes across train, checkpointing, parallel and offload",
+}
+RECIPE_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bRunConfig\s*&[^()]*)\)?')
 # Rule 7: a whole recipe copied (by value into a RunConfig, or into an auto from a name that holds one).
 RECIPE_COPY = re.compile(r'\b(auto|(config::)?RunConfig)\s+\w+\s*=\s*\*?(\w+(\.|->))*(cfg|recipe)\s*;'
                          r'|\b(config::)?RunConfig\s+\w+\s*(=|\{)')
@@ -124,8 +149,7 @@ def session_takers(root: pathlib.Path):
         rel = path.relative_to(root)
         for n, code in code_lines(path):
             for m in SESSION_PARAM.finditer(code):
-                if m.group(1) not in SESSION_READERS:
-                    found.append(f"{rel}:{n}: {m.group(1)} takes the whole `Session`: pass it the parts it reads")
+                found.append(f"{rel}:{n}: {m.group(1)} takes the whole `Session`: pass it the parts it reads")
     return found
 
 
@@ -159,17 +183,34 @@ def wide_signatures(root: pathlib.Path):
     return found
 
 
-def recipe_copies(root: pathlib.Path):
-    """Rule 7: FILE:LINE: code for every recipe copied outside src/config and src/main.cpp."""
-    found = []
+def beyond_the_parser(root: pathlib.Path):
+    """(path relative to root, line number, code) for every line outside src/config (the parser) and
+    src/main.cpp (the entry point): where the recipe is made, rules 7 and 8 do not look."""
     for path in sources(root):
         rel = path.relative_to(root)
         if rel.parts[:2] == ("src", "config") or rel == pathlib.PurePath("src/main.cpp"):
-            continue  # the parser and the entry point make the recipe
+            continue
         for n, code in code_lines(path):
-            if RECIPE_COPY.search(code):
-                found.append(f"{rel}:{n}: {code.strip()}: a recipe copied; vary a memory::Scenario (or pass the part) instead")
-    return found
+            yield rel, n, code
+
+
+def recipe_takers_all(root: pathlib.Path):
+    """FILE:LINE: name for every function with a RunConfig& parameter outside src/config and main.cpp."""
+    return [f"{rel}:{n}: {m.group(1)}" for rel, n, code in beyond_the_parser(root) for m in RECIPE_PARAM.finditer(code)]
+
+
+def recipe_takers(root: pathlib.Path):
+    """Rule 8: FILE:LINE: name for every function outside RECIPE_READERS with a RunConfig& parameter."""
+    return [f"{rel}:{n}: {m.group(1)} takes the whole recipe: pass it the sections it reads (or add it to "
+            "RECIPE_READERS with the reason)"
+            for rel, n, code in beyond_the_parser(root) for m in RECIPE_PARAM.finditer(code)
+            if m.group(1) not in RECIPE_READERS]
+
+
+def recipe_copies(root: pathlib.Path):
+    """Rule 7: FILE:LINE: code for every recipe copied outside src/config and src/main.cpp."""
+    return [f"{rel}:{n}: {code.strip()}: a recipe copied; vary a memory::Scenario (or pass the part) instead"
+            for rel, n, code in beyond_the_parser(root) if RECIPE_COPY.search(code)]
 
 
 def includes(path: pathlib.Path):
@@ -259,9 +300,10 @@ def main() -> int:
     broken += bool(torch)
 
     for rule, found in (("data-parallel engine null checks outside src/parallel", engine_null_checks(root)),
-                        (f"functions taking the whole `Session` beyond {sorted(SESSION_READERS)}", session_takers(root)),
+                        ("functions taking the whole `Session`", session_takers(root)),
                         ("signatures wider than MAX_PARAMS allows", wide_signatures(root)),
-                        ("recipe copies outside src/config and src/main.cpp", recipe_copies(root))):
+                        ("recipe copies outside src/config and src/main.cpp", recipe_copies(root)),
+                        ("functions taking the whole recipe beyond RECIPE_READERS", recipe_takers(root))):
         for f in found:
             print(f)
         print(f"{rule}: {len(found)} (must be 0)")

@@ -9,6 +9,8 @@
   recipe copies          a whole recipe copied to ask "what if" (`auto c = cfg;`, `RunConfig c = ...;`;
                          scripts/check_design.py rule 7 fails on them)
   `Session` fields       data members of `train::Session` (src/train/run.h)
+  whole-`Session` takers   functions with a `Session&` parameter (check_design.py rule 5)
+  whole-recipe takers    distinct functions with a `RunConfig&` parameter outside src/config and main.cpp
   longest functions      the longest function bodies in src/, by lines from the opening line to the closing brace
 
 Usage: scripts/shape_report.py [ROOT] [--top N]   (ROOT default: this script's parent's parent)
@@ -94,6 +96,8 @@ def main():
         ("RunConfig& parameters (outside src/config, main)", len(count(root, RUNCONFIG_PARAM))),
         ("recipe copies", len(check_design.recipe_copies(root))),
         ("Session fields", session_fields(root)),
+        ("functions taking the whole Session", len(check_design.session_takers(root))),
+        ("functions taking the whole recipe (outside src/config, main)", len({f.split(": ")[1].split()[0] for f in check_design.recipe_takers_all(root)})),
     ]
     print("| figure | count |\n| --- | --- |")
     for name, n in rows:

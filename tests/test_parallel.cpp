@@ -167,7 +167,7 @@ std::unique_ptr<parallel::Strategy> strategy_for(const std::string& sharding) {
   model::GPT m(cfg.model, torch::kCPU);
   parallel::LaunchEnv env;
   env.rank = 0, env.world = 1, env.local_rank = 0, env.local_world = 1, env.master_port = test::free_port();
-  return parallel::make_strategy(m, cfg, std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
+  return parallel::make_strategy(m, parallel::Spec::of(cfg), std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
 }
 }  // namespace
 

@@ -15,9 +15,10 @@
 #   - scripts/check_design.py: passes on this tree; fails naming an include against the layer order, an
 #     unplaced folder, a torch header in the torch-free bottom; fails naming each string comparison with a
 #     recipe choice's name (sharding stage, architecture, dtype, backend, device, data source, spike action)
-#     outside src/config; fails naming an engine null check outside src/parallel, a function other than
-#     finish/summary_json taking the whole Session, a train_step with more than 5 parameters, and each
-#     recipe copy outside src/config and src/main.cpp.
+#     outside src/config; fails naming an engine null check outside src/parallel, a function taking the
+#     whole Session, a train_step with more than 5 parameters, and each
+#     recipe copy outside src/config and src/main.cpp, and a function outside its RECIPE_READERS list
+#     taking the whole recipe.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
 # at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
@@ -248,14 +249,14 @@ layer_rules() {
 check "check_design.py: includes follow the layer order; the bottom is torch-free" layer_rules
 
 # 7b. scripts/check_design.py's shape rules: outside src/parallel a test of an engine pointer fails (inside,
-#     it passes); a function taking the whole Session fails unless it is finish or summary_json; a
+#     it passes); a function taking the whole Session fails (the Session's own members pass); a
 #     train_step declared with 6 parameters fails (5 passes). Each failure names its file and line.
 shape_rules() {
   local tree="$TMP/shape" out
   mkdir -p "$tree/src/train" "$tree/src/parallel"
   echo 'void a() { if (engine) go(); }' > "$tree/src/parallel/engine.cpp"
-  printf '%s\n' 'int finish(Session& s, const LoopState& st, Outcome o);' \
-    'Json summary_json(const Session& s, const LoopState& st);' \
+  printf '%s\n' 'int Session::finish(const LoopState& st, Outcome o) {' \
+    'Json summary_json(const LoopState& st, const Outcome& o) const;' \
     'StepResult train_step(const StepParts& p, const Micro& m, const Stop& s, const Hold& h, int x);' > "$tree/src/train/run.h"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" || { echo "an allowed shape failed:"; echo "$out"; return 1; }
   printf '%s\n' 'auto g = engine ? engine->grads() : local_grads(m);' 'if (!s.engine) return;' \
@@ -292,6 +293,23 @@ recipe_copy_rules() {
   grep -q '^recipe copies outside src/config and src/main.cpp: 4 (must be 0)$' <<< "$out" || { echo "the count is not 4:"; echo "$out"; return 1; }
 }
 check "check_design.py: no recipe copied outside src/config and src/main.cpp" recipe_copy_rules
+
+# 7d. scripts/check_design.py rule 8 (the whole recipe as a parameter): a listed reader (setup) and a
+#     section passed alone pass; an unlisted function taking `RunConfig&` fails naming its file, line and
+#     name; the same function in src/config passes.
+recipe_reader_rules() {
+  local tree="$TMP/readers" out
+  mkdir -p "$tree/src/train" "$tree/src/config"
+  printf '%s\n' 'std::unique_ptr<Session> setup(const config::RunConfig& recipe);' \
+    'void open_loaders(const config::TrainConfig& t, const Process& proc, Inputs& in);' > "$tree/src/train/setup.h"
+  echo 'int64_t tokens(const RunConfig& c) { return 0; }' > "$tree/src/config/config.cpp"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" || { echo "a reader or a section failed:"; echo "$out"; return 1; }
+  printf '%s\n' 'int64_t tokens_per_step(const config::RunConfig& cfg, int64_t world) {' > "$tree/src/train/step.cpp"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "an unlisted recipe parameter passed:"; echo "$out"; return 1; }
+  grep -q '^src/train/step.cpp:1: tokens_per_step takes the whole recipe' <<< "$out" || { echo "not named:"; echo "$out"; return 1; }
+  ! grep -q '^src/train/setup.h\|^src/config' <<< "$out" || { echo "an allowed line is named:"; echo "$out"; return 1; }
+}
+check "check_design.py: the whole recipe only in the readers listed" recipe_reader_rules
 
 # 8. scripts/check_links.py: this tree passes; a link to a missing page, or to a heading that does
 #    not exist, fails naming the file, line and target; links in code are not links.

@@ -401,7 +401,7 @@ TEST_CASE("sum_of_squares: float64 over fp32 CPU gradients, the engine's norm on
   model::GPT m(cfg.model, torch::kCPU);
   parallel::LaunchEnv env;
   env.rank = 0, env.world = 1, env.local_rank = 0, env.local_world = 1, env.master_port = test::free_port();
-  const auto made = parallel::make_engine(m, cfg, std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
+  const auto made = parallel::make_engine(m, parallel::Spec::of(cfg), std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
   auto& engine = *made;
   double expected = 0.0;
   {
@@ -589,7 +589,7 @@ FaultRun run_with_fault(const config::RunConfig& cfg, std::function<torch::Tenso
     out.seen[call] = snapshot(m);
     return fault(call, g);
   });
-  out.code = train::finish(*s, out.st, loop(*s, out.st));
+  out.code = s->finish(out.st, loop(*s, out.st));
   out.final_params = snapshot(s->learn.model);
   const auto& state = s->learn.opt->state();
   auto it = state.find(block->w_qkv.unsafeGetTensorImpl());
@@ -754,7 +754,7 @@ int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int
   env.rank = rank, env.world = 2, env.local_rank = rank, env.local_world = 2, env.master_port = port;
   auto comm = std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU);
   checkpointing::Runner runner(cfg.checkpointing, m);
-  const auto made = parallel::make_engine(m, cfg, comm);
+  const auto made = parallel::make_engine(m, parallel::Spec::of(cfg), comm);
   auto& engine = *made;
   engine.attach(runner);
   auto opt = engine.make_optimizer(cfg.train);
@@ -801,7 +801,7 @@ TEST_CASE("one host synchronization per optimizer step: the loop at world 1, acc
   REQUIRE(o.code == kExitOk);
   REQUIRE(st.steps_done == 3);
   CHECK(count == st.steps_done);
-  train::finish(*s, st, std::move(o));
+  s->finish(st, std::move(o));
 }
 
 TEST_CASE("one host synchronization per optimizer step on each of two ranks (in-process, Gloo), the stop reason "
@@ -862,7 +862,7 @@ TEST_CASE("logging.profile_step writes one step's Chrome trace with the GEMMs an
   CHECK(seen["sublinear::host_read"] == 1);
   CHECK(seen["sublinear::causal_attention"] == 2 * 2);  // 2 blocks: forward + recompute
   CHECK(seen["sublinear::causal_attention_backward"] == 2);
-  train::finish(*s, st, std::move(o));
+  s->finish(st, std::move(o));
   const auto ev = test::events(dir.path / "run" / "metrics.jsonl", "profile");
   REQUIRE(ev.size() == 1);
   CHECK(ev[0]["step"] == 2);
@@ -1091,7 +1091,7 @@ TEST_CASE("trainer --version prints the version, commit, LibTorch, CUDA and CPU 
   auto cfg = loop_config(dir.path / "run");
   auto s = train::setup(cfg);
   train::LoopState st;
-  REQUIRE(train::finish(*s, st, loop(*s, st)) == 0);
+  REQUIRE(s->finish(st, loop(*s, st)) == 0);
   const auto summary = json::parse(test::read_text(dir.path / "run" / "summary.json"));
   REQUIRE(summary.contains("build"));
   CHECK(summary["build"] == info);

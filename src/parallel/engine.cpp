@@ -36,25 +36,25 @@ struct GradReadyHook : torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-Engine::Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm)
+Engine::Engine(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm)
     : model_(std::move(model)),
       comm_(std::move(comm)),
-      stage_name_(cfg.parallel.sharding.name()),
-      param_dtype_(precision::scalar_type(cfg.precision.param_dtype)),
-      reduce_dtype_(precision::scalar_type(cfg.precision.reduce_dtype)),
+      stage_name_(spec.parallel.sharding.name()),
+      param_dtype_(precision::scalar_type(spec.precision.param_dtype)),
+      reduce_dtype_(precision::scalar_type(spec.precision.reduce_dtype)),
       rank_(comm_->rank()),
       world_(comm_->world()),
       device_(comm_->device()),
-      host_(cfg.offload),
+      host_(spec.offload),
       deferred_(!model_->parameters().empty() && model::is_deferred(model_->parameters().front())) {}
 
-void Engine::init(const config::RunConfig& cfg) {
+void Engine::init(const Spec& spec) {
   if (deferred_ && !groups_per_unit())
     throw std::logic_error("Engine: a deferred model is materialized by zero3 only");
   torch::NoGradGuard no_grad;
   if (!deferred_)
     for (const auto& p : model_->parameters()) init_sum_ += p.to(torch::kFloat64).sum().item<double>();
-  build_groups(cfg);  // a deferred model's values are drawn here, and summed
+  build_groups(static_cast<int64_t>(spec.parallel.bucket_mb * 1024 * 1024));  // a deferred model's values are drawn here, and summed
   check_same_init();
 }
 
@@ -75,11 +75,11 @@ bool Engine::low_precision_copy() const { return param_dtype_ != at::kFloat; }
 
 // Which parameters form which group: zero3 one group per unit, otherwise buckets of bucket_mb; both in
 // reverse unit order (the order gradients arrive in).
-Engine::Layout Engine::plan_groups(const config::RunConfig& cfg, const std::vector<std::vector<model::NamedParam>>& units) const {
+Engine::Layout Engine::plan_groups(int64_t bucket_bytes, const std::vector<std::vector<model::NamedParam>>& units) const {
   Layout l;
   l.group_of_unit.assign(units.size(), -1);
   const bool per_unit = groups_per_unit();
-  l.members = memory::engine_group_members(units, per_unit, static_cast<int64_t>(cfg.parallel.bucket_mb * 1024 * 1024));
+  l.members = memory::engine_group_members(units, per_unit, bucket_bytes);
   for (size_t g = 0; g < l.members.size(); ++g) {
     if (!per_unit) {
       l.names.push_back(fmt::format("bucket {}", g));
@@ -186,10 +186,10 @@ void Engine::index_units(const std::vector<std::vector<model::NamedParam>>& unit
     for (size_t i = 0; i < groups_[gi]->names.size(); ++i) where_[groups_[gi]->names[i]] = {gi, i};
 }
 
-void Engine::build_groups(const config::RunConfig& cfg) {
+void Engine::build_groups(int64_t bucket_bytes) {
   torch::NoGradGuard no_grad;
   const auto units = model_->units();  // forward order
-  const Layout l = plan_groups(cfg, units);
+  const Layout l = plan_groups(bucket_bytes, units);
   for (size_t gi = 0; gi < l.members.size(); ++gi) groups_.push_back(make_group(l.names[gi], l.members[gi]));
   if (deferred_) materialize_units(units, l.group_of_unit);
   index_units(units, l.group_of_unit);

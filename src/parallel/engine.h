@@ -101,11 +101,11 @@ class Engine : public Strategy {
   nlohmann::json layout() const override;
 
  protected:
-  Engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
+  Engine(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm);
   // Makes the groups (a stage's bind_group gives them buffers) and checks every rank built the same
   // model: called once, by make_engine, after the stage class is constructed.
-  void init(const config::RunConfig& cfg);
-  friend std::unique_ptr<Engine> make_engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
+  void init(const Spec& spec);
+  friend std::unique_ptr<Engine> make_engine(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm);
 
   // ---- what a stage decides ----
   virtual bool groups_per_unit() const { return false; }  // zero3: a group per unit, else buckets
@@ -166,8 +166,8 @@ class Engine : public Strategy {
     std::vector<std::string> names;
     std::vector<int64_t> group_of_unit;
   };
-  void build_groups(const config::RunConfig& cfg);
-  Layout plan_groups(const config::RunConfig& cfg, const std::vector<std::vector<model::NamedParam>>& units) const;
+  void build_groups(int64_t bucket_bytes);  // parallel.bucket_mb in bytes (buckets only)
+  Layout plan_groups(int64_t bucket_bytes, const std::vector<std::vector<model::NamedParam>>& units) const;
   std::unique_ptr<Group> make_group(const std::string& name, std::vector<model::NamedParam> named);
   void materialize_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit);
   void index_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit);
@@ -187,7 +187,7 @@ class Engine : public Strategy {
   int64_t transient_ = 0, transient_peak_ = 0;
 };
 
-// The data-parallel engine for cfg.parallel.sharding: Ddp, Zero1, Zero2 or Zero3 (parallel/stages.h).
-std::unique_ptr<Engine> make_engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
+// The data-parallel engine for spec.parallel.sharding: Ddp, Zero1, Zero2 or Zero3 (parallel/stages.h).
+std::unique_ptr<Engine> make_engine(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm);
 
 }  // namespace sl::parallel

@@ -5,15 +5,15 @@
 
 namespace sl::parallel {
 
-std::unique_ptr<Engine> make_engine(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm) {
+std::unique_ptr<Engine> make_engine(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm) {
   std::unique_ptr<Engine> e;
-  switch (cfg.parallel.sharding.stage()) {
-    case config::Sharding::kNone: e = std::make_unique<Ddp>(std::move(model), cfg, std::move(comm)); break;
-    case config::Sharding::kZero1: e = std::make_unique<Zero1>(std::move(model), cfg, std::move(comm)); break;
-    case config::Sharding::kZero2: e = std::make_unique<Zero2>(std::move(model), cfg, std::move(comm)); break;
-    case config::Sharding::kZero3: e = std::make_unique<Zero3>(std::move(model), cfg, std::move(comm)); break;
+  switch (spec.parallel.sharding.stage()) {
+    case config::Sharding::kNone: e = std::make_unique<Ddp>(std::move(model), spec, std::move(comm)); break;
+    case config::Sharding::kZero1: e = std::make_unique<Zero1>(std::move(model), spec, std::move(comm)); break;
+    case config::Sharding::kZero2: e = std::make_unique<Zero2>(std::move(model), spec, std::move(comm)); break;
+    case config::Sharding::kZero3: e = std::make_unique<Zero3>(std::move(model), spec, std::move(comm)); break;
   }
-  e->init(cfg);
+  e->init(spec);
   return e;
 }
 

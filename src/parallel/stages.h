@@ -28,8 +28,8 @@ namespace sl::parallel {
 
 class Ddp final : public Engine {
  public:
-  Ddp(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm)
-      : Engine(std::move(model), cfg, std::move(comm)) {}
+  Ddp(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm)
+      : Engine(std::move(model), spec, std::move(comm)) {}
   // Every rank holds the same averaged gradient: rank 0 gives its norm, the others 0.
   torch::Tensor grad_norm_sq_share() override;
   // Every parameter in full (the host masters with offload.optimizer).
@@ -71,8 +71,8 @@ class Sharded : public Engine {
 
 class Zero1 final : public Sharded {
  public:
-  Zero1(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm)
-      : Sharded(std::move(model), cfg, std::move(comm)) {}
+  Zero1(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm)
+      : Sharded(std::move(model), spec, std::move(comm)) {}
 
  protected:
   void bind_grads(Group& g) override;  // a persistent flat gradient; the shard is a view of it
@@ -83,8 +83,8 @@ class Zero1 final : public Sharded {
 
 class Zero2 : public Sharded {
  public:
-  Zero2(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm)
-      : Sharded(std::move(model), cfg, std::move(comm)) {}
+  Zero2(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm)
+      : Sharded(std::move(model), spec, std::move(comm)) {}
 
  protected:
   void bind_grads(Group& g) override;  // the shard only; the flat gradient is transient

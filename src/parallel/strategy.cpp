@@ -12,8 +12,8 @@ std::unique_ptr<torch::optim::AdamW> Strategy::make_optimizer(const config::Trai
   return optim::make_adamw(std::move(decay), std::move(no_decay), t);
 }
 
-std::unique_ptr<Strategy> make_strategy(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm) {
-  if (cfg.parallel.uses_engine(comm->world())) return make_engine(std::move(model), cfg, std::move(comm));
+std::unique_ptr<Strategy> make_strategy(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm) {
+  if (spec.parallel.uses_engine(comm->world())) return make_engine(std::move(model), spec, std::move(comm));
   return std::make_unique<Single>(std::move(model));
 }
 

@@ -39,6 +39,16 @@
 
 namespace sl::parallel {
 
+// What a data-parallel strategy reads of the recipe, and nothing else: parallel.* (the stage, the bucket
+// size), precision.param_dtype and reduce_dtype (the gathered and reduced copies) and offload.* (where the
+// masters, moments and gradient shard live).
+struct Spec {
+  config::ParallelConfig parallel;
+  config::PrecisionConfig precision;
+  config::OffloadConfig offload;
+  static Spec of(const config::RunConfig& cfg) { return {cfg.parallel, cfg.precision, cfg.offload}; }
+};
+
 // Bytes of model states this rank holds between steps, by what its buffers are.
 // Device-resident bytes (params, grads; optimizer is filled by the caller from AdamW's state) and
 // what offload keeps in host memory instead (masters, gradient shard or its host copy).
@@ -144,6 +154,6 @@ class Strategy {
 };
 
 // The run's strategy: Single for one process without sharding, else make_engine's stage (DDP / ZeRO over `comm`).
-std::unique_ptr<Strategy> make_strategy(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm);
+std::unique_ptr<Strategy> make_strategy(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm);
 
 }  // namespace sl::parallel

@@ -15,8 +15,8 @@ namespace sl::parallel {
 
 class Zero3 final : public Zero2 {
  public:
-  Zero3(model::GPT model, const config::RunConfig& cfg, std::shared_ptr<Comm> comm)
-      : Zero2(std::move(model), cfg, std::move(comm)) {}
+  Zero3(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm)
+      : Zero2(std::move(model), spec, std::move(comm)) {}
 
   // Gathers/frees units around the forward (unit 0 embeddings, 1..L blocks, L+1 head).
   void attach(checkpointing::Runner& runner) override;

@@ -643,7 +643,7 @@ int run(const config::RunConfig& cfg) {
   state::Parts saves = state_parts(s->cfg, s->proc, s->learn, s->data, s->out.run_dir);
   restore(saves, s->start, s->meter, *s->out.runlog, st);
   Outcome outcome = train_loop(s->cfg, s->proc, s->learn, s->data, s->meter, s->out, st);
-  return finish(*s, st, std::move(outcome));
+  return s->finish(st, std::move(outcome));
 }
 
 }  // namespace sl::train

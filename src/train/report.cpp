@@ -173,50 +173,6 @@ double median_mfu(const Meter& meter, int64_t world, const LoopState& st) {
   return meter.peak.utilisation(meter.flops_per_token * median(st.tok_s) / static_cast<double>(world));
 }
 
-// summary.json (docs/logs.md): a report on every part of the run, so the one function here that reads the
-// whole Session.
-Json summary_json(const Session& s, const LoopState& st, const Outcome& o, Json parallel, Json final_weights, double wall_s) {
-  auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
-  const auto predicted = memory::predict_peak(s.cfg, s.learn.runner->plan());  // per rank, from the planner
-  const auto reserved_peak = s.meter.tracker->steps_peak_reserved_bytes();
-  return {{"config", s.out.resolved},
-          {"build", device::build_info()},  // what `trainer --version` prints
-          {"environment", s.out.environment},
-          {"model", model_report(s.out.model_info, s.meter.peak)},
-          {"checkpointing", s.learn.runner->plan().to_json()},
-          {"run_dir", s.out.run_dir},
-          {"steps", st.steps_done},
-          {"skipped_steps", st.skipped_steps},
-          {"tokens", st.steps_done * tokens_per_step(s.cfg.train, s.proc.world())},
-          {"final_loss", finite(st.last_loss)},
-          {"final_val_loss", finite(st.last_val)},
-          {"warmup_steps_excluded", std::min<int64_t>(s.cfg.logging.skip_first, st.steps_done)},
-          {"median_step_ms", median(st.step_ms)},
-          {"median_tokens_per_s", median(st.tok_s)},
-          {"median_samples_per_s", median(st.samp_s)},
-          {"median_mfu", median_mfu(s.meter, s.proc.world(), st)},
-          {"median_recompute_ms", median(st.recompute_ms)},
-          {"median_activation_peak_bytes", static_cast<int64_t>(median(st.act_peaks))},
-          {"predicted_activation_peak_bytes", s.meter.predicted.peak_bytes},
-          {"predicted_peak_bytes", predicted.peak_bytes()},
-          {"wall_s", wall_s},
-          {"peak_allocated_bytes", st.peak_bytes},
-          {"peak_reserved_bytes", reserved_peak ? Json(*reserved_peak) : Json(nullptr)},  // CUDA: beside the allocated peak
-          {"memory_breakdown",
-           {{"params_bytes", st.states_at_peak.params},
-            {"grads_bytes", st.states_at_peak.grads},
-            {"optimizer_state_bytes", st.states_at_peak.optimizer},
-            {"activations_and_other_bytes", std::max<int64_t>(0, st.peak_bytes - st.states_at_peak.total())}}},
-          {"memory_limit_bytes", s.meter.limit > 0 ? Json(s.meter.limit) : Json(nullptr)},
-          {"host_memory", host_report(s.cfg.memory.host_limit.bytes, predicted, st)},
-          {"micro_batch_search", s.meter.batch_search},
-          {"state", state_report(s.cfg.state, s.proc, s.start, st)},
-          {"final_weights", std::move(final_weights)},
-          {"parallel", std::move(parallel)},
-          {"oom", o.oom},
-          {"exit_status", {{"code", o.code}, {"name", exit_code_name(o.code)}, {"message", o.message}}}};
-}
-
 // Writes summary.json; a failure is the run's exit status only when nothing failed before it.
 void write_summary(log::RunLog& runlog, const Json& summary, Outcome& o) {
   try {
@@ -240,7 +196,51 @@ void print_closing_line(const Process& proc, const log::RunLog& runlog, const Lo
 
 }  // namespace
 
-int finish(Session& s, const LoopState& st, Outcome o) {
+Json Session::summary_json(const LoopState& st, const Outcome& o, Json parallel, Json final_weights) const {
+  const Session& s = *this;
+  auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
+  const auto predicted = memory::predict_peak(s.cfg, s.learn.runner->plan());  // per rank, from the planner
+  const auto reserved_peak = s.meter.tracker->steps_peak_reserved_bytes();
+  return {{"config", s.out.resolved},
+          {"build", device::build_info()},  // what `trainer --version` prints
+          {"environment", s.out.environment},
+          {"model", model_report(s.out.model_info, s.meter.peak)},
+          {"checkpointing", s.learn.runner->plan().to_json()},
+          {"run_dir", s.out.run_dir},
+          {"steps", st.steps_done},
+          {"skipped_steps", st.skipped_steps},
+          {"tokens", st.steps_done * tokens_per_step(s.cfg.train, s.proc.world())},
+          {"final_loss", finite(st.last_loss)},
+          {"final_val_loss", finite(st.last_val)},
+          {"warmup_steps_excluded", std::min<int64_t>(s.cfg.logging.skip_first, st.steps_done)},
+          {"median_step_ms", median(st.step_ms)},
+          {"median_tokens_per_s", median(st.tok_s)},
+          {"median_samples_per_s", median(st.samp_s)},
+          {"median_mfu", median_mfu(s.meter, s.proc.world(), st)},
+          {"median_recompute_ms", median(st.recompute_ms)},
+          {"median_activation_peak_bytes", static_cast<int64_t>(median(st.act_peaks))},
+          {"predicted_activation_peak_bytes", s.meter.predicted.peak_bytes},
+          {"predicted_peak_bytes", predicted.peak_bytes()},
+          {"wall_s", st.wall_s},
+          {"peak_allocated_bytes", st.peak_bytes},
+          {"peak_reserved_bytes", reserved_peak ? Json(*reserved_peak) : Json(nullptr)},  // CUDA: beside the allocated peak
+          {"memory_breakdown",
+           {{"params_bytes", st.states_at_peak.params},
+            {"grads_bytes", st.states_at_peak.grads},
+            {"optimizer_state_bytes", st.states_at_peak.optimizer},
+            {"activations_and_other_bytes", std::max<int64_t>(0, st.peak_bytes - st.states_at_peak.total())}}},
+          {"memory_limit_bytes", s.meter.limit > 0 ? Json(s.meter.limit) : Json(nullptr)},
+          {"host_memory", host_report(s.cfg.memory.host_limit.bytes, predicted, st)},
+          {"micro_batch_search", s.meter.batch_search},
+          {"state", state_report(s.cfg.state, s.proc, s.start, st)},
+          {"final_weights", std::move(final_weights)},
+          {"parallel", std::move(parallel)},
+          {"oom", o.oom},
+          {"exit_status", {{"code", o.code}, {"name", exit_code_name(o.code)}, {"message", o.message}}}};
+}
+
+int Session::finish(const LoopState& st, Outcome o) {
+  Session& s = *this;
   // Ranks that left the loop together stay together: what one rank alone fails at from here on (rank 0
   // writing the final weights or the summary) becomes every rank's outcome before the next collective
   // or the exit, so no rank waits in a collective another never joins and all exit with one code.
@@ -252,7 +252,7 @@ int finish(Session& s, const LoopState& st, Outcome o) {
   if (together) agree_outcome(s.proc, o, entry, "writing the final weights");
   entry = o.code;
   Json parallel = parallel_report(s.cfg.parallel.sharding, s.proc, s.learn, s.meter, st, o);
-  write_summary(*s.out.runlog, summary_json(s, st, o, std::move(parallel), std::move(final_weights), st.wall_s), o);
+  write_summary(*s.out.runlog, summary_json(st, o, std::move(parallel), std::move(final_weights)), o);
   // Met here, every rank exits from this point (with one code): NCCL's group may be shut down cleanly.
   if (together && ranks_aligned(entry) && agree_outcome(s.proc, o, entry, "writing summary.json")) s.proc.comm->ranks_leave_together();
   print_closing_line(s.proc, *s.out.runlog, st, o);

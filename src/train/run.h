@@ -101,7 +101,11 @@ struct Start {
   std::unique_ptr<interop::HfCheckpoint> init_from;
 };
 
-// The parts setup() builds; run() holds them and lends each phase the ones it uses.
+struct LoopState;
+struct Outcome;
+
+// The parts setup() builds; run() holds them and lends each phase the ones it uses. The end of the run
+// is the Session's own: it reports on every part.
 struct Session {
   config::RunConfig cfg;  // resolved: train.micro_batch: auto replaced by the chosen value
   Process proc;
@@ -110,6 +114,13 @@ struct Session {
   Meter meter;
   Learner learn;
   Outputs out;
+
+  // Ends the run (train/report.cpp): the final weights, summary.json, the closing line, every rank
+  // leaving with one code. Returns the process exit code: the outcome's, or kExitIo when summary.json
+  // cannot be written after an otherwise clean run.
+  int finish(const LoopState& st, Outcome outcome);
+  // summary.json (docs/logs.md): a report on every part of the run.
+  nlohmann::json summary_json(const LoopState& st, const Outcome& o, nlohmann::json parallel, nlohmann::json final_weights) const;
 };
 
 // Tokens one optimizer step trains on, over every rank.
@@ -158,8 +169,5 @@ std::unique_ptr<Session> setup(const config::RunConfig& cfg);
 void restore(state::Parts& saves, const Start& start, Meter& meter, log::RunLog& runlog, LoopState& st);
 Outcome train_loop(const config::RunConfig& cfg, const Process& proc, Learner& learn, Inputs& data, Meter& meter,
                    Outputs& out, LoopState& st);
-// Returns the process exit code: the outcome's, or kExitIo when summary.json cannot be written
-// after an otherwise clean run.
-int finish(Session& s, const LoopState& st, Outcome outcome);
 
 }  // namespace sl::train

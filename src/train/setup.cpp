@@ -244,7 +244,7 @@ Learner build_learner(const config::RunConfig& cfg, const Process& proc, Meter& 
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
   // ends) would keep every unit's weights alive after the unit's fp32 storage is freed.
   if (cfg.parallel.sharding.shards_params()) at::autocast::set_autocast_cache_enabled(false);
-  l.strategy = parallel::make_strategy(l.model, cfg, proc.comm);
+  l.strategy = parallel::make_strategy(l.model, parallel::Spec::of(cfg), proc.comm);
   l.strategy->attach(*l.runner);
   meter.build_peak_bytes = std::max(model_peak, meter.tracker->read().peak_allocated_bytes) - before_build;
   l.opt = l.strategy->make_optimizer(cfg.train);
@@ -257,17 +257,17 @@ Learner build_learner(const config::RunConfig& cfg, const Process& proc, Meter& 
 // data.tokenizer (or the tokenizer.json beside data.path): its vocabulary checked against model.vocab_size
 // (exit 2 naming both), and opened for train.sample_interval (bytes for a 256-token model without one).
 // Then the token splits: a bad file fails here, before a run directory or a model exists.
-Inputs open_inputs(const config::RunConfig& cfg) {
+Inputs open_inputs(const config::DataConfig& d, const config::TrainConfig& t, int64_t vocab_size) {
   Inputs in;
-  in.tokenizer_path = data::tokenizer_path(cfg.data);
+  in.tokenizer_path = data::tokenizer_path(d);
   if (!in.tokenizer_path.empty())
-    text::check_vocab_match(text::inspect_tokenizer_file(in.tokenizer_path).vocab_size, cfg.model.vocab_size,
+    text::check_vocab_match(text::inspect_tokenizer_file(in.tokenizer_path).vocab_size, vocab_size,
                             "data.tokenizer " + in.tokenizer_path.string());
-  if (cfg.train.sample_interval > 0) {
-    in.codec = text::TextCodec::open(in.tokenizer_path, cfg.model.vocab_size);
-    in.codec->prompt(cfg.train.sample_prompt);  // a prompt it cannot start from fails now, not at the first sample
+  if (t.sample_interval > 0) {
+    in.codec = text::TextCodec::open(in.tokenizer_path, vocab_size);
+    in.codec->prompt(t.sample_prompt);  // a prompt it cannot start from fails now, not at the first sample
   }
-  in.splits = data::open_splits(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed);  // after the tokenizer: a vocabulary mismatch is named as one, not as a token out of range
+  in.splits = data::open_splits(d, vocab_size, t.seq_len, t.seed);  // after the tokenizer: a vocabulary mismatch is named as one, not as a token out of range
   return in;
 }
 
@@ -416,7 +416,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   auto& cfg = s->cfg;
   cfg = recipe;
   s->proc = init_process(cfg);
-  s->data = open_inputs(cfg);  // data first: a bad file or tokenizer fails before a run directory or a model exists
+  s->data = open_inputs(cfg.data, cfg.train, cfg.model.vocab_size);  // data first: a bad file or tokenizer fails before a run directory or a model exists
   s->out.run_dir = choose_run_dir(cfg, s->proc);
   lock_run_dir(s->proc, s->out, /*create=*/false);
   s->start.resume_from = find_resume_point(cfg, s->proc, s->out.run_dir);
