@@ -86,7 +86,6 @@ RECIPE_READERS = {
     "run": "train/loop.cpp: the whole run", "setup": "train/setup.cpp: every part of the run",
     "train_loop": "steps, logging, eval, saves, the memory limit and the planner's advice on OOM",
     "init_process": "sets world_size and validates the whole recipe against it",
-    "choose_run_dir": "logging.dir, --resume, state.dir and the recipe's name",
     "find_resume_point": "--resume, state.*, logging.overwrite and every math key (check_recipe)",
     "check_recipe": "compares every math key of the recipe with a saved state's",
     "choose_micro_batch": "train.*, memory.limit, the probe and the planner's advice",

@@ -68,11 +68,12 @@ Process init_process(config::RunConfig& cfg) {
 
 // The run directory: logging.dir, or (--resume auto) the newest earlier run of this recipe with
 // saved states, or a new runs/<recipe>-<timestamp> (log/run_dir.h).
-std::string choose_run_dir(const config::RunConfig& cfg, const Process& proc) {
-  if (!cfg.logging.dir.empty()) return cfg.logging.dir;
+std::string choose_run_dir(const config::LoggingConfig& lg, const config::StateConfig& st, const std::string& resume,
+                           const std::string& recipe_name, const Process& proc) {
+  if (!lg.dir.empty()) return lg.dir;
   std::string dir;
-  if (cfg.resume == config::kResumeNewest && cfg.state.dir.empty()) dir = log::newest_run_with_state(log::kRunsDir, cfg.recipe_name).string();
-  return dir.empty() ? default_run_dir(proc, cfg.recipe_name) : dir;
+  if (resume == config::kResumeNewest && st.dir.empty()) dir = log::newest_run_with_state(log::kRunsDir, recipe_name).string();
+  return dir.empty() ? default_run_dir(proc, recipe_name) : dir;
 }
 
 // Rank 0 locks the run directory (log::RunDirLock) before anything reads or writes in it: an existing
@@ -417,7 +418,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   cfg = recipe;
   s->proc = init_process(cfg);
   s->data = open_inputs(cfg.data, cfg.train, cfg.model.vocab_size);  // data first: a bad file or tokenizer fails before a run directory or a model exists
-  s->out.run_dir = choose_run_dir(cfg, s->proc);
+  s->out.run_dir = choose_run_dir(cfg.logging, cfg.state, cfg.resume, cfg.recipe_name, s->proc);
   lock_run_dir(s->proc, s->out, /*create=*/false);
   s->start.resume_from = find_resume_point(cfg, s->proc, s->out.run_dir);
   open_init_from(cfg.model, s->start);
