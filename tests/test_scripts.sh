@@ -26,7 +26,7 @@
 #     recipe copy outside src/config and src/main.cpp, and a function outside its RECIPE_READERS list
 #     taking the whole recipe.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
-# at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
+# at least one PNG. Registered with ctest. Cost: ~80 s on 2 shared cores (about 30 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
 # Env: TRAINER (trainer binary, default REPO_ROOT/build/trainer), PYTHON (interpreter with matplotlib).
 # Prints "N passed, M failed" last; exits 0 only when nothing failed.
