@@ -376,7 +376,10 @@ gpu_sh_without_gpu() {  # a pack of this build's trainer alone, no CUDA device: 
   cp "$ROOT"/bench/{gpu.sh,gpu_targets.py,compiled_gpt.py,eager_gpt.py} "$tree/bench/"
   cp "$TRAINER" "$stage/bin/trainer"
   { echo "commit (test)"; echo "packed (test)"; "$TRAINER" --version; } > "$stage/MANIFEST"
-  XZ_OPT=-0 tar -C "$stage" -cJf "$tree/.gpu/pack.tar.xz" MANIFEST bin lib || return 1
+  "$PYTHON" -c 'import sys, tarfile
+with tarfile.open(sys.argv[2], "w:xz", preset=0) as t:
+    for name in ("MANIFEST", "bin", "lib"):
+        t.add(sys.argv[1] + "/" + name, arcname=name)' "$stage" "$tree/.gpu/pack.tar.xz" || return 1
   out="$(CUDA_VISIBLE_DEVICES= SUBLINEAR_PYTHON="$PYTHON" "$tree/bench/gpu.sh" run 2>&1)" ||
     { echo "exit $?:"; echo "$out"; return 1; }
   md="$(ls "$tree"/bench/results/gpu-*.md)" || return 1
