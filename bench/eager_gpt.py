@@ -40,7 +40,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -123,7 +122,7 @@ class GPT(nn.Module):
         return x
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for first, last, ckpt in self.segments:
             x = checkpoint(self._run, x, first, last, use_reentrant=False) if ckpt else self._run(x, first, last)
         return F.linear(self.lnf(x), self.wte.weight)
@@ -133,6 +132,8 @@ def batches(cfg, seed):
     """Random windows of train.seq_len + 1 tokens from the recipe's token file (synthetic: uniform)."""
     t, d, vocab = cfg["train"], cfg["data"], cfg["model"]["vocab_size"]
     if d["source"] == "llmc":
+        import numpy as np  # here: bench/compiled_gpt.py imports this module where numpy may be absent
+
         tokens = torch.from_numpy(np.fromfile(d["path"], dtype=np.uint16, offset=256 * 4).astype(np.int64))
     else:
         tokens = torch.randint(0, vocab, (max(100000, d.get("synthetic_tokens", 0)),),

@@ -8,13 +8,23 @@
 #                       and prints its size.
 #   bench/gpu.sh run    there (the device tool with carry [".gpu"]): unpacks the pack, finds the torch
 #                       libraries of the Python that holds torch, checks that torch is the version the
-#                       binaries were built against, runs every [cuda] case of every binary, each under
-#                       its own timeout, then the GPU figures (GPT-2 124M bf16: tokens/s, the planner's
-#                       peak against the caching allocator's allocated and reserved peaks), and writes
-#                       bench/results/gpu-<date>.md with the raw logs beside it (gpu-<date>-logs/). With
-#                       $OUT set it copies both there. Without a GPU every part is recorded as skipped.
-# Options (run): --budget SECONDS (default 420: the parts stop being started once it is spent, and each
-# part's timeout is cut to what is left), --only REGEX (run the parts whose name matches).
+#                       binaries were built against, then measures issue 53's targets, one part each,
+#                       most important first (bench/gpu.sh schedule lists them with their timeouts):
+#                       GPT-2 124M bf16 (configs/gpt2_124m.yaml, 8 x 1024 tokens x 8 micro-batches) in
+#                       the trainer; the same under torch.compile (bench/compiled_gpt.py, the image's
+#                       torch); the trainer with checkpointing full and selective; configs/1b_24gb.yaml;
+#                       `trainer plan` and 3 steps of configs/7b_24gb.yaml under memory.limit 24GB; then
+#                       every [cuda] case of every binary in what is left of the budget. It writes
+#                       bench/results/gpu-<date>.md: the targets (bench/gpu_targets.py: measured, bound,
+#                       met / not met / skipped / timed out), the figures (tokens/s, MFU, the planner's
+#                       peak against the caching allocator's), each part's result, with the raw logs
+#                       and run folders beside it (gpu-<date>-logs/). A part cut short by its timeout
+#                       leaves the steps it ran, and the targets use them (marked partial). With $OUT
+#                       set it copies both there. Without a GPU every part is recorded as skipped.
+#   bench/gpu.sh schedule [--budget SECONDS]   prints each part's timeout under that budget.
+# Options (run): --budget SECONDS (default 480: each part's timeout is its share of the budget, cut to
+# what is left; the [cuda] cases share what the parts before them left), --only REGEX (run the parts
+# whose name matches).
 # Environment: BUILD_DIR (pack; default build), SUBLINEAR_PYTHON (the Python that holds torch; default
 # the setup venv's if present, else python3).
 # Exit status: 0 every part passed or was skipped; 1 a part failed or timed out; 2 bad arguments or
@@ -114,17 +124,64 @@ check_torch() {
 # NAME of a part -> a file name.
 slug() { echo "$1" | tr -c 'A-Za-z0-9\n' '_' | tr -s '_' | cut -c1-80; }
 
-# run_part NAME TIMEOUT COMMAND...: runs it under `timeout`, logs it, records its result and runtime.
+# The parts that measure issue 53's targets, in the order they run (most important first):
+# KEY, its share of the budget in per cent, its name. The [cuda] cases come after them and share what
+# is left (at least the 100 - the sum of these shares per cent of the budget).
+PARTS=(
+  "gpt2_none 8 GPT-2 124M bf16: the trainer, checkpointing none"
+  "baseline 28 GPT-2 124M bf16: torch.compile baseline (bench/compiled_gpt.py)"
+  "gpt2_full 6 GPT-2 124M bf16: the trainer, checkpointing full"
+  "gpt2_selective 6 GPT-2 124M bf16: the trainer, checkpointing selective [attention, mlp, norm]"
+  "llama_1b 12 LLaMA 1B (configs/1b_24gb.yaml): the trainer, 8 steps of 4 micro-batches"
+  "plan_7b 3 LLaMA 7B (configs/7b_24gb.yaml, memory.limit 24GB): trainer plan"
+  "run_7b 30 LLaMA 7B (configs/7b_24gb.yaml, memory.limit 24GB): the trainer, 3 steps"
+)
+part_field() {  # part_field KEY 2|3: the share or the name of a part
+  local p key share name
+  for p in "${PARTS[@]}"; do
+    read -r key share name <<< "$p"
+    [[ "$key" == "$1" ]] || continue
+    if [[ "$2" == 2 ]]; then echo "$share"; else echo "$name"; fi
+    return
+  done
+  die "no part $1" 3
+}
+part_timeout() { echo $((BUDGET * $(part_field "$1" 2) / 100)); }
+
+do_schedule() {
+  BUDGET=480
+  while (($#)); do
+    case "$1" in
+      --budget) [[ "${2:-}" =~ ^[0-9]+$ ]] || die "--budget needs a number of seconds"; BUDGET=$2; shift 2 ;;
+      *) die "unknown argument to schedule: $1 (see bench/gpu.sh --help)" ;;
+    esac
+  done
+  local p key share name sum=0
+  printf '%8s  %s\n' "timeout" "part (--budget $BUDGET)"
+  for p in "${PARTS[@]}"; do
+    read -r key share name <<< "$p"
+    printf '%6d s  %s: %s\n' "$(part_timeout "$key")" "$key" "$name"
+    sum=$((sum + $(part_timeout "$key")))
+  done
+  printf '%6d s  %s\n' "$((BUDGET - sum))" "cases: every [cuda] case, each within what is left (at least this)"
+}
+
+# record KEY NAME RESULT SECONDS NOTE: one part's line in the report and in parts.tsv.
+record() {
+  RESULTS+=("$2|$3|$4|${5//|//}")
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$3" "$4" "${2//$'\t'/ }" "${5//$'\t'/ }" >> "$LOGS/parts.tsv"
+}
+
+# run_part KEY NAME TIMEOUT COMMAND...: runs it in $WORK under `timeout`, logs it to KEY.log, records
+# its result and runtime.
 run_part() {
-  local name="$1" limit="$2" log rc t0 t1 result note=""
-  shift 2
+  local key="$1" name="$2" limit="$3" log rc t0 t1 result note=""
+  shift 3
   if [[ -n "$ONLY" && ! "$name" =~ $ONLY ]]; then return; fi
   local left=$((DEADLINE - $(date +%s)))
-  if ((left <= 5)); then
-    RESULTS+=("$name|not run|0|the budget of ${BUDGET} s was spent"); FAILED=1; return
-  fi
+  if ((left <= 5)); then record "$key" "$name" "not run" 0 "the budget of ${BUDGET} s was spent"; FAILED=1; return; fi
   ((limit > left)) && limit=$left
-  log="$LOGS/$(slug "$name").log"
+  log="$LOGS/$key.log"
   echo "== $name (timeout ${limit} s)"
   t0=$(date +%s%N)
   (cd "$WORK" && timeout -k 10 "$limit" "$@") > "$log" 2>&1
@@ -142,7 +199,7 @@ run_part() {
     *) result="failed (exit $rc)"; FAILED=1 ;;
   esac
   [[ $rc == 0 || $rc == 77 ]] || note="$(grep -m1 -E 'FAILED|error|Error' "$log" | cut -c1-160)"
-  RESULTS+=("$name|$result|$secs|${note//|//}")
+  record "$key" "$name" "$result" "$secs" "$note"
   echo "   $result ($secs s)"
 }
 
@@ -164,41 +221,76 @@ case_timeout() {
 }
 
 run_cases() {
-  local bin name escaped
+  local bin name escaped found=0
   for bin in "$WORK"/bin/test_*; do
+    [[ -x "$bin" ]] || continue
+    found=1
     while IFS= read -r name; do
       [[ -n "$name" ]] || continue
       escaped="$(printf '%s' "$name" | sed 's/[][,*\\]/\\&/g')"
-      run_part "$(basename "$bin"): $name" "$(case_timeout "$name")" env SUBLINEAR_SOURCE_DIR="$ROOT" \
-        SUBLINEAR_TRAINER="$WORK/bin/trainer" SUBLINEAR_PYTHON="$PY" "$bin" "$escaped" --warn NoAssertions
+      run_part "case_$(slug "$(basename "$bin")_$name")" "$(basename "$bin"): $name" "$(case_timeout "$name")" \
+        env SUBLINEAR_SOURCE_DIR="$ROOT" SUBLINEAR_TRAINER="$WORK/bin/trainer" SUBLINEAR_PYTHON="$PY" \
+        "$bin" "$escaped" --warn NoAssertions
     done < <(case_names "$bin")
   done
+  ((found)) || record case_none "[cuda] test cases" skipped 0 "the pack holds no test binaries"
 }
 
-# GPT-2 124M in bf16 (configs/gpt2_124m.yaml: micro-batch 8 x 1024 tokens), 8 steps: tokens/s and the
-# peaks, from summary.json and the step records (reserved: the largest reserved_bytes of a step record).
-FIGURE_ARGS="--config configs/gpt2_124m.yaml --set train.device=cuda --set precision.compute=bf16 --set train.steps=8 \
---set train.grad_accum=1 --set train.eval_interval=0 --set state.at_end=false --set logging.save_model=false \
---set logging.progress=false --set logging.interval=1"
+# ---- the target parts ----
 
-figure() {  # figure NAME SETS
-  local dir
-  dir="$WORK/figures/$(slug "$1")"
-  if ((CUDA_DEVICES == 0)); then RESULTS+=("figure: $1|skipped|0|no CUDA device here"); return; fi
-  run_part "figure: $1" 120 env OMP_NUM_THREADS=1 bash -c "cd '$ROOT' && '$WORK/bin/trainer' $FIGURE_ARGS $2 --set logging.dir='$dir'"
-  [[ -s "$dir/summary.json" ]] || return
-  cp "$dir/summary.json" "$LOGS/$(slug "figure: $1").summary.json"
-  FIGURES+=("$("$PY" - "$dir" "$1" <<'EOF'
-import json, sys
-d, name = sys.argv[1], sys.argv[2]
-s = json.load(open(d + "/summary.json"))
-reserved = max((r.get("reserved_bytes", 0) for r in map(json.loads, open(d + "/metrics.jsonl")) if "event" not in r), default=0)
-mib = lambda b: f"{b / 2**20:.0f}"
-pred, peak = s["predicted_peak_bytes"], s["peak_allocated_bytes"]
-print(f"| {name} | {s['median_tokens_per_s']:.0f} | {s['median_step_ms']:.1f} | {100 * s.get('median_mfu', 0):.1f} "
-      f"| {mib(pred)} | {mib(peak)} | {100 * (pred - peak) / peak:+.1f} % | {mib(reserved)} |")
-EOF
-)")
+# needs_cuda KEY: records the part as skipped (and fails) without a CUDA device or when --only leaves it out.
+needs_cuda() {
+  local name
+  name="$(part_field "$1" 3)"
+  [[ -z "$ONLY" || "$name" =~ $ONLY ]] || return 1
+  ((CUDA_DEVICES > 0)) && return 0
+  record "$1" "$name" skipped 0 "no CUDA device here"
+  return 1
+}
+
+# trainer_part KEY CONFIG [--set ...]: a trainer run in the checkout, its run folder runs/KEY in the logs.
+trainer_part() {
+  local key="$1" config="$2"
+  shift 2
+  needs_cuda "$key" || return 0
+  run_part "$key" "$(part_field "$key" 3)" "$(part_timeout "$key")" bash -c 'cd "$0" && exec "$@"' "$ROOT" \
+    "$WORK/bin/trainer" --config "$config" --set state.at_end=false --set state.on_signal=false \
+    --set logging.save_model=false --set logging.progress=false --set logging.interval=1 --set train.eval_interval=0 \
+    --set logging.dir="$LOGS/runs/$key" "$@"
+}
+
+# The trainer's own peak (summary.json of the GPT-2 run: its datasheet for this GPU), in TFLOP/s.
+trainer_peak_tflops() {
+  local s="$LOGS/runs/gpt2_none/summary.json"
+  [[ -s "$s" ]] && "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["model"]["peak_flops"] / 1e12)' "$s" 2>/dev/null
+}
+
+# GPT-2 124M as configs/gpt2_124m.yaml has it (8 x 1024 tokens, 8 micro-batches), bf16, 8 steps (the
+# medians leave out the first 3, logging.skip_first).
+GPT2=(configs/gpt2_124m.yaml --set train.device=cuda --set precision.compute=bf16 --set train.steps=8)
+
+run_targets() {
+  local peak sets=()
+  OMP_NUM_THREADS=1 trainer_part gpt2_none "${GPT2[@]}" --set checkpointing.mode=none
+  peak="$(trainer_peak_tflops)"
+  if needs_cuda baseline; then
+    run_part baseline "$(part_field baseline 3)" "$(part_timeout baseline)" "$PY" "$ROOT/bench/compiled_gpt.py" \
+      --device cuda --n-layer 12 --n-head 12 --n-embd 768 --vocab 50257 --seq-len 1024 --micro-batch 8 \
+      --grad-accum 8 --warmup 3 --steps 10 ${peak:+--peak-tflops "$peak"} --out "$LOGS/runs/baseline.json"
+  fi
+  OMP_NUM_THREADS=1 trainer_part gpt2_full "${GPT2[@]}" --set checkpointing.mode=full
+  OMP_NUM_THREADS=1 trainer_part gpt2_selective "${GPT2[@]}" --set checkpointing.mode=selective \
+    --set 'checkpointing.recompute=[attention, mlp, norm]'
+  trainer_part llama_1b configs/1b_24gb.yaml --set train.steps=8 --set train.grad_accum=4
+  # The 7B plan and run priced at this GPU's peak (the recipe names an RTX 4090's), as the trainer reports it.
+  [[ -n "$peak" ]] && sets=(--set logging.peak_tflops="$peak")
+  if needs_cuda plan_7b; then
+    run_part plan_7b "$(part_field plan_7b 3)" "$(part_timeout plan_7b)" bash -c 'cd "$0" && exec "$@"' "$ROOT" \
+      "$WORK/bin/trainer" plan --config configs/7b_24gb.yaml --set memory.limit=24GB "${sets[@]}" \
+      --out "$LOGS/runs/plan_7b.json"
+  fi
+  trainer_part run_7b configs/7b_24gb.yaml --set memory.limit=24GB --set train.steps=3 --set logging.skip_first=1 \
+    "${sets[@]}"
 }
 
 write_report() {
@@ -214,24 +306,23 @@ write_report() {
     echo "- $(sed -n 's/^sublinear trainer/trainer/p' "$WORK/MANIFEST")"
     echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ); command: \`bench/gpu.sh run $ARGS_TEXT\` (budget ${BUDGET} s); wall time $(( $(date +%s) - START )) s"
     echo
+    echo "## Targets (issue 53)"
+    echo
+    "$PY" "$ROOT/bench/gpu_targets.py" "$LOGS" || echo "(bench/gpu_targets.py failed: the parts below and the logs have the figures)"
+    echo
+    echo "## Parts"
+    echo
     echo "| part | result | seconds | note |"
     echo "| --- | --- | --- | --- |"
     local r
     for r in "${RESULTS[@]}"; do echo "| ${r//|/ | } |"; done
     echo
-    echo "GPT-2 124M, bf16 compute, micro-batch 8 x 1024 tokens, medians over steps 4-8 of 8:"
-    echo
-    echo "| run | tokens/s | step ms | MFU % | planner peak MiB | allocated peak MiB | planner vs allocated | reserved peak MiB |"
-    echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
-    for r in "${FIGURES[@]}"; do echo "$r"; done
-    ((${#FIGURES[@]})) || echo "| (none: no CUDA device, or --only left the figures out) | | | | | | | |"
-    echo
-    echo "Raw logs: $(basename "$LOGS")/ beside this file (one per part)."
+    echo "Raw logs: $(basename "$LOGS")/ beside this file (one per part; the trainer's run folders in runs/)."
   } > "$md"
 }
 
 do_run() {
-  BUDGET=420 ONLY=""
+  BUDGET=480 ONLY=""
   ARGS_TEXT="$*"
   while (($#)); do
     case "$1" in
@@ -240,7 +331,7 @@ do_run() {
       *) die "unknown argument to run: $1 (see bench/gpu.sh --help)" ;;
     esac
   done
-  START=$(date +%s) DEADLINE=$((START + BUDGET)) FAILED=0 RESULTS=() FIGURES=()
+  START=$(date +%s) DEADLINE=$((START + BUDGET)) FAILED=0 RESULTS=()
   PY="$(python_with_torch)"
   unpack
   trap 'rm -rf "$WORK"' EXIT
@@ -255,11 +346,11 @@ do_run() {
   stamp="$(date -u +%Y-%m-%d)"
   [[ -e "$results/gpu-$stamp.md" ]] && stamp="$(date -u +%Y-%m-%d-%H%M)"
   LOGS="$results/gpu-$stamp-logs"
-  mkdir -p "$LOGS"
+  mkdir -p "$LOGS/runs"
+  : > "$LOGS/parts.tsv"
   echo "$version" > "$LOGS/trainer-version.txt"
+  run_targets
   run_cases
-  figure "none" ""
-  figure "checkpointing full" "--set checkpointing.mode=full"
   write_report "$results/gpu-$stamp.md"
   cat "$results/gpu-$stamp.md"
   if [[ -n "${OUT:-}" ]]; then
@@ -271,7 +362,8 @@ do_run() {
 case "${1:-}" in
   pack) shift; (($# == 0)) || die "pack takes no arguments"; do_pack ;;
   run) shift; do_run "$@" ;;
+  schedule) shift; do_schedule "$@" ;;
   -h|--help|help) usage ;;
   "") usage >&2; exit 2 ;;
-  *) die "unknown command: $1 (pack, run or --help)" ;;
+  *) die "unknown command: $1 (pack, run, schedule or --help)" ;;
 esac

@@ -11,7 +11,13 @@
 #     tests (exit 77, SKIP_RETURN_CODE) are counted and named with their reasons, ctest's exit status
 #     is kept,
 #   - scripts/check_links.py: passes on this tree; fails naming a missing page and a missing anchor
-#   - bench/gpu.sh: --help, argument errors and a run without a pack exit 2 (its runs: a GPU machine),
+#   - bench/gpu.sh: --help, argument errors and a run without a pack exit 2 (its runs: a GPU machine);
+#     schedule: each part's timeout from --budget, in the run's order; run with a pack of this build's
+#     trainer and no CUDA device: every target and part recorded as skipped, exit 0,
+#   - bench/compiled_gpt.py (the GPU baseline) on the CPU, tiny and uncompiled: its FLOPs per token are
+#     the trainer's summary's for the same shape,
+#   - bench/gpu_targets.py (gpu.sh's targets table) on tiny CPU runs, the baseline's log and a plan: each
+#     target's figure from them, met / not met by its bound; a run cut short gives partial figures,
 #   - scripts/check_design.py: passes on this tree; fails naming an include against the layer order, an
 #     unplaced folder, a torch header in the torch-free bottom; fails naming each string comparison with a
 #     recipe choice's name (sharding stage, architecture, dtype, backend, device, data source, spike action)
@@ -20,7 +26,7 @@
 #     recipe copy outside src/config and src/main.cpp, and a function outside its RECIPE_READERS list
 #     taking the whole recipe.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
-# at least one PNG. Registered with ctest. Cost: ~25 s on 2 cores (about 20 short trainer runs).
+# at least one PNG. Registered with ctest. Cost: ~80 s on 2 shared cores (about 30 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
 # Env: TRAINER (trainer binary, default REPO_ROOT/build/trainer), PYTHON (interpreter with matplotlib).
 # Prints "N passed, M failed" last; exits 0 only when nothing failed.
@@ -340,6 +346,156 @@ gpu_sh_arguments() {  # bench/gpu.sh's usage and refusals (its runs need a build
   out="$("$TMP/gputree/bench/gpu.sh" run 2>&1)"; [[ $? == 2 && "$out" == *"bench/gpu.sh pack"* ]] || { echo "no pack: $out"; return 1; }
 }
 check "gpu.sh: usage, and argument errors and a missing pack exit 2" gpu_sh_arguments
+
+gpu_sh_schedule() {  # each target part's timeout is its share of --budget; the shares leave the [cuda] cases some
+  local gpu="$ROOT/bench/gpu.sh" b out
+  for b in 480 300 1000; do
+    out="$("$gpu" schedule --budget "$b")" || { echo "schedule --budget $b failed: $out"; return 1; }
+    "$PYTHON" -c '
+import re, sys
+budget = int(sys.argv[1])
+parts = [(m.group(2), int(m.group(1))) for m in
+         (re.match(r"\s*(-?\d+) s  (\w+)", l) for l in sys.stdin.read().splitlines()[1:])]
+keys = [k for k, _ in parts]
+# the run order: the trainer and its baseline first, the 7B after its plan, the [cuda] cases last
+assert keys == ["gpt2_none", "baseline", "gpt2_full", "gpt2_selective", "llama_1b", "plan_7b", "run_7b",
+                "cases"], keys
+# every part has time; the parts and what is left for the [cuda] cases add up to the budget exactly,
+# and the cases keep at least 5 % of it (the shares sum to at most 95 %)
+assert all(t >= 1 for _, t in parts), parts
+assert sum(t for _, t in parts) == budget and dict(parts)["cases"] >= budget * 5 // 100, parts' "$b" <<< "$out" ||
+      { echo "$out"; return 1; }
+  done
+  out="$("$gpu" schedule --budget soon 2>&1)"; [[ $? == 2 && "$out" == *"--budget needs a number"* ]] || { echo "$out"; return 1; }
+}
+check "gpu.sh schedule: every part's timeout from the budget, in the run's order" gpu_sh_schedule
+
+gpu_sh_without_gpu() {  # a pack of this build's trainer alone, no CUDA device: every part skipped, exit 0
+  local tree="$TMP/gpuskip" stage="$TMP/gpustage" out md
+  mkdir -p "$tree/bench" "$tree/.gpu" "$stage/bin" "$stage/lib"
+  cp "$ROOT"/bench/{gpu.sh,gpu_targets.py,compiled_gpt.py,eager_gpt.py} "$tree/bench/"
+  cp "$TRAINER" "$stage/bin/trainer"
+  { echo "commit (test)"; echo "packed (test)"; "$TRAINER" --version; } > "$stage/MANIFEST"
+  "$PYTHON" -c 'import sys, tarfile
+with tarfile.open(sys.argv[2], "w:xz", preset=0) as t:
+    for name in ("MANIFEST", "bin", "lib"):
+        t.add(sys.argv[1] + "/" + name, arcname=name)' "$stage" "$tree/.gpu/pack.tar.xz" || return 1
+  out="$(CUDA_VISIBLE_DEVICES= SUBLINEAR_PYTHON="$PYTHON" "$tree/bench/gpu.sh" run 2>&1)" ||
+    { echo "exit $?:"; echo "$out"; return 1; }
+  md="$(ls "$tree"/bench/results/gpu-*.md)" || return 1
+  "$PYTHON" -c '
+import json, sys
+md, logs = open(sys.argv[1]).read(), sys.argv[1][:-3] + "-logs"
+t = json.load(open(logs + "/targets.json"))["targets"]
+names = [r["target"] for r in t]
+# every target of issue 53 has its row, each skipped
+for want in ("over the torch.compile baseline", "trainer MFU", "checkpointing full", "checkpointing selective",
+             "LLaMA 1B", "optimizer steps run", "device peak", "modelled step", "planner peak vs allocated",
+             "[cuda] test cases"):
+    assert sum(want in n for n in names) == 1, (want, names)
+assert all(r["result"] == "skipped" for r in t), t
+parts = [l.split("\t") for l in open(logs + "/parts.tsv").read().splitlines()]
+assert [p[0] for p in parts] == ["gpt2_none", "baseline", "gpt2_full", "gpt2_selective", "llama_1b", "plan_7b",
+                                 "run_7b", "case_none"], parts
+assert all(p[1] == "skipped" for p in parts), parts
+assert "| LLaMA 1B (configs/1b_24gb.yaml): MFU |  | >= 45 % | skipped |" in md, md' "$md"
+}
+check "gpu.sh run without a GPU: every target and part recorded as skipped, exit 0" gpu_sh_without_gpu
+
+# bench/compiled_gpt.py (the torch.compile baseline) on the CPU with a tiny model, uncompiled: its FLOPs
+# per token are the trainer's for the same shape (vocabulary 200, padded to 256 in the baseline only).
+compiled_gpt_cpu() {
+  local out run="$TMP/fpt"
+  out="$("$PYTHON" "$ROOT/bench/compiled_gpt.py" --help)" && [[ "$out" == *"--no-compile"* && "$out" == *"--peak-tflops"* ]] ||
+    { echo "--help: $out"; return 1; }
+  out="$("$PYTHON" "$ROOT/bench/compiled_gpt.py" --n-embd 30 --n-head 4 2>&1)"; [[ $? == 2 && "$out" == *"not a multiple of --n-head"* ]] ||
+    { echo "bad shape: $out"; return 1; }
+  "$TRAINER" --config "$ROOT/configs/tiny.yaml" --set model.vocab_size=200 --set data.source=synthetic \
+    --set train.steps=1 --set train.eval_interval=0 --set state.at_end=false --set logging.save_model=false \
+    --set logging.progress=false --set train.threads=1 --set logging.peak_tflops=1 --set logging.dir="$run" > "$TMP/fpt.log" 2>&1 ||
+    { tail "$TMP/fpt.log"; return 1; }
+  # tiny.yaml's shape: 4 layers, d 128, 4 heads, seq_len 128 (max_seq_len 256: the position table is not counted)
+  "$PYTHON" "$ROOT/bench/compiled_gpt.py" --device cpu --no-compile --precision fp32 --threads 1 --n-layer 4 \
+    --n-head 4 --n-embd 128 --vocab 200 --seq-len 128 --micro-batch 2 --grad-accum 2 --warmup 1 --steps 2 \
+    --peak-tflops 1 > "$TMP/fpt.jsonl" || return 1
+  "$PYTHON" -c '
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+b, s = lines[-1], json.load(open(sys.argv[2]))["model"]
+assert [l["phase"] for l in lines[:-1]] == ["warmup", "timed", "timed"], lines[:-1]
+assert b["shape"]["vocab_padded"] == 256 and b["timed_steps"] == 2 and len(b["step_ms"]) == 2, b
+# integers held exactly in float64: the same formula gives the same number
+assert b["flops_per_token"] == s["flops_per_token"] and b["matmul_params"] == s["matmul_params"], (b, s)
+# tokens/s and MFU follow from the median step: 2 x 128 x 2 tokens per step, the peak 1 TFLOP/s
+assert abs(b["tokens_per_s"] - 512 / b["median_step_ms"] * 1e3) <= 1e-9 * b["tokens_per_s"], b
+assert abs(b["mfu"] - b["tokens_per_s"] * b["flops_per_token"] / 1e12) <= 1e-9 * b["mfu"], b
+assert all(l["loss"] > 0 for l in lines[:-1]), lines' "$TMP/fpt.jsonl" "$run/summary.json"
+}
+check "compiled_gpt.py: runs on the CPU; its FLOPs per token are the trainer's for the same shape" compiled_gpt_cpu
+
+# bench/gpu_targets.py on real outputs of the CPU: tiny trainer runs in the places of the GPU runs, the
+# baseline's log, a plan; one run cut short (summary.json removed, its part timed out) gives partial figures.
+gpu_targets_figures() {
+  local logs="$TMP/targets" key mode
+  mkdir -p "$logs/runs"
+  for key in gpt2_none:none gpt2_full:full llama_1b:none run_7b:none; do
+    mode=${key#*:} key=${key%%:*}
+    "$TRAINER" --config "$ROOT/configs/tiny.yaml" --set train.steps=5 --set train.eval_interval=0 \
+      --set state.at_end=false --set logging.save_model=false --set logging.progress=false --set train.threads=1 \
+      --set logging.peak_tflops=1 --set checkpointing.mode="$mode" --set logging.dir="$logs/runs/$key" \
+      > "$logs/$key.log" 2>&1 || { tail "$logs/$key.log"; return 1; }
+    printf '%s\tpassed\t1.0\t%s\t\n' "$key" "$key" >> "$logs/parts.tsv"
+  done
+  rm "$logs/runs/llama_1b/summary.json"
+  sed -i 's/^llama_1b\tpassed/llama_1b\ttimed out/' "$logs/parts.tsv"
+  "$TRAINER" plan --config "$ROOT/configs/tiny.yaml" --set logging.peak_tflops=1 --set parallel.sharding=zero1 \
+    --set offload.optimizer=true --out "$logs/runs/plan_7b.json" \
+    > "$logs/plan_7b.log" 2>&1 || { tail "$logs/plan_7b.log"; return 1; }
+  "$PYTHON" "$ROOT/bench/compiled_gpt.py" --device cpu --no-compile --precision fp32 --threads 1 --n-layer 4 \
+    --n-head 4 --n-embd 128 --vocab 256 --seq-len 128 --micro-batch 16 --grad-accum 2 --warmup 1 --steps 2 \
+    > "$logs/baseline.log" || return 1
+  printf 'baseline\tpassed\t1.0\tbaseline\t\nplan_7b\tpassed\t1.0\tplan\t\n' >> "$logs/parts.tsv"
+  "$PYTHON" "$ROOT/bench/gpu_targets.py" "$logs" > "$logs/targets.md" || { cat "$logs/targets.md"; return 1; }
+  "$PYTHON" -c '
+import json, statistics, sys
+logs = sys.argv[1]
+t = {r["target"]: r for r in json.load(open(logs + "/targets.json"))["targets"]}
+row = lambda part: next(r for n, r in t.items() if part in n)
+s = {k: json.load(open(f"{logs}/runs/{k}/summary.json")) for k in ("gpt2_none", "gpt2_full", "run_7b")}
+base = [json.loads(l) for l in open(logs + "/baseline.log")][-1]
+ratio = s["gpt2_none"]["median_tokens_per_s"] / base["tokens_per_s"]
+r = row("over the torch.compile baseline")
+assert r["measured"].startswith(f"{ratio:.2f}x") and r["result"] == ("met" if ratio >= 1 else "not met"), (ratio, r)
+mfu = s["gpt2_none"]["median_mfu"]
+r = row("trainer MFU")
+assert r["measured"] == f"{100 * mfu:.1f} %" and r["result"] == ("met" if mfu >= 0.4 else "not met"), (mfu, r)
+full = s["gpt2_full"]["median_step_ms"] / s["gpt2_none"]["median_step_ms"]
+r = row("checkpointing full")
+assert r["measured"].startswith(f"{full:.2f}x") and r["result"] == ("met" if full <= 1.3 else "not met"), (full, r)
+assert row("checkpointing selective")["result"] == "not run", row("checkpointing selective")
+# the 1B run cut short: the medians of its step records after the first 3, marked partial
+steps = [json.loads(l) for l in open(logs + "/runs/llama_1b/metrics.jsonl")]
+steps = [x for x in steps if "event" not in x and "step" in x]
+want = statistics.median(x["mfu"] for x in steps[3:])
+r = row("LLaMA 1B")
+assert r["measured"] == f"{100 * want:.1f} %" and "partial: llama_1b timed out" in r["note"], (want, r)
+assert row("optimizer steps run")["measured"] == "5" and row("optimizer steps run")["result"] == "met"
+peak = s["run_7b"]["peak_allocated_bytes"] / 2**30
+assert row("device peak")["measured"] == f"{peak:.2f} GiB" and row("device peak")["result"] == "met"
+plan = json.load(open(logs + "/runs/plan_7b.json"))["offload"]["step_s"]
+last = [json.loads(l) for l in open(logs + "/runs/run_7b/metrics.jsonl")]
+last = [x for x in last if "event" not in x and "step" in x][-1]["step_ms"] / 1e3
+assert row("modelled step")["measured"].startswith(f"{last / plan:.2f}x"), (last, plan, row("modelled step"))
+err = [(s[k]["predicted_peak_bytes"] - s[k]["peak_allocated_bytes"]) / s[k]["peak_allocated_bytes"]
+       for k in ("gpt2_none", "gpt2_full")]
+worst = max(err, key=abs)
+r = row("planner peak vs allocated")
+assert r["measured"].startswith(f"{100 * worst:+.1f} %") and r["result"] == ("met" if abs(worst) <= 0.05 else "not met"), r
+assert row("[cuda] test cases")["result"] == "not run"
+md = open(logs + "/targets.md").read()
+assert "| GPT-2 124M torch.compile baseline |" in md and "| LLaMA 1B trainer |" in md and "(partial)" in md, md' "$logs"
+}
+check "gpu_targets.py: each target from the runs' summaries, the baseline and the plan; a cut-short run partial" gpu_targets_figures
 
 echo "$passed passed, $failed failed"
 ((failed == 0))
