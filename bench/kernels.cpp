@@ -184,7 +184,7 @@ StepCost model_step(model::GPT& gpt, int64_t reps) {
     const int64_t before = tracker.num_allocs();
     const double t = time_ms([&] {
       gpt->zero_grad();
-      model::GPTImpl::loss(gpt->forward(idx), targets).backward();
+      gpt->loss(idx, targets).backward();
     });
     allocs = tracker.num_allocs() - before;
     if (r >= 2) ms.push_back(t);
@@ -215,7 +215,7 @@ double autocast_step_ms(model::GPT& gpt, const torch::Tensor& idx, const torch::
     torch::Tensor loss;
     {
       const precision::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);  // the trainer's guard
-      loss = model::GPTImpl::loss(gpt->forward(idx), targets);
+      loss = gpt->loss(idx, targets);
     }
     loss.backward();
   });

@@ -88,8 +88,8 @@ Chain random_chain(int64_t L, std::mt19937& rng, bool weights) {
     b.forward = b.attention + b.mlp + b.norm + b.output + cost(rng);
     c.costs.push_back(b);
   }
-  c.mem.input = small(rng), c.mem.head = size(rng), c.mem.head_input = small(rng) / 2;
-  c.mem.head_weights = weights ? small(rng) : 0, c.mem.tied_grad = small(rng);
+  c.mem.input = small(rng), c.mem.head = size(rng), c.mem.head_forward = size(rng);
+  c.mem.tied_grad = small(rng);
   return c;
 }
 
@@ -194,7 +194,7 @@ TEST_CASE("while a segment is recomputed, the kept blocks before it still hold t
   m.backward.assign(3, {10, 10, 12, 12, 10, 10, 12, 12});
   m.weights = {7, 11, 13};
   m.forward.assign(3, 20);
-  m.input = 5, m.head = 30, m.head_input = 4, m.head_weights = 3, m.tied_grad = 2;
+  m.input = 5, m.head = 30, m.head_forward = 29, m.tied_grad = 2;
   checkpointing::Plan p;
   p.mode = config::CheckpointingMode::kBudget;
   p.segments = {{0, 1, false}, {1, 3, true}};
@@ -262,7 +262,7 @@ Gradients gradients(const config::RunConfig& cfg, const checkpointing::Plan& pla
   torch::manual_seed(1234);
   Gradients out;
   parallel::Single single(m);
-  out.loss = train::forward_backward([&](const torch::Tensor& idx) { return runner.forward(idx); }, {loader.next()},
+  out.loss = train::forward_backward([&](const torch::Tensor& idx, const torch::Tensor& y) { return runner.loss(idx, y); }, {loader.next()},
                                      torch::kCPU, single).item<double>();
   for (const auto& p : m->parameters()) out.grads.push_back(p.grad().clone());
   return out;
@@ -621,7 +621,6 @@ TEST_CASE("the profile measures each block's bytes on the device; they agree wit
     // leaves out, a few KiB each).
     auto without_copies = model;
     std::fill(without_copies.weights.begin(), without_copies.weights.end(), 0.0);
-    without_copies.head_weights = 0;
     const double floor = memory::chain_peak(without_copies, plan);
     INFO(fmt::format("budget {} {}: {}; measured {} predicted {} (without weight copies {})", budget, compute,
                      plan.describe(), measured, predicted, floor));

@@ -73,7 +73,7 @@ Logits run_model(model::GPT& model, const torch::Tensor& tokens) {
   torch::NoGradGuard no_grad;
   auto logits = model->forward(tokens);
   const int64_t T = tokens.size(1);
-  const auto loss = model::GPTImpl::loss(logits.narrow(1, 0, T - 1), tokens.narrow(1, 1, T - 1));
+  const auto loss = model::GPTImpl::loss_of_logits(logits.narrow(1, 0, T - 1), tokens.narrow(1, 1, T - 1));
   return {logits, loss.item<double>()};
 }
 

@@ -55,7 +55,7 @@ Result run_once(const config::RunConfig& cfg, int64_t micro_batches = 1) {
   Result r;
   const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), nullptr};
   parallel::Single single(m);
-  r.loss = train::forward_backward([&](const torch::Tensor& idx) { return runner.forward(idx); }, batches, torch::kCPU,
+  r.loss = train::forward_backward([&](const torch::Tensor& idx, const torch::Tensor& y) { return runner.loss(idx, y); }, batches, torch::kCPU,
                                    single, prec).item<double>();
   for (const auto& p : m->parameters()) r.grads.push_back(p.grad().clone());
   return r;
@@ -224,12 +224,12 @@ TEST_CASE("a forward whose graph is dropped without backward frees everything") 
       auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
       const int64_t base = alloc.current_bytes();
       {
-        auto loss = model::GPTImpl::loss(runner.forward(idx), idx);
+        auto loss = runner.loss(idx, idx);
         CHECK(alloc.current_bytes() > base);
       }
       CHECK(alloc.current_bytes() == base);
       {
-        auto loss = model::GPTImpl::loss(runner.forward(idx), idx);
+        auto loss = runner.loss(idx, idx);
         loss.backward();
       }
       int64_t grads = 0;
@@ -246,7 +246,7 @@ TEST_CASE("the pre-recompute hook runs before each recompute, last segment first
   std::vector<std::string> calls;
   runner.set_pre_recompute_hook([&](const std::string& name) { calls.push_back(name); });
   auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
-  model::GPTImpl::loss(runner.forward(idx), idx).backward();
+  runner.loss(idx, idx).backward();
   REQUIRE(calls.size() == 2);
   CHECK(calls[0] == "segment 1 (blocks 2..3)");
   CHECK(calls[1] == "segment 0 (blocks 0..1)");
@@ -261,7 +261,7 @@ TEST_CASE("check_recompute names the segment whose recompute differs") {
   model::GPT m(cfg.model, torch::kCPU);
   checkpointing::Runner runner(cfg.checkpointing, m);
   auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
-  auto loss = model::GPTImpl::loss(runner.forward(idx), idx);
+  auto loss = runner.loss(idx, idx);
   try {
     loss.backward();
     FAIL("no error");
@@ -271,7 +271,7 @@ TEST_CASE("check_recompute names the segment whose recompute differs") {
   // With the RNG replayed the same check passes.
   auto ok = small("gpt2", 0.3, {"checkpointing.mode=full", "checkpointing.check_recompute=true"});
   checkpointing::Runner p2(ok.checkpointing, m);
-  CHECK_NOTHROW(model::GPTImpl::loss(p2.forward(idx), idx).backward());
+  CHECK_NOTHROW(p2.loss(idx, idx).backward());
 }
 
 TEST_CASE("segment plans") {
@@ -441,7 +441,7 @@ TEST_CASE("a recomputed segment does not re-run its last block's output projecti
     INFO(arch);
     const int64_t L = 5;
     const int64_t none = linears_in_step(small(arch, 0.0, {"checkpointing.mode=none"}));
-    CHECK(none == 4 * L + 1);  // four per block, and the head
+    CHECK(none == 4 * L);  // four per block (the head is the fused loss: its matmuls are not aten::linear)
     // Every block its own segment: each recompute re-runs qkv, proj and fc, not out.
     CHECK(linears_in_step(small(arch, 0.0, {"checkpointing.mode=full", "checkpointing.skip_last=false"})) ==
           none + 3 * L);

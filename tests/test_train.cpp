@@ -55,8 +55,8 @@ train::Outcome loop(train::Session& s, train::LoopState& st) {
   return train::train_loop(s.cfg, s.proc, s.learn, s.data, s.meter, s.out, st);
 }
 
-train::ForwardFn fwd(model::GPT& m) {
-  return [m](const torch::Tensor& idx) mutable { return m->forward(idx); };
+train::LossFn fwd(model::GPT& m) {
+  return [m](const torch::Tensor& idx, const torch::Tensor& y) mutable { return m->loss(idx, y); };
 }
 
 std::vector<torch::Tensor> grads_of(model::GPT& m) {
@@ -488,8 +488,8 @@ TEST_CASE("fp16 loss scaling: an inf gradient skips the step, backs off the scal
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(5000, 256, 3);
   data::Loader loader(src, 2, 32, 1);
 
-  const train::ForwardFn forward = fwd(m);
-  const train::StepParts parts{.forward = forward, .strategy = single, .opt = *opt, .tracker = tracker,
+  const train::LossFn loss = fwd(m);
+  const train::StepParts parts{.loss = loss, .strategy = single, .opt = *opt, .tracker = tracker,
                                .device = torch::kCPU, .precision = prec, .grad_clip = 1.0};
   // A clean step first: it updates the weights and keeps the scale.
   auto r = train::train_step(parts, {loader.next(), loader.next()});
@@ -762,11 +762,11 @@ int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int
   const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), &scaler};
   memory::Tracker tracker(torch::kCPU);
   data::Loader loader(data::make_synthetic(20000, 256, 3), 2, 32, 100 + static_cast<uint64_t>(rank));
-  const train::ForwardFn forward = [&](const torch::Tensor& idx) { return runner.forward(idx); };
+  const train::LossFn loss = [&](const torch::Tensor& idx, const torch::Tensor& y) { return runner.loss(idx, y); };
   syncs::Counter::reset();
   for (int64_t s = 0; s < steps; ++s) {
     const train::StopPoll poll = [&] { return stops[s]; };
-    const train::StepParts parts{.forward = forward, .strategy = engine, .opt = *opt, .tracker = tracker,
+    const train::StepParts parts{.loss = loss, .strategy = engine, .opt = *opt, .tracker = tracker,
                                  .device = torch::kCPU, .precision = prec, .grad_clip = 1.0};
     agreed.push_back(train::train_step(parts, {loader.next(), loader.next()}, poll).stop);
   }

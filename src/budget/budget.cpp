@@ -90,13 +90,13 @@ struct Bounds {
     return held_after + prefetch + m.tied_grad + m.backward[static_cast<size_t>(b)][parts] <= budget;
   }
   bool first_pass_fits(double held_in, double forward) const {  // F: a segment's first pass, its widest block
-    return all_weights + m.head_weights + held_in + forward <= budget;
+    return all_weights + held_in + forward <= budget;
   }
   bool recompute_fits(double held_in, double saved, double worst_backward) const {  // B
     return prefetch + m.tied_grad + held_in + saved + worst_backward <= budget;
   }
   bool end_fits(double held) const {  // F at the end of the forward, and A
-    return all_weights + m.head_weights + held + m.head - m.head_input <= budget && m.head_weights + m.head_backward + held + m.head <= budget;
+    return all_weights + held + m.head_forward <= budget && held + m.head <= budget;
   }
 };
 

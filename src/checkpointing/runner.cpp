@@ -106,6 +106,26 @@ torch::Tensor Runner::block_forward_unhooked(model::BlockImpl& block, const torc
 }
 
 torch::Tensor Runner::forward(const torch::Tensor& idx) {
+  const auto x = trunk(idx);
+  auto logits = unit(model::head_unit(model_->cfg), x, true, [&] { return model_->head(x); });
+  flush();
+  return logits;
+}
+
+torch::Tensor Runner::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  const auto x = trunk(idx);
+  const auto u = model::head_unit(model_->cfg);
+  auto loss = unit(u, x, true, [&] {
+    // The training forward's head and loss carry their own label (eval keeps eval's).
+    const auto label = unit_label() == device::Label::activations ? device::Label::loss : unit_label();
+    device::LabelScope scope(label, static_cast<int32_t>(u));
+    return model_->head_loss(x, targets);
+  });
+  flush();
+  return loss;
+}
+
+torch::Tensor Runner::trunk(const torch::Tensor& idx) {
   if (offload_) offload_->begin_forward();
   // The embedding backward needs the indices only, not the table: its parameters need no re-gather.
   auto x = unit(model::kEmbeddingUnit, torch::Tensor(), false, [&] { return model_->embed(idx); });
@@ -137,9 +157,7 @@ torch::Tensor Runner::forward(const torch::Tensor& idx) {
     x = checkpoint(fmt::format("segment {} (blocks {}..{})", si, seg.begin, seg.end - 1), fn, {x}, params, opts)[0];
     mark_backward(model::block_unit(seg.end - 1), x);  // the segment's backward starts with its last block's
   }
-  auto logits = unit(model::head_unit(model_->cfg), x, true, [&] { return model_->head(x); });
-  flush();
-  return logits;
+  return x;
 }
 
 double Runner::recompute_flops_per_token(int64_t seq_len) const {

@@ -38,6 +38,9 @@ class Runner {
   Runner(const config::CheckpointingConfig& cfg, model::GPT model, Plan plan);
 
   torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> logits (B, T, V)
+  // (B, T) inputs and targets -> the mean loss, the head and loss fused (GPTImpl::head_loss): what training
+  // and evaluation run.
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
   const Plan& plan() const { return plan_; }
   // Runs before each recompute with the piece's name (sharding re-gathers parameters here).
   void set_pre_recompute_hook(std::function<void(const std::string&)> hook) { opts_.pre_recompute_hook = std::move(hook); }
@@ -55,6 +58,7 @@ class Runner {
                               bool output_unread = false);
   torch::Tensor block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope,
                                        bool output_unread);
+  torch::Tensor trunk(const torch::Tensor& idx);  // the embeddings and blocks under the plan: (B, T, C)
   config::CheckpointingConfig cfg_;
   model::GPT model_;
   template <class F>

@@ -144,6 +144,7 @@ std::vector<Field> model_fields() {
       field(&R::model, &M::rope_theta, "model", "rope_theta", "RoPE base frequency (llama)"),
       field(&R::model, &M::init_std, "model", "init_std", "init std of weights; residual projections use init_std/sqrt(2L)"),
       field(&R::model, &M::init_from, "model", "init_from", "start from Hugging Face weights: a model.safetensors (GPT2LMHeadModel / LlamaForCausalLM names) or a directory holding one; its config.json, when beside it, is checked against the recipe; \"\" = random init"),
+      field(&R::model, &M::loss_chunk, "model", "loss_chunk", "positions per chunk of the LM head and loss, which run fused so the logits of the whole micro-batch never exist; 0 = auto (a chunk's fp32 logits <= 64 MiB); not part of the model: saved states and exports ignore it"),
   };
 }
 
@@ -717,6 +718,7 @@ void validate_model(const RunConfig& c) {
   positive("model.vocab_size", m.vocab_size);
   positive("model.max_seq_len", m.max_seq_len);
   if (m.mlp_hidden < 0) fail("model.mlp_hidden", fmt::format("must be >= 0, got {}", m.mlp_hidden));
+  if (m.loss_chunk < 0) fail("model.loss_chunk", fmt::format("must be >= 0 (0 = auto), got {}", m.loss_chunk));
   validate_layer_widths(m);
   if (!Shape(m).uniform() && (c.logging.save_model || !m.init_from.empty()))
     fail(c.logging.save_model ? "logging.save_model" : "model.init_from",

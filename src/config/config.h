@@ -55,6 +55,7 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   double init_std = 0.02;
   std::string init_from = "";  // Hugging Face safetensors weights to start from (src/interop/hf.h)
+  int64_t loss_chunk = 0;  // positions per chunk of the fused LM head + loss (model/fused_loss.h); 0 = auto
 };
 
 struct DataConfig {

@@ -23,7 +23,7 @@ enum class Label : uint8_t {
   buffers,          // the model's buffers (RoPE tables)
   input,            // the step's token batch
   activations,      // made in a unit's forward: what backward keeps, and the forward's transients
-  loss,             // the loss and what cross-entropy keeps (log-softmax of the logits)
+  loss,             // the fused head and loss (model/fused_loss.h): a chunk's logits, the gradients it keeps
   recompute,        // made while backward re-runs a checkpointed piece of a unit's forward
   backward,         // a unit's backward: gradients of activations and their temporaries
   optimizer_temp,   // after backward: gradient norm, clipping, AdamW's temporaries

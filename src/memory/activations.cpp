@@ -6,6 +6,7 @@
 
 #include <torch/cuda.h>
 
+#include "model/fused_loss.h"
 #include "model/linear.h"
 
 namespace sl::memory {
@@ -163,19 +164,30 @@ double widened_fc_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   return z.tok * (z.r * C + c * N + c * C - mlp_kept) + 8 * C * N + widened_scratch(z, C, N);
 }
 
-// E: the head's tensors at the start of backward. In fp32 (no autocast) the final norm's output is
-// one tensor, the one the LM head saves (measured: E less one cC, to 16 bytes a token).
-double head_bytes(const Sizes& z) {
-  const double norm_out = z.c < z.f ? 2 * z.c * z.C : z.c * z.C;
-  return z.r * z.C + norm_out + (2 * z.f + z.c) * z.V;
+// The fused head and loss (model/fused_loss.h) over the micro-batch's rows: its bytes kept from
+// forward to backward (dh, dW) and at its peak in the forward. Its input, the final norm's output, is
+// in the compute dtype (c); W is fp32, or the compute-dtype copy with precision.param_dtype.
+model::FusedLossBytes loss_bytes(const Scenario& sc, const Sizes& z) {
+  const auto N = static_cast<int64_t>(z.tok), C = sc.model.n_embd, V = sc.model.vocab_size;
+  const auto c = static_cast<int64_t>(z.c);
+  return model::fused_loss_bytes(N, C, V, model::loss_chunk_rows(N, V, sc.model.loss_chunk), c, c, z.lowp_params ? c : 4,
+                                 z.widened, true);
 }
 
-// The LM head's weight gradient while its backward runs: fp32 (4VC; under autocast also the
-// compute-dtype product it is cast from, cVC), or on the widened path its fp32 weight gradient and
-// rounded weight with its scratch.
-double head_grad_bytes(const Sizes& z) {
-  if (z.widened) return 8 * z.V * z.C + widened_scratch(z, z.C, z.V);
-  return 4 * z.V * z.C + (z.c < z.f ? z.c * z.V * z.C : 0.0);
+// E: the head's tensors per token at the start of backward: the last block's output, which the final
+// norm saves, with its statistics (gpt2 mean and rstd, llama rstd), and the fused loss's dh (fp32). Its
+// dW (4 V C) does not scale with the tokens: loss_bytes(...).kept less the dh.
+double head_bytes(const Sizes& z) { return z.r * z.C + z.f * (z.llama ? 1 : 2) + 4 * z.C; }
+
+// The head at the end of the forward, for the micro-batch: E's saved input and statistics, the final
+// norm's output (c C) and the fused loss at its peak.
+double head_forward_bytes(const Scenario& sc, const Sizes& z) {
+  return z.tok * (z.r * z.C + z.f * (z.llama ? 1 : 2) + z.c * z.C) + static_cast<double>(loss_bytes(sc, z).peak);
+}
+
+// What the head holds at the start of backward, for the micro-batch: tok E and dW.
+double head_start_bytes(const Scenario& sc, const Sizes& z) {
+  return z.tok * head_bytes(z) + static_cast<double>(loss_bytes(sc, z).kept) - z.tok * 4 * z.C;
 }
 
 // F: what the forward holds beyond its saved tensors while a block runs without saving (a
@@ -193,26 +205,13 @@ double forward_block_bytes(const Sizes& z) {
   return std::max(mlp, attention);
 }
 
-// Wh: under autocast the LM head's compute-dtype weight copy (0 in fp32, with compute-dtype parameters,
-// or on the widened path).
-double head_cast_bytes(const Sizes& z) { return z.c < z.f && !z.lowp_params && !z.widened ? z.c * z.V * z.C : 0.0; }
-
-// Wx: on the widened path, the LM head's backward holds its fp32 weight gradient and rounded weight
-// (4VC each) and its scratch while its input gradient is computed, after the loss's fp32 tensors (the
-// log-softmax output and the logits' fp32 gradient, 2fV per token of E) are gone: what that moment
-// holds beyond moment A, or 0 (and 0 off the widened path).
-double head_backward_bytes(const Sizes& z) {
-  if (!z.widened) return 0;
-  const double held = 8 * z.V * z.C + widened_scratch(z, z.C, z.V);
-  return std::max(0.0, held - z.tok * 2 * z.f * z.V);
-}
-
-// Moment H, the LM head's backward once the logits' gradient exists (where zero3 gathers the head and
-// zero2's first bucket gradient appears, memory/footprint.h): A less the loss's two fp32 tensors of V
-// per token gone by then (the log-softmax output and its gradient) and less the widened head's term A
-// holds (Wx), plus the head's weight gradient.
-int64_t head_moment(const Sizes& z, double start, double tok) {
-  return static_cast<int64_t>(std::max(0.0, start - head_backward_bytes(z) - tok * 2 * z.f * z.V + head_grad_bytes(z)));
+// Moment H, the LM head's backward (where zero3 gathers the head and zero2's first bucket gradient
+// appears, memory/footprint.h): A, and the fused loss's scaled gradients cast to their inputs' dtypes
+// where those are not fp32 (dh to the norm output's c; dW to W's compute-dtype copy).
+int64_t head_moment(const Scenario& sc, const Sizes& z, double start) {
+  const double dh_cast = z.c < z.f ? z.tok * z.c * z.C : 0.0;
+  const double dW_cast = z.lowp_params ? z.c * static_cast<double>(sc.model.vocab_size) * z.C : 0.0;
+  return static_cast<int64_t>(start + dh_cast + dW_cast);
 }
 
 // Under autocast the compute-dtype copies of one block's matmul weights (0 in fp32): cached through
@@ -285,17 +284,19 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   e.backward_bytes = backward_bytes(z, seg);
   e.forward_bytes = forward_block_bytes(z);
   e.attention_backward_bytes = attention_backward_bytes(z, seg);
-  const double S = e.block_bytes, E = e.head_bytes, fC = z.r * z.C, tok = static_cast<double>(e.tokens);
+  const double S = e.block_bytes, fC = z.r * z.C, tok = static_cast<double>(e.tokens);
   e.embed_mask_bytes = static_cast<int64_t>(tok * z.embed_mask * z.C);
   const auto always = static_cast<double>(e.embed_mask_bytes);
-  const double Wb = block_cast_bytes(z), Wh = head_cast_bytes(z);
+  const double Wb = block_cast_bytes(z);
+  const double head_end = head_forward_bytes(sc, z), head_start = head_start_bytes(sc, z);
+  e.loss_bytes = loss_bytes(sc, z).peak;
   if (sc.model.tie_embeddings) e.tied_grad_bytes = 4 * sc.model.vocab_size * sc.model.n_embd;
   const auto tied = static_cast<double>(e.tied_grad_bytes);
-  e.weight_cast_bytes = static_cast<int64_t>(L * Wb + Wh);
+  e.weight_cast_bytes = static_cast<int64_t>(L * Wb);
   // F: end of the forward (the head, before its gradients) or a checkpointed block's first pass,
   // with every block's weight copies still cached.
-  e.moment_f = always + L * Wb + Wh + tok * std::max(fC * n + S * kept + E - z.c * z.C, n > 0 ? fC * n + e.forward_bytes : 0.0);
-  e.moment_a = always + kept * Wb + Wh + head_backward_bytes(z) + tok * (E + fC * n + S * kept);
+  e.moment_f = always + L * Wb + std::max(tok * (fC * n + S * kept) + head_end, n > 0 ? tok * (fC * n + e.forward_bytes) : 0.0);
+  e.moment_a = always + kept * Wb + head_start + tok * (fC * n + S * kept);
   // A block's backward: the MLP's moment (T and Wg), or the math attention's where it holds more.
   const double backward = std::max({mlp_backward_bytes(z, seg), tok * e.attention_backward_bytes, widened_fc_backward_bytes(z, seg)});
   if (seg.kept_blocks > 0) e.moment_d = always + kept * Wb + tied + backward + tok * (fC * n + S * kept);
@@ -305,11 +306,11 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   // The moments a sharded engine's buffers meet (memory/footprint.h): F's two parts (the end of the
   // forward; a block's forward: a first pass, or a kept block's end, with what the blocks before it
   // keep), A, H and the blocks' backward.
-  const double weights_now = always + L * Wb + Wh;
-  e.forward_end_peak_bytes = static_cast<int64_t>(weights_now + tok * (fC * n + S * kept + E - z.c * z.C));
+  const double weights_now = always + L * Wb;
+  e.forward_end_peak_bytes = static_cast<int64_t>(weights_now + tok * (fC * n + S * kept) + head_end);
   e.forward_block_peak_bytes = static_cast<int64_t>(weights_now + tok * (fC * n + std::max(n > 0 ? e.forward_bytes : 0.0, S * kept)));
   e.start_peak_bytes = static_cast<int64_t>(e.moment_a);
-  e.head_backward_peak_bytes = head_moment(z, e.moment_a, tok);
+  e.head_backward_peak_bytes = head_moment(sc, z, e.moment_a);
   e.backward_peak_bytes = static_cast<int64_t>(std::max(e.moment_d, e.moment_b));
   return e;
 }
@@ -337,10 +338,8 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
   }
   const Sizes z = sizes_of(sc, lowp);
   m.input = tok * z.r * z.C;
-  m.head = tok * head_bytes(z);
-  m.head_input = tok * z.c * z.C;
-  m.head_weights = head_cast_bytes(z);
-  m.head_backward = head_backward_bytes(z);
+  m.head = head_start_bytes(sc, z);
+  m.head_forward = head_forward_bytes(sc, z);
   if (sc.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(sc.model.vocab_size * sc.model.n_embd);
   m.held = tok * z.embed_mask * z.C;
   m.offload_inputs = sc.placement.offload.activations && !sc.checkpointing.mode.solved();  // budget: per segment
@@ -361,19 +360,19 @@ double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, dou
     if (seg.checkpointed) {
       held += m.input;
       for (int64_t b = seg.begin; b < seg.end; ++b)
-        passes = std::max(passes, all_weights + m.head_weights + held + m.forward[static_cast<size_t>(b)]);
+        passes = std::max(passes, all_weights + held + m.forward[static_cast<size_t>(b)]);
       if (m.offload_inputs || seg.offloaded) held -= m.input, host += m.input;  // to the host once the first pass is over
       continue;
     }
     for (int64_t b = seg.begin; b < seg.end; ++b) {  // a kept block's forward, ended: what it keeps
       held += m.kept[static_cast<size_t>(b)][plan.parts_of(b)];
       kept_weights += m.weights[static_cast<size_t>(b)];
-      blocks = std::max(blocks, all_weights + m.head_weights + held);
+      blocks = std::max(blocks, all_weights + held);
     }
   }
-  phases.forward_end = all_weights + m.head_weights + held + m.head - m.head_input;
+  phases.forward_end = all_weights + held + m.head_forward;
   phases.forward_block = std::max(passes, blocks);
-  phases.start = kept_weights + m.head_weights + m.head_backward + held + m.head;
+  phases.start = kept_weights + held + m.head;
   return std::max(passes, phases.forward_end);
 }
 
@@ -432,7 +431,7 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpoint
   e.forward_end_peak_bytes = static_cast<int64_t>(phases.forward_end);
   e.forward_block_peak_bytes = static_cast<int64_t>(phases.forward_block);
   e.start_peak_bytes = static_cast<int64_t>(phases.start);
-  e.head_backward_peak_bytes = head_moment(sizes_of(sc, lowp), phases.start, static_cast<double>(e.tokens));
+  e.head_backward_peak_bytes = head_moment(sc, sizes_of(sc, lowp), phases.start);
   e.backward_peak_bytes = static_cast<int64_t>(phases.backward);
   e.host_bytes = static_cast<int64_t>(host);
   return e;

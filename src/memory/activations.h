@@ -117,13 +117,14 @@ struct ActivationEstimate {
   std::string matmul_path;           // "fp32", "cuda", or the CPU's device::LowpMatmul path
   double block_bytes = 0;            // S per token, after selective savings
   double head_bytes = 0;             // E per token
+  int64_t loss_bytes = 0;            // the fused head and loss at its forward peak (model/fused_loss.h)
   double backward_bytes = 0;         // T per token
   double forward_bytes = 0;          // F_block per token
   double attention_backward_bytes = 0;  // Ta per token (0 off SDPA's math path)
   double moment_f = 0, moment_a = 0, moment_d = 0, moment_b = 0;  // whole moments, in bytes
   int64_t embed_mask_bytes = 0;      // Me, in every moment
   int64_t tied_grad_bytes = 0;       // in moments D and B
-  int64_t weight_cast_bytes = 0;     // autocast's low-precision copies of all matmul weights
+  int64_t weight_cast_bytes = 0;     // autocast's low-precision copies of the blocks' matmul weights
   int64_t peak_bytes = 0;            // max(F, A, D, B)
   // The moments a sharded engine holds different buffers beside (memory/footprint.h), each the largest
   // of its kind: the end of the forward (F's first part); a block's forward (a checkpointed segment's
@@ -154,10 +155,8 @@ struct ChainModel {
   std::vector<double> weights;  // W of block i (autocast's copies; 0 in fp32)
   std::vector<double> forward;  // Fb of block i: the block run without saving, beyond its input
   double input = 0;        // fC: what a checkpointed segment keeps (its input)
-  double head = 0;         // E
-  double head_input = 0;   // cC: E less this at the end of the forward (moment F)
-  double head_weights = 0; // Wh
-  double head_backward = 0; // Wx: the widened head's backward transients (0 elsewhere), at moment A
+  double head = 0;          // the head at the start of backward: tok E and the fused loss's dW
+  double head_forward = 0;  // the head at the end of the forward: E's input, the norm's output, the fused loss's peak
   double tied_grad = 0;    // G
   double held = 0;         // Me: held at every moment (the embeddings' dropout mask)
   // offload.activations: a checkpointed segment's input leaves the device after its first pass and

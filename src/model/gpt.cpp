@@ -2,6 +2,7 @@
 #include "model/gpt.h"
 #include "config/shape.h"
 #include "model/attention.h"
+#include "model/fused_loss.h"
 #include "model/gelu.h"
 #include "model/layernorm.h"
 #include "model/linear.h"
@@ -234,14 +235,29 @@ torch::Tensor GPTImpl::head(const torch::Tensor& x) {
   return model::linear(h, cfg.tie_embeddings ? wte : lm_head);  // (B, T, V)
 }
 
-torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
-  auto x = embed(idx);
-  auto r = rope(idx.size(1));
-  for (const auto& b : *blocks) x = b->as<BlockImpl>()->forward(x, r);
-  return head(x);
+torch::Tensor GPTImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
+  const auto h = norm(x, lnf_w, lnf_b, cfg.arch == config::Arch::kLlama, cfg.norm_eps).reshape({-1, x.size(-1)});
+  const auto& W = cfg.tie_embeddings ? wte : lm_head;
+  return linear_cross_entropy(h, W, targets.reshape({-1}), loss_chunk_rows(h.size(0), W.size(0), cfg.loss_chunk),
+                              cfg.vocab_size);
 }
 
-torch::Tensor GPTImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+namespace {
+torch::Tensor trunk(GPTImpl& m, const torch::Tensor& idx) {
+  auto x = m.embed(idx);
+  auto r = m.rope(idx.size(1));
+  for (const auto& b : *m.blocks) x = b->as<BlockImpl>()->forward(x, r);
+  return x;
+}
+}  // namespace
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx) { return head(trunk(*this, idx)); }
+
+torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  return head_loss(trunk(*this, idx), targets);
+}
+
+torch::Tensor GPTImpl::loss_of_logits(const torch::Tensor& logits, const torch::Tensor& targets) {
   const auto flat = logits.reshape({-1, logits.size(-1)});
   // The lazy test device cannot differentiate cross_entropy_loss (its TorchScript graph hands
   // nll_loss_backward a float64 gradient; LibTorch 2.11): there, the two ops cross_entropy_loss is

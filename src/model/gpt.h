@@ -105,8 +105,14 @@ struct GPTImpl : torch::nn::Module {
   torch::Tensor head(const torch::Tensor& x);     // (B, T, C) -> (B, T, V) logits after final norm
   Rope rope(int64_t T) const;                     // tables for the first T positions
   torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> (B, T, V)
-  // Mean cross-entropy of logits (B, T, V) against targets (B, T).
-  static torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets);
+  // The training and evaluation loss: the final norm of x (B, T, C), then the LM head and the mean
+  // cross-entropy against targets (B, T) fused, model.loss_chunk positions at a time (model/fused_loss.h):
+  // the (B, T, V) logits never exist.
+  torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets);
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);  // head_loss of the blocks' output
+  // ATen's composition on whole logits (B, T, V): the mean cross-entropy against targets (B, T), the
+  // reference the fused loss is checked against.
+  static torch::Tensor loss_of_logits(const torch::Tensor& logits, const torch::Tensor& targets);
 
   // Parameters by unit (see kEmbeddingUnit): unit_count(cfg) lists, each in registration order.
   std::vector<std::vector<NamedParam>> units() const;

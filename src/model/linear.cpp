@@ -164,6 +164,8 @@ std::optional<c10::ScalarType> widened_dtype(const at::Tensor& x) {
   return dt;
 }
 
+bool widened_path(c10::Device device, c10::ScalarType dt) { return device.is_cpu() && widens(dt); }
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& W, const at::Tensor& b) {
   const auto bias = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
   if (const auto dt = widened_dtype(x)) return WidenedLinearFunction::apply(x, W, bias, static_cast<int64_t>(*dt));

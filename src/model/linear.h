@@ -37,6 +37,9 @@ namespace sl::model {
 // device::LowpMatmul::aten or emulated, and the fused kernels not turned off (device::fused_kernels()).
 std::optional<c10::ScalarType> widened_dtype(const at::Tensor& x);
 
+// Whether a matmul in dt on `device` takes the widened path (widened_dtype's rule for a dtype already chosen).
+bool widened_path(c10::Device device, c10::ScalarType dt);
+
 // x (..., K) W^T (N, K) + b (N, or undefined) under the current autocast state: at::linear, or the
 // widened linear (one autograd node; saves x in the compute dtype and W itself).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& W, const at::Tensor& b = {});

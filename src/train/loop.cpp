@@ -176,7 +176,7 @@ void accumulate(const config::LoggingConfig& logging, int64_t steps, parallel::S
 void maybe_evaluate(const config::TrainConfig& t, const Process& proc, Learner& learn, data::Loader& val, const Voice& v,
                     LoopState& st) {
   if (t.eval_interval <= 0 || (st.steps_done % t.eval_interval != 0 && st.steps_done != t.steps)) return;
-  st.last_val = evaluate(learn.model, val, t.eval_batches, proc.device, learn.precision.autocast, learn.forward);
+  st.last_val = evaluate(learn.model, val, t.eval_batches, proc.device, learn.precision.autocast, learn.loss);
   if (proc.world() > 1) st.last_val = proc.comm->all_reduce_sum(st.last_val, "eval loss average") / static_cast<double>(proc.world());
   v.event("eval", {{"step", st.steps_done}, {"val_loss", st.last_val}});
   v.info(fmt::format("step {:>5}/{} | val loss {:.4f}", st.steps_done, t.steps, st.last_val));
@@ -384,7 +384,7 @@ int loop_step(Loop& l, LoopState& st, int64_t step) {
     return spike.spike && t.on_spike.holds();  // every rank sees the same (mean) loss
   };
   TimelineArm timeline(l.proc.rank0() && l.cfg.logging.memory_timeline == step + 1, step + 1, learn, micro);
-  const StepResult r = train_step({.forward = learn.forward, .strategy = *learn.strategy, .opt = *learn.opt,
+  const StepResult r = train_step({.loss = learn.loss, .strategy = *learn.strategy, .opt = *learn.opt,
                                    .tracker = *l.meter.tracker, .device = l.proc.device, .precision = learn.precision,
                                    .grad_clip = t.grad_clip},
                                   micro, poll, hold);

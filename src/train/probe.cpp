@@ -31,14 +31,14 @@ ProbeResult probe_step(const config::RunConfig& cfg, const checkpointing::Plan& 
     std::optional<precision::LossScaler> scaler;
     if (opts.loss_scaler) scaler.emplace(cfg.precision, device);
     const StepPrecision prec{precision::compute_dtype(cfg.precision.compute), scaler ? &*scaler : nullptr};
-    const ForwardFn fwd = [&runner](const torch::Tensor& idx) { return runner.forward(idx); };
+    const LossFn loss = [&runner](const torch::Tensor& idx, const torch::Tensor& y) { return runner.loss(idx, y); };
     const double clip = opts.grad_clip.value_or(cfg.train.grad_clip);
     torch::Tensor x;
     if (!opts.loader)
       x = torch::randint(0, cfg.model.vocab_size, {opts.micro_batch.value_or(cfg.train.micro_batch), cfg.train.seq_len}, torch::kInt64);
     for (int i = 0; i < opts.steps; ++i) {
       const data::Batch batch = opts.loader ? opts.loader->next() : data::Batch{x, x};
-      out.last = train_step({.forward = fwd, .strategy = single, .opt = *opt, .tracker = tracker, .device = device,
+      out.last = train_step({.loss = loss, .strategy = single, .opt = *opt, .tracker = tracker, .device = device,
                              .precision = prec, .grad_clip = clip},
                             {batch});
     }

@@ -58,7 +58,8 @@ struct Learner {
   std::unique_ptr<parallel::Strategy> strategy;
   std::unique_ptr<torch::optim::AdamW> opt;
   std::unique_ptr<precision::LossScaler> scaler;
-  ForwardFn forward;
+  ForwardFn forward;  // logits, for samples
+  LossFn loss;        // what steps and evaluations run
   StepPrecision precision;
 };
 

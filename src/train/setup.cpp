@@ -252,6 +252,7 @@ Learner build_learner(const config::RunConfig& cfg, const Process& proc, Meter& 
   l.scaler = std::make_unique<precision::LossScaler>(cfg.precision, proc.device);
   l.precision = {precision::compute_dtype(cfg.precision.compute), l.scaler.get()};
   l.forward = [runner = l.runner.get()](const torch::Tensor& idx) { return runner->forward(idx); };
+  l.loss = [runner = l.runner.get()](const torch::Tensor& idx, const torch::Tensor& y) { return runner->loss(idx, y); };
   return l;
 }
 

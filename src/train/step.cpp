@@ -94,7 +94,7 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
 
 const char* current_phase() { return device::phase_name(device::current_phase().phase); }
 
-torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
+torch::Tensor forward_backward(const LossFn& loss_of, const std::vector<data::Batch>& micro, torch::Device device,
                                parallel::Strategy& strategy, const StepPrecision& precision) {
   const double n = static_cast<double>(micro.size());
   torch::Tensor total;  // float64 on the device: the same sum the host made of each loss's value
@@ -107,9 +107,7 @@ torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data:
     }
     {
       precision::AutocastGuard autocast(device.type(), precision.autocast);
-      const torch::Tensor logits = forward(x);
-      LabelScope label(Label::loss);
-      loss = model::GPTImpl::loss(logits, y);
+      loss = loss_of(x, y);
     }
     set_phase(Phase::backward);
     strategy.begin_backward(&b == &micro.back());
@@ -124,7 +122,7 @@ torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data:
 }
 
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
-                std::optional<c10::ScalarType> autocast, const ForwardFn& forward) {
+                std::optional<c10::ScalarType> autocast, const LossFn& loss_of) {
   torch::NoGradGuard no_grad;
   set_phase(Phase::eval);
   loader.rewind();  // the same windows every eval: two evals of the same weights give the same loss
@@ -134,8 +132,8 @@ double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch:
     auto b = loader.next();
     precision::AutocastGuard guard(device.type(), autocast);
     auto x = device::to_device(b.x, device);
-    const auto logits = forward ? forward(x) : model->forward(x);
-    const auto l = model::GPTImpl::loss(logits, device::to_device(b.y, device)).to(torch::kDouble);
+    const auto y = device::to_device(b.y, device);
+    const auto l = (loss_of ? loss_of(x, y) : model->loss(x, y)).to(torch::kDouble);
     total = total.defined() ? total + l : l;
   }
   model->train();
@@ -185,7 +183,7 @@ StepResult train_step(const StepParts& p, const std::vector<data::Batch>& micro,
   p.strategy.take_moved();  // this step's transfers only (not an eval's gathers)
   p.strategy.zero_grad();
   r.loss_scale = scaler ? scaler->scale() : 1.0;
-  const torch::Tensor loss = forward_backward(p.forward, micro, p.device, p.strategy, p.precision);
+  const torch::Tensor loss = forward_backward(p.loss, micro, p.device, p.strategy, p.precision);
   set_phase(Phase::optimizer);
   const std::vector<torch::Tensor> grads = p.strategy.grads();
   const torch::Tensor found_inf = scaler ? scaler->unscale(grads) : torch::Tensor();  // unscale before clipping

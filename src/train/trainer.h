@@ -28,8 +28,11 @@ namespace sl::train {
 // timeline also records).
 const char* current_phase();
 
-// idx (B, T) -> logits (B, T, V): the model's forward, or a checkpointing runner's.
+// idx (B, T) -> logits (B, T, V): the model's forward, or a checkpointing runner's (samples).
 using ForwardFn = std::function<torch::Tensor(const torch::Tensor&)>;
+// idx (B, T), targets (B, T) -> the mean loss, 0-d fp32: the model's fused head and loss (GPTImpl::loss), or
+// a checkpointing runner's (Runner::loss). What training and evaluation run: no logits of the whole batch.
+using LossFn = std::function<torch::Tensor(const torch::Tensor& idx, const torch::Tensor& targets)>;
 
 // How a step computes: the forward's autocast dtype (nullopt = fp32) and, for fp16, the loss scaler.
 struct StepPrecision {
@@ -46,14 +49,14 @@ struct StepPrecision {
 // The strategy brackets each backward (begin_backward / end_backward): data parallelism reduces gradients
 // across ranks during the backward of the last micro-batch (zero2/3: of every micro-batch); the returned
 // loss is still this rank's.
-torch::Tensor forward_backward(const ForwardFn& forward, const std::vector<data::Batch>& micro, torch::Device device,
+torch::Tensor forward_backward(const LossFn& loss, const std::vector<data::Batch>& micro, torch::Device device,
                                parallel::Strategy& strategy, const StepPrecision& precision = {});
 
 // Mean loss over the first `batches` batches of `loader` (rewound first, so every eval scores the same
-// windows), in eval mode without autograd, through `forward`
-// (default: the model's own forward; ZeRO-3 needs the runner's, which gathers parameters).
+// windows), in eval mode without autograd, through `loss`
+// (default: the model's own; ZeRO-3 needs the runner's, which gathers parameters).
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
-                std::optional<c10::ScalarType> autocast = std::nullopt, const ForwardFn& forward = {});
+                std::optional<c10::ScalarType> autocast = std::nullopt, const LossFn& loss = {});
 
 struct ModelStateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
@@ -114,7 +117,7 @@ using HoldFn = std::function<bool(double loss)>;
 // What a step uses, lent by its caller (the loop, the micro-batch probe): grad_clip is train.grad_clip
 // (0 = off, the norm still measured).
 struct StepParts {
-  const ForwardFn& forward;
+  const LossFn& loss;
   parallel::Strategy& strategy;
   torch::optim::AdamW& opt;
   memory::Tracker& tracker;
