@@ -42,7 +42,7 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
   const bool lowp_on = sc.precision.compute != config::Dtype::kFp32;
   Sizes z;
   z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::Shape(m).hidden(layer));
-  z.V = static_cast<double>(m.vocab_size), z.nh = static_cast<double>(m.n_head);
+  z.V = static_cast<double>(m.padded_vocab()), z.nh = static_cast<double>(m.n_head);  // the head's product has the padded rows
   z.llama = m.arch == config::Arch::kLlama;
   z.c = lowp_on ? 2.0 : 4.0;
   z.lowp_params = sc.precision.param_dtype != config::Dtype::kFp32;
@@ -289,7 +289,7 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   e.embed_mask_bytes = static_cast<int64_t>(tok * z.embed_mask * z.C);
   const auto always = static_cast<double>(e.embed_mask_bytes);
   const double Wb = block_cast_bytes(z), Wh = head_cast_bytes(z);
-  if (sc.model.tie_embeddings) e.tied_grad_bytes = 4 * sc.model.vocab_size * sc.model.n_embd;
+  if (sc.model.tie_embeddings) e.tied_grad_bytes = 4 * sc.model.padded_vocab() * sc.model.n_embd;
   const auto tied = static_cast<double>(e.tied_grad_bytes);
   e.weight_cast_bytes = static_cast<int64_t>(L * Wb + Wh);
   // F: end of the forward (the head, before its gradients) or a checkpointed block's first pass,
@@ -341,7 +341,7 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
   m.head_input = tok * z.c * z.C;
   m.head_weights = head_cast_bytes(z);
   m.head_backward = head_backward_bytes(z);
-  if (sc.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(sc.model.vocab_size * sc.model.n_embd);
+  if (sc.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(sc.model.padded_vocab() * sc.model.n_embd);
   m.held = tok * z.embed_mask * z.C;
   m.offload_inputs = sc.placement.offload.activations && !sc.checkpointing.mode.solved();  // budget: per segment
   return m;
