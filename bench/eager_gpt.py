@@ -100,7 +100,10 @@ class GPT(nn.Module):
     def __init__(self, m, plan):
         super().__init__()
         parts = plan.get("selective", {}) if plan["mode"] == "selective" else {}
-        self.wte = nn.Embedding(m["vocab_size"], m["n_embd"])
+        # model.vocab_multiple: the table padded as the trainer pads it; forward drops the padding's logits.
+        self.vocab = m["vocab_size"]
+        k = m.get("vocab_multiple", 1)
+        self.wte = nn.Embedding((self.vocab + k - 1) // k * k, m["n_embd"])
         self.wpe = nn.Embedding(m["max_seq_len"], m["n_embd"])
         self.blocks = nn.ModuleList(Block(m, parts) for _ in range(m["n_layer"]))
         self.lnf = nn.LayerNorm(m["n_embd"], eps=m["norm_eps"])
@@ -115,6 +118,8 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * m["n_layer"]) if scaled else std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+        with torch.no_grad():
+            self.wte.weight[self.vocab:].zero_()
 
     def _run(self, x, first, last):
         for b in self.blocks[first:last]:
@@ -125,7 +130,7 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for first, last, ckpt in self.segments:
             x = checkpoint(self._run, x, first, last, use_reentrant=False) if ckpt else self._run(x, first, last)
-        return F.linear(self.lnf(x), self.wte.weight)
+        return F.linear(self.lnf(x), self.wte.weight)[..., :self.vocab]
 
 
 def batches(cfg, seed):

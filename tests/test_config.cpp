@@ -197,6 +197,10 @@ TEST_CASE("bad recipes exit 2 with a message naming the key, before any output i
       {"min_lr above lr", "train:\n  lr: 0.001\n  min_lr: 0.01\n", "", {"train.min_lr"}},
       {"unknown device", "train:\n  device: gpu\n", "", {"train.device: 'gpu' is not one of"}},
       {"text data with a small vocab", "data:\n  source: text\n  path: data/corpus.txt\nmodel:\n  vocab_size: 100\n", "", {"model.vocab_size", ">= 256"}},
+      {"zero vocab multiple", "model:\n  vocab_multiple: 0\n", "", {"model.vocab_multiple: must be >= 1, got 0", "1 = no padding"}},
+      {"negative vocab multiple", kAnyRecipe, "--set model.vocab_multiple=-128", {"model.vocab_multiple: must be >= 1, got -128"}},
+      {"vocab multiple that overflows", kAnyRecipe, "--set model.vocab_multiple=9223372036854775807",
+       {"model.vocab_multiple", "overflows the padded size"}},
       {"unsupported precision", "precision:\n  compute: fp8\n", "", {"precision.compute: 'fp8'"}},
       {"bad loss scale", "precision:\n  compute: fp16\n  loss_scale: huge\n", "", {"precision.loss_scale: 'huge'"}},
       {"--set unknown key", kAnyRecipe, "--set train.stepz=3", {"unknown key 'stepz'", "steps"}},
@@ -237,6 +241,25 @@ TEST_CASE("bad recipes exit 2 with a message naming the key, before any output i
       CHECK_FALSE(std::filesystem::exists(run_dir));
     }
   }
+}
+
+TEST_CASE("model.vocab_multiple: the tables' rows are vocab_size rounded up to it (1, the default, pads nothing)") {
+  auto padded = [](int64_t vocab, int64_t multiple) {
+    config::ModelConfig m;
+    m.vocab_size = vocab, m.vocab_multiple = multiple;
+    return m.padded_vocab();
+  };
+  CHECK(config::ModelConfig{}.vocab_multiple == 1);
+  CHECK(padded(50257, 1) == 50257);
+  CHECK(padded(50257, 128) == 50304);  // GPT-2's, as llm.c and nanoGPT pad it
+  CHECK(padded(32000, 128) == 32000);  // LLaMA-2's is a multiple already
+  CHECK(padded(128256, 128) == 128256);
+  CHECK(padded(250, 128) == 256);
+  CHECK(padded(300, 128) == 384);
+  const auto gpt2 = config::load(test::kSourceDir + "/configs/gpt2_124m.yaml", {});
+  CHECK(gpt2.model.vocab_multiple == 128);
+  CHECK(gpt2.model.padded_vocab() == 50304);
+  CHECK(config::load_string("model: {vocab_multiple: 64}\n", {}).model.padded_vocab() == 256);
 }
 
 TEST_CASE("the recipe reference (docs/recipes.md) names every key") {

@@ -144,6 +144,50 @@ TEST_CASE("transformers' GPT-2 and LLaMA give the same logits and loss here, and
   }
 }
 
+TEST_CASE("model.vocab_multiple: a padded model reads transformers' checkpoint with zero padding rows, gives its "
+          "logits, and exports vocab_size rows that transformers takes back", "[numerics]") {
+  for (const std::string arch : {"gpt2", "llama"}) {
+    INFO(arch);
+    test::TempDir dir("hf-pad-" + arch);
+    const fs::path hf = make_hf(arch, dir.path / "hf");
+    // Vocabulary 256 padded to a multiple of 384: 128 zero rows in wte (and in lm_head, untied under llama).
+    const auto cfg = config::load_string(arch == "gpt2" ? kGpt2Recipe : kLlamaRecipe, {"model.vocab_multiple=384"});
+    REQUIRE(cfg.model.padded_vocab() == 384);
+    const interop::HfCheckpoint ckpt(hf, cfg.model);
+    auto model = load_model(cfg.model, ckpt);
+    const state::SafetensorsFile in(hf / "model.safetensors");
+    for (const char* param : {"wte", "lm_head"}) {
+      const auto params = model->named_parameters();
+      if (!params.contains(param)) continue;
+      const auto& w = params[param];
+      REQUIRE(w.size(0) == 384);
+      CHECK(torch::equal(w.narrow(0, 256, 128), torch::zeros({128, w.size(1)})));
+      const std::string hf_name = std::string(param) == "lm_head" ? "lm_head.weight"
+                                  : arch == "gpt2"                ? "transformer.wte.weight"
+                                                                  : "model.embed_tokens.weight";
+      CHECK(torch::equal(w.narrow(0, 0, 256), in.view(hf_name).to(torch::kFloat)));
+    }
+    // The same tolerances as the unpadded model's (kLogitTol): the padding adds zero rows, whose logits the
+    // model drops, to the head's product; the logits have vocab_size columns as transformers' do.
+    const state::SafetensorsFile ref(hf / "ref.safetensors");
+    const auto ours = run_model(model, ref.view("tokens"));
+    REQUIRE(ours.logits.sizes() == ref.view("logits").sizes());
+    CHECK(max_abs(ours.logits, ref.view("logits")) <= kLogitTol);
+    CHECK(std::abs(ours.loss - ref.view("loss").item<double>()) <= kLossTol);
+
+    const fs::path out = dir.path / "export" / "model.safetensors";
+    interop::write_hf(out, cfg.model, torch::kFloat, model_source(model), true, {{"format", "pt"}});
+    const state::SafetensorsFile exported(out);
+    for (const auto& e : exported.entries())
+      if (e.name.find("wte") != std::string::npos || e.name.find("embed_tokens") != std::string::npos ||
+          e.name.find("lm_head") != std::string::npos)
+        CHECK(e.shape[0] == 256);  // trimmed to model.vocab_size
+    check_bitwise(out, hf / "model.safetensors");
+    const auto back = hf_logits(out.parent_path(), hf / "ref.safetensors", dir.path / "back.safetensors");
+    CHECK(max_abs(back.view("logits"), ref.view("logits")) <= kLogitTol);
+  }
+}
+
 TEST_CASE("a sharded checkpoint (model.safetensors.index.json + shards) loads tensor by tensor") {
   test::TempDir dir("hf-shards");
   const fs::path hf = make_hf("llama", dir.path / "hf", "--shard-size 20KB");

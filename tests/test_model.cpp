@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "config/config.h"
+#include "config/shape.h"
 #include "device/cpu_features.h"
 #include "model/attention.h"
 #include "model/gelu.h"
@@ -133,6 +134,57 @@ TEST_CASE("tied embeddings share one tensor; untied adds an LM head") {
   c.tie_embeddings = false;
   model::GPT untied(c, torch::kMeta);
   CHECK(untied->num_params() == tied->num_params() + 256 * 128);
+}
+
+TEST_CASE("model.vocab_multiple: the padded model's real rows and every later parameter draw the unpadded model's "
+          "numbers, the padding rows are zero, and the logits have vocab_size columns") {
+  for (const config::Arch arch : {config::Arch::kGpt2, config::Arch::kLlama}) {
+    DYNAMIC_SECTION(arch) {
+      config::ModelConfig c;
+      c.arch = arch, c.n_layer = 2, c.n_head = 2, c.n_embd = 32, c.vocab_size = 250, c.max_seq_len = 16;
+      c.bias = arch == config::Arch::kGpt2, c.tie_embeddings = arch == config::Arch::kGpt2;
+      config::ModelConfig p = c;
+      p.vocab_multiple = 128;
+      REQUIRE(p.padded_vocab() == 256);
+      torch::manual_seed(7);
+      model::GPT plain(c, torch::kCPU);
+      torch::manual_seed(7);
+      model::GPT padded(p, torch::kCPU);
+      // The tables gain 6 rows each: wte, and lm_head when untied.
+      const int64_t tables = c.tie_embeddings ? 1 : 2;
+      CHECK(padded->num_params() == plain->num_params() + tables * 6 * 32);
+      CHECK(padded->num_padding_params() == tables * 6 * 32);
+      CHECK(plain->num_padding_params() == 0);
+      CHECK(padded->num_params() == config::Shape(p).total_params());
+      auto want = plain->named_parameters();
+      for (const auto& item : padded->named_parameters()) {
+        INFO(item.key());
+        const torch::Tensor& got = item.value();
+        const torch::Tensor& ref = want[item.key()];
+        if (item.key() == "wte" || item.key() == "lm_head") {
+          REQUIRE(got.size(0) == 256);
+          CHECK(torch::equal(got.narrow(0, 0, 250), ref));  // bitwise: the same draws
+          CHECK(torch::equal(got.narrow(0, 250, 6), torch::zeros({6, 32})));
+        } else {
+          CHECK(torch::equal(got, ref));  // later parameters: the generator is where the unpadded model left it
+        }
+      }
+      // The logits stop at vocab_size, and with zero padding rows they are the unpadded model's up to
+      // the head product's fp32 summation order (the blocks are the same weights on the same input, so the
+      // head's input is the same): each logit is a sum of C = 32 products, within 31 u sum|h_i w_i| of the
+      // exact sum in any order (u = 2^-24, Higham 4.2). sum|h_i w_i| <= |h| |w| (Cauchy-Schwarz) with
+      // |h| = sqrt(32) (the final norm's unit-variance output, weight 1) and |w| ~ 0.02 sqrt(32) = 0.11 (a
+      // row of 32 draws of std 0.02; the largest of 256 rows is within 1.5x of that): under 1, so each
+      // model is within 31 x 6e-8 = 1.9e-6 of the exact logits and the two within 3.7e-6. 2e-5 leaves 5x;
+      // a padding logit in the softmax or a shifted column moves values by O(0.1).
+      padded->eval(), plain->eval();
+      torch::NoGradGuard no_grad;
+      const auto idx = torch::randint(0, 250, {2, 16}, torch::kInt64);
+      const auto lp = padded->forward(idx), lu = plain->forward(idx);
+      CHECK(lp.sizes() == torch::IntArrayRef({2, 16, 250}));
+      CHECK((lp - lu).abs().max().item<double>() <= 2e-5);
+    }
+  }
 }
 
 TEST_CASE("dropout is active in training and off in eval") {

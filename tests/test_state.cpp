@@ -194,6 +194,26 @@ TEST_CASE("--resume refuses a recipe that changes the math, naming each key; oth
   }
 }
 
+TEST_CASE("--resume with another model.vocab_multiple (other table sizes) exits 2 naming the parameter and the key, "
+          "either way round") {
+  test::TempDir dir("state-vocab");
+  using Pair = std::pair<std::string, std::string>;  // (saved with, resumed with) model.vocab_multiple
+  for (const auto& [saved_with, resumed_with] : {Pair{"1", "384"}, Pair{"384", "1"}}) {
+    const auto run = dir.path / ("saved" + saved_with);
+    run_ok(kArgs + " --set train.steps=2 --set model.vocab_multiple=" + saved_with + dir_arg(run));
+    const std::string metrics_before = test::read_text(run / "metrics.jsonl");
+    const auto r = test::trainer(kArgs + " --set train.steps=3 --set model.vocab_multiple=" + resumed_with + dir_arg(run) +
+                                 " --resume auto");
+    INFO(r.output);
+    CHECK(r.code == 2);
+    // wte: 256 x 128 elements unpadded, 384 x 128 padded (vocabulary 256 to a multiple of 384).
+    const std::string saved_n = saved_with == "1" ? "32768" : "49152", now_n = saved_with == "1" ? "49152" : "32768";
+    CHECK(has(r.output, "parameter wte has " + saved_n + " elements in the saved state but " + now_n));
+    CHECK(has(r.output, "model.vocab_multiple"));
+    CHECK(test::read_text(run / "metrics.jsonl") == metrics_before);  // nothing trained
+  }
+}
+
 TEST_CASE("a corrupt or truncated newest state is skipped by --resume auto; --resume PATH of it exits 2") {
   const auto& want = reference();
   test::TempDir dir("state-corrupt");

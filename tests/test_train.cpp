@@ -458,6 +458,11 @@ TEST_CASE("model FLOPs per token: 6N + 12 L T d") {
   const double N = 124'439'808.0 - 1024 * 768;
   // Whole numbers far below 2^53 multiplied and added in doubles: exact, so equal.
   CHECK(train::flops_per_token(*m, 1024) == 6 * N + 12.0 * 12 * 1024 * 768);
+  // model.vocab_multiple 128: the head's product runs over 50304 rows, 47 more than the vocabulary.
+  c.vocab_multiple = 128;
+  model::GPT padded(c, torch::kMeta);
+  CHECK(padded->num_padding_params() == 47 * 768);
+  CHECK(train::flops_per_token(*padded, 1024) == 6 * (N + 47 * 768) + 12.0 * 12 * 1024 * 768);
 }
 
 TEST_CASE("eval loss of an untrained model is near log(vocab)") {
@@ -608,6 +613,65 @@ std::vector<json> records(const std::filesystem::path& dir) {
   return out;
 }
 }  // namespace
+
+TEST_CASE("model.vocab_multiple: a padded run trains as the unpadded one (losses, eval) and its padding rows stay zero "
+          "under weight decay") {
+  test::TempDir dir("vocab-pad");
+  // Vocabulary 250 (synthetic tokens below it), padded to 256; 6 steps with eval after 3 and 6; weight decay 0.1.
+  auto run = [&](const std::string& name, std::vector<std::string> extra) {
+    extra.insert(extra.end(), {"model.vocab_size=250", "train.steps=6", "train.eval_interval=3", "train.eval_batches=2",
+                               "train.weight_decay=0.1"});
+    auto s = train::setup(loop_config(dir.path / name, extra));
+    train::LoopState st;
+    REQUIRE(s->finish(st, loop(*s, st)) == kExitOk);
+    return s;
+  };
+  const auto plain = run("plain", {});
+  const auto padded = run("padded", {"model.vocab_multiple=128"});
+  model::GPT m = padded->learn.model;
+  REQUIRE(m->wte.size(0) == 256);
+  CHECK(plain->learn.model->wte.size(0) == 250);
+  // No gradient reaches the padding rows (their logits are dropped before the loss, no token selects
+  // them), and AdamW's decay of a zero weight is zero: exactly zero after every step.
+  CHECK(torch::equal(m->wte.detach().narrow(0, 250, 6), torch::zeros({6, 64})));
+
+  // The two runs differ only in the LM head's products: the logits X W^T (sums over C = 64) and the
+  // input gradient dZ W (sums over 250 vs 256 rows, the extra 6 terms exactly zero), each an fp32 sum
+  // within (n - 1) u sum|t| of the exact one in any order (u = 2^-24, Higham 4.2). Step 1 (the same
+  // weights): a logit's sum|t| <= |x| |w| = 8 (unit-variance final norm, sqrt(64)) x 0.16 (a row of 64
+  // draws of std 0.02) = 1.3, so |dz| <= 63 u 1.3 = 4.9e-6 per run, 1e-5 apart; a cross-entropy's
+  // gradient in its logits has 1-norm <= 2, so the mean loss moves <= 2e-5. Later steps add the weights'
+  // drift: gradients within (n - 1) u <= 1.5e-5 relative (n <= 256 terms), and AdamW's update
+  // m / (sqrt(v) + eps) is scale-free in the gradient, so it moves by <= lr x 1.5e-5 = 1.5e-8 per weight
+  // per step: after 6 steps < 1e-7, under 1e-5 of the weights' 0.02 scale, the size of the rounding
+  // above again, per step. 1e-4 covers 6 steps of that with room. The padding in the softmax (6 extra
+  // zero logits among 250 near zero) would move the loss by log(256 / 250) = 0.024 at the start.
+  constexpr double kTol = 1e-4;
+  const auto a = test::step_records(dir.path / "plain" / "metrics.jsonl");
+  const auto b = test::step_records(dir.path / "padded" / "metrics.jsonl");
+  REQUIRE(a.size() == 6);
+  REQUIRE(b.size() == 6);
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO("step " << a[i].step << ": " << a[i].loss << " vs " << b[i].loss);
+    CHECK(std::abs(a[i].loss - b[i].loss) <= kTol);
+  }
+  const auto ea = test::eval_records(dir.path / "plain" / "metrics.jsonl");
+  const auto eb = test::eval_records(dir.path / "padded" / "metrics.jsonl");
+  REQUIRE_FALSE(ea.empty());
+  REQUIRE(ea.size() == eb.size());
+  for (size_t i = 0; i < ea.size(); ++i) CHECK(std::abs(ea[i].second - eb[i].second) <= kTol);
+
+  // The tolerance can fail: the same logits with the padding's zero logits appended (what a loss over the
+  // whole product would see) give another loss by far more than it.
+  torch::NoGradGuard no_grad;
+  m->eval();
+  const auto x = torch::randint(0, 250, {2, 32}, torch::kInt64), y = torch::randint(0, 250, {2, 32}, torch::kInt64);
+  const auto logits = m->forward(x);
+  REQUIRE(logits.size(-1) == 250);
+  const auto with_padding = torch::cat({logits, torch::zeros({2, 32, 6})}, -1);
+  const double gap = (model::GPTImpl::loss(with_padding, y) - model::GPTImpl::loss(logits, y)).abs().item<double>();
+  CHECK(gap > 10 * kTol);
+}
 
 TEST_CASE("NaN gradients with a finite loss: on_nonfinite abort stops before the optimizer step, exit 6") {
   test::TempDir dir("nan-abort");

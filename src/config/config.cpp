@@ -134,6 +134,7 @@ std::vector<Field> model_fields() {
       field(&R::model, &M::n_head, "model", "n_head", "attention heads; n_embd must divide by it"),
       field(&R::model, &M::n_embd, "model", "n_embd", "hidden size d"),
       field(&R::model, &M::vocab_size, "model", "vocab_size", "vocabulary size; every token id must be below it"),
+      field(&R::model, &M::vocab_multiple, "model", "vocab_multiple", "the token embedding (and an untied LM head) get vocab_size rounded up to a multiple of it rows, for faster matmul shapes (128: GPT-2's 50257 -> 50304); the extra rows stay zero, never enter the loss or the sampled logits, and export leaves them out; 1 = no padding"),
       field(&R::model, &M::max_seq_len, "model", "max_seq_len", "context length (position table / RoPE table)"),
       field(&R::model, &M::mlp_hidden, "model", "mlp_hidden", "MLP inner size; 0 = 4d (gpt2) or 2/3*4d rounded up to 256 (llama)"),
       field(&R::model, &M::layer_mlp_hidden, "model", "layer_mlp_hidden", "per-block MLP inner sizes, n_layer entries (0 = model.mlp_hidden's), for models whose blocks differ; [] = every block model.mlp_hidden"),
@@ -716,6 +717,12 @@ void validate_model(const RunConfig& c) {
   positive("model.n_head", m.n_head);
   positive("model.n_embd", m.n_embd);
   positive("model.vocab_size", m.vocab_size);
+  if (m.vocab_multiple < 1)
+    fail("model.vocab_multiple", fmt::format("must be >= 1, got {}; 1 = no padding, 128 pads the vocabulary to a multiple of 128",
+                                             m.vocab_multiple));
+  if (m.vocab_size > 0 && m.vocab_multiple > INT64_MAX - m.vocab_size)
+    fail("model.vocab_multiple", fmt::format("{} with model.vocab_size {} overflows the padded size; use a small multiple such as 128",
+                                             m.vocab_multiple, m.vocab_size));
   positive("model.max_seq_len", m.max_seq_len);
   if (m.mlp_hidden < 0) fail("model.mlp_hidden", fmt::format("must be >= 0, got {}", m.mlp_hidden));
   if (m.loss_chunk < 0) fail("model.loss_chunk", fmt::format("must be >= 0 (0 = auto), got {}", m.loss_chunk));

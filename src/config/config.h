@@ -45,6 +45,7 @@ struct ModelConfig {
   int64_t n_head = 4;
   int64_t n_embd = 128;
   int64_t vocab_size = 256;
+  int64_t vocab_multiple = 1;  // the token table's rows rounded up to a multiple of it (padded_vocab)
   int64_t max_seq_len = 256;
   int64_t mlp_hidden = 0;
   std::vector<int64_t> layer_mlp_hidden = {};  // per block (n_layer entries, 0 = mlp_hidden's); empty = uniform
@@ -56,6 +57,14 @@ struct ModelConfig {
   double init_std = 0.02;
   std::string init_from = "";  // Hugging Face safetensors weights to start from (src/interop/hf.h)
   int64_t loss_chunk = 0;  // positions per chunk of the fused LM head + loss (model/fused_loss.h); 0 = auto
+
+  // Rows of the token embedding and of an untied LM head: vocab_size rounded up to a multiple of
+  // vocab_multiple. The rows past vocab_size are zero and stay zero (no token selects them, no loss
+  // reads their logits); the logits the model returns and the exported weights have vocab_size.
+  int64_t padded_vocab() const {
+    const int64_t k = vocab_multiple > 0 ? vocab_multiple : 1;
+    return (vocab_size + k - 1) / k * k;
+  }
 };
 
 struct DataConfig {

@@ -21,13 +21,14 @@ Shape::Shape(const ModelConfig& m)
     : n_layer(m.n_layer),
       n_embd(m.n_embd),
       n_head(m.n_head),
-      vocab_size(m.vocab_size),
       max_seq_len(m.max_seq_len),
+      vocab_rows(m.padded_vocab()),
       arch(m.arch),
       llama(m.arch == Arch::kLlama),
       bias(m.bias && m.arch != Arch::kLlama),
       tied(m.tie_embeddings),
       layer_hidden_(m.layer_mlp_hidden) {
+  padding_params_ = sat_mul(sat_mul(tied ? 1 : 2, vocab_rows - m.vocab_size), n_embd);
   hidden_ = m.mlp_hidden > 0 ? m.mlp_hidden : llama ? round_up(2 * 4 * m.n_embd / 3, 256) : 4 * m.n_embd;
   for (int64_t l = 1; l < static_cast<int64_t>(layer_hidden_.size()); ++l) uniform_ = uniform_ && hidden(l) == hidden(0);
   widest_ = hidden(0);
@@ -41,7 +42,7 @@ int64_t Shape::hidden(int64_t layer) const {
 }
 
 int64_t Shape::embedding_params() const {
-  return sat_add(sat_mul(vocab_size, n_embd), llama ? 0 : sat_mul(max_seq_len, n_embd));
+  return sat_add(sat_mul(vocab_rows, n_embd), llama ? 0 : sat_mul(max_seq_len, n_embd));
 }
 
 int64_t Shape::block_params_of_width(int64_t H) const {
@@ -54,7 +55,7 @@ int64_t Shape::block_params_of_width(int64_t H) const {
   return n;
 }
 
-int64_t Shape::head_params() const { return sat_add(bias ? 2 * n_embd : n_embd, tied ? 0 : sat_mul(vocab_size, n_embd)); }
+int64_t Shape::head_params() const { return sat_add(bias ? 2 * n_embd : n_embd, tied ? 0 : sat_mul(vocab_rows, n_embd)); }
 
 int64_t Shape::total_params() const {
   int64_t blocks = 0;  // n_layer times one block's, or with per-block widths their sum
@@ -72,7 +73,7 @@ int64_t Shape::largest_unit_params() const {
 
 int64_t Shape::largest_param() const {
   const int64_t C = n_embd;
-  return std::max({sat_mul(vocab_size, C), llama ? 0 : sat_mul(max_seq_len, C), sat_mul(3 * C, C),
+  return std::max({sat_mul(vocab_rows, C), llama ? 0 : sat_mul(max_seq_len, C), sat_mul(3 * C, C),
                    sat_mul((llama ? 2 : 1) * widest_, C)});
 }
 

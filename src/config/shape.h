@@ -15,7 +15,10 @@ namespace sl::config {
 inline constexpr int64_t kMaxParams = INT64_MAX / 64;
 
 struct Shape {
-  int64_t n_layer = 0, n_embd = 0, n_head = 0, vocab_size = 0, max_seq_len = 0;  // L, C, nh, V, T
+  int64_t n_layer = 0, n_embd = 0, n_head = 0, max_seq_len = 0;  // L, C, nh, T
+  // V: rows of the token table and of an untied LM head, model.vocab_size padded to model.vocab_multiple
+  // (ModelConfig::padded_vocab); the parameters, their bytes and the head's matmul count these rows.
+  int64_t vocab_rows = 0;
   Arch arch = Arch::kGpt2;
   bool llama = false;  // arch llama: RMSNorm, SwiGLU, RoPE (no position table)
   bool bias = false;   // the linears and norms have biases (model.bias; never under llama)
@@ -40,6 +43,9 @@ struct Shape {
   int64_t block_params(int64_t layer) const { return block_params_of_width(hidden(layer)); }
   int64_t head_params() const;
   int64_t total_params() const;
+  // Of total_params(), the vocabulary padding's rows (zero, never trained): vocab_rows - model.vocab_size
+  // rows of wte, and of lm_head when untied.
+  int64_t padding_params() const { return padding_params_; }
   // The widest block's parameters (a block of widest_mlp()), the largest sharding unit, and the
   // largest single parameter tensor.
   int64_t widest_block_params() const { return block_params_of_width(widest_); }
@@ -49,7 +55,7 @@ struct Shape {
  private:
   int64_t block_params_of_width(int64_t H) const;
   std::vector<int64_t> layer_hidden_;  // model.layer_mlp_hidden (0 = hidden()); empty = uniform
-  int64_t hidden_ = 0, widest_ = 0;
+  int64_t hidden_ = 0, widest_ = 0, padding_params_ = 0;
   bool uniform_ = true;
 };
 

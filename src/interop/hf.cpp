@@ -546,7 +546,9 @@ void HfCheckpoint::read(const std::string& param, int64_t begin, int64_t end, at
     if (t.param == param) K = t.row_length();
   if (K == 0) throw std::logic_error("HfCheckpoint::read: no tensor holds parameter " + param);
   const int64_t r0 = begin / K, r1 = (end + K - 1) / K;
-  auto rows = torch::empty({r1 - r0, K});
+  // Rows no tensor holds are the vocabulary padding's (model.vocab_multiple: the checkpoint has
+  // vocab_size rows of wte and lm_head, the model padded_vocab): zero, as the model initializes them.
+  auto rows = torch::zeros({r1 - r0, K});
   for (const auto& t : layout_) {
     const int64_t a = std::max(r0, t.row_begin), b = std::min(r1, t.row_end);
     if (t.param != param || a >= b) continue;

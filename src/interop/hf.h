@@ -47,7 +47,8 @@ struct HfTensor {
   int64_t end() const { return row_end * row_length(); }
 };
 
-// Every tensor of the checkpoint, in file order (unit by unit).
+// Every tensor of the checkpoint, in file order (unit by unit). The embeddings and an untied lm_head are
+// rows [0, vocab_size) of wte / lm_head: export leaves the vocabulary padding (model.vocab_multiple) out.
 std::vector<HfTensor> hf_layout(const config::ModelConfig& m);
 
 // config.json for the checkpoint (GPT2Config / LlamaConfig keys), dtype "float32" or "bfloat16".
@@ -107,7 +108,8 @@ class HfCheckpoint {
   HfCheckpoint& operator=(const HfCheckpoint&) = delete;
 
   // Copies elements [begin, end) of this project's parameter `param` (flattened) into `dst` (fp32,
-  // 1-D, end - begin). Reads only the rows that hold them, so a ZeRO-3 rank reads just its shard.
+  // 1-D, end - begin). Reads only the rows that hold them, so a ZeRO-3 rank reads just its shard. The
+  // vocabulary padding's rows of wte and lm_head (model.vocab_multiple), which no tensor holds, read as zero.
   void read(const std::string& param, int64_t begin, int64_t end, at::Tensor dst) const;
   const std::filesystem::path& path() const { return path_; }
   std::string describe() const;

@@ -43,7 +43,7 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
   const bool lowp_on = sc.precision.compute != config::Dtype::kFp32;
   Sizes z;
   z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::Shape(m).hidden(layer));
-  z.V = static_cast<double>(m.vocab_size), z.nh = static_cast<double>(m.n_head);
+  z.V = static_cast<double>(m.padded_vocab()), z.nh = static_cast<double>(m.n_head);  // the head's product has the padded rows
   z.llama = m.arch == config::Arch::kLlama;
   z.c = lowp_on ? 2.0 : 4.0;
   z.lowp_params = sc.precision.param_dtype != config::Dtype::kFp32;
@@ -168,7 +168,7 @@ double widened_fc_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
 // forward to backward (dh, dW) and at its peak in the forward. Its input, the final norm's output, is
 // in the compute dtype (c); W is fp32, or the compute-dtype copy with precision.param_dtype.
 model::FusedLossBytes loss_bytes(const Scenario& sc, const Sizes& z) {
-  const auto N = static_cast<int64_t>(z.tok), C = sc.model.n_embd, V = sc.model.vocab_size;
+  const auto N = static_cast<int64_t>(z.tok), C = sc.model.n_embd, V = sc.model.padded_vocab();
   const auto c = static_cast<int64_t>(z.c);
   return model::fused_loss_bytes(N, C, V, model::loss_chunk_rows(N, V, sc.model.loss_chunk), c, c, z.lowp_params ? c : 4,
                                  z.widened, true);
@@ -210,7 +210,7 @@ double forward_block_bytes(const Sizes& z) {
 // where those are not fp32 (dh to the norm output's c; dW to W's compute-dtype copy).
 int64_t head_moment(const Scenario& sc, const Sizes& z, double start) {
   const double dh_cast = z.c < z.f ? z.tok * z.c * z.C : 0.0;
-  const double dW_cast = z.lowp_params ? z.c * static_cast<double>(sc.model.vocab_size) * z.C : 0.0;
+  const double dW_cast = z.lowp_params ? z.c * static_cast<double>(sc.model.padded_vocab()) * z.C : 0.0;
   return static_cast<int64_t>(start + dh_cast + dW_cast);
 }
 
@@ -290,7 +290,7 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   const double Wb = block_cast_bytes(z);
   const double head_end = head_forward_bytes(sc, z), head_start = head_start_bytes(sc, z);
   e.loss_bytes = loss_bytes(sc, z).peak;
-  if (sc.model.tie_embeddings) e.tied_grad_bytes = 4 * sc.model.vocab_size * sc.model.n_embd;
+  if (sc.model.tie_embeddings) e.tied_grad_bytes = 4 * sc.model.padded_vocab() * sc.model.n_embd;
   const auto tied = static_cast<double>(e.tied_grad_bytes);
   e.weight_cast_bytes = static_cast<int64_t>(L * Wb);
   // F: end of the forward (the head, before its gradients) or a checkpointed block's first pass,
@@ -340,7 +340,7 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
   m.input = tok * z.r * z.C;
   m.head = head_start_bytes(sc, z);
   m.head_forward = head_forward_bytes(sc, z);
-  if (sc.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(sc.model.vocab_size * sc.model.n_embd);
+  if (sc.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(sc.model.padded_vocab() * sc.model.n_embd);
   m.held = tok * z.embed_mask * z.C;
   m.offload_inputs = sc.placement.offload.activations && !sc.checkpointing.mode.solved();  // budget: per segment
   return m;

@@ -87,6 +87,13 @@ void init_parameter(const config::ModelConfig& cfg, const std::string& name, tor
   }
   const auto dot = name.rfind('.');
   const std::string leaf = dot == std::string::npos ? name : name.substr(dot + 1);
+  if ((leaf == "wte" || leaf == "lm_head") && t.size(0) > cfg.vocab_size) {
+    // The vocabulary padding (ModelConfig::padded_vocab): the real rows draw what an unpadded table
+    // draws (the first rows of a contiguous tensor: the same elements in the same order), the rest are zero.
+    init_parameter(cfg, name, t.narrow(0, 0, cfg.vocab_size));
+    t.narrow(0, cfg.vocab_size, t.size(0) - cfg.vocab_size).zero_();
+    return;
+  }
   if (leaf == "w_proj" || leaf == "w_out") {  // residual projections: GPT-2's 1/sqrt(2 L) scaling
     t.normal_(0.0, cfg.init_std / std::sqrt(2.0 * static_cast<double>(cfg.n_layer)));
   } else if (leaf[0] == 'w' || leaf == "lm_head") {  // wte, wpe, w_qkv, w_fc
@@ -203,13 +210,13 @@ GPTImpl::GPTImpl(const config::ModelConfig& c, torch::Device device, bool defer_
   auto param = [&](const std::string& name, std::vector<int64_t> shape) {
     return register_parameter(name, make_param(cfg, name, shape, opts, defer_params));
   };
-  wte = param("wte", {cfg.vocab_size, C});
+  wte = param("wte", {cfg.padded_vocab(), C});
   if (!llama) wpe = param("wpe", {cfg.max_seq_len, C});
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t l = 0; l < cfg.n_layer; ++l) blocks->push_back(Block(cfg, l, device, defer_params));
   lnf_w = param("lnf_w", {C});
   if (cfg.bias && !llama) lnf_b = param("lnf_b", {C});
-  if (!cfg.tie_embeddings) lm_head = param("lm_head", {cfg.vocab_size, C});
+  if (!cfg.tie_embeddings) lm_head = param("lm_head", {cfg.padded_vocab(), C});
   if (llama) {
     const int64_t half = C / cfg.n_head / 2;
     auto inv_freq = torch::pow(cfg.rope_theta, -torch::arange(half, opts) / static_cast<double>(half));  // (hd/2)
@@ -232,7 +239,10 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
 
 torch::Tensor GPTImpl::head(const torch::Tensor& x) {
   auto h = norm(x, lnf_w, lnf_b, cfg.arch == config::Arch::kLlama, cfg.norm_eps);
-  return model::linear(h, cfg.tie_embeddings ? wte : lm_head);  // (B, T, V)
+  auto logits = model::linear(h, cfg.tie_embeddings ? wte : lm_head);  // (B, T, padded_vocab)
+  // The padding's logits (zero rows: zero logits) go no further: the loss, evaluation and sampling see
+  // vocab_size columns, and narrow's backward gives the padding rows a zero gradient.
+  return logits.size(-1) > cfg.vocab_size ? logits.narrow(-1, 0, cfg.vocab_size) : logits;  // (B, T, V)
 }
 
 torch::Tensor GPTImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
@@ -289,6 +299,8 @@ int64_t GPTImpl::num_params() const {
   for (const auto& p : parameters()) n += p.numel();
   return n;
 }
+
+int64_t GPTImpl::num_padding_params() const { return config::Shape(cfg).padding_params(); }
 
 int64_t GPTImpl::num_matmul_params() const {
   int64_t n = num_params();

@@ -80,7 +80,8 @@ inline int64_t unit_count(const config::ModelConfig& m) { return m.n_layer + 2; 
 std::string unit_name(const config::ModelConfig& m, int64_t unit);  // "embeddings", "block 3", "head"
 
 // Initializes parameter `name` ("wte", "blocks.3.w_proj", ...) in place, as the constructor does: normal
-// (init_std; w_proj and w_out init_std / sqrt(2 n_layer)), norm weights 1, biases 0. Draws from the
+// (init_std; w_proj and w_out init_std / sqrt(2 n_layer)), norm weights 1, biases 0; the vocabulary
+// padding's rows of wte and lm_head 0, their first vocab_size rows drawn as an unpadded table's. Draws from the
 // CPU's default generator whatever t's device (a tensor on CUDA or the lazy device is drawn on the
 // host, one tensor at a time, and copied), so the order of calls decides the values and the same seed
 // gives the same weights on every device.
@@ -102,7 +103,9 @@ struct GPTImpl : torch::nn::Module {
   GPTImpl(const config::ModelConfig& cfg, torch::Device device, bool defer_params = false);
 
   torch::Tensor embed(const torch::Tensor& idx);  // (B, T) int64 -> (B, T, C)
-  torch::Tensor head(const torch::Tensor& x);     // (B, T, C) -> (B, T, V) logits after final norm
+  // (B, T, C) -> (B, T, V) logits after final norm: the product with the whole (padded_vocab-row) table,
+  // narrowed to vocab_size columns (a view; none of the vocabulary padding's logits).
+  torch::Tensor head(const torch::Tensor& x);
   Rope rope(int64_t T) const;                     // tables for the first T positions
   torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> (B, T, V)
   // The training and evaluation loss: the final norm of x (B, T, C), then the LM head and the mean
@@ -117,16 +120,19 @@ struct GPTImpl : torch::nn::Module {
   // Parameters by unit (see kEmbeddingUnit): unit_count(cfg) lists, each in registration order.
   std::vector<std::vector<NamedParam>> units() const;
 
-  int64_t num_params() const;  // every parameter counted once (tied weights once)
+  int64_t num_params() const;  // every parameter counted once (tied weights once), the vocabulary padding's rows too
+  // Of num_params(), the vocabulary padding's rows (model.vocab_multiple): zero, and never trained.
+  int64_t num_padding_params() const;
   // Parameters that the matmuls touch per token (excludes the position table and, when untied,
-  // the input embedding lookup): N in the 6N FLOPs-per-token rule.
+  // the input embedding lookup): N in the 6N FLOPs-per-token rule. The LM head's padding rows count:
+  // the head's product computes their logits before they are dropped.
   int64_t num_matmul_params() const;
 
   config::ModelConfig cfg;
-  torch::Tensor wte;                 // (V, C)
+  torch::Tensor wte;                 // (padded_vocab, C); rows past vocab_size zero
   torch::Tensor wpe;                 // (max_seq_len, C), gpt2 only
   torch::Tensor lnf_w, lnf_b;        // (C)
-  torch::Tensor lm_head;             // (V, C), only when untied
+  torch::Tensor lm_head;             // (padded_vocab, C), only when untied; rows past vocab_size zero
   torch::Tensor rope_cos, rope_sin;  // (max_seq_len, hd/2) buffers, llama only
   torch::nn::ModuleList blocks;
 };

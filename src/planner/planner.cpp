@@ -205,6 +205,7 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   const auto base = predict_peak(base_sc);
   Json j = {{"recipe", recipe.recipe_name},
             {"params", sc.shape().total_params()},
+            {"padding_params", sc.shape().padding_params()},
             {"world_size", recipe.world_size},
             {"sharding", sc.placement.sharding},
             {"sharding_transient_bytes", base.transient_bytes},
@@ -260,10 +261,17 @@ namespace {
 
 std::string bytes(const Json& v) { return log::format_bytes(v.get<int64_t>()); }
 
+// "N (x B)", and the vocabulary padding's share of them when the model has one (model.vocab_multiple).
+std::string parameters_text(const Json& j) {
+  const auto n = j["params"].get<int64_t>(), padding = j.value("padding_params", int64_t{0});
+  const std::string all = fmt::format("{} ({:.3g} B)", n, static_cast<double>(n) / 1e9);
+  return padding == 0 ? all : fmt::format("{}, {} of them the vocabulary padding's zero rows", all, padding);
+}
+
 // The breakdown of the model states, batch and buffers (the same for every mode).
 std::string breakdown_table(const Json& j) {
   std::vector<std::pair<std::string, std::string>> rows = {
-      {"parameters", fmt::format("{} ({:.3g} B)", j["params"].get<int64_t>(), j["params"].get<double>() / 1e9)},
+      {"parameters", parameters_text(j)},
       {"ranks x sharding", fmt::format("{} x {} (figures below are per rank)", j["world_size"].get<int64_t>(),
                                        j["sharding"].get<std::string>())},
       {weights_label(dtype_in(j, "param_dtype"), j["sharding"].get<std::string>(),

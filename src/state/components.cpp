@@ -8,6 +8,7 @@
 
 #include <ATen/Context.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 namespace sl::state {
@@ -203,6 +204,20 @@ std::vector<std::unique_ptr<Component>> components(Parts& parts, Counters& count
   out.push_back(std::make_unique<Samplers>(parts));
   out.push_back(std::make_unique<LossScale>(parts));
   return out;
+}
+
+void check_model_shapes(const Found& f, const config::ModelConfig& m) {
+  const Reader r(f.dir, f.meta);
+  for (const auto& [name, shape] : param_shapes(m)) {
+    const int64_t saved = r.saved_elements("param", name), now = c10::multiply_integers(shape);
+    if (saved < 0 || saved == now) continue;
+    throw StateFileError(fmt::format(
+        "--resume: parameter {} has {} elements in the saved state but {} in the recipe's model (shape [{}]): the "
+        "saved run built another model. model.vocab_multiple changes the rows of wte and lm_head (model.vocab_size {} "
+        "padded to {} here); resume with the saved run's model.vocab_multiple (its meta.json holds the recipe), or "
+        "start a new run (model.init_from takes its exported weights)",
+        name, saved, now, fmt::join(shape, ", "), m.vocab_size, m.padded_vocab()));
+  }
 }
 
 }  // namespace sl::state

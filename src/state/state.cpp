@@ -369,6 +369,15 @@ bool Reader::has(const std::string& field) const {
   return std::any_of(index_.begin(), index_.end(), [&](const auto& kv) { return kv.first.first == field; });
 }
 
+int64_t Reader::saved_elements(const std::string& field, const std::string& param) const {
+  const auto it = index_.find({field, param});
+  if (it == index_.end()) return -1;
+  int64_t n = 0;
+  for (const auto& e : it->second)
+    n = std::max(n, e.end < 0 ? c10::multiply_integers(files_[e.file]->find(e.name)->shape) : e.end);
+  return n;
+}
+
 void Reader::read(const std::string& field, const parallel::Span& sp, torch::Tensor dst) const {
   std::vector<std::pair<int64_t, int64_t>> pieces;  // [a, b) of sp copied, to check they tile it exactly
   const auto it = index_.find({field, sp.param});

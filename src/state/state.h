@@ -102,6 +102,9 @@ class Reader {
   Reader(const std::filesystem::path& dir, const nlohmann::json& meta);
   ~Reader();
   bool has(const std::string& field) const;  // "exp_avg": the state holds AdamW moments
+  // Elements of `field` of `param` the saved run had (a whole tensor's, or the end of its last piece);
+  // -1 when the state holds none.
+  int64_t saved_elements(const std::string& field, const std::string& param) const;
   // Copies elements [sp.begin, sp.end) of `field` (param | exp_avg | exp_avg_sq) of sp.param into
   // `dst` (1-D, sp.end - sp.begin); StateFileError when the files do not cover the range.
   void read(const std::string& field, const parallel::Span& sp, torch::Tensor dst) const;
@@ -124,6 +127,10 @@ const std::vector<std::string>& math_keys();
 // key with its saved and new value. Other keys (steps, logging, eval, state, checkpointing,
 // parallel, micro_batch/grad_accum at the same global batch) may change.
 void check_recipe(const nlohmann::json& meta, const config::RunConfig& cfg);
+// Refuses (StateFileError, exit 2) a state whose parameters have other sizes than the model `m` builds,
+// naming the first such parameter, before anything is read: the model keys that change the math are
+// check_recipe's, so what is left is model.vocab_multiple, which pads wte and lm_head.
+void check_model_shapes(const Found& f, const config::ModelConfig& m);
 
 struct Saved {
   std::filesystem::path dir;

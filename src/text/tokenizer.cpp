@@ -455,7 +455,8 @@ void check_vocab_match(int64_t tokenizer_vocab, int64_t model_vocab, const std::
   auto round_up = [&](int64_t m) { return (tokenizer_vocab + m - 1) / m * m; };
   if (model_vocab == tokenizer_vocab || model_vocab == round_up(64) || model_vocab == round_up(128)) return;
   throw ConfigError(fmt::format("{} has a vocabulary of {} tokens but model.vocab_size is {}; set model.vocab_size: {} "
-                                "(or {} / {}, padded to a multiple of 64 / 128), or use the tokenizer the data was made with",
+                                "(or {} / {}, padded to a multiple of 64 / 128; model.vocab_multiple pads the model's tables instead, keeping the "
+                                "padding out of the loss), or use the tokenizer the data was made with",
                                 where, tokenizer_vocab, model_vocab, tokenizer_vocab, round_up(64), round_up(128)));
 }
 

@@ -87,7 +87,7 @@ nlohmann::json GemmProbe::to_json() const {
 }
 
 std::vector<GemmShape> model_gemm_shapes(const config::ModelConfig& m, int64_t rows) {
-  const int64_t d = m.n_embd, v = m.vocab_size;
+  const int64_t d = m.n_embd, v = m.padded_vocab();  // the LM head multiplies the padded table
   std::vector<GemmShape> shapes = {{rows, d, 3 * d}, {rows, d, d}, {rows, d, v}, {rows, 3 * d, d}, {rows, v, d},
                                    {d, rows, 3 * d}};
   const config::Shape shape(m);

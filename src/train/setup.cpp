@@ -105,6 +105,7 @@ state::Found find_resume_point(config::RunConfig& cfg, const Process& proc, cons
     return found;
   }
   state::check_recipe(found.meta, cfg);
+  state::check_model_shapes(found, cfg.model);
   if (proc.rank0())
     spdlog::info("resuming from {} (step {}, saved at world size {} with sharding {})", found.dir.string(), found.step,
                  found.meta.at("world_size").get<int64_t>(), found.meta.at("sharding").get<std::string>());
@@ -333,6 +334,7 @@ void describe(const Process& proc, const Learner& learn, const Meter& meter, Out
                      {"memory_source", meter.tracker->source()},
                      {"cpu", device::cpu_features().to_json()}};  // the CPU paths that change memory and speed
   out.model_info = {{"params", learn.model->num_params()},
+                    {"padding_params", learn.model->num_padding_params()},
                     {"matmul_params", learn.model->num_matmul_params()},
                     {"flops_per_token", meter.flops_per_token},
                     {"recompute_flops_per_token", meter.recompute_flops_per_token},
@@ -365,7 +367,11 @@ void print_settings(const config::RunConfig& cfg, const Process& proc, const Lea
   rows.emplace_back("checkpointing plan", learn.runner->plan().describe());
   rows.emplace_back("predicted activation peak", fmt::format("{} per micro-batch", log::format_bytes(meter.predicted.peak_bytes)));
   const auto params = learn.model->num_params();
-  rows.emplace_back("parameters", fmt::format("{} ({:.2f} M)", params, static_cast<double>(params) / 1e6));
+  const auto padding = learn.model->num_padding_params();
+  rows.emplace_back("parameters", padding == 0 ? fmt::format("{} ({:.2f} M)", params, static_cast<double>(params) / 1e6)
+                                               : fmt::format("{} ({:.2f} M), of which {} the vocabulary padding's zero rows "
+                                                             "(model.vocab_multiple; {} without them)",
+                                                             params, static_cast<double>(params) / 1e6, padding, params - padding));
   rows.emplace_back("train data", in.splits.train->describe());
   rows.emplace_back("val data", in.splits.val->describe());
   rows.emplace_back("peak FLOP/s for MFU", fmt::format("{:.3g} ({})", meter.peak.flops(), meter.peak.source()));
