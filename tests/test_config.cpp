@@ -203,6 +203,9 @@ TEST_CASE("bad recipes exit 2 with a message naming the key, before any output i
        {"model.vocab_multiple", "overflows the padded size"}},
       {"unsupported precision", "precision:\n  compute: fp8\n", "", {"precision.compute: 'fp8'"}},
       {"bad loss scale", "precision:\n  compute: fp16\n  loss_scale: huge\n", "", {"precision.loss_scale: 'huge'"}},
+      {"bad tf32 value", "precision:\n  tf32: yes\n", "", {"precision.tf32: 'yes' is not one of auto | true | false", "line 2"}},
+      {"tf32 on the CPU", kAnyRecipe, "--set train.device=cpu --set precision.tf32=true",
+       {"precision.tf32: true needs a CUDA device", "on the CPU", "set precision.tf32: auto"}},
       {"--set unknown key", kAnyRecipe, "--set train.stepz=3", {"unknown key 'stepz'", "steps"}},
       {"--set unknown section", kAnyRecipe, "--set trian.steps=3", {"unknown section 'trian'"}},
       {"--set without =", kAnyRecipe, "--set train.steps", {"expected section.key=value"}},
@@ -438,4 +441,35 @@ TEST_CASE("memory.limit with memory.track_cpu false: accepted with device auto, 
                         Catch::Contains("train.device: auto puts this run on the CPU"));
   CHECK_THROWS_WITH(config::load_string("train:\n  device: cpu\nmemory:\n  limit: 1GiB\n  track_cpu: false\n", {}),
                     Catch::Contains("memory.limit") && Catch::Contains("memory.track_cpu"));
+}
+
+TEST_CASE("precision.tf32: auto (on for a CUDA run only), true (CUDA only, refused once the device resolves to "
+          "another), false") {
+  const auto dflt = config::load_string("", {});
+  CHECK(dflt.precision.tf32 == config::Tf32::kAuto);
+  CHECK(dflt.precision.tf32.enabled(/*on_cuda=*/true));
+  CHECK_FALSE(dflt.precision.tf32.enabled(/*on_cuda=*/false));
+  const auto off = config::load_string("", {"precision.tf32=false", "train.device=cpu"});
+  CHECK(off.precision.tf32 == config::Tf32::kOff);
+  CHECK_FALSE(off.precision.tf32.enabled(true));
+  CHECK(config::to_json(off)["precision"]["tf32"] == "false");
+  // true with device auto: accepted at load, checked once set-up resolves the device.
+  const auto on = config::load_string("", {"precision.tf32=true"});
+  CHECK(on.precision.tf32 == config::Tf32::kOn);
+  CHECK(on.precision.tf32.enabled(true));
+  CHECK_FALSE(on.precision.tf32.enabled(false));  // no TF32 off CUDA, whatever the recipe says
+  CHECK(config::to_json(on)["precision"]["tf32"] == "true");
+  CHECK_NOTHROW(config::validate_resolved_device(on, /*on_cuda=*/true));
+  try {
+    config::validate_resolved_device(on, /*on_cuda=*/false);
+    FAIL("precision.tf32: true accepted on the CPU");
+  } catch (const ConfigError& e) {
+    CHECK(e.code == kExitConfig);
+    CHECK_THAT(std::string(e.what()), Catch::Contains("precision.tf32: true needs a CUDA device") && Catch::Contains("train.device: auto"));
+  }
+  CHECK_THROWS_WITH(config::load_string("", {"precision.tf32=true", "train.device=lazy"}),
+                    Catch::Contains("precision.tf32: true needs a CUDA device") && Catch::Contains("lazy test device"));
+  CHECK_NOTHROW(config::load_string("", {"precision.tf32=true", "train.device=cuda"}));
+  CHECK_THROWS_WITH(config::load_string("", {"precision.tf32=on"}),
+                    Catch::Contains("precision.tf32: 'on' is not one of auto | true | false"));
 }

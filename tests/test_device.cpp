@@ -119,7 +119,9 @@ void device_run_follows_cpu(const std::string& device) {
   const auto want = test::trace(cpu_dir / "metrics.jsonl");
   REQUIRE(want.steps.size() == static_cast<size_t>(kSteps));
 
-  const std::string dev_args = kArgs + " --set train.device=" + device + dir_arg(dev_dir);
+  // On CUDA, matmuls in IEEE fp32 (precision.tf32: false), as the tolerances above assume.
+  const std::string ieee = device == "cuda" ? " --set precision.tf32=false" : "";
+  const std::string dev_args = kArgs + " --set train.device=" + device + ieee + dir_arg(dev_dir);
   const size_t at_kill = kill_after(dev_args, dev_dir, 7, 6);  // after the saves of steps 3 and 6
   INFO("killed with " << at_kill << " step records");
   const auto resumed = test::trainer(dev_args + " --resume auto");
@@ -171,7 +173,7 @@ TEST_CASE("train.device lazy (not the CPU): saves, kill -9, --resume auto, final
 
 // The same on a GPU, where there is one (its own ctest entry, device_cuda: skipped without CUDA). The
 // tolerances are the lazy device's: cuBLAS and cuDNN sum in other orders than the CPU's kernels, per-op
-// differences of a few ulp as on the lazy device (matmuls in full fp32: LibTorch leaves TF32 off).
+// differences of a few ulp as on the lazy device (matmuls in full fp32: the run sets precision.tf32: false).
 TEST_CASE("train.device cuda: saves, kill -9, --resume auto, final weights and export; losses follow the CPU run", "[cuda]") {
   if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
   device_run_follows_cpu("cuda");

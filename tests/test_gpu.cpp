@@ -209,14 +209,15 @@ void kill_resume_bitwise(const std::string& device) {
 
 // tests/test_offload.cpp's placements at world 1, on its width-256 shape (4 blocks of d 256, T 128,
 // micro-batch 2 x accumulation 2, full recompute), where the planner predicts every placement's device
-// peak within 5 % on the CPU.
+// peak within 5 % on the CPU. Matmuls in IEEE fp32 (precision.tf32: false), as same_steps's bounds for
+// runs whose arithmetic differs assume.
 const std::string kOffloadArgs =
     "--config configs/tiny.yaml --set model.n_embd=256 --set model.n_head=4 --set model.max_seq_len=128 "
     "--set train.seq_len=128 --set train.micro_batch=2 --set train.grad_accum=2 --set train.steps=3 "
     "--set train.lr=1e-3 --set train.warmup_steps=1 --set train.grad_clip=1.0 --set train.eval_interval=0 "
     "--set train.threads=1 --set checkpointing.mode=full --set parallel.bucket_mb=25 --set state.at_end=false "
     "--set logging.interval=100 --set logging.skip_first=0 --set logging.peak_tflops=1 --set logging.progress=false "
-    "--set logging.save_model=true";
+    "--set logging.save_model=true --set precision.tf32=false";
 
 const std::string kOptimizer = " --set offload.optimizer=true";
 const std::string kGradients = kOptimizer + " --set offload.gradients=true";
@@ -321,14 +322,15 @@ void offload_bitwise(const std::string& device) {
 // tests/test_parallel.cpp's recipe: GPT-2 of 4 blocks, d 64, T 32, world 1 x micro-batch 8 against
 // world 2 x 4, 10 steps, fp32, so its bounds apply: kMetricTol there (1e-5 relative on every step's
 // loss and grad_norm, derived from the order of fp32 sums, the only difference between the runs;
-// LibTorch leaves TF32 off for CUDA matmuls, so they are fp32 sums there too) and tests/runs.h's
-// same_training for the parameters.
+// precision.tf32: false keeps CUDA's matmuls in IEEE fp32, so they are fp32 sums there too) and
+// tests/runs.h's same_training for the parameters.
 const char* kParallelRecipe = R"(
 model: {arch: gpt2, n_layer: 4, n_head: 2, n_embd: 64, vocab_size: 256, max_seq_len: 64, dropout: 0.0}
 data: {source: synthetic, synthetic_tokens: 20000}
 train: {seq_len: 32, micro_batch: 4, grad_accum: 1, steps: 10, lr: 1.0e-3, warmup_steps: 2, grad_clip: 1.0,
         eval_interval: 0, threads: 1, seed: 7}
 parallel: {backend: gloo, timeout_s: 60}
+precision: {tf32: false}
 state: {at_end: false}
 logging: {interval: 100, skip_first: 0, peak_tflops: 1.0, progress: false, save_model: true}
 )";

@@ -1,13 +1,17 @@
 // Training step pieces: accumulation equals one big batch, LR schedule, optimizer groups,
 // model-state bytes, FLOPs formula; the loop's handling of non-finite gradients and unexpected
 // errors (faults injected through gradient hooks into a real setup()/train_loop()/finish()); one host
-// synchronization per optimizer step, counted from a trace of every ATen op.
+// synchronization per optimizer step, counted from a trace of every ATen op and from the lazy device's
+// graph runs; precision.tf32 (MFU's peak; on CUDA, the rounding of an fp32 matmul); the casts of a bf16
+// step with bf16 parameters.
+#include <atomic>
 #include <cmath>
 #include <csignal>
 #include <functional>
 #include <limits>
 #include <map>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string_view>
 #include <thread>
@@ -15,6 +19,7 @@
 #include "catch.h"
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/record_function.h>
+#include <torch/csrc/lazy/core/metrics.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -23,6 +28,7 @@
 #include "data/loader.h"
 #include "device/build_info.h"
 #include "device/cpu_features.h"
+#include "device/device.h"
 #include "memory/footprint.h"
 #include "memory/tracker.h"
 #include "model/gpt.h"
@@ -1274,4 +1280,259 @@ TEST_CASE("train.on_spike: a jump in the loss after resuming on other data is a 
   INFO(again.output);
   CHECK(again.code == 0);
   CHECK(at(step_lines(dir.path / "stop"), 22) == at(skip_steps, 22));
+}
+
+// ---- precision.tf32 ----
+
+TEST_CASE("MFU's peak of an fp32 run with TF32 is the TF32 tensor-core peak (half the bf16 one); bf16 runs and "
+          "parts without TF32 keep theirs; a CPU run reports TF32 off") {
+  CHECK(train::datasheet_peak("NVIDIA H100 80GB HBM3", config::Dtype::kFp32, /*tf32=*/true) == 494.5e12);
+  CHECK(train::datasheet_peak("NVIDIA A100-SXM4-80GB", config::Dtype::kFp32, true) == 156e12);
+  CHECK(train::datasheet_peak("NVIDIA H100 80GB HBM3", config::Dtype::kBf16, true) == 989e12);
+  CHECK(train::datasheet_peak("NVIDIA H100 80GB HBM3", config::Dtype::kFp32, false) == 67e12);
+  CHECK(train::datasheet_peak("Tesla V100-SXM2-16GB", config::Dtype::kFp32, true) ==
+        train::datasheet_peak("Tesla V100-SXM2-16GB", config::Dtype::kFp32, false));  // no TF32 there: plain fp32
+  test::TempDir dir("tf32-cpu");
+  auto s = train::setup(loop_config(dir.path / "run"));  // precision.tf32: auto, on the CPU
+  CHECK(s->out.environment.at("tf32") == false);
+  CHECK(s->meter.peak.initial().source == "logging.peak_tflops");
+}
+
+namespace {
+// The relative rounding bounds of one fp32 product C = A B with inner size k, as a multiple of
+// sum_i |a_i| |b_i| (Higham 3.5, first order; the u^2 terms are far below the slack left here).
+// IEEE fp32: each product rounded (u = 2^-24) and k - 1 additions: (k + 1) u; +1 u of slack.
+double ieee_matmul_bound(int64_t k) { return static_cast<double>(k + 2) * 0x1p-24; }
+// TF32: each input rounded to TF32's 10 mantissa bits, by 2^-11 relative rounded to nearest, 2^-10
+// truncated (the larger is taken: the rounding mode is the hardware's), so a product of two by
+// 2 x 2^-10 + 2^-20; the product of two 11-bit significands is exact in fp32; the sums in fp32, taken
+// as 2 u per addition in case the tensor cores' adders truncate: 2 (k + 2) u.
+double tf32_matmul_bound(int64_t k) { return 2 * 0x1p-10 + 0x1p-20 + 2 * ieee_matmul_bound(k); }
+}  // namespace
+
+TEST_CASE("precision.tf32 on CUDA: auto sets TF32 for the run's fp32 matmuls (inputs rounded to 10 mantissa "
+          "bits), false keeps IEEE fp32", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  test::TempDir dir("tf32");
+  constexpr int64_t k = 256;
+  const auto opts = torch::TensorOptions().device(torch::Device(torch::kCUDA, 0));
+  // 1 + 2^-12 is an fp32 number (23 mantissa bits) that TF32 (10) cannot hold: rounded to nearest or
+  // truncated it enters the tensor core as 1. A row of 256 of them times a column of ones: in IEEE fp32
+  // every partial sum j (1 + 2^-12), j <= 256, is a multiple of 2^-12 below 2^9, where fp32's spacing is
+  // 2^-15, so exact in any order: 256 + 2^-4. In TF32 every product is 1 and every sum an integer: 256.
+  const auto fine = torch::full({k, k}, 1.0 + 0x1p-12, opts), ones = torch::ones({k, k}, opts);
+  torch::manual_seed(3);
+  const auto x = torch::randn({k, k}, opts), y = torch::randn({k, k}, opts);
+  struct Seen {
+    bool tf32;
+    torch::Tensor exact_case, random_case;
+  };
+  auto run_with = [&](const std::string& tf32) {
+    auto s = train::setup(loop_config(dir.path / tf32, {"train.device=cuda", "precision.tf32=" + tf32}));
+    const Seen seen{s->out.environment.at("tf32").get<bool>(), at::mm(fine, ones).cpu(), at::mm(x, y).cpu()};
+    CHECK(seen.tf32 == device::tf32_matmuls());
+    return seen;
+  };
+  const Seen on = run_with("auto"), off = run_with("false");
+  device::set_tf32(false);  // LibTorch's default for the cases after this one
+  CHECK(on.tf32);
+  CHECK_FALSE(off.tf32);
+  CHECK(torch::equal(on.exact_case, torch::full({k, k}, 256.0)));
+  CHECK(torch::equal(off.exact_case, torch::full({k, k}, 256.0 + 0x1p-4)));
+  const auto xd = x.cpu().to(torch::kDouble), yd = y.cpu().to(torch::kDouble);
+  const auto exact = at::mm(xd, yd), scale = at::mm(xd.abs(), yd.abs());  // sum_i |a_i| |b_i| per element
+  const auto rel = [&](const torch::Tensor& c) { return (c.to(torch::kDouble) - exact).abs() / scale; };
+  const double on_worst = rel(on.random_case).max().item<double>(), off_worst = rel(off.random_case).max().item<double>();
+  INFO("worst error / sum|a||b|: TF32 " << on_worst << " (bound " << tf32_matmul_bound(k) << "), IEEE " << off_worst
+                                        << " (bound " << ieee_matmul_bound(k) << ")");
+  CHECK(off_worst <= ieee_matmul_bound(k));
+  CHECK(on_worst <= tf32_matmul_bound(k));
+  // TF32's input rounding shows beyond IEEE's bound: an element's error is a sum of 256 terms a_i b_i
+  // (d_a + d_b), each d of rms 2^-11 / sqrt(3) = 2.8e-4 (rounded to nearest; more if truncated), so of
+  // rms 16 x 1.41 x 2.8e-4 = 6.4e-3 against sum |a||b| ~ 256 x 2/pi = 163: 3.9e-5, 2.5 x IEEE's bound
+  // (1.5e-5) for a typical element, ~10 x for the worst of 65,536.
+  CHECK(on_worst > ieee_matmul_bound(k));
+}
+
+// ---- casts per micro-batch ----
+
+namespace {
+// Counts aten::_to_copy calls (every cast and device copy) on any thread while alive, and among them
+// the casts of a parameter: those whose source is one of `params` itself (its data pointer; under
+// zero1 every parameter is a view of one flat buffer), matrices (the matmul weights, the embeddings)
+// and vectors (norm weights, biases) apart.
+struct CastCounter {
+  static inline std::atomic<int64_t> total{0}, of_matrices{0}, of_vectors{0};
+  static inline const std::map<const void*, bool>* param_is_matrix = nullptr;
+  std::map<const void*, bool> params_;
+  at::CallbackHandle handle;
+  explicit CastCounter(const std::vector<torch::Tensor>& params) {
+    for (const auto& p : params) params_[p.data_ptr()] = p.dim() >= 2;
+    param_is_matrix = &params_;
+    total = 0, of_matrices = 0, of_vectors = 0;
+    handle = at::addGlobalCallback(at::RecordFunctionCallback(on_start).needsInputs(true));
+  }
+  ~CastCounter() {
+    at::removeCallback(handle);
+    param_is_matrix = nullptr;
+  }
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    if (std::string_view(fn.name()) != "aten::_to_copy") return nullptr;
+    ++total;
+    const auto in = fn.inputs();
+    if (in.empty() || !in[0].isTensor() || !in[0].toTensor().has_storage()) return nullptr;
+    const auto it = param_is_matrix->find(in[0].toTensor().data_ptr());
+    if (it != param_is_matrix->end()) ++(it->second ? of_matrices : of_vectors);
+    return nullptr;
+  }
+};
+
+struct StepCasts {
+  int64_t total = 0, of_matrices = 0, of_vectors = 0;
+};
+
+// One world-1 zero1 step of a 2-layer model in bf16 autocast, 2 micro-batches, with the parameters in
+// `param_dtype`, after a first step (AdamW's state made): its casts.
+StepCasts casts_in_a_step(const std::string& param_dtype) {
+  auto cfg = config::load_string("", {"model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.dropout=0.0",
+                                      "train.seq_len=32", "train.micro_batch=2", "train.grad_accum=2",
+                                      "train.device=cpu", "parallel.timeout_s=60", "parallel.sharding=zero1",
+                                      "precision.compute=bf16", "precision.param_dtype=" + param_dtype});
+  torch::manual_seed(cfg.train.seed);
+  model::GPT m(cfg.model, torch::kCPU);
+  parallel::LaunchEnv env;
+  env.rank = 0, env.world = 1, env.local_rank = 0, env.local_world = 1, env.master_port = test::free_port();
+  checkpointing::Runner runner(cfg.checkpointing, m);
+  const auto made = parallel::make_engine(m, parallel::Spec::of(cfg), std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
+  auto& engine = *made;
+  engine.attach(runner);
+  auto opt = engine.make_optimizer(cfg.train);
+  memory::Tracker tracker(torch::kCPU);
+  data::Loader loader(data::make_synthetic(20000, 256, 3), 2, 32, 100);
+  const train::ForwardFn forward = [&](const torch::Tensor& idx) { return runner.forward(idx); };
+  const train::StepParts parts{.forward = forward, .strategy = engine, .opt = *opt, .tracker = tracker,
+                               .device = torch::kCPU, .precision = {precision::compute_dtype(cfg.precision.compute), nullptr},
+                               .grad_clip = 1.0};
+  train::train_step(parts, {loader.next(), loader.next()});
+  for (const auto& p : m->parameters()) REQUIRE(p.scalar_type() == precision::scalar_type(cfg.precision.param_dtype));
+  CastCounter counter(m->parameters());
+  train::train_step(parts, {loader.next(), loader.next()});
+  return {CastCounter::total.load(), CastCounter::of_matrices.load(), CastCounter::of_vectors.load()};
+}
+}  // namespace
+
+TEST_CASE("precision.param_dtype bf16: no matmul weight is cast in a bf16 step, where fp32 parameters have each "
+          "cast once per micro-batch, and the step's casts are fewer by at least those") {
+  // ATen's linears under autocast, as on CUDA: the widened linears of a CPU without bf16 GEMMs round their
+  // weights in kernels of their own, which no aten::_to_copy shows.
+  const bool was = device::force_aten_kernels(true);
+  const StepCasts bf16 = casts_in_a_step("bf16"), fp32 = casts_in_a_step("fp32");
+  device::force_aten_kernels(was);
+  INFO("aten::_to_copy in one step: param_dtype bf16 " << bf16.total << " (of parameters: " << bf16.of_matrices
+       << " matrices, " << bf16.of_vectors << " vectors), fp32 " << fp32.total << " (" << fp32.of_matrices
+       << " matrices, " << fp32.of_vectors << " vectors)");
+  // Autocast casts each fp32 weight of a matmul once per autocast region (its cache lives as long as the
+  // region: one micro-batch's forward and loss), so at least the blocks' 4 matmul weights x 2 layers x 2
+  // micro-batches (the LM head's too, where the loss takes it through autocast).
+  constexpr int64_t kBlockWeightCasts = 4 * 2 * 2;
+  CHECK(fp32.of_matrices >= kBlockWeightCasts);
+  CHECK(bf16.of_matrices == 0);
+  // What a bf16 step still casts (the loss to float64, activations into and out of fp32 ops; on CUDA,
+  // where autocast runs layer_norm in fp32, the norms' weights too) it casts with fp32 parameters as
+  // well: removing the weights' casts adds none in their place.
+  CHECK(bf16.of_vectors <= fp32.of_vectors);
+  CHECK(bf16.total <= fp32.total - kBlockWeightCasts);
+}
+
+// ---- host reads on the lazy device ----
+
+namespace {
+// Graph runs of the lazy device so far: LibTorch's lazy core records one TensorsGraphSize sample per
+// graph it compiles or takes from its cache and runs (torch/csrc/lazy/core/lazy_graph_executor.cpp),
+// whatever asked for it: a host read of a pending value (.item(), a copy to the CPU), an op the
+// TorchScript backend has no lowering for (run eagerly on the CPU: its inputs are copied there), or a
+// cut (device::end_step).
+int64_t lazy_graph_runs() {
+  auto* m = torch::lazy::GetMetric("TensorsGraphSize");
+  return m ? static_cast<int64_t>(m->TotalSamples()) : 0;
+}
+
+// The lazy graph runs of the calling thread while alive, each put down to the outermost profiler scope
+// it happened in (an ATen op, or a RecordFunction scope such as sublinear::host_read; "" for a run
+// outside every scope).
+struct LazyRunsByScope {
+  static inline thread_local std::vector<std::pair<std::string, int64_t>> t_open;  // (name, runs at its start)
+  static inline thread_local std::map<std::string, int64_t>* t_runs = nullptr;
+  std::map<std::string, int64_t> runs;
+  int64_t start = lazy_graph_runs();
+  at::CallbackHandle handle;
+  LazyRunsByScope() {
+    t_runs = &runs;
+    handle = at::addThreadLocalCallback(at::RecordFunctionCallback(on_start, on_end));
+  }
+  ~LazyRunsByScope() {
+    at::removeCallback(handle);
+    t_runs = nullptr;
+  }
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    t_open.emplace_back(t_open.empty() ? fn.name() : "", lazy_graph_runs());  // nested: the outermost's
+    return nullptr;
+  }
+  static void on_end(const at::RecordFunction&, at::ObserverContext*) {
+    if (t_open.empty()) return;
+    const auto [name, at_start] = t_open.back();
+    t_open.pop_back();
+    const int64_t n = lazy_graph_runs() - at_start;
+    if (!name.empty() && t_runs && n > 0) (*t_runs)[name] += n;
+  }
+  // Runs outside every scope: the total less the runs put down to a scope.
+  int64_t unscoped() const {
+    int64_t scoped = 0;
+    for (const auto& [name, n] : runs) scoped += n;
+    return lazy_graph_runs() - start - scoped;
+  }
+};
+}  // namespace
+
+TEST_CASE("on the lazy test device a step runs the graph for one host read (read_step) and at its cut "
+          "(device::end_step); every other graph run is inside an op the backend runs eagerly on the CPU") {
+  // On a lazy device nothing runs until a value is needed, so every host read in a step, declared or not
+  // (an .item(), a .cpu(), a branch on a tensor), runs the graph pending behind it: counting graph runs
+  // by the scope they happen in counts host synchronizations, those the profiler's op names show and
+  // any they would not.
+  test::TempDir dir("lazy-syncs");
+  auto cfg = loop_config(dir.path / "run", {"train.device=lazy", "train.grad_accum=2", "state.at_end=false"});
+  auto s = train::setup(cfg);
+  train::LoopState st;
+  std::map<std::string, int64_t> runs;
+  int64_t unscoped = 0;
+  train::Outcome o;
+  {
+    LazyRunsByScope by_scope;
+    o = loop(*s, st);
+    runs = by_scope.runs, unscoped = by_scope.unscoped();
+  }
+  std::string seen;
+  for (const auto& [name, n] : runs) seen += fmt::format(" {} {},", name, n);
+  INFO("lazy graph runs in " << st.steps_done << " steps: outside every scope " << unscoped << "," << seen << " " << o.message);
+  REQUIRE(o.code == kExitOk);
+  REQUIRE(st.steps_done == 3);
+  // Per step: (1) read_step's read of [loss, gradient norm, found-inf] (forward, backward and the norm
+  // run then), in its sublinear::host_read scope; (2) end_step's cut after the optimizer step (clipping
+  // and AdamW run then, and the next step starts from a fresh graph), outside every op.
+  CHECK(runs["sublinear::host_read"] == st.steps_done);
+  CHECK(unscoped == st.steps_done);
+  // Every other run is inside an op whose parts the TorchScript backend has no lowering for, so it runs
+  // them eagerly on the CPU, taking their inputs there (its aten:: fallback counters): the attention
+  // (scaled_dot_product_attention's math path masks with isneginf, all and where), the clipping
+  // coefficient's where (optim/clip.cpp), and slice's backward (a copy). The lazy device's, not a read
+  // of the step's: on CUDA these are kernels. An .item() or a .cpu() of the step's would show as
+  // aten::item, aten::to or aten::_to_copy here.
+  const std::set<std::string> scopes = {"sublinear::host_read", "aten::scaled_dot_product_attention", "aten::where",
+                                               "autograd::engine::evaluate_function: SliceBackward0"};
+  for (const auto& [name, n] : runs) {
+    CAPTURE(name, n);
+    CHECK(scopes.count(name) == 1);
+  }
+  s->finish(st, std::move(o));
 }

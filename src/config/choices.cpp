@@ -17,6 +17,7 @@ void to_json(nlohmann::json& j, const Sharding& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const CheckpointingMode& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const Arch& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const Dtype& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const Tf32& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const Backend& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const DeviceChoice& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const OnNonfinite& c) { name_to_json(j, c); }
@@ -34,6 +35,7 @@ std::ostream& operator<<(std::ostream& os, const Sharding& c) { return os << c.n
 std::ostream& operator<<(std::ostream& os, const CheckpointingMode& c) { return os << c.name(); }
 std::ostream& operator<<(std::ostream& os, const Arch& c) { return os << c.name(); }
 std::ostream& operator<<(std::ostream& os, const Dtype& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const Tf32& c) { return os << c.name(); }
 std::ostream& operator<<(std::ostream& os, const Backend& c) { return os << c.name(); }
 std::ostream& operator<<(std::ostream& os, const DeviceChoice& c) { return os << c.name(); }
 std::ostream& operator<<(std::ostream& os, const OnNonfinite& c) { return os << c.name(); }

@@ -1,7 +1,7 @@
 // The recipe's named choices, parsed once where the recipe is read: parallel.sharding (Sharding),
 // checkpointing.mode (CheckpointingMode), model.arch (Arch), the precision dtypes (Dtype),
-// parallel.backend (Backend), train.device (DeviceChoice), train.on_nonfinite (OnNonfinite),
-// train.on_spike (OnSpike), data.source (DataSource) and data.raw_dtype (RawDtype). Past the parser no
+// precision.tf32 (Tf32), parallel.backend (Backend), train.device (DeviceChoice), train.on_nonfinite
+// (OnNonfinite), train.on_spike (OnSpike), data.source (DataSource) and data.raw_dtype (RawDtype). Past the parser no
 // code sees their names: it asks the value what it does (sharding.shards_params(), dtype.bytes()) or
 // compares values (mode == CheckpointingMode::kBudget). Comparing one with a string does not compile,
 // and scripts/check_design.py keeps src/ free of string comparisons with these names.
@@ -98,6 +98,21 @@ class Dtype : public NamedChoice<Dtype> {
   constexpr Dtype(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
 
   constexpr int64_t bytes() const { return kind() == kFp32 ? 4 : 2; }  // bytes per element
+};
+
+// precision.tf32: fp32 matmuls and cuDNN convolutions on TF32 tensor cores (inputs rounded to 10
+// mantissa bits, products summed in fp32), as nanoGPT and llm.c train; auto = on for a CUDA run, off
+// elsewhere (no other device has TF32). Set once at a run's set-up (device::set_tf32).
+class Tf32 : public NamedChoice<Tf32> {
+ public:
+  enum Kind : uint8_t { kAuto, kOn, kOff };
+  static constexpr std::array<std::string_view, 3> kNames = {"auto", "true", "false"};
+
+  constexpr Tf32() : Tf32(kAuto) {}
+  constexpr Tf32(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+
+  // Whether a run on CUDA (`on_cuda`) or elsewhere computes its fp32 matmuls in TF32.
+  constexpr bool enabled(bool on_cuda) const { return on_cuda && kind() != kOff; }
 };
 
 // parallel.backend: the collectives' library; auto = NCCL on CUDA, Gloo on CPU (parallel/comm.h).
@@ -201,6 +216,7 @@ void to_json(nlohmann::json& j, const Sharding& c);
 void to_json(nlohmann::json& j, const CheckpointingMode& c);
 void to_json(nlohmann::json& j, const Arch& c);
 void to_json(nlohmann::json& j, const Dtype& c);
+void to_json(nlohmann::json& j, const Tf32& c);
 void to_json(nlohmann::json& j, const Backend& c);
 void to_json(nlohmann::json& j, const DeviceChoice& c);
 void to_json(nlohmann::json& j, const OnNonfinite& c);
@@ -213,6 +229,7 @@ std::ostream& operator<<(std::ostream& os, const Sharding& c);
 std::ostream& operator<<(std::ostream& os, const CheckpointingMode& c);
 std::ostream& operator<<(std::ostream& os, const Arch& c);
 std::ostream& operator<<(std::ostream& os, const Dtype& c);
+std::ostream& operator<<(std::ostream& os, const Tf32& c);
 std::ostream& operator<<(std::ostream& os, const Backend& c);
 std::ostream& operator<<(std::ostream& os, const DeviceChoice& c);
 std::ostream& operator<<(std::ostream& os, const OnNonfinite& c);

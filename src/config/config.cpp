@@ -220,6 +220,7 @@ std::vector<Field> precision_fields() {
       field(&R::precision, &PrecisionConfig::compute, "precision", "compute", "fp32 | bf16 | fp16: autocast's compute dtype on the run's device; weights and optimizer states stay fp32"),
       field(&R::precision, &PrecisionConfig::param_dtype, "precision", "param_dtype", "fp32 | bf16 | fp16: dtype of the parameters the forward and backward use; not fp32 needs parallel.sharding zero1/2/3 (fp32 master weights and AdamW states stay in the rank's shard; the all-gather moves this dtype) and precision.compute of the same dtype"),
       field(&R::precision, &PrecisionConfig::reduce_dtype, "precision", "reduce_dtype", "fp32 | bf16 | fp16: dtype gradients are reduce-scattered in (zero2/3); not fp32 halves the traffic but rounds every rank's gradient before the sum (lossy)"),
+      field(&R::precision, &PrecisionConfig::tf32, "precision", "tf32", "auto | true | false: fp32 matmuls and cuDNN convolutions on TF32 tensor cores (inputs rounded to 10 mantissa bits, fp32 sums), as nanoGPT and llm.c train; auto = on for a CUDA run, off elsewhere; true needs CUDA. bf16/fp16 matmuls are not concerned"),
       field(&R::precision, &PrecisionConfig::loss_scale, "precision", "loss_scale", "fp16 only: dynamic, or a fixed number to multiply the loss by"),
       field(&R::precision, &PrecisionConfig::init_scale, "precision", "init_scale", "fp16 dynamic scaling: starting scale"),
       field(&R::precision, &PrecisionConfig::growth_factor, "precision", "growth_factor", "fp16 dynamic scaling: scale multiplier after growth_interval clean steps"),
@@ -896,6 +897,10 @@ void validate_devices_and_logging(const RunConfig& c) {
 }  // namespace
 
 void validate_resolved_device(const RunConfig& c, bool on_cuda) {
+  if (c.precision.tf32 == Tf32::kOn && !on_cuda)
+    fail("precision.tf32", fmt::format("true needs a CUDA device (TF32 is a format of NVIDIA tensor cores), but train.device: "
+                                       "{} puts this run on the {}: set precision.tf32: auto (on where there is CUDA) or false",
+                                       c.train.device.name(), c.train.device == DeviceChoice::kLazy ? "lazy test device" : "CPU"));
   if (!on_cuda && c.memory.limit.bytes > 0 && !c.memory.track_cpu)
     fail("memory.limit", fmt::format("on CPU the limit is enforced by the tracking allocator: keep memory.track_cpu: "
                                      "true (train.device: {} puts this run on the CPU)", c.train.device.name()));

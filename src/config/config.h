@@ -122,6 +122,7 @@ struct PrecisionConfig {
   Dtype compute = Dtype::kFp32;
   Dtype param_dtype = Dtype::kFp32;   // dtype of the parameters' compute copy (zero*: masters stay fp32 in the shard)
   Dtype reduce_dtype = Dtype::kFp32;  // dtype gradients are reduce-scattered in (zero2/3)
+  Tf32 tf32 = Tf32::kAuto;            // fp32 matmuls and cuDNN convolutions on TF32 tensor cores (CUDA)
   LossScale loss_scale = {};
   double init_scale = 65536.0;
   double growth_factor = 2.0;

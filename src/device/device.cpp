@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 
+#include <ATen/Context.h>
 #include <fmt/format.h>
 #include <torch/csrc/lazy/backend/backend_device.h>
 #include <torch/csrc/lazy/core/lazy_graph_executor.h>
@@ -53,6 +54,20 @@ void check_local_rank(int64_t local_rank, int64_t device_count, const std::strin
 at::Tensor to_device(const at::Tensor& t, c10::Device device) {
   if (!device.is_cuda()) return t.to(device);
   return t.pin_memory().to(device, /*non_blocking=*/true);
+}
+
+void set_tf32(bool on) {
+  // The float32 matmul precision ("high": TF32, "highest": IEEE fp32) and cuDNN's allow_tf32 flag: these
+  // setters keep LibTorch's per-backend settings (Context::float32Precision) in step with them, so both
+  // ways of reading them agree (set through the per-backend setters alone, the older getters refuse
+  // to answer: "mix of the legacy and new APIs").
+  auto& ctx = at::globalContext();
+  ctx.setFloat32MatmulPrecision(on ? "high" : "highest");
+  ctx.setAllowTF32CuDNN(on);
+}
+
+bool tf32_matmuls() {
+  return at::globalContext().float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL) == at::Float32Precision::TF32;
 }
 
 void end_step(c10::Device device) {

@@ -33,6 +33,12 @@ void check_local_rank(int64_t local_rank, int64_t device_count, const std::strin
 // A batch tensor (CPU, from the loader) on `device`.
 at::Tensor to_device(const at::Tensor& t, c10::Device device);
 
+// precision.tf32 (config::Tf32::enabled): fp32 matmuls (cuBLAS) and cuDNN convolutions on TF32 tensor
+// cores (on = true) or in IEEE fp32 (false), process-wide; a CUDA run's set-up calls it once.
+void set_tf32(bool on);
+// Whether fp32 matmuls on CUDA take TF32 now (what set_tf32 set, or LibTorch's default: off).
+bool tf32_matmuls();
+
 // After an optimizer step: lazy runs the step's recorded graph and starts a new one; others nothing.
 void end_step(c10::Device device);
 

@@ -25,7 +25,8 @@ struct Datasheet {
 };
 
 // Dense peaks (no sparsity) from the vendors' datasheets, TFLOP/s: bf16 and fp16 tensor cores, plain
-// fp32 (no TF32). Longer names first, so "H100 PCIe" is not taken for an SXM part.
+// fp32 (no TF32; TF32's is half the bf16 column, datasheet_peak). Longer names first, so "H100 PCIe" is
+// not taken for an SXM part.
 const std::vector<Datasheet> kDatasheets = {
     {"H100 PCIe", 756, 756, 51},     {"H100 NVL", 835, 835, 60},   {"H100", 989, 989, 67},
     {"H200", 989, 989, 67},          {"H800", 989, 989, 67},       {"GH200", 989, 989, 67},
@@ -42,10 +43,12 @@ std::string cuda_device_name(torch::Device device) {
 
 }  // namespace
 
-std::optional<double> datasheet_peak(const std::string& device_name, config::Dtype dtype) {
+std::optional<double> datasheet_peak(const std::string& device_name, config::Dtype dtype, bool tf32) {
   for (const auto& d : kDatasheets)
     if (device_name.find(d.name_part) != std::string::npos) {
-      const double tflops = dtype == config::Dtype::kFp32   ? d.fp32_tflops
+      const bool tensor_core_fp32 = tf32 && dtype == config::Dtype::kFp32 && d.bf16_tflops > 0;
+      const double tflops = tensor_core_fp32                ? d.bf16_tflops / 2
+                            : dtype == config::Dtype::kFp32 ? d.fp32_tflops
                             : dtype == config::Dtype::kFp16 ? d.fp16_tflops
                                                             : d.bf16_tflops;
       return tflops > 0 ? std::optional<double>(tflops * 1e12) : std::nullopt;
@@ -113,11 +116,14 @@ std::vector<GemmShape> probe_shapes(const std::vector<GemmShape>& model) {
 }
 
 PeakFlops peak_flops(torch::Device device, config::Dtype dtype, double override_tflops,
-                     const std::vector<GemmShape>& model_shapes) {
+                     const std::vector<GemmShape>& model_shapes, bool tf32) {
   if (override_tflops > 0.0) return {override_tflops * 1e12, dtype, "logging.peak_tflops", std::nullopt};
   const std::string name = cuda_device_name(device);
   if (!name.empty())
-    if (const auto peak = datasheet_peak(name, dtype)) return {*peak, dtype, "datasheet: " + name, std::nullopt};
+    if (const auto peak = datasheet_peak(name, dtype, tf32)) {
+      const bool tensor_cores = dtype == config::Dtype::kFp32 && peak != datasheet_peak(name, dtype, false);  // TF32's
+      return {*peak, dtype, fmt::format("datasheet{}: {}", tensor_cores ? " (TF32)" : "", name), std::nullopt};
+    }
   GemmProbe probe;
   const double flops = measure_gemm_peak(device, precision::scalar_type(dtype), probe_shapes(model_shapes), kProbeWindowS, &probe);
   return {flops, dtype, fmt::format("measured_{}_gemm", dtype.name()), probe};

@@ -41,9 +41,11 @@ struct PeakFlops {
   std::optional<GemmProbe> probe;  // set when measured
 };
 
-// Dense tensor-core (bf16/fp16) or plain fp32 (no TF32: PyTorch's default for fp32 matmuls) peak of
-// a CUDA device from its name (e.g. "NVIDIA H100 80GB HBM3"), in FLOP/s; nullopt when not in the table.
-std::optional<double> datasheet_peak(const std::string& device_name, config::Dtype dtype);
+// Dense tensor-core (bf16/fp16) or plain fp32 peak of a CUDA device from its name (e.g. "NVIDIA H100
+// 80GB HBM3"), in FLOP/s; nullopt when not in the table. `tf32` (fp32 only: precision.tf32 on): the TF32
+// tensor-core peak instead, half the bf16 one on every part that has both (Ampere, Ada, Hopper,
+// Blackwell datasheets); a part without TF32 (V100) keeps its plain fp32 peak, as its matmuls do.
+std::optional<double> datasheet_peak(const std::string& device_name, config::Dtype dtype, bool tf32 = false);
 
 // The matmuls of a training step of `model` over `rows` = micro_batch x seq_len tokens: the forward
 // products of the attention (qkv, output projection), the MLP (up, down) and the LM head, the input
@@ -56,10 +58,11 @@ std::vector<GemmShape> model_gemm_shapes(const config::ModelConfig& model, int64
 constexpr int64_t kProbeOperandElems = int64_t{1} << 20;
 std::vector<GemmShape> probe_shapes(const std::vector<GemmShape>& model);
 
-// `override_tflops` > 0 (logging.peak_tflops) wins; then the datasheet (CUDA); then the best of
-// measure_gemm_peak over probe_shapes(model_shapes).
+// `override_tflops` > 0 (logging.peak_tflops) wins; then the datasheet (CUDA; `tf32`: fp32 matmuls take
+// TF32, device::tf32_matmuls, so an fp32 run's peak is the TF32 one, source "datasheet (TF32): <name>");
+// then the best of measure_gemm_peak over probe_shapes(model_shapes), which takes TF32 where it is on.
 PeakFlops peak_flops(torch::Device device, config::Dtype dtype, double override_tflops,
-                     const std::vector<GemmShape>& model_shapes = {});
+                     const std::vector<GemmShape>& model_shapes = {}, bool tf32 = false);
 
 // The best FLOP/s of `shapes` in `dtype` on `device`, by the GEMM the model's linears take (model::mm:
 // fp32 GEMMs on widened operands where a CPU has no GEMM of its own for the dtype), on ATen's

@@ -60,7 +60,10 @@ Process init_process(config::RunConfig& cfg) {
   config::validate(cfg);  // train.global_batch against the real world size
   p.device = device::resolve_device(cfg.train, p.launch.local_rank);
   config::validate_resolved_device(cfg, p.device.is_cuda());  // train.device: auto, now resolved
-  if (p.device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(p.device);  // one GPU per local rank
+  if (p.device.is_cuda()) {
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(p.device);  // one GPU per local rank
+    device::set_tf32(cfg.precision.tf32.enabled(/*on_cuda=*/true));    // before the first matmul (the MFU probe's)
+  }
   if (cfg.train.threads > 0) at::set_num_threads(static_cast<int>(cfg.train.threads));
   p.comm = std::make_shared<parallel::Comm>(p.launch, cfg.parallel, p.device);
   return p;
@@ -319,7 +322,7 @@ void measure(const memory::Scenario& sc, const Process& proc, const Learner& lea
   // A budget schedule solved with profiled bytes: its peak by those bytes, the model it was solved with.
   if (plan.budget.bytes_source == "profile") meter.predicted.peak_bytes = plan.budget.predicted_peak_bytes;
   const auto shapes = model_gemm_shapes(sc.model, sc.micro_batch * sc.seq_len);
-  meter.peak = PeakTracker(peak_flops(proc.device, sc.precision.compute, sc.peak_tflops, shapes));
+  meter.peak = PeakTracker(peak_flops(proc.device, sc.precision.compute, sc.peak_tflops, shapes, device::tf32_matmuls()));
 }
 
 // summary.json's environment and model blocks.
@@ -327,6 +330,7 @@ void describe(const Process& proc, const Learner& learn, const Meter& meter, Out
   out.environment = {{"torch_version", TORCH_VERSION},
                      {"device", proc.device.str()},
                      {"cuda_available", torch::cuda::is_available()},
+                     {"tf32", proc.device.is_cuda() && device::tf32_matmuls()},  // precision.tf32, as set
                      {"threads", at::get_num_threads()},
                      {"world_size", proc.world()},
                      {"rank", proc.launch.rank},
@@ -363,6 +367,7 @@ void print_settings(const config::RunConfig& cfg, const Process& proc, const Lea
   rows.emplace_back("run directory", run_dir);
   rows.emplace_back("device", proc.device.str());
   rows.emplace_back("threads", std::to_string(at::get_num_threads()));
+  rows.emplace_back("fp32 matmuls", proc.device.is_cuda() && device::tf32_matmuls() ? "TF32 (precision.tf32)" : "IEEE fp32");
   rows.emplace_back("data parallel", learn.strategy->describe());
   rows.emplace_back("checkpointing plan", learn.runner->plan().describe());
   rows.emplace_back("predicted activation peak", fmt::format("{} per micro-batch", log::format_bytes(meter.predicted.peak_bytes)));
