@@ -1,7 +1,8 @@
 // The trainer's own step, measured: activation_peak_bytes of the second of two optimizer steps (the
 // first one creates the optimizer state) of a fresh model under a checkpointing plan, in the recipe's
 // compute precision, with the tracking allocator: a probe step (train/probe.h) on the CPU, seed 0,
-// grad_clip 1.0, no loss scaler, batches from a synthetic loader. Shared by the recompute and budget tests.
+// grad_clip 1.0, no loss scaler, batches from a synthetic loader, less the micro-batch's tokens. Shared by the
+// recompute and budget tests.
 #pragma once
 #include <memory>
 
@@ -23,7 +24,10 @@ inline int64_t measured_activation_peak(const config::RunConfig& cfg, const chec
   // gradients) are neither model states nor this step's activations: allocated_before.
   const auto r = train::probe_step(cfg, plan, {.loss_scaler = false, .grad_clip = 1.0, .seed = 0, .loader = &loader});
   REQUIRE_FALSE(r.oom);
-  return r.last.activation_peak_bytes() - r.allocated_before;
+  // The step's tokens (inputs and targets, int64) are in the allocator's peak; the planner counts them
+  // apart from the activations (its batch_bytes), as the budget leaves them out.
+  const int64_t batch = 2 * 8 * cfg.train.micro_batch * cfg.train.seq_len;
+  return r.last.activation_peak_bytes() - r.allocated_before - batch;
 }
 
 }  // namespace sl::test

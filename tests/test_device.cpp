@@ -190,7 +190,10 @@ TEST_CASE("train.device cuda: predicted peaks within 5 % of the caching allocato
   if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
   constexpr double kBound = 0.05;
   test::TempDir dir("device-cuda-memory");
+  // The recipe's shape and batch with autocast's precision (fp32 parameters, one process): the variants
+  // below set precision.compute.
   const std::string base = "--config configs/gpt2_124m.yaml --set train.device=cuda --set train.micro_batch=4 "
+                           "--set precision.compute=fp32 --set precision.param_dtype=fp32 --set parallel.sharding=none "
                            "--set train.grad_accum=1 --set train.steps=3 --set train.eval_interval=0 "
                            "--set state.at_end=false --set logging.save_model=false --set logging.progress=false";
   auto summary_of = [](const fs::path& run_dir) { return nlohmann::json::parse(test::read_text(run_dir / "summary.json")); };

@@ -443,6 +443,7 @@ gpu_targets_figures() {
     "$TRAINER" --config "$ROOT/configs/tiny.yaml" --set train.steps=5 --set train.eval_interval=0 \
       --set state.at_end=false --set logging.save_model=false --set logging.progress=false --set train.threads=1 \
       --set logging.peak_tflops=1 --set checkpointing.mode="$mode" --set logging.dir="$logs/runs/$key" \
+      --set data.path="$ROOT/data/corpus_train.bin" --set data.val_path="$ROOT/data/corpus_val.bin" \
       > "$logs/$key.log" 2>&1 || { tail "$logs/$key.log"; return 1; }
     printf '%s\tpassed\t1.0\t%s\t\n' "$key" "$key" >> "$logs/parts.tsv"
   done

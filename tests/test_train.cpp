@@ -675,7 +675,7 @@ TEST_CASE("model.vocab_multiple: a padded run trains as the unpadded one (losses
   const auto logits = m->forward(x);
   REQUIRE(logits.size(-1) == 250);
   const auto with_padding = torch::cat({logits, torch::zeros({2, 32, 6})}, -1);
-  const double gap = (model::GPTImpl::loss(with_padding, y) - model::GPTImpl::loss(logits, y)).abs().item<double>();
+  const double gap = (model::GPTImpl::loss_of_logits(with_padding, y) - model::GPTImpl::loss_of_logits(logits, y)).abs().item<double>();
   CHECK(gap > 10 * kTol);
 }
 
@@ -1409,8 +1409,8 @@ StepCasts casts_in_a_step(const std::string& param_dtype) {
   auto opt = engine.make_optimizer(cfg.train);
   memory::Tracker tracker(torch::kCPU);
   data::Loader loader(data::make_synthetic(20000, 256, 3), 2, 32, 100);
-  const train::ForwardFn forward = [&](const torch::Tensor& idx) { return runner.forward(idx); };
-  const train::StepParts parts{.forward = forward, .strategy = engine, .opt = *opt, .tracker = tracker,
+  const train::LossFn loss = [&](const torch::Tensor& idx, const torch::Tensor& y) { return runner.loss(idx, y); };
+  const train::StepParts parts{.loss = loss, .strategy = engine, .opt = *opt, .tracker = tracker,
                                .device = torch::kCPU, .precision = {precision::compute_dtype(cfg.precision.compute), nullptr},
                                .grad_clip = 1.0};
   train::train_step(parts, {loader.next(), loader.next()});
@@ -1525,11 +1525,14 @@ TEST_CASE("on the lazy test device a step runs the graph for one host read (read
   // Every other run is inside an op whose parts the TorchScript backend has no lowering for, so it runs
   // them eagerly on the CPU, taking their inputs there (its aten:: fallback counters): the attention
   // (scaled_dot_product_attention's math path masks with isneginf, all and where), the clipping
-  // coefficient's where (optim/clip.cpp), and slice's backward (a copy). The lazy device's, not a read
-  // of the step's: on CUDA these are kernels. An .item() or a .cpu() of the step's would show as
-  // aten::item, aten::to or aten::_to_copy here.
+  // coefficient's where (optim/clip.cpp), slice's backward (a copy into a view), and the fused LM head
+  // and loss writing each chunk's rows of its input gradient (a copy into a view too; the node reads
+  // nothing back to the host: model/fused_loss.cpp). The lazy device's, not a read of the step's: on
+  // CUDA these are kernels. An .item() or a .cpu() of the step's would show as aten::item, aten::to or
+  // aten::_to_copy here.
   const std::set<std::string> scopes = {"sublinear::host_read", "aten::scaled_dot_product_attention", "aten::where",
-                                               "autograd::engine::evaluate_function: SliceBackward0"};
+                                        "autograd::engine::evaluate_function: SliceBackward0",
+                                        "sublinear::linear_cross_entropy"};
   for (const auto& [name, n] : runs) {
     CAPTURE(name, n);
     CHECK(scopes.count(name) == 1);

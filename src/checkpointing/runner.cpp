@@ -116,10 +116,10 @@ torch::Tensor Runner::loss(const torch::Tensor& idx, const torch::Tensor& target
   const auto x = trunk(idx);
   const auto u = model::head_unit(model_->cfg);
   auto loss = unit(u, x, true, [&] {
-    // The training forward's head and loss carry their own label (eval keeps eval's).
-    const auto label = unit_label() == device::Label::activations ? device::Label::loss : unit_label();
-    device::LabelScope scope(label, static_cast<int32_t>(u));
-    return model_->head_loss(x, targets);
+    const auto h = model_->final_norm(x);
+    // The training forward's fused head and loss carry the loss's label (eval keeps eval's).
+    const device::LabelScope scope(unit_label() == device::Label::activations ? device::Label::loss : unit_label());
+    return model_->classifier_loss(h, targets);
   });
   flush();
   return loss;

@@ -174,13 +174,14 @@ model::FusedLossBytes loss_bytes(const Scenario& sc, const Sizes& z) {
                                  z.widened, true);
 }
 
-// E: the head's tensors per token at the start of backward: the last block's output, which the final
-// norm saves, with its statistics (gpt2 mean and rstd, llama rstd), and the fused loss's dh (fp32). Its
-// dW (4 V C) does not scale with the tokens: loss_bytes(...).kept less the dh.
-double head_bytes(const Sizes& z) { return z.r * z.C + z.f * (z.llama ? 1 : 2) + 4 * z.C; }
+// E: the head's tensors per token at the start of backward, through the final norm's backward: the
+// last block's output, which the norm saves, with its statistics (gpt2 mean and rstd, llama rstd), the
+// fused loss's dh (fp32), and the norm's input gradient (r C) made beside them. The loss's dW (4 V C)
+// does not scale with the tokens: loss_bytes(...).kept less the dh.
+double head_bytes(const Sizes& z) { return 2 * z.r * z.C + z.f * (z.llama ? 1 : 2) + 4 * z.C; }
 
-// The head at the end of the forward, for the micro-batch: E's saved input and statistics, the final
-// norm's output (c C) and the fused loss at its peak.
+// The head at the end of the forward, for the micro-batch: the norm's saved input and statistics, its
+// output (c C) and the fused loss at its peak.
 double head_forward_bytes(const Scenario& sc, const Sizes& z) {
   return z.tok * (z.r * z.C + z.f * (z.llama ? 1 : 2) + z.c * z.C) + static_cast<double>(loss_bytes(sc, z).peak);
 }

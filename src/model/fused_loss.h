@@ -50,7 +50,7 @@ constexpr int64_t loss_chunk_rows(int64_t rows, int64_t vocab, int64_t requested
 // chunks of `chunk` rows, compute dtype of c bytes (2 or 4), h and W of h_bytes and w_bytes per element,
 // `widened` the CPU's widened path (model/linear.h).
 struct FusedLossBytes {
-  int64_t kept = 0;  // from forward to backward: dh and dW in fp32 (none without gradients)
+  int64_t kept = 0;  // from forward to backward: the loss (fp32, 0-d), dh and dW in fp32 (without gradients: the loss)
   int64_t peak = 0;  // the forward's largest moment, kept included
 };
 constexpr int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -78,7 +78,7 @@ constexpr int64_t fused_loss_chunk_bytes(int64_t m, int64_t C, int64_t V, int64_
 constexpr FusedLossBytes fused_loss_bytes(int64_t N, int64_t C, int64_t V, int64_t chunk, int64_t c, int64_t h_bytes,
                                           int64_t w_bytes, bool widened, bool grads) {
   FusedLossBytes b;
-  b.kept = grads ? 4 * N * C + 4 * V * C : 0;
+  b.kept = 4 + (grads ? 4 * N * C + 4 * V * C : 0);
   // The operands in the compute dtype: a copy where the input is in another dtype; on the widened path
   // fp32 tensors of compute-dtype values, each made through a compute-dtype copy.
   const int64_t h_op = widened ? 4 * N * C : (h_bytes != c ? c * N * C : 0);

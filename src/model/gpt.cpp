@@ -245,11 +245,18 @@ torch::Tensor GPTImpl::head(const torch::Tensor& x) {
   return logits.size(-1) > cfg.vocab_size ? logits.narrow(-1, 0, cfg.vocab_size) : logits;  // (B, T, V)
 }
 
-torch::Tensor GPTImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
-  const auto h = norm(x, lnf_w, lnf_b, cfg.arch == config::Arch::kLlama, cfg.norm_eps).reshape({-1, x.size(-1)});
+torch::Tensor GPTImpl::final_norm(const torch::Tensor& x) const {
+  return norm(x, lnf_w, lnf_b, cfg.arch == config::Arch::kLlama, cfg.norm_eps).reshape({-1, x.size(-1)});
+}
+
+torch::Tensor GPTImpl::classifier_loss(const torch::Tensor& h, const torch::Tensor& targets) const {
   const auto& W = cfg.tie_embeddings ? wte : lm_head;
   return linear_cross_entropy(h, W, targets.reshape({-1}), loss_chunk_rows(h.size(0), W.size(0), cfg.loss_chunk),
                               cfg.vocab_size);
+}
+
+torch::Tensor GPTImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
+  return classifier_loss(final_norm(x), targets);
 }
 
 namespace {

@@ -112,6 +112,9 @@ struct GPTImpl : torch::nn::Module {
   // cross-entropy against targets (B, T) fused, model.loss_chunk positions at a time (model/fused_loss.h):
   // the (B, T, V) logits never exist.
   torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets);
+  torch::Tensor final_norm(const torch::Tensor& x) const;  // (B, T, C) -> (B*T, C)
+  // The fused LM head and loss of the final norm's output h (B*T, C) against targets (B, T).
+  torch::Tensor classifier_loss(const torch::Tensor& h, const torch::Tensor& targets) const;
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);  // head_loss of the blocks' output
   // ATen's composition on whole logits (B, T, V): the mean cross-entropy against targets (B, T), the
   // reference the fused loss is checked against.
