@@ -473,3 +473,15 @@ TEST_CASE("precision.tf32: auto (on for a CUDA run only), true (CUDA only, refus
   CHECK_THROWS_WITH(config::load_string("", {"precision.tf32=on"}),
                     Catch::Contains("precision.tf32: 'on' is not one of auto | true | false"));
 }
+
+TEST_CASE("the GPU recipes compute in bf16 on a bf16 compute copy of the weights, under a ZeRO stage") {
+  // No casts per micro-batch; the ZeRO stage keeps the fp32 masters (the one-process strategy refuses
+  // param_dtype).
+  for (const char* recipe : {"gpt2_124m", "1b_24gb", "7b_24gb", "7b_ckpt", "7b_nockpt"}) {
+    INFO(recipe);
+    const auto c = config::load(test::kSourceDir + "/configs/" + recipe + ".yaml", {});
+    CHECK(c.precision.compute == config::Dtype::kBf16);
+    CHECK(c.precision.param_dtype == config::Dtype::kBf16);
+    CHECK_FALSE(c.parallel.sharding.replicated());
+  }
+}
