@@ -1543,7 +1543,7 @@ TEST_CASE("on the lazy test device a step runs the graph for one host read (read
 
 // ---- train.cuda_graphs ----
 
-TEST_CASE("train.cuda_graphs: each eligibility condition, in the order train/cuda_graph.h lists them, names why a "
+TEST_CASE("train.cuda_graphs: each eligibility condition in the order train/cuda_graph.h lists them names why a "
           "run is eager; a one-process CUDA run without them captures") {
   const torch::Device cuda(torch::kCUDA, 0), cpu(torch::kCPU);  // a device to decide for: no GPU is touched
   const auto base = config::load_string("", {"train.cuda_graphs=auto", "train.device=cpu"});
@@ -1593,7 +1593,7 @@ TEST_CASE("train.cuda_graphs: each eligibility condition, in the order train/cud
   CHECK(train::graph_eligibility(bf16, 1, cuda).capture);
 }
 
-TEST_CASE("train.cuda_graphs: on, a CPU run trains as off, bitwise, and its summary.json says eager and why; a bad "
+TEST_CASE("train.cuda_graphs: on a CPU run trains as off bitwise and its summary.json says eager and why; a bad "
           "value exits 2 naming the key") {
   test::TempDir dir("graphs-cpu");
   auto run_with = [&](const std::string& setting) {
@@ -1642,8 +1642,8 @@ std::filesystem::path graph_run(const std::string& args, const std::filesystem::
 
 }  // namespace
 
-TEST_CASE("train.cuda_graphs on CUDA: a captured micro-batch replayed trains as eager, bitwise (fp32: checkpointing "
-          "none, full, selective; bf16), and the summary says a graph was captured and replayed",
+TEST_CASE("train.cuda_graphs on CUDA: a captured micro-batch replayed trains as eager bitwise (fp32 under checkpointing "
+          "none and full and selective; bf16) and the summary says a graph was captured and replayed",
           "[cuda]") {
   if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
   test::TempDir dir("graphs-cuda");
