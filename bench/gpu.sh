@@ -216,6 +216,7 @@ case_timeout() {
   case "$1" in
     *"predicted peaks"*) echo 150 ;;
     *"every checkpointing mode"*) echo 150 ;;
+    *"captured micro-batch replayed"*) echo 150 ;;  # test_train's train.cuda_graphs case: 9 tiny runs
     *) echo 120 ;;
   esac
 }

@@ -43,6 +43,7 @@ CHOICE_NAMES = [
     "auto", "gloo", "nccl",  # parallel.backend
     "cpu", "cuda", "lazy",  # train.device (and auto)
     "abort", "skip", "off", "warn", "stop",  # train.on_nonfinite, train.on_spike
+    "on",  # train.cuda_graphs (and off, auto)
     "dynamic",  # precision.loss_scale
     "llmc", "bin", "raw", "text", "synthetic", "uint16", "uint32",  # data.source, data.raw_dtype
 ]
@@ -95,6 +96,7 @@ RECIPE_READERS = {
     "build_learner": "model, plan, strategy, optimizer and precision: most sections",
     "check_model_states_fit": "the states' prediction, memory.* and the advice naming the stage and world",
     "open_run_log": "writes the whole resolved recipe (config.json)",
+    "graph_eligibility": "train.cuda_graphs: whether a graph may capture reads train, model, checkpointing, precision, parallel, offload, memory and logging",
     "print_settings": "prints the settings table of the recipe", "state_parts": "a save's meta.json holds the recipe",
     "plan": "planner::plan reports on the whole recipe (trainer plan)",
     "oom_advice": "proposes changes across train, checkpointing, parallel and offload",

@@ -132,7 +132,7 @@ TEST_CASE("a bad value of a typed key is refused at load naming the key, with it
       {"model.arch", "gpt3"},        {"precision.compute", "fp8"},   {"precision.param_dtype", "fp8"},
       {"precision.reduce_dtype", "fp8"}, {"parallel.backend", "mpi"}, {"train.device", "gpu"},
       {"data.source", "csv"},        {"data.raw_dtype", "int8"},     {"train.on_nonfinite", "ignore"},
-      {"train.on_spike", "maybe"}};
+      {"train.on_spike", "maybe"},   {"train.cuda_graphs", "always"}};
   for (const auto& [key, value] : names) {
     INFO(key);
     const auto dot = key.find('.');

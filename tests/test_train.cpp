@@ -3,7 +3,7 @@
 // errors (faults injected through gradient hooks into a real setup()/train_loop()/finish()); one host
 // synchronization per optimizer step, counted from a trace of every ATen op and from the lazy device's
 // graph runs; precision.tf32 (MFU's peak; on CUDA, the rounding of an fp32 matmul); the casts of a bf16
-// step with bf16 parameters.
+// step with bf16 parameters; train.cuda_graphs (eligibility, the CPU run eager, on CUDA a replay bitwise).
 #include <atomic>
 #include <cmath>
 #include <csignal>
@@ -40,6 +40,7 @@
 #include "checkpointing/runner.h"
 #include "optim/clip.h"
 #include "optim/optimizer.h"
+#include "train/cuda_graph.h"
 #include "train/peak_flops.h"
 #include "train/schedule.h"
 #include "train/spike.h"
@@ -1538,4 +1539,141 @@ TEST_CASE("on the lazy test device a step runs the graph for one host read (read
     CHECK(scopes.count(name) == 1);
   }
   s->finish(st, std::move(o));
+}
+
+// ---- train.cuda_graphs ----
+
+TEST_CASE("train.cuda_graphs: each eligibility condition in the order train/cuda_graph.h lists them names why a "
+          "run is eager; a one-process CUDA run without them captures") {
+  const torch::Device cuda(torch::kCUDA, 0), cpu(torch::kCPU);  // a device to decide for: no GPU is touched
+  const auto base = config::load_string("", {"train.cuda_graphs=auto", "train.device=cpu"});
+  const auto eligible = train::graph_eligibility(base, 1, cuda);
+  CHECK(eligible.capture);
+  CHECK(eligible.reason.empty());
+  auto on = base;
+  on.train.cuda_graphs = config::CudaGraphs::kOn;
+  CHECK(train::graph_eligibility(on, 1, cuda).capture);
+
+  struct Case {
+    std::string name;
+    std::function<void(config::RunConfig&)> change;
+    int64_t world;
+    torch::Device device;
+    std::string reason;
+  };
+  const std::vector<Case> cases = {
+      {"off", [](auto& c) { c.train.cuda_graphs = config::CudaGraphs::kOff; }, 1, cuda, "train.cuda_graphs: off"},
+      {"not CUDA", [](auto&) {}, 1, cpu, "the run is on the cpu device: CUDA graphs need CUDA"},
+      {"two ranks", [](auto&) {}, 2, cuda, "2 rank(s) with parallel.sharding none"},
+      {"zero1 at world 1", [](auto& c) { c.parallel.sharding = config::Sharding::kZero1; }, 1, cuda,
+       "1 rank(s) with parallel.sharding zero1"},
+      {"offload", [](auto& c) { c.offload.activations = true; }, 1, cuda, "offload.*"},
+      {"fp16", [](auto& c) { c.precision.compute = config::Dtype::kFp16; }, 1, cuda, "precision.compute fp16"},
+      {"memory.limit", [](auto& c) { c.memory.limit.bytes = int64_t{1} << 30; }, 1, cuda, "memory.limit"},
+      {"memory timeline", [](auto& c) { c.logging.memory_timeline = 2; }, 1, cuda, "logging.memory_timeline"},
+      {"dropout", [](auto& c) { c.model.dropout = 0.1; }, 1, cuda, "model.dropout > 0"},
+      {"check_recompute", [](auto& c) { c.checkpointing.check_recompute = true; }, 1, cuda,
+       "checkpointing.check_recompute"},
+      // Two conditions at once: the earlier one in the list is the reason.
+      {"cpu and fp16", [](auto& c) { c.precision.compute = config::Dtype::kFp16; }, 1, cpu, "the run is on the cpu device"},
+      {"offload and dropout", [](auto& c) { c.offload.activations = true, c.model.dropout = 0.1; }, 1, cuda, "offload.*"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.name);
+    auto cfg = base;
+    c.change(cfg);
+    const auto got = train::graph_eligibility(cfg, c.world, c.device);
+    CHECK_FALSE(got.capture);
+    CHECK_THAT(got.reason, Catch::StartsWith(c.reason));
+  }
+  // bf16 autocast and checkpointing (full, selective) stay eligible: they add no host work to a micro-batch.
+  auto bf16 = base;
+  bf16.precision.compute = config::Dtype::kBf16;
+  bf16.checkpointing.mode = config::CheckpointingMode::kFull;
+  CHECK(train::graph_eligibility(bf16, 1, cuda).capture);
+}
+
+TEST_CASE("train.cuda_graphs: on a CPU run trains as off bitwise and its summary.json says eager and why; a bad "
+          "value exits 2 naming the key") {
+  test::TempDir dir("graphs-cpu");
+  auto run_with = [&](const std::string& setting) {
+    const auto run_dir = dir.path / setting;
+    REQUIRE(train::run(loop_config(run_dir, {"train.grad_accum=2", "train.steps=4", "train.cuda_graphs=" + setting})) ==
+            kExitOk);
+    return run_dir;
+  };
+  const auto off = run_with("off"), on = run_with("on");
+  const auto want = test::step_records(off / "metrics.jsonl");
+  REQUIRE(want.size() == 4);
+  CHECK(test::bitwise_diff(test::step_records(on / "metrics.jsonl"), want).empty());
+  const auto graphs = nlohmann::json::parse(test::read_text(on / "summary.json")).at("cuda_graphs");
+  CHECK(graphs.at("setting") == "on");
+  CHECK(graphs.at("mode") == "eager");
+  CHECK_THAT(graphs.at("reason").get<std::string>(), Catch::StartsWith("the run is on the cpu device"));
+  CHECK(graphs.at("captured") == false);
+  CHECK(graphs.at("replays") == 0);
+  CHECK(graphs.at("eager_micro_batches") == 8);  // 4 steps x grad_accum 2, every one eager
+  const auto off_graphs = nlohmann::json::parse(test::read_text(off / "summary.json")).at("cuda_graphs");
+  CHECK(off_graphs.at("mode") == "eager");
+  CHECK(off_graphs.at("reason") == "train.cuda_graphs: off");
+
+  const auto bad = test::trainer("--config configs/tiny.yaml --set train.cuda_graphs=always");
+  INFO(bad.output);
+  CHECK(bad.code == kExitConfig);
+  CHECK_THAT(bad.output, Catch::Contains("train.cuda_graphs: 'always' is not one of off | on | auto"));
+}
+
+namespace {
+
+// The tiny recipe at T 64 (one key block per query block in the attention's backward on CUDA: no atomics
+// across blocks, so a run is reproducible there, as tests/test_gpu.cpp's control shows), 6 steps of 2
+// micro-batches each, on cuda:0.
+const std::string kGraphArgs =
+    "--config configs/tiny.yaml --set train.device=cuda --set train.seq_len=64 --set train.micro_batch=4 "
+    "--set train.grad_accum=2 --set train.steps=6 --set train.eval_interval=0 --set logging.progress=false "
+    "--set logging.peak_tflops=1 --set logging.skip_first=0 --set state.at_end=false";
+
+std::filesystem::path graph_run(const std::string& args, const std::filesystem::path& run_dir) {
+  const auto r = test::trainer(args + " --set logging.dir=" + run_dir.string());
+  INFO(args << "\n" << r.output);
+  REQUIRE(r.code == 0);
+  return run_dir;
+}
+
+}  // namespace
+
+TEST_CASE("train.cuda_graphs on CUDA: a captured micro-batch replayed trains as eager bitwise (fp32 under checkpointing "
+          "none and full and selective; bf16) and the summary says a graph was captured and replayed",
+          "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  test::TempDir dir("graphs-cuda");
+  struct Variant {
+    std::string name, sets;
+  };
+  const std::vector<Variant> variants = {
+      {"fp32-none", ""},
+      {"fp32-full", " --set checkpointing.mode=full --set checkpointing.skip_last=false"},
+      {"fp32-selective", " --set checkpointing.mode=selective --set 'checkpointing.recompute=[attention,mlp,norm]'"},
+      {"bf16-none", " --set precision.compute=bf16"},
+  };
+  for (const auto& v : variants) {
+    INFO(v.name);
+    const auto eager = graph_run(kGraphArgs + v.sets + " --set train.cuda_graphs=off", dir.path / (v.name + "-off"));
+    const auto want = test::step_records(eager / "metrics.jsonl");
+    REQUIRE(want.size() == 6);
+    if (v.name == "fp32-none") {  // control: eager twice; if these differ no replay can match eager here
+      const auto again = graph_run(kGraphArgs + v.sets + " --set train.cuda_graphs=off", dir.path / "control");
+      REQUIRE(test::bitwise_diff(test::step_records(again / "metrics.jsonl"), want).empty());
+    }
+    const auto graphed = graph_run(kGraphArgs + v.sets + " --set train.cuda_graphs=on", dir.path / (v.name + "-on"));
+    CHECK(test::bitwise_diff(test::step_records(graphed / "metrics.jsonl"), want).empty());
+    const auto s = nlohmann::json::parse(test::read_text(graphed / "summary.json")).at("cuda_graphs");
+    INFO(s.dump());
+    CHECK(s.at("mode") == "graph");
+    CHECK(s.at("captured") == true);
+    CHECK(s.at("reason").is_null());
+    // 12 micro-batches: 3 eager warm-up ones, then the capture (replayed once) and 8 replays.
+    CHECK(s.at("eager_micro_batches") == train::StepGraph::kWarmupMicroBatches);
+    CHECK(s.at("replays") == 12 - train::StepGraph::kWarmupMicroBatches);
+  }
 }

@@ -8,6 +8,8 @@
 
 #include <ATen/autocast_mode.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
@@ -26,6 +28,13 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// Whether the current stream of CUDA device `d` is being captured into a CUDA graph (train/cuda_graph.h).
+bool capturing(c10::Device d) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(d.index()), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
 
 // RNG, autocast and host-placement state at the moment a piece ran forward. Thread-local settings all:
 // on CUDA the backward, and with it the recompute, runs on autograd's device thread, which has none of
@@ -59,6 +68,9 @@ struct ForwardState {
     }
     for (const auto& t : inputs)
       if (t.defined() && t.is_cuda()) {
+        // Under a CUDA graph's capture (train.cuda_graphs) the generator's state cannot be read; graphs are
+        // captured only without dropout (train/cuda_graph.h), so no recompute there draws a random number.
+        if (capturing(t.device())) break;
         s.cuda_device = t.device().index();
         auto gen = at::cuda::detail::getDefaultCUDAGenerator(s.cuda_device);
         std::lock_guard<std::mutex> lock(gen.mutex());
@@ -262,6 +274,9 @@ auto timed(const Saved& s, std::optional<c10::Device> cuda, F&& f) {
   s.opts.stats->recomputes += 1;
   // The recompute's transients, of the unit whose backward runs it (a segment's blocks label their own).
   device::LabelScope label(device::Label::recompute, device::current_phase().unit);
+  // Under a CUDA graph's capture the recompute is not timed: events recorded into a graph are not
+  // recorded by its replays, so there is no span to read (recompute_ms counts eager micro-batches only).
+  if (cuda && capturing(*cuda)) return f();
   if (cuda) {
     auto start = record_event(*cuda);
     auto out = f();

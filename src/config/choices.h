@@ -1,7 +1,7 @@
 // The recipe's named choices, parsed once where the recipe is read: parallel.sharding (Sharding),
 // checkpointing.mode (CheckpointingMode), model.arch (Arch), the precision dtypes (Dtype),
 // precision.tf32 (Tf32), parallel.backend (Backend), train.device (DeviceChoice), train.on_nonfinite
-// (OnNonfinite), train.on_spike (OnSpike), data.source (DataSource) and data.raw_dtype (RawDtype). Past the parser no
+// (OnNonfinite), train.on_spike (OnSpike), train.cuda_graphs (CudaGraphs), data.source (DataSource) and data.raw_dtype (RawDtype). Past the parser no
 // code sees their names: it asks the value what it does (sharding.shards_params(), dtype.bytes()) or
 // compares values (mode == CheckpointingMode::kBudget). Comparing one with a string does not compile,
 // and scripts/check_design.py keeps src/ free of string comparisons with these names.
@@ -158,6 +158,22 @@ class OnSpike : public NamedChoice<OnSpike> {
   constexpr bool holds() const { return kind() == kSkip || kind() == kStop; }  // the spike's step leaves the weights untouched
 };
 
+// train.cuda_graphs: whether a micro-batch's forward and backward are captured into a CUDA graph and
+// replayed (train/cuda_graph.h). off: eager always (the default: a graph's memory pool stays reserved for
+// the run, outside the per-step peaks the planner and memory.limit count); auto: captured where the run
+// is eligible (train::graph_eligibility), eager elsewhere, the reason in the settings and summary.json;
+// on: as auto, with a warning at start when the run is not eligible.
+class CudaGraphs : public NamedChoice<CudaGraphs> {
+ public:
+  enum Kind : uint8_t { kOff, kOn, kAuto };
+  static constexpr std::array<std::string_view, 3> kNames = {"off", "on", "auto"};
+
+  constexpr CudaGraphs() : CudaGraphs(kOff) {}
+  constexpr CudaGraphs(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+
+  constexpr bool wanted() const { return kind() != kOff; }  // on or auto: captured where eligible
+};
+
 // data.source: where the tokens come from (data/loader.h); bin is llmc's old name.
 class DataSource : public NamedChoice<DataSource> {
  public:
@@ -221,6 +237,7 @@ void to_json(nlohmann::json& j, const Backend& c);
 void to_json(nlohmann::json& j, const DeviceChoice& c);
 void to_json(nlohmann::json& j, const OnNonfinite& c);
 void to_json(nlohmann::json& j, const OnSpike& c);
+void to_json(nlohmann::json& j, const CudaGraphs& c);
 void to_json(nlohmann::json& j, const DataSource& c);
 void to_json(nlohmann::json& j, const RawDtype& c);
 void to_json(nlohmann::json& j, const MicroBatch& m);  // "auto" or the number
@@ -234,6 +251,7 @@ std::ostream& operator<<(std::ostream& os, const Backend& c);
 std::ostream& operator<<(std::ostream& os, const DeviceChoice& c);
 std::ostream& operator<<(std::ostream& os, const OnNonfinite& c);
 std::ostream& operator<<(std::ostream& os, const OnSpike& c);
+std::ostream& operator<<(std::ostream& os, const CudaGraphs& c);
 std::ostream& operator<<(std::ostream& os, const DataSource& c);
 std::ostream& operator<<(std::ostream& os, const RawDtype& c);
 

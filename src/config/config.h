@@ -97,6 +97,7 @@ struct TrainConfig {
   int64_t threads = 0;
   OnNonfinite on_nonfinite = OnNonfinite::kAbort;  // abort | skip
   OnSpike on_spike = OnSpike::kWarn;  // off | warn | skip | stop (train/spike.h)
+  CudaGraphs cuda_graphs = CudaGraphs::kOff;  // off | on | auto (train/cuda_graph.h)
   double spike_threshold = 1.5;     // a spike: loss > spike_threshold x the moving average of earlier losses
   int64_t spike_window = 50;        // the moving average's horizon in steps; checked once it covers this many
   int64_t sample_interval = 0;      // print a generated sample every N steps (needs a tokenizer); 0 = never

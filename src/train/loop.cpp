@@ -386,7 +386,7 @@ int loop_step(Loop& l, LoopState& st, int64_t step) {
   TimelineArm timeline(l.proc.rank0() && l.cfg.logging.memory_timeline == step + 1, step + 1, learn, micro);
   const StepResult r = train_step({.loss = learn.loss, .strategy = *learn.strategy, .opt = *learn.opt,
                                    .tracker = *l.meter.tracker, .device = l.proc.device, .precision = learn.precision,
-                                   .grad_clip = t.grad_clip},
+                                   .grad_clip = t.grad_clip, .graph = learn.graph.get()},
                                   micro, poll, hold);
   check_step(t, l.cfg.precision.max_skipped_steps, *learn.scaler, l.v, st, r, step);
   log_step(l, st, r, step, lr);

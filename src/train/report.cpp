@@ -235,6 +235,7 @@ Json Session::summary_json(const LoopState& st, const Outcome& o, Json parallel,
           {"state", state_report(s.cfg.state, s.proc, s.start, st)},
           {"final_weights", std::move(final_weights)},
           {"parallel", std::move(parallel)},
+          {"cuda_graphs", s.learn.graph ? s.learn.graph->summary() : Json(nullptr)},
           {"oom", o.oom},
           {"exit_status", {{"code", o.code}, {"name", exit_code_name(o.code)}, {"message", o.message}}}};
 }

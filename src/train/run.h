@@ -35,6 +35,7 @@
 #include "precision/loss_scaler.h"
 #include "state/state.h"
 #include "text/tokenizer.h"
+#include "train/cuda_graph.h"
 #include "train/peak_flops.h"
 #include "train/trainer.h"
 
@@ -61,6 +62,7 @@ struct Learner {
   ForwardFn forward;  // logits, for samples
   LossFn loss;        // what steps and evaluations run
   StepPrecision precision;
+  std::unique_ptr<StepGraph> graph;  // train.cuda_graphs: the micro-batch's graph, or why it runs eager
 };
 
 // The data: token splits, the train and validation loaders, the data's tokenizer.json (data.tokenizer,

@@ -257,6 +257,8 @@ Learner build_learner(const config::RunConfig& cfg, const Process& proc, Meter& 
   l.precision = {precision::compute_dtype(cfg.precision.compute), l.scaler.get()};
   l.forward = [runner = l.runner.get()](const torch::Tensor& idx) { return runner->forward(idx); };
   l.loss = [runner = l.runner.get()](const torch::Tensor& idx, const torch::Tensor& y) { return runner->loss(idx, y); };
+  l.graph = std::make_unique<StepGraph>(graph_eligibility(cfg, proc.world(), proc.device), cfg.train.cuda_graphs,
+                                        l.model->parameters());
   return l;
 }
 
@@ -368,6 +370,7 @@ void print_settings(const config::RunConfig& cfg, const Process& proc, const Lea
   rows.emplace_back("device", proc.device.str());
   rows.emplace_back("threads", std::to_string(at::get_num_threads()));
   rows.emplace_back("fp32 matmuls", proc.device.is_cuda() && device::tf32_matmuls() ? "TF32 (precision.tf32)" : "IEEE fp32");
+  rows.emplace_back("cuda graphs", learn.graph->describe());  // train.cuda_graphs, as this run will use it
   rows.emplace_back("data parallel", learn.strategy->describe());
   rows.emplace_back("checkpointing plan", learn.runner->plan().describe());
   rows.emplace_back("predicted activation peak", fmt::format("{} per micro-batch", log::format_bytes(meter.predicted.peak_bytes)));
@@ -383,6 +386,8 @@ void print_settings(const config::RunConfig& cfg, const Process& proc, const Lea
   fmt::print("{}", log::format_table(rows));
   std::fflush(stdout);
   warn_fallback_matmuls(memory::Scenario(cfg), proc);
+  if (cfg.train.cuda_graphs == config::CudaGraphs::kOn && !learn.graph->eligible())
+    spdlog::warn("train.cuda_graphs: on, but this run is not eligible and runs eager: {}", learn.graph->reason());
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "parallel/comm.h"
 #include "parallel/strategy.h"
 #include "precision/autocast.h"
+#include "train/cuda_graph.h"
 #include "train/trainer.h"
 
 namespace sl::train {
@@ -94,28 +95,42 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
 
 const char* current_phase() { return device::phase_name(device::current_phase().phase); }
 
+torch::Tensor micro_batch_pass(const MicroBatchWork& w, const torch::Tensor& x, const torch::Tensor& y,
+                               parallel::Strategy& strategy, bool last) {
+  set_phase(Phase::forward);
+  torch::Tensor loss;
+  {
+    precision::AutocastGuard autocast(w.device.type(), w.precision.autocast);
+    loss = w.loss(x, y);
+  }
+  set_phase(Phase::backward);
+  strategy.begin_backward(last);
+  // Divided by a 0-d tensor, not a double: the same float division on CPU and CUDA, and the form the
+  // lazy test device differentiates (a double scalar there reaches nll_loss_backward as float64).
+  auto* scaler = w.precision.scaler;
+  ((scaler ? scaler->scale_loss(loss) : loss) / torch::scalar_tensor(w.micro_batches, loss.options())).backward();
+  strategy.end_backward();
+  return loss.detach().to(torch::kDouble);
+}
+
+torch::Tensor eager_micro_batch(const MicroBatchWork& w, parallel::Strategy& strategy, bool last) {
+  set_phase(Phase::forward);
+  torch::Tensor x, y;
+  {
+    LabelScope input(Label::input);
+    x = device::to_device(w.batch.x, w.device), y = device::to_device(w.batch.y, w.device);
+  }
+  return micro_batch_pass(w, x, y, strategy, last);
+}
+
 torch::Tensor forward_backward(const LossFn& loss_of, const std::vector<data::Batch>& micro, torch::Device device,
-                               parallel::Strategy& strategy, const StepPrecision& precision) {
+                               parallel::Strategy& strategy, const StepPrecision& precision, StepGraph* graph) {
   const double n = static_cast<double>(micro.size());
   torch::Tensor total;  // float64 on the device: the same sum the host made of each loss's value
   for (const auto& b : micro) {
-    set_phase(Phase::forward);
-    torch::Tensor x, y, loss;
-    {
-      LabelScope input(Label::input);
-      x = device::to_device(b.x, device), y = device::to_device(b.y, device);
-    }
-    {
-      precision::AutocastGuard autocast(device.type(), precision.autocast);
-      loss = loss_of(x, y);
-    }
-    set_phase(Phase::backward);
-    strategy.begin_backward(&b == &micro.back());
-    // Divided by a 0-d tensor, not a double: the same float division on CPU and CUDA, and the form the
-    // lazy test device differentiates (a double scalar there reaches nll_loss_backward as float64).
-    ((precision.scaler ? precision.scaler->scale_loss(loss) : loss) / torch::scalar_tensor(n, loss.options())).backward();
-    strategy.end_backward();
-    const auto l = loss.detach().to(torch::kDouble);
+    const MicroBatchWork w{loss_of, b, device, precision, n};
+    const bool last = &b == &micro.back();
+    const auto l = graph ? graph->run(w, strategy, last) : eager_micro_batch(w, strategy, last);
     total = total.defined() ? total + l : l;
   }
   return total / n;
@@ -183,7 +198,7 @@ StepResult train_step(const StepParts& p, const std::vector<data::Batch>& micro,
   p.strategy.take_moved();  // this step's transfers only (not an eval's gathers)
   p.strategy.zero_grad();
   r.loss_scale = scaler ? scaler->scale() : 1.0;
-  const torch::Tensor loss = forward_backward(p.loss, micro, p.device, p.strategy, p.precision);
+  const torch::Tensor loss = forward_backward(p.loss, micro, p.device, p.strategy, p.precision, p.graph);
   set_phase(Phase::optimizer);
   const std::vector<torch::Tensor> grads = p.strategy.grads();
   const torch::Tensor found_inf = scaler ? scaler->unscale(grads) : torch::Tensor();  // unscale before clipping

@@ -23,6 +23,8 @@ class Strategy;
 
 namespace sl::train {
 
+class StepGraph;  // train/cuda_graph.h
+
 // What the current thread's step is doing: "forward", "backward", "optimizer", "eval" or "setup"
 // (reported with an out-of-memory failure; the thread's phase of device/alloc_tag.h, which a memory
 // timeline also records).
@@ -49,8 +51,11 @@ struct StepPrecision {
 // The strategy brackets each backward (begin_backward / end_backward): data parallelism reduces gradients
 // across ranks during the backward of the last micro-batch (zero2/3: of every micro-batch); the returned
 // loss is still this rank's.
+// With `graph` (train.cuda_graphs, train/cuda_graph.h) each micro-batch runs through it: captured and
+// replayed where the run is eligible, eager (the same ops as without it) elsewhere.
 torch::Tensor forward_backward(const LossFn& loss, const std::vector<data::Batch>& micro, torch::Device device,
-                               parallel::Strategy& strategy, const StepPrecision& precision = {});
+                               parallel::Strategy& strategy, const StepPrecision& precision = {},
+                               StepGraph* graph = nullptr);
 
 // Mean loss over the first `batches` batches of `loader` (rewound first, so every eval scores the same
 // windows), in eval mode without autograd, through `loss`
@@ -124,6 +129,7 @@ struct StepParts {
   torch::Device device;
   StepPrecision precision;
   double grad_clip = 0.0;
+  StepGraph* graph = nullptr;  // train.cuda_graphs (train/cuda_graph.h); null: eager
 };
 StepResult train_step(const StepParts& parts, const std::vector<data::Batch>& micro, const StopPoll& stop = {},
                       const HoldFn& hold = {});

@@ -1,0 +1,121 @@
+// train.cuda_graphs: one micro-batch's forward and backward (the loss included) captured into a CUDA graph
+// (at::cuda::CUDAGraph) and replayed for every later micro-batch, where the run is eligible; eager
+// elsewhere, with the reason in the settings table and summary.json.
+//
+// Eligibility is decided by construction, from the recipe and the device, before the first step
+// (graph_eligibility, in this order; the first that fails is the reason):
+//   1. train.cuda_graphs is on or auto;
+//   2. the device is CUDA;
+//   3. one process without sharding (parallel::Single): DDP and ZeRO's gradient hooks launch
+//      collectives and reallocate or drop gradient buffers per micro-batch, so their addresses are not
+//      fixed;
+//   4. no offload.* (host copies and host synchronizations inside the micro-batch);
+//   5. precision.compute is not fp16 (the loss scaler's scale and checks);
+//   6. no memory.limit: it is checked at each allocation, and a replay allocates nothing;
+//   7. no logging.memory_timeline: it records each allocation of a step;
+//   8. model.dropout 0: a recompute restores the CUDA generator's state, which cannot be read under
+//      capture, and a capture that fails part-way would leave the generator in capture mode;
+//   9. no checkpointing.check_recompute (it reads checksums to the host);
+//  10. static shapes: train.micro_batch is resolved to a number before the first step (auto's search runs
+//      at set-up) and the loader's batches are micro_batch x seq_len; a batch of another shape, or a step
+//      of another number of micro-batches, runs eager.
+// At run time (StepGraph):
+//   - gradients exist before capture: the first kWarmupMicroBatches micro-batches run eager (they create
+//     .grad and let cuBLAS and the caching allocator set up on the side stream); the strategy zeroes the
+//     gradients in place (Single::zero_grad), so their addresses stay; the capture accumulates into them.
+//     A capture after which a gradient is not the same tensor is discarded (the old gradients put back);
+//   - the loss is the graph's static float64 output, copied out after each replay; the step reads it with
+//     its one host read, as without graphs;
+//   - a capture that throws (an op that synchronizes, a kernel that cannot be captured) is ended, its
+//     graph discarded, the micro-batch run eager, and every later one eager: the summary names the error.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "config/config.h"
+#include "data/loader.h"
+#include "train/trainer.h"
+
+namespace sl::parallel {
+class Strategy;
+}
+
+namespace sl::train {
+
+// Whether a run captures (train.cuda_graphs wanted and every condition above met), and why not.
+struct GraphEligibility {
+  bool capture = false;
+  std::string reason;  // why the run is eager; "" when it captures
+};
+
+// The eligibility list above, a pure function of the recipe, the world size and the resolved device.
+GraphEligibility graph_eligibility(const config::RunConfig& cfg, int64_t world, torch::Device device);
+
+// One micro-batch as forward_backward hands it over: the loss function, the batch (host tensors), the
+// device, the step's precision and the number of micro-batches of the step (each loss is divided by it).
+struct MicroBatchWork {
+  const LossFn& loss;
+  const data::Batch& batch;
+  torch::Device device;
+  const StepPrecision& precision;
+  double micro_batches = 1.0;
+};
+
+// One micro-batch's forward and backward on device tensors `x`, `y` (what a graph captures): the forward
+// under autocast, the backward of loss / micro_batches (times the loss scale) bracketed by the strategy's
+// hooks (`last`: the step's last micro-batch). Returns the loss, detached, as a 0-d float64 tensor.
+torch::Tensor micro_batch_pass(const MicroBatchWork& w, const torch::Tensor& x, const torch::Tensor& y,
+                               parallel::Strategy& strategy, bool last);
+// The same with the batch copied to the device first: a micro-batch without a graph.
+torch::Tensor eager_micro_batch(const MicroBatchWork& w, parallel::Strategy& strategy, bool last);
+
+// A run's CUDA graph of one micro-batch (see the top of this file). Made at set-up for every run whose
+// recipe wants graphs; a run that is not eligible keeps it to report why, and runs eager through it.
+class StepGraph {
+ public:
+  static constexpr int64_t kWarmupMicroBatches = 3;
+
+  // `params`: the model's parameters, whose .grad tensors a capture must keep.
+  StepGraph(GraphEligibility eligibility, config::CudaGraphs mode, std::vector<torch::Tensor> params);
+  ~StepGraph();
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
+
+  // Runs one micro-batch: eager (not eligible, warming up, after a failed capture, a batch of another
+  // shape), captured then replayed (the first after the warm-up), or replayed. Returns its loss as
+  // eager_micro_batch does (a tensor of its own, not the graph's output).
+  torch::Tensor run(const MicroBatchWork& w, parallel::Strategy& strategy, bool last);
+
+  // Whether the run is eligible (graph_eligibility): it captures after the warm-up.
+  bool eligible() const { return eligibility_.capture; }
+  // "graph" once a capture succeeded and no failure followed, else "eager".
+  std::string mode() const;
+  // Why the run is eager ("" while it captures or replays).
+  std::string reason() const;
+  // The settings table's row: "graph (...)" or "eager: <reason>".
+  std::string describe() const;
+  // summary.json's cuda_graphs block: mode, reason, whether a graph was captured, micro-batches replayed
+  // and run eager.
+  nlohmann::json summary() const;
+
+ private:
+  struct Cuda;  // the graph, its side stream and static buffers (cuda_graph.cpp)
+  torch::Tensor graphed(const MicroBatchWork& w, parallel::Strategy& strategy, bool last);
+  torch::Tensor capture(const MicroBatchWork& w, parallel::Strategy& strategy, bool last);
+  void give_up(const std::string& why);
+
+  GraphEligibility eligibility_;
+  config::CudaGraphs mode_;
+  std::vector<torch::Tensor> params_;
+  std::unique_ptr<Cuda> cuda_;
+  std::string failure_;  // a capture's error: eager from then on
+  int64_t warmed_ = 0, replays_ = 0, eager_ = 0;
+  double captured_micro_batches_ = 0.0;  // the step's micro-batch count the graph divides by
+};
+
+}  // namespace sl::train
