@@ -138,21 +138,18 @@ PinnedPool& pool() {
   return *p;
 }
 
-// A kept block of `bytes` whose last copy has landed (or, when none has, the first, after it lands).
+// A kept block of `bytes` whose last copy has landed (event query), or null: a block still being
+// copied is not waited for (a new one is made), so the host thread runs on beside the copies.
 PinnedBlock* PinnedPool::kept(size_t bytes) {
-  PinnedBlock* b = nullptr;
-  {
-    const std::lock_guard<std::mutex> lock(mu_);
-    auto it = kept_.find(bytes);
-    if (it == kept_.end() || it->second.empty()) return nullptr;
-    auto& v = it->second;
-    auto done = std::find_if(v.begin(), v.end(), [](PinnedBlock* k) { return !k->last || k->last->event.query(); });
-    if (done == v.end()) done = v.begin();
-    b = *done;
-    v.erase(done);
-    kept_bytes_ -= static_cast<int64_t>(bytes);
-  }
-  if (b->last) b->last->event.synchronize();  // a host buffer is overwritten only after its last copy
+  const std::lock_guard<std::mutex> lock(mu_);
+  auto it = kept_.find(bytes);
+  if (it == kept_.end()) return nullptr;
+  auto& v = it->second;
+  auto done = std::find_if(v.begin(), v.end(), [](PinnedBlock* k) { return !k->last || k->last->event.query(); });
+  if (done == v.end()) return nullptr;
+  PinnedBlock* b = *done;
+  v.erase(done);
+  kept_bytes_ -= static_cast<int64_t>(bytes);
   b->last.reset();
   return b;
 }
@@ -316,7 +313,11 @@ void wait_for_host_copies() {
   std::vector<c10::cuda::CUDAStream> streams;
   {
     const std::lock_guard<std::mutex> lock(g_streams_mu);
-    for (const auto& kv : g_side_streams) streams.push_back(kv.second);
+    for (const auto& kv : g_side_streams) {
+      streams.push_back(kv.second);
+      // device::to_device's non-blocking copies of a page-locked tensor run on the current stream
+      streams.push_back(c10::cuda::getCurrentCUDAStream(kv.first));
+    }
   }
   for (const auto& stream : streams) stream.synchronize();
 }

@@ -28,13 +28,14 @@
 //                     copy into a host tensor do that before they return.
 //           lifetime  a device tensor the side stream reads or writes is record_stream'ed on it, so
 //                     the caching allocator reuses its memory only after the copy; a pooled host
-//                     block carries the event of its last copy and is handed out (or overwritten by
-//                     to_host_reusing or copy_into) only after that event completed (query, else
-//                     synchronize); a CPU writer of a pooled block first calls wait_for_host_copies.
+//                     block carries the event of its last copy and is handed out again only after
+//                     that event completed (query; a new block is made while none of the size has),
+//                     or overwritten by to_host_reusing or copy_into after synchronizing on it; a
+//                     CPU writer of a pooled block first calls wait_for_host_copies.
 //           staging   a host source that is not a pooled block of the destination's dtype and
 //                     layout is first copied (cast to the destination's dtype, rounded to nearest
 //                     even as ATen's CPU cast rounds) into one on the host thread, then sent.
-//         set_synchronous_copies(true), or SUBLINEAR_SYNC_OFFLOAD=1 in the environment, restores the
+//         set_synchronous_copies(true), or SUBLINEAR_SYNC_OFFLOAD=1 in the environment, gives the
 //         plain path: pageable host tensors made under a HostScope, every copy synchronous on the
 //         current stream (the same bytes: a copy moves bytes, and the host cast is the one ATen's
 //         copy makes). (state.async's snapshot, HostSnapshot below, is its own: one page-locked
@@ -106,10 +107,11 @@ at::Tensor host_readable(const at::Tensor& t);
 // Host to CUDA with `deferred`: as to_device_copy's. Into a host tensor: landed when it returns.
 void copy_into(const at::Tensor& dst, const at::Tensor& src, Arrival* deferred = nullptr);
 
-// Blocks until every copy the side streams were given has landed (cudaStreamSynchronize on each;
-// nothing elsewhere). A copy to the device may read a page-locked host tensor after the call that
-// issued it returned: a CPU writer of such a tensor (the host AdamW writing the masters the
-// parameters are copied from) calls this first.
+// Blocks until every copy the side streams and the current streams of their devices were given has
+// landed (cudaStreamSynchronize on each; nothing elsewhere). A copy to the device may read a
+// page-locked host tensor after the call that issued it returned (device::to_device's too, on the
+// current stream): a CPU writer of such a tensor (the host AdamW writing the masters the parameters
+// are copied from) calls this first.
 void wait_for_host_copies();
 
 // The CUDA path's switch (initially on unless SUBLINEAR_SYNC_OFFLOAD=1 is in the environment):
