@@ -277,6 +277,7 @@ void copy_to_cuda(const at::Tensor& dst, const at::Tensor& src, Arrival* deferre
   const bool direct = block && src.scalar_type() == dst.scalar_type() && src.sizes() == dst.sizes() &&
                       src.strides() == dst.strides();
   if (!direct) {
+    if (block && block->last) block->last->event.synchronize();  // the host reads a pooled source after its copy in
     from = pinned_like(dst, dst.scalar_type(), dev, block);
     from.copy_(src);
   }
