@@ -6,7 +6,8 @@
 //  c. every offload placement gives the losses of the run without it bitwise (on a GPU, moving the
 //     AdamW step or the gradient norm to the host changes its arithmetic: there step 1's loss is
 //     bitwise, its norm within a reordered float64 sum's bound, and the weights the same training),
-//     and the device peak falls, to the planner's figure for the placement;
+//     and the device peak falls, to the planner's figure for the placement; and offload's copies on
+//     the side stream give the synchronous path's losses and weights bitwise (SUBLINEAR_SYNC_OFFLOAD=1);
 //  d. two processes on one device over Gloo, DDP and every ZeRO stage, give world 1's losses, gradient
 //     norms and parameters within tests/test_parallel.cpp's bounds.
 // Each is a function of the device. The [cuda] cases run it on cuda:0 (their own ctest entry,
