@@ -13,6 +13,8 @@
 #                       GPT-2 124M bf16 (configs/gpt2_124m.yaml, 8 x 1024 tokens x 8 micro-batches) in
 #                       the trainer; the same under torch.compile (bench/compiled_gpt.py, the image's
 #                       torch); the trainer with checkpointing full and selective; configs/1b_24gb.yaml;
+#                       the pinned copy rates and overlap (bench/offload_bw.py: the values of
+#                       offload.bandwidth_gbps and offload.overlap, which the 7B parts then use);
 #                       `trainer plan` and 3 steps of configs/7b_24gb.yaml under memory.limit 24GB; then
 #                       every [cuda] case of every binary in what is left of the budget. It writes
 #                       bench/results/gpu-<date>.md: the targets (bench/gpu_targets.py: measured, bound,
@@ -129,10 +131,11 @@ slug() { echo "$1" | tr -c 'A-Za-z0-9\n' '_' | tr -s '_' | cut -c1-80; }
 # is left (at least the 100 - the sum of these shares per cent of the budget).
 PARTS=(
   "gpt2_none 8 GPT-2 124M bf16: the trainer, checkpointing none"
-  "baseline 28 GPT-2 124M bf16: torch.compile baseline (bench/compiled_gpt.py)"
+  "baseline 26 GPT-2 124M bf16: torch.compile baseline (bench/compiled_gpt.py)"
   "gpt2_full 6 GPT-2 124M bf16: the trainer, checkpointing full"
   "gpt2_selective 6 GPT-2 124M bf16: the trainer, checkpointing selective [attention, mlp, norm]"
-  "llama_1b 12 LLaMA 1B (configs/1b_24gb.yaml): the trainer, 8 steps of 4 micro-batches"
+  "llama_1b 11 LLaMA 1B (configs/1b_24gb.yaml): the trainer, 8 steps of 4 micro-batches"
+  "offload_bw 3 host <-> device copies: pinned rates and the share a GEMM hides (bench/offload_bw.py)"
   "plan_7b 3 LLaMA 7B (configs/7b_24gb.yaml, memory.limit 24GB): trainer plan"
   "run_7b 30 LLaMA 7B (configs/7b_24gb.yaml, memory.limit 24GB): the trainer, 3 steps"
 )
@@ -283,8 +286,17 @@ run_targets() {
   OMP_NUM_THREADS=1 trainer_part gpt2_selective "${GPT2[@]}" --set checkpointing.mode=selective \
     --set 'checkpointing.recompute=[attention, mlp, norm]'
   trainer_part llama_1b configs/1b_24gb.yaml --set train.steps=8 --set train.grad_accum=4
-  # The 7B plan and run priced at this GPU's peak (the recipe names an RTX 4090's), as the trainer reports it.
+  # The 7B plan and run priced at this GPU's peak (the recipe names an RTX 4090's), as the trainer reports it,
+  # and at its measured copy rate and overlap (offload.bandwidth_gbps, offload.overlap) when offload_bw ran.
   [[ -n "$peak" ]] && sets=(--set logging.peak_tflops="$peak")
+  if needs_cuda offload_bw; then
+    run_part offload_bw "$(part_field offload_bw 3)" "$(part_timeout offload_bw)" "$PY" "$ROOT/bench/offload_bw.py" \
+      --out "$LOGS/runs/offload_bw.json"
+    [[ -s "$LOGS/runs/offload_bw.json" ]] && sets+=($("$PY" -c 'import json, sys
+r = json.load(open(sys.argv[1]))
+print("--set offload.bandwidth_gbps=%.1f --set offload.overlap=%.2f" % (r["bandwidth_gbps"], r["overlap"]))' \
+      "$LOGS/runs/offload_bw.json" 2>/dev/null))
+  fi
   if needs_cuda plan_7b; then
     run_part plan_7b "$(part_field plan_7b 3)" "$(part_timeout plan_7b)" bash -c 'cd "$0" && exec "$@"' "$ROOT" \
       "$WORK/bin/trainer" plan --config configs/7b_24gb.yaml --set memory.limit=24GB "${sets[@]}" \

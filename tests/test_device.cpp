@@ -5,7 +5,9 @@
 // losses follow the CPU run's.
 //
 // The same scenario runs on CUDA where there is a GPU (the [cuda] cases, their own ctest entry
-// device_cuda, skipped elsewhere), with the planner against the caching allocator and memory.limit.
+// device_cuda, skipped elsewhere), with the planner against the caching allocator and memory.limit,
+// and offload's copies (device/host.h): page-locked host blocks counted in the host pool, the side
+// stream's copies giving the synchronous path's bytes.
 //
 // Tolerances: the lazy device takes the ATen path (the fused AVX2 attention, GELU and AdamW are
 // CPU-only), so its float32 sums are ordered differently from the CPU run's: per-op differences of a
@@ -22,16 +24,21 @@
 //   (every element within twice AdamW's travel in the run, the median element within 1e-2 of it,
 //   derived there); a stale or wrong tensor, a lost moment or a replayed step moves the median by O(1)
 //   of the travel.
+#include <atomic>
 #include <csignal>
 #include <filesystem>
+#include <functional>
 
 #include "catch.h"
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/cuda.h>
+#include <torch/torch.h>
 
 #include "config/config.h"
+#include "device/host.h"
 #include "state/safetensors.h"
 #include "runs.h"
 #include "test_util.h"
@@ -250,4 +257,105 @@ TEST_CASE("train.device cuda: predicted peaks within 5 % of the caching allocato
   const auto s = summary_of(again_dir);
   CHECK(s.at("peak_allocated_bytes").get<int64_t>() <= between);
   CHECK(s.at("peak_reserved_bytes").get<int64_t>() > between);
+}
+
+// ---- offload's copies on CUDA (device/host.h's cuda contract) ----
+
+namespace {
+
+// The host pool as the tracking allocator sees page-locked blocks (device::ExternalHostBytes).
+std::atomic<int64_t> g_pinned_counted{0};
+
+bool page_locked(const at::Tensor& h) { return at::detail::getCUDAHooks().isPinnedPtr(h.data_ptr()); }
+
+// Restores the asynchronous path and the host pool's counter when a case ends.
+struct CopyPathGuard {
+  CopyPathGuard() {
+    device::set_synchronous_copies(false);
+    g_pinned_counted = 0;
+    device::set_external_host_bytes({[](int64_t b) { g_pinned_counted += b; }, [](int64_t b) { g_pinned_counted -= b; },
+                                     [](int64_t) {}});
+  }
+  ~CopyPathGuard() {
+    device::set_synchronous_copies(false);
+    device::set_external_host_bytes({});
+  }
+};
+
+}  // namespace
+
+TEST_CASE("CUDA offload copies: host copies page-locked and counted in the host pool while they live; a freed block is reused", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  CopyPathGuard path;
+  const auto t = torch::randn({1000, 37}, torch::device(torch::kCUDA)).t();  // a dense, transposed layout
+  const auto expected = t.cpu();
+  const auto bytes = static_cast<int64_t>(t.nbytes());
+  void* first = nullptr;
+  {
+    const auto h = device::to_host(t);
+    CHECK(page_locked(h));
+    CHECK(h.strides() == t.strides());
+    CHECK(torch::equal(h, expected));
+    CHECK(g_pinned_counted == bytes);  // exactly its bytes
+    first = h.data_ptr();
+  }
+  CHECK(g_pinned_counted == 0);  // a kept block does not count
+  const auto again = device::to_host(t);
+  CHECK(again.data_ptr() == first);  // the pool's block of that size, its last copy landed
+  CHECK(g_pinned_counted == bytes);
+  const auto readable = device::host_readable(t);
+  CHECK(page_locked(readable));
+  CHECK(torch::equal(readable, expected));
+  CHECK(g_pinned_counted == 2 * bytes);
+
+  device::set_synchronous_copies(true);  // the plain path: pageable, not counted as a page-locked block
+  const auto plain = device::to_host(t);
+  CHECK_FALSE(page_locked(plain));
+  CHECK(torch::equal(plain, expected));
+  CHECK(g_pinned_counted == 2 * bytes);
+}
+
+TEST_CASE("CUDA offload copies: the side stream's copies give the synchronous path's bytes, deferred or waited", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  CopyPathGuard path;
+  const c10::Device cuda(c10::kCUDA, 0);
+  const auto master = torch::randn({4099}) * 3.0;  // host fp32 masters (pageable: staged, then sent)
+  const auto t = torch::randn({64, 129}, torch::device(cuda));
+
+  auto both_paths = [&](const std::function<at::Tensor()>& f) {
+    device::set_synchronous_copies(false);
+    const auto async = f().cpu();
+    device::set_synchronous_copies(true);
+    const auto sync = f().cpu();
+    device::set_synchronous_copies(false);
+    return std::make_pair(async, sync);
+  };
+  // A master into a bf16 slot of a larger device buffer: the host cast, as the synchronous copy makes it.
+  auto [slot_a, slot_s] = both_paths([&] {
+    auto flat = torch::full({2 * 4099}, 7.0, torch::dtype(torch::kBFloat16).device(cuda));
+    device::copy_into(flat.narrow(0, 4099, 4099), master);
+    return flat;
+  });
+  CHECK(torch::equal(slot_a, slot_s));
+  // Down and back, waited before returning and with the consumer's wait deferred.
+  auto [back_a, back_s] = both_paths([&] { return device::to_device_copy(device::to_host(t), cuda); });
+  CHECK(torch::equal(back_a, back_s));
+  CHECK(torch::equal(back_a, t.cpu()));
+  device::Arrival sent, arrived;
+  const auto h = device::to_host(t, &sent);
+  CHECK(sent.pending());
+  const auto d = device::to_device_copy(h, cuda, &arrived);  // on the side stream after the copy down
+  CHECK(arrived.pending());
+  arrived.wait();  // the current stream after the copy back: .cpu() below reads what it wrote
+  CHECK(torch::equal(d.cpu(), t.cpu()));
+  sent.host_wait();
+  CHECK(torch::equal(h, t.cpu()));
+  // A host copy reused in place (to_host_reusing) is overwritten only after its last copy: the new bytes.
+  const auto t2 = t * 2;
+  const auto reused = device::to_host_reusing(t2, h);
+  CHECK(reused.data_ptr() == h.data_ptr());
+  CHECK(torch::equal(reused, t2.cpu()));
+  // A copy into a page-locked host tensor of the pool lands before copy_into returns.
+  device::copy_into(reused, t);
+  CHECK(torch::equal(reused, t.cpu()));
 }

@@ -6,7 +6,8 @@
 //  c. every offload placement gives the losses of the run without it bitwise (on a GPU, moving the
 //     AdamW step or the gradient norm to the host changes its arithmetic: there step 1's loss is
 //     bitwise, its norm within a reordered float64 sum's bound, and the weights the same training),
-//     and the device peak falls, to the planner's figure for the placement;
+//     and the device peak falls, to the planner's figure for the placement; and offload's copies on
+//     the side stream give the synchronous path's losses and weights bitwise (SUBLINEAR_SYNC_OFFLOAD=1);
 //  d. two processes on one device over Gloo, DDP and every ZeRO stage, give world 1's losses, gradient
 //     norms and parameters within tests/test_parallel.cpp's bounds.
 // Each is a function of the device. The [cuda] cases run it on cuda:0 (their own ctest entry,
@@ -433,6 +434,40 @@ TEST_CASE("CUDA: every offload placement trains as the run without it (bitwise u
 TEST_CASE("CPU mirror: every offload placement gives the losses without offload bitwise; the peak falls as planned",
           "[.cpu_mirror]") {
   offload_bitwise("cpu");
+}
+
+// Offload's copies on the side stream against the synchronous path (SUBLINEAR_SYNC_OFFLOAD=1,
+// device/host.h): the same placements give the same losses, gradient norms and final weights bitwise
+// (a copy moves bytes; the host cast of a master is the one the synchronous copy makes; only when the
+// copies run changes). The placements of the 7B recipe (zero2, optimizer and gradients), ZeRO-3's
+// gathered parameters (the prefetch on the side stream) and the activations (the copies down in
+// forward, the prefetch back in backward).
+void offload_async_as_sync(const std::string& device) {
+  test::TempDir dir("gpu-offload-sync-" + device);
+  const std::string args = kOffloadArgs + " --set train.device=" + device;
+  const std::vector<std::pair<std::string, std::string>> placements = {
+      {"zero2", kGradients}, {"zero3", kParameters + kActivations}, {"none", kActivations}};
+  int n = 0;
+  for (const auto& [sharding, sets] : placements) {
+    const std::string run_args = args + " --set parallel.sharding=" + sharding + sets;
+    const auto async_dir = run_ok(run_args, dir.path / fmt::format("async{}", n));
+    const auto sync_dir = dir.path / fmt::format("sync{}", n++);
+    const auto r = test::run("cd " + test::kSourceDir + " && SUBLINEAR_SYNC_OFFLOAD=1 OMP_NUM_THREADS=1 " + test::kTrainer +
+                             " " + run_args + dir_arg(sync_dir));
+    INFO(sharding << sets << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    CHECK(test::bitwise_diff(test::step_records(async_dir / "metrics.jsonl"), test::step_records(sync_dir / "metrics.jsonl")) == "");
+    CHECK(weights_diff(async_dir, sync_dir) == "");
+  }
+}
+
+TEST_CASE("CUDA: offload's copies on the side stream give the synchronous path's losses and weights bitwise", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  offload_async_as_sync("cuda");
+}
+
+TEST_CASE("CPU mirror: offload with SUBLINEAR_SYNC_OFFLOAD=1 gives the same losses and weights bitwise", "[.cpu_mirror]") {
+  offload_async_as_sync("cpu");
 }
 
 TEST_CASE("CUDA: two processes on one GPU over Gloo, DDP and zero1/2/3, have world 1's losses and parameters", "[cuda]") {

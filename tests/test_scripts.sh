@@ -358,8 +358,8 @@ parts = [(m.group(2), int(m.group(1))) for m in
          (re.match(r"\s*(-?\d+) s  (\w+)", l) for l in sys.stdin.read().splitlines()[1:])]
 keys = [k for k, _ in parts]
 # the run order: the trainer and its baseline first, the 7B after its plan, the [cuda] cases last
-assert keys == ["gpt2_none", "baseline", "gpt2_full", "gpt2_selective", "llama_1b", "plan_7b", "run_7b",
-                "cases"], keys
+assert keys == ["gpt2_none", "baseline", "gpt2_full", "gpt2_selective", "llama_1b", "offload_bw", "plan_7b",
+                "run_7b", "cases"], keys
 # every part has time; the parts and what is left for the [cuda] cases add up to the budget exactly,
 # and the cases keep at least 5 % of it (the shares sum to at most 95 %)
 assert all(t >= 1 for _, t in parts), parts
@@ -395,8 +395,8 @@ for want in ("over the torch.compile baseline", "trainer MFU", "checkpointing fu
     assert sum(want in n for n in names) == 1, (want, names)
 assert all(r["result"] == "skipped" for r in t), t
 parts = [l.split("\t") for l in open(logs + "/parts.tsv").read().splitlines()]
-assert [p[0] for p in parts] == ["gpt2_none", "baseline", "gpt2_full", "gpt2_selective", "llama_1b", "plan_7b",
-                                 "run_7b", "case_none"], parts
+assert [p[0] for p in parts] == ["gpt2_none", "baseline", "gpt2_full", "gpt2_selective", "llama_1b", "offload_bw",
+                                 "plan_7b", "run_7b", "case_none"], parts
 assert all(p[1] == "skipped" for p in parts), parts
 assert "| LLaMA 1B (configs/1b_24gb.yaml): MFU |  | >= 45 % | skipped |" in md, md' "$md"
 }

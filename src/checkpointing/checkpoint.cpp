@@ -460,13 +460,17 @@ std::vector<at::Tensor> defined_only(const std::vector<at::Tensor>& ts) {
 struct ActivationOffload::Slot {
   std::vector<at::Tensor> host;      // per input: its host copy (undefined: kept on the device)
   std::vector<at::Tensor> restored;  // per input: back on the device (filled by restore or a prefetch)
+  device::Arrival prefetched;        // a prefetch's copies back (device/host.h): restore waits on it
   c10::Device device{c10::kCPU};
   size_t index = 0;                  // in the forward's chain
 };
 
 namespace {
 
-void bring_back(ActivationOffload::Slot& slot, Stats& stats) {
+// The slot's inputs back on the device. A prefetch leaves the current stream's wait to restore (on
+// CUDA its copies run on the side stream beside the backward queued meanwhile); the copies are in
+// one stream's order, so the last one's Arrival covers them all.
+void bring_back(ActivationOffload::Slot& slot, Stats& stats, bool prefetch) {
   if (!slot.restored.empty()) return;
   for (const auto& h : slot.host) {
     if (!h.defined()) {
@@ -475,7 +479,7 @@ void bring_back(ActivationOffload::Slot& slot, Stats& stats) {
     }
     stats.offload_to_device += static_cast<int64_t>(h.nbytes());
     device::LabelScope label(device::Label::offload, device::current_phase().unit);
-    slot.restored.push_back(device::to_device_copy(h, slot.device));
+    slot.restored.push_back(device::to_device_copy(h, slot.device, prefetch ? &slot.prefetched : nullptr));
   }
 }
 }  // namespace
@@ -492,7 +496,10 @@ std::shared_ptr<ActivationOffload::Slot> ActivationOffload::offload(const std::v
     slot->device = t.device();
     stats.offload_to_host += static_cast<int64_t>(t.nbytes());
     device::LabelScope label(device::Label::offload, device::current_tag().unit);
-    slot->host.push_back(device::to_host(t.detach()));
+    // On CUDA the copy runs on the side stream beside the forward queued next: the host copy is read
+    // only by the copy back, on that stream after it (device/host.h), so nothing waits for it here.
+    device::Arrival sent;
+    slot->host.push_back(device::to_host(t.detach(), &sent));
   }
   slot->index = chain_.size();
   chain_.push_back(slot);
@@ -500,9 +507,11 @@ std::shared_ptr<ActivationOffload::Slot> ActivationOffload::offload(const std::v
 }
 
 std::vector<at::Tensor> ActivationOffload::restore(Slot& slot, Stats& stats) {
-  bring_back(slot, stats);
+  bring_back(slot, stats, /*prefetch=*/false);
+  slot.prefetched.wait();  // this slot's prefetch, when there was one: before the first use
+  slot.prefetched = device::Arrival();
   if (slot.index > 0 && slot.index <= chain_.size())
-    if (auto prev = chain_[slot.index - 1].lock()) bring_back(*prev, stats);  // its backward comes next
+    if (auto prev = chain_[slot.index - 1].lock()) bring_back(*prev, stats, /*prefetch=*/true);  // its backward comes next
   std::vector<at::Tensor> out = std::move(slot.restored);
   slot.restored.clear();
   slot.host.clear();  // the host copy is not needed again: backward runs once

@@ -7,13 +7,39 @@
 //         tracking allocator (memory/tracking_allocator.h) counts in its host pool, apart from device
 //         memory and memory.limit, under memory.host_limit. A move is a real copy into a new buffer
 //         (the same bytes), so the CPU runs the GPU's code path and its memory picture.
-//   cuda  host tensors are CPU tensors made under a HostScope (tracked and limited the same way),
-//         pageable, and every copy is synchronous on the current stream: correct by construction, no
-//         transfer overlaps compute. Contract for the faster version (not built, no GPU to test it):
-//         page-locked buffers, copies on a side stream with an event recorded after each, and the
-//         consumer's stream waiting on that event before the first use; a host buffer is reused only
-//         after its copy's event has completed. (state.async's snapshot, HostSnapshot below, is
-//         already built that way: one page-locked block, non-blocking copies, one event.)
+//   cuda  host tensors made from a CUDA tensor (to_host, host_readable, and copy_into's and
+//         to_device_copy's staging) are page-locked blocks of exactly their bytes from a pool of
+//         cudaHostAlloc blocks kept by size (a freed block is kept for the next tensor of its size
+//         while the kept bytes stay within the most the pool ever handed out, as the tracking
+//         allocator keeps CPU blocks). A handed-out block counts in the host pool (ExternalHostBytes
+//         below: memory.host_limit refuses it with c10::OutOfMemoryError, host_peak_bytes shows it);
+//         a kept one does not. Host tensors made otherwise (host_zeros, the host AdamW's own) are
+//         pageable CPU tensors made under a HostScope, as on the CPU. The copies:
+//           stream    every copy runs on one side stream per device (c10::cuda::getStreamFromPool,
+//                     taken once), non-blocking. Before it, the side stream waits on an event
+//                     recorded on the current stream: the copy reads and writes after every kernel
+//                     queued before the call (the producer of a device source; the last user of a
+//                     device destination the caching allocator handed out on the current stream).
+//                     After it, an event is recorded on the side stream: the copy's Arrival.
+//           consumer  the current stream waits on that event (cudaStreamWaitEvent: no host block)
+//                     before the call returns, or, where the caller takes the Arrival, before the
+//                     caller's first use (Arrival::wait). A CPU reader of a host result waits on the
+//                     host (Arrival::host_wait): to_host without an Arrival, host_readable and a
+//                     copy into a host tensor do that before they return.
+//           lifetime  a device tensor the side stream reads or writes is record_stream'ed on it, so
+//                     the caching allocator reuses its memory only after the copy; a pooled host
+//                     block carries the event of its last copy and is handed out again only after
+//                     that event completed (query; a new block is made while none of the size has),
+//                     or overwritten by to_host_reusing or copy_into after synchronizing on it; a
+//                     CPU writer of a pooled block first calls wait_for_host_copies.
+//           staging   a host source that is not a pooled block of the destination's dtype and
+//                     layout is first copied (cast to the destination's dtype, rounded to nearest
+//                     even as ATen's CPU cast rounds) into one on the host thread, then sent.
+//         set_synchronous_copies(true), or SUBLINEAR_SYNC_OFFLOAD=1 in the environment, gives the
+//         plain path: pageable host tensors made under a HostScope, every copy synchronous on the
+//         current stream (the same bytes: a copy moves bytes, and the host cast is the one ATen's
+//         copy makes). (state.async's snapshot, HostSnapshot below, is its own: one page-locked
+//         block, non-blocking copies on the current stream, one event.)
 //   lazy  the test device: copies go through at::Tensor::to like any other device.
 #pragma once
 #include <cstdint>
@@ -39,15 +65,37 @@ class HostScope {
   bool on_;
 };
 
+// Where a copy's consumer waits (device/host.h's cuda contract). Empty (the copy has landed) on the
+// CPU, the lazy device and the synchronous path.
+class Arrival {
+ public:
+  // The current stream waits for the copy (no host block); empty: nothing.
+  void wait() const;
+  // The calling thread blocks until the copy has landed; empty: nothing.
+  void host_wait() const;
+  bool pending() const { return event_ != nullptr; }
+
+  struct Event;  // a CUDA event (host.cpp)
+  explicit Arrival(std::shared_ptr<Event> e = nullptr) : event_(std::move(e)) {}
+
+ private:
+  std::shared_ptr<Event> event_;
+};
+
 // A host-placed copy of `t` (same dtype, values, sizes and strides when they are dense; contiguous
 // otherwise; from another device, the layout its copy to the CPU gives), and the way back: a copy of host tensor `h` in `device`'s memory with its layout. A
 // restored tensor meets the kernels the original met (a stride change could change their bits).
-at::Tensor to_host(const at::Tensor& t);
+// From CUDA, with `pending`: the copy may still be in flight when to_host returns and *pending is
+// where it lands; the host tensor may then be read only by copies back to the device (the same side
+// stream, after it) or after pending->host_wait(). Without: landed when it returns.
+at::Tensor to_host(const at::Tensor& t, Arrival* pending = nullptr);
 // to_host(t) into `reuse` when it is a host copy of the same dtype, sizes and strides (copied in place:
 // no new allocation, no page faults); otherwise (undefined, another layout, the lazy device, which
 // cannot copy into a CPU tensor) a new to_host(t).
 at::Tensor to_host_reusing(const at::Tensor& t, const at::Tensor& reuse);
-at::Tensor to_device_copy(const at::Tensor& h, c10::Device device);
+// To CUDA with `deferred`: the current stream does not wait; *deferred is where the consumer waits
+// before the first use. Without: the current stream waits before it returns.
+at::Tensor to_device_copy(const at::Tensor& h, c10::Device device, Arrival* deferred = nullptr);
 // Zeros of `numel` elements on the host.
 at::Tensor host_zeros(int64_t numel, c10::ScalarType dtype);
 // `t` as host arithmetic can read it: on the CPU `t` itself (no copy: device and host are one RAM,
@@ -56,7 +104,40 @@ at::Tensor host_zeros(int64_t numel, c10::ScalarType dtype);
 // and recomputes that call them run on autograd's device thread, where a caller's scope does not hold.
 at::Tensor host_readable(const at::Tensor& t);
 // Copies `src` into `dst` (the same number of elements), one on the host and the other on the device.
-void copy_into(const at::Tensor& dst, const at::Tensor& src);
+// Host to CUDA with `deferred`: as to_device_copy's. Into a host tensor: landed when it returns.
+void copy_into(const at::Tensor& dst, const at::Tensor& src, Arrival* deferred = nullptr);
+
+// Blocks until every copy the side streams and the current streams of their devices were given has
+// landed (cudaStreamSynchronize on each; nothing elsewhere). A copy to the device may read a
+// page-locked host tensor after the call that issued it returned (device::to_device's too, on the
+// current stream): a CPU writer of such a tensor (the host AdamW writing the masters the parameters
+// are copied from) calls this first.
+void wait_for_host_copies();
+
+// The CUDA path's switch (initially on unless SUBLINEAR_SYNC_OFFLOAD=1 is in the environment):
+// true gives the synchronous pageable path. For comparing the two; set it before any copy.
+void set_synchronous_copies(bool on);
+bool synchronous_copies();
+
+// While one is open (on a CUDA device, asynchronous path), the current stream of `device` is the
+// side stream, which first waits on an event recorded on the stream current before it: copies and
+// collectives issued inside run after everything queued before, beside whatever is queued on the
+// previous stream after. finish() records the event the consumer waits on (the Arrival) and restores
+// the previous stream. Elsewhere it does nothing and finish() gives an empty Arrival. Allocations made
+// inside belong to the side stream: allocate before opening it.
+class SideStreamScope {
+ public:
+  explicit SideStreamScope(c10::Device device);
+  ~SideStreamScope();
+  SideStreamScope(const SideStreamScope&) = delete;
+  SideStreamScope& operator=(const SideStreamScope&) = delete;
+  Arrival finish();
+
+  struct Guard;  // the stream guard (host.cpp)
+
+ private:
+  std::unique_ptr<Guard> guard_;
+};
 
 // ---- state.async: a snapshot taken on the loop's thread, read by the save's writer thread ----
 //

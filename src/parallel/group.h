@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include "device/host.h"
 #include "parallel/comm.h"
 
 namespace sl::parallel {
@@ -33,6 +34,7 @@ struct Group {
   bool gathered = true;
   Pending pending;    // the gradient collective in flight
   Pending gathering;  // zero3: the parameter all-gather in flight (a prefetch until waited)
+  device::Arrival arrived;  // zero3: the side stream's copy in and all-gather issue (device/host.h)
   int64_t bytes() const { return padded * 4; }  // the group in fp32
   torch::Tensor slot() const { return flat_param.narrow(0, shard * rank, shard); }  // this rank's part of flat_param
 };

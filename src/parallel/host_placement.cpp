@@ -33,8 +33,11 @@ void HostPlacement::add_reduced(torch::Tensor& shard_grad, const torch::Tensor& 
 }
 
 // The host AdamW reads a copy made after clipping (the values it would read on the device).
+// On CUDA the parameters' copies in may still read the masters (device/host.h): the host AdamW writes
+// them only after those copies landed.
 void HostPlacement::grads_to_host(std::vector<std::unique_ptr<Group>>& groups) {
   torch::NoGradGuard no_grad;
+  if (optimizer_) device::wait_for_host_copies();
   for (auto& g : groups) {
     if (!g->host_grad.defined()) continue;
     device::copy_into(g->host_grad, g->step_grad);

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "device/alloc_tag.h"
+#include "device/host.h"
 
 namespace sl::parallel {
 
@@ -60,17 +61,27 @@ void Zero3::start_gather(Group& g) {
   g.gathered = true;
   ++gathers_;
   add_transient(param_buffer_bytes(g));
+  // On CUDA the shard's copy in (offload: the host master cast to the compute dtype) and the
+  // all-gather's issue go on the side stream (device/host.h), after what the current stream queued
+  // so far (the buffer above was allocated on it); the current stream waits for them only in
+  // gather_group or release_group. A prefetch (unit_before, prefetch_backward) thus copies and
+  // gathers the next unit beside this unit's compute. Elsewhere the scope does nothing.
+  device::SideStreamScope side(g.flat_param.device());
   g.gathering = comm_->all_gather(g.flat_param, compute_shard(g), "parameter all-gather of " + g.name);
+  g.arrived = side.finish();
 }
 
 void Zero3::gather_group(Group& g) {
   start_gather(g);
   g.gathering.wait();  // a no-op unless this gather (or its prefetch) is still in flight
+  g.arrived.wait();    // the current stream after the side stream's copy in (no host block)
 }
 
 void Zero3::release_group(Group& g) {
   if (!g.gathered) return;
   g.gathering.wait();  // never free a buffer a collective is still writing
+  g.arrived.wait();    // nor one the side stream is still writing: its reuse comes after, on this stream
+  g.arrived = device::Arrival();
   auto* storage = g.flat_param.storage().unsafeGetStorageImpl();
   // The parameters (and any tensor autograd saved from them) keep this storage; only its memory goes.
   storage->set_data_ptr_noswap(c10::DataPtr(nullptr, g.flat_param.device()));
