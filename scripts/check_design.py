@@ -56,6 +56,7 @@ COMPARISON = re.compile(r'(==|!=)\s*"(%s)"|"(%s)"\s*(==|!=)' % (NAMES, NAMES))
 LAYERS = [
     "config",     # the recipe: keys, typed choices, validation (torch-free)
     "log",        # formatting, metrics.jsonl, the run directory (torch-free)
+    "kernels",    # the fused CUDA kernels' launch functions (torch-free; the .cu files beside them)
     "device",     # what runs where: device choice, the CPU's instruction set, host staging
     "model",      # GPT-2 / LLaMA and their kernels
     "precision",  # autocast and the loss scaler
@@ -79,7 +80,7 @@ SESSION_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bSession\s*&[^()]*)\)')
 # Rule 6: the most parameters a function of this name may take.
 MAX_PARAMS = {"train_step": 5}
 # Files that include no torch header, directly or through the project headers they include.
-TORCH_FREE = ["src/config/*", "src/log/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h", "src/memory/scenario.*"]
+TORCH_FREE = ["src/config/*", "src/log/*", "src/kernels/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h", "src/memory/scenario.*"]
 # Rule 8: the functions that take the whole recipe, each because it reads most of it.
 RECIPE_READERS = {
     "Scenario": "memory/scenario.cpp: the memory model's input, read from the recipe once",

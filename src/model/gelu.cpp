@@ -13,6 +13,7 @@
 
 #include "device/cpu_features.h"
 #include "model/bf16.h"
+#include "model/cuda_fused.h"
 #include "model/fast_exp.h"
 #include "model/intra_op.h"
 
@@ -237,6 +238,9 @@ void no_double_backward() {
 
 torch::Tensor forward_fused(const torch::Tensor& x) {
   RECORD_FUNCTION("sublinear::gelu_tanh", std::vector<c10::IValue>{});
+#if defined(SUBLINEAR_CUDA_KERNELS)
+  if (x.is_cuda()) return cuda::gelu_forward(x, torch::Tensor());
+#endif
   auto y = torch::empty_like(x);
   on_element(x, [&](auto t) {
     using T = decltype(t);
@@ -249,6 +253,9 @@ torch::Tensor forward_fused(const torch::Tensor& x) {
 
 torch::Tensor backward_fused(const torch::Tensor& g, const torch::Tensor& x) {
   RECORD_FUNCTION("sublinear::gelu_tanh_backward", std::vector<c10::IValue>{});
+#if defined(SUBLINEAR_CUDA_KERNELS)
+  if (x.is_cuda()) return cuda::gelu_backward(g.to(x.scalar_type()).contiguous(), x, torch::Tensor()).first;
+#endif
   auto dx = torch::empty_like(x);
   on_element(x, [&](auto t) {
     using T = decltype(t);
@@ -265,6 +272,9 @@ torch::Tensor backward_fused(const torch::Tensor& g, const torch::Tensor& x) {
 
 torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& b) {
   RECORD_FUNCTION("sublinear::gelu_tanh", std::vector<c10::IValue>{});
+#if defined(SUBLINEAR_CUDA_KERNELS)
+  if (x.is_cuda()) return cuda::gelu_forward(x, b.to(torch::kFloat32).contiguous());
+#endif
   auto y = torch::empty_like(x);
   const auto b32 = b.to(torch::kFloat32);
   const int64_t H = b.numel(), rows = x.numel() / H;
@@ -284,6 +294,12 @@ std::tuple<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor
                                                              const torch::Tensor& b) {
   RECORD_FUNCTION("sublinear::gelu_tanh_backward", std::vector<c10::IValue>{});
   const auto gc = g.to(x.scalar_type()).contiguous(), b32 = b.to(torch::kFloat32);
+#if defined(SUBLINEAR_CUDA_KERNELS)
+  if (x.is_cuda()) {
+    auto [dx, db] = cuda::gelu_backward(gc, x, b32.contiguous());
+    return {dx, db.to(b.scalar_type())};
+  }
+#endif
   auto dx = torch::empty_like(x);
   const int64_t H = b.numel(), rows = x.numel() / H;
   auto partial = torch::zeros({pieces_of(rows), H}, b32.options());
@@ -327,8 +343,9 @@ struct GeluTanhBiasFunction : torch::autograd::Function<GeluTanhBiasFunction> {
   }
 };
 
-bool cpu_strided(const torch::Tensor& t) {
-  return t.defined() && t.device().is_cpu() && t.layout() == torch::kStrided;
+// A strided tensor on a device the fused kernels run on (the CPU; CUDA in a build with them).
+bool kernel_strided(const torch::Tensor& t) {
+  return t.defined() && fused_kernel_device(t.device()) && t.layout() == torch::kStrided;
 }
 
 bool kernel_dtype(c10::ScalarType t) { return t == torch::kFloat32 || t == torch::kBFloat16; }
@@ -336,23 +353,24 @@ bool kernel_dtype(c10::ScalarType t) { return t == torch::kFloat32 || t == torch
 // The bias form takes activations of dtype `act` with the bias b: fp32 with an fp32 b; bf16 with an fp32
 // or a bf16 b.
 bool bias_kernel_takes(c10::ScalarType act, const torch::Tensor& b) {
-  if (!cpu_strided(b) || b.dim() != 1 || b.numel() == 0) return false;
+  if (!kernel_strided(b) || b.dim() != 1 || b.numel() == 0) return false;
   if (act == torch::kBFloat16) return kernel_dtype(b.scalar_type());
   return act == torch::kFloat32 && b.scalar_type() == torch::kFloat32;
 }
 
-// The dtype of what a linear makes from `like`: CPU autocast's while it is on (it casts fp32, bf16 and
-// fp16 operands), else like's own.
+// The dtype of what a linear makes from `like` (on the CPU or CUDA): the autocast dtype of like's
+// device while its autocast is on (it casts fp32, bf16 and fp16 operands), else like's own.
 c10::ScalarType linear_output_dtype(const torch::Tensor& like) {
   const auto t = like.scalar_type();
+  const auto device = like.device().type();
   const bool cast = t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kHalf;
-  return cast && at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : t;
+  return cast && at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device) : t;
 }
 
 }  // namespace
 
 bool gelu_tanh_fused(const torch::Tensor& x) {
-  return device::fused_kernels() && cpu_strided(x) && kernel_dtype(x.scalar_type()) && x.is_contiguous();
+  return device::fused_kernels() && kernel_strided(x) && kernel_dtype(x.scalar_type()) && x.is_contiguous();
 }
 
 torch::Tensor gelu_tanh(const torch::Tensor& x) {
@@ -362,12 +380,15 @@ torch::Tensor gelu_tanh(const torch::Tensor& x) {
 }
 
 bool gelu_tanh_bias_fused(const torch::Tensor& like, const torch::Tensor& b) {
-  return device::fused_kernels() && cpu_strided(like) && bias_kernel_takes(linear_output_dtype(like), b);
+  return device::fused_kernels() && kernel_strided(like) && b.defined() && b.device() == like.device() &&
+         bias_kernel_takes(linear_output_dtype(like), b);
 }
 
 torch::Tensor gelu_tanh_bias(const torch::Tensor& x, const torch::Tensor& b) {
-  TORCH_CHECK(cpu_strided(x) && bias_kernel_takes(x.scalar_type(), b) && x.dim() >= 1 && x.size(-1) == b.size(0),
-              "gelu_tanh_bias: x (..., H) must be an fp32 or bf16 CPU tensor and b (H) fp32, or bf16 with a bf16 x");
+  TORCH_CHECK(kernel_strided(x) && bias_kernel_takes(x.scalar_type(), b) && b.device() == x.device() && x.dim() >= 1 &&
+                  x.size(-1) == b.size(0),
+              "gelu_tanh_bias: x (..., H) must be an fp32 or bf16 CPU (or CUDA) tensor and b (H) fp32, or bf16 with a "
+              "bf16 x, on x's device");
   const auto xc = x.contiguous(), bc = b.contiguous();
   if (!torch::GradMode::is_enabled() || !(x.requires_grad() || b.requires_grad())) return forward_bias_fused(xc, bc);
   return GeluTanhBiasFunction::apply(xc, bc);

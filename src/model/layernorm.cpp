@@ -14,6 +14,7 @@
 #include "device/cpu_features.h"
 #include "model/bf16.h"
 #include "model/clones.h"
+#include "model/cuda_fused.h"
 #include "model/intra_op.h"
 
 namespace sl::model {
@@ -89,6 +90,12 @@ struct Forward {
 
 Forward forward_fused(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
   RECORD_FUNCTION("sublinear::layer_norm", std::vector<c10::IValue>{});
+#if defined(SUBLINEAR_CUDA_KERNELS)
+  if (x.is_cuda()) {
+    auto c = cuda::layer_norm_forward(x, w, b, eps);
+    return {c.y, c.mean, c.rstd};
+  }
+#endif
   const int64_t C = x.size(-1), rows = x.numel() / C;
   Forward f{torch::empty(x.sizes(), x.options().dtype(torch::kBFloat16)), torch::empty({rows}, x.options()),
             torch::empty({rows}, x.options())};
@@ -106,6 +113,9 @@ std::array<torch::Tensor, 3> backward_fused(const torch::Tensor& dy, const torch
                                             const torch::Tensor& mean, const torch::Tensor& rstd, bool with_bias) {
   RECORD_FUNCTION("sublinear::layer_norm_backward", std::vector<c10::IValue>{});
   const auto g = dy.to(torch::kBFloat16).contiguous();
+#if defined(SUBLINEAR_CUDA_KERNELS)
+  if (x.is_cuda()) return cuda::layer_norm_backward(g, x, w, mean, rstd, with_bias);
+#endif
   const int64_t C = x.size(-1), rows = x.numel() / C, pieces = pieces_of(rows);
   auto dx = torch::empty_like(x);
   auto dw_part = torch::zeros({pieces, C}, x.options());
@@ -145,25 +155,31 @@ struct LayerNormBf16Function : torch::autograd::Function<LayerNormBf16Function> 
   }
 };
 
-bool cpu_contiguous_fp32(const torch::Tensor& t) {
-  return t.defined() && t.device().is_cpu() && t.layout() == torch::kStrided && t.is_contiguous() &&
+// A contiguous fp32 tensor on a device the fused kernels run on (the CPU; CUDA in a build with them).
+bool contiguous_fp32(const torch::Tensor& t) {
+  return t.defined() && fused_kernel_device(t.device()) && t.layout() == torch::kStrided && t.is_contiguous() &&
          t.scalar_type() == torch::kFloat32;
 }
 
-bool vector_of(const torch::Tensor& v, int64_t C) { return cpu_contiguous_fp32(v) && v.dim() == 1 && v.size(0) == C; }
+// A norm parameter for x: an fp32 vector of C on x's device.
+bool vector_of(const torch::Tensor& v, const torch::Tensor& x) {
+  return contiguous_fp32(v) && v.device() == x.device() && v.dim() == 1 && v.size(0) == x.size(-1);
+}
 
 }  // namespace
 
 bool layer_norm_bf16_fused(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  if (!device::fused_kernels() || !cpu_contiguous_fp32(x) || x.dim() < 1 || x.size(-1) == 0) return false;
-  if (!at::autocast::is_autocast_enabled(at::kCPU) || at::autocast::get_autocast_dtype(at::kCPU) != at::kBFloat16)
+  if (!device::fused_kernels() || !contiguous_fp32(x) || x.dim() < 1 || x.size(-1) == 0) return false;
+  const auto autocast = x.device().type();  // CPU autocast for a CPU x, CUDA autocast for a CUDA one
+  if (!at::autocast::is_autocast_enabled(autocast) || at::autocast::get_autocast_dtype(autocast) != at::kBFloat16)
     return false;
-  return vector_of(w, x.size(-1)) && (!b.defined() || vector_of(b, x.size(-1)));
+  return vector_of(w, x) && (!b.defined() || vector_of(b, x));
 }
 
 torch::Tensor layer_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
-  TORCH_CHECK(cpu_contiguous_fp32(x) && x.dim() >= 1 && vector_of(w, x.size(-1)) && (!b.defined() || vector_of(b, x.size(-1))),
-              "layer_norm_bf16: x (..., C) must be a contiguous fp32 CPU tensor and w, b fp32 vectors of C");
+  TORCH_CHECK(contiguous_fp32(x) && x.dim() >= 1 && vector_of(w, x) && (!b.defined() || vector_of(b, x)),
+              "layer_norm_bf16: x (..., C) must be a contiguous fp32 CPU (or CUDA) tensor and w, b fp32 vectors of C "
+              "on its device");
   const bool grad = torch::GradMode::is_enabled() &&
                     (x.requires_grad() || w.requires_grad() || (b.defined() && b.requires_grad()));
   if (!grad) return forward_fused(x, w, b, eps).y;

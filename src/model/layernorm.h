@@ -13,6 +13,10 @@
 // fp32 rounding before that (an output can land one bf16 ulp apart where ATen's fp32 value sits at a
 // rounding boundary), and the gradients are ATen's to fp32 rounding. Saves x, w and the per-row mean
 // and rstd, as ATen's layer_norm does (not its output). Differentiable once (no double backward).
+//
+// On CUDA (a build with the CUDA kernels, model/cuda_fused.h) the same contract under CUDA autocast, one
+// block per row (src/kernels/layernorm.cu): the row sums in another fixed order (so other fp32 bits), dw
+// and db in fixed pieces of rows summed in order, bit for bit the same from run to run.
 #pragma once
 #include <torch/types.h>
 
@@ -22,9 +26,10 @@ namespace sl::model {
 // undefined). Callers ask layer_norm_bf16_fused first.
 torch::Tensor layer_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps);
 
-// True when a norm of x whose output feeds a linear takes layer_norm_bf16: CPU autocast on in bf16 (the
-// linear would round the output to bf16 anyway), x an fp32 contiguous CPU tensor, w (and b, if defined)
-// fp32 contiguous CPU vectors of x.size(-1), and the fused kernels on (device::fused_kernels()).
+// True when a norm of x whose output feeds a linear takes layer_norm_bf16: autocast of x's device on in
+// bf16 (the linear would round the output to bf16 anyway), x an fp32 contiguous CPU tensor (or CUDA, in a
+// build with the CUDA kernels), w (and b, if defined) fp32 contiguous vectors of x.size(-1) on x's device,
+// and the fused kernels on (device::fused_kernels()).
 bool layer_norm_bf16_fused(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
 
 }  // namespace sl::model

@@ -11,6 +11,7 @@
 #include "device/cpu_features.h"
 #include "model/bf16.h"
 #include "model/clones.h"
+#include "model/cuda_fused.h"
 #include "model/intra_op.h"
 
 namespace sl::model {
@@ -56,6 +57,9 @@ SL_KERNEL_CLONES(void, sum_rows, (const float* g, float* db, int64_t n), (g, db,
 
 torch::Tensor forward_fused(const torch::Tensor& x, const torch::Tensor& y) {
   RECORD_FUNCTION("sublinear::residual_add", std::vector<c10::IValue>{});
+#if defined(SUBLINEAR_CUDA_KERNELS)
+  if (x.is_cuda()) return cuda::residual_add(x, y);
+#endif
   auto out = torch::empty_like(x, torch::MemoryFormat::Contiguous);
   const float* xp = x.const_data_ptr<float>();
   const auto* yp = y.const_data_ptr<c10::BFloat16>();
@@ -78,6 +82,9 @@ torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& y,
     return out.add_(x);
   }
   RECORD_FUNCTION("sublinear::residual_add", std::vector<c10::IValue>{});
+#if defined(SUBLINEAR_CUDA_KERNELS)
+  if (x.is_cuda()) return cuda::residual_add_bias(x, y, b);
+#endif
   auto out = torch::empty_like(x, torch::MemoryFormat::Contiguous);
   const float* xp = x.const_data_ptr<float>();
   const float* bp = b.const_data_ptr<float>();
@@ -100,6 +107,9 @@ torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& y,
 std::pair<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor& g, int64_t C,
                                                             c10::ScalarType branch) {
   RECORD_FUNCTION("sublinear::residual_add_backward", std::vector<c10::IValue>{});
+#if defined(SUBLINEAR_CUDA_KERNELS)
+  if (g.is_cuda()) return cuda::residual_bias_backward(g, C, branch);
+#endif
   const auto gc = g.contiguous();
   const bool bf16 = branch == torch::kBFloat16;
   auto dy = bf16 ? torch::empty(gc.sizes(), gc.options().dtype(torch::kBFloat16)) : gc;
@@ -154,21 +164,22 @@ struct ResidualAddBiasFunction : torch::autograd::Function<ResidualAddBiasFuncti
   }
 };
 
-bool cpu_contiguous(const torch::Tensor& t) {
-  return t.defined() && t.device().is_cpu() && t.layout() == torch::kStrided && t.is_contiguous();
+// A contiguous tensor on a device the fused kernels run on (the CPU; CUDA in a build with them).
+bool kernel_contiguous(const torch::Tensor& t) {
+  return t.defined() && fused_kernel_device(t.device()) && t.layout() == torch::kStrided && t.is_contiguous();
 }
 
-// b fits the fused pass's bias for a stream like x: an fp32 CPU vector of x's last size.
+// b fits the fused pass's bias for a stream like x: an fp32 vector of x's last size on x's device.
 bool bias_fits(const torch::Tensor& x, const torch::Tensor& b) {
-  return cpu_contiguous(b) && b.scalar_type() == torch::kFloat32 && b.dim() == 1 && x.dim() >= 1 &&
-         b.size(0) == x.size(-1) && b.numel() > 0;
+  return kernel_contiguous(b) && b.device() == x.device() && b.scalar_type() == torch::kFloat32 && b.dim() == 1 &&
+         x.dim() >= 1 && b.size(0) == x.size(-1) && b.numel() > 0;
 }
 
-// The bias form takes x, y, b: an fp32 contiguous CPU x, a bf16 or fp32 CPU y of x's sizes (strided or
-// not), an fp32 bias of x's width.
+// The bias form takes x, y, b: an fp32 contiguous x, a bf16 or fp32 y of x's sizes on its device
+// (strided or not), an fp32 bias of x's width.
 bool bias_form_takes(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b) {
-  return device::fused_kernels() && cpu_contiguous(x) && x.scalar_type() == torch::kFloat32 && y.defined() &&
-         y.device().is_cpu() && y.layout() == torch::kStrided &&
+  return device::fused_kernels() && kernel_contiguous(x) && x.scalar_type() == torch::kFloat32 && y.defined() &&
+         y.device() == x.device() && y.layout() == torch::kStrided &&
          (y.scalar_type() == torch::kBFloat16 || y.scalar_type() == torch::kFloat32) && x.sizes() == y.sizes() &&
          bias_fits(x, b);
 }
@@ -176,16 +187,17 @@ bool bias_form_takes(const torch::Tensor& x, const torch::Tensor& y, const torch
 }  // namespace
 
 bool residual_add_fused(const torch::Tensor& x, const torch::Tensor& y) {
-  return device::fused_kernels() && cpu_contiguous(x) && cpu_contiguous(y) && x.scalar_type() == torch::kFloat32 &&
-         y.scalar_type() == torch::kBFloat16 && x.sizes() == y.sizes();
+  return device::fused_kernels() && kernel_contiguous(x) && kernel_contiguous(y) && y.device() == x.device() &&
+         x.scalar_type() == torch::kFloat32 && y.scalar_type() == torch::kBFloat16 && x.sizes() == y.sizes();
 }
 
 bool residual_bias_fused(const torch::Tensor& x, const torch::Tensor& b) {
-  // The branch is bf16 under bf16 CPU autocast, fp32 without autocast (x fp32); fp16 autocast keeps ATen's.
-  const bool autocast = at::autocast::is_autocast_enabled(at::kCPU);
-  const bool branch_ok = !autocast || at::autocast::get_autocast_dtype(at::kCPU) == at::kBFloat16;
-  return device::fused_kernels() && cpu_contiguous(x) && x.scalar_type() == torch::kFloat32 && branch_ok &&
-         bias_fits(x, b);
+  if (!device::fused_kernels() || !kernel_contiguous(x) || x.scalar_type() != torch::kFloat32 || !bias_fits(x, b))
+    return false;
+  // The branch is bf16 under bf16 autocast of x's device (CPU or CUDA), fp32 without autocast (x fp32);
+  // fp16 autocast keeps ATen's.
+  const auto device = x.device().type();
+  return !at::autocast::is_autocast_enabled(device) || at::autocast::get_autocast_dtype(device) == at::kBFloat16;
 }
 
 torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b) {

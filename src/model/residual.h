@@ -16,6 +16,10 @@
 // In an fp32 run (y fp32) the same, with dy = g. A strided y (same sizes) takes this form too (its
 // forward in ATen ops, the same bits, no copy of y), so the gradients do not depend on y's layout; other
 // operands take x + (y + b).
+//
+// On CUDA (a build with the CUDA kernels, model/cuda_fused.h; src/kernels/residual.cu) the same forms,
+// under CUDA autocast where the CPU's ask CPU autocast: the sums bit for bit ATen's, db in fixed pieces
+// of rows summed in order (the same bits from run to run).
 #pragma once
 #include <torch/types.h>
 
@@ -26,14 +30,14 @@ namespace sl::model {
 torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b = {});
 
 // True when residual_add takes the fused pass: x fp32 and y bf16, the same sizes, both contiguous CPU
-// tensors, and the fused kernels on.
+// tensors (or CUDA, in a build with the CUDA kernels) on one device, and the fused kernels on.
 bool residual_add_fused(const torch::Tensor& x, const torch::Tensor& y);
 
 // True when the bias b of the linear that makes a block's branch goes into residual_add's fused pass
 // for the stream x: asked before that linear, as gelu_tanh_bias_fused is. x an fp32 contiguous CPU
-// tensor, CPU autocast off (an fp32 branch: dy is g, db its column sums; addmm accumulates onto the
+// tensor (or CUDA, in a build with the CUDA kernels), autocast of x's device off (an fp32 branch: dy is g, db its column sums; addmm accumulates onto the
 // bias inside its GEMM, so the two differ by fp32 rounding: about half of l12's outputs, by 1 ulp) or
-// on in bf16 (a bf16 branch), b an fp32 CPU vector of x.size(-1), the fused kernels on. Where it says false the bias stays in the linear.
+// on in bf16 (a bf16 branch), b an fp32 vector of x.size(-1) on x's device, the fused kernels on. Where it says false the bias stays in the linear.
 bool residual_bias_fused(const torch::Tensor& x, const torch::Tensor& b);
 
 }  // namespace sl::model
