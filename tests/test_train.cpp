@@ -1609,6 +1609,48 @@ TEST_CASE("train.cuda_graphs: each eligibility condition in the order train/cuda
   CHECK(train::graph_eligibility(recipe, 1, cuda).capture);
 }
 
+namespace {
+
+// The flat fp32 gradients of one world-1 zero1 step of 2 micro-batches with bf16 parameters (its hooks
+// add each .grad into them), after `remakes` calls of hooks_to_current_stream (what a CUDA graph does
+// on its side stream before its first micro-batch).
+std::vector<torch::Tensor> zero1_grads_after_remaking(int remakes) {
+  auto cfg = config::load_string("", {"model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.dropout=0.0",
+                                      "train.seq_len=32", "train.micro_batch=2", "train.grad_accum=2",
+                                      "train.device=cpu", "parallel.timeout_s=60", "parallel.sharding=zero1",
+                                      "precision.compute=bf16", "precision.param_dtype=bf16"});
+  torch::manual_seed(cfg.train.seed);
+  model::GPT m(cfg.model, torch::kCPU);
+  parallel::LaunchEnv env;
+  env.rank = 0, env.world = 1, env.local_rank = 0, env.local_world = 1, env.master_port = test::free_port();
+  const auto made = parallel::make_engine(m, parallel::Spec::of(cfg),
+                                          std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
+  for (int i = 0; i < remakes; ++i) REQUIRE(made->hooks_to_current_stream());
+  data::Loader loader(data::make_synthetic(20000, 256, 3), 2, 32, 100);
+  made->zero_grad();
+  train::forward_backward(fwd(m), {loader.next(), loader.next()}, torch::kCPU, *made,
+                          {precision::compute_dtype(cfg.precision.compute), nullptr});
+  std::vector<torch::Tensor> out;
+  for (const auto& g : made->grads()) out.push_back(g.clone());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("train.cuda_graphs: zero1's gradient hooks made again on the current stream accumulate each gradient "
+          "once, bitwise as the hooks made at set-up") {
+  const auto want = zero1_grads_after_remaking(0);
+  double sum_sq = 0.0;
+  for (const auto& g : want) sum_sq += g.to(torch::kFloat64).pow(2).sum().item<double>();
+  REQUIRE(sum_sq > 0.0);  // the hooks added the gradients: a lost hook would leave zeros, a doubled one twice them
+  for (const int remakes : {1, 2}) {
+    INFO(remakes << " remake(s)");
+    const auto got = zero1_grads_after_remaking(remakes);
+    REQUIRE(got.size() == want.size());
+    for (size_t i = 0; i < got.size(); ++i) CHECK(torch::equal(got[i], want[i]));
+  }
+}
+
 TEST_CASE("train.cuda_graphs: on a CPU run trains as off bitwise and its summary.json says eager and why; a bad "
           "value exits 2 naming the key") {
   test::TempDir dir("graphs-cpu");
