@@ -1565,8 +1565,13 @@ TEST_CASE("train.cuda_graphs: each eligibility condition in the order train/cuda
       {"off", [](auto& c) { c.train.cuda_graphs = config::CudaGraphs::kOff; }, 1, cuda, "train.cuda_graphs: off"},
       {"not CUDA", [](auto&) {}, 1, cpu, "the run is on the cpu device: CUDA graphs need CUDA"},
       {"two ranks", [](auto&) {}, 2, cuda, "2 rank(s) with parallel.sharding none"},
-      {"zero1 at world 1", [](auto& c) { c.parallel.sharding = config::Sharding::kZero1; }, 1, cuda,
-       "1 rank(s) with parallel.sharding zero1"},
+      // The engine is captured at world 1 with zero1 only (cuda_graph.h, rule 3).
+      {"zero1 at two ranks", [](auto& c) { c.parallel.sharding = config::Sharding::kZero1; }, 2, cuda,
+       "2 rank(s) with parallel.sharding zero1"},
+      {"zero2 at world 1", [](auto& c) { c.parallel.sharding = config::Sharding::kZero2; }, 1, cuda,
+       "1 rank(s) with parallel.sharding zero2"},
+      {"zero3 at world 1", [](auto& c) { c.parallel.sharding = config::Sharding::kZero3; }, 1, cuda,
+       "1 rank(s) with parallel.sharding zero3"},
       {"offload", [](auto& c) { c.offload.activations = true; }, 1, cuda, "offload.*"},
       {"fp16", [](auto& c) { c.precision.compute = config::Dtype::kFp16; }, 1, cuda, "precision.compute fp16"},
       {"memory.limit", [](auto& c) { c.memory.limit.bytes = int64_t{1} << 30; }, 1, cuda, "memory.limit"},
@@ -1591,6 +1596,59 @@ TEST_CASE("train.cuda_graphs: each eligibility condition in the order train/cuda
   bf16.precision.compute = config::Dtype::kBf16;
   bf16.checkpointing.mode = config::CheckpointingMode::kFull;
   CHECK(train::graph_eligibility(bf16, 1, cuda).capture);
+  // configs/gpt2_124m.yaml's settings: zero1 at world 1 with a bf16 compute copy, bf16 compute.
+  auto gpt2 = base;
+  gpt2.parallel.sharding = config::Sharding::kZero1;
+  gpt2.precision.compute = gpt2.precision.param_dtype = config::Dtype::kBf16;
+  const auto gpt2_eligible = train::graph_eligibility(gpt2, 1, cuda);
+  CHECK(gpt2_eligible.capture);
+  CHECK(gpt2_eligible.reason.empty());
+  // ... and the recipe itself, as its GPU run resolves it.
+  const auto recipe =
+      config::load(test::kSourceDir + "/configs/gpt2_124m.yaml", {"train.cuda_graphs=auto", "train.device=cpu"});
+  CHECK(train::graph_eligibility(recipe, 1, cuda).capture);
+}
+
+namespace {
+
+// The flat fp32 gradients of one world-1 zero1 step of 2 micro-batches with bf16 parameters (its hooks
+// add each .grad into them), after `remakes` calls of hooks_to_current_stream (what a CUDA graph does
+// on its side stream before its first micro-batch).
+std::vector<torch::Tensor> zero1_grads_after_remaking(int remakes) {
+  auto cfg = config::load_string("", {"model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.dropout=0.0",
+                                      "train.seq_len=32", "train.micro_batch=2", "train.grad_accum=2",
+                                      "train.device=cpu", "parallel.timeout_s=60", "parallel.sharding=zero1",
+                                      "precision.compute=bf16", "precision.param_dtype=bf16"});
+  torch::manual_seed(cfg.train.seed);
+  model::GPT m(cfg.model, torch::kCPU);
+  parallel::LaunchEnv env;
+  env.rank = 0, env.world = 1, env.local_rank = 0, env.local_world = 1, env.master_port = test::free_port();
+  const auto made = parallel::make_engine(m, parallel::Spec::of(cfg),
+                                          std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
+  for (int i = 0; i < remakes; ++i) REQUIRE(made->hooks_to_current_stream());
+  data::Loader loader(data::make_synthetic(20000, 256, 3), 2, 32, 100);
+  made->zero_grad();
+  train::forward_backward(fwd(m), {loader.next(), loader.next()}, torch::kCPU, *made,
+                          {precision::compute_dtype(cfg.precision.compute), nullptr});
+  std::vector<torch::Tensor> out;
+  for (const auto& g : made->grads()) out.push_back(g.clone());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("train.cuda_graphs: zero1's gradient hooks made again on the current stream accumulate each gradient "
+          "once, bitwise as the hooks made at set-up") {
+  const auto want = zero1_grads_after_remaking(0);
+  double sum_sq = 0.0;
+  for (const auto& g : want) sum_sq += g.to(torch::kFloat64).pow(2).sum().item<double>();
+  REQUIRE(sum_sq > 0.0);  // the hooks added the gradients: a lost hook would leave zeros, a doubled one twice them
+  for (const int remakes : {1, 2}) {
+    INFO(remakes << " remake(s)");
+    const auto got = zero1_grads_after_remaking(remakes);
+    REQUIRE(got.size() == want.size());
+    for (size_t i = 0; i < got.size(); ++i) CHECK(torch::equal(got[i], want[i]));
+  }
 }
 
 TEST_CASE("train.cuda_graphs: on a CPU run trains as off bitwise and its summary.json says eager and why; a bad "
@@ -1643,7 +1701,8 @@ std::filesystem::path graph_run(const std::string& args, const std::filesystem::
 }  // namespace
 
 TEST_CASE("train.cuda_graphs on CUDA: a captured micro-batch replayed trains as eager bitwise (fp32 under checkpointing "
-          "none and full and selective; bf16) and the summary says a graph was captured and replayed",
+          "none and full and selective; bf16; zero1 with a bf16 compute copy as gpt2_124m) and the summary says a "
+          "graph was captured and replayed",
           "[cuda]") {
   if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
   test::TempDir dir("graphs-cuda");
@@ -1655,6 +1714,11 @@ TEST_CASE("train.cuda_graphs on CUDA: a captured micro-batch replayed trains as 
       {"fp32-full", " --set checkpointing.mode=full --set checkpointing.skip_last=false"},
       {"fp32-selective", " --set checkpointing.mode=selective --set 'checkpointing.recompute=[attention,mlp,norm]'"},
       {"bf16-none", " --set precision.compute=bf16"},
+      // configs/gpt2_124m.yaml's data-parallel and precision settings: the engine's Zero1 at world 1, its
+      // gradient hooks adding each bf16 .grad into the fp32 flat gradient inside the graph.
+      {"gpt2-zero1-bf16",
+       " --set parallel.sharding=zero1 --set precision.compute=bf16 --set precision.param_dtype=bf16"},
+      {"zero1-fp32", " --set parallel.sharding=zero1"},
   };
   for (const auto& v : variants) {
     INFO(v.name);

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -214,6 +216,21 @@ void Engine::add_grad_hooks() {
       accumulators_.push_back(std::move(acc));
     }
   }
+}
+
+// The nodes are dropped first (their hooks cleared), so that grad_accumulator, whose cache of a
+// parameter's node is a weak reference, makes a new one under the current stream (InputMetadata records
+// the current stream at construction); a node a live autograd graph still holds is returned as it was.
+// A node off an accelerator (the CPU) has no stream: it counts as where it should be.
+bool Engine::hooks_to_current_stream() {
+  for (auto& acc : accumulators_) acc->post_hooks().clear();
+  accumulators_.clear();
+  add_grad_hooks();
+  const auto current = c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_);
+  return std::all_of(accumulators_.begin(), accumulators_.end(), [&](const auto& acc) {
+    const std::optional<c10::Stream> s = acc->stream();
+    return !s || *s == current;
+  });
 }
 
 torch::TensorOptions Engine::fp32_options() const { return torch::TensorOptions().dtype(torch::kFloat).device(device_); }

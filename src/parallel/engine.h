@@ -54,6 +54,9 @@ class Engine : public Strategy {
   // (none/zero1) — zero2/3 reduce-scatter every micro-batch and accumulate the shard.
   void begin_backward(bool last) override;
   void end_backward() override;  // launches what is left, waits; after the last: gradients are averaged
+  // Every parameter's accumulator node and its gradient-ready hook made again on the current stream
+  // (false: some node was still held by a live autograd graph and kept its stream).
+  bool hooks_to_current_stream() override;
   // The gradients the optimizer will use (this rank's shards for zero*).
   std::vector<torch::Tensor> grads() const override;
   // This rank's share of the squared global L2 norm of the averaged gradient: a float64 0-d device

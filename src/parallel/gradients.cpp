@@ -29,7 +29,9 @@ void Engine::begin_backward(bool last) {
 
 void Engine::launch_ready() {
   while (cursor_ < groups_.size() && groups_[cursor_]->ready == groups_[cursor_]->params.size()) {
-    if (in_backward_ && last_micro_) ++launched_from_hooks_;
+    // Counted where a collective launches: at world 1 none does (all_reduce returns, Comm's reduce-scatter
+    // is a local copy), and a CUDA graph's replay (train/cuda_graph.h) runs no hook to count.
+    if (in_backward_ && last_micro_ && world_ > 1) ++launched_from_hooks_;
     launch_group(cursor_++);
   }
 }

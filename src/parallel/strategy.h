@@ -99,6 +99,13 @@ class Strategy {
   // Around each micro-batch's backward; `last` marks the micro-batch whose gradients are reduced.
   virtual void begin_backward(bool last) = 0;
   virtual void end_backward() = 0;
+  // Re-makes the autograd accumulator nodes the strategy keeps for its gradient hooks on the current
+  // stream, and says whether each now is there. Autograd runs a leaf's accumulation (and the hooks after
+  // it) on the stream its accumulator node was made on; a node kept from set-up stays on the stream
+  // current then. A CUDA graph captured on a side stream (train/cuda_graph.h) calls this on that stream
+  // between steps (no autograd graph alive), before its first micro-batch. Single keeps no node: autograd
+  // makes one per forward, on the forward's stream.
+  virtual bool hooks_to_current_stream() { return true; }
   // The gradients the optimizer will use (this rank's shards under ZeRO).
   virtual std::vector<torch::Tensor> grads() const = 0;
   // This rank's share of the gradient norm, a 0-d device tensor, not read; summed over ranks (the step's

@@ -15,6 +15,7 @@
 
 #include "device/alloc_tag.h"
 #include "device/device.h"
+#include "parallel/strategy.h"
 
 namespace sl::train {
 
@@ -23,10 +24,10 @@ GraphEligibility graph_eligibility(const config::RunConfig& cfg, int64_t world, 
   if (!cfg.train.cuda_graphs.wanted()) return eager("train.cuda_graphs: off");
   if (!device.is_cuda())
     return eager(fmt::format("the run is on the {} device: CUDA graphs need CUDA", c10::DeviceTypeName(device.type(), true)));
-  if (cfg.parallel.uses_engine(world))
+  if (cfg.parallel.uses_engine(world) && (world > 1 || cfg.parallel.sharding.stage() != config::Sharding::kZero1))
     return eager(fmt::format("{} rank(s) with parallel.sharding {}: the data-parallel engine's gradient hooks launch "
-                             "collectives and reallocate gradient buffers per micro-batch; only one process without "
-                             "sharding is captured", world, cfg.parallel.sharding.name()));
+                             "collectives or make and free gradient buffers per micro-batch; one process without "
+                             "sharding or with zero1 is captured", world, cfg.parallel.sharding.name()));
   if (cfg.offload.any()) return eager("offload.*: the micro-batch copies between host and device and waits for them");
   if (cfg.precision.compute == config::Dtype::kFp16)
     return eager("precision.compute fp16: the loss scaler scales and checks the gradients between micro-batches");
@@ -126,7 +127,10 @@ torch::Tensor StepGraph::run(const MicroBatchWork& w, parallel::Strategy& strate
     ++eager_;
     return eager_micro_batch(w, strategy, last);
   }
-  if (!cuda_) cuda_ = std::make_unique<Cuda>(w.device);
+  if (!cuda_ && !start(w.device, strategy)) {
+    ++eager_;
+    return eager_micro_batch(w, strategy, last);
+  }
   const auto caller = c10::cuda::getCurrentCUDAStream(w.device.index());
   stream_waits(cuda_->side, caller);
   torch::Tensor l;
@@ -142,6 +146,19 @@ torch::Tensor StepGraph::run(const MicroBatchWork& w, parallel::Strategy& strate
   if (cuda_->graph && l.is_same(cuda_->loss)) return cuda_->loss.clone();  // on the caller's stream: the next replay rewrites it
   l.record_stream(caller);  // made on `side`, read and freed on the caller's stream
   return l;
+}
+
+// Before the first graphed micro-batch (between steps: no autograd graph alive): the side stream, and
+// the strategy's kept accumulator nodes made on it (cuda_graph.h, rule 3), so that the warm-up, the
+// capture and the replays accumulate gradients on `side`. False (the run goes on eager) when a node
+// stayed on another stream: a capture would reach that stream.
+bool StepGraph::start(torch::Device device, parallel::Strategy& strategy) {
+  cuda_ = std::make_unique<Cuda>(device);
+  const c10::cuda::CUDAStreamGuard on_side(cuda_->side);
+  if (strategy.hooks_to_current_stream()) return true;
+  give_up("a gradient accumulator node is held by a live autograd graph and stays on another stream than the "
+          "capture's");
+  return false;
 }
 
 // On `side`: warm-up, capture (then its replay), replay, or eager for a batch the graph does not fit.

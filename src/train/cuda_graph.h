@@ -6,9 +6,20 @@
 // (graph_eligibility, in this order; the first that fails is the reason):
 //   1. train.cuda_graphs is on or auto;
 //   2. the device is CUDA;
-//   3. one process without sharding (parallel::Single): DDP and ZeRO's gradient hooks launch
-//      collectives and reallocate or drop gradient buffers per micro-batch, so their addresses are not
-//      fixed;
+//   3. one process: without sharding (parallel::Single), or parallel.sharding zero1 (the data-parallel
+//      engine, parallel::Zero1, as configs/gpt2_124m.yaml runs it). Zero1 at world 1 keeps one fp32 flat
+//      gradient per bucket for the whole run (zero_grad zeroes it in place); its gradient hooks, run by
+//      autograd after each parameter's accumulation, only queue device work on it: with
+//      precision.param_dtype fp32 the parameters' .grad are views of it (accumulated in place), with a
+//      bf16 compute copy each .grad (made by the backward, in the graph's pool) is added into its slice
+//      and dropped; the bucket's all-reduce and the average are skipped at world 1 (nothing launched,
+//      nothing waited for); the rest of a hook is host bookkeeping that decides nothing at world 1. The
+//      engine keeps each parameter's autograd accumulator node from set-up, and autograd accumulates on
+//      the stream that node was made on: the graph re-makes them on its side stream before its first
+//      micro-batch (Strategy::hooks_to_current_stream), else the capture would reach the default stream.
+//      Eager: any engine at world > 1 (collectives), zero2 (a transient gradient buffer made and freed
+//      per micro-batch and counted on the host: the transient peak a replay would not count), zero3
+//      (units gathered and released per micro-batch, with host counts of gathers);
 //   4. no offload.* (host copies and host synchronizations inside the micro-batch);
 //   5. precision.compute is not fp16 (the loss scaler's scale and checks);
 //   6. no memory.limit: it is checked at each allocation, and a replay allocates nothing;
@@ -22,7 +33,9 @@
 // At run time (StepGraph):
 //   - gradients exist before capture: the first kWarmupMicroBatches micro-batches run eager (they create
 //     .grad and let cuBLAS and the caching allocator set up on the side stream); the strategy zeroes the
-//     gradients in place (Single::zero_grad), so their addresses stay; the capture accumulates into them.
+//     gradients in place (Single::zero_grad, Engine::zero_grad), so their addresses stay; the capture
+//     accumulates into them (zero1 with a bf16 compute copy: into the flat gradient, the .grad undefined
+//     between micro-batches).
 //     A capture after which a gradient is not the same tensor is discarded (the old gradients put back);
 //   - the loss is the graph's static float64 output, copied out after each replay; the step reads it with
 //     its one host read, as without graphs;
@@ -105,6 +118,7 @@ class StepGraph {
 
  private:
   struct Cuda;  // the graph, its side stream and static buffers (cuda_graph.cpp)
+  bool start(torch::Device device, parallel::Strategy& strategy);
   torch::Tensor graphed(const MicroBatchWork& w, parallel::Strategy& strategy, bool last);
   torch::Tensor capture(const MicroBatchWork& w, parallel::Strategy& strategy, bool last);
   void give_up(const std::string& why);
