@@ -185,6 +185,71 @@ void check_norm(int64_t C, bool with_bias) {
   if (with_bias) CHECK(torch::equal(again.db, got.db));
 }
 
+// The bf16 stream (bf16 x, w, b: the compute copies of precision.param_dtype bf16). The kernels widen
+// x, w, b exactly and run the fp32 stream's arithmetic on them, so against the fp64 reference on the
+// same widened values each fp32 result v has the fp32 stream's bound e (norm_dx_bound; for dw and db
+// the column bounds of check_norm). dx, dw and db are v rounded once to bf16: |bf16(v) - ref| <= |v -
+// ref| + ulp(v) / 2, and |v| <= |ref| + e, so ulp(v) / 2 <= ulp(|ref| + e): within e + ulp(|ref| + e).
+// The output is compared as the fp32 stream's: ATen's fp32 layer_norm on the widened operands (what
+// autocast would run), rounded to bf16.
+torch::Tensor rounded_bound(const torch::Tensor& ref, const torch::Tensor& e) { return e + bf16_ulp(f64(ref).abs() + e); }
+
+void check_norm_bf16(int64_t C, bool with_bias) {
+  CAPTURE(C, with_bias);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const auto x0 = (torch::randn({kBatch, kSeq, C}, cuda) * 3 + 0.5).to(torch::kBFloat16);
+  const auto w0 = torch::randn({C}, cuda).to(torch::kBFloat16);
+  const auto b0 = with_bias ? torch::randn({C}, cuda).to(torch::kBFloat16) : torch::Tensor();
+  const auto dy = torch::randn({kBatch, kSeq, C}, cuda).to(torch::kBFloat16);
+  const auto got = fused_norm(x0, w0, b0, dy);
+  REQUIRE(got.dx.scalar_type() == torch::kBFloat16);
+  REQUIRE(got.dw.scalar_type() == torch::kBFloat16);
+  const auto xf = x0.to(torch::kFloat32), wf = w0.to(torch::kFloat32);
+  const auto bf = with_bias ? std::optional<at::Tensor>(b0.to(torch::kFloat32)) : std::nullopt;
+  check_rounded_like(got.y, at::layer_norm(xf, {C}, wf, bf, 1e-5));
+  const auto ref = reference_norm(x0, w0, b0, dy);
+  CHECK(within(got.dx, ref.dx, rounded_bound(ref.dx, norm_dx_bound(x0, w0, dy, ref.dx))));
+  // dw, db: check_norm's fp32 bounds, then the one rounding.
+  const int64_t rows = kBatch * kSeq;
+  const double d = std::ceil(static_cast<double>(C) / 256.0) + 10;
+  const auto X = f64(x0), g = f64(dy);
+  const auto rstd = (X.var(-1, false, true) + 1e-5).rsqrt(), mean = X.mean(-1, true);
+  const auto xhat_abs = ((X - mean) * rstd).abs() + rstd * X.abs().mean(-1, true);
+  const auto dw_e = column_bound(g.abs() * xhat_abs, rows) + 4 * (d + 8) * kU * (g.abs() * xhat_abs).reshape({rows, C}).sum(0);
+  CHECK(within(got.dw, ref.dw, rounded_bound(ref.dw, dw_e)));
+  if (with_bias) {
+    REQUIRE(got.db.scalar_type() == torch::kBFloat16);
+    CHECK(within(got.db, ref.db, rounded_bound(ref.db, column_bound(g.abs(), rows))));
+  }
+  if (!with_bias) CHECK_FALSE(got.db.defined());
+  const auto again = fused_norm(x0, w0, b0, dy);  // deterministic: the same bits
+  CHECK(torch::equal(again.y, got.y));
+  CHECK(torch::equal(again.dx, got.dx));
+  CHECK(torch::equal(again.dw, got.dw));
+  if (with_bias) CHECK(torch::equal(again.db, got.db));
+}
+
+// CPU autocast to bf16 while alive (the CPU predicate's case).
+class CpuAutocast {
+ public:
+  CpuAutocast()
+      : enabled_(at::autocast::is_autocast_enabled(at::kCPU)), dtype_(at::autocast::get_autocast_dtype(at::kCPU)) {
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+  }
+  ~CpuAutocast() {
+    at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCPU, enabled_);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype_);
+  }
+  CpuAutocast(const CpuAutocast&) = delete;
+  CpuAutocast& operator=(const CpuAutocast&) = delete;
+
+ private:
+  bool enabled_;
+  at::ScalarType dtype_;
+};
+
 // ---- GELU ----
 
 constexpr double kBeta = 0.7978845608028654, kKappa = 0.044715;
@@ -283,6 +348,35 @@ TEST_CASE("CUDA LayerNorm into bf16: ATen's fp32 layer_norm rounded once, gradie
   torch::manual_seed(31);
   for (const int64_t C : kWidths)
     for (const bool with_bias : {true, false}) check_norm(C, with_bias);
+}
+
+TEST_CASE("CUDA LayerNorm of a bf16 stream: ATen's fp32 layer_norm rounded once, bf16 gradients rounded once, deterministic", "[cuda]") {
+  REQUIRE_CUDA_KERNELS();
+  torch::manual_seed(33);
+  for (const int64_t C : kWidths)
+    for (const bool with_bias : {true, false}) check_norm_bf16(C, with_bias);
+}
+
+TEST_CASE("CUDA LayerNorm of a bf16 stream: the predicate takes it under CUDA bf16 autocast, not on the CPU", "[cuda]") {
+  REQUIRE_CUDA_KERNELS();
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16);
+  const auto x = torch::randn({2, 5, 64}, bf16.device(torch::kCUDA)), w = torch::randn({64}, bf16.device(torch::kCUDA));
+  const auto b = torch::randn({64}, bf16.device(torch::kCUDA));
+  CHECK_FALSE(model::layer_norm_bf16_fused(x, w, b));  // no autocast
+  {
+    const CudaAutocast autocast;
+    CHECK(model::layer_norm_bf16_fused(x, w, b));
+    CHECK(model::layer_norm_bf16_fused(x, w, torch::Tensor()));
+    CHECK_FALSE(model::layer_norm_bf16_fused(x, w.to(torch::kFloat32), b));  // weights of another dtype
+    CHECK_FALSE(model::layer_norm_bf16_fused(x.to(torch::kFloat32), w, b));
+    CHECK_FALSE(model::layer_norm_bf16_fused(x.transpose(0, 1), w, b));
+    const AtenKernels aten;
+    CHECK_FALSE(model::layer_norm_bf16_fused(x, w, b));
+  }
+  const CpuAutocast autocast;  // the CPU kernel takes an fp32 stream only
+  CHECK_FALSE(model::layer_norm_bf16_fused(x.cpu(), w.cpu(), b.cpu()));
+  const auto f32 = [](const torch::Tensor& t) { return t.cpu().to(torch::kFloat32); };
+  CHECK(model::layer_norm_bf16_fused(f32(x), f32(w), f32(b)) == device::fused_kernels());  // (SUBLINEAR_ATEN_KERNELS)
 }
 
 // x + y: the fp32 sum of an exactly widened bf16, rounded once, as ATen's promoted add: the same bits;

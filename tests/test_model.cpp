@@ -1395,6 +1395,8 @@ TEST_CASE("fused LayerNorm into bf16: the predicate") {
   const CpuAutocast autocast(at::kBFloat16);
   CHECK(model::layer_norm_bf16_fused(x0, w0, b0));
   CHECK_FALSE(model::layer_norm_bf16_fused(x0.to(torch::kBFloat16), w0, b0));
+  const auto bf16 = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
+  CHECK_FALSE(model::layer_norm_bf16_fused(bf16(x0), bf16(w0), bf16(b0)));  // a bf16 stream: the CUDA kernel's alone
   CHECK_FALSE(model::layer_norm_bf16_fused(x0.transpose(0, 1), w0, b0));
   CHECK_FALSE(model::layer_norm_bf16_fused(x0, w0.to(torch::kBFloat16), b0));
   CHECK_FALSE(model::layer_norm_bf16_fused(x0, w0, torch::randn({C + 1})));

@@ -51,6 +51,16 @@ void layer_norm_forward(const float* x, const float* w, const float* b, float ep
 void layer_norm_backward(const Bf16* dy, const float* x, const float* w, const float* mean, const float* rstd,
                          int64_t rows, int64_t C, float* dx, float* dw_part, float* db_part, Stream stream);
 
+// ---- LayerNorm of a bf16 stream (bf16 compute copies: x, w, b bf16) into bf16 ----
+
+// The same as the fp32 stream's, x, w, b widened exactly: every sum and product in fp32, y rounded once.
+void layer_norm_forward(const Bf16* x, const Bf16* w, const Bf16* b, float eps, int64_t rows, int64_t C, Bf16* y,
+                        float* mean, float* rstd, Stream stream);
+
+// The same as the fp32 stream's: dx computed in fp32 and rounded once to bf16; dw_part, db_part fp32.
+void layer_norm_backward(const Bf16* dy, const Bf16* x, const Bf16* w, const float* mean, const float* rstd,
+                         int64_t rows, int64_t C, Bf16* dx, float* dw_part, float* db_part, Stream stream);
+
 // ---- the residual add (model/residual.h) ----
 
 // out = x + widen(y), n elements.

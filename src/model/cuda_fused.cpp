@@ -27,10 +27,14 @@ void require(const torch::Tensor& t, const torch::Device& device, c10::ScalarTyp
               "fused CUDA kernel: ", what, " must be a contiguous ", c10::toString(dtype), " tensor on ", device);
 }
 
-// A (C) fp32 vector on `device`.
-void require_vector(const torch::Tensor& v, const torch::Device& device, int64_t C, const char* what) {
-  require(v, device, torch::kFloat32, what);
+// A (C) vector of `dtype` on `device`.
+void require_vector(const torch::Tensor& v, const torch::Device& device, int64_t C, c10::ScalarType dtype,
+                    const char* what) {
+  require(v, device, dtype, what);
   TORCH_CHECK(v.dim() == 1 && v.size(0) == C, "fused CUDA kernel: ", what, " must have ", C, " elements");
+}
+void require_vector(const torch::Tensor& v, const torch::Device& device, int64_t C, const char* what) {
+  require_vector(v, device, C, torch::kFloat32, what);
 }
 
 const kernels::Bf16* bf16_in(const torch::Tensor& t) {
@@ -46,6 +50,13 @@ torch::Tensor sum_pieces(const torch::Tensor& part, kernels::Stream stream) {
   return out;
 }
 
+// The norm's stream dtype: x a contiguous fp32 or bf16 CUDA tensor (its w and b of the same dtype).
+c10::ScalarType stream_dtype(const torch::Tensor& x) {
+  const auto dtype = x.scalar_type() == torch::kBFloat16 ? torch::kBFloat16 : torch::kFloat32;
+  require(x, x.device(), dtype, "the norm's input");
+  return dtype;
+}
+
 // The kernels' raw pointer to an fp32 or bf16 tensor's data.
 const void* data_in(const torch::Tensor& t) { return t.const_data_ptr(); }
 
@@ -53,15 +64,21 @@ const void* data_in(const torch::Tensor& t) { return t.const_data_ptr(); }
 
 LayerNormForward layer_norm_forward(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
   const c10::cuda::CUDAGuard guard(x.device());
-  require(x, x.device(), torch::kFloat32, "the norm's input");
+  const auto dtype = stream_dtype(x);
   const int64_t C = x.size(-1), rows = x.numel() / C;
-  require_vector(w, x.device(), C, "the norm's weight");
-  if (b.defined()) require_vector(b, x.device(), C, "the norm's bias");
-  LayerNormForward f{torch::empty(x.sizes(), x.options().dtype(torch::kBFloat16)), torch::empty({rows}, x.options()),
-                     torch::empty({rows}, x.options())};
-  kernels::layer_norm_forward(x.const_data_ptr<float>(), w.const_data_ptr<float>(),
-                              b.defined() ? b.const_data_ptr<float>() : nullptr, static_cast<float>(eps), rows, C,
-                              bf16_out(f.y), f.mean.data_ptr<float>(), f.rstd.data_ptr<float>(), stream_of(x));
+  require_vector(w, x.device(), C, dtype, "the norm's weight");
+  if (b.defined()) require_vector(b, x.device(), C, dtype, "the norm's bias");
+  const auto fp32 = x.options().dtype(torch::kFloat32);
+  LayerNormForward f{torch::empty(x.sizes(), x.options().dtype(torch::kBFloat16)), torch::empty({rows}, fp32),
+                     torch::empty({rows}, fp32)};
+  const float e = static_cast<float>(eps);
+  if (dtype == torch::kBFloat16)
+    kernels::layer_norm_forward(bf16_in(x), bf16_in(w), b.defined() ? bf16_in(b) : nullptr, e, rows, C, bf16_out(f.y),
+                                f.mean.data_ptr<float>(), f.rstd.data_ptr<float>(), stream_of(x));
+  else
+    kernels::layer_norm_forward(x.const_data_ptr<float>(), w.const_data_ptr<float>(),
+                                b.defined() ? b.const_data_ptr<float>() : nullptr, e, rows, C, bf16_out(f.y),
+                                f.mean.data_ptr<float>(), f.rstd.data_ptr<float>(), stream_of(x));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return f;
 }
@@ -69,21 +86,31 @@ LayerNormForward layer_norm_forward(const torch::Tensor& x, const torch::Tensor&
 std::array<torch::Tensor, 3> layer_norm_backward(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,
                                                  const torch::Tensor& mean, const torch::Tensor& rstd, bool with_bias) {
   const c10::cuda::CUDAGuard guard(x.device());
-  require(x, x.device(), torch::kFloat32, "the norm's input");
+  const auto dtype = stream_dtype(x);
   require(dy, x.device(), torch::kBFloat16, "the norm's output gradient");
   const int64_t C = x.size(-1), rows = x.numel() / C, pieces = kernels::row_pieces(rows);
-  require_vector(w, x.device(), C, "the norm's weight");
+  require_vector(w, x.device(), C, dtype, "the norm's weight");
   require(mean, x.device(), torch::kFloat32, "the norm's saved mean");
   require(rstd, x.device(), torch::kFloat32, "the norm's saved rstd");
   const auto stream = stream_of(x);
+  const auto fp32 = x.options().dtype(torch::kFloat32);
   auto dx = torch::empty_like(x);
-  auto dw_part = torch::empty({pieces, C}, x.options());
-  auto db_part = with_bias ? torch::empty({pieces, C}, x.options()) : torch::Tensor();
-  kernels::layer_norm_backward(bf16_in(dy), x.const_data_ptr<float>(), w.const_data_ptr<float>(),
-                               mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(), rows, C, dx.data_ptr<float>(),
-                               dw_part.data_ptr<float>(), with_bias ? db_part.data_ptr<float>() : nullptr, stream);
+  auto dw_part = torch::empty({pieces, C}, fp32);
+  auto db_part = with_bias ? torch::empty({pieces, C}, fp32) : torch::Tensor();
+  float* db = with_bias ? db_part.data_ptr<float>() : nullptr;
+  if (dtype == torch::kBFloat16)
+    kernels::layer_norm_backward(bf16_in(dy), bf16_in(x), bf16_in(w), mean.const_data_ptr<float>(),
+                                 rstd.const_data_ptr<float>(), rows, C, bf16_out(dx), dw_part.data_ptr<float>(), db,
+                                 stream);
+  else
+    kernels::layer_norm_backward(bf16_in(dy), x.const_data_ptr<float>(), w.const_data_ptr<float>(),
+                                 mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(), rows, C,
+                                 dx.data_ptr<float>(), dw_part.data_ptr<float>(), db, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {dx, sum_pieces(dw_part, stream), with_bias ? sum_pieces(db_part, stream) : torch::Tensor()};
+  // dw, db: the fp32 sums of the pieces, rounded once into the weights' dtype (a no-op for fp32).
+  auto dw = sum_pieces(dw_part, stream).to(dtype);
+  auto db_sum = with_bias ? sum_pieces(db_part, stream).to(dtype) : torch::Tensor();
+  return {dx, dw, db_sum};
 }
 
 torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& y) {

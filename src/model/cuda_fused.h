@@ -27,13 +27,14 @@ inline bool fused_kernel_device(const torch::Device& d) { return d.is_cpu() || (
 #if defined(SUBLINEAR_CUDA_KERNELS)
 namespace cuda {
 
-// model/layernorm.h: x (rows..., C) fp32, w and b (b may be undefined) fp32 (C); y bf16, mean and rstd
-// fp32 (rows).
+// model/layernorm.h: x (rows..., C) fp32 with w and b (b may be undefined) fp32 (C), or all three bf16
+// (a bf16 stream); y bf16, mean and rstd fp32 (rows).
 struct LayerNormForward {
   torch::Tensor y, mean, rstd;
 };
 LayerNormForward layer_norm_forward(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps);
-// dy bf16 of x's sizes; (dx fp32, dw fp32, db fp32 or undefined without the bias).
+// dy bf16 of x's sizes; (dx, dw, db in x's dtype, db undefined without the bias): a bf16 dx rounded
+// once from fp32, bf16 dw and db rounded once from their fp32 sums.
 std::array<torch::Tensor, 3> layer_norm_backward(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,
                                                  const torch::Tensor& mean, const torch::Tensor& rstd, bool with_bias);
 

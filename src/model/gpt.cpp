@@ -60,8 +60,9 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
   }
 };
 
-// The block's and the head's norms, whose outputs feed linears: under bf16 CPU autocast the fused
-// LayerNorm writes them in bf16 itself (model/layernorm.h), else ATen's.
+// The block's and the head's norms, whose outputs feed linears: under bf16 autocast of the stream's
+// device the fused LayerNorm writes them in bf16 itself (model/layernorm.h; on CUDA also from a bf16
+// stream of bf16 compute copies), else ATen's.
 torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, bool rms, double eps) {
   if (rms) return RmsNormFunction::apply(x, w, eps);
   if (layer_norm_bf16_fused(x, w, b)) return layer_norm_bf16(x, w, b, eps);

@@ -155,21 +155,27 @@ struct LayerNormBf16Function : torch::autograd::Function<LayerNormBf16Function> 
   }
 };
 
-// A contiguous fp32 tensor on a device the fused kernels run on (the CPU; CUDA in a build with them).
-bool contiguous_fp32(const torch::Tensor& t) {
+// A contiguous tensor of `dtype` on a device the fused kernels run on (the CPU; CUDA in a build with them).
+bool contiguous_of(const torch::Tensor& t, c10::ScalarType dtype) {
   return t.defined() && fused_kernel_device(t.device()) && t.layout() == torch::kStrided && t.is_contiguous() &&
-         t.scalar_type() == torch::kFloat32;
+         t.scalar_type() == dtype;
 }
 
-// A norm parameter for x: an fp32 vector of C on x's device.
+// The stream dtypes the kernels take for x: fp32 anywhere, bf16 (a bf16 compute copy's stream, with
+// bf16 w and b) on CUDA only.
+bool stream_of_kernels(const torch::Tensor& x) {
+  return contiguous_of(x, torch::kFloat32) || (x.is_cuda() && contiguous_of(x, torch::kBFloat16));
+}
+
+// A norm parameter for x: a vector of C in x's dtype on x's device.
 bool vector_of(const torch::Tensor& v, const torch::Tensor& x) {
-  return contiguous_fp32(v) && v.device() == x.device() && v.dim() == 1 && v.size(0) == x.size(-1);
+  return contiguous_of(v, x.scalar_type()) && v.device() == x.device() && v.dim() == 1 && v.size(0) == x.size(-1);
 }
 
 }  // namespace
 
 bool layer_norm_bf16_fused(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  if (!device::fused_kernels() || !contiguous_fp32(x) || x.dim() < 1 || x.size(-1) == 0) return false;
+  if (!device::fused_kernels() || !x.defined() || !stream_of_kernels(x) || x.dim() < 1 || x.size(-1) == 0) return false;
   const auto autocast = x.device().type();  // CPU autocast for a CPU x, CUDA autocast for a CUDA one
   if (!at::autocast::is_autocast_enabled(autocast) || at::autocast::get_autocast_dtype(autocast) != at::kBFloat16)
     return false;
@@ -177,9 +183,9 @@ bool layer_norm_bf16_fused(const torch::Tensor& x, const torch::Tensor& w, const
 }
 
 torch::Tensor layer_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
-  TORCH_CHECK(contiguous_fp32(x) && x.dim() >= 1 && vector_of(w, x) && (!b.defined() || vector_of(b, x)),
-              "layer_norm_bf16: x (..., C) must be a contiguous fp32 CPU (or CUDA) tensor and w, b fp32 vectors of C "
-              "on its device");
+  TORCH_CHECK(x.defined() && stream_of_kernels(x) && x.dim() >= 1 && vector_of(w, x) && (!b.defined() || vector_of(b, x)),
+              "layer_norm_bf16: x (..., C) must be a contiguous fp32 CPU (or fp32 or bf16 CUDA) tensor and w, b "
+              "vectors of C in its dtype on its device");
   const bool grad = torch::GradMode::is_enabled() &&
                     (x.requires_grad() || w.requires_grad() || (b.defined() && b.requires_grad()));
   if (!grad) return forward_fused(x, w, b, eps).y;

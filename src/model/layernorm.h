@@ -16,20 +16,24 @@
 //
 // On CUDA (a build with the CUDA kernels, model/cuda_fused.h) the same contract under CUDA autocast, one
 // block per row (src/kernels/layernorm.cu): the row sums in another fixed order (so other fp32 bits), dw
-// and db in fixed pieces of rows summed in order, bit for bit the same from run to run.
+// and db in fixed pieces of rows summed in order, bit for bit the same from run to run. On CUDA the
+// stream may also be bf16 with bf16 w and b (bf16 compute copies, precision.param_dtype bf16): the same
+// fp32 arithmetic on the exactly widened values, the same bf16 y and fp32 saved mean and rstd (and the
+// saved x, now bf16); dx is rounded once to bf16 from fp32, dw and db once from their fp32 sums. Under
+// CUDA autocast ATen's layer_norm would compute that norm in fp32 and return fp32.
 #pragma once
 #include <torch/types.h>
 
 namespace sl::model {
 
 // layer_norm(x, (C), w, b, eps) rounded to bf16, for x (..., C) fp32 and w, b (C) fp32 (b may be
-// undefined). Callers ask layer_norm_bf16_fused first.
+// undefined), or on CUDA all three bf16. Callers ask layer_norm_bf16_fused first.
 torch::Tensor layer_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps);
 
 // True when a norm of x whose output feeds a linear takes layer_norm_bf16: autocast of x's device on in
-// bf16 (the linear would round the output to bf16 anyway), x an fp32 contiguous CPU tensor (or CUDA, in a
-// build with the CUDA kernels), w (and b, if defined) fp32 contiguous vectors of x.size(-1) on x's device,
-// and the fused kernels on (device::fused_kernels()).
+// bf16 (the linear would round the output to bf16 anyway), x an fp32 contiguous CPU tensor (or an fp32 or
+// bf16 CUDA one, in a build with the CUDA kernels), w (and b, if defined) contiguous vectors of x.size(-1)
+// in x's dtype on x's device, and the fused kernels on (device::fused_kernels()). False for a CPU bf16 x.
 bool layer_norm_bf16_fused(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
 
 }  // namespace sl::model
