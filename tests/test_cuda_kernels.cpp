@@ -15,11 +15,11 @@
 // either side of a rounding boundary, by one bf16 ulp.
 #include <cmath>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "catch.h"
-#include <ATen/autocast_mode.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -29,6 +29,7 @@
 #include "model/gpt.h"
 #include "model/layernorm.h"
 #include "model/residual.h"
+#include "precision/autocast.h"
 
 using namespace sl;
 
@@ -77,27 +78,6 @@ torch::Tensor column_bound(const torch::Tensor& abs_terms, int64_t rows) {
   return (32 + pieces) * kU * abs_terms.reshape({rows, -1}).sum(0);
 }
 
-// CUDA autocast to bf16 while alive, as the trainer's bf16 runs on a GPU.
-class CudaAutocast {
- public:
-  CudaAutocast()
-      : enabled_(at::autocast::is_autocast_enabled(at::kCUDA)), dtype_(at::autocast::get_autocast_dtype(at::kCUDA)) {
-    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
-  }
-  ~CudaAutocast() {
-    at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(at::kCUDA, enabled_);
-    at::autocast::set_autocast_dtype(at::kCUDA, dtype_);
-  }
-  CudaAutocast(const CudaAutocast&) = delete;
-  CudaAutocast& operator=(const CudaAutocast&) = delete;
-
- private:
-  bool enabled_;
-  at::ScalarType dtype_;
-};
-
 // While alive, the fused kernels are forced off (ATen's compositions everywhere); restores the setting.
 class AtenKernels {
  public:
@@ -122,7 +102,7 @@ NormRun fused_norm(const torch::Tensor& x0, const torch::Tensor& w0, const torch
   auto x = leaf(x0), w = leaf(w0), b = b0.defined() ? leaf(b0) : torch::Tensor();
   torch::Tensor y;
   {
-    const CudaAutocast autocast;
+    const precision::AutocastGuard autocast(c10::kCUDA, c10::kBFloat16);
     REQUIRE(model::layer_norm_bf16_fused(x, w, b));
     y = model::layer_norm_bf16(x, w, b, 1e-5);
   }
@@ -229,27 +209,6 @@ void check_norm_bf16(int64_t C, bool with_bias) {
   if (with_bias) CHECK(torch::equal(again.db, got.db));
 }
 
-// CPU autocast to bf16 while alive (the CPU predicate's case).
-class CpuAutocast {
- public:
-  CpuAutocast()
-      : enabled_(at::autocast::is_autocast_enabled(at::kCPU)), dtype_(at::autocast::get_autocast_dtype(at::kCPU)) {
-    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-  }
-  ~CpuAutocast() {
-    at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(at::kCPU, enabled_);
-    at::autocast::set_autocast_dtype(at::kCPU, dtype_);
-  }
-  CpuAutocast(const CpuAutocast&) = delete;
-  CpuAutocast& operator=(const CpuAutocast&) = delete;
-
- private:
-  bool enabled_;
-  at::ScalarType dtype_;
-};
-
 // ---- GELU ----
 
 constexpr double kBeta = 0.7978845608028654, kKappa = 0.044715;
@@ -331,8 +290,7 @@ std::map<std::string, torch::Tensor> model_run(model::GPT& m, const torch::Tenso
   m->zero_grad();
   torch::Tensor loss;
   {
-    std::optional<CudaAutocast> guard;
-    if (autocast) guard.emplace();
+    const precision::AutocastGuard guard(c10::kCUDA, autocast ? std::optional<c10::ScalarType>(c10::kBFloat16) : std::nullopt);
     loss = m->loss(idx, targets);
   }
   loss.backward();
@@ -364,7 +322,7 @@ TEST_CASE("CUDA LayerNorm of a bf16 stream: the predicate takes it under CUDA bf
   const auto b = torch::randn({64}, bf16.device(torch::kCUDA));
   CHECK_FALSE(model::layer_norm_bf16_fused(x, w, b));  // no autocast
   {
-    const CudaAutocast autocast;
+    const precision::AutocastGuard autocast(c10::kCUDA, c10::kBFloat16);
     CHECK(model::layer_norm_bf16_fused(x, w, b));
     CHECK(model::layer_norm_bf16_fused(x, w, torch::Tensor()));
     CHECK_FALSE(model::layer_norm_bf16_fused(x, w.to(torch::kFloat32), b));  // weights of another dtype
@@ -373,7 +331,7 @@ TEST_CASE("CUDA LayerNorm of a bf16 stream: the predicate takes it under CUDA bf
     const AtenKernels aten;
     CHECK_FALSE(model::layer_norm_bf16_fused(x, w, b));
   }
-  const CpuAutocast autocast;  // the CPU kernel takes an fp32 stream only
+  const precision::AutocastGuard autocast(c10::kCPU, c10::kBFloat16);  // the CPU kernel takes an fp32 stream only
   CHECK_FALSE(model::layer_norm_bf16_fused(x.cpu(), w.cpu(), b.cpu()));
   const auto f32 = [](const torch::Tensor& t) { return t.cpu().to(torch::kFloat32); };
   CHECK(model::layer_norm_bf16_fused(f32(x), f32(w), f32(b)) == device::fused_kernels());  // (SUBLINEAR_ATEN_KERNELS)
@@ -425,7 +383,7 @@ TEST_CASE("CUDA residual add and LayerNorm: the predicates follow CUDA autocast 
   CHECK(model::residual_bias_fused(x, b));             // an fp32 run's fp32 branch
   CHECK(model::gelu_tanh_bias_fused(x, b));
   {
-    const CudaAutocast autocast;
+    const precision::AutocastGuard autocast(c10::kCUDA, c10::kBFloat16);
     CHECK(model::layer_norm_bf16_fused(x, w, b));
     CHECK(model::residual_bias_fused(x, b));
     CHECK(model::gelu_tanh_bias_fused(x, b));  // the fc output is bf16 under autocast
@@ -481,7 +439,7 @@ TEST_CASE("CUDA fused kernels in a GPT-2 under bf16 autocast: as close to fp32 a
   }
   CHECK_FALSE(torch::equal(fused.at("loss"), aten.at("loss")));  // the two paths did differ
   // The final norm hands the fused loss bf16 rows, as the planner counts them (no fp32 output and copy).
-  const CudaAutocast autocast;
+  const precision::AutocastGuard autocast(c10::kCUDA, c10::kBFloat16);
   CHECK(m->final_norm(torch::randn({2, 3, c.n_embd}, torch::TensorOptions().device(torch::kCUDA))).scalar_type() ==
         torch::kBFloat16);
 }
