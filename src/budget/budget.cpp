@@ -366,9 +366,12 @@ class GeneratorsKept {
 
 Costs profile_costs(const Scenario& sc, model::GPT& model, torch::Device device, int64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
-  auto x = torch::randn({sc.micro_batch, sc.seq_len, sc.model.n_embd}, gen,
+  // A rank of a sequence group (parallel.sequence) runs its blocks on its own positions, exchanging
+  // with its group: every rank of it profiles at once, in the same order.
+  const int64_t positions = sc.seq_len / (model->sequence ? model->sequence->degree() : 1);
+  auto x = torch::randn({sc.micro_batch, positions, sc.model.n_embd}, gen,
                         torch::TensorOptions().dtype(torch::kFloat32)).to(device);
-  const auto rope = model->rope(sc.seq_len);
+  const auto rope = model->rope(positions);
   torch::NoGradGuard no_grad;
   precision::AutocastGuard autocast(device.type(), precision::compute_dtype(sc.precision.compute));
   ByteMeter meter{memory::Tracker(device), device};

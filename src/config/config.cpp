@@ -973,6 +973,10 @@ void validate_sequence(const RunConfig& c) {
     fail("parallel.sequence", fmt::format("{} does not divide {}: pick a degree that divides each", n, fmt::join(broken, ", ")));
   if (c.train.device == DeviceChoice::kLazy)
     fail("parallel.sequence", "must be 1 with train.device: lazy (a test device that runs one process)");
+  if (c.train.micro_batch.is_auto())
+    fail("train.micro_batch", fmt::format("auto probes micro-batches in one process, which cannot exchange a sequence "
+                                          "group's attention (parallel.sequence = {}): set a number (`trainer plan` "
+                                          "predicts each one's memory)", n));
 }
 
 void validate_state(const RunConfig& c) {
