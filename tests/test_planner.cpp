@@ -719,3 +719,81 @@ TEST_CASE("the fused head and loss: GPT-2 124M's full-checkpointing activations 
     CHECK(e.loss_bytes < (int64_t{1} << 29));  // the loss at its peak, under 0.5 GiB
   }
 }
+
+namespace {
+// One micro-batch's estimate of `cfg` at sequence-parallel degree n (the Scenario's field: a recipe
+// at degree n needs WORLD_SIZE divisible by n to load).
+memory::ActivationEstimate at_degree(const config::RunConfig& cfg, int64_t n) {
+  memory::Scenario sc(cfg);
+  sc.sequence = n;
+  return memory::estimate_activation_peak(sc);
+}
+}  // namespace
+
+TEST_CASE("sequence parallelism: per-token terms and all-to-all bytes equal the hand-derived ones, gpt2 and llama") {
+  // fp32 (f = c = xq = xo = 4), tiny: C 128, nh 4, L 4, micro-batch 4 x 128 tokens.
+  const std::vector<std::string> base = {"train.micro_batch=4", "train.grad_accum=1", "checkpointing.mode=none"};
+  auto gpt2 = config::load(test::kSourceDir + "/configs/tiny.yaml", base);
+  auto llama_sets = base;
+  llama_sets.push_back("model.arch=llama");
+  auto llama = config::load(test::kSourceDir + "/configs/tiny.yaml", llama_sets);
+  for (const auto* cfg : {&gpt2, &llama}) {
+    const bool is_llama = cfg->model.arch == config::Arch::kLlama;
+    INFO((is_llama ? "llama" : "gpt2"));
+    const double C = 128, nh = 4, H = static_cast<double>(config::Shape(cfg->model).hidden(0));
+    REQUIRE(cfg->model.n_embd == 128);
+    REQUIRE(cfg->model.n_head == 4);
+    const auto one = at_degree(*cfg, 1), two = at_degree(*cfg, 2), four = at_degree(*cfg, 4);
+    CHECK(one.tokens == 512);
+    CHECK(two.tokens == 256);
+    CHECK(four.tokens == 128);
+    // S per local token: x, h, norm statistics, log-sum-exp (fp32) and norm1 out, the gathered q, k, v
+    // (3C), the attention's output (C), the exchanged-back output (C), norm2 out, the MLP's tensors.
+    const double S2 = is_llama ? 4 * (2 * C + 2 + nh) + 4 * (7 * C + 4 * H) : 4 * (2 * C + 4 + nh) + 4 * (7 * C + 2 * H);
+    // The unsharded S (fused CPU attention): qkv 3C, llama's rotated q, k 2C, one output C.
+    const double S1 = is_llama ? 4 * (2 * C + 2 + nh) + 4 * (8 * C + 4 * H) : 4 * (2 * C + 4 + nh) + 4 * (6 * C + 2 * H);
+    CHECK(one.block_bytes == S1);
+    CHECK(two.block_bytes == S2);
+    CHECK(four.block_bytes == S2);
+    // A block run without saving: its MLP term (h, and u, GELU / u 2H, silu, product) or its
+    // exchanges: qkv 3C held, llama's rotated q, k and their stack (5C), and two 3C buffers.
+    const double mlp = 4 * C + 4 * (is_llama ? 4 * H : 2 * H);
+    const double exchanges = 4 * 3 * C + (is_llama ? 4 * 5 * C : 0.0) + 4 * 2 * 3 * C;
+    CHECK(two.forward_bytes == std::max(mlp, exchanges));
+    // Sent per micro-batch: (N-1)/N tok (3C + C) 4 bytes per exchange pair, 2 per block (no recompute).
+    CHECK(one.all_to_all_bytes == 0);
+    CHECK(two.all_to_all_bytes == static_cast<int64_t>(0.5 * 256 * 16 * C * 2 * 4));
+    CHECK(four.all_to_all_bytes == static_cast<int64_t>(0.75 * 128 * 16 * C * 2 * 4));
+    // The activations fall with the degree.
+    CHECK(four.peak_bytes < two.peak_bytes);
+    CHECK(two.peak_bytes < one.peak_bytes);
+  }
+}
+
+TEST_CASE("sequence parallelism: recomputes add a forward exchange, and a recomputed attention keeps the unsharded S") {
+  auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {"train.micro_batch=4", "checkpointing.mode=full"});
+  const double pair = 0.5 * 256 * 16 * 128 * 4;  // one block's forward (or backward) exchanges at N = 2
+  // full with skip_last: blocks 0-2 recomputed, the last kept: 2 x 4 + 3 pairs.
+  CHECK(at_degree(cfg, 2).all_to_all_bytes == static_cast<int64_t>(11 * pair));
+  cfg.checkpointing.skip_last = false;
+  CHECK(at_degree(cfg, 2).all_to_all_bytes == static_cast<int64_t>(12 * pair));
+  cfg.checkpointing.mode = config::CheckpointingMode::kSelective;
+  cfg.checkpointing.recompute = {"mlp"};
+  CHECK(at_degree(cfg, 2).all_to_all_bytes == static_cast<int64_t>(8 * pair));
+  cfg.checkpointing.recompute = {"attention"};
+  const auto one = at_degree(cfg, 1), two = at_degree(cfg, 2);
+  CHECK(two.all_to_all_bytes == static_cast<int64_t>(12 * pair));
+  CHECK(two.block_bytes == one.block_bytes);  // it keeps its input qkv, as unsharded
+  // plan.json reports the bytes per step (grad_accum micro-batches) for every mode.
+  cfg.checkpointing.mode = config::CheckpointingMode::kNone;
+  cfg.parallel.sequence = 2;
+  cfg.world_size = 2;
+  cfg.train.grad_accum = 3;
+  cfg.train.global_batch = 0;
+  const auto j = planner::plan(cfg, 0);
+  CHECK(j["sequence_parallel"] == 2);
+  CHECK(j["batch_bytes"] == 2 * 8 * 4 * 64);
+  REQUIRE(j["modes"][0]["mode"].get<std::string>().find("none") != std::string::npos);
+  CHECK(j["modes"][0]["all_to_all_bytes_per_step"] == static_cast<int64_t>(3 * 8 * pair));
+  CHECK(planner::format_plan(j).find("all-to-all") != std::string::npos);
+}
