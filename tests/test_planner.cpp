@@ -16,6 +16,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -772,7 +773,7 @@ TEST_CASE("sequence parallelism: per-token terms and all-to-all bytes equal the 
 
 TEST_CASE("sequence parallelism: recomputes add a forward exchange, and a recomputed attention keeps the unsharded S") {
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {"train.micro_batch=4", "checkpointing.mode=full"});
-  const double pair = 0.5 * 256 * 16 * 128 * 4;  // one block's forward (or backward) exchanges at N = 2
+  const double pair = 0.5 * 256 * 16 * 128;  // one block's forward (or backward) exchanges at N = 2: (N-1)/N tok 4C fp32
   // full with skip_last: blocks 0-2 recomputed, the last kept: 2 x 4 + 3 pairs.
   CHECK(at_degree(cfg, 2).all_to_all_bytes == static_cast<int64_t>(11 * pair));
   cfg.checkpointing.skip_last = false;
@@ -795,5 +796,72 @@ TEST_CASE("sequence parallelism: recomputes add a forward exchange, and a recomp
   CHECK(j["batch_bytes"] == 2 * 8 * 4 * 64);
   REQUIRE(j["modes"][0]["mode"].get<std::string>().find("none") != std::string::npos);
   CHECK(j["modes"][0]["all_to_all_bytes_per_step"] == static_cast<int64_t>(3 * 8 * pair));
-  CHECK(planner::format_plan(j).find("all-to-all") != std::string::npos);
+  const auto text = planner::format_plan(j);
+  CHECK(text.find("all-to-all") != std::string::npos);
+  CHECK(text.find("64 positions per rank") != std::string::npos);
+}
+
+namespace {
+// One shape trained at sequence-parallel degree n on n ranks (2 steps, as check_strategy): each rank's
+// tracked peak and its model states, and the planner's predicted peak.
+struct SequenceRun {
+  double predicted = 0;
+  std::vector<double> peaks, states;
+};
+SequenceRun run_sequence_parallel(int n, const StrategyShape& shape, const std::filesystem::path& run_dir) {
+  std::string args = "--config " + test::kSourceDir + "/configs/tiny.yaml --set data.source=synthetic "
+                     "--set train.steps=2 --set train.micro_batch=4 --set train.grad_accum=1 --set train.eval_interval=0 "
+                     "--set parallel.timeout_s=60 --set logging.peak_tflops=1 --set parallel.sequence=" + std::to_string(n) +
+                     " --set logging.dir=" + run_dir.string();
+  for (const auto& kv : shape.sets) args += " --set " + kv;
+  const auto m = test::launch(n, args);
+  INFO(shape.name << " at degree " << n << "\nrank 0:\n" << m.outputs[0] << "\nrank 1:\n" << m.outputs[1]);
+  REQUIRE(m.codes == std::vector<int>(static_cast<size_t>(n), 0));
+  const auto s = json::parse(test::read_text(run_dir / "summary.json"));
+  REQUIRE(s["parallel"]["sequence_parallel"] == n);
+  SequenceRun r;
+  r.predicted = s["predicted_peak_bytes"].get<double>();
+  for (const auto& rank : s["parallel"]["ranks"]) {
+    r.peaks.push_back(rank["peak_allocated_bytes"].get<double>());
+    r.states.push_back(rank["model_state_bytes"].get<double>());
+  }
+  REQUIRE(r.peaks.size() == static_cast<size_t>(n));
+  return r;
+}
+}  // namespace
+
+// Measured against the planner at degree 2 and 4 (CPU, Gloo's all-to-all): the shapes of [strategies]
+// in each checkpointing kind. Each rank's peak within kStrategyBound (2 %) of the prediction, as every
+// strategy's, and the part above the model states (activations, the batch, the RoPE tables: what the
+// sequence degree divides) within kBound (5 %), the activation model's promise. Measured: every rank
+// of a run the same bytes; above the states gpt2 none exact at both degrees, llama full -0.45 % / -0.84 %,
+// gpt2 selective -1.6 % / -2.7 % (at one process -0.9 %: the same bytes the model leaves out, a larger
+// share of activations halved and quartered). Per-rank activations fall with the degree.
+TEST_CASE("sequence parallelism at degree 2 and 4: every rank's peak within 2% of the prediction, activations fall with N",
+          "[strategies]") {
+  const std::vector<StrategyShape> shapes = {
+      {"gpt2 4 layers, none", {"checkpointing.mode=none"}},
+      {"llama 6 layers, full", {"model.arch=llama", "model.n_layer=6", "checkpointing.mode=full"}},
+      {"gpt2 4 layers, selective", {"checkpointing.mode=selective", "checkpointing.recompute=[attention,mlp,norm]"}},
+  };
+  test::TempDir dir("planner-sequence");
+  int k = 0;
+  for (const auto& shape : shapes) {
+    std::map<int, double> worst_activations;  // degree -> the largest rank's measured peak above its states
+    for (const int n : {2, 4}) {
+      const auto r = run_sequence_parallel(n, shape, dir.path / std::to_string(k++));
+      for (size_t i = 0; i < r.peaks.size(); ++i) {
+        const double activations = r.peaks[i] - r.states[i], predicted = r.predicted - r.states[i];
+        INFO(fmt::format("{} degree {} rank {}: peak predicted {:.0f} measured {:.0f}; above the states predicted {:.0f} "
+                         "measured {:.0f}", shape.name, n, i, r.predicted, r.peaks[i], predicted, activations));
+        CHECK(std::abs(r.predicted - r.peaks[i]) <= kStrategyBound * r.peaks[i]);
+        CHECK(std::abs(predicted - activations) <= kBound * activations);
+        worst_activations[n] = std::max(worst_activations[n], activations);
+      }
+      fmt::print("planner sequence {} degree {}: predicted / measured {:.4f}\n", shape.name, n,
+                 r.predicted / *std::max_element(r.peaks.begin(), r.peaks.end()));
+    }
+    INFO(shape.name);
+    CHECK(worst_activations[4] < worst_activations[2]);
+  }
 }

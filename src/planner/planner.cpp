@@ -272,12 +272,13 @@ std::string parameters_text(const Json& j) {
   return padding == 0 ? all : fmt::format("{}, {} of them the vocabulary padding's zero rows", all, padding);
 }
 
-// parallel.sequence: the degree and the positions each rank holds.
-std::string sequence_text(const Json& j) {
+// parallel.sequence > 1: the degree and the positions each rank holds (no row at degree 1).
+void add_sequence_row(const Json& j, std::vector<std::pair<std::string, std::string>>& rows) {
   const auto n = j.value("sequence_parallel", int64_t{1});
-  if (n <= 1) return "1 (every rank holds whole sequences)";
-  return fmt::format("{} ({} positions per rank; attention over all of them for n_head / {} heads)", n,
-                     j["seq_len"].get<int64_t>() / n, n);
+  if (n <= 1) return;
+  rows.emplace_back("sequence parallel (parallel.sequence)",
+                    fmt::format("{} ({} positions per rank; attention over all of them for n_head / {} heads)", n,
+                                j["seq_len"].get<int64_t>() / n, n));
 }
 
 // The breakdown of the model states, batch and buffers (the same for every mode).
@@ -303,8 +304,8 @@ std::string breakdown_table(const Json& j) {
       {"matmul kernels (activation model)", j["matmul_path"].get<std::string>()},
       {"micro-batch x seq_len", fmt::format("{} x {} (global batch {})", j["micro_batch"].get<int64_t>(),
                                             j["seq_len"].get<int64_t>(), j["global_batch"].get<int64_t>())},
-      {"sequence parallel (parallel.sequence)", sequence_text(j)},
   };
+  add_sequence_row(j, rows);
   return log::format_table(rows);
 }
 
