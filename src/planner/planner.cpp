@@ -99,7 +99,9 @@ OffloadTraffic offload_traffic(const Scenario& sc, const checkpointing::Plan& pl
   t.boundary_s = static_cast<double>(boundary) / bw;
   if (o.optimizer) t.host_adam_s = 28.0 * static_cast<double>(n) / static_cast<double>(N) / (o.host_gbps * 1e9);
   const auto& m = sc.model;
-  const double tokens = static_cast<double>(sc.micro_batch * micro * sc.seq_len);
+  // This rank's tokens (B T / N with parallel.sequence: its attention covers the whole sequence for
+  // n_head / N heads, the same FLOPs per local token as unsharded).
+  const double tokens = static_cast<double>(sc.local_tokens() * micro);
   const double flops = tokens * (6.0 * static_cast<double>(n) + 2.0 * static_cast<double>(recomputed) +
                                  12.0 * static_cast<double>(m.n_layer * sc.seq_len * m.n_embd));
   if (sc.peak_tflops > 0) t.compute_s = flops / (sc.peak_tflops * 1e12 * kModelledMfu);
