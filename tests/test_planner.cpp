@@ -865,3 +865,26 @@ TEST_CASE("sequence parallelism at degree 2 and 4: every rank's peak within 2% o
     CHECK(worst_activations[4] < worst_activations[2]);
   }
 }
+
+TEST_CASE("sequence parallelism: a recompute's exchange sets moment B where the MLP is narrow, in the formula and the walk") {
+  // gpt2 tiny, fp32, H = 16, full checkpointing (3 one-block segments and the last block kept), N = 2:
+  // tok = 256. Per token: S = 4 (2C + 4 + nh) + 4 (7C + 2H) = 4768 and T = 4C + 4H = 576, so the
+  // backward's S + T = 5344 falls below the recompute's exchange Rx = x 4C + norm1 out 4C + its
+  // statistics 8 + qkv 4 x 3C + the two buffers 4 x 6C = 5640 (C = 128).
+  auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml",
+                          {"train.micro_batch=4", "checkpointing.mode=full", "model.mlp_hidden=16"});
+  REQUIRE(config::Shape(cfg.model).hidden(0) == 16);
+  memory::Scenario sc(cfg);
+  sc.sequence = 2;
+  const auto e = memory::estimate_activation_peak(sc);
+  const double tied = static_cast<double>(e.tied_grad_bytes);
+  CHECK(e.block_bytes == 4768);
+  CHECK(e.backward_bytes == 576);
+  CHECK(e.moment_b == tied + 256.0 * (4 * 128 * 3 + 5640));  // the three segment inputs and Rx; integers, exact in double
+  CHECK(e.peak_bytes >= static_cast<int64_t>(e.moment_b));
+  // The walk block by block gives the same backward moment.
+  memory::PhasePeaks phases;
+  memory::chain_peak(memory::chain_model(sc, memory::lowp_matmul_path(sc)),
+                     checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer), nullptr, &phases);
+  CHECK(phases.backward == e.moment_b);
+}

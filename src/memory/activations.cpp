@@ -223,6 +223,14 @@ double sequence_forward_bytes(const Sizes& z) {
   return held + std::max(2 * q * 3 * C, q * 3 * C + z.xo * 3 * C);
 }
 
+// Sequence parallelism: a block recomputed for its backward (saving, this time) holds at its first
+// exchange what it has saved so far (its input, norm1's output and statistics) and the exchange's
+// tensors (sequence_forward_bytes); 0 at N = 1. Beside the blocks before it in the segment.
+double recompute_exchange_bytes(const Sizes& z) {
+  if (!z.sequence) return 0;
+  return z.r * z.C + z.c * z.C + z.f * (z.llama ? 1 : 2) + sequence_forward_bytes(z);
+}
+
 // F: what the forward holds beyond its saved tensors while a block runs without saving (a
 // checkpointed segment's first pass): h, then gpt2 u and GELU (or u and the accumulator), llama u
 // 2H, silu and product (or u and its accumulator).
@@ -351,7 +359,12 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   const double backward = std::max({mlp_backward_bytes(z, seg), tok * e.attention_backward_bytes, widened_fc_backward_bytes(z, seg)});
   if (seg.kept_blocks > 0) e.moment_d = always + kept * Wb + tied + backward + tok * (fC * n + S * kept);
   // B also holds the recomputed segment's output: its backward starts from it.
-  if (seg.checkpointed > 0) e.moment_b = always + k * Wb + tied + backward + tok * (fC * n + S * k);
+  if (seg.checkpointed > 0) {
+    e.moment_b = always + k * Wb + tied + backward + tok * (fC * n + S * k);
+    // Under sequence parallelism also the last block's exchange in the recompute, the k - 1 before it kept.
+    const double exchange = tok * (fC * n + S * (k - 1) + recompute_exchange_bytes(z));
+    if (z.sequence) e.moment_b = std::max(e.moment_b, always + k * Wb + tied + exchange);
+  }
   e.peak_bytes = static_cast<int64_t>(std::max({e.moment_f, e.moment_a, e.moment_d, e.moment_b}));
   const int64_t recomputed = seg.attention ? sc.model.n_layer : (seg.checkpointed > 0 ? sc.model.n_layer - seg.kept_blocks : 0);
   e.all_to_all_bytes = exchange_bytes(z, sc.sequence, sc.model.n_layer, recomputed);
@@ -387,6 +400,7 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
     m.backward.push_back(backward);
     m.weights.push_back(block_cast_bytes(zl));
     m.forward.push_back(tok * forward_block_bytes(zl));
+    m.recompute_exchange.push_back(tok * recompute_exchange_bytes(zl));
   }
   const Sizes z = sizes_of(sc, lowp);
   m.input = tok * z.r * z.C;
@@ -448,13 +462,14 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
       } else {
         held -= m.input;
       }
-      double saved = 0, weights = 0, worst_backward = 0;
+      double saved = 0, weights = 0, worst_backward = 0, worst_exchange = 0;
       for (int64_t b = seg->begin; b < seg->end; ++b) {
+        worst_exchange = std::max(worst_exchange, saved + m.recompute_exchange[static_cast<size_t>(b)]);  // the blocks before b kept
         saved += m.kept[static_cast<size_t>(b)][0];
         weights += m.weights[static_cast<size_t>(b)];
         worst_backward = std::max(worst_backward, m.backward[static_cast<size_t>(b)][0]);
       }
-      peak = std::max(peak, kept_weights + weights + m.tied_grad + held + m.input + saved + worst_backward);
+      peak = std::max(peak, kept_weights + weights + m.tied_grad + held + m.input + std::max(saved + worst_backward, worst_exchange));
       continue;
     }
     for (int64_t b = seg->end - 1; b >= seg->begin; --b) {  // D: the block and every unit before it

@@ -99,6 +99,9 @@
 //     (c 3C, held to the block's end), llama's rotated q, k and their stack with v (xq 5C), and the
 //     larger of the send and receive buffers (2 xq 3C) or the receive buffer, the gathered q, k, v
 //     and the output exchange's buffers (xq 3C + xo 3C).
+//   B also takes the recompute's exchanges: the largest segment's k - 1 blocks kept, the last one's
+//     input, norm1's output and statistics, and its exchange's tensors as in Fb (Rx per token):
+//     k*W + G + tok*(fC*n + S*(k-1) + Rx), where that exceeds the backward's B (only with a narrow MLP).
 //   T is unchanged: a block's attention backward (its exchanges' buffers with the residual gradient and
 //     the gathered q, k, v's gradient, the MLP's tensors freed) holds less than its MLP's.
 //   Sent per rank per micro-batch (all_to_all_bytes): (N-1)/N tok (3C xq + C xo) per exchange pair, two
@@ -176,6 +179,7 @@ struct ChainModel {
   std::vector<std::array<double, checkpointing::kPartSets>> backward;  // T of block i with parts b, and its Wg
   std::vector<double> weights;  // W of block i (autocast's copies; 0 in fp32)
   std::vector<double> forward;  // Fb of block i: the block run without saving, beyond its input
+  std::vector<double> recompute_exchange;  // Rx of block i: its exchange in a recompute (0 at N = 1)
   double input = 0;        // fC: what a checkpointed segment keeps (its input)
   double head = 0;          // the head at the start of backward: tok E and the fused loss's dW
   double head_forward = 0;  // the head at the end of the forward: E's input, the norm's output, the fused loss's peak
