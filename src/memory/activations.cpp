@@ -464,7 +464,9 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
       }
       double saved = 0, weights = 0, worst_backward = 0, worst_exchange = 0;
       for (int64_t b = seg->begin; b < seg->end; ++b) {
-        worst_exchange = std::max(worst_exchange, saved + m.recompute_exchange[static_cast<size_t>(b)]);  // the blocks before b kept
+        const auto i = static_cast<size_t>(b);
+        const double exchange = i < m.recompute_exchange.size() ? m.recompute_exchange[i] : 0.0;
+        worst_exchange = std::max(worst_exchange, saved + exchange);  // the blocks before b kept
         saved += m.kept[static_cast<size_t>(b)][0];
         weights += m.weights[static_cast<size_t>(b)];
         worst_backward = std::max(worst_backward, m.backward[static_cast<size_t>(b)][0]);

@@ -179,7 +179,7 @@ struct ChainModel {
   std::vector<std::array<double, checkpointing::kPartSets>> backward;  // T of block i with parts b, and its Wg
   std::vector<double> weights;  // W of block i (autocast's copies; 0 in fp32)
   std::vector<double> forward;  // Fb of block i: the block run without saving, beyond its input
-  std::vector<double> recompute_exchange;  // Rx of block i: its exchange in a recompute (0 at N = 1)
+  std::vector<double> recompute_exchange;  // Rx of block i: its exchange in a recompute (0 at N = 1; empty: 0 for every block)
   double input = 0;        // fC: what a checkpointed segment keeps (its input)
   double head = 0;          // the head at the start of backward: tok E and the fused loss's dW
   double head_forward = 0;  // the head at the end of the forward: E's input, the norm's output, the fused loss's peak
