@@ -99,7 +99,9 @@ OffloadTraffic offload_traffic(const Scenario& sc, const checkpointing::Plan& pl
   t.boundary_s = static_cast<double>(boundary) / bw;
   if (o.optimizer) t.host_adam_s = 28.0 * static_cast<double>(n) / static_cast<double>(N) / (o.host_gbps * 1e9);
   const auto& m = sc.model;
-  const double tokens = static_cast<double>(sc.micro_batch * micro * sc.seq_len);
+  // This rank's tokens (B T / N with parallel.sequence: its attention covers the whole sequence for
+  // n_head / N heads, the same FLOPs per local token as unsharded).
+  const double tokens = static_cast<double>(sc.local_tokens() * micro);
   const double flops = tokens * (6.0 * static_cast<double>(n) + 2.0 * static_cast<double>(recomputed) +
                                  12.0 * static_cast<double>(m.n_layer * sc.seq_len * m.n_embd));
   if (sc.peak_tflops > 0) t.compute_s = flops / (sc.peak_tflops * 1e12 * kModelledMfu);
@@ -140,6 +142,8 @@ Json mode_row(const std::string& name, const Scenario& c, int64_t memory_bytes, 
   }
   const auto p = schedule ? memory::predict_peak(c, *schedule) : predict_peak(c);
   Json row = {{"mode", name}, {"activation_peak_bytes", p.activations.peak_bytes}, {"peak_bytes", p.peak_bytes()}};
+  // parallel.sequence: what this rank sends in its sequence group's all-to-alls per optimizer step.
+  row["all_to_all_bytes_per_step"] = p.activations.all_to_all_bytes * c.grad_accum;
   if (memory_bytes > 0) {
     const int64_t mb = largest_micro_batch(c, memory_bytes);
     row["largest_micro_batch"] = mb;
@@ -191,9 +195,10 @@ Json offload_report(const Scenario& sc) {
 Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   const bool auto_batch = recipe.train.micro_batch.is_auto();
   const int64_t world = std::max<int64_t>(1, recipe.world_size);
-  // Sequences each rank contributes to one optimizer step.
-  const int64_t per_rank = sequences_per_rank(recipe.train, world);
-  const int64_t global = per_rank * world;
+  // Sequences each data-parallel rank (with its sequence group) contributes to one optimizer step.
+  const int64_t data_world = recipe.parallel.data_world(world);
+  const int64_t per_rank = sequences_per_rank(recipe.train, data_world);
+  const int64_t global = per_rank * data_world;
   Scenario sc(recipe, auto_batch ? 1 : recipe.train.micro_batch.value());
   if (auto_batch) {
     sc.micro_batch = std::max<int64_t>(1, memory_bytes > 0 ? largest_micro_batch(sc, memory_bytes, per_rank) : 1);
@@ -214,6 +219,7 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
             {"grad_accum", sc.grad_accum},
             {"global_batch", global},
             {"seq_len", sc.seq_len},
+            {"sequence_parallel", sc.sequence},
             {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)},
             {"params_bytes", base.params_bytes},
             {"grads_bytes", base.grads_bytes},
@@ -268,6 +274,15 @@ std::string parameters_text(const Json& j) {
   return padding == 0 ? all : fmt::format("{}, {} of them the vocabulary padding's zero rows", all, padding);
 }
 
+// parallel.sequence > 1: the degree and the positions each rank holds (no row at degree 1).
+void add_sequence_row(const Json& j, std::vector<std::pair<std::string, std::string>>& rows) {
+  const auto n = j.value("sequence_parallel", int64_t{1});
+  if (n <= 1) return;
+  rows.emplace_back("sequence parallel (parallel.sequence)",
+                    fmt::format("{} ({} positions per rank; attention over all of them for n_head / {} heads)", n,
+                                j["seq_len"].get<int64_t>() / n, n));
+}
+
 // The breakdown of the model states, batch and buffers (the same for every mode).
 std::string breakdown_table(const Json& j) {
   std::vector<std::pair<std::string, std::string>> rows = {
@@ -292,6 +307,7 @@ std::string breakdown_table(const Json& j) {
       {"micro-batch x seq_len", fmt::format("{} x {} (global batch {})", j["micro_batch"].get<int64_t>(),
                                             j["seq_len"].get<int64_t>(), j["global_batch"].get<int64_t>())},
   };
+  add_sequence_row(j, rows);
   return log::format_table(rows);
 }
 
@@ -305,6 +321,8 @@ std::string modes_table(const Json& j, bool with_memory) {
       continue;
     }
     std::string v = fmt::format("activations {:>10} | peak {:>10}", bytes(m["activation_peak_bytes"]), bytes(m["peak_bytes"]));
+    if (j.value("sequence_parallel", int64_t{1}) > 1)
+      v += fmt::format(" | all-to-all {:>10} sent a step", bytes(m["all_to_all_bytes_per_step"]));
     if (with_memory) {
       const int64_t mb = m["largest_micro_batch"].get<int64_t>();
       v += mb > 0 ? fmt::format(" | largest micro-batch {} (grad_accum {})", mb, m["grad_accum_for_global_batch"].get<int64_t>())
@@ -394,7 +412,7 @@ std::string format_plan(const Json& j) {
 
 std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
   if (limit_bytes <= 0) return "lower train.micro_batch (raise train.grad_accum to keep the global batch) or enable checkpointing.mode: full";
-  const int64_t per_rank = sequences_per_rank(cfg.train, cfg.world_size);
+  const int64_t per_rank = sequences_per_rank(cfg.train, cfg.parallel.data_world(cfg.world_size));
   const Scenario sc(cfg, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
   std::string out;
   for (const auto& [name, ck] : plan_modes(sc.checkpointing)) {

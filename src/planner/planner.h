@@ -46,7 +46,8 @@ std::string format_plan(const nlohmann::json& plan);
 // Time: streamed bytes (gradients, parameters, activations; the larger direction, the link being full
 // duplex) overlap compute by offload.overlap; the step-boundary copies (optimizer) do not; the host
 // AdamW reads and writes 28 bytes per parameter of the shard at offload.host_gbps; compute is the
-// step's FLOPs (6 N + 12 L T d per token, plus the recomputed blocks' forward) at kModelledMfu of
+// step's FLOPs (6 N + 12 L T d per token of this rank, B T / N of each sequence with parallel.sequence,
+// plus the recomputed blocks' forward) at kModelledMfu of
 // logging.peak_tflops (budget::kModelledMfu; 0 TFLOP/s: compute time unknown, and the step time is
 // the offload's own cost).
 struct OffloadTraffic {
