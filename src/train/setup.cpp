@@ -332,7 +332,7 @@ void measure(const memory::Scenario& sc, const Process& proc, const Learner& lea
   meter.predicted = memory::estimate_activation_peak(sc, plan);
   // A budget schedule solved with profiled bytes: its peak by those bytes, the model it was solved with.
   if (plan.budget.bytes_source == "profile") meter.predicted.peak_bytes = plan.budget.predicted_peak_bytes;
-  const auto shapes = model_gemm_shapes(sc.model, sc.micro_batch * sc.seq_len);
+  const auto shapes = model_gemm_shapes(sc.model, sc.local_tokens());  // this rank's rows (parallel.sequence: B*T/N)
   meter.peak = PeakTracker(peak_flops(proc.device, sc.precision.compute, sc.peak_tflops, shapes, device::tf32_matmuls()));
 }
 
