@@ -35,6 +35,7 @@ struct Cli {
   bool no_profile = false;
   std::string plan_memory, plan_out;
   int64_t plan_world = 0;
+  std::string plan_sequence;  // plan --sequence-parallel: "auto" or a degree ("" = the recipe's)
   sl::interop::ExportRequest export_req;
   std::string export_dtype = "fp32";  // export --dtype, parsed in dispatch()
   sl::interop::SampleRequest sample_req;
@@ -122,6 +123,9 @@ void add_commands(CLI::App& app, Cli& cli) {
   cli.plan_cmd->add_option("--out", cli.plan_out, "where to write plan.json (default: runs/<recipe>-plan.json)");
   cli.plan_cmd->add_option("--world-size", cli.plan_world, "ranks to plan for (per-rank memory under parallel.sharding; "
                                                            "default: WORLD_SIZE or 1)")->check(CLI::PositiveNumber);
+  cli.plan_cmd->add_option("--sequence-parallel", cli.plan_sequence,
+                           "auto | N: plan at parallel.sequence N, or (auto) at every degree that divides the world "
+                           "size, model.n_head and train.seq_len, choosing the smallest that fits --memory");
 
   cli.export_cmd = app.add_subcommand("export", "write a run's newest weights as a Hugging Face checkpoint "
                                                 "(model.safetensors + config.json)");
@@ -144,10 +148,21 @@ int run_export(const Cli& cli) {
   return sl::kExitOk;
 }
 
-int run_plan(const sl::config::RunConfig& cfg, const Cli& cli) {
+// plan --sequence-parallel auto: every degree's peak and step time; the plan below is at the smallest
+// degree that fits (the recipe's when none does).
+nlohmann::json choose_sequence_degree(sl::config::RunConfig& cfg, int64_t memory) {
+  auto search = sl::planner::sequence_search(cfg, memory);
+  fmt::print("{}\n", sl::planner::format_sequence_search(search, memory));
+  if (!search["chosen"].is_null()) cfg.parallel.sequence = search["chosen"].get<int64_t>();
+  return search;
+}
+
+int run_plan(sl::config::RunConfig cfg, const Cli& cli) {
   const int64_t memory = cli.plan_memory.empty() ? cfg.memory.limit.bytes
                                                  : sl::config::parse_bytes(cli.plan_memory, "--memory");
-  const auto report = sl::planner::plan(cfg, memory);
+  const auto search = cli.plan_sequence == "auto" ? choose_sequence_degree(cfg, memory) : nlohmann::json(nullptr);
+  auto report = sl::planner::plan(cfg, memory);
+  if (!search.is_null()) report["sequence_search"] = search;
   fmt::print("{}", sl::planner::format_plan(report));
   const std::filesystem::path out = cli.plan_out.empty() ? sl::log::default_plan_path(cfg.recipe_name) : std::filesystem::path(cli.plan_out);
   if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
@@ -173,6 +188,15 @@ int dispatch(const Cli& cli) {
   // plan --world-size: the recipe is checked for that world size (train.global_batch, DDP offload) as a
   // rank launched at it would check it.
   if (cli.plan_cmd->parsed() && cli.plan_world > 0) ::setenv("WORLD_SIZE", std::to_string(cli.plan_world).c_str(), 1);
+  // plan --sequence-parallel N: the recipe checked at that degree (exit 2 naming what it does not divide);
+  // auto: loaded at degree 1, every degree tried in run_plan.
+  if (cli.plan_cmd->parsed() && !cli.plan_sequence.empty()) {
+    const bool automatic = cli.plan_sequence == "auto";
+    if (!automatic && cli.plan_sequence.find_first_not_of("0123456789") != std::string::npos)
+      throw sl::ConfigError(fmt::format("--sequence-parallel: '{}' is neither auto nor a degree (a positive integer)",
+                                        cli.plan_sequence));
+    overrides.push_back("parallel.sequence=" + (automatic ? std::string("1") : cli.plan_sequence));
+  }
   auto cfg = sl::config::load(cli.config_path, overrides);
   if (cli.plan_cmd->parsed()) return run_plan(cfg, cli);
   cfg.resume = cli.resume;

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -31,6 +32,8 @@
 #include "data/loader.h"
 #include "errors.h"
 #include "device/cpu_features.h"
+#include "budget/budget.h"
+#include "memory/scenario.h"
 #include "planner/planner.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
@@ -887,4 +890,84 @@ TEST_CASE("sequence parallelism: a recompute's exchange sets moment B where the 
   memory::chain_peak(memory::chain_model(sc, memory::lowp_matmul_path(sc)),
                      checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer), nullptr, &phases);
   CHECK(phases.backward == e.moment_b);
+}
+
+// configs/8b_128k.yaml (LLaMA-3-8B's shape at 131072 tokens, ZeRO-3 over 8 ranks of 80 GiB): without
+// sequence parallelism the checkpointed block inputs alone, 32 x 131072 x 4096 fp32 = 64 GiB, leave no
+// room beside 16.5 GiB of model states; at degree 8 each rank holds an eighth of them.
+TEST_CASE("trainer plan --sequence-parallel: 8b_128k fits 80 GiB at degree 8 and not at 1; auto picks the smallest degree "
+          "that fits") {
+  test::TempDir dir("plan-sequence");
+  const auto plan_at = [&](const std::string& degree) {
+    const auto out = dir.path / ("plan-" + degree + ".json");
+    const auto r = test::trainer("plan --config configs/8b_128k.yaml --world-size 8 --sequence-parallel " + degree +
+                                 " --out " + out.string());
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    return std::make_pair(json::parse(test::read_text(out)), r.output);
+  };
+  const int64_t gib80 = int64_t{80} << 30;
+  const auto recipe_peak = [](const json& plan) { return plan["modes"][0]["peak_bytes"].get<int64_t>(); };
+  const auto [p1, out1] = plan_at("1");
+  const auto [p8, out8] = plan_at("8");
+  CHECK(p1["sequence_parallel"] == 1);
+  CHECK(p8["sequence_parallel"] == 8);
+  CHECK(recipe_peak(p1) > gib80);
+  CHECK(recipe_peak(p8) <= gib80);
+  CHECK(p1["modes"][0]["all_to_all_bytes_per_step"] == 0);
+  CHECK(p8["modes"][0]["all_to_all_bytes_per_step"].get<int64_t>() > 0);
+  // The modelled step time counts the exchanges (logging.peak_tflops is set): step = compute + all-to-all.
+  CHECK(p8["modes"][0]["all_to_all_s"].get<double>() > 0.0);
+  CHECK(p8["modes"][0]["step_s"].get<double>() > p8["modes"][0]["all_to_all_s"].get<double>());
+
+  const auto [pa, outa] = plan_at("auto");
+  const auto& search = pa["sequence_search"];
+  std::vector<int64_t> degrees;
+  for (const auto& d : search["degrees"]) degrees.push_back(d["degree"].get<int64_t>());
+  CHECK(degrees == std::vector<int64_t>{1, 2, 4, 8});  // those dividing 8 ranks, 32 heads and 131072 positions
+  int64_t smallest = 0, previous = std::numeric_limits<int64_t>::max();
+  for (const auto& d : search["degrees"]) {
+    const int64_t peak = d["peak_bytes"].get<int64_t>();
+    CHECK(peak < previous);  // per-rank memory falls with the degree
+    previous = peak;
+    CHECK(d["fits"].get<bool>() == (peak <= gib80));
+    if (smallest == 0 && d["fits"].get<bool>()) smallest = d["degree"].get<int64_t>();
+  }
+  REQUIRE(smallest > 1);
+  CHECK(search["chosen"] == smallest);
+  CHECK(pa["sequence_parallel"] == smallest);  // the plan below the search is at the chosen degree
+  CHECK(search["degrees"][0]["peak_bytes"] == recipe_peak(p1));
+  CHECK(search["degrees"][3]["peak_bytes"] == recipe_peak(p8));
+  CHECK(outa.find(fmt::format("Smallest degree that fits: parallel.sequence: {}", smallest)) != std::string::npos);
+
+  // A degree the recipe cannot take is refused before anything is planned, naming what it does not divide.
+  const auto bad = test::trainer("plan --config configs/8b_128k.yaml --world-size 8 --sequence-parallel 3");
+  INFO(bad.output);
+  CHECK(bad.code == kExitConfig);
+  CHECK(bad.output.find("model.n_head = 32") != std::string::npos);
+  CHECK(bad.output.find("WORLD_SIZE = 8") != std::string::npos);
+  CHECK(test::trainer("plan --config configs/8b_128k.yaml --world-size 8 --sequence-parallel some").code == kExitConfig);
+}
+
+// Budget mode's formula prices a recomputed attention's two forward all-to-alls: at degree N the
+// attention's cost is its FLOPs for the rank's B T / N tokens plus the exchange's bytes, (N - 1) / N x
+// B T / N x 4 C x c, at parallel.all_to_all_gbps, in the GFLOP the device runs meanwhile.
+TEST_CASE("budget's formula costs price the sequence group's all-to-all") {
+  auto cfg = config::load((std::filesystem::path(test::kSourceDir) / "configs/8b_128k.yaml").string(),
+                          {"parallel.sequence=1"});
+  cfg.world_size = 8;
+  const auto at = [&](int64_t n, double gbps) {
+    auto c = cfg;
+    c.parallel.sequence = n;
+    c.parallel.all_to_all_gbps = gbps;
+    return budget::formula_costs(memory::Scenario(c)).blocks.front();
+  };
+  const double C = 4096, T = 131072, c = 2, tok8 = T / 8;
+  const double flops = 0.5 * 989e12;  // kModelledMfu of the recipe's logging.peak_tflops
+  const auto b8 = at(8, 100.0), b8_fast = at(8, 200.0), b1 = at(1, 100.0);
+  const double exchange = 7.0 / 8.0 * tok8 * 4 * C * c / 100e9 * flops / 1e9;  // GFLOP at 100 GB/s
+  // Relative bounds of double rounding only (a handful of operations on values below 1e16).
+  CHECK(b8.attention == Approx(4 * tok8 * T * C / 1e9 + exchange).epsilon(1e-12));
+  CHECK(b8.attention - b8_fast.attention == Approx(exchange / 2).epsilon(1e-9));
+  CHECK(b1.attention == Approx(4 * T * T * C / 1e9).epsilon(1e-12));
 }

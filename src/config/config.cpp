@@ -11,7 +11,6 @@
 #include <sstream>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
 
@@ -240,6 +239,7 @@ std::vector<Field> parallel_fields() {
       field(&R::parallel, &ParallelConfig::sharding, "parallel", "sharding", "none (DDP) | zero1 (optimizer states) | zero2 (+ gradients) | zero3 (+ parameters, per block)"),
       field(&R::parallel, &ParallelConfig::bucket_mb, "parallel", "bucket_mb", "sharding none: gradient all-reduce bucket size in MiB (buckets launch from gradient hooks during backward)"),
       field(&R::parallel, &ParallelConfig::sequence, "parallel", "sequence", "sequence-parallel degree N (Ulysses): each group of N consecutive ranks trains the same sequences, every rank holding seq_len / N positions of every activation, attention exchanging positions for heads with an all-to-all; WORLD_SIZE = data-parallel ranks x N. N must divide model.n_head, train.seq_len and WORLD_SIZE"),
+      field(&R::parallel, &ParallelConfig::all_to_all_gbps, "parallel", "all_to_all_gbps", "parallel.sequence > 1: what a rank sends per second in its group's all-to-all (GB/s), for the planner's modelled step time and budget mode's price of a recomputed exchange (100: a conservative share of NVLink inside a node; measure with nccl-tests' alltoall_perf)"),
       field(&R::parallel, &ParallelConfig::timeout_s, "parallel", "timeout_s", "rendezvous and collective timeout in seconds: a dead or hung rank makes the others exit 5 within it"),
   };
 }
@@ -961,16 +961,16 @@ void validate_offload(const RunConfig& c) {
 void validate_sequence(const RunConfig& c) {
   const int64_t n = c.parallel.sequence;
   positive("parallel.sequence", n);
+  if (!(c.parallel.all_to_all_gbps > 0.0)) fail("parallel.all_to_all_gbps", "must be > 0");
   if (n == 1) return;
-  std::vector<std::string> broken;
-  if (c.model.n_head % n != 0)
-    broken.push_back(fmt::format("model.n_head = {} (each rank attends with n_head / N heads)", c.model.n_head));
-  if (c.train.seq_len % n != 0)
-    broken.push_back(fmt::format("train.seq_len = {} (each rank holds seq_len / N positions)", c.train.seq_len));
+  // Every value the degree does not divide, in one message.
+  std::string broken;
+  const auto add = [&broken](const std::string& what) { broken += (broken.empty() ? "" : ", ") + what; };
+  if (c.model.n_head % n != 0) add(fmt::format("model.n_head = {} (each rank attends with n_head / N heads)", c.model.n_head));
+  if (c.train.seq_len % n != 0) add(fmt::format("train.seq_len = {} (each rank holds seq_len / N positions)", c.train.seq_len));
   const int64_t world = std::max<int64_t>(1, c.world_size);
-  if (world % n != 0) broken.push_back(fmt::format("WORLD_SIZE = {} (data-parallel ranks x N)", world));
-  if (!broken.empty())
-    fail("parallel.sequence", fmt::format("{} does not divide {}: pick a degree that divides each", n, fmt::join(broken, ", ")));
+  if (world % n != 0) add(fmt::format("WORLD_SIZE = {} (data-parallel ranks x N)", world));
+  if (!broken.empty()) fail("parallel.sequence", fmt::format("{} does not divide {}: pick a degree that divides each", n, broken));
   if (c.train.device == DeviceChoice::kLazy)
     fail("parallel.sequence", "must be 1 with train.device: lazy (a test device that runs one process)");
   if (c.train.micro_batch.is_auto())

@@ -19,6 +19,7 @@ Scenario::Scenario(const config::RunConfig& cfg, int64_t micro_batch)
       device(cfg.train.device),
       memory_limit(cfg.memory.limit.bytes),
       async_snapshot(cfg.state.async && cfg.state.every > 0),
-      peak_tflops(cfg.logging.peak_tflops) {}
+      peak_tflops(cfg.logging.peak_tflops),
+      all_to_all_gbps(cfg.parallel.all_to_all_gbps) {}
 
 }  // namespace sl::memory

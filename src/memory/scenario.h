@@ -36,6 +36,7 @@ struct Scenario {
   // logging.peak_tflops: the device's rate, against which offload's transfers are priced (the budget
   // solver's fourth choice, the planner's modelled step time); 0 = unknown.
   double peak_tflops = 0.0;
+  double all_to_all_gbps = 100.0;  // parallel.all_to_all_gbps: the sequence group's exchange rate per rank
 
   // Tokens of one micro-batch on one rank: micro_batch x seq_len / sequence.
   int64_t local_tokens() const { return micro_batch * seq_len / sequence; }

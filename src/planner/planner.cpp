@@ -2,6 +2,9 @@
 // formula costs), the largest micro-batch that fits, the `trainer plan` report, the OOM advice.
 #include "planner/planner.h"
 
+#include <algorithm>
+#include <vector>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -72,7 +75,29 @@ int64_t gathered_params(const config::ModelConfig& m, const std::vector<int64_t>
   return 2 * n - emb + (m.tie_embeddings ? 2 * emb : 0) + recomputed;
 }
 
+// The model FLOPs of one optimizer step on this rank: 6 N + 12 L T d per token of its B T / N tokens
+// (parallel.sequence: its attention covers the whole sequence for n_head / N heads, the same FLOPs per
+// local token as unsharded), plus the recomputed blocks' forward (2 per parameter and token).
+double step_flops(const Scenario& sc, const checkpointing::Plan& plan) {
+  const auto& m = sc.model;
+  const int64_t n = sc.shape().total_params();
+  const int64_t recomputed = recomputed_params(memory::unit_param_counts(m), plan);
+  const double tokens = static_cast<double>(sc.local_tokens() * sc.grad_accum);
+  return tokens * (6.0 * static_cast<double>(n) + 2.0 * static_cast<double>(recomputed) +
+                   12.0 * static_cast<double>(m.n_layer * sc.seq_len * m.n_embd));
+}
+
 }  // namespace
+
+StepTime modelled_step(const Scenario& sc, const checkpointing::Plan& plan) {
+  StepTime t;
+  if (sc.peak_tflops > 0) t.compute_s = step_flops(sc, plan) / (sc.peak_tflops * 1e12 * kModelledMfu);
+  const auto a = memory::estimate_activation_peak(sc, plan);
+  t.all_to_all_bytes = a.all_to_all_bytes * sc.grad_accum;
+  t.all_to_all_s = static_cast<double>(t.all_to_all_bytes) / (sc.all_to_all_gbps * 1e9);
+  t.step_s = t.compute_s + t.all_to_all_s;
+  return t;
+}
 
 OffloadTraffic offload_traffic(const Scenario& sc, const checkpointing::Plan& plan) {
   OffloadTraffic t;
@@ -98,13 +123,7 @@ OffloadTraffic offload_traffic(const Scenario& sc, const checkpointing::Plan& pl
   t.streamed_s = static_cast<double>(std::max(t.streamed_to_host_bytes, t.streamed_to_device_bytes)) / bw;
   t.boundary_s = static_cast<double>(boundary) / bw;
   if (o.optimizer) t.host_adam_s = 28.0 * static_cast<double>(n) / static_cast<double>(N) / (o.host_gbps * 1e9);
-  const auto& m = sc.model;
-  // This rank's tokens (B T / N with parallel.sequence: its attention covers the whole sequence for
-  // n_head / N heads, the same FLOPs per local token as unsharded).
-  const double tokens = static_cast<double>(sc.local_tokens() * micro);
-  const double flops = tokens * (6.0 * static_cast<double>(n) + 2.0 * static_cast<double>(recomputed) +
-                                 12.0 * static_cast<double>(m.n_layer * sc.seq_len * m.n_embd));
-  if (sc.peak_tflops > 0) t.compute_s = flops / (sc.peak_tflops * 1e12 * kModelledMfu);
+  if (sc.peak_tflops > 0) t.compute_s = step_flops(sc, plan) / (sc.peak_tflops * 1e12 * kModelledMfu);
   t.exposed_s = t.boundary_s + t.streamed_s - std::min(o.overlap * t.streamed_s, t.compute_s);
   t.step_s = t.compute_s + t.exposed_s + t.host_adam_s;
   return t;
@@ -144,6 +163,11 @@ Json mode_row(const std::string& name, const Scenario& c, int64_t memory_bytes, 
   Json row = {{"mode", name}, {"activation_peak_bytes", p.activations.peak_bytes}, {"peak_bytes", p.peak_bytes()}};
   // parallel.sequence: what this rank sends in its sequence group's all-to-alls per optimizer step.
   row["all_to_all_bytes_per_step"] = p.activations.all_to_all_bytes * c.grad_accum;
+  if (schedule || !c.checkpointing.mode.solved()) {
+    const auto t = modelled_step(c, schedule ? *schedule : budget::plan_for(c));
+    row["all_to_all_s"] = t.all_to_all_s;
+    row["step_s"] = c.peak_tflops > 0 ? Json(t.step_s) : Json(nullptr);
+  }
   if (memory_bytes > 0) {
     const int64_t mb = largest_micro_batch(c, memory_bytes);
     row["largest_micro_batch"] = mb;
@@ -407,6 +431,72 @@ std::string format_plan(const Json& j) {
                        "with parallel.sharding (zero3 divides all three states by the world size), lower precision, "
                        "or host memory for them: offload.optimizer (+ gradients with zero2/3, + parameters with zero3).\n",
                        bytes(j["model_states_bytes"]), bytes(j["memory_bytes"]));
+  return out;
+}
+
+namespace {
+
+// The degrees a recipe can take: those dividing WORLD_SIZE, model.n_head and train.seq_len.
+std::vector<int64_t> sequence_degrees(const config::RunConfig& cfg) {
+  std::vector<int64_t> out;
+  const int64_t world = std::max<int64_t>(1, cfg.world_size);
+  for (int64_t n = 1; n <= world; ++n)
+    if (world % n == 0 && cfg.model.n_head % n == 0 && cfg.train.seq_len % n == 0) out.push_back(n);
+  return out;
+}
+
+// The recipe at degree n: its own mode's per-rank peak and step time.
+Json degree_row(const config::RunConfig& cfg, int64_t n, int64_t memory_bytes) {
+  config::RunConfig at = cfg;
+  at.parallel.sequence = n;
+  const Scenario sc(at, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
+  const auto schedule = budget::try_plan_for(sc);
+  if (!schedule) return {{"degree", n}, {"fits", false}, {"peak_bytes", nullptr}, {"step_s", nullptr}};
+  const auto p = memory::predict_peak(sc, *schedule);
+  const auto t = modelled_step(sc, *schedule);
+  // Every data-parallel rank (world / n of them) trains its own sequences: the step's tokens.
+  const int64_t tokens = sc.micro_batch * sc.grad_accum * sc.seq_len * at.parallel.data_world(at.world_size);
+  return {{"degree", n},
+          {"tokens_per_step", tokens},
+          {"tokens_per_s", sc.peak_tflops > 0 ? Json(static_cast<double>(tokens) / t.step_s) : Json(nullptr)},
+          {"peak_bytes", p.peak_bytes()},
+          {"activation_peak_bytes", p.activations.peak_bytes},
+          {"all_to_all_bytes_per_step", t.all_to_all_bytes},
+          {"all_to_all_s", t.all_to_all_s},
+          {"step_s", sc.peak_tflops > 0 ? Json(t.step_s) : Json(nullptr)},
+          {"fits", memory_bytes <= 0 || p.peak_bytes() <= memory_bytes}};
+}
+
+}  // namespace
+
+Json sequence_search(const config::RunConfig& cfg, int64_t memory_bytes) {
+  Json degrees = Json::array(), chosen = nullptr;
+  for (int64_t n : sequence_degrees(cfg)) {
+    degrees.push_back(degree_row(cfg, n, memory_bytes));
+    if (chosen.is_null() && degrees.back()["fits"].get<bool>()) chosen = n;
+  }
+  return {{"degrees", degrees}, {"chosen", chosen}, {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)}};
+}
+
+std::string format_sequence_search(const Json& search, int64_t memory_bytes) {
+  std::vector<std::pair<std::string, std::string>> rows;
+  for (const auto& d : search["degrees"]) {
+    const auto step = d["step_s"].is_null()
+                          ? std::string("unknown (set logging.peak_tflops)")
+                          : fmt::format("{:.1f} s for {} tokens, {:.0f} tokens/s", d["step_s"].get<double>(),
+                                        d["tokens_per_step"].get<int64_t>(), d["tokens_per_s"].get<double>());
+    rows.emplace_back(fmt::format("parallel.sequence {}", d["degree"].get<int64_t>()),
+                      d["peak_bytes"].is_null()
+                          ? std::string("no budget schedule fits")
+                          : fmt::format("peak {:>10} | step {} (all-to-all {:.2f} s) | {}", bytes(d["peak_bytes"]), step,
+                                        d["all_to_all_s"].get<double>(), d["fits"].get<bool>() ? "fits" : "does not fit"));
+  }
+  std::string out = fmt::format("Sequence-parallel degrees (per rank, the recipe's checkpointing mode{}):\n",
+                                memory_bytes > 0 ? ", against " + log::format_bytes(memory_bytes) : std::string());
+  out += log::format_table(rows);
+  out += search["chosen"].is_null()
+             ? std::string("No degree fits: shard further (parallel.sharding: zero3, more ranks), checkpoint more, or offload.\n")
+             : fmt::format("Smallest degree that fits: parallel.sequence: {}\n", search["chosen"].get<int64_t>());
   return out;
 }
 
