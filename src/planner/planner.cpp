@@ -436,26 +436,25 @@ std::string format_plan(const Json& j) {
 
 namespace {
 
-// The degrees a recipe can take: those dividing WORLD_SIZE, model.n_head and train.seq_len.
-std::vector<int64_t> sequence_degrees(const config::RunConfig& cfg) {
+// The degrees a scenario can take: those dividing its ranks, model.n_head and train.seq_len.
+std::vector<int64_t> sequence_degrees(const Scenario& sc) {
   std::vector<int64_t> out;
-  const int64_t world = std::max<int64_t>(1, cfg.world_size);
+  const int64_t world = std::max<int64_t>(1, sc.placement.world);
   for (int64_t n = 1; n <= world; ++n)
-    if (world % n == 0 && cfg.model.n_head % n == 0 && cfg.train.seq_len % n == 0) out.push_back(n);
+    if (world % n == 0 && sc.model.n_head % n == 0 && sc.seq_len % n == 0) out.push_back(n);
   return out;
 }
 
-// The recipe at degree n: its own mode's per-rank peak and step time.
-Json degree_row(const config::RunConfig& cfg, int64_t n, int64_t memory_bytes) {
-  config::RunConfig at = cfg;
-  at.parallel.sequence = n;
-  const Scenario sc(at, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
+// The scenario at degree n: its own mode's per-rank peak and step time.
+Json degree_row(const Scenario& recipe, int64_t n, int64_t memory_bytes) {
+  Scenario sc = recipe;
+  sc.sequence = n;
   const auto schedule = budget::try_plan_for(sc);
   if (!schedule) return {{"degree", n}, {"fits", false}, {"peak_bytes", nullptr}, {"step_s", nullptr}};
   const auto p = memory::predict_peak(sc, *schedule);
   const auto t = modelled_step(sc, *schedule);
   // Every data-parallel rank (world / n of them) trains its own sequences: the step's tokens.
-  const int64_t tokens = sc.micro_batch * sc.grad_accum * sc.seq_len * at.parallel.data_world(at.world_size);
+  const int64_t tokens = sc.micro_batch * sc.grad_accum * sc.seq_len * (std::max<int64_t>(1, sc.placement.world) / n);
   return {{"degree", n},
           {"tokens_per_step", tokens},
           {"tokens_per_s", sc.peak_tflops > 0 ? Json(static_cast<double>(tokens) / t.step_s) : Json(nullptr)},
@@ -469,10 +468,10 @@ Json degree_row(const config::RunConfig& cfg, int64_t n, int64_t memory_bytes) {
 
 }  // namespace
 
-Json sequence_search(const config::RunConfig& cfg, int64_t memory_bytes) {
+Json sequence_search(const Scenario& sc, int64_t memory_bytes) {
   Json degrees = Json::array(), chosen = nullptr;
-  for (int64_t n : sequence_degrees(cfg)) {
-    degrees.push_back(degree_row(cfg, n, memory_bytes));
+  for (int64_t n : sequence_degrees(sc)) {
+    degrees.push_back(degree_row(sc, n, memory_bytes));
     if (chosen.is_null() && degrees.back()["fits"].get<bool>()) chosen = n;
   }
   return {{"degrees", degrees}, {"chosen", chosen}, {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)}};

@@ -69,12 +69,12 @@ struct StepTime {
 };
 StepTime modelled_step(const memory::Scenario& sc, const checkpointing::Plan& plan);
 
-// `trainer plan --sequence-parallel auto`: the recipe (its checkpointing mode, micro-batch, placement)
+// `trainer plan --sequence-parallel auto`: the recipe's scenario (its checkpointing mode, micro-batch, placement)
 // at every degree N that divides WORLD_SIZE, model.n_head and train.seq_len, smallest first: each one's
 // per-rank peak, modelled step time and whether it fits memory_bytes. {"degrees": [{degree, peak_bytes,
 // activation_peak_bytes, all_to_all_bytes_per_step, step_s, tokens_per_step, tokens_per_s, fits}], "chosen": the smallest that fits, or
 // null}. A budget mode that fits no schedule at a degree does not fit there.
-nlohmann::json sequence_search(const config::RunConfig& cfg, int64_t memory_bytes);
+nlohmann::json sequence_search(const memory::Scenario& sc, int64_t memory_bytes);
 std::string format_sequence_search(const nlohmann::json& search, int64_t memory_bytes);
 
 // One-line advice for an out-of-memory failure under `limit_bytes`: what the planner predicts fits,
