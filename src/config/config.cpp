@@ -690,8 +690,8 @@ static void check_global_batch(const RunConfig& c) {
   const std::string ranks = c.parallel.sequence > 1 ? "WORLD_SIZE / parallel.sequence" : "WORLD_SIZE";
   if (t.micro_batch.is_auto()) {
     if (t.global_batch % world != 0)
-      fail("train.global_batch", fmt::format("{} is not divisible by {} = {}: micro_batch: auto gives every data-parallel "
-                                             "rank global_batch / {} sequences per step; pick a multiple of it",
+      fail("train.global_batch", fmt::format("{} is not divisible by {} {}: micro_batch: auto gives every rank "
+                                             "global_batch / {} sequences per step; pick a multiple of it",
                                              t.global_batch, ranks, world, ranks));
   } else if (t.global_batch > 0 && t.global_batch != t.micro_batch * t.grad_accum * world) {
     fail("train.global_batch", fmt::format("{} is not train.micro_batch * train.grad_accum * {} = {} * {} * {} = {}; "
