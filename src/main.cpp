@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <new>
 #include <cstdlib>
 #include <string>
@@ -19,6 +20,7 @@
 #include "interop/export.h"
 #include "log/metrics.h"
 #include "log/run_dir.h"
+#include "memory/scenario.h"
 #include "memory/tracking_allocator.h"
 #include "planner/planner.h"
 #include "interop/sample.h"
@@ -35,6 +37,7 @@ struct Cli {
   bool no_profile = false;
   std::string plan_memory, plan_out;
   int64_t plan_world = 0;
+  int64_t plan_sequence = -1;  // plan --sequence-parallel: a degree, 0 = auto, -1 = the recipe's
   sl::interop::ExportRequest export_req;
   std::string export_dtype = "fp32";  // export --dtype, parsed in dispatch()
   sl::interop::SampleRequest sample_req;
@@ -122,6 +125,18 @@ void add_commands(CLI::App& app, Cli& cli) {
   cli.plan_cmd->add_option("--out", cli.plan_out, "where to write plan.json (default: runs/<recipe>-plan.json)");
   cli.plan_cmd->add_option("--world-size", cli.plan_world, "ranks to plan for (per-rank memory under parallel.sharding; "
                                                            "default: WORLD_SIZE or 1)")->check(CLI::PositiveNumber);
+  cli.plan_cmd
+      ->add_option("--sequence-parallel", cli.plan_sequence,
+                   "auto | N: plan at parallel.sequence N, or (auto) at every degree that divides the world size, "
+                   "model.n_head and train.seq_len, choosing the smallest that fits --memory")
+      ->transform(CLI::Transformer(std::map<std::string, std::string>{{"auto", "0"}}))
+      ->check(CLI::Validator(
+          [](const std::string& v) {
+            return v.empty() || v.find_first_not_of("0123456789") != std::string::npos
+                       ? std::string("must be auto or a degree (a positive integer), e.g. --sequence-parallel 8")
+                       : std::string();
+          },
+          "auto|N"));
 
   cli.export_cmd = app.add_subcommand("export", "write a run's newest weights as a Hugging Face checkpoint "
                                                 "(model.safetensors + config.json)");
@@ -144,10 +159,22 @@ int run_export(const Cli& cli) {
   return sl::kExitOk;
 }
 
-int run_plan(const sl::config::RunConfig& cfg, const Cli& cli) {
+// plan --sequence-parallel auto: every degree's peak and step time; the plan below is at the smallest
+// degree that fits (the recipe's when none does).
+nlohmann::json choose_sequence_degree(sl::config::RunConfig& cfg, int64_t memory) {
+  const sl::memory::Scenario sc(cfg, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
+  auto search = sl::planner::sequence_search(sc, memory);
+  fmt::print("{}\n", sl::planner::format_sequence_search(search, memory));
+  if (!search["chosen"].is_null()) cfg.parallel.sequence = search["chosen"].get<int64_t>();
+  return search;
+}
+
+int run_plan(sl::config::RunConfig cfg, const Cli& cli) {
   const int64_t memory = cli.plan_memory.empty() ? cfg.memory.limit.bytes
                                                  : sl::config::parse_bytes(cli.plan_memory, "--memory");
-  const auto report = sl::planner::plan(cfg, memory);
+  const auto search = cli.plan_sequence == 0 ? choose_sequence_degree(cfg, memory) : nlohmann::json(nullptr);
+  auto report = sl::planner::plan(cfg, memory);
+  if (!search.is_null()) report["sequence_search"] = search;
   fmt::print("{}", sl::planner::format_plan(report));
   const std::filesystem::path out = cli.plan_out.empty() ? sl::log::default_plan_path(cfg.recipe_name) : std::filesystem::path(cli.plan_out);
   if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
@@ -173,6 +200,10 @@ int dispatch(const Cli& cli) {
   // plan --world-size: the recipe is checked for that world size (train.global_batch, DDP offload) as a
   // rank launched at it would check it.
   if (cli.plan_cmd->parsed() && cli.plan_world > 0) ::setenv("WORLD_SIZE", std::to_string(cli.plan_world).c_str(), 1);
+  // plan --sequence-parallel N: the recipe checked at that degree (exit 2 naming what it does not divide);
+  // auto: loaded at degree 1, every degree tried in run_plan.
+  if (cli.plan_cmd->parsed() && cli.plan_sequence >= 0)
+    overrides.push_back("parallel.sequence=" + std::to_string(std::max<int64_t>(1, cli.plan_sequence)));
   auto cfg = sl::config::load(cli.config_path, overrides);
   if (cli.plan_cmd->parsed()) return run_plan(cfg, cli);
   cfg.resume = cli.resume;

@@ -21,7 +21,7 @@ namespace sl::test {
 
 // A run's final weights (<run>/model/, Hugging Face layout), read back under this project's parameter names.
 inline std::map<std::string, torch::Tensor> load_params(const std::filesystem::path& run_dir) {
-  const auto cfg = config::load((run_dir / "config.json").string(), {"train.global_batch=0"});
+  const auto cfg = config::load((run_dir / "config.json").string(), {"train.global_batch=0", "parallel.sequence=1"});
   const interop::HfCheckpoint ckpt(run_dir / "model", cfg.model);
   model::GPT shapes(cfg.model, torch::kMeta);
   std::map<std::string, torch::Tensor> out;

@@ -1,9 +1,12 @@
 // Recipe loading: good recipes, precedence, and bad recipes each failing with exit code 2 and a
 // message that names the key (and the YAML line where there is one).
+#include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <variant>
 
 #include "catch.h"
+#include <yaml-cpp/yaml.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -18,8 +21,21 @@ TEST_CASE("every shipped recipe loads and validates") {
   for (const auto& entry : std::filesystem::directory_iterator(test::kSourceDir + "/configs")) {
     if (entry.path().extension() != ".yaml") continue;
     INFO(entry.path().string());
-    auto cfg = config::load(entry.path().string(), {});
-    CHECK(cfg.recipe_name == entry.path().stem().string());
+    // A recipe with sequence parallelism runs on at least parallel.sequence ranks: it is checked at that
+    // world size (as torchrun's WORLD_SIZE gives it), every other recipe at 1.
+    const auto node = YAML::LoadFile(entry.path().string())["parallel"];
+    const auto degree = node && node["sequence"] ? node["sequence"].as<int64_t>() : int64_t{1};
+    if (degree > 1) ::setenv("WORLD_SIZE", std::to_string(degree).c_str(), 1);
+    std::optional<config::RunConfig> cfg;
+    try {
+      cfg = config::load(entry.path().string(), {});
+    } catch (...) {
+      ::unsetenv("WORLD_SIZE");
+      throw;
+    }
+    ::unsetenv("WORLD_SIZE");
+    CHECK(cfg->recipe_name == entry.path().stem().string());
+    CHECK(cfg->parallel.sequence == degree);
     ++n;
   }
   CHECK(n >= 3);

@@ -406,6 +406,33 @@ void gloo_on_one_device(const std::string& device) {
   }
 }
 
+// parallel.sequence 2 on one device: Gloo's all-to-all takes CUDA tensors too (ProcessGroupGloo's
+// alltoall_base has a CUDA work that stages through pinned host memory, as its other collectives do).
+// kParallelRecipe's 2 heads give each rank one; GPT-2 and LLaMA (RoPE at global positions), with full
+// recompute (the exchange redone in backward). Bounds: kMetricTol, the sums reordered as at world 2.
+void sequence_on_one_device(const std::string& device) {
+  test::TempDir dir("gpu-sequence-" + device);
+  const auto recipe = dir.file("recipe.yaml", kParallelRecipe);
+  for (const std::string arch : {" --set model.arch=gpt2", " --set model.arch=llama --set model.bias=false"}) {
+    const std::string args = "--config " + recipe + " --set train.device=" + device + arch;
+    const std::string tag = arch.find("llama") != std::string::npos ? "llama" : "gpt2";
+    const auto w1 = run_ok(args, dir.path / ("w1-" + tag));
+    const auto want = test::step_records(w1 / "metrics.jsonl");
+    REQUIRE(want.size() == 10);
+    for (const std::string mode : {"none", "full"}) {
+      INFO("degree 2 on one " << device << " device over Gloo," << arch << ", checkpointing " << mode);
+      const auto run_dir = dir.path / ("s2-" + tag + "-" + mode);
+      launch_on_one_device(2, args + " --set parallel.sequence=2 --set checkpointing.mode=" + mode + dir_arg(run_dir));
+      const auto d = max_rel_diff(test::step_records(run_dir / "metrics.jsonl"), want);
+      INFO("largest relative difference: loss " << d.loss << ", grad_norm " << d.grad_norm);
+      CHECK(d.loss <= kMetricTol);
+      CHECK(d.grad_norm <= kMetricTol);
+      CHECK(test::summary(run_dir).at("parallel").at("sequence_parallel") == 2);
+      check_device(run_dir, device);
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("CUDA: dropout under every checkpointing mode gives none's losses, gradient norms and weights bitwise, fp32 and bf16",
@@ -468,6 +495,14 @@ TEST_CASE("CUDA: offload's copies on the side stream give the synchronous path's
 
 TEST_CASE("CPU mirror: offload with SUBLINEAR_SYNC_OFFLOAD=1 gives the same losses and weights bitwise", "[.cpu_mirror]") {
   offload_async_as_sync("cpu");
+}
+
+TEST_CASE("CUDA: parallel.sequence 2 on one GPU over Gloo has degree 1's losses and gradient norms", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  sequence_on_one_device("cuda");
+}
+TEST_CASE("CPU mirror: parallel.sequence 2 over Gloo has degree 1's losses and gradient norms", "[.cpu_mirror]") {
+  sequence_on_one_device("cpu");
 }
 
 TEST_CASE("CUDA: two processes on one GPU over Gloo, DDP and zero1/2/3, have world 1's losses and parameters", "[cuda]") {

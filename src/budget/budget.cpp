@@ -187,17 +187,32 @@ Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>&
 
 namespace {
 
+// parallel.sequence = N > 1: the price of a block's two forward all-to-alls (redone by a recomputed
+// attention), in the GFLOP a device does meanwhile. Each rank sends (N-1)/N of its q, k, v (3C) and of
+// the attention output (C) per local token in the compute dtype; at parallel.all_to_all_gbps that takes
+// bytes / rate seconds, worth that many seconds of the device's FLOPs (kModelledMfu of
+// logging.peak_tflops, else kFormulaFlopsCpu / kFormulaFlopsCuda, as offload_cost prices transfers).
+double exchange_gflop(const Scenario& sc, double tok, double C, double c) {
+  if (sc.sequence <= 1) return 0.0;
+  const double n = static_cast<double>(sc.sequence);
+  const double bytes = (n - 1) / n * tok * 4 * C * c;
+  const double device_flops = sc.peak_tflops > 0 ? sc.peak_tflops * 1e12 * kModelledMfu
+                                                  : (memory::runs_on_cuda(sc) ? kFormulaFlopsCuda : kFormulaFlopsCpu);
+  return bytes / (sc.all_to_all_gbps * 1e9) * device_flops / 1e9;
+}
+
 // formula_costs of block `layer` (blocks differ only by their MLP size).
 BlockCost formula_block_cost(const Scenario& sc, int64_t layer) {
   const auto& mc = sc.model;
   const bool llama = mc.arch == config::Arch::kLlama;
-  const double tok = static_cast<double>(sc.micro_batch * sc.seq_len), T = static_cast<double>(sc.seq_len);
+  // This rank's tokens: B T / N under parallel.sequence, each attending over the whole sequence T.
+  const double tok = static_cast<double>(sc.local_tokens()), T = static_cast<double>(sc.seq_len);
   const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::Shape(mc).hidden(layer));
   const double c = static_cast<double>(sc.precision.compute.bytes()), f = 4.0;
   const double balance = memory::runs_on_cuda(sc) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
   const double matmul = 2 * tok * (4 * C * C + (llama ? 3 : 2) * C * H);
   BlockCost b;
-  b.attention = 4 * tok * T * C / 1e9;
+  b.attention = 4 * tok * T * C / 1e9 + exchange_gflop(sc, tok, C, c);
   b.norm = 2 * (2 * C * f) * tok * balance / 1e9;                    // two norms: read and write C each
   b.mlp = (llama ? 3 * H : 2 * H) * c * tok * balance / 1e9;         // GELU: H in, H out; SwiGLU: 2H in, H out
   const double residual = 2 * (3 * C * f) * tok * balance / 1e9;     // two residual adds
@@ -366,9 +381,12 @@ class GeneratorsKept {
 
 Costs profile_costs(const Scenario& sc, model::GPT& model, torch::Device device, int64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
-  auto x = torch::randn({sc.micro_batch, sc.seq_len, sc.model.n_embd}, gen,
+  // A rank of a sequence group (parallel.sequence) runs its blocks on its own positions, exchanging
+  // with its group: every rank of it profiles at once, in the same order.
+  const int64_t positions = sc.seq_len / (model->sequence ? model->sequence->degree() : 1);
+  auto x = torch::randn({sc.micro_batch, positions, sc.model.n_embd}, gen,
                         torch::TensorOptions().dtype(torch::kFloat32)).to(device);
-  const auto rope = model->rope(sc.seq_len);
+  const auto rope = model->rope(positions);
   torch::NoGradGuard no_grad;
   precision::AutocastGuard autocast(device.type(), precision::compute_dtype(sc.precision.compute));
   ByteMeter meter{memory::Tracker(device), device};

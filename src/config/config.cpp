@@ -238,6 +238,8 @@ std::vector<Field> parallel_fields() {
       field(&R::parallel, &ParallelConfig::backend, "parallel", "backend", "auto | gloo | nccl (auto: NCCL on CUDA, Gloo on CPU); used when WORLD_SIZE > 1"),
       field(&R::parallel, &ParallelConfig::sharding, "parallel", "sharding", "none (DDP) | zero1 (optimizer states) | zero2 (+ gradients) | zero3 (+ parameters, per block)"),
       field(&R::parallel, &ParallelConfig::bucket_mb, "parallel", "bucket_mb", "sharding none: gradient all-reduce bucket size in MiB (buckets launch from gradient hooks during backward)"),
+      field(&R::parallel, &ParallelConfig::sequence, "parallel", "sequence", "sequence-parallel degree N (Ulysses): each group of N consecutive ranks trains the same sequences, every rank holding seq_len / N positions of every activation, attention exchanging positions for heads with an all-to-all; WORLD_SIZE = data-parallel ranks x N. N must divide model.n_head, train.seq_len and WORLD_SIZE"),
+      field(&R::parallel, &ParallelConfig::all_to_all_gbps, "parallel", "all_to_all_gbps", "parallel.sequence > 1: what a rank sends per second in its group's all-to-all (GB/s), for the planner's modelled step time and budget mode's price of a recomputed exchange (100: a conservative share of NVLink inside a node; measure with nccl-tests' alltoall_perf)"),
       field(&R::parallel, &ParallelConfig::timeout_s, "parallel", "timeout_s", "rendezvous and collective timeout in seconds: a dead or hung rank makes the others exit 5 within it"),
   };
 }
@@ -680,16 +682,21 @@ int64_t world_size_from_env() {
 static void check_global_batch(const RunConfig& c) {
   auto fail = [](const std::string& key, const std::string& msg) { throw ConfigError(fmt::format("{}: {}", key, msg)); };
   const auto& t = c.train;
-  const int64_t world = std::max<int64_t>(1, c.world_size);
+  // Sequence parallelism: the N ranks of a sequence group train the same sequences, so the ranks that
+  // draw their own are WORLD_SIZE / parallel.sequence.
+  const int64_t world = c.parallel.sequence > 0 && c.world_size % c.parallel.sequence == 0
+                            ? c.parallel.data_world(c.world_size)
+                            : std::max<int64_t>(1, c.world_size);
+  const std::string ranks = c.parallel.sequence > 1 ? "WORLD_SIZE / parallel.sequence" : "WORLD_SIZE";
   if (t.micro_batch.is_auto()) {
     if (t.global_batch % world != 0)
-      fail("train.global_batch", fmt::format("{} is not divisible by WORLD_SIZE {}: micro_batch: auto gives every rank "
-                                             "global_batch / WORLD_SIZE sequences per step; pick a multiple of the world size",
-                                             t.global_batch, world));
+      fail("train.global_batch", fmt::format("{} is not divisible by {} {}: micro_batch: auto gives every rank "
+                                             "global_batch / {} sequences per step; pick a multiple of it",
+                                             t.global_batch, ranks, world, ranks));
   } else if (t.global_batch > 0 && t.global_batch != t.micro_batch * t.grad_accum * world) {
-    fail("train.global_batch", fmt::format("{} is not train.micro_batch * train.grad_accum * WORLD_SIZE = {} * {} * {} = {}; "
+    fail("train.global_batch", fmt::format("{} is not train.micro_batch * train.grad_accum * {} = {} * {} * {} = {}; "
                                            "drop one of them (global_batch counts sequences per step over all ranks)",
-                                           t.global_batch, t.micro_batch, t.grad_accum, world,
+                                           t.global_batch, ranks, t.micro_batch, t.grad_accum, world,
                                            t.micro_batch * t.grad_accum * world));
   }
 }
@@ -950,6 +957,28 @@ void validate_offload(const RunConfig& c) {
   if (!(o.host_gbps > 0.0)) fail("offload.host_gbps", "must be > 0");
 }
 
+// parallel.sequence: the degree splits the world, each sequence's positions and the heads evenly.
+void validate_sequence(const RunConfig& c) {
+  const int64_t n = c.parallel.sequence;
+  positive("parallel.sequence", n);
+  if (!(c.parallel.all_to_all_gbps > 0.0)) fail("parallel.all_to_all_gbps", "must be > 0");
+  if (n == 1) return;
+  // Every value the degree does not divide, in one message.
+  std::string broken;
+  const auto add = [&broken](const std::string& what) { broken += (broken.empty() ? "" : ", ") + what; };
+  if (c.model.n_head % n != 0) add(fmt::format("model.n_head = {} (each rank attends with n_head / N heads)", c.model.n_head));
+  if (c.train.seq_len % n != 0) add(fmt::format("train.seq_len = {} (each rank holds seq_len / N positions)", c.train.seq_len));
+  const int64_t world = std::max<int64_t>(1, c.world_size);
+  if (world % n != 0) add(fmt::format("WORLD_SIZE = {} (data-parallel ranks x N)", world));
+  if (!broken.empty()) fail("parallel.sequence", fmt::format("{} does not divide {}: pick a degree that divides each", n, broken));
+  if (c.train.device == DeviceChoice::kLazy)
+    fail("parallel.sequence", "must be 1 with train.device: lazy (a test device that runs one process)");
+  if (c.train.micro_batch.is_auto())
+    fail("train.micro_batch", fmt::format("auto probes micro-batches in one process, which cannot exchange a sequence "
+                                          "group's attention (parallel.sequence = {}): set a number (`trainer plan` "
+                                          "predicts each one's memory)", n));
+}
+
 void validate_state(const RunConfig& c) {
   const auto& st = c.state;
   if (st.every < 0) fail("state.every", fmt::format("must be >= 0 (0 = only at the end and on a signal), got {}", st.every));
@@ -966,6 +995,7 @@ void validate(const RunConfig& c) {
   validate_precision(c);
   validate_devices_and_logging(c);
   validate_offload(c);
+  validate_sequence(c);
   validate_state(c);
 }
 

@@ -137,6 +137,17 @@ struct ParallelConfig {
   Sharding sharding = Sharding::kNone;  // none (DDP) | zero1 | zero2 | zero3
   double bucket_mb = 25.0;        // DDP gradient bucket size (MiB)
   int64_t timeout_s = 600;
+  // Sequence-parallel degree N (Ulysses): each group of N consecutive ranks trains the same sequences,
+  // every rank holding seq_len / N of their positions; attention exchanges positions for heads with an
+  // all-to-all inside the group. The world is data-parallel x N.
+  int64_t sequence = 1;
+  // The ranks that draw different sequences (the data-parallel degree): world / sequence.
+  int64_t data_world(int64_t world) const { return std::max<int64_t>(1, world) / sequence; }
+  // What one rank sends per second in its sequence group's all-to-all (GB/s), for the planner's step
+  // time and budget mode's price of a recomputed exchange. 100: a conservative share of an H100's
+  // NVLink 4 (450 GB/s each way) for NCCL's all-to-all inside a node of 8; measure yours with
+  // nccl-tests' alltoall_perf and set it.
+  double all_to_all_gbps = 100.0;
   // Whether a run of `world` processes takes the data-parallel engine (parallel::make_strategy) rather
   // than the one-process strategy: more than one rank, or any ZeRO stage (which shards even at world 1).
   bool uses_engine(int64_t world) const { return world > 1 || !sharding.replicated(); }

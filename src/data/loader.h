@@ -54,11 +54,14 @@ struct Batch {
 
 // Samples (B, T) windows at random offsets from a token source. Deterministic in (seed, rank):
 // every rank draws the same global offsets and keeps its own slice, so batches do not overlap
-// across ranks and a run is reproducible for a given world size.
+// across ranks and a run is reproducible for a given world size. `rank` and `world_size` count the
+// ranks that draw their own sequences (the data-parallel ones). With `pieces` > 1 (sequence
+// parallelism) each window's positions come in that many equal consecutive pieces and the loader
+// returns piece `piece` of them, (B, T / pieces): the tokens and their targets of those positions.
 class Loader {
  public:
   Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t seq_len, uint64_t seed,
-         int64_t rank = 0, int64_t world_size = 1);
+         int64_t rank = 0, int64_t world_size = 1, int64_t piece = 0, int64_t pieces = 1);
   Batch next();
   const TokenSource& source() const { return *source_; }
   // The sampler's position (its RNG state; the same on every rank), for saved training states.
@@ -69,7 +72,7 @@ class Loader {
 
  private:
   std::shared_ptr<TokenSource> source_;
-  int64_t B_, T_, rank_, world_;
+  int64_t B_, T_, rank_, world_, piece_, pieces_;
   uint64_t seed_;
   uint64_t state_;  // splitmix64 state
 };

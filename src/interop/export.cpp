@@ -19,13 +19,14 @@ namespace {
 namespace fs = std::filesystem;
 
 // The run's recipe (its config.json) for the model's shape and state.dir. train.global_batch is
-// re-derived: it was checked against the run's world size, not this process's.
+// re-derived and parallel.sequence taken as 1: both were checked against the run's world size, not
+// this process's (one process reads the whole model).
 config::RunConfig run_recipe(const fs::path& run, const std::string& who) {
   std::error_code ec;
   if (!fs::exists(run / "config.json", ec))
     throw ConfigError(fmt::format("{} --run {}: not a run directory (no config.json); give the directory a "
                                   "training run wrote (logging.dir, or runs/<recipe>-<time>)", who, run.string()));
-  return config::load((run / "config.json").string(), {"train.global_batch=0"});
+  return config::load((run / "config.json").string(), {"train.global_batch=0", "parallel.sequence=1"});
 }
 
 // The step the run's final weights were written at; -1 when there are none, or they are unreadable (warned:

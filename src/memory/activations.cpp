@@ -35,6 +35,10 @@ struct Sizes {
   double embed_mask = 0;        // ... of the embeddings' dropout mask
   bool math_attention = false;  // SDPA's math path (CPU with dropout): fp32 T x T matrices
   double T = 0;                 // sequence length: the math path keeps nh * T elements per token per matrix
+  // parallel.sequence (see "Sequence parallelism" in activations.h): N > 1 exchanges positions for heads
+  // around attention, in elements of xq bytes (the packed q, k, v) and xo bytes (the attention output).
+  bool sequence = false;
+  double xq = 4.0, xo = 4.0;
 };
 
 // The sizes of block `layer` (they differ only in H, with model.layer_mlp_hidden).
@@ -50,7 +54,7 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
   z.r = z.lowp_params ? z.c : z.f;
   z.acc = lowp_on && lowp == device::LowpMatmul::emulated ? 4.0 : 0.0;
   z.widened = lowp_on && lowp == device::LowpMatmul::widened;
-  z.tok = static_cast<double>(sc.micro_batch * sc.seq_len);
+  z.tok = static_cast<double>(sc.local_tokens());
   z.fused_attention = !lowp_on && !runs_on_cuda(sc);
   z.dropout = m.dropout > 0;
   if (z.dropout) {
@@ -61,6 +65,12 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
     z.math_attention = !runs_on_cuda(sc);
   }
   z.T = static_cast<double>(sc.seq_len);
+  z.sequence = sc.sequence > 1;
+  // LLaMA under a low-precision compute dtype stacks RoPE's fp32 q, k with v: the exchanged q, k, v are
+  // fp32, and on the CPU the fused fp32 attention runs on them and writes an fp32 output.
+  const bool fp32_rotary = z.llama && z.c < z.f;
+  z.xq = fp32_rotary ? z.f : z.c;
+  z.xo = fp32_rotary && !runs_on_cuda(sc) ? z.f : z.c;
   return z;
 }
 
@@ -78,6 +88,17 @@ double flash_attention_bytes(const Sizes& z) {
 // (the softmax, the dropout noise, the dropped probabilities). qkv and the rotated q, k are not kept.
 double math_attention_bytes(const Sizes& z) { return 3 * z.C * z.f + 3 * z.nh * z.T * z.f; }
 
+// Sequence parallelism, an attention that is kept (not recomputed): it keeps the gathered q, k, v
+// (B, T, 3C/N: 3C per local token, xq), its output (B, T, C/N: C, xo) and the projection keeps the
+// exchanged-back output (B, T/N, C: C, c), in place of the local qkv, llama's rotated q, k and the
+// unsharded attention output(s). Returned as the difference from the unsharded S.
+double sequence_attention_delta(const Sizes& z) {
+  const double C = z.C, c = z.c;
+  const double attn_out = z.llama && !z.fused_attention ? 2 * C : C;
+  const double unsharded = c * 3 * C + (z.llama ? c * 2 * C : 0.0) + c * attn_out;
+  return z.xq * 3 * C + z.xo * C + c * C - unsharded;
+}
+
 // S: what one block keeps for backward, after the selective savings.
 double block_bytes(const Sizes& z, const SegmentCounts& seg) {
   const double C = z.C, H = z.H, f = z.f, c = z.c;
@@ -88,6 +109,7 @@ double block_bytes(const Sizes& z, const SegmentCounts& seg) {
              c * attn_out;
   if (seg.norm) S -= c * 2 * C + f * (z.llama ? 2 : 4);
   if (seg.mlp) S -= c * (z.llama ? 2 * H : H);
+  if (z.sequence && !seg.attention && !z.math_attention) S += sequence_attention_delta(z);
   if (seg.attention) S -= c * attn_out + f * z.nh;
   // The recomputed attention keeps its inputs; llama's rotated q, k are fp32 there (bf16 q times the
   // fp32 RoPE table), where SDPA would have kept its own compute-dtype copies.
@@ -191,19 +213,38 @@ double head_start_bytes(const Scenario& sc, const Sizes& z) {
   return z.tok * head_bytes(z) + static_cast<double>(loss_bytes(sc, z).kept) - z.tok * 4 * z.C;
 }
 
+// Sequence parallelism: a block run without saving holds, at its exchanges (model/sequence.cpp),
+// beyond its input: the local qkv (c 3C, held to the block's end); llama's rotated q, k (2C) and their
+// stack with v (3C) in xq; then the send and receive buffers (3C xq each; the send buffer is freed
+// before the gathered copy is made, which then sits beside the receive buffer); after the attention
+// the gathered q, k, v and its output with the output exchange's two buffers (xo C each).
+double sequence_forward_bytes(const Sizes& z) {
+  const double C = z.C, q = z.xq, held = z.c * 3 * C + (z.llama ? q * 5 * C : 0.0);
+  return held + std::max(2 * q * 3 * C, q * 3 * C + z.xo * 3 * C);
+}
+
+// Sequence parallelism: a block recomputed for its backward (saving, this time) holds at its first
+// exchange what it has saved so far (its input, norm1's output and statistics) and the exchange's
+// tensors (sequence_forward_bytes); 0 at N = 1. Beside the blocks before it in the segment.
+double recompute_exchange_bytes(const Sizes& z) {
+  if (!z.sequence) return 0;
+  return z.r * z.C + z.c * z.C + z.f * (z.llama ? 1 : 2) + sequence_forward_bytes(z);
+}
+
 // F: what the forward holds beyond its saved tensors while a block runs without saving (a
 // checkpointed segment's first pass): h, then gpt2 u and GELU (or u and the accumulator), llama u
 // 2H, silu and product (or u and its accumulator).
 double forward_block_bytes(const Sizes& z) {
   const double C = z.C, H = z.H, c = z.c, f = z.f, M = z.acc;
   const double mlp = z.r * C + (z.llama ? std::max(4 * c * H, 2 * (c + M) * H) : std::max(2 * c * H, (c + M) * H));
-  if (!z.math_attention) return mlp;
+  const double exchanges = z.sequence ? sequence_forward_bytes(z) : 0.0;
+  if (!z.math_attention) return std::max(mlp, exchanges);
   // SDPA's math path with dropout: qkv (and llama's rotated q, k), the fp32 copies of q, k, v it makes
   // from lower-precision inputs, the scaled q and k, and three nh x T matrices at once (the softmax, the
   // noise, their product).
   const double attention = c * 3 * C + (z.llama ? f * 2 * C : 0.0) + (c < f ? 3 * C * f : 0.0) + 2 * C * f +
                            3 * z.nh * z.T * f;
-  return std::max(mlp, attention);
+  return std::max({mlp, attention, exchanges});
 }
 
 // Moment H, the LM head's backward (where zero3 gathers the head and zero2's first bucket gradient
@@ -221,6 +262,22 @@ double block_cast_bytes(const Sizes& z) {
   const double c = z.c;
   if (c >= 4.0 || z.lowp_params || z.widened) return 0;  // the parameters are in the compute dtype, or nothing is cached
   return c * (4 * z.C * z.C + (z.llama ? 3 : 2) * z.C * z.H);
+}
+
+// Sequence parallelism: what one rank sends in one block's exchanges of one micro-batch, one way
+// (the forward's two, or the backward's two inverse ones, whose gradients have the same sizes): (N-1)/N
+// of each buffer (its own chunk stays), the q, k, v buffer 3C xq and the output's C xo bytes per local
+// token. 0 at N = 1.
+double block_exchange_bytes(const Sizes& z, int64_t N) {
+  if (N <= 1) return 0;
+  const double keep = static_cast<double>(N - 1) / static_cast<double>(N);
+  return keep * z.tok * (z.xq * 3 * z.C + z.xo * z.C);
+}
+
+// Per micro-batch: every block's forward and backward exchanges, and its forward's once more where
+// the block or its attention is recomputed.
+int64_t exchange_bytes(const Sizes& z, int64_t N, int64_t n_layer, int64_t recomputed) {
+  return static_cast<int64_t>(block_exchange_bytes(z, N) * static_cast<double>(2 * n_layer + recomputed));
 }
 
 std::string path_name(const Scenario& sc, device::LowpMatmul lowp) {
@@ -278,7 +335,7 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   const auto n = static_cast<double>(seg.checkpointed), kept = static_cast<double>(seg.kept_blocks);
   const auto k = static_cast<double>(seg.largest_checkpointed), L = static_cast<double>(sc.model.n_layer);
   ActivationEstimate e;
-  e.tokens = sc.micro_batch * sc.seq_len;
+  e.tokens = sc.local_tokens();
   e.matmul_path = path_name(sc, lowp);
   e.block_bytes = block_bytes(z, seg);
   e.head_bytes = head_bytes(z);
@@ -302,8 +359,15 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   const double backward = std::max({mlp_backward_bytes(z, seg), tok * e.attention_backward_bytes, widened_fc_backward_bytes(z, seg)});
   if (seg.kept_blocks > 0) e.moment_d = always + kept * Wb + tied + backward + tok * (fC * n + S * kept);
   // B also holds the recomputed segment's output: its backward starts from it.
-  if (seg.checkpointed > 0) e.moment_b = always + k * Wb + tied + backward + tok * (fC * n + S * k);
+  if (seg.checkpointed > 0) {
+    e.moment_b = always + k * Wb + tied + backward + tok * (fC * n + S * k);
+    // Under sequence parallelism also the last block's exchange in the recompute, the k - 1 before it kept.
+    const double exchange = tok * (fC * n + S * (k - 1) + recompute_exchange_bytes(z));
+    if (z.sequence) e.moment_b = std::max(e.moment_b, always + k * Wb + tied + exchange);
+  }
   e.peak_bytes = static_cast<int64_t>(std::max({e.moment_f, e.moment_a, e.moment_d, e.moment_b}));
+  const int64_t recomputed = seg.attention ? sc.model.n_layer : (seg.checkpointed > 0 ? sc.model.n_layer - seg.kept_blocks : 0);
+  e.all_to_all_bytes = exchange_bytes(z, sc.sequence, sc.model.n_layer, recomputed);
   // The moments a sharded engine's buffers meet (memory/footprint.h): F's two parts (the end of the
   // forward; a block's forward: a first pass, or a kept block's end, with what the blocks before it
   // keep), A, H and the blocks' backward.
@@ -318,7 +382,7 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
 
 ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
   const auto L = sc.model.n_layer;
-  const auto tok = static_cast<double>(sc.micro_batch * sc.seq_len);
+  const auto tok = static_cast<double>(sc.local_tokens());
   ChainModel m;
   for (int64_t layer = 0; layer < L; ++layer) {  // the blocks differ only by model.layer_mlp_hidden
     const Sizes zl = sizes_of(sc, lowp, layer);
@@ -336,6 +400,7 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
     m.backward.push_back(backward);
     m.weights.push_back(block_cast_bytes(zl));
     m.forward.push_back(tok * forward_block_bytes(zl));
+    m.recompute_exchange.push_back(tok * recompute_exchange_bytes(zl));
   }
   const Sizes z = sizes_of(sc, lowp);
   m.input = tok * z.r * z.C;
@@ -397,13 +462,16 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
       } else {
         held -= m.input;
       }
-      double saved = 0, weights = 0, worst_backward = 0;
+      double saved = 0, weights = 0, worst_backward = 0, worst_exchange = 0;
       for (int64_t b = seg->begin; b < seg->end; ++b) {
+        const auto i = static_cast<size_t>(b);
+        const double exchange = i < m.recompute_exchange.size() ? m.recompute_exchange[i] : 0.0;
+        worst_exchange = std::max(worst_exchange, saved + exchange);  // the blocks before b kept
         saved += m.kept[static_cast<size_t>(b)][0];
         weights += m.weights[static_cast<size_t>(b)];
         worst_backward = std::max(worst_backward, m.backward[static_cast<size_t>(b)][0]);
       }
-      peak = std::max(peak, kept_weights + weights + m.tied_grad + held + m.input + saved + worst_backward);
+      peak = std::max(peak, kept_weights + weights + m.tied_grad + held + m.input + std::max(saved + worst_backward, worst_exchange));
       continue;
     }
     for (int64_t b = seg->end - 1; b >= seg->begin; --b) {  // D: the block and every unit before it
@@ -435,6 +503,11 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpoint
   e.head_backward_peak_bytes = head_moment(sc, sizes_of(sc, lowp), phases.start);
   e.backward_peak_bytes = static_cast<int64_t>(phases.backward);
   e.host_bytes = static_cast<int64_t>(host);
+  int64_t recomputed = 0;
+  for (const auto& seg : plan.segments)
+    for (int64_t b = seg.begin; b < seg.end; ++b)
+      if (seg.checkpointed || (plan.parts_of(b) & checkpointing::kPartAttention) != 0) ++recomputed;
+  e.all_to_all_bytes = exchange_bytes(sizes_of(sc, lowp), sc.sequence, sc.model.n_layer, recomputed);
   return e;
 }
 

@@ -84,6 +84,28 @@
 //            its output and input gradients (cN + cC) and 8NC + scratch. The LM head's backward adds
 //            Wx = max(0, 8VC + its scratch - 2fV tok) to moment A (its fp32 weight gradient and rounded
 //            weight, once the loss's fp32 tensors are freed).
+// Sequence parallelism (parallel.sequence = N > 1, model/sequence.h): each rank holds T/N positions of
+// every sequence, so tok = B*T/N above, and every position-wise term (norms, linears, MLP, residual
+// stream, the head and the fused loss, the batch) is per local token as written. Attention gathers the
+// whole sequence for nh/N heads: (B, T, 3C/N), (B, T, C/N) and (B, nh/N, T) are 3C, C and nh per local
+// token. Let xq be the bytes of an exchanged q, k, v element and xo of an exchanged attention output:
+// c, except LLaMA under a low-precision compute dtype, whose stack of RoPE's fp32 q, k with v is fp32
+// (xq = f) and, on the CPU, whose fused fp32 attention writes fp32 (xo = f). Then:
+//   S, an attention kept for backward: the gathered q, k, v (xq 3C), the attention's output (xo C) and
+//     the exchanged-back output the projection keeps (cC) replace qkv, llama's rotated q, k and the
+//     unsharded output(s): gpt2 f(2C + 4 + nh) + c(7C + 2H) | llama f(2C + 2 + nh) + c(7C + 4H) (c = xq = xo).
+//     A recomputed attention (selective) keeps its inputs, as at N = 1: S is the N = 1 one.
+//   Fb, a block run without saving, is the larger of its MLP term and its exchanges: the local qkv
+//     (c 3C, held to the block's end), llama's rotated q, k and their stack with v (xq 5C), and the
+//     larger of the send and receive buffers (2 xq 3C) or the receive buffer, the gathered q, k, v
+//     and the output exchange's buffers (xq 3C + xo 3C).
+//   B also takes the recompute's exchanges: the largest segment's k - 1 blocks kept, the last one's
+//     input, norm1's output and statistics, and its exchange's tensors as in Fb (Rx per token):
+//     k*W + G + tok*(fC*n + S*(k-1) + Rx), where that exceeds the backward's B (only with a narrow MLP).
+//   T is unchanged: a block's attention backward (its exchanges' buffers with the residual gradient and
+//     the gathered q, k, v's gradient, the MLP's tensors freed) holds less than its MLP's.
+//   Sent per rank per micro-batch (all_to_all_bytes): (N-1)/N tok (3C xq + C xo) per exchange pair, two
+//     pairs per block (forward, and backward's inverse), and one more per recomputed block or attention.
 // fp16 takes oneDNN only with native fp16 instructions (else aten). fp32 runs and CUDA devices take
 // M = 0 (CUDA is not measured here). ATen's own dispatch level (AVX2 / AVX512) changes no memory.
 // Measured against it: tests/test_planner.cpp, README "Activation memory".
@@ -113,7 +135,7 @@ SegmentCounts segment_counts(const checkpointing::Plan& plan);
 SegmentCounts segment_counts(const config::CheckpointingConfig& ck, int64_t n_layer);
 
 struct ActivationEstimate {
-  int64_t tokens = 0;                // B * T
+  int64_t tokens = 0;                // B * T / N, this rank's tokens (N = parallel.sequence)
   std::string matmul_path;           // "fp32", "cuda", or the CPU's device::LowpMatmul path
   double block_bytes = 0;            // S per token, after selective savings
   double head_bytes = 0;             // E per token
@@ -135,6 +157,9 @@ struct ActivationEstimate {
   int64_t forward_end_peak_bytes = 0, forward_block_peak_bytes = 0, start_peak_bytes = 0;
   int64_t head_backward_peak_bytes = 0, backward_peak_bytes = 0;
   int64_t host_bytes = 0;            // offload.activations: the checkpointed inputs in host memory at the end of the forward
+  // parallel.sequence = N > 1: the bytes this rank sends in its sequence group's all-to-alls for one
+  // micro-batch (forward, backward and recomputes; "Sequence parallelism" above). 0 at N = 1.
+  int64_t all_to_all_bytes = 0;
 };
 
 // The recipe's device and precision decide the matmul path (CPU: cpu_features()).
@@ -154,6 +179,7 @@ struct ChainModel {
   std::vector<std::array<double, checkpointing::kPartSets>> backward;  // T of block i with parts b, and its Wg
   std::vector<double> weights;  // W of block i (autocast's copies; 0 in fp32)
   std::vector<double> forward;  // Fb of block i: the block run without saving, beyond its input
+  std::vector<double> recompute_exchange;  // Rx of block i: its exchange in a recompute (0 at N = 1; empty: 0 for every block)
   double input = 0;        // fC: what a checkpointed segment keeps (its input)
   double head = 0;          // the head at the start of backward: tok E and the fused loss's dW
   double head_forward = 0;  // the head at the end of the forward: E's input, the norm's output, the fused loss's peak

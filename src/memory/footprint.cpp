@@ -205,7 +205,7 @@ PeakPrediction predict_states(const Scenario& sc) {
   p.grads_bytes = sh.shards_grads() ? G / N : G;
   p.optimizer_bytes = sh.shards_optimizer() ? O / N : O;
   place_transients(sc, p);
-  p.batch_bytes = 2 * 8 * sc.micro_batch * sc.seq_len;
+  p.batch_bytes = 2 * 8 * sc.local_tokens();  // this rank's positions (parallel.sequence)
   if (sc.model.arch == config::Arch::kLlama) p.buffer_bytes = 4 * sc.model.max_seq_len * (sc.model.n_embd / sc.model.n_head);
   // AdamW updates the model's parameters (none) or this rank's shard of each group; the engine's
   // norm reads whole groups (none) or shards. World 1 without sharding has no engine.

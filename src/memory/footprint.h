@@ -91,7 +91,7 @@ struct PeakPrediction {
   // the largest of them (the room a budget schedule leaves beside its activations)
   int64_t transient_forward_bytes = 0, transient_forward_end_bytes = 0, transient_head_bytes = 0, transient_backward_bytes = 0;
   int64_t transient_bytes = 0;
-  int64_t batch_bytes = 0;  // the (B, T) int64 inputs and targets of one micro-batch
+  int64_t batch_bytes = 0;  // the (B, T/N) int64 inputs and targets of one micro-batch (N = parallel.sequence)
   int64_t buffer_bytes = 0;  // the model's non-parameter buffers (RoPE cos/sin tables)
   int64_t adamw_temp_bytes = 0;  // AdamW's two temporaries of its largest tensor
   int64_t grad_norm_temp_bytes = 0;  // the gradient norm's float64 chunk (the engine, off the CPU)

@@ -26,6 +26,7 @@ struct Scenario {
   int64_t micro_batch = 1;                   // train.micro_batch, resolved (a number, never auto)
   int64_t seq_len = 1;                       // train.seq_len
   int64_t grad_accum = 1;                    // train.grad_accum
+  int64_t sequence = 1;                      // parallel.sequence: each rank holds seq_len / sequence positions
   config::CheckpointingConfig checkpointing;  // checkpointing.* (mode, its parameters, the budget)
   Placement placement;
   config::PrecisionConfig precision;         // compute, param_dtype, reduce_dtype
@@ -35,6 +36,10 @@ struct Scenario {
   // logging.peak_tflops: the device's rate, against which offload's transfers are priced (the budget
   // solver's fourth choice, the planner's modelled step time); 0 = unknown.
   double peak_tflops = 0.0;
+  double all_to_all_gbps = 100.0;  // parallel.all_to_all_gbps: the sequence group's exchange rate per rank
+
+  // Tokens of one micro-batch on one rank: micro_batch x seq_len / sequence.
+  int64_t local_tokens() const { return micro_batch * seq_len / sequence; }
 
   // The model's shape (parameter counts, MLP widths) of `model`.
   config::Shape shape() const { return config::Shape(model); }

@@ -37,7 +37,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k, c
 torch::Tensor block_step(BlockImpl& b, const torch::Tensor& x, int64_t pos, const Rope& rope, LayerCache& cache) {
   const int64_t t = x.size(1);
   auto qkv = model::linear(b.norm1(x), b.w_qkv, b.b_qkv);
-  auto [q, k, v] = b.heads(qkv);  // (1, nh, t, hd)
+  auto [q, k, v] = b.heads(qkv, b.n_head);  // (1, nh, t, hd)
   if (b.llama) {
     const auto rotated = b.attention_inputs(qkv, rope);
     q = rotated[0];

@@ -139,30 +139,48 @@ BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch:
 torch::Tensor BlockImpl::norm1(const torch::Tensor& x) const { return norm(x, ln1_w, ln1_b, llama, eps); }
 torch::Tensor BlockImpl::norm2(const torch::Tensor& x) const { return norm(x, ln2_w, ln2_b, llama, eps); }
 
-std::array<torch::Tensor, 3> BlockImpl::heads(const torch::Tensor& qkv) const {
-  const int64_t B = qkv.size(0), T = qkv.size(1), hd = n_embd / n_head;
+std::array<torch::Tensor, 3> BlockImpl::heads(const torch::Tensor& qkv, int64_t nh) const {
+  const int64_t B = qkv.size(0), T = qkv.size(1), hd = n_embd / n_head, width = nh * hd;
   // narrow, not split/chunk: the same views, and on the lazy test device split's outputs feed later ops
   // wrong (their results come back as CPU tensors; LibTorch 2.11), which narrow's do not.
-  auto part = [&](int64_t i) { return qkv.narrow(2, i * n_embd, n_embd).view({B, T, n_head, hd}).transpose(1, 2); };
+  auto part = [&](int64_t i) { return qkv.narrow(2, i * width, width).view({B, T, nh, hd}).transpose(1, 2); };
   return {part(0), part(1), part(2)};  // (B, nh, T, hd)
 }
 
 std::vector<torch::Tensor> BlockImpl::attention_inputs(const torch::Tensor& qkv, const Rope& rope) const {
   if (!llama) return {qkv};
-  auto [q, k, v] = heads(qkv);
+  auto [q, k, v] = heads(qkv, n_head);
   return {apply_rope(q, rope), apply_rope(k, rope), v};
 }
 
 torch::Tensor BlockImpl::attention_core(const std::vector<torch::Tensor>& in) const {
+  return sequence ? sequence_attention(in) : local_attention(in, n_head);
+}
+
+torch::Tensor BlockImpl::local_attention(const std::vector<torch::Tensor>& in, int64_t nh) const {
   const double dropout_p = is_training() ? dropout : 0.0;
   const bool packed = in.size() == 1;
-  if (dropout_p == 0.0 && packed && causal_attention_packed_fused(in[0], n_head))
-    return causal_attention_packed(in[0], n_head);  // (B, T, C)
-  auto [q, k, v] = packed ? heads(in[0]) : std::array<torch::Tensor, 3>{in[0], in[1], in[2]};
-  if (dropout_p == 0.0 && causal_attention_fused(q, k, v)) return causal_attention(q, k, v);  // (B, T, C)
+  if (dropout_p == 0.0 && packed && causal_attention_packed_fused(in[0], nh))
+    return causal_attention_packed(in[0], nh);  // (B, T, nh * hd)
+  auto [q, k, v] = packed ? heads(in[0], nh) : std::array<torch::Tensor, 3>{in[0], in[1], in[2]};
+  if (dropout_p == 0.0 && causal_attention_fused(q, k, v)) return causal_attention(q, k, v);  // (B, T, nh * hd)
   const int64_t B = q.size(0), T = q.size(2);
   auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, dropout_p, /*is_causal=*/true);
-  return y.transpose(1, 2).contiguous().view({B, T, n_embd});  // (B, T, C)
+  return y.transpose(1, 2).contiguous().view({B, T, nh * q.size(3)});  // (B, T, nh * hd)
+}
+
+torch::Tensor BlockImpl::sequence_attention(const std::vector<torch::Tensor>& in) const {
+  const int64_t n = sequence->degree(), hd = n_embd / n_head, B = in[0].size(0);
+  torch::Tensor mine;  // (B, T/N, 3, nh, hd): this rank's positions of every head
+  if (in.size() == 1) {
+    mine = in[0].reshape({B, in[0].size(1), 3, n_head, hd});
+  } else {  // (B, nh, T/N, hd) each
+    mine = torch::stack({in[0].transpose(1, 2), in[1].transpose(1, 2), in[2].transpose(1, 2)}, 2);
+  }
+  const auto whole = positions_to_heads(sequence, mine);  // (B, T, 3, nh/N, hd)
+  const int64_t T = whole.size(1), nh = n_head / n;
+  const auto y = local_attention({whole.view({B, T, 3 * nh * hd})}, nh);  // (B, T, nh/N * hd)
+  return heads_to_positions(sequence, y.view({B, T, 1, nh, hd})).view({B, T / n, n_embd});
 }
 
 torch::Tensor BlockImpl::mlp_act(const torch::Tensor& u, const torch::Tensor& fc_bias) const {
@@ -227,14 +245,22 @@ GPTImpl::GPTImpl(const config::ModelConfig& c, torch::Device device, bool defer_
   }
 }
 
+int64_t GPTImpl::first_position(int64_t T) const { return sequence ? sequence->rank() * T : 0; }
+
+void GPTImpl::shard_sequence(std::shared_ptr<SequenceExchange> ex) {
+  sequence = ex;
+  for (const auto& b : *blocks) b->as<BlockImpl>()->sequence = ex;
+}
+
 Rope GPTImpl::rope(int64_t T) const {
   if (!rope_cos.defined()) return {};
-  return {rope_cos.narrow(0, 0, T), rope_sin.narrow(0, 0, T)};
+  const int64_t first = first_position(T);
+  return {rope_cos.narrow(0, first, T), rope_sin.narrow(0, first, T)};
 }
 
 torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
   auto x = at::embedding(wte, idx);  // (B, T, C)
-  if (wpe.defined()) x = x + wpe.narrow(0, 0, idx.size(1));
+  if (wpe.defined()) x = x + wpe.narrow(0, first_position(idx.size(1)), idx.size(1));
   return torch::dropout(x, cfg.dropout, is_training());
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "config/config.h"
+#include "model/sequence.h"
 
 namespace sl::model {
 
@@ -42,13 +43,22 @@ struct BlockImpl : torch::nn::Module {
 
   torch::Tensor norm1(const torch::Tensor& x) const;
   torch::Tensor norm2(const torch::Tensor& x) const;
-  // (B, T, 3C) qkv projection -> q, k, v as (B, nh, T, hd) views.
-  std::array<torch::Tensor, 3> heads(const torch::Tensor& qkv) const;
+  // (B, T, 3C') qkv projection of nh heads (C' = nh * hd) -> q, k, v as (B, nh, T, hd) views.
+  std::array<torch::Tensor, 3> heads(const torch::Tensor& qkv, int64_t nh) const;
   // What attention_core reads: GPT-2 the (B, T, 3C) projection itself (the fused kernel reads its heads in
   // place and returns one gradient for it); LLaMA q and k rotated by RoPE, and v.
   std::vector<torch::Tensor> attention_inputs(const torch::Tensor& qkv, const Rope& rope) const;
-  // attention_inputs -> (B, T, C): the fused causal kernel (fp32 CPU, no attention dropout) or SDPA.
+  // attention_inputs -> (B, T, C): local_attention, or with a sequence group (T = this rank's positions)
+  // sequence_attention.
   torch::Tensor attention_core(const std::vector<torch::Tensor>& in) const;
+  // attention_inputs of nh heads -> (B, T, nh * hd): the fused causal kernel (fp32 CPU, no attention
+  // dropout) or SDPA.
+  torch::Tensor local_attention(const std::vector<torch::Tensor>& in, int64_t nh) const;
+  // Ulysses (model/sequence.h): this rank's positions of every head -> the whole sequence of n_head / N
+  // heads (one all-to-all of q, k, v together), local_attention on those, and the output back to this
+  // rank's positions of every head (a second all-to-all). LLaMA's rotated q, k and v are stacked into
+  // one (B, T/N, 3, nh, hd) tensor first; GPT-2's packed qkv is that layout already.
+  torch::Tensor sequence_attention(const std::vector<torch::Tensor>& in) const;
   // (B, T, H) GELU of u + fc_bias (fc_bias: the fc's bias when the fused GELU adds it, else undefined),
   // or (B, T, 2H) -> (B, T, H) SwiGLU.
   torch::Tensor mlp_act(const torch::Tensor& u, const torch::Tensor& fc_bias) const;
@@ -66,6 +76,7 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor w_proj, b_proj;              // (C, C), (C)
   torch::Tensor w_fc, b_fc;                  // (H, C) or (2H, C) [gate; up] for SwiGLU, (H)
   torch::Tensor w_out, b_out;                // (C, H), (C)
+  std::shared_ptr<SequenceExchange> sequence;  // the sequence group's exchange; null: every position here
 };
 TORCH_MODULE(Block);
 
@@ -106,7 +117,14 @@ struct GPTImpl : torch::nn::Module {
   // (B, T, C) -> (B, T, V) logits after final norm: the product with the whole (padded_vocab-row) table,
   // narrowed to vocab_size columns (a view; none of the vocabulary padding's logits).
   torch::Tensor head(const torch::Tensor& x);
-  Rope rope(int64_t T) const;                     // tables for the first T positions
+  // Tables for this rank's T positions: the first T, or in a sequence group those from first_position(T).
+  Rope rope(int64_t T) const;
+  // The global position of this rank's first one when it holds T of a sequence: 0, or in a sequence
+  // group rank * T (model/sequence.h).
+  int64_t first_position(int64_t T) const;
+  // Runs this model as one rank of a sequence group (null: unsharded): embed() and rope() take the
+  // rank's global positions and every block's attention exchanges through `ex`.
+  void shard_sequence(std::shared_ptr<SequenceExchange> ex);
   torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> (B, T, V)
   // The training and evaluation loss: the final norm of x (B, T, C), then the LM head and the mean
   // cross-entropy against targets (B, T) fused, model.loss_chunk positions at a time (model/fused_loss.h):
@@ -138,6 +156,7 @@ struct GPTImpl : torch::nn::Module {
   torch::Tensor lm_head;             // (padded_vocab, C), only when untied; rows past vocab_size zero
   torch::Tensor rope_cos, rope_sin;  // (max_seq_len, hd/2) buffers, llama only
   torch::nn::ModuleList blocks;
+  std::shared_ptr<SequenceExchange> sequence;  // shard_sequence's; null: every position here
 };
 TORCH_MODULE(GPT);
 

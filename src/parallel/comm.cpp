@@ -203,8 +203,48 @@ void Pending::await_release(const c10::intrusive_ptr<c10d::Work>& work) {
   while (work.use_count() > 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
 }
 
+c10::intrusive_ptr<c10d::Backend> Comm::make_backend(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
+                                                   int64_t size, std::chrono::milliseconds timeout) const {
+  if (backend_ == config::Backend::kGloo) {
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    const std::string iface = env_str("GLOO_SOCKET_IFNAME", "");
+    if (!iface.empty())
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+    else if (env_.master_addr == "127.0.0.1" || env_.master_addr == "localhost")
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    else
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    opts->threads = 2;
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank), static_cast<int>(size), opts);
+  }
+#ifdef SUBLINEAR_NCCL
+  // Non-blocking waits (ProcessGroupNCCL's default): Work::wait() only orders the CUDA stream, so
+  // a step's collectives never stall the host; its one read waits for them with everything else.
+  // Errors are found by ProcessGroupNCCL's watchdog thread, which then aborts the communicators
+  // and leaves the process alive, as the variables set here make it (nccl_env_defaults above).
+  for (const auto& [name, value] : nccl_env_defaults(nccl_env_now()))
+    ::setenv(name.c_str(), value.c_str(), /*overwrite=*/0);
+  auto opts = c10d::ProcessGroupNCCL::Options::create();
+  opts->timeout = timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, static_cast<int>(rank), static_cast<int>(size), opts);
+#else
+  (void)store, (void)rank, (void)size, (void)timeout;
+  return {};
+#endif
+}
+
+std::vector<c10d::Backend*> Comm::backends() const {
+  std::vector<c10d::Backend*> out;
+  if (pg_) out.push_back(pg_.get());
+  if (seq_pg_) out.push_back(seq_pg_.get());
+  return out;
+}
+
 Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device device)
-    : env_(env), device_(device), timeout_s_(cfg.timeout_s) {
+    : env_(env), device_(device), timeout_s_(cfg.timeout_s), sequence_(std::max<int64_t>(1, cfg.sequence)) {
+  if (env_.world % sequence_ != 0)
+    throw ConfigError(fmt::format("parallel.sequence: {} does not divide WORLD_SIZE = {}: pick a degree that divides it",
+                                  sequence_, env_.world));
   if (env_.world == 1) return;
   backend_ = resolve_backend(cfg.backend, device);
   const auto timeout = std::chrono::milliseconds(cfg.timeout_s * 1000);
@@ -225,31 +265,11 @@ Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device 
       store_ = c10::make_intrusive<c10d::TCPStore>(env_.master_addr, o);
     }
     store_ = c10::make_intrusive<c10d::PrefixStore>("sublinear", store_);
-    if (backend_ == config::Backend::kGloo) {
-      auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-      const std::string iface = env_str("GLOO_SOCKET_IFNAME", "");
-      if (!iface.empty())
-        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
-      else if (env_.master_addr == "127.0.0.1" || env_.master_addr == "localhost")
-        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      else
-        opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-      opts->threads = 2;
-      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, static_cast<int>(env_.rank),
-                                                        static_cast<int>(env_.world), opts);
-    } else {
-#ifdef SUBLINEAR_NCCL
-      // Non-blocking waits (ProcessGroupNCCL's default): Work::wait() only orders the CUDA stream, so
-      // a step's collectives never stall the host; its one read waits for them with everything else.
-      // Errors are found by ProcessGroupNCCL's watchdog thread, which then aborts the communicators
-      // and leaves the process alive, as the variables set here make it (nccl_env_defaults above).
-      for (const auto& [name, value] : nccl_env_defaults(nccl_env_now()))
-        ::setenv(name.c_str(), value.c_str(), /*overwrite=*/0);
-      auto opts = c10d::ProcessGroupNCCL::Options::create();
-      opts->timeout = timeout;
-      pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, static_cast<int>(env_.rank),
-                                                        static_cast<int>(env_.world), opts);
-#endif
+    pg_ = make_backend(store_, env_.rank, env_.world, timeout);
+    if (sequence_ > 1) {
+      // Every rank makes its own group's process group, on a store prefix of that group alone.
+      const auto group_store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("sequence_group_{}", data_rank()), store_);
+      seq_pg_ = make_backend(group_store, sequence_rank(), sequence_, timeout);
     }
   } catch (const Error&) {
     throw;
@@ -276,7 +296,8 @@ void Comm::close() noexcept {
     // Gloo's shutdown() does nothing (torch 2.11): only NCCL's needs every rank at the same exit.
     const bool together = backend_ != config::Backend::kNccl || leave_together_;
     clean = together && failure_.empty() && abandoned_.load() == 0 && collectives_done();
-    if (clean) pg_->shutdown();
+    if (clean)
+      for (auto* pg : backends()) pg->shutdown();
   } catch (const std::exception& e) {
     spdlog::warn("rank {}: shutting the {} process group down failed, aborting it: {}", env_.rank, backend(),
                  short_what(e));
@@ -285,11 +306,13 @@ void Comm::close() noexcept {
     clean = false;
   }
   try {
-    if (!clean) pg_->abort();
+    if (!clean)
+      for (auto* pg : backends()) pg->abort();
   } catch (const std::exception& e) {
     spdlog::warn("rank {}: aborting the {} process group: {}", env_.rank, backend(), short_what(e));
   } catch (...) {
   }
+  seq_pg_.reset();
   pg_.reset();  // after shutdown() or abort(): ProcessGroupNCCL's destructor only joins its threads
 }
 
@@ -308,11 +331,16 @@ bool Comm::collectives_done() {
   c10::cuda::CUDAEvent passed;
   passed.record(c10::cuda::getCurrentCUDAStream(device_.index()));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s_);
+  const auto healthy = [&] {
+    for (auto* pg : backends())
+      if (pg->getError() != c10d::ErrorType::SUCCESS) return false;
+    return true;
+  };
   while (!passed.query()) {
-    if (pg_->getError() != c10d::ErrorType::SUCCESS || std::chrono::steady_clock::now() > deadline) return false;
+    if (!healthy() || std::chrono::steady_clock::now() > deadline) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  return pg_->getError() == c10d::ErrorType::SUCCESS;
+  return healthy();
 #else
   return true;
 #endif
@@ -321,7 +349,9 @@ bool Comm::collectives_done() {
 void Comm::check(const std::string& what) {
 #ifdef SUBLINEAR_NCCL
   if (backend_ != config::Backend::kNccl) return;
-  const auto error = pg_->getError();  // a flag the watchdog set: no device or network wait
+  auto error = c10d::ErrorType::SUCCESS;  // a flag the watchdog set: no device or network wait
+  for (auto* pg : backends())
+    if (error == c10d::ErrorType::SUCCESS) error = pg->getError();
   if (error == c10d::ErrorType::SUCCESS) return;
   const char* kind = error == c10d::ErrorType::TIMEOUT        ? "a collective timed out"
                      : error == c10d::ErrorType::REMOTE_ERROR ? "a peer reported an NCCL error"
@@ -403,6 +433,18 @@ Pending Comm::reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in, co
   return start(what, [&] {
     auto o = out, i = in;
     return pg_->_reduce_scatter_base(o, i);
+  });
+}
+
+Pending Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, const std::string& what) {
+  if (!seq_pg_) {
+    if (!out.is_same(in)) out.copy_(in);
+    return {};
+  }
+  return start(what, [&] {
+    auto o = out, i = in;
+    std::vector<int64_t> even;  // empty split sizes: N equal chunks along dim 0
+    return seq_pg_->alltoall_base(o, i, even, even);
   });
 }
 

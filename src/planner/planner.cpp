@@ -2,6 +2,9 @@
 // formula costs), the largest micro-batch that fits, the `trainer plan` report, the OOM advice.
 #include "planner/planner.h"
 
+#include <algorithm>
+#include <vector>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -72,7 +75,29 @@ int64_t gathered_params(const config::ModelConfig& m, const std::vector<int64_t>
   return 2 * n - emb + (m.tie_embeddings ? 2 * emb : 0) + recomputed;
 }
 
+// The model FLOPs of one optimizer step on this rank: 6 N + 12 L T d per token of its B T / N tokens
+// (parallel.sequence: its attention covers the whole sequence for n_head / N heads, the same FLOPs per
+// local token as unsharded), plus the recomputed blocks' forward (2 per parameter and token).
+double step_flops(const Scenario& sc, const checkpointing::Plan& plan) {
+  const auto& m = sc.model;
+  const int64_t n = sc.shape().total_params();
+  const int64_t recomputed = recomputed_params(memory::unit_param_counts(m), plan);
+  const double tokens = static_cast<double>(sc.local_tokens() * sc.grad_accum);
+  return tokens * (6.0 * static_cast<double>(n) + 2.0 * static_cast<double>(recomputed) +
+                   12.0 * static_cast<double>(m.n_layer * sc.seq_len * m.n_embd));
+}
+
 }  // namespace
+
+StepTime modelled_step(const Scenario& sc, const checkpointing::Plan& plan) {
+  StepTime t;
+  if (sc.peak_tflops > 0) t.compute_s = step_flops(sc, plan) / (sc.peak_tflops * 1e12 * kModelledMfu);
+  const auto a = memory::estimate_activation_peak(sc, plan);
+  t.all_to_all_bytes = a.all_to_all_bytes * sc.grad_accum;
+  t.all_to_all_s = static_cast<double>(t.all_to_all_bytes) / (sc.all_to_all_gbps * 1e9);
+  t.step_s = t.compute_s + t.all_to_all_s;
+  return t;
+}
 
 OffloadTraffic offload_traffic(const Scenario& sc, const checkpointing::Plan& plan) {
   OffloadTraffic t;
@@ -98,11 +123,7 @@ OffloadTraffic offload_traffic(const Scenario& sc, const checkpointing::Plan& pl
   t.streamed_s = static_cast<double>(std::max(t.streamed_to_host_bytes, t.streamed_to_device_bytes)) / bw;
   t.boundary_s = static_cast<double>(boundary) / bw;
   if (o.optimizer) t.host_adam_s = 28.0 * static_cast<double>(n) / static_cast<double>(N) / (o.host_gbps * 1e9);
-  const auto& m = sc.model;
-  const double tokens = static_cast<double>(sc.micro_batch * micro * sc.seq_len);
-  const double flops = tokens * (6.0 * static_cast<double>(n) + 2.0 * static_cast<double>(recomputed) +
-                                 12.0 * static_cast<double>(m.n_layer * sc.seq_len * m.n_embd));
-  if (sc.peak_tflops > 0) t.compute_s = flops / (sc.peak_tflops * 1e12 * kModelledMfu);
+  if (sc.peak_tflops > 0) t.compute_s = step_flops(sc, plan) / (sc.peak_tflops * 1e12 * kModelledMfu);
   t.exposed_s = t.boundary_s + t.streamed_s - std::min(o.overlap * t.streamed_s, t.compute_s);
   t.step_s = t.compute_s + t.exposed_s + t.host_adam_s;
   return t;
@@ -140,6 +161,13 @@ Json mode_row(const std::string& name, const Scenario& c, int64_t memory_bytes, 
   }
   const auto p = schedule ? memory::predict_peak(c, *schedule) : predict_peak(c);
   Json row = {{"mode", name}, {"activation_peak_bytes", p.activations.peak_bytes}, {"peak_bytes", p.peak_bytes()}};
+  // parallel.sequence: what this rank sends in its sequence group's all-to-alls per optimizer step.
+  row["all_to_all_bytes_per_step"] = p.activations.all_to_all_bytes * c.grad_accum;
+  if (schedule || !c.checkpointing.mode.solved()) {
+    const auto t = modelled_step(c, schedule ? *schedule : budget::plan_for(c));
+    row["all_to_all_s"] = t.all_to_all_s;
+    row["step_s"] = c.peak_tflops > 0 ? Json(t.step_s) : Json(nullptr);
+  }
   if (memory_bytes > 0) {
     const int64_t mb = largest_micro_batch(c, memory_bytes);
     row["largest_micro_batch"] = mb;
@@ -191,9 +219,10 @@ Json offload_report(const Scenario& sc) {
 Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   const bool auto_batch = recipe.train.micro_batch.is_auto();
   const int64_t world = std::max<int64_t>(1, recipe.world_size);
-  // Sequences each rank contributes to one optimizer step.
-  const int64_t per_rank = sequences_per_rank(recipe.train, world);
-  const int64_t global = per_rank * world;
+  // Sequences each data-parallel rank (with its sequence group) contributes to one optimizer step.
+  const int64_t data_world = recipe.parallel.data_world(world);
+  const int64_t per_rank = sequences_per_rank(recipe.train, data_world);
+  const int64_t global = per_rank * data_world;
   Scenario sc(recipe, auto_batch ? 1 : recipe.train.micro_batch.value());
   if (auto_batch) {
     sc.micro_batch = std::max<int64_t>(1, memory_bytes > 0 ? largest_micro_batch(sc, memory_bytes, per_rank) : 1);
@@ -214,6 +243,7 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
             {"grad_accum", sc.grad_accum},
             {"global_batch", global},
             {"seq_len", sc.seq_len},
+            {"sequence_parallel", sc.sequence},
             {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)},
             {"params_bytes", base.params_bytes},
             {"grads_bytes", base.grads_bytes},
@@ -268,6 +298,15 @@ std::string parameters_text(const Json& j) {
   return padding == 0 ? all : fmt::format("{}, {} of them the vocabulary padding's zero rows", all, padding);
 }
 
+// parallel.sequence > 1: the degree and the positions each rank holds (no row at degree 1).
+void add_sequence_row(const Json& j, std::vector<std::pair<std::string, std::string>>& rows) {
+  const auto n = j.value("sequence_parallel", int64_t{1});
+  if (n <= 1) return;
+  rows.emplace_back("sequence parallel (parallel.sequence)",
+                    fmt::format("{} ({} positions per rank; attention over all of them for n_head / {} heads)", n,
+                                j["seq_len"].get<int64_t>() / n, n));
+}
+
 // The breakdown of the model states, batch and buffers (the same for every mode).
 std::string breakdown_table(const Json& j) {
   std::vector<std::pair<std::string, std::string>> rows = {
@@ -292,6 +331,7 @@ std::string breakdown_table(const Json& j) {
       {"micro-batch x seq_len", fmt::format("{} x {} (global batch {})", j["micro_batch"].get<int64_t>(),
                                             j["seq_len"].get<int64_t>(), j["global_batch"].get<int64_t>())},
   };
+  add_sequence_row(j, rows);
   return log::format_table(rows);
 }
 
@@ -305,6 +345,8 @@ std::string modes_table(const Json& j, bool with_memory) {
       continue;
     }
     std::string v = fmt::format("activations {:>10} | peak {:>10}", bytes(m["activation_peak_bytes"]), bytes(m["peak_bytes"]));
+    if (j.value("sequence_parallel", int64_t{1}) > 1)
+      v += fmt::format(" | all-to-all {:>10} sent a step", bytes(m["all_to_all_bytes_per_step"]));
     if (with_memory) {
       const int64_t mb = m["largest_micro_batch"].get<int64_t>();
       v += mb > 0 ? fmt::format(" | largest micro-batch {} (grad_accum {})", mb, m["grad_accum_for_global_batch"].get<int64_t>())
@@ -392,9 +434,74 @@ std::string format_plan(const Json& j) {
   return out;
 }
 
+namespace {
+
+// The degrees a scenario can take: those dividing its ranks, model.n_head and train.seq_len.
+std::vector<int64_t> sequence_degrees(const Scenario& sc) {
+  std::vector<int64_t> out;
+  const int64_t world = std::max<int64_t>(1, sc.placement.world);
+  for (int64_t n = 1; n <= world; ++n)
+    if (world % n == 0 && sc.model.n_head % n == 0 && sc.seq_len % n == 0) out.push_back(n);
+  return out;
+}
+
+// The scenario at degree n: its own mode's per-rank peak and step time.
+Json degree_row(const Scenario& recipe, int64_t n, int64_t memory_bytes) {
+  Scenario sc = recipe;
+  sc.sequence = n;
+  const auto schedule = budget::try_plan_for(sc);
+  if (!schedule) return {{"degree", n}, {"fits", false}, {"peak_bytes", nullptr}, {"step_s", nullptr}};
+  const auto p = memory::predict_peak(sc, *schedule);
+  const auto t = modelled_step(sc, *schedule);
+  // Every data-parallel rank (world / n of them) trains its own sequences: the step's tokens.
+  const int64_t tokens = sc.micro_batch * sc.grad_accum * sc.seq_len * (std::max<int64_t>(1, sc.placement.world) / n);
+  return {{"degree", n},
+          {"tokens_per_step", tokens},
+          {"tokens_per_s", sc.peak_tflops > 0 ? Json(static_cast<double>(tokens) / t.step_s) : Json(nullptr)},
+          {"peak_bytes", p.peak_bytes()},
+          {"activation_peak_bytes", p.activations.peak_bytes},
+          {"all_to_all_bytes_per_step", t.all_to_all_bytes},
+          {"all_to_all_s", t.all_to_all_s},
+          {"step_s", sc.peak_tflops > 0 ? Json(t.step_s) : Json(nullptr)},
+          {"fits", memory_bytes <= 0 || p.peak_bytes() <= memory_bytes}};
+}
+
+}  // namespace
+
+Json sequence_search(const Scenario& sc, int64_t memory_bytes) {
+  Json degrees = Json::array(), chosen = nullptr;
+  for (int64_t n : sequence_degrees(sc)) {
+    degrees.push_back(degree_row(sc, n, memory_bytes));
+    if (chosen.is_null() && degrees.back()["fits"].get<bool>()) chosen = n;
+  }
+  return {{"degrees", degrees}, {"chosen", chosen}, {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)}};
+}
+
+std::string format_sequence_search(const Json& search, int64_t memory_bytes) {
+  std::vector<std::pair<std::string, std::string>> rows;
+  for (const auto& d : search["degrees"]) {
+    const auto step = d["step_s"].is_null()
+                          ? std::string("unknown (set logging.peak_tflops)")
+                          : fmt::format("{:.1f} s for {} tokens, {:.0f} tokens/s", d["step_s"].get<double>(),
+                                        d["tokens_per_step"].get<int64_t>(), d["tokens_per_s"].get<double>());
+    rows.emplace_back(fmt::format("parallel.sequence {}", d["degree"].get<int64_t>()),
+                      d["peak_bytes"].is_null()
+                          ? std::string("no budget schedule fits")
+                          : fmt::format("peak {:>10} | step {} (all-to-all {:.2f} s) | {}", bytes(d["peak_bytes"]), step,
+                                        d["all_to_all_s"].get<double>(), d["fits"].get<bool>() ? "fits" : "does not fit"));
+  }
+  std::string out = fmt::format("Sequence-parallel degrees (per rank, the recipe's checkpointing mode{}):\n",
+                                memory_bytes > 0 ? ", against " + log::format_bytes(memory_bytes) : std::string());
+  out += log::format_table(rows);
+  out += search["chosen"].is_null()
+             ? std::string("No degree fits: shard further (parallel.sharding: zero3, more ranks), checkpoint more, or offload.\n")
+             : fmt::format("Smallest degree that fits: parallel.sequence: {}\n", search["chosen"].get<int64_t>());
+  return out;
+}
+
 std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
   if (limit_bytes <= 0) return "lower train.micro_batch (raise train.grad_accum to keep the global batch) or enable checkpointing.mode: full";
-  const int64_t per_rank = sequences_per_rank(cfg.train, cfg.world_size);
+  const int64_t per_rank = sequences_per_rank(cfg.train, cfg.parallel.data_world(cfg.world_size));
   const Scenario sc(cfg, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
   std::string out;
   for (const auto& [name, ck] : plan_modes(sc.checkpointing)) {

@@ -46,7 +46,8 @@ std::string format_plan(const nlohmann::json& plan);
 // Time: streamed bytes (gradients, parameters, activations; the larger direction, the link being full
 // duplex) overlap compute by offload.overlap; the step-boundary copies (optimizer) do not; the host
 // AdamW reads and writes 28 bytes per parameter of the shard at offload.host_gbps; compute is the
-// step's FLOPs (6 N + 12 L T d per token, plus the recomputed blocks' forward) at kModelledMfu of
+// step's FLOPs (6 N + 12 L T d per token of this rank, B T / N of each sequence with parallel.sequence,
+// plus the recomputed blocks' forward) at kModelledMfu of
 // logging.peak_tflops (budget::kModelledMfu; 0 TFLOP/s: compute time unknown, and the step time is
 // the offload's own cost).
 struct OffloadTraffic {
@@ -57,6 +58,24 @@ struct OffloadTraffic {
   double step_s = 0;     // compute + exposed + host AdamW
 };
 OffloadTraffic offload_traffic(const memory::Scenario& sc, const checkpointing::Plan& plan);
+
+// The modelled time of one optimizer step on this rank: compute as in OffloadTraffic (the step's FLOPs
+// at kModelledMfu of logging.peak_tflops; 0 when that is 0) plus the sequence group's all-to-alls
+// (memory::ActivationEstimate::all_to_all_bytes per micro-batch, at parallel.all_to_all_gbps, not
+// hidden: each exchange feeds the attention or projection right after it).
+struct StepTime {
+  double compute_s = 0, all_to_all_s = 0, step_s = 0;
+  int64_t all_to_all_bytes = 0;  // sent by this rank per step
+};
+StepTime modelled_step(const memory::Scenario& sc, const checkpointing::Plan& plan);
+
+// `trainer plan --sequence-parallel auto`: the recipe's scenario (its checkpointing mode, micro-batch, placement)
+// at every degree N that divides WORLD_SIZE, model.n_head and train.seq_len, smallest first: each one's
+// per-rank peak, modelled step time and whether it fits memory_bytes. {"degrees": [{degree, peak_bytes,
+// activation_peak_bytes, all_to_all_bytes_per_step, step_s, tokens_per_step, tokens_per_s, fits}], "chosen": the smallest that fits, or
+// null}. A budget mode that fits no schedule at a degree does not fit there.
+nlohmann::json sequence_search(const memory::Scenario& sc, int64_t memory_bytes);
+std::string format_sequence_search(const nlohmann::json& search, int64_t memory_bytes);
 
 // One-line advice for an out-of-memory failure under `limit_bytes`: what the planner predicts fits,
 // per checkpointing mode, with the grad_accum that keeps the recipe's batch per rank (train.global_batch

@@ -99,6 +99,7 @@ std::optional<Piece> parse_name(const std::string& name) {
 
 std::string project_version() { return SUBLINEAR_VERSION; }
 
+// data_world: the ranks that draw their own sequences (WORLD_SIZE / parallel.sequence).
 int64_t global_batch(const config::TrainConfig& t, int64_t world) {
   return t.global_batch > 0 ? t.global_batch : t.micro_batch * t.grad_accum * std::max<int64_t>(1, world);
 }
@@ -125,7 +126,7 @@ Json math_values(const Json& recipe, int64_t global) {
 // recipe and its math) and each part's entries (components.h), as they stand now.
 Json meta_content(Parts& s, const Counters& st) {
   const Json recipe = config::to_json(s.cfg);
-  const Json math = math_values(recipe, global_batch(s.cfg.train, s.cfg.world_size));
+  const Json math = math_values(recipe, global_batch(s.cfg.train, s.cfg.parallel.data_world(s.cfg.world_size)));
   Json meta = {{"format", "sublinear-training-state"},
                {"format_version", kFormatVersion},
                {"sublinear_version", project_version()},
@@ -575,7 +576,7 @@ const std::vector<std::string>& math_keys() {
 
 void check_recipe(const Json& meta, const config::RunConfig& cfg) {
   const Json saved = meta.at("math");
-  const Json now = math_values(config::to_json(cfg), global_batch(cfg.train, cfg.world_size));
+  const Json now = math_values(config::to_json(cfg), global_batch(cfg.train, cfg.parallel.data_world(cfg.world_size)));
   std::string diffs;
   for (const auto& key : math_keys())
     if (saved.contains(key) && canonical(key, saved.at(key)) != canonical(key, now.at(key)))  // newer keys: not compared

@@ -122,6 +122,8 @@ Json parallel_report(config::Sharding sharding, const Process& proc, const Learn
                      {"load_peak_bytes", at(8)}});
   }
   layout.update({{"world_size", proc.world()},
+                 {"sequence_parallel", proc.sequence},
+                 {"data_parallel", proc.data_world()},
                  {"backend", proc.comm->backend()},
                  {"sharding", sharding},
                  {"params_bytes_unsharded", 4 * learn.model->num_params()},
@@ -209,7 +211,7 @@ Json Session::summary_json(const LoopState& st, const Outcome& o, Json parallel,
           {"run_dir", s.out.run_dir},
           {"steps", st.steps_done},
           {"skipped_steps", st.skipped_steps},
-          {"tokens", st.steps_done * tokens_per_step(s.cfg.train, s.proc.world())},
+          {"tokens", st.steps_done * tokens_per_step(s.cfg.train, s.proc.data_world())},
           {"final_loss", finite(st.last_loss)},
           {"final_val_loss", finite(st.last_val)},
           {"warmup_steps_excluded", std::min<int64_t>(s.cfg.logging.skip_first, st.steps_done)},

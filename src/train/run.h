@@ -47,7 +47,11 @@ struct Process {
   parallel::LaunchEnv launch;
   torch::Device device{torch::kCPU};
   std::shared_ptr<parallel::Comm> comm;
+  int64_t sequence = 1;  // parallel.sequence: the ranks that share each sequence, consecutive
   int64_t world() const { return launch.world; }
+  int64_t data_world() const { return launch.world / sequence; }  // the ranks that draw their own sequences
+  int64_t data_rank() const { return launch.rank / sequence; }
+  int64_t sequence_rank() const { return launch.rank % sequence; }  // which piece of each sequence this rank holds
   bool rank0() const { return launch.rank == 0; }
 };
 
@@ -126,9 +130,10 @@ struct Session {
   nlohmann::json summary_json(const LoopState& st, const Outcome& o, nlohmann::json parallel, nlohmann::json final_weights) const;
 };
 
-// Tokens one optimizer step trains on, over every rank.
-inline int64_t tokens_per_step(const config::TrainConfig& t, int64_t world) {
-  return t.micro_batch * t.grad_accum * t.seq_len * world;
+// Tokens one optimizer step trains on, over every rank (data_world: the ranks that draw their own
+// sequences, Process::data_world()).
+inline int64_t tokens_per_step(const config::TrainConfig& t, int64_t data_world) {
+  return t.micro_batch * t.grad_accum * t.seq_len * data_world;
 }
 
 // What the step loop accumulates for the summary. Its state::Counters (steps_done, skipped_steps,

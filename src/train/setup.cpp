@@ -21,6 +21,7 @@
 #include "log/clock.h"
 #include "log/run_dir.h"
 #include "memory/activations.h"
+#include "parallel/sequence.h"
 #include "planner/planner.h"
 #include "precision/autocast.h"
 #include "train/peak_flops.h"
@@ -66,6 +67,7 @@ Process init_process(config::RunConfig& cfg) {
   }
   if (cfg.train.threads > 0) at::set_num_threads(static_cast<int>(cfg.train.threads));
   p.comm = std::make_shared<parallel::Comm>(p.launch, cfg.parallel, p.device);
+  p.sequence = cfg.parallel.sequence;
   return p;
 }
 
@@ -166,7 +168,8 @@ void check_run_dir_early(const Process& proc, const std::string& run_dir, bool r
 // ranks), written into the recipe with its grad_accum; the trials for summary.json.
 nlohmann::json choose_micro_batch(config::RunConfig& cfg, const Process& proc, int64_t limit) {
   const int64_t world = proc.world();
-  const int64_t per_rank = cfg.train.global_batch / world;  // each rank holds global_batch / world of every step
+  // each data-parallel rank (with its sequence group) holds global_batch / data_world of every step
+  const int64_t per_rank = cfg.train.global_batch / proc.data_world();
   BatchSearch found = find_micro_batch(cfg, per_rank, proc.device);
   if (world > 1) {  // every rank must train the same micro-batch: take the smallest that fits everywhere
     const auto agreed =
@@ -242,6 +245,7 @@ Learner build_learner(const config::RunConfig& cfg, const Process& proc, Meter& 
   meter.tracker->reset_peak();
   const int64_t before_build = meter.tracker->read().allocated_bytes;
   l.model = make_model(cfg, proc.device, meter.limit);
+  l.model->shard_sequence(parallel::sequence_exchange(proc.comm.get()));  // parallel.sequence > 1: this rank's positions
   const int64_t model_peak = meter.tracker->read().peak_allocated_bytes;
   auto plan = run_plan(memory::Scenario(cfg), cfg.train.seed, proc, l.model, std::move(resolved));  // the budget profile resets the peak to measure its own
   meter.tracker->reset_peak();
@@ -279,11 +283,16 @@ Inputs open_inputs(const config::DataConfig& d, const config::TrainConfig& t, in
   return in;
 }
 
-// The train and validation loaders, once the micro-batch is known: each rank its own share.
+// The train and validation loaders, once the micro-batch is known: each data-parallel rank its own
+// sequences, each rank of a sequence group its piece of their positions.
 void open_loaders(const config::TrainConfig& t, const Process& proc, Inputs& in) {
   const auto seed = static_cast<uint64_t>(t.seed);
-  in.train_loader = std::make_unique<data::Loader>(in.splits.train, t.micro_batch, t.seq_len, seed, proc.launch.rank, proc.world());
-  in.val_loader = std::make_unique<data::Loader>(in.splits.val, t.micro_batch, t.seq_len, seed + 1, proc.launch.rank, proc.world());
+  const auto loader = [&](const std::shared_ptr<data::TokenSource>& source, uint64_t s) {
+    return std::make_unique<data::Loader>(source, t.micro_batch, t.seq_len, s, proc.data_rank(), proc.data_world(),
+                                          proc.sequence_rank(), proc.sequence);
+  };
+  in.train_loader = loader(in.splits.train, seed);
+  in.val_loader = loader(in.splits.val, seed + 1);
 }
 
 // The step through which metrics.jsonl keeps its records (RunLog's resume_step): the resumed state's; 0
@@ -323,7 +332,7 @@ void measure(const memory::Scenario& sc, const Process& proc, const Learner& lea
   meter.predicted = memory::estimate_activation_peak(sc, plan);
   // A budget schedule solved with profiled bytes: its peak by those bytes, the model it was solved with.
   if (plan.budget.bytes_source == "profile") meter.predicted.peak_bytes = plan.budget.predicted_peak_bytes;
-  const auto shapes = model_gemm_shapes(sc.model, sc.micro_batch * sc.seq_len);
+  const auto shapes = model_gemm_shapes(sc.model, sc.local_tokens());  // this rank's rows (parallel.sequence: B*T/N)
   meter.peak = PeakTracker(peak_flops(proc.device, sc.precision.compute, sc.peak_tflops, shapes, device::tf32_matmuls()));
 }
 

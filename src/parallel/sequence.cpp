@@ -1,0 +1,14 @@
+#include "parallel/sequence.h"
+
+namespace sl::parallel {
+
+void SequenceGroup::all_to_all(const torch::Tensor& out, const torch::Tensor& in) {
+  comm_.all_to_all(out, in, "sequence all-to-all").wait();
+}
+
+std::shared_ptr<model::SequenceExchange> sequence_exchange(Comm* comm) {
+  if (comm == nullptr || comm->sequence_degree() == 1) return nullptr;
+  return std::make_shared<SequenceGroup>(*comm);
+}
+
+}  // namespace sl::parallel
