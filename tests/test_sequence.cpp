@@ -169,10 +169,20 @@ TEST_CASE("LLaMA (RoPE at global positions, rotated q and k exchanged) at degree
              l1);
 }
 
-TEST_CASE("bf16 compute at degree 2 has degree 1's losses within bf16 rounding", "[numerics]") {
+TEST_CASE("bf16 and fp16 compute at degree 2 have degree 1's losses within their rounding", "[numerics]") {
   Runner& run = shared_runner();
-  const std::string bf16 = " --set precision.compute=bf16";
-  same_steps("bf16 degree 2", run.train(2, bf16 + degree(2)), run.train(1, bf16), kRoundedTol);
+  // fp16's spacing (2^-11) is finer than bf16's: kRoundedTol's derivation bounds it too (its loss scale
+  // only multiplies by powers of two, exact while nothing overflows, and the runs skip the same steps).
+  for (const std::string dtype : {"bf16", "fp16"}) {
+    const std::string sets = " --set precision.compute=" + dtype;
+    same_steps(dtype + " degree 2", run.train(2, sets + degree(2)), run.train(1, sets), kRoundedTol);
+  }
+}
+
+TEST_CASE("offloaded checkpointed inputs at degree 2 have degree 1's losses (offload moves bytes only)", "[numerics]") {
+  Runner& run = shared_runner();
+  same_steps("degree 2, full recompute, offload.activations",
+             run.train(2, " --set checkpointing.mode=full --set offload.activations=true" + degree(2)), run.train(1, ""));
 }
 
 TEST_CASE("a fixed topology repeats bitwise: losses, gradient norms and weights") {
