@@ -152,6 +152,23 @@ struct Runner {
   }
 };
 
+// The largest relative difference, over two runs' steps, of the loss and of the gradient norm (the runs
+// must log the same steps).
+struct RelDiff {
+  double loss = 0, grad_norm = 0;
+};
+inline RelDiff max_rel_step_diff(const std::vector<StepRecord>& a, const std::vector<StepRecord>& b) {
+  REQUIRE(a.size() == b.size());
+  REQUIRE(!a.empty());
+  const auto rel = [](double x, double y) { return std::abs(x - y) / std::max(std::abs(x), std::abs(y)); };
+  RelDiff d;
+  for (size_t i = 0; i < a.size(); ++i) {
+    REQUIRE(a[i].step == b[i].step);
+    d.loss = std::max(d.loss, rel(a[i].loss, b[i].loss));
+    d.grad_norm = std::max(d.grad_norm, rel(a[i].grad_norm, b[i].grad_norm));
+  }
+  return d;
+}
 inline nlohmann::json summary(const std::filesystem::path& run_dir) {
   return nlohmann::json::parse(read_text(run_dir / "summary.json"));
 }

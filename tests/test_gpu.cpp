@@ -358,21 +358,6 @@ void launch_on_one_device(int world, const std::string& args) {
   }
 }
 
-struct Rel {
-  double loss = 0, grad_norm = 0;  // largest relative difference over the steps
-};
-Rel max_rel_diff(const std::vector<test::StepRecord>& a, const std::vector<test::StepRecord>& b) {
-  REQUIRE(a.size() == b.size());
-  REQUIRE(!a.empty());
-  const auto rel = [](double x, double y) { return std::abs(x - y) / std::max(std::abs(x), std::abs(y)); };
-  Rel d;
-  for (size_t i = 0; i < a.size(); ++i) {
-    REQUIRE(a[i].step == b[i].step);
-    d.loss = std::max(d.loss, rel(a[i].loss, b[i].loss));
-    d.grad_norm = std::max(d.grad_norm, rel(a[i].grad_norm, b[i].grad_norm));
-  }
-  return d;
-}
 
 // ProcessGroupGloo (torch 2.11) takes CUDA tensors in every collective this project makes
 // (src/parallel/comm.cpp): allreduce (SUM and MAX; the reduce-scatter of zero2/3 is an all-reduce
@@ -394,7 +379,7 @@ void gloo_on_one_device(const std::string& device) {
     INFO("world 2 on one " << device << " device over Gloo, parallel.sharding " << stage);
     const auto run_dir = dir.path / ("w2-" + stage);
     launch_on_one_device(2, args + " --set parallel.sharding=" + stage + dir_arg(run_dir));
-    const auto d = max_rel_diff(test::step_records(run_dir / "metrics.jsonl"), want);
+    const auto d = test::max_rel_step_diff(test::step_records(run_dir / "metrics.jsonl"), want);
     INFO("largest relative difference: loss " << d.loss << ", grad_norm " << d.grad_norm);
     CHECK(d.loss <= kMetricTol);
     CHECK(d.grad_norm <= kMetricTol);
@@ -423,7 +408,7 @@ void sequence_on_one_device(const std::string& device) {
       INFO("degree 2 on one " << device << " device over Gloo," << arch << ", checkpointing " << mode);
       const auto run_dir = dir.path / ("s2-" + tag + "-" + mode);
       launch_on_one_device(2, args + " --set parallel.sequence=2 --set checkpointing.mode=" + mode + dir_arg(run_dir));
-      const auto d = max_rel_diff(test::step_records(run_dir / "metrics.jsonl"), want);
+      const auto d = test::max_rel_step_diff(test::step_records(run_dir / "metrics.jsonl"), want);
       INFO("largest relative difference: loss " << d.loss << ", grad_norm " << d.grad_norm);
       CHECK(d.loss <= kMetricTol);
       CHECK(d.grad_norm <= kMetricTol);

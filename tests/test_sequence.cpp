@@ -79,21 +79,6 @@ constexpr double kMetricTol = 1e-5;
 // relative. kRoundedTol = 2e-2 bounds both; a misplaced head or position still moves the loss by O(1).
 constexpr double kRoundedTol = 2e-2;
 
-struct Rel {
-  double loss = 0, grad_norm = 0;
-};
-Rel max_rel_diff(const std::vector<test::StepRecord>& a, const std::vector<test::StepRecord>& b) {
-  REQUIRE(a.size() == b.size());
-  REQUIRE(!a.empty());
-  const auto rel = [](double x, double y) { return std::abs(x - y) / std::max(std::abs(x), std::abs(y)); };
-  Rel d;
-  for (size_t i = 0; i < a.size(); ++i) {
-    REQUIRE(a[i].step == b[i].step);
-    d.loss = std::max(d.loss, rel(a[i].loss, b[i].loss));
-    d.grad_norm = std::max(d.grad_norm, rel(a[i].grad_norm, b[i].grad_norm));
-  }
-  return d;
-}
 
 std::vector<test::StepRecord> steps_of(const std::filesystem::path& run_dir) {
   return test::step_records(run_dir / "metrics.jsonl");
@@ -102,7 +87,7 @@ std::vector<test::StepRecord> steps_of(const std::filesystem::path& run_dir) {
 void same_steps(const std::string& what, const std::filesystem::path& got, const std::filesystem::path& want,
                 double tol = kMetricTol) {
   INFO(what);
-  const auto d = max_rel_diff(steps_of(got), steps_of(want));
+  const auto d = test::max_rel_step_diff(steps_of(got), steps_of(want));
   INFO("largest relative difference: loss " << d.loss << ", grad_norm " << d.grad_norm << " (at most " << tol << ")");
   CHECK(d.loss <= tol);
   CHECK(d.grad_norm <= tol);
@@ -153,7 +138,7 @@ TEST_CASE("parallel.sequence 2 and 4 have degree 1's loss and grad_norm at every
             .at("tokens") == 4 * 32);
 
   // Control: the comparison sees the data: half the batch is far outside the tolerance.
-  const auto other = max_rel_diff(steps_of(run.train(1, " --set train.micro_batch=2")), steps_of(w1));
+  const auto other = test::max_rel_step_diff(steps_of(run.train(1, " --set train.micro_batch=2")), steps_of(w1));
   CHECK(other.grad_norm > 100 * kMetricTol);
 }
 
@@ -236,7 +221,7 @@ TEST_CASE("a state saved at degree 2 resumes at degree 1 and at degree 4 (world 
                          " --set logging.dir=" + at4.string()));
   for (const auto& [name, got] : {std::pair{"degree 1", at1}, std::pair{"degree 4", at4}}) {
     INFO("resumed at " << name);
-    const auto d = max_rel_diff(tail(steps_of(got)), tail(want));
+    const auto d = test::max_rel_step_diff(tail(steps_of(got)), tail(want));
     INFO("loss " << d.loss << ", grad_norm " << d.grad_norm);
     CHECK(d.loss <= kMetricTol);
     CHECK(d.grad_norm <= kMetricTol);
