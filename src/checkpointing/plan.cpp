@@ -27,6 +27,16 @@ uint8_t Plan::parts_of(int64_t block) const {
   return block_parts.empty() ? 0 : block_parts.at(static_cast<size_t>(block));
 }
 
+bool Plan::keeps_exchange(int64_t block) const {
+  return !exchange_kept.empty() && exchange_kept.at(static_cast<size_t>(block)) != 0;
+}
+
+bool Plan::recomputes_attention(int64_t block) const {
+  for (const auto& s : segments)
+    if (block >= s.begin && block < s.end) return s.checkpointed || (parts_of(block) & kPartAttention) != 0;
+  return false;
+}
+
 int64_t Plan::checkpointed_blocks() const {
   int64_t n = 0;
   for (const auto& s : segments)
@@ -36,17 +46,21 @@ int64_t Plan::checkpointed_blocks() const {
 
 std::string Plan::describe() const {
   if (mode == config::CheckpointingMode::kNone) return "none";
-  if (mode == config::CheckpointingMode::kSelective) return fmt::format("selective [{}] in every block", parts_name(parts_of(0)));
+  const std::string kept_exchange = !exchange_kept.empty() && !mode.solved() ? ", exchanges kept" : "";
+  if (mode == config::CheckpointingMode::kSelective)
+    return fmt::format("selective [{}] in every block{}", parts_name(parts_of(0)), kept_exchange);
   std::string segs;
   if (mode.solved()) {
     for (const auto& s : segments) {
       if (s.checkpointed) {
-        segs += fmt::format("{}[{}..{}) recomputed{}", segs.empty() ? "" : ", ", s.begin, s.end, s.offloaded ? ", input offloaded" : "");
+        segs += fmt::format("{}[{}..{}) recomputed{}{}", segs.empty() ? "" : ", ", s.begin, s.end,
+                            s.offloaded ? ", input offloaded" : "", keeps_exchange(s.begin) ? ", exchange kept" : "");
         continue;
       }
       for (int64_t b = s.begin; b < s.end; ++b) {
         const auto parts = parts_of(b);
-        segs += fmt::format("{}{} kept{}", segs.empty() ? "" : ", ", b, parts ? " [" + parts_name(parts) + "]" : "");
+        segs += fmt::format("{}{} kept{}{}", segs.empty() ? "" : ", ", b, parts ? " [" + parts_name(parts) + "]" : "",
+                            keeps_exchange(b) ? " exchange kept" : "");
       }
     }
     return fmt::format("budget {}: {}", log::format_bytes(budget.budget_bytes), segs);
@@ -54,9 +68,9 @@ std::string Plan::describe() const {
   for (const auto& s : segments)
     segs += fmt::format("{}[{}..{}){}", segs.empty() ? "" : " ", s.begin, s.end,
                         s.offloaded ? " offloaded" : s.checkpointed ? "" : " kept");
-  return fmt::format("{} k={}: {} of {} segments checkpointed: {}", mode.name(), k,
+  return fmt::format("{} k={}: {} of {} segments checkpointed: {}{}", mode.name(), k,
                      std::count_if(segments.begin(), segments.end(), [](const Segment& s) { return s.checkpointed; }),
-                     segments.size(), segs);
+                     segments.size(), segs, kept_exchange);
 }
 
 nlohmann::json Plan::to_json() const {
@@ -68,14 +82,17 @@ nlohmann::json Plan::to_json() const {
           {"segments", segs},
           {"checkpointed_blocks", checkpointed_blocks()},
           {"selective", {{"attention", attention}, {"mlp", mlp}, {"norm", norm}}}};
+  int64_t kept_exchanges = 0;
+  for (size_t b = 0; b < exchange_kept.size(); ++b) kept_exchanges += exchange_kept[b];
+  j["exchange_kept_blocks"] = kept_exchanges;
   if (!mode.solved()) return j;
   nlohmann::json blocks = nlohmann::json::array();
   for (const auto& s : segments)
     for (int64_t b = s.begin; b < s.end; ++b) {
       const auto parts = part_names(s.checkpointed ? 0 : parts_of(b));
       const char* choice = s.offloaded ? "offload" : s.checkpointed ? "recompute" : parts.empty() ? "keep" : "selective";
-      blocks.push_back({{"block", b}, {"choice", choice},
-                        {"parts", parts}, {"segment", {s.begin, s.end}}});
+      blocks.push_back({{"block", b}, {"choice", choice}, {"parts", parts}, {"segment", {s.begin, s.end}},
+                        {"exchange", keeps_exchange(b) ? "keep" : "redo"}});
     }
   j["blocks"] = blocks;
   j["budget"] = {{"budget_bytes", budget.budget_bytes},
@@ -141,21 +158,32 @@ UniformRule uniform_rule(const config::CheckpointingConfig& cfg, int64_t L) {
   return r;
 }
 
-Plan make_plan(const config::CheckpointingConfig& cfg, int64_t L) {
-  const UniformRule r = uniform_rule(cfg, L);
-  Plan p;
-  p.mode = cfg.mode;
+namespace {
+
+// The segments of uniform_rule's plan.
+void lay_out(const UniformRule& r, int64_t L, Plan& p) {
   if (!r.checkpointed) {
     p.segments.push_back({0, L, false});
     p.attention = (r.parts & kPartAttention) != 0;
     p.mlp = (r.parts & kPartMlp) != 0;
     p.norm = (r.parts & kPartNorm) != 0;
     p.block_parts.assign(static_cast<size_t>(L), r.parts);
-    return p;
+    return;
   }
   p.k = r.size;
   for (int64_t i = 0; i < r.count; ++i) p.segments.push_back({i * r.size, i == r.count - 1 ? L : (i + 1) * r.size, true});
   if (r.skip_last) p.segments.back().checkpointed = false;
+}
+
+}  // namespace
+
+Plan make_plan(const config::CheckpointingConfig& cfg, int64_t L) {
+  Plan p;
+  p.mode = cfg.mode;
+  lay_out(uniform_rule(cfg, L), L, p);
+  if (!cfg.exchange.keeps()) return p;
+  p.exchange_kept.assign(static_cast<size_t>(L), 0);
+  for (int64_t b = 0; b < L; ++b) p.exchange_kept[static_cast<size_t>(b)] = p.recomputes_attention(b) ? 1 : 0;
   return p;
 }
 

@@ -44,8 +44,16 @@ struct Plan {
   std::vector<Segment> segments;
   bool attention = false, mlp = false, norm = false;  // selective parts
   std::vector<uint8_t> block_parts;  // selective parts of each block (kept blocks only; empty = none)
+  // checkpointing.exchange (parallel.sequence > 1): per block, 1 where its recompute (its checkpointed
+  // segment's, or its selective attention's) takes the exchanged tensors the first pass kept instead of
+  // redoing the all-to-alls; every block of a segment alike. Empty: every recompute redoes them.
+  std::vector<uint8_t> exchange_kept;
   BudgetInfo budget;                 // budget: how the schedule was chosen
   uint8_t parts_of(int64_t block) const;  // the selective parts block `block` recomputes
+  bool keeps_exchange(int64_t block) const;  // exchange_kept's entry (false when empty)
+  // Whether block `block` is recomputed with its attention (a checkpointed segment's, or selective
+  // attention): the blocks whose exchanges a recompute redoes or keeps.
+  bool recomputes_attention(int64_t block) const;
   int64_t checkpointed_blocks() const;
   std::string describe() const;  // one line for the start-up table
   nlohmann::json to_json() const;
@@ -66,8 +74,8 @@ UniformRule uniform_rule(const config::CheckpointingConfig& cfg, int64_t n_layer
 // A selective choice's parts as bits (kPartAttention | ...).
 uint8_t parts_of(const config::mode::Selective& s);
 
-// Segments for a config and a block count: uniform_rule's, listed. Not for mode budget, whose plan
-// comes from budget/budget.h.
+// Segments for a config and a block count: uniform_rule's, listed, with checkpointing.exchange: keep
+// every recomputed attention's exchange kept. Not for mode budget, whose plan comes from budget/budget.h.
 Plan make_plan(const config::CheckpointingConfig& cfg, int64_t n_layer);
 
 }  // namespace sl::checkpointing

@@ -23,6 +23,7 @@ void to_json(nlohmann::json& j, const DeviceChoice& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const OnNonfinite& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const OnSpike& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const CudaGraphs& c) { name_to_json(j, c); }
+void to_json(nlohmann::json& j, const Exchange& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const DataSource& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const RawDtype& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const MicroBatch& m) { j = m.is_auto() ? nlohmann::json("auto") : nlohmann::json(m.value()); }
@@ -42,6 +43,7 @@ std::ostream& operator<<(std::ostream& os, const DeviceChoice& c) { return os <<
 std::ostream& operator<<(std::ostream& os, const OnNonfinite& c) { return os << c.name(); }
 std::ostream& operator<<(std::ostream& os, const OnSpike& c) { return os << c.name(); }
 std::ostream& operator<<(std::ostream& os, const CudaGraphs& c) { return os << c.name(); }
+std::ostream& operator<<(std::ostream& os, const Exchange& c) { return os << c.name(); }
 std::ostream& operator<<(std::ostream& os, const DataSource& c) { return os << c.name(); }
 std::ostream& operator<<(std::ostream& os, const RawDtype& c) { return os << c.name(); }
 

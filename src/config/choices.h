@@ -1,7 +1,7 @@
 // The recipe's named choices, parsed once where the recipe is read: parallel.sharding (Sharding),
 // checkpointing.mode (CheckpointingMode), model.arch (Arch), the precision dtypes (Dtype),
 // precision.tf32 (Tf32), parallel.backend (Backend), train.device (DeviceChoice), train.on_nonfinite
-// (OnNonfinite), train.on_spike (OnSpike), train.cuda_graphs (CudaGraphs), data.source (DataSource) and data.raw_dtype (RawDtype). Past the parser no
+// (OnNonfinite), train.on_spike (OnSpike), train.cuda_graphs (CudaGraphs), checkpointing.exchange (Exchange), data.source (DataSource) and data.raw_dtype (RawDtype). Past the parser no
 // code sees their names: it asks the value what it does (sharding.shards_params(), dtype.bytes()) or
 // compares values (mode == CheckpointingMode::kBudget). Comparing one with a string does not compile,
 // and scripts/check_design.py keeps src/ free of string comparisons with these names.
@@ -174,6 +174,24 @@ class CudaGraphs : public NamedChoice<CudaGraphs> {
   constexpr bool wanted() const { return kind() != kOff; }  // on or auto: captured where eligible
 };
 
+// checkpointing.exchange: what a recompute does about the all-to-alls of sequence parallelism
+// (parallel.sequence > 1, model/sequence.h) in the blocks it re-runs (a checkpointed segment, or a
+// selective attention). redo: exchanges again (no memory kept from the first pass); keep: the first
+// pass keeps what its exchanges received (the gathered q, k, v and the attention output, 3C + C per local
+// token per block) and the recompute takes them instead of communicating; auto: mode budget chooses per
+// block (budget/budget.h), every other mode redoes. Nothing to choose at parallel.sequence 1.
+class Exchange : public NamedChoice<Exchange> {
+ public:
+  enum Kind : uint8_t { kAuto, kRedo, kKeep };
+  static constexpr std::array<std::string_view, 3> kNames = {"auto", "redo", "keep"};
+
+  constexpr Exchange() : Exchange(kAuto) {}
+  constexpr Exchange(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
+
+  constexpr bool keeps() const { return kind() == kKeep; }     // every recompute keeps
+  constexpr bool chosen() const { return kind() == kAuto; }    // budget mode's solver decides per block
+};
+
 // data.source: where the tokens come from (data/loader.h); bin is llmc's old name.
 class DataSource : public NamedChoice<DataSource> {
  public:
@@ -238,6 +256,7 @@ void to_json(nlohmann::json& j, const DeviceChoice& c);
 void to_json(nlohmann::json& j, const OnNonfinite& c);
 void to_json(nlohmann::json& j, const OnSpike& c);
 void to_json(nlohmann::json& j, const CudaGraphs& c);
+void to_json(nlohmann::json& j, const Exchange& c);
 void to_json(nlohmann::json& j, const DataSource& c);
 void to_json(nlohmann::json& j, const RawDtype& c);
 void to_json(nlohmann::json& j, const MicroBatch& m);  // "auto" or the number
@@ -252,6 +271,7 @@ std::ostream& operator<<(std::ostream& os, const DeviceChoice& c);
 std::ostream& operator<<(std::ostream& os, const OnNonfinite& c);
 std::ostream& operator<<(std::ostream& os, const OnSpike& c);
 std::ostream& operator<<(std::ostream& os, const CudaGraphs& c);
+std::ostream& operator<<(std::ostream& os, const Exchange& c);
 std::ostream& operator<<(std::ostream& os, const DataSource& c);
 std::ostream& operator<<(std::ostream& os, const RawDtype& c);
 

@@ -209,6 +209,7 @@ std::vector<Field> checkpointing_fields() {
       field(&R::checkpointing, &C::skip_last, "checkpointing", "skip_last", "keep the last segment's activations (recomputing them saves nothing at peak)"),
       field(&R::checkpointing, &C::budget, "checkpointing", "budget", "budget mode: activation memory per step (under zero3 the gathered units count too): a size such as 6GiB, or a share such as 90% of what memory.limit leaves after model states, batch and buffers; \"\" = 100% of that"),
       field(&R::checkpointing, &C::profile_costs, "checkpointing", "profile_costs", "budget mode: time each kind of block's parts in a short pass of real forwards at the run's shape and precision; false (or `trainer --no-profile`) = the FLOP formula"),
+      field(&R::checkpointing, &C::exchange, "checkpointing", "exchange", "auto | redo | keep: under parallel.sequence > 1, what a recompute does about the attention's two all-to-alls: redo them, or keep what the first pass received (the gathered q, k, v and the attention output: 4 x n_embd values per local token per recomputed block) and communicate nothing more; auto = mode budget chooses per block by its cost model, the other modes redo"),
       field(&R::checkpointing, &C::preserve_rng, "checkpointing", "preserve_rng", "replay the forward's RNG state during recompute (exact dropout)"),
       field(&R::checkpointing, &C::check_recompute, "checkpointing", "check_recompute", "verify recomputed outputs match the forward's shapes and dtypes"),
   };

@@ -114,6 +114,9 @@ struct CheckpointingConfig {
   // budget mode: the activation memory a step may use, a size ("6GiB") or a share of what memory.limit
   // leaves after the model states, batch and buffers ("90%"); "" = 100% (needs memory.limit).
   Budget budget = {};
+  // parallel.sequence > 1: a recompute redoes the attention's all-to-alls or keeps their outputs (auto:
+  // budget mode chooses per block, the other modes redo).
+  Exchange exchange = Exchange::kAuto;
   bool profile_costs = true;  // budget mode: time the block's parts in a short pass (false: FLOP formula)
   bool preserve_rng = true;
   bool check_recompute = false;
