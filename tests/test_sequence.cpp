@@ -170,6 +170,69 @@ TEST_CASE("offloaded checkpointed inputs at degree 2 have degree 1's losses (off
              run.train(2, " --set checkpointing.mode=full --set offload.activations=true" + degree(2)), run.train(1, ""));
 }
 
+namespace {
+
+// Every step's loss and gradient norm equal, and the saved weights equal, bit for bit.
+void bitwise_same(const std::string& what, const std::filesystem::path& got, const std::filesystem::path& want) {
+  INFO(what);
+  const auto a = steps_of(got), b = steps_of(want);
+  REQUIRE(a.size() == b.size());
+  REQUIRE(!a.empty());
+  for (size_t i = 0; i < a.size(); ++i) {
+    CHECK(a[i].loss == b[i].loss);
+    CHECK(a[i].grad_norm == b[i].grad_norm);
+  }
+  CHECK(test::max_abs_diff(test::load_params(got), test::load_params(want)) == 0.0);
+}
+
+int64_t sent_bytes(const std::filesystem::path& run_dir) {
+  return test::summary(run_dir).at("parallel").at("all_to_all_bytes_sent").get<int64_t>();
+}
+
+}  // namespace
+
+// checkpointing.exchange keep: a recompute takes the tensors the first pass's all-to-alls received instead
+// of exchanging again. An all-to-all moves values without arithmetic, so the recompute computes on the
+// same bits either way: keep trains exactly as redo (losses, gradient norms, weights bitwise). What it
+// saves is communication: per recomputed block and micro-batch one forward exchange pair, of which each
+// rank sends (N-1)/N of tok (3C xq + C xo) bytes (tok = B T / N local tokens; xq, xo the exchanged q, k, v's
+// and attention output's element sizes, 4 in fp32). Measured by the exchange's own byte count
+// (summary.parallel.all_to_all_bytes_sent), which must also equal steps x the planner's prediction.
+TEST_CASE("checkpointing.exchange keep trains bitwise as redo and sends one forward exchange less per recomputed block",
+          "[numerics]") {
+  Runner& run = shared_runner();
+  constexpr int64_t N = 2, B = 4, T = 32, C = 64, steps = 6, fp32 = 4;
+  constexpr int64_t pair_bytes = (N - 1) * (B * T / N) * (3 * C * fp32 + C * fp32) / N;  // 32768
+  struct KeepCase {
+    std::string sets;
+    int64_t recomputed;  // blocks whose attention a recompute re-runs (of 4)
+  };
+  const std::vector<KeepCase> cases = {
+      {"--set checkpointing.mode=full --set parallel.sharding=zero1", 3},  // skip_last: the last block kept
+      {"--set checkpointing.mode=interval --set checkpointing.interval=2 --set checkpointing.skip_last=false", 4},
+      {"--set checkpointing.mode=selective --set checkpointing.recompute=[attention,mlp]", 4},
+      {"--set checkpointing.mode=full --set offload.activations=true", 3},
+      {kLlama + " --set checkpointing.mode=full --set parallel.sharding=zero3", 3},
+  };
+  for (const auto& c : cases) {
+    const auto redo = run.train(2, " " + c.sets + " --set checkpointing.exchange=redo" + degree(2));
+    const auto keep = run.train(2, " " + c.sets + " --set checkpointing.exchange=keep" + degree(2));
+    bitwise_same("keep vs redo: " + c.sets, keep, redo);
+    INFO(c.sets);
+    CHECK(sent_bytes(redo) - sent_bytes(keep) == steps * c.recomputed * pair_bytes);
+    for (const auto& dir : {redo, keep}) {
+      const auto p = test::summary(dir).at("parallel");
+      CHECK(p.at("all_to_all_bytes_sent").get<int64_t>() == steps * p.at("predicted_all_to_all_bytes_per_micro_batch").get<int64_t>());
+    }
+    const auto plan = test::summary(keep).at("checkpointing");
+    CHECK(plan.at("exchange_kept_blocks") == c.recomputed);
+  }
+  // Control: the byte count sees the recompute: full recompute sends more than no recompute.
+  CHECK(sent_bytes(run.train(2, " --set checkpointing.mode=full --set parallel.sharding=zero1 --set checkpointing.exchange=redo" +
+                                    degree(2))) >
+        sent_bytes(run.train(2, " --set checkpointing.mode=none --set parallel.sharding=none" + degree(2))));
+}
+
 TEST_CASE("a fixed topology repeats bitwise: losses, gradient norms and weights") {
   test::TempDir dir("sequence-repeat");
   const auto recipe = dir.file("recipe.yaml", kRecipe);

@@ -22,6 +22,7 @@
 #include "errors.h"
 #include "log/clock.h"
 #include "model/linear.h"
+#include "model/sequence.h"
 
 namespace sl::checkpointing {
 namespace {
@@ -162,6 +163,14 @@ struct Saved : torch::CustomClassHolder {
   };
   std::vector<Meta> out_meta;  // only with check_recompute
   std::shared_ptr<ActivationOffload::Slot> offloaded;  // offload.activations: the inputs on the host
+  // checkpointing.exchange keep: what the first pass's exchanges received, for the recompute (null: redo).
+  std::unique_ptr<model::ExchangeMemo> exchanges;
+  // The scope a pass of the piece runs in: recording its exchanges (first pass) or taking them back
+  // (recompute) when it keeps them, else exchanging (also inside a piece that keeps: nothing nests).
+  model::ExchangeMemoScope exchange_scope(bool recompute) {
+    if (opts.keep_exchange && !exchanges) exchanges = std::make_unique<model::ExchangeMemo>();
+    return model::ExchangeMemoScope(opts.keep_exchange ? exchanges.get() : nullptr, recompute);
+  }
 };
 
 using SavedPtr = c10::intrusive_ptr<Saved>;
@@ -311,7 +320,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static variable_list forward(AutogradContext* ctx, SavedPtr saved, at::TensorList inputs, at::TensorList params) {
     std::vector<at::Tensor> in(inputs.begin(), inputs.end());
     saved->state = ForwardState::capture(saved->opts.preserve_rng, in);
-    auto outs = saved->fn(in);
+    std::vector<at::Tensor> outs;
+    {
+      const auto exchanges = saved->exchange_scope(/*recompute=*/false);
+      outs = saved->fn(in);
+    }
     if (saved->opts.check_recompute)
       for (const auto& o : outs) saved->out_meta.push_back(meta_of(o));
     saved->params.assign(params.begin(), params.end());
@@ -326,6 +339,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> outs;
     {
       Replay replay(saved->state);
+      const auto exchanges = saved->exchange_scope(/*recompute=*/true);
       outs = timed(*saved, cuda_device(inputs), [&] { return saved->fn(inputs); });
     }
     check_outputs(*saved, outs);
@@ -351,7 +365,11 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
                             at::TensorList linear_params) {
     std::vector<at::Tensor> in(inputs.begin(), inputs.end());
     saved->state = ForwardState::capture(saved->opts.preserve_rng, in);
-    auto a = saved->cheap(in);
+    at::Tensor a;
+    {
+      const auto exchanges = saved->exchange_scope(/*recompute=*/false);
+      a = saved->cheap(in);
+    }
     if (saved->opts.check_recompute) saved->out_meta.push_back(meta_of(a));
     const auto& W = linear_params[0];
     auto y = model::linear(a, W, linear_params.size() > 1 ? linear_params[1] : at::Tensor());
@@ -376,6 +394,7 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     at::Tensor a;
     {
       Replay replay(saved->state);
+      const auto exchanges = saved->exchange_scope(/*recompute=*/true);
       a = timed(*saved, cuda_device(inputs), [&] { return saved->cheap(inputs); });
     }
     check_outputs(*saved, {a});

@@ -69,6 +69,10 @@ struct Options {
   bool check_recompute = false; // compare recomputed outputs' shapes, dtypes and value checksums
   std::function<void(const std::string& name)> pre_recompute_hook;  // runs before each recompute
   std::shared_ptr<Stats> stats = std::make_shared<Stats>();
+  // checkpointing.exchange keep (parallel.sequence > 1): the piece's first pass keeps what its sequence
+  // exchanges received (model::ExchangeMemo, owned by the piece's node) and its recompute takes them
+  // instead of exchanging again. Set per piece (checkpointing/runner.cpp); false: the recompute redoes them.
+  bool keep_exchange = false;
   // offload.activations: set only on the Options of an offloaded segment (checkpointing/runner.cpp),
   // never on those of pieces nested in a segment or a kept block; null = inputs stay on the device.
   std::shared_ptr<ActivationOffload> offload;

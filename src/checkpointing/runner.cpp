@@ -38,16 +38,21 @@ void mark_backward(int64_t unit, const torch::Tensor& out) {
 
 }  // namespace
 
-model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts) {
+model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts, bool keep_exchange) {
   static const char* kPartNames[] = {"norm1->qkv", "attention->proj", "norm2->fc", "act->out"};
   const std::array<bool, 4> recompute = {(parts & kPartNorm) != 0, (parts & kPartAttention) != 0,
                                          (parts & kPartNorm) != 0, (parts & kPartMlp) != 0};
-  return [recompute, layer, o = &opts](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
-                                       const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W,
-                                       const torch::Tensor& b) {
+  return [recompute, layer, keep_exchange, o = &opts](model::Part part, const model::CheapFn& cheap,
+                                                      const std::vector<torch::Tensor>& inputs,
+                                                      const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W,
+                                                      const torch::Tensor& b) {
     const auto i = static_cast<size_t>(part);
     if (!recompute[i]) return model::linear(cheap(inputs), W, b);
-    return recompute_then_linear(fmt::format("block {} {}", layer, kPartNames[i]), cheap, inputs, cheap_params, W, b, *o);
+    const auto name = fmt::format("block {} {}", layer, kPartNames[i]);
+    if (part != model::Part::attention_proj || !keep_exchange) return recompute_then_linear(name, cheap, inputs, cheap_params, W, b, *o);
+    Options keeping = *o;  // the attention's piece keeps its exchanges
+    keeping.keep_exchange = true;
+    return recompute_then_linear(name, cheap, inputs, cheap_params, W, b, keeping);
   };
 }
 
@@ -102,7 +107,7 @@ torch::Tensor Runner::block_forward_unhooked(model::BlockImpl& block, const torc
   }
   const uint8_t parts = plan_.parts_of(block.layer);
   if (parts == 0) return block.forward(x, rope);
-  return block.forward_with(x, rope, selective_linear_after(parts, block.layer, opts_));
+  return block.forward_with(x, rope, selective_linear_after(parts, block.layer, opts_, plan_.keeps_exchange(block.layer)));
 }
 
 torch::Tensor Runner::forward(const torch::Tensor& idx) {
@@ -154,6 +159,7 @@ torch::Tensor Runner::trunk(const torch::Tensor& idx) {
     };
     Options opts = opts_;
     if (seg.offloaded) opts.offload = offload_;
+    opts.keep_exchange = plan_.keeps_exchange(seg.begin);
     x = checkpoint(fmt::format("segment {} (blocks {}..{})", si, seg.begin, seg.end - 1), fn, {x}, params, opts)[0];
     mark_backward(model::block_unit(seg.end - 1), x);  // the segment's backward starts with its last block's
   }

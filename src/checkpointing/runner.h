@@ -19,8 +19,9 @@ namespace sl::checkpointing {
 
 // The LinearAfter that runs block `layer` with its selective `parts` recomputed: recompute_then_linear
 // on the chosen cheap-op -> linear pairs, plain linears on the others. What Runner runs in a kept block,
-// and what the budget profile measures; `opts` must outlive the forward it is used in.
-model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts);
+// and what the budget profile measures; `opts` must outlive the forward it is used in. keep_exchange: the
+// recomputed attention keeps its sequence exchanges (Options::keep_exchange).
+model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts, bool keep_exchange = false);
 
 // Called around each unit of the forward (unit 0 the embeddings, 1..L the blocks, L+1 the final
 // norm and head), in the first forward and again when a block is recomputed. ZeRO-3 gathers a unit's

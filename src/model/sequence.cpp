@@ -1,10 +1,29 @@
 #include "model/sequence.h"
 
+#include <stdexcept>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/autograd.h>
 
 namespace sl::model {
 
 namespace {
+
+// The memo of this thread's ExchangeMemoScope (null: none), and whether it replays. Thread-local: on CUDA a
+// recompute runs on autograd's device thread, which opens its own scope (checkpointing/checkpoint.cpp).
+thread_local ExchangeMemo* t_memo = nullptr;
+thread_local bool t_replay = false;
+
+// One direction of the exchange, through the scope's memo where there is one: a first pass exchanges and
+// records what it received; a recompute takes it back.
+template <class Exchange>
+torch::Tensor exchange_or_take(at::IntArrayRef out_sizes, Exchange&& exchange) {
+  if (t_memo && t_replay) return t_memo->take(out_sizes);
+  auto out = exchange();
+  if (t_memo) t_memo->record(out);
+  return out;
+}
 
 // (B, T/N, G, nh, hd) -> (B, T, G, nh/N, hd). The send buffer is (N, B, T/N, G, nh/N, hd), chunk j the
 // heads rank j takes; the received chunk j holds rank j's positions, so laying the chunks along the
@@ -54,7 +73,9 @@ SequenceExchange& kept(torch::autograd::AutogradContext* ctx) {
 torch::Tensor ToHeads::forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const std::shared_ptr<SequenceExchange>& ex) {
   keep(ctx, ex);
-  return exchange_to_heads(*ex, x);
+  const int64_t n = ex->degree();
+  const std::vector<int64_t> sizes = {x.size(0), n * x.size(1), x.size(2), x.size(3) / n, x.size(4)};
+  return exchange_or_take(sizes, [&] { return exchange_to_heads(*ex, x); });
 }
 torch::autograd::variable_list ToHeads::backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g) {
   return {exchange_to_positions(kept(ctx), g[0]), torch::Tensor()};
@@ -62,7 +83,9 @@ torch::autograd::variable_list ToHeads::backward(torch::autograd::AutogradContex
 torch::Tensor ToPositions::forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& y,
                                    const std::shared_ptr<SequenceExchange>& ex) {
   keep(ctx, ex);
-  return exchange_to_positions(*ex, y);
+  const int64_t n = ex->degree();
+  const std::vector<int64_t> sizes = {y.size(0), y.size(1) / n, y.size(2), n * y.size(3), y.size(4)};
+  return exchange_or_take(sizes, [&] { return exchange_to_positions(*ex, y); });
 }
 torch::autograd::variable_list ToPositions::backward(torch::autograd::AutogradContext* ctx,
                                                      torch::autograd::variable_list g) {
@@ -70,6 +93,26 @@ torch::autograd::variable_list ToPositions::backward(torch::autograd::AutogradCo
 }
 
 }  // namespace
+
+torch::Tensor ExchangeMemo::take(at::IntArrayRef sizes) {
+  if (kept_.empty()) throw std::logic_error("checkpointing.exchange keep: a recompute exchanged more than its first pass");
+  auto t = std::move(kept_.front());
+  kept_.pop_front();
+  if (t.sizes() != sizes)
+    throw std::logic_error(fmt::format("checkpointing.exchange keep: the recompute's exchange is {}, its first pass's {}",
+                                       fmt::join(sizes, "x"), fmt::join(t.sizes(), "x")));
+  return t;
+}
+
+ExchangeMemoScope::ExchangeMemoScope(ExchangeMemo* memo, bool replay) : prev_memo_(t_memo), prev_replay_(t_replay) {
+  t_memo = memo;
+  t_replay = replay;
+}
+
+ExchangeMemoScope::~ExchangeMemoScope() {
+  t_memo = prev_memo_;
+  t_replay = prev_replay_;
+}
 
 torch::Tensor positions_to_heads(const std::shared_ptr<SequenceExchange>& ex, const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 5 && x.size(3) % ex->degree() == 0, "positions_to_heads: (B, T/N, G, nh, hd) with N | nh");

@@ -16,9 +16,11 @@ class SequenceGroup : public model::SequenceExchange {
   int64_t degree() const override { return comm_.sequence_degree(); }
   int64_t rank() const override { return comm_.sequence_rank(); }
   void all_to_all(const torch::Tensor& out, const torch::Tensor& in) override;
+  int64_t sent_bytes() const override { return sent_; }
 
  private:
   Comm& comm_;
+  int64_t sent_ = 0;
 };
 
 // The exchange a run of `comm` gives its model: null when every rank holds whole sequences (N = 1).

@@ -121,8 +121,11 @@ Json parallel_report(config::Sharding sharding, const Process& proc, const Learn
                      {"build_peak_bytes", at(7)},
                      {"load_peak_bytes", at(8)}});
   }
+  const auto& exchange = learn.model->sequence;  // parallel.sequence > 1: this rank's all-to-alls
   layout.update({{"world_size", proc.world()},
                  {"sequence_parallel", proc.sequence},
+                 {"all_to_all_bytes_sent", exchange ? exchange->sent_bytes() : 0},
+                 {"predicted_all_to_all_bytes_per_micro_batch", meter.predicted.all_to_all_bytes},
                  {"data_parallel", proc.data_world()},
                  {"backend", proc.comm->backend()},
                  {"sharding", sharding},
