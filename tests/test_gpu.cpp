@@ -395,6 +395,8 @@ void gloo_on_one_device(const std::string& device) {
 // alltoall_base has a CUDA work that stages through pinned host memory, as its other collectives do).
 // kParallelRecipe's 2 heads give each rank one; GPT-2 and LLaMA (RoPE at global positions), with full
 // recompute (the exchange redone in backward). Bounds: kMetricTol, the sums reordered as at world 2.
+// checkpointing.exchange keep (the recompute takes what the first pass received) trains bitwise as the
+// redo run: an all-to-all moves values without arithmetic, and the recompute is deterministic.
 void sequence_on_one_device(const std::string& device) {
   test::TempDir dir("gpu-sequence-" + device);
   const auto recipe = dir.file("recipe.yaml", kParallelRecipe);
@@ -414,6 +416,17 @@ void sequence_on_one_device(const std::string& device) {
       CHECK(d.grad_norm <= kMetricTol);
       CHECK(test::summary(run_dir).at("parallel").at("sequence_parallel") == 2);
       check_device(run_dir, device);
+    }
+    const auto kept = dir.path / ("s2-" + tag + "-full-keep");
+    launch_on_one_device(2, args + " --set parallel.sequence=2 --set checkpointing.mode=full --set checkpointing.exchange=keep" +
+                                dir_arg(kept));
+    const auto redo = test::step_records(dir.path / ("s2-" + tag + "-full") / "metrics.jsonl");
+    const auto keep = test::step_records(kept / "metrics.jsonl");
+    REQUIRE(keep.size() == redo.size());
+    for (size_t i = 0; i < keep.size(); ++i) {
+      INFO("exchange keep vs redo," << arch << ", step " << keep[i].step);
+      CHECK(keep[i].loss == redo[i].loss);
+      CHECK(keep[i].grad_norm == redo[i].grad_norm);
     }
   }
 }
