@@ -199,7 +199,7 @@ int64_t sent_bytes(const std::filesystem::path& run_dir) {
 // and attention output's element sizes, 4 in fp32). Measured by the exchange's own byte count
 // (summary.parallel.all_to_all_bytes_sent), which must also equal steps x the planner's prediction.
 TEST_CASE("checkpointing.exchange keep trains bitwise as redo and sends one forward exchange less per recomputed block",
-          "[numerics]") {
+          "[numerics][exchange]") {
   Runner& run = shared_runner();
   constexpr int64_t N = 2, B = 4, T = 32, C = 64, steps = 6, fp32 = 4;
   constexpr int64_t pair_bytes = (N - 1) * (B * T / N) * (3 * C * fp32 + C * fp32) / N;  // 32768
