@@ -370,11 +370,12 @@ std::string budget_schedule_text(const Json& j) {
     std::string parts;
     for (const auto& p : blk["parts"]) parts += (parts.empty() ? " [" : ", ") + p.get<std::string>();
     const auto& seg = blk["segment"];
-    out += fmt::format("  block {:>3}: {}{}{}\n", blk["block"].get<int64_t>(), blk["choice"].get<std::string>(),
+    out += fmt::format("  block {:>3}: {}{}{}{}\n", blk["block"].get<int64_t>(), blk["choice"].get<std::string>(),
                        parts.empty() ? "" : parts + "]",
                        blk["choice"] == "recompute" ? fmt::format(" (segment of blocks {}..{})", seg[0].get<int64_t>(),
                                                                   seg[1].get<int64_t>() - 1)
-                                                    : std::string());
+                                                    : std::string(),
+                       blk.value("exchange", "redo") == "keep" ? ", exchange kept" : "");
   }
   return out;
 }
