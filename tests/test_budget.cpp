@@ -871,3 +871,104 @@ TEST_CASE("checkpointing.exchange in a budget recipe: nothing kept at degree 1; 
   const auto none2 = memory::estimate_activation_peak(sc, checkpointing::make_plan({}, 6));
   CHECK(e.all_to_all_bytes == none2.all_to_all_bytes);  // forward and backward exchanges only: no recompute redoes
 }
+
+namespace {
+
+// A sequence group of one process standing for rank 0 of degree 2: all_to_all copies its input
+// (every chunk "comes back"), and records each call's element count and dtype.
+struct LoopbackExchange : model::SequenceExchange {
+  std::vector<std::pair<int64_t, torch::ScalarType>> calls;
+  int64_t degree() const override { return 2; }
+  int64_t rank() const override { return 0; }
+  void all_to_all(const torch::Tensor& out, const torch::Tensor& in) override {
+    calls.emplace_back(in.numel(), in.scalar_type());
+    out.copy_(in);
+  }
+};
+
+}  // namespace
+
+// profile_costs under a sequence group: the block's two forward exchanges timed once, on tensors of the
+// block's shapes (q, k, v: B x T/2 x 3C; the attention output: B x T x C/2) in the exchanged dtypes
+// (memory/activations.h: LLaMA under bf16 exchanges fp32 q, k, v and, on the CPU, an fp32 output),
+// six times each (a warm-up and five, whatever the blocks: every rank makes the same calls), their
+// median added to the attention and the forward of every block.
+TEST_CASE("the profile times a block's two exchanges through the model's sequence group, in the exchanged shapes and dtypes") {
+  struct Case {
+    std::string arch, compute;
+    torch::ScalarType xq, xo;
+  };
+  const std::vector<Case> cases = {{"gpt2", "fp32", torch::kFloat32, torch::kFloat32},
+                                   {"gpt2", "bf16", torch::kBFloat16, torch::kBFloat16},
+                                   {"llama", "bf16", torch::kFloat32, torch::kFloat32}};
+  for (const auto& c : cases) {
+    std::vector<std::string> sets = {"model.arch=" + c.arch, "precision.compute=" + c.compute, "checkpointing.mode=budget",
+                                     "checkpointing.budget=8MiB"};
+    if (c.arch == "llama") sets.emplace_back("model.bias=false");
+    const auto cfg = six_layers(sets);
+    INFO(c.arch << " " << c.compute);
+    torch::manual_seed(0);
+    model::GPT m(cfg.model, torch::kCPU);
+    const auto plain = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
+    for (const auto& b : plain.blocks) CHECK(b.exchange == 0);  // no sequence group: nothing exchanged
+    auto ex = std::make_shared<LoopbackExchange>();
+    m->shard_sequence(ex);
+    const auto p = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
+    const int64_t B = 4, t = 64 / 2, C = 64;
+    REQUIRE(ex->calls.size() == 12);
+    for (size_t i = 0; i < ex->calls.size(); i += 2) {
+      CHECK(ex->calls[i].first == B * t * 3 * C);
+      CHECK(ex->calls[i].second == c.xq);
+      CHECK(ex->calls[i + 1].first == B * t * C);
+      CHECK(ex->calls[i + 1].second == c.xo);
+    }
+    REQUIRE(p.blocks.size() == 6);
+    for (const auto& b : p.blocks) {
+      CHECK(b.exchange > 0);
+      CHECK(b.exchange == p.blocks[0].exchange);
+      CHECK(b.attention >= b.exchange);
+      CHECK(b.forward >= b.exchange);
+    }
+  }
+}
+
+// The walk's kept-exchange terms (memory/activations.h), by hand on a 3-block chain: an offloaded
+// checkpointed segment [0, 2) and block 2 kept with its attention recomputed. Sizes: S 100 (60 with the
+// attention recomputed), T 10, Fb 200, input 5, Kx 7 and Rx 150 per block, H 29, E 30, no G, no weights.
+//   keep every recompute's exchanges:
+//     first passes: block 0: 5 + 200 = 205; block 1: 5 + 7 (block 0's Kx) + 200 = 212
+//     after the segment: 5 + 14, its input offloaded: 14 (the Kx stay); block 2: + 60 + 7 = 81
+//     F's end 81 + 29 = 110; A 81 + 30 = 111; D of block 2: 81 + 10 = 91
+//     B of the segment: its Kx consumed, its input back: 5 + 200 + 10 = 215, no exchange buffer
+//   redo: first passes 205; after the segment 0; block 2: 60; F's end 89; A 90; D 70;
+//     B: 5 + max(200 + 10, 100 + 150) = 255 (block 1's exchange beside block 0's S)
+TEST_CASE("the walk's kept exchanges: a segment's first passes beside the earlier Kx, offloaded Kx on the device, none "
+          "at its recompute") {
+  memory::ChainModel m;
+  m.kept.assign(3, {100, 60, 100, 60, 100, 60, 100, 60});
+  m.backward.assign(3, {10, 10, 10, 10, 10, 10, 10, 10});
+  m.weights.assign(3, 0);
+  m.forward.assign(3, 200);
+  m.recompute_exchange.assign(3, 150);
+  m.exchange_kept.assign(3, 7);
+  m.input = 5, m.head = 30, m.head_forward = 29, m.tied_grad = 0;
+  checkpointing::Plan p;
+  p.mode = config::CheckpointingMode::kBudget;
+  p.segments = {{0, 2, true, true}, {2, 3, false}};
+  p.block_parts = {0, 0, checkpointing::kPartAttention};
+  double host = 0;
+  memory::PhasePeaks ph;
+  CHECK(memory::chain_peak(m, p, &host, &ph) == 255);  // redo: exchange_kept empty
+  CHECK(host == 5);
+  CHECK(ph.forward_block == 205);
+  CHECK(ph.forward_end == 89);
+  CHECK(ph.start == 90);
+  CHECK(ph.backward == 255);
+  p.exchange_kept = {1, 1, 1};
+  CHECK(memory::chain_peak(m, p, &host, &ph) == 215);
+  CHECK(host == 5);
+  CHECK(ph.forward_block == 212);
+  CHECK(ph.forward_end == 110);
+  CHECK(ph.start == 111);
+  CHECK(ph.backward == 215);
+}
