@@ -204,6 +204,172 @@ TEST_CASE("while a segment is recomputed, the kept blocks before it still hold t
   CHECK(memory::chain_peak(m, p) == 7 + 100 + 11 + 13 + 5 + 200 + 10 + 2);
 }
 
+namespace {
+
+// A random chain under sequence parallelism: each block's kept exchanges Kx, its recompute's exchange
+// buffers Rx and its forward exchanges' cost, whole numbers like the rest of random_chain.
+Chain random_sequence_chain(int64_t L, std::mt19937& rng) {
+  Chain c = random_chain(L, rng, false);
+  std::uniform_int_distribution<int> kx(1, 40), rx(1, 60), cost(1, 10);
+  for (int64_t i = 0; i < L; ++i) {
+    c.mem.exchange_kept.push_back(kx(rng));
+    c.mem.recompute_exchange.push_back(rx(rng));
+    auto& b = c.costs[static_cast<size_t>(i)];
+    b.exchange = std::min<double>(cost(rng), b.attention);  // part of the attention's cost (and the forward's)
+  }
+  return c;
+}
+
+// Every schedule of each_schedule with every exchange choice of its recomputes: each checkpointed
+// segment (all its blocks alike) and each kept block with selective attention redoes or keeps.
+void each_exchange_schedule(int64_t L, const std::function<void(const checkpointing::Plan&)>& visit) {
+  each_schedule(L, [&](const checkpointing::Plan& p) {
+    std::vector<std::pair<int64_t, int64_t>> units;  // [begin, end) deciding together
+    for (const auto& s : p.segments)
+      if (s.checkpointed || (p.parts_of(s.begin) & checkpointing::kPartAttention) != 0) units.emplace_back(s.begin, s.end);
+    for (uint32_t mask = 0; mask < (1u << units.size()); ++mask) {
+      checkpointing::Plan q = p;
+      q.exchange_kept.assign(static_cast<size_t>(L), 0);
+      for (size_t u = 0; u < units.size(); ++u)
+        for (int64_t b = units[u].first; b < units[u].second; ++b) q.exchange_kept[static_cast<size_t>(b)] = (mask >> u) & 1u;
+      visit(q);
+    }
+  });
+}
+
+struct ExchangeEvaluated {
+  double peak, cost;
+  bool keeps, redoes;  // some recompute keeps its exchanges; some redoes them
+};
+
+std::vector<ExchangeEvaluated> all_exchange_schedules(const Chain& c) {
+  std::vector<ExchangeEvaluated> out;
+  const auto L = static_cast<int64_t>(c.costs.size());
+  each_exchange_schedule(L, [&](const checkpointing::Plan& p) {
+    bool keeps = false, redoes = false;
+    for (int64_t b = 0; b < L; ++b)
+      if (p.recomputes_attention(b)) (p.keeps_exchange(b) ? keeps : redoes) = true;
+    out.push_back({memory::chain_peak(c.mem, p), budget::schedule_cost(p.segments, p.block_parts, c.costs, 0.0, p.exchange_kept),
+                   keeps, redoes});
+  });
+  return out;
+}
+
+// The least cost within `budget` among the schedules `allowed` admits.
+double brute_best(const std::vector<ExchangeEvaluated>& all, double budget, const std::function<bool(const ExchangeEvaluated&)>& allowed) {
+  double best = std::numeric_limits<double>::infinity();
+  for (const auto& e : all)
+    if (e.peak <= budget && allowed(e)) best = std::min(best, e.cost);
+  return best;
+}
+
+checkpointing::Plan exchange_plan_of(const budget::Schedule& s) {
+  checkpointing::Plan p = plan_of(s);
+  p.exchange_kept = s.exchange_kept;
+  return p;
+}
+
+}  // namespace
+
+// Whole-number sizes and costs, as in the brute-force case above: exact comparisons. Under auto the DP
+// matches the best of every schedule and exchange choice; under redo the best with no kept exchange;
+// under keep the best where every recompute of an attention keeps.
+TEST_CASE("checkpointing.exchange: the DP finds what a brute-force search of every schedule and exchange choice finds") {
+  std::mt19937 rng(54);
+  int compared = 0, kept = 0, redone = 0;
+  for (int64_t L = 1; L <= 4; ++L) {
+    for (int trial = 0; trial < 5; ++trial) {
+      const Chain c = random_sequence_chain(L, rng);
+      const auto all = all_exchange_schedules(c);
+      double lo = std::numeric_limits<double>::infinity(), hi = 0;
+      for (const auto& e : all) lo = std::min(lo, e.peak), hi = std::max(hi, e.peak);
+      for (int k = 0; k <= 5; ++k) {
+        const double budget = std::floor(lo + (hi - lo) * k / 5.0);
+        for (const auto exchange : {config::Exchange::kAuto, config::Exchange::kRedo, config::Exchange::kKeep}) {
+          const auto allowed = [&](const ExchangeEvaluated& e) {
+            return exchange == config::Exchange::kAuto || (exchange == config::Exchange::kRedo ? !e.keeps : !e.redoes);
+          };
+          const double best = brute_best(all, budget, allowed);
+          INFO(fmt::format("L={} trial={} budget={} exchange={} brute={}", L, trial, budget, config::Exchange(exchange).name(), best));
+          const auto s = budget::solve_budget(c.mem, c.costs, budget, static_cast<int64_t>(budget), -1.0, exchange);
+          REQUIRE(s.feasible == std::isfinite(best));
+          if (!s.feasible) continue;
+          const auto p = exchange_plan_of(s);
+          CHECK(s.cost == best);
+          CHECK(s.cost == budget::schedule_cost(s.segments, s.block_parts, c.costs, 0.0, s.exchange_kept));
+          CHECK(memory::chain_peak(c.mem, p) <= budget);
+          CHECK(s.peak_bytes == memory::chain_peak(c.mem, p));
+          for (int64_t b = 0; b < L; ++b) {
+            if (!p.recomputes_attention(b)) CHECK_FALSE(p.keeps_exchange(b));  // only a recompute keeps
+            if (exchange == config::Exchange::kRedo) CHECK_FALSE(p.keeps_exchange(b));
+            if (exchange == config::Exchange::kKeep && p.recomputes_attention(b)) CHECK(p.keeps_exchange(b));
+            if (exchange == config::Exchange::kAuto && p.recomputes_attention(b)) ++(p.keeps_exchange(b) ? kept : redone);
+          }
+          ++compared;
+        }
+      }
+    }
+  }
+  CHECK(compared > 100);
+  CHECK(kept > 0);    // auto chose to keep somewhere ...
+  CHECK(redone > 0);  // ... and to redo somewhere
+}
+
+// Four equal blocks whose kept activations (300) leave no room for the other three beside them in the
+// budgets below; selective attention saves 200 and costs 5, of which 2 are its exchanges. The cheapest
+// schedule that fits recomputes every attention and keeps every exchange (cost 4 x 3); one byte less
+// and some block must redo (or change).
+TEST_CASE("checkpointing.exchange auto: the cheapest schedule keeps where the budget allows, and redoes one byte below its peak") {
+  memory::ChainModel m;
+  std::array<double, checkpointing::kPartSets> kept{}, backward{};
+  for (int s = 0; s < checkpointing::kPartSets; ++s) {
+    kept[static_cast<size_t>(s)] = (s & checkpointing::kPartAttention) ? 100 : 300;
+    backward[static_cast<size_t>(s)] = 10;
+  }
+  m.kept.assign(4, kept);
+  m.backward.assign(4, backward);
+  m.weights.assign(4, 0);
+  m.forward.assign(4, 50);
+  m.recompute_exchange.assign(4, 30);
+  m.exchange_kept.assign(4, 20);
+  m.input = 8, m.head = 40, m.head_forward = 40, m.tied_grad = 0;
+  budget::BlockCost cost;
+  cost.attention = 5, cost.exchange = 2, cost.mlp = 50, cost.norm = 50, cost.output = 10, cost.forward = 200;
+  const std::vector<budget::BlockCost> costs(4, cost);
+  // Every block kept with its attention recomputed and its exchanges kept: D of the last block holds
+  // all four blocks' S and Kx and its backward: 4 x (100 + 20) + 10 = 490; A: 480 + 40 = 520.
+  const double keep_all = 4 * (100 + 20) + 40;
+  const auto s = budget::solve_budget(m, costs, keep_all, static_cast<int64_t>(keep_all), -1.0, config::Exchange::kAuto);
+  REQUIRE(s.feasible);
+  CHECK(s.peak_bytes == keep_all);
+  CHECK(s.cost == 4 * (5 - 2));
+  CHECK(s.exchange_kept == std::vector<uint8_t>(4, 1));
+  CHECK(s.block_parts == std::vector<uint8_t>(4, checkpointing::kPartAttention));
+  CHECK(s.cost == budget::schedule_cost(s.segments, s.block_parts, costs, 0.0, s.exchange_kept));
+  // One byte less: the same parts cannot all keep. Redoing one block's exchanges saves its Kx (20) at a
+  // cost of 2: cost 14, the cheapest way under (a segment costs 190 or more).
+  const auto below = budget::solve_budget(m, costs, keep_all - 1, static_cast<int64_t>(keep_all - 1), -1.0, config::Exchange::kAuto);
+  REQUIRE(below.feasible);
+  CHECK(below.peak_bytes <= keep_all - 1);
+  CHECK(below.cost == 4 * (5 - 2) + 2);
+  CHECK(std::count(below.exchange_kept.begin(), below.exchange_kept.end(), 1) == 3);
+  CHECK(below.cost == budget::schedule_cost(below.segments, below.block_parts, costs, 0.0, below.exchange_kept));
+  // redo: no block keeps (the exchange_kept list stays empty), each attention costs its whole 5.
+  const auto redo = budget::solve_budget(m, costs, keep_all, static_cast<int64_t>(keep_all), -1.0, config::Exchange::kRedo);
+  REQUIRE(redo.feasible);
+  CHECK(redo.exchange_kept.empty());
+  CHECK(redo.cost == 4 * 5);
+  // keep: every recomputed attention keeps; at one byte below the keep-all peak the four selective
+  // blocks cannot all fit, so some block is in a checkpointed segment, which keeps too.
+  const auto keep = budget::solve_budget(m, costs, keep_all - 1, static_cast<int64_t>(keep_all - 1), -1.0, config::Exchange::kKeep);
+  REQUIRE(keep.feasible);
+  const auto kp = exchange_plan_of(keep);
+  for (int64_t b = 0; b < 4; ++b) CHECK(kp.keeps_exchange(b) == kp.recomputes_attention(b));
+  CHECK(kp.checkpointed_blocks() > 0);
+  CHECK(keep.cost == budget::schedule_cost(keep.segments, keep.block_parts, costs, 0.0, keep.exchange_kept));
+  CHECK(memory::chain_peak(m, kp) <= keep_all - 1);
+}
+
 TEST_CASE("the chain walk gives the formula's peak for every uniform plan: gpt2 and llama, fp32 and bf16") {
   const std::vector<std::vector<std::string>> modes = {
       {"checkpointing.mode=none"},
@@ -660,4 +826,149 @@ TEST_CASE("with dropout 0.1 the profiled schedule keeps the measured activation 
                      measured));
     CHECK(measured <= budget);
   }
+}
+
+// The recipe's budget plan halfway between full's and none's peaks (formula costs), at degree 1 and 2.
+TEST_CASE("checkpointing.exchange in a budget recipe: nothing kept at degree 1; at degree 2 the plan's keeps priced by the walk") {
+  const double none_peak = static_cast<double>(memory::estimate_activation_peak(six_layers({})).peak_bytes);
+  const double full_peak = static_cast<double>(memory::estimate_activation_peak(six_layers({"checkpointing.mode=full"})).peak_bytes);
+  const auto budget = static_cast<int64_t>((full_peak + none_peak) / 2);
+  const auto cfg = six_layers({"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget)});
+  auto keep_cfg = cfg;
+  keep_cfg.checkpointing.exchange = config::Exchange::kKeep;
+  // Degree 1: every Kx is 0, nothing to keep, whatever checkpointing.exchange says.
+  const auto a = budget::formula_plan(cfg), k = budget::formula_plan(keep_cfg);
+  REQUIRE(a);
+  REQUIRE(k);
+  INFO(a->describe());
+  int64_t recomputed1 = 0;  // blocks whose attention the plan recomputes: what keep would keep at degree 2
+  for (int64_t b = 0; b < 6; ++b) recomputed1 += a->recomputes_attention(b) ? 1 : 0;
+  REQUIRE(recomputed1 > 0);
+  CHECK(a->exchange_kept.empty());
+  CHECK(k->exchange_kept.empty());
+  CHECK(a->describe() == k->describe());
+  // Degree 2 under keep, the budget a little above full checkpointing's peak with every exchange kept
+  // (the solver's error bound, 6 quanta of budget / 16384, is below 1/1000 of it): every recomputed
+  // attention keeps, the plan's predicted peak is the walk's, and all_to_all_bytes counts no redone exchange.
+  memory::Scenario full_keep(six_layers({"checkpointing.mode=full", "checkpointing.skip_last=false", "checkpointing.exchange=keep"}));
+  full_keep.sequence = 2;
+  const auto budget2 = static_cast<int64_t>(1.001 * static_cast<double>(memory::estimate_activation_peak(full_keep).peak_bytes));
+  memory::Scenario sc(six_layers({"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget2), "checkpointing.exchange=keep"}));
+  sc.sequence = 2;
+  const auto p = budget::formula_plan(sc);
+  REQUIRE(p);
+  INFO(p->describe());
+  int64_t recomputed = 0;
+  for (int64_t b = 0; b < 6; ++b) {
+    CHECK(p->keeps_exchange(b) == p->recomputes_attention(b));
+    recomputed += p->recomputes_attention(b) ? 1 : 0;
+  }
+  REQUIRE(recomputed > 0);
+  CHECK(p->to_json()["exchange_kept_blocks"] == recomputed);
+  const auto e = memory::estimate_activation_peak(sc, *p);
+  CHECK(e.peak_bytes == p->budget.predicted_peak_bytes);
+  CHECK(e.peak_bytes <= budget2);
+  const auto none2 = memory::estimate_activation_peak(sc, checkpointing::make_plan({}, 6));
+  CHECK(e.all_to_all_bytes == none2.all_to_all_bytes);  // forward and backward exchanges only: no recompute redoes
+}
+
+namespace {
+
+// A sequence group of one process standing for rank 0 of degree 2: all_to_all copies its input
+// (every chunk "comes back"), and records each call's element count and dtype.
+struct LoopbackExchange : model::SequenceExchange {
+  std::vector<std::pair<int64_t, torch::ScalarType>> calls;
+  int64_t degree() const override { return 2; }
+  int64_t rank() const override { return 0; }
+  void all_to_all(const torch::Tensor& out, const torch::Tensor& in) override {
+    calls.emplace_back(in.numel(), in.scalar_type());
+    out.copy_(in);
+  }
+};
+
+}  // namespace
+
+// profile_costs under a sequence group: the block's two forward exchanges timed once, on tensors of the
+// block's shapes (q, k, v: B x T/2 x 3C; the attention output: B x T x C/2) in the exchanged dtypes
+// (memory/activations.h: LLaMA under bf16 exchanges fp32 q, k, v and, on the CPU, an fp32 output),
+// six times each (a warm-up and five, whatever the blocks: every rank makes the same calls), their
+// median added to the attention and the forward of every block.
+TEST_CASE("the profile times a block's two exchanges through the model's sequence group, in the exchanged shapes and dtypes") {
+  struct Case {
+    std::string arch, compute;
+    torch::ScalarType xq, xo;
+  };
+  const std::vector<Case> cases = {{"gpt2", "fp32", torch::kFloat32, torch::kFloat32},
+                                   {"gpt2", "bf16", torch::kBFloat16, torch::kBFloat16},
+                                   {"llama", "bf16", torch::kFloat32, torch::kFloat32}};
+  for (const auto& c : cases) {
+    std::vector<std::string> sets = {"model.arch=" + c.arch, "precision.compute=" + c.compute, "checkpointing.mode=budget",
+                                     "checkpointing.budget=8MiB"};
+    if (c.arch == "llama") sets.emplace_back("model.bias=false");
+    const auto cfg = six_layers(sets);
+    INFO(c.arch << " " << c.compute);
+    torch::manual_seed(0);
+    model::GPT m(cfg.model, torch::kCPU);
+    const auto plain = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
+    for (const auto& b : plain.blocks) CHECK(b.exchange == 0);  // no sequence group: nothing exchanged
+    auto ex = std::make_shared<LoopbackExchange>();
+    m->shard_sequence(ex);
+    const auto p = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
+    const int64_t B = 4, t = 64 / 2, C = 64;
+    REQUIRE(ex->calls.size() == 12);
+    for (size_t i = 0; i < ex->calls.size(); i += 2) {
+      CHECK(ex->calls[i].first == B * t * 3 * C);
+      CHECK(ex->calls[i].second == c.xq);
+      CHECK(ex->calls[i + 1].first == B * t * C);
+      CHECK(ex->calls[i + 1].second == c.xo);
+    }
+    REQUIRE(p.blocks.size() == 6);
+    for (const auto& b : p.blocks) {
+      CHECK(b.exchange > 0);
+      CHECK(b.exchange == p.blocks[0].exchange);
+      CHECK(b.attention >= b.exchange);
+      CHECK(b.forward >= b.exchange);
+    }
+  }
+}
+
+// The walk's kept-exchange terms (memory/activations.h), by hand on a 3-block chain: an offloaded
+// checkpointed segment [0, 2) and block 2 kept with its attention recomputed. Sizes: S 100 (60 with the
+// attention recomputed), T 10, Fb 200, input 5, Kx 7 and Rx 150 per block, H 29, E 30, no G, no weights.
+//   keep every recompute's exchanges:
+//     first passes: block 0: 5 + 200 = 205; block 1: 5 + 7 (block 0's Kx) + 200 = 212
+//     after the segment: 5 + 14, its input offloaded: 14 (the Kx stay); block 2: + 60 + 7 = 81
+//     F's end 81 + 29 = 110; A 81 + 30 = 111; D of block 2: 81 + 10 = 91
+//     B of the segment: its Kx consumed, its input back: 5 + 200 + 10 = 215, no exchange buffer
+//   redo: first passes 205; after the segment 0; block 2: 60; F's end 89; A 90; D 70;
+//     B: 5 + max(200 + 10, 100 + 150) = 255 (block 1's exchange beside block 0's S)
+TEST_CASE("the walk's kept exchanges: a segment's first passes beside the earlier Kx, offloaded Kx on the device, none "
+          "at its recompute") {
+  memory::ChainModel m;
+  m.kept.assign(3, {100, 60, 100, 60, 100, 60, 100, 60});
+  m.backward.assign(3, {10, 10, 10, 10, 10, 10, 10, 10});
+  m.weights.assign(3, 0);
+  m.forward.assign(3, 200);
+  m.recompute_exchange.assign(3, 150);
+  m.exchange_kept.assign(3, 7);
+  m.input = 5, m.head = 30, m.head_forward = 29, m.tied_grad = 0;
+  checkpointing::Plan p;
+  p.mode = config::CheckpointingMode::kBudget;
+  p.segments = {{0, 2, true, true}, {2, 3, false}};
+  p.block_parts = {0, 0, checkpointing::kPartAttention};
+  double host = 0;
+  memory::PhasePeaks ph;
+  CHECK(memory::chain_peak(m, p, &host, &ph) == 255);  // redo: exchange_kept empty
+  CHECK(host == 5);
+  CHECK(ph.forward_block == 205);
+  CHECK(ph.forward_end == 89);
+  CHECK(ph.start == 90);
+  CHECK(ph.backward == 255);
+  p.exchange_kept = {1, 1, 1};
+  CHECK(memory::chain_peak(m, p, &host, &ph) == 215);
+  CHECK(host == 5);
+  CHECK(ph.forward_block == 212);
+  CHECK(ph.forward_end == 110);
+  CHECK(ph.start == 111);
+  CHECK(ph.backward == 215);
 }

@@ -949,6 +949,106 @@ TEST_CASE("trainer plan --sequence-parallel: 8b_128k fits 80 GiB at degree 8 and
   CHECK(test::trainer("plan --config configs/8b_128k.yaml --world-size 8 --sequence-parallel some").code == kExitConfig);
 }
 
+// Full checkpointing of tiny's 4 blocks (skip_last false) at degree 2, fp32 (f = c = xq = xo = 4):
+// tok = 4 x 128 / 2 = 256 local tokens, Kx = tok (3C + C) 4 = 256 x 16 x 128 bytes per block. With the
+// walk's terms (memory::chain_model: in = tok fC, S, T, Fb, Rx, the head's E and H), per the keep
+// paragraph of memory/activations.h, nothing else changing:
+//   F, first pass of segment i:  redo  i in + in + Fb              keep  i (in + Kx) + in + Fb   (max at i = 3)
+//   F, end of the forward:       redo  4 in + H                    keep  4 (in + Kx) + H
+//   A, start of backward:        redo  4 in + E                    keep  4 (in + Kx) + E
+//   B, the last segment (the largest moment of its kind: the others hold less before them):
+//                                redo  G + 4 in + max(S + T, Rx)   keep  G + 3 (in + Kx) + in + S + T
+// (fp32: no weight copies; no dropout mask; G the tied embedding's gradient.) So keep - redo is 4 Kx at
+// F's end and A, and 3 Kx + (S + T - max(S + T, Rx)) at B. All terms are whole numbers far below 2^53:
+// exact in doubles.
+TEST_CASE("checkpointing.exchange keep at degree 2: the peak grows by the held Kx and the all-to-all bytes drop by the "
+          "recomputes' exchanges, exactly") {
+  auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml",
+                          {"train.micro_batch=4", "checkpointing.mode=full", "checkpointing.skip_last=false"});
+  memory::Scenario redo(cfg), keep(cfg);
+  redo.sequence = keep.sequence = 2;
+  redo.checkpointing.exchange = config::Exchange::kRedo;
+  keep.checkpointing.exchange = config::Exchange::kKeep;
+  const auto m = memory::chain_model(keep, memory::lowp_matmul_path(keep));
+  const double C = 128, tok = 256, Kx = tok * (3 * C + C) * 4;
+  REQUIRE(m.exchange_kept.size() == 4);
+  for (double kx : m.exchange_kept) CHECK(kx == Kx);
+  REQUIRE(m.held == 0);
+  const double in = m.input, S = m.kept[0][0], T = m.backward[0][0], Fb = m.forward[0], Rx = m.recompute_exchange[0];
+  const double G = m.tied_grad;
+  const double redo_b = G + 4 * in + std::max(S + T, Rx), keep_b = G + 3 * (in + Kx) + in + S + T;
+  const double redo_peak = std::max({4 * in + Fb, 4 * in + m.head_forward, 4 * in + m.head, redo_b});
+  const double keep_peak = std::max({3 * (in + Kx) + in + Fb, 4 * (in + Kx) + m.head_forward, 4 * (in + Kx) + m.head, keep_b});
+  const auto r = memory::estimate_activation_peak(redo), k = memory::estimate_activation_peak(keep);
+  CHECK(r.peak_bytes == static_cast<int64_t>(redo_peak));
+  CHECK(k.peak_bytes == static_cast<int64_t>(keep_peak));
+  CHECK(k.forward_end_peak_bytes - r.forward_end_peak_bytes == static_cast<int64_t>(4 * Kx));
+  CHECK(k.start_peak_bytes - r.start_peak_bytes == static_cast<int64_t>(4 * Kx));
+  CHECK(k.backward_peak_bytes == static_cast<int64_t>(keep_b));
+  CHECK(r.backward_peak_bytes == static_cast<int64_t>(redo_b));
+  // For tiny, B sets both peaks and the recompute's exchange buffers stay below S + T: keep - redo = 3 Kx.
+  REQUIRE(S + T >= Rx);
+  REQUIRE(redo_peak == redo_b);
+  REQUIRE(keep_peak == keep_b);
+  CHECK(k.peak_bytes - r.peak_bytes == static_cast<int64_t>(3 * Kx));
+  // Sent per micro-batch: 2 exchange pairs per block, and redo one more per recomputed block (all 4);
+  // a pair is (N-1)/N tok (3C + C) 4 bytes.
+  const double pair = 0.5 * tok * 16 * C;
+  CHECK(r.all_to_all_bytes == static_cast<int64_t>(12 * pair));
+  CHECK(k.all_to_all_bytes == static_cast<int64_t>(8 * pair));
+  CHECK(r.all_to_all_bytes - k.all_to_all_bytes == static_cast<int64_t>(4 * pair));
+  // At degree 1 keep changes nothing.
+  redo.sequence = keep.sequence = 1;
+  CHECK(memory::estimate_activation_peak(keep).peak_bytes == memory::estimate_activation_peak(redo).peak_bytes);
+}
+
+// tiny with full checkpointing on 2 ranks: degree 1 holds more than degree 2 with every exchange kept,
+// which holds more than degree 2 redoing them. Between the two degree-2 peaks only redo fits; at keep's
+// peak keep fits and is chosen (fewer all-to-all bytes: the smaller step time).
+TEST_CASE("trainer plan --sequence-parallel auto: keep where it fits, redo where only redo fits") {
+  auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml",
+                          {"train.micro_batch=4", "checkpointing.mode=full", "checkpointing.skip_last=false"});
+  cfg.world_size = 2;
+  const auto search = planner::sequence_search(memory::Scenario(cfg, 4), 0);
+  REQUIRE(search["degrees"].size() == 2);
+  const auto& one = search["degrees"][0];
+  const auto& two = search["degrees"][1];
+  CHECK_FALSE(one.contains("exchanges"));  // nothing to choose at degree 1
+  REQUIRE(two.contains("exchanges"));
+  const int64_t p1 = one["peak_bytes"].get<int64_t>();
+  const int64_t redo = two["exchanges"]["redo"]["peak_bytes"].get<int64_t>();
+  const int64_t keep = two["exchanges"]["keep"]["peak_bytes"].get<int64_t>();
+  CHECK(two["peak_bytes"] == redo);  // the row's own numbers: the recipe's exchange (auto: redo)
+  REQUIRE(redo < keep);
+  REQUIRE(keep < p1);
+  CHECK(two["exchanges"]["keep"]["all_to_all_bytes_per_step"].get<int64_t>() <
+        two["exchanges"]["redo"]["all_to_all_bytes_per_step"].get<int64_t>());
+  CHECK(two["exchanges"]["keep"]["all_to_all_s"].get<double>() < two["exchanges"]["redo"]["all_to_all_s"].get<double>());
+
+  test::TempDir dir("plan-exchange");
+  const auto plan_with = [&](int64_t memory) {
+    const auto out = dir.path / fmt::format("plan-{}.json", memory);
+    const auto r = test::trainer(fmt::format("plan --config configs/tiny.yaml --set train.micro_batch=4 --set "
+                                             "checkpointing.mode=full --set checkpointing.skip_last=false --world-size 2 "
+                                             "--sequence-parallel auto --memory {}B --out {}",
+                                             memory, out.string()));
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    return std::make_pair(json::parse(test::read_text(out)), r.output);
+  };
+  const auto [between, between_text] = plan_with((redo + keep) / 2);
+  CHECK(between["sequence_search"]["chosen"] == 2);
+  CHECK(between["sequence_search"]["chosen_exchange"] == "redo");
+  CHECK(between["sequence_search"]["degrees"][1]["exchange"] == "redo");
+  CHECK(between_text.find("parallel.sequence: 2, checkpointing.exchange: redo") != std::string::npos);
+  CHECK(between["modes"][0]["peak_bytes"] == redo);  // the plan below the search: degree 2, redo
+  const auto [at_keep, keep_text] = plan_with(keep);
+  CHECK(at_keep["sequence_search"]["chosen"] == 2);
+  CHECK(at_keep["sequence_search"]["chosen_exchange"] == "keep");
+  CHECK(keep_text.find("parallel.sequence: 2, checkpointing.exchange: keep") != std::string::npos);
+  CHECK(at_keep["modes"][0]["peak_bytes"] == keep);  // the plan below the search: degree 2, keep
+}
+
 // Budget mode's formula prices a recomputed attention's two forward all-to-alls: at degree N the
 // attention's cost is its FLOPs for the rank's B T / N tokens plus the exchange's bytes, (N - 1) / N x
 // B T / N x 4 C x c, at parallel.all_to_all_gbps, in the GFLOP the device runs meanwhile.

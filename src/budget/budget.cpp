@@ -35,13 +35,16 @@ double BlockCost::parts(uint8_t set) const {
 }
 
 double schedule_cost(const std::vector<Segment>& segments, const std::vector<uint8_t>& block_parts,
-                     const std::vector<BlockCost>& costs, double offload_cost) {
+                     const std::vector<BlockCost>& costs, double offload_cost, const std::vector<uint8_t>& exchange_kept) {
   double total = 0;
   for (const auto& s : segments) {
     if (s.offloaded) total += offload_cost;
     for (int64_t b = s.begin; b < s.end; ++b) {
-      const auto& c = costs[static_cast<size_t>(b)];
-      total += s.checkpointed ? c.forward : c.parts(block_parts[static_cast<size_t>(b)]);
+      const auto i = static_cast<size_t>(b);
+      const auto& c = costs[i];
+      total += s.checkpointed ? c.forward : c.parts(block_parts[i]);
+      const bool recomputed = s.checkpointed || (block_parts[i] & kPartAttention) != 0;
+      if (recomputed && i < exchange_kept.size() && exchange_kept[i] != 0) total -= c.exchange;
     }
     if (s.checkpointed) total -= costs[static_cast<size_t>(s.end - 1)].output;
   }
@@ -58,6 +61,7 @@ struct Back {
   int32_t len = 0;
   uint8_t parts = 0;
   bool offloaded = false;  // a checkpointed segment whose input goes to host memory
+  bool kept_exchange = false;  // the recompute (the segment's, or the block's selective attention) keeps its exchanges
 };
 
 // The DP table over positions 0..L and memory buckets 0..Q-1 (bucket = floor(held / delta)). Each
@@ -92,61 +96,111 @@ struct Bounds {
   bool first_pass_fits(double held_in, double forward) const {  // F: a segment's first pass, its widest block
     return all_weights + held_in + forward <= budget;
   }
-  bool recompute_fits(double held_in, double saved, double worst_backward) const {  // B
-    return prefetch + m.tied_grad + held_in + saved + worst_backward <= budget;
+  bool recompute_fits(double held_in, double need) const {  // B: `need`, the segment's recompute and backward
+    return prefetch + m.tied_grad + held_in + need <= budget;
   }
   bool end_fits(double held) const {  // F at the end of the forward, and A
     return all_weights + held + m.head_forward <= budget && held + m.head <= budget;
   }
 };
 
-// From every reachable state at position i: block i kept (each set of selective parts), or a
-// checkpointed segment [i, j) for every j that fits, its input kept on the device or (offload_cost >= 0)
-// in host memory, which holds nothing for backward at the price of the transfers.
-void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<BlockCost>& costs, const Bounds& fit,
-            double offload_cost) {
+// What a recompute may do about a block's exchanges (checkpointing.exchange): redo them, keep them.
+// Nothing to keep without sequence parallelism (every Kx 0): redo only.
+struct ExchangeChoice {
+  bool redo = true, keep = false;
+};
+ExchangeChoice exchange_choice(const memory::ChainModel& m, config::Exchange exchange) {
+  const bool any = std::any_of(m.exchange_kept.begin(), m.exchange_kept.end(), [](double kx) { return kx > 0; });
+  if (!any) return {};
+  return {!exchange.keeps(), exchange.keeps() || exchange.chosen()};
+}
+
+double at_or_zero(const std::vector<double>& v, size_t i) { return i < v.size() ? v[i] : 0.0; }
+
+// Block i kept, with each set of selective parts; where its attention is recomputed, its exchanges
+// redone or kept (Kx held through its backward, its exchange's cost saved).
+void expand_kept(Table& t, int64_t i, int32_t from, double c, double held, const memory::ChainModel& m,
+                 const std::vector<BlockCost>& costs, const Bounds& fit, ExchangeChoice ex) {
   const auto bi = static_cast<size_t>(i);
+  for (int s = 0; s < kPartSets; ++s) {
+    const auto parts = static_cast<uint8_t>(s);
+    const bool attention = (parts & kPartAttention) != 0;
+    for (const bool keep : {false, true}) {
+      if (keep ? !(attention && ex.keep) : (attention && !ex.redo)) continue;
+      const double after = held + m.kept[bi][parts] + m.weights[bi] + (keep ? at_or_zero(m.exchange_kept, bi) : 0.0);
+      if (!fit.kept_fits(after, i, parts)) continue;
+      t.relax(i + 1, after, c + costs[bi].parts(parts) - (keep ? costs[bi].exchange : 0.0), {from, 0, parts, false, keep});
+    }
+  }
+}
+
+// A checkpointed segment [i, j) for every j that fits, its input kept on the device or (offload_cost >=
+// 0) in host memory, which holds nothing for backward at the price of the transfers; its exchanges
+// redone in the recompute (Rx beside the blocks before) or kept (the blocks' Kx held after the first
+// pass, each block's first pass beside the Kx before it; the recompute makes no exchange buffers).
+void expand_segments(Table& t, int64_t i, int32_t from, double c, double held, const memory::ChainModel& m,
+                     const std::vector<BlockCost>& costs, const Bounds& fit, double offload_cost, ExchangeChoice ex) {
+  const double held_in = held + m.input;
+  double saved = 0, weights = 0, forward = 0, worst_backward = 0, worst_forward = 0, worst_exchange = 0;
+  double kx = 0, exchange_cost = 0, worst_kept_forward = 0;  // keep: the Kx so far; the first pass beside them
+  bool redo = ex.redo, keep = ex.keep;
+  for (int64_t j = i + 1; j <= t.L; ++j) {
+    const auto b = static_cast<size_t>(j - 1);
+    worst_exchange = std::max(worst_exchange, saved + at_or_zero(m.recompute_exchange, b));  // the blocks before b kept
+    worst_kept_forward = std::max(worst_kept_forward, kx + m.forward[b]);
+    saved += m.kept[b][0];
+    weights += m.weights[b];
+    forward += costs[b].forward;
+    kx += at_or_zero(m.exchange_kept, b);
+    exchange_cost += costs[b].exchange;
+    worst_backward = std::max(worst_backward, m.backward[b][0]);
+    worst_forward = std::max(worst_forward, m.forward[b]);
+    // Every bound only grows with j: a choice that fails stays failed.
+    redo = redo && fit.first_pass_fits(held_in, worst_forward) &&
+           fit.recompute_fits(held_in, weights + std::max(saved + worst_backward, worst_exchange));
+    keep = keep && fit.first_pass_fits(held_in, worst_kept_forward) && fit.recompute_fits(held_in, weights + saved + worst_backward);
+    if (!redo && !keep) break;
+    const auto len = static_cast<int32_t>(j - i);
+    const double cost = c + forward - costs[b].output;
+    if (redo) t.relax(j, held_in, cost, {from, len, 0});
+    if (redo && offload_cost >= 0) t.relax(j, held, cost + offload_cost, {from, len, 0, true});
+    if (keep) t.relax(j, held_in + kx, cost - exchange_cost, {from, len, 0, false, true});
+    if (keep && offload_cost >= 0) t.relax(j, held + kx, cost - exchange_cost + offload_cost, {from, len, 0, true, true});
+  }
+}
+
+// From every reachable state at position i: block i kept, or a checkpointed segment from it.
+void expand(Table& t, int64_t i, const memory::ChainModel& m, const std::vector<BlockCost>& costs, const Bounds& fit,
+            double offload_cost, ExchangeChoice ex) {
   for (int64_t h = 0; h < t.Q; ++h) {
     const double c = t.cost[t.at(i, h)], held = t.held[t.at(i, h)];
     if (c == kInf) continue;
     const auto from = static_cast<int32_t>(h);
-    for (int s = 0; s < kPartSets; ++s) {
-      const double after = held + m.kept[bi][static_cast<size_t>(s)] + m.weights[bi];
-      if (!fit.kept_fits(after, i, static_cast<uint8_t>(s))) continue;
-      t.relax(i + 1, after, c + costs[bi].parts(static_cast<uint8_t>(s)), {from, 0, static_cast<uint8_t>(s)});
-    }
-    const double held_in = held + m.input;
-    double saved = 0, forward = 0, worst_backward = 0, worst_forward = 0;
-    for (int64_t j = i + 1; j <= t.L; ++j) {
-      const auto b = static_cast<size_t>(j - 1);
-      saved += m.kept[b][0] + m.weights[b];
-      forward += costs[b].forward;
-      worst_backward = std::max(worst_backward, m.backward[b][0]);
-      worst_forward = std::max(worst_forward, m.forward[b]);
-      // Both only grow with j.
-      if (!fit.first_pass_fits(held_in, worst_forward) || !fit.recompute_fits(held_in, saved, worst_backward)) break;
-      t.relax(j, held_in, c + forward - costs[b].output, {from, static_cast<int32_t>(j - i), 0});
-      if (offload_cost >= 0)
-        t.relax(j, held, c + forward - costs[b].output + offload_cost, {from, static_cast<int32_t>(j - i), 0, true});
-    }
+    expand_kept(t, i, from, c, held, m, costs, fit, ex);
+    expand_segments(t, i, from, c, held, m, costs, fit, offload_cost, ex);
   }
 }
 
 void read_back(const Table& t, int64_t h, Schedule& out) {
   out.block_parts.assign(static_cast<size_t>(t.L), 0);
+  out.exchange_kept.assign(static_cast<size_t>(t.L), 0);
+  bool any_kept = false;
   for (int64_t i = t.L; i > 0;) {
     const Back b = t.back[t.at(i, h)];
+    const int64_t begin = i - std::max<int64_t>(1, b.len);
     if (b.len == 0) {
-      out.segments.push_back({i - 1, i, false});
-      out.block_parts[static_cast<size_t>(i - 1)] = b.parts;
-      i -= 1;
+      out.segments.push_back({begin, i, false});
+      out.block_parts[static_cast<size_t>(begin)] = b.parts;
     } else {
-      out.segments.push_back({i - b.len, i, true, b.offloaded});
-      i -= b.len;
+      out.segments.push_back({begin, i, true, b.offloaded});
     }
+    for (int64_t k = begin; k < i; ++k) out.exchange_kept[static_cast<size_t>(k)] = b.kept_exchange ? 1 : 0;  // a segment's blocks alike
+    any_kept = any_kept || b.kept_exchange;
+    i = begin;
     h = b.from;
   }
   std::reverse(out.segments.begin(), out.segments.end());
+  if (!any_kept) out.exchange_kept.clear();  // every recompute redoes (checkpointing::Plan's empty)
 }
 
 Plan as_plan(const Schedule& s) {
@@ -154,13 +208,14 @@ Plan as_plan(const Schedule& s) {
   p.mode = config::CheckpointingMode::kBudget;
   p.segments = s.segments;
   p.block_parts = s.block_parts;
+  p.exchange_kept = s.exchange_kept;
   return p;
 }
 
 }  // namespace
 
 Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>& costs, double budget_bytes, int64_t quanta,
-                      double offload_cost) {
+                      double offload_cost, config::Exchange exchange) {
   Schedule out;
   const auto L = static_cast<int64_t>(costs.size());
   if (!(budget_bytes > 0) || L == 0 || quanta < 1) return out;
@@ -172,7 +227,8 @@ Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>&
   for (double w : m.weights) fit.all_weights += w;
   if (offload_cost >= 0) fit.prefetch = m.input;
   t.cost[t.at(0, 0)] = 0;
-  for (int64_t i = 0; i < L; ++i) expand(t, i, m, costs, fit, offload_cost);
+  const ExchangeChoice ex = exchange_choice(m, exchange);
+  for (int64_t i = 0; i < L; ++i) expand(t, i, m, costs, fit, offload_cost, ex);
   int64_t best = -1;
   for (int64_t h = 0; h < t.Q; ++h)  // least cost; on a tie the least memory
     if (t.cost[t.at(L, h)] < (best < 0 ? kInf : t.cost[t.at(L, best)]) && fit.end_fits(t.held[t.at(L, h)]))
@@ -212,7 +268,8 @@ BlockCost formula_block_cost(const Scenario& sc, int64_t layer) {
   const double balance = memory::runs_on_cuda(sc) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
   const double matmul = 2 * tok * (4 * C * C + (llama ? 3 : 2) * C * H);
   BlockCost b;
-  b.attention = 4 * tok * T * C / 1e9 + exchange_gflop(sc, tok, C, c);
+  b.exchange = exchange_gflop(sc, tok, C, c);
+  b.attention = 4 * tok * T * C / 1e9 + b.exchange;
   b.norm = 2 * (2 * C * f) * tok * balance / 1e9;                    // two norms: read and write C each
   b.mlp = (llama ? 3 * H : 2 * H) * c * tok * balance / 1e9;         // GELU: H in, H out; SwiGLU: 2H in, H out
   const double residual = 2 * (3 * C * f) * tok * balance / 1e9;     // two residual adds
@@ -287,6 +344,30 @@ BlockCost time_block(model::Block& block, const torch::Tensor& x, const model::R
     t.mlp.push_back(mlp), t.norm.push_back(norm);
   }
   return {median(t.forward), median(t.output), median(t.attention), median(t.mlp), median(t.norm)};
+}
+
+// Milliseconds of one block's two forward exchanges (model/sequence.h) at the run's shapes: the q, k, v
+// (B, T/N, 3, nh, hd) to heads, the attention output (B, T, 1, nh/N, hd) back to positions, in the
+// exchanged dtypes (memory/activations.h: xq, xo; LLaMA under a low-precision compute dtype exchanges
+// RoPE's fp32 q, k with v, and on the CPU its fp32 attention output). Median of 5 after a warm-up; every
+// rank of the group makes the same calls.
+double time_exchange(const Scenario& sc, const std::shared_ptr<model::SequenceExchange>& ex, int64_t positions,
+                     torch::Device device) {
+  const int64_t n = ex->degree(), nh = sc.model.n_head, hd = sc.model.n_embd / nh, B = sc.micro_batch;
+  const auto c = precision::compute_dtype(sc.precision.compute).value_or(torch::kFloat32);
+  const bool fp32_rotary = sc.model.arch == config::Arch::kLlama && c != torch::kFloat32;
+  const auto on = [&](torch::ScalarType t) { return torch::TensorOptions().dtype(t).device(device); };
+  const auto qkv = torch::zeros({B, positions, 3, nh, hd}, on(fp32_rotary ? torch::kFloat32 : c));
+  const auto y = torch::zeros({B, positions * n, 1, nh / n, hd}, on(fp32_rotary && !device.is_cuda() ? torch::kFloat32 : c));
+  std::vector<double> ms;
+  for (int rep = 0; rep < 6; ++rep) {  // the first warms up
+    const double t = timed(device, [&] {
+                       model::positions_to_heads(ex, qkv);
+                       return model::heads_to_positions(ex, y);
+                     }).second;
+    if (rep > 0) ms.push_back(t);
+  }
+  return median(ms);
 }
 
 // Bytes allocated on the device now, and the most since reset() (CPU: the tracking allocator; CUDA: the
@@ -395,13 +476,19 @@ Costs profile_costs(const Scenario& sc, model::GPT& model, torch::Device device,
   // first block that has it, and stands for every block of that size.
   std::map<int64_t, std::pair<BlockCost, BlockBytes>> by_width;
   Costs out{{}, "profile", "ms", {}};
+  // The exchanges, the same for every block: the profiled block runs its attention on this rank's
+  // positions alone, so their time is added to its attention and forward.
+  const double exchange = model->sequence ? time_exchange(sc, model->sequence, positions, device) : 0.0;
   const config::Shape shape(sc.model);
   for (int64_t l = 0; l < sc.model.n_layer; ++l) {
     const int64_t width = shape.hidden(l);
     if (!by_width.count(width)) {
       auto block = profiling_block(sc, l, device, gen);
       block->train();  // as the run trains it: dropout's masks, and on the CPU SDPA's math path with them
-      const BlockCost time = time_block(block, x, rope, device);
+      BlockCost time = time_block(block, x, rope, device);
+      time.exchange = exchange;
+      time.attention += exchange;
+      time.forward += exchange;
       by_width[width] = {time, meter.works() ? measure_block(block, x, rope, meter) : BlockBytes{}};
     }
     out.blocks.push_back(by_width[width].first);
@@ -435,7 +522,8 @@ std::optional<Plan> try_budget_plan(const Scenario& sc, const Costs& costs) {
   const int64_t budget = memory::activation_budget_bytes(sc);
   const auto mem = solver_model(sc, costs);
   const double offload = sc.placement.offload.activations ? offload_cost(sc, costs, mem.input) : -1.0;
-  const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(sc.model.n_layer), offload);
+  const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(sc.model.n_layer), offload,
+                                  sc.checkpointing.exchange);
   if (!s.feasible) return std::nullopt;
   Plan p = as_plan(s);
   p.budget = {budget, static_cast<int64_t>(std::ceil(s.quantum_bytes)), static_cast<int64_t>(s.peak_bytes), s.cost, 0.0,
@@ -455,10 +543,11 @@ int64_t least_budget(const Scenario& sc, const Costs& costs) {
   const auto mem = solver_model(sc, costs);
   double lo = 0, hi = 1;
   const int64_t quanta = budget_quanta(static_cast<int64_t>(costs.blocks.size())) / 4;
-  while (!solve_budget(mem, costs.blocks, hi, quanta).feasible && hi < 1e18) hi *= 2;
+  const auto exchange = sc.checkpointing.exchange;
+  while (!solve_budget(mem, costs.blocks, hi, quanta, -1.0, exchange).feasible && hi < 1e18) hi *= 2;
   while (hi - lo > 0.01 * hi) {
     const double mid = (lo + hi) / 2;
-    (solve_budget(mem, costs.blocks, mid, quanta).feasible ? hi : lo) = mid;
+    (solve_budget(mem, costs.blocks, mid, quanta, -1.0, exchange).feasible ? hi : lo) = mid;
   }
   return static_cast<int64_t>(hi);
 }

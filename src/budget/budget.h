@@ -35,6 +35,9 @@ struct BlockCost {
   double attention = 0;  // selective parts: the attention core (SDPA)
   double mlp = 0;        // the MLP activation
   double norm = 0;       // both norms
+  // parallel.sequence > 1: the attention's two forward all-to-alls (already in `attention` and
+  // `forward`), which a recompute that keeps its exchanges (checkpointing.exchange) does not redo
+  double exchange = 0;
   double parts(uint8_t set) const;  // the selective parts in `set` (kPartAttention | ...)
 };
 
@@ -60,6 +63,7 @@ struct Schedule {
   bool feasible = false;
   std::vector<Segment> segments;     // kept blocks (one segment each) and checkpointed segments
   std::vector<uint8_t> block_parts;  // selective parts of each kept block
+  std::vector<uint8_t> exchange_kept;  // per block, 1 where its recompute keeps its exchanges (empty: none does)
   double cost = 0;                   // recompute cost of the schedule
   double peak_bytes = 0;             // memory::chain_peak of it
   double quantum_bytes = 0;
@@ -78,16 +82,25 @@ struct Schedule {
 // With offload_cost >= 0 (offload.activations) a checkpointed segment may also put its input in host
 // memory: it then keeps nothing on the device for backward and costs offload_cost more; every backward
 // moment is checked with one more segment input on the device (the prefetch, checkpointing/checkpoint.h).
+// Under sequence parallelism (mem.exchange_kept non-zero) `exchange` (checkpointing.exchange) says what a
+// recompute does about a block's exchanges: redo (never keep), keep (every block whose attention is
+// recomputed keeps), auto (either, per block). A kept block with selective attention that keeps holds
+// its Kx (memory::ChainModel::exchange_kept) through its backward and costs BlockCost::exchange less; a
+// checkpointed segment that keeps (all its blocks alike) holds its blocks' Kx after its first pass
+// (each block's first pass beside the Kx of those before it), makes no exchange buffers in its
+// recompute, and costs its blocks' exchanges less.
 Schedule solve_budget(const memory::ChainModel& mem, const std::vector<BlockCost>& costs, double budget_bytes,
-                      int64_t quanta = 16384, double offload_cost = -1.0);
+                      int64_t quanta = 16384, double offload_cost = -1.0, config::Exchange exchange = config::Exchange::kAuto);
 // The quanta a recipe's schedule is solved with: 16384, or 16 per block for deeper chains (the error
 // bound, n_layer quanta, stays below 1/16 of the budget).
 int64_t budget_quanta(int64_t n_layer);
 
 // The cost of any schedule (the same sum the solver minimizes): kept blocks' selective parts, and per
-// checkpointed segment its blocks' forwards less the last block's output projection.
+// checkpointed segment its blocks' forwards less the last block's output projection; less the
+// exchanges of the blocks whose recompute keeps them (exchange_kept, per block; empty: none).
 double schedule_cost(const std::vector<Segment>& segments, const std::vector<uint8_t>& block_parts,
-                     const std::vector<BlockCost>& costs, double offload_cost = 0.0);
+                     const std::vector<BlockCost>& costs, double offload_cost = 0.0,
+                     const std::vector<uint8_t>& exchange_kept = {});
 
 // The fourth choice's price (offload.activations), in the costs' unit: a segment input's two transfers
 // (to the host in forward, back before its backward) at offload.bandwidth_gbps, the share
@@ -103,7 +116,8 @@ double offload_cost(const Scenario& sc, const Costs& costs, double input_bytes);
 Costs formula_costs(const Scenario& sc);
 
 // Costs measured (ms): each piece of one block's forward timed at the run's micro-batch, sequence
-// length, device and precision (median of 5 after a warm-up); and, where the device's allocations are
+// length, device and precision (median of 5 after a warm-up), and under parallel.sequence the block's
+// two forward exchanges on their own (model->sequence, the same calls on every rank of the group); and, where the device's allocations are
 // tracked (CPU with the tracking allocator, CUDA), the block's bytes for every set of selective parts
 // (a forward and backward each) and without saving. Blocks differ only by their MLP size
 // (model.layer_mlp_hidden): one block of each size is measured and stands for every block of that size.

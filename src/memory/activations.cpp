@@ -231,6 +231,10 @@ double recompute_exchange_bytes(const Sizes& z) {
   return z.r * z.C + z.c * z.C + z.f * (z.llama ? 1 : 2) + sequence_forward_bytes(z);
 }
 
+// checkpointing.exchange keep: what a block's first pass keeps of its exchanges for its recompute, Kx
+// per local token: the gathered q, k, v (xq 3C) and the attention output (xo C); 0 at N = 1.
+double kept_exchange_bytes(const Sizes& z) { return z.sequence ? z.xq * 3 * z.C + z.xo * z.C : 0.0; }
+
 // F: what the forward holds beyond its saved tensors while a block runs without saving (a
 // checkpointed segment's first pass): h, then gpt2 u and GELU (or u and the accumulator), llama u
 // 2H, silu and product (or u and its accumulator).
@@ -401,6 +405,7 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
     m.weights.push_back(block_cast_bytes(zl));
     m.forward.push_back(tok * forward_block_bytes(zl));
     m.recompute_exchange.push_back(tok * recompute_exchange_bytes(zl));
+    m.exchange_kept.push_back(tok * kept_exchange_bytes(zl));
   }
   const Sizes z = sizes_of(sc, lowp);
   m.input = tok * z.r * z.C;
@@ -414,6 +419,23 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
 
 namespace {
 
+// Kx of block b where the plan keeps its exchanges (its recompute takes them), else 0.
+double kept_exchange(const ChainModel& m, const checkpointing::Plan& plan, int64_t b) {
+  const auto i = static_cast<size_t>(b);
+  return i < m.exchange_kept.size() && plan.keeps_exchange(b) ? m.exchange_kept[i] : 0.0;
+}
+
+// Rx of block b where its recompute redoes its exchanges, else 0.
+double redone_exchange(const ChainModel& m, const checkpointing::Plan& plan, int64_t b) {
+  const auto i = static_cast<size_t>(b);
+  return i < m.recompute_exchange.size() && !plan.keeps_exchange(b) ? m.recompute_exchange[i] : 0.0;
+}
+
+// Kx of a kept block that recomputes its attention and keeps its exchanges (else 0).
+double kept_block_exchange(const ChainModel& m, const checkpointing::Plan& plan, int64_t b) {
+  return (plan.parts_of(b) & checkpointing::kPartAttention) != 0 ? kept_exchange(m, plan, b) : 0.0;
+}
+
 // Moments F (segment first passes and the end of the forward), returned, and in `phases` (less what
 // every moment holds) the forward's parts and A; `held` ends as what the forward keeps for backward,
 // `kept_weights` as the kept blocks' weight copies.
@@ -425,13 +447,17 @@ double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, dou
   for (const auto& seg : plan.segments) {
     if (seg.checkpointed) {
       held += m.input;
-      for (int64_t b = seg.begin; b < seg.end; ++b)
-        passes = std::max(passes, all_weights + held + m.forward[static_cast<size_t>(b)]);
+      double kx = 0;  // the exchanges kept by the segment's blocks so far
+      for (int64_t b = seg.begin; b < seg.end; ++b) {
+        passes = std::max(passes, all_weights + held + kx + m.forward[static_cast<size_t>(b)]);
+        kx += kept_exchange(m, plan, b);
+      }
+      held += kx;  // on the device, offloaded input or not
       if (m.offload_inputs || seg.offloaded) held -= m.input, host += m.input;  // to the host once the first pass is over
       continue;
     }
     for (int64_t b = seg.begin; b < seg.end; ++b) {  // a kept block's forward, ended: what it keeps
-      held += m.kept[static_cast<size_t>(b)][plan.parts_of(b)];
+      held += m.kept[static_cast<size_t>(b)][plan.parts_of(b)] + kept_block_exchange(m, plan, b);
       kept_weights += m.weights[static_cast<size_t>(b)];
       blocks = std::max(blocks, all_weights + held);
     }
@@ -464,8 +490,8 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
       }
       double saved = 0, weights = 0, worst_backward = 0, worst_exchange = 0;
       for (int64_t b = seg->begin; b < seg->end; ++b) {
-        const auto i = static_cast<size_t>(b);
-        const double exchange = i < m.recompute_exchange.size() ? m.recompute_exchange[i] : 0.0;
+        held -= kept_exchange(m, plan, b);  // kept exchanges: the recompute's own tensors now, in `saved`
+        const double exchange = redone_exchange(m, plan, b);
         worst_exchange = std::max(worst_exchange, saved + exchange);  // the blocks before b kept
         saved += m.kept[static_cast<size_t>(b)][0];
         weights += m.weights[static_cast<size_t>(b)];
@@ -478,7 +504,7 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
       const auto i = static_cast<size_t>(b);
       const auto parts = plan.parts_of(b);
       peak = std::max(peak, kept_weights + m.tied_grad + held + m.backward[i][parts]);
-      held -= m.kept[i][parts];
+      held -= m.kept[i][parts] + kept_block_exchange(m, plan, b);
       kept_weights -= m.weights[i];
     }
   }
@@ -486,11 +512,23 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
   return m.held + std::max({forward, ph.start, peak});
 }
 
+namespace {
+
+// Whether some block's recompute keeps its exchanges under sequence parallelism (the walk's terms).
+bool keeps_exchanges(const Scenario& sc, const checkpointing::Plan& plan) {
+  if (sc.sequence <= 1) return false;
+  for (int64_t b = 0; b < static_cast<int64_t>(plan.exchange_kept.size()); ++b)
+    if (plan.keeps_exchange(b) && plan.recomputes_attention(b)) return true;
+  return false;
+}
+
+}  // namespace
+
 ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpointing::Plan& plan) {
   const auto lowp = lowp_matmul_path(sc);
-  if (!plan.mode.solved() && sc.shape().uniform() && !sc.placement.offload.activations)
+  if (!plan.mode.solved() && sc.shape().uniform() && !sc.placement.offload.activations && !keeps_exchanges(sc, plan))
     return estimate_activation_peak(sc, segment_counts(plan), lowp);
-  // Blocks that differ (a budget schedule, or model.layer_mlp_hidden), or offloaded inputs: the
+  // Blocks that differ (a budget schedule, or model.layer_mlp_hidden), offloaded inputs, or kept exchanges: the
   // per-token terms of block 0 with no parts recomputed; the moments by walking the plan block by block.
   ActivationEstimate e = estimate_activation_peak(sc, SegmentCounts{}, lowp);
   e.moment_f = e.moment_a = e.moment_d = e.moment_b = 0;
@@ -503,17 +541,20 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpoint
   e.head_backward_peak_bytes = head_moment(sc, sizes_of(sc, lowp), phases.start);
   e.backward_peak_bytes = static_cast<int64_t>(phases.backward);
   e.host_bytes = static_cast<int64_t>(host);
-  int64_t recomputed = 0;
+  int64_t recomputed = 0;  // the blocks whose recompute redoes their exchanges
   for (const auto& seg : plan.segments)
     for (int64_t b = seg.begin; b < seg.end; ++b)
-      if (seg.checkpointed || (plan.parts_of(b) & checkpointing::kPartAttention) != 0) ++recomputed;
+      if ((seg.checkpointed || (plan.parts_of(b) & checkpointing::kPartAttention) != 0) && !plan.keeps_exchange(b)) ++recomputed;
   e.all_to_all_bytes = exchange_bytes(sizes_of(sc, lowp), sc.sequence, sc.model.n_layer, recomputed);
   return e;
 }
 
 ActivationEstimate estimate_activation_peak(const Scenario& sc) {
-  if (!sc.shape().uniform() || sc.placement.offload.activations) return estimate_activation_peak(sc, checkpointing::make_plan(sc.checkpointing, sc.model.n_layer));
-  return estimate_activation_peak(sc, segment_counts(sc.checkpointing, sc.model.n_layer), lowp_matmul_path(sc));
+  // The recipe's plan keeps its recomputes' exchanges (checkpointing.exchange keep, and some attention recomputed).
+  const auto seg = segment_counts(sc.checkpointing, sc.model.n_layer);
+  const bool keeps = sc.sequence > 1 && sc.checkpointing.exchange.keeps() && (seg.checkpointed > 0 || seg.attention);
+  if (!sc.shape().uniform() || sc.placement.offload.activations || keeps) return estimate_activation_peak(sc, checkpointing::make_plan(sc.checkpointing, sc.model.n_layer));
+  return estimate_activation_peak(sc, seg, lowp_matmul_path(sc));
 }
 
 }  // namespace sl::memory

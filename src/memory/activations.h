@@ -105,7 +105,17 @@
 //   T is unchanged: a block's attention backward (its exchanges' buffers with the residual gradient and
 //     the gathered q, k, v's gradient, the MLP's tensors freed) holds less than its MLP's.
 //   Sent per rank per micro-batch (all_to_all_bytes): (N-1)/N tok (3C xq + C xo) per exchange pair, two
-//     pairs per block (forward, and backward's inverse), and one more per recomputed block or attention.
+//     pairs per block (forward, and backward's inverse), and one more per recomputed block or attention
+//     whose recompute redoes its exchanges.
+//   checkpointing.exchange keep (checkpointing/plan.h): a block whose recompute keeps its exchanges
+//     holds from its first pass what they received, Kx = xq 3C + xo C per local token (the gathered q,
+//     k, v and the attention output), and its recompute communicates nothing. In a checkpointed
+//     segment the first pass of block b also holds the Kx of the segment's blocks before b; after the
+//     segment the forward holds its input and its blocks' Kx (offloaded: the Kx alone, which stays on
+//     the device). At the segment's recompute and backward (B) its Kx become the recomputed blocks'
+//     own tensors, counted in their S, and the recompute makes no exchange buffers (no Rx). A kept
+//     block with selective attention holds its Kx beside S from its forward through its backward (D).
+//     The O(1) moments above do not take Kx: a plan that keeps at N > 1 is walked (chain_peak).
 // fp16 takes oneDNN only with native fp16 instructions (else aten). fp32 runs and CUDA devices take
 // M = 0 (CUDA is not measured here). ATen's own dispatch level (AVX2 / AVX512) changes no memory.
 // Measured against it: tests/test_planner.cpp, README "Activation memory".
@@ -180,6 +190,7 @@ struct ChainModel {
   std::vector<double> weights;  // W of block i (autocast's copies; 0 in fp32)
   std::vector<double> forward;  // Fb of block i: the block run without saving, beyond its input
   std::vector<double> recompute_exchange;  // Rx of block i: its exchange in a recompute (0 at N = 1; empty: 0 for every block)
+  std::vector<double> exchange_kept;  // Kx of block i: what its first pass keeps for a recompute that keeps its exchanges (0 at N = 1; empty: 0)
   double input = 0;        // fC: what a checkpointed segment keeps (its input)
   double head = 0;          // the head at the start of backward: tok E and the fused loss's dW
   double head_forward = 0;  // the head at the end of the forward: E's input, the norm's output, the fused loss's peak
@@ -199,6 +210,8 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp);
 // uses the largest segment with every segment input: at most n*fC*tok more). With offload_inputs, the
 // inputs count only while their segment runs (first pass; recompute and backward, with the previous
 // checkpointed segment's input prefetched beside them); `host` gets what the forward offloaded.
+// Blocks whose recompute keeps its exchanges (plan.keeps_exchange) hold their Kx as "Sequence
+// parallelism" above says.
 // Recipes with offload.activations always take the walk. `phases` gets the largest moment of each kind
 // (ActivationEstimate's forward end, block forward, start and backward peaks).
 struct PhasePeaks {

@@ -370,11 +370,12 @@ std::string budget_schedule_text(const Json& j) {
     std::string parts;
     for (const auto& p : blk["parts"]) parts += (parts.empty() ? " [" : ", ") + p.get<std::string>();
     const auto& seg = blk["segment"];
-    out += fmt::format("  block {:>3}: {}{}{}\n", blk["block"].get<int64_t>(), blk["choice"].get<std::string>(),
+    out += fmt::format("  block {:>3}: {}{}{}{}\n", blk["block"].get<int64_t>(), blk["choice"].get<std::string>(),
                        parts.empty() ? "" : parts + "]",
                        blk["choice"] == "recompute" ? fmt::format(" (segment of blocks {}..{})", seg[0].get<int64_t>(),
                                                                   seg[1].get<int64_t>() - 1)
-                                                    : std::string());
+                                                    : std::string(),
+                       blk.value("exchange", "redo") == "keep" ? ", exchange kept" : "");
   }
   return out;
 }
@@ -445,7 +446,8 @@ std::vector<int64_t> sequence_degrees(const Scenario& sc) {
   return out;
 }
 
-// The scenario at degree n: its own mode's per-rank peak and step time.
+// The scenario at degree n: its own mode's per-rank peak and step time (mode budget: with how many
+// blocks its schedule keeps their exchanges, at n > 1).
 Json degree_row(const Scenario& recipe, int64_t n, int64_t memory_bytes) {
   Scenario sc = recipe;
   sc.sequence = n;
@@ -455,27 +457,79 @@ Json degree_row(const Scenario& recipe, int64_t n, int64_t memory_bytes) {
   const auto t = modelled_step(sc, *schedule);
   // Every data-parallel rank (world / n of them) trains its own sequences: the step's tokens.
   const int64_t tokens = sc.micro_batch * sc.grad_accum * sc.seq_len * (std::max<int64_t>(1, sc.placement.world) / n);
-  return {{"degree", n},
-          {"tokens_per_step", tokens},
-          {"tokens_per_s", sc.peak_tflops > 0 ? Json(static_cast<double>(tokens) / t.step_s) : Json(nullptr)},
-          {"peak_bytes", p.peak_bytes()},
-          {"activation_peak_bytes", p.activations.peak_bytes},
-          {"all_to_all_bytes_per_step", t.all_to_all_bytes},
-          {"all_to_all_s", t.all_to_all_s},
-          {"step_s", sc.peak_tflops > 0 ? Json(t.step_s) : Json(nullptr)},
-          {"fits", memory_bytes <= 0 || p.peak_bytes() <= memory_bytes}};
+  Json row = {{"degree", n},
+              {"tokens_per_step", tokens},
+              {"tokens_per_s", sc.peak_tflops > 0 ? Json(static_cast<double>(tokens) / t.step_s) : Json(nullptr)},
+              {"peak_bytes", p.peak_bytes()},
+              {"activation_peak_bytes", p.activations.peak_bytes},
+              {"all_to_all_bytes_per_step", t.all_to_all_bytes},
+              {"all_to_all_s", t.all_to_all_s},
+              {"step_s", sc.peak_tflops > 0 ? Json(t.step_s) : Json(nullptr)},
+              {"fits", memory_bytes <= 0 || p.peak_bytes() <= memory_bytes}};
+  if (n > 1 && sc.checkpointing.mode.solved()) row["exchange_kept_blocks"] = schedule->to_json()["exchange_kept_blocks"];
+  return row;
+}
+
+// Whether the search chooses checkpointing.exchange at degree n: a mode other than budget (which
+// chooses per block) whose exchange is auto and whose plan recomputes some attention, at n > 1.
+bool exchange_to_choose(const Scenario& sc, int64_t n) {
+  if (n <= 1 || sc.checkpointing.mode.solved() || !sc.checkpointing.exchange.chosen()) return false;
+  const auto seg = memory::segment_counts(sc.checkpointing, sc.model.n_layer);
+  return seg.checkpointed > 0 || seg.attention;
+}
+
+// Degree n's row with the exchange chosen: its own numbers stay the recipe's (auto: redo), and
+// "exchanges" holds redo's and keep's rows (less their degree and tokens per step); "exchange" is keep
+// where keep fits, else redo, and the degree fits where either does.
+Json exchange_row(const Scenario& sc, int64_t n, int64_t memory_bytes) {
+  Json row = degree_row(sc, n, memory_bytes);
+  Json both = Json::object();
+  for (const auto exchange : {config::Exchange::kRedo, config::Exchange::kKeep}) {
+    Scenario c = sc;
+    c.checkpointing.exchange = exchange;
+    Json r = degree_row(c, n, memory_bytes);
+    r.erase("degree");
+    r.erase("tokens_per_step");
+    both[std::string(config::Exchange(exchange).name())] = r;
+  }
+  const bool keep = both["keep"]["fits"].get<bool>();
+  row["exchange"] = keep ? "keep" : "redo";
+  row["fits"] = keep || both["redo"]["fits"].get<bool>();
+  row["exchanges"] = both;
+  return row;
 }
 
 }  // namespace
 
 Json sequence_search(const Scenario& sc, int64_t memory_bytes) {
-  Json degrees = Json::array(), chosen = nullptr;
+  Json degrees = Json::array(), chosen = nullptr, chosen_exchange = nullptr;
   for (int64_t n : sequence_degrees(sc)) {
-    degrees.push_back(degree_row(sc, n, memory_bytes));
-    if (chosen.is_null() && degrees.back()["fits"].get<bool>()) chosen = n;
+    degrees.push_back(exchange_to_choose(sc, n) ? exchange_row(sc, n, memory_bytes) : degree_row(sc, n, memory_bytes));
+    if (!chosen.is_null() || !degrees.back()["fits"].get<bool>()) continue;
+    chosen = n;
+    if (degrees.back().contains("exchange")) chosen_exchange = degrees.back()["exchange"];
   }
-  return {{"degrees", degrees}, {"chosen", chosen}, {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)}};
+  Json out = {{"degrees", degrees}, {"chosen", chosen}, {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)}};
+  if (!chosen_exchange.is_null()) out["chosen_exchange"] = chosen_exchange;
+  return out;
 }
+
+namespace {
+
+// A degree's two exchange choices on one line: each one's peak, all-to-all time and fit, and the pick.
+std::string format_exchanges(const Json& d) {
+  std::string out;
+  for (const char* name : {"redo", "keep"}) {
+    const auto& r = d["exchanges"][name];
+    out += r["peak_bytes"].is_null() ? fmt::format("{}exchange {}: no schedule", out.empty() ? "" : " | ", name)
+                                     : fmt::format("{}exchange {}: peak {} (all-to-all {:.2f} s) {}", out.empty() ? "" : " | ", name,
+                                                   bytes(r["peak_bytes"]), r["all_to_all_s"].get<double>(),
+                                                   r["fits"].get<bool>() ? "fits" : "does not fit");
+  }
+  return out + fmt::format(" -> {}", d["exchange"].get<std::string>());
+}
+
+}  // namespace
 
 std::string format_sequence_search(const Json& search, int64_t memory_bytes) {
   std::vector<std::pair<std::string, std::string>> rows;
@@ -489,13 +543,16 @@ std::string format_sequence_search(const Json& search, int64_t memory_bytes) {
                           ? std::string("no budget schedule fits")
                           : fmt::format("peak {:>10} | step {} (all-to-all {:.2f} s) | {}", bytes(d["peak_bytes"]), step,
                                         d["all_to_all_s"].get<double>(), d["fits"].get<bool>() ? "fits" : "does not fit"));
+    if (d.contains("exchanges")) rows.emplace_back("", format_exchanges(d));
   }
   std::string out = fmt::format("Sequence-parallel degrees (per rank, the recipe's checkpointing mode{}):\n",
                                 memory_bytes > 0 ? ", against " + log::format_bytes(memory_bytes) : std::string());
   out += log::format_table(rows);
+  const std::string exchange =
+      search.contains("chosen_exchange") ? ", checkpointing.exchange: " + search["chosen_exchange"].get<std::string>() : "";
   out += search["chosen"].is_null()
              ? std::string("No degree fits: shard further (parallel.sharding: zero3, more ranks), checkpoint more, or offload.\n")
-             : fmt::format("Smallest degree that fits: parallel.sequence: {}\n", search["chosen"].get<int64_t>());
+             : fmt::format("Smallest degree that fits: parallel.sequence: {}{}\n", search["chosen"].get<int64_t>(), exchange);
   return out;
 }
 

@@ -73,7 +73,13 @@ StepTime modelled_step(const memory::Scenario& sc, const checkpointing::Plan& pl
 // at every degree N that divides WORLD_SIZE, model.n_head and train.seq_len, smallest first: each one's
 // per-rank peak, modelled step time and whether it fits memory_bytes. {"degrees": [{degree, peak_bytes,
 // activation_peak_bytes, all_to_all_bytes_per_step, step_s, tokens_per_step, tokens_per_s, fits}], "chosen": the smallest that fits, or
-// null}. A budget mode that fits no schedule at a degree does not fit there.
+// null}. A budget mode that fits no schedule at a degree does not fit there; at a degree above 1 its
+// row also has exchange_kept_blocks (the blocks whose recompute its schedule lets keep their exchanges).
+// checkpointing.exchange auto in a mode that recomputes attention (not budget): at each degree above 1
+// the row's own numbers are the recipe's (redo), "exchanges": {"redo": {...}, "keep": {...}} holds both
+// choices' rows (the same keys less degree and tokens_per_step), "exchange" is "keep" where keep fits
+// (its smaller step time: no exchange redone) else "redo", and the degree fits where either does; the
+// search then has "chosen_exchange", the chosen degree's exchange.
 nlohmann::json sequence_search(const memory::Scenario& sc, int64_t memory_bytes);
 std::string format_sequence_search(const nlohmann::json& search, int64_t memory_bytes);
 
