@@ -884,6 +884,7 @@ struct LoopbackExchange : model::SequenceExchange {
     calls.emplace_back(in.numel(), in.scalar_type());
     out.copy_(in);
   }
+  int64_t sent_bytes() const override { return 0; }  // nothing leaves this process
 };
 
 }  // namespace
@@ -892,7 +893,8 @@ struct LoopbackExchange : model::SequenceExchange {
 // block's shapes (q, k, v: B x T/2 x 3C; the attention output: B x T x C/2) in the exchanged dtypes
 // (memory/activations.h: LLaMA under bf16 exchanges fp32 q, k, v and, on the CPU, an fp32 output),
 // six times each (a warm-up and five, whatever the blocks: every rank makes the same calls), their
-// median added to the attention and the forward of every block.
+// median each block's `exchange`. Then the profiled blocks exchange through the same group as the model's
+// blocks do (forward and backward: the same two sizes and dtypes), so attention and forward include them.
 TEST_CASE("the profile times a block's two exchanges through the model's sequence group, in the exchanged shapes and dtypes") {
   struct Case {
     std::string arch, compute;
@@ -915,13 +917,22 @@ TEST_CASE("the profile times a block's two exchanges through the model's sequenc
     m->shard_sequence(ex);
     const auto p = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
     const int64_t B = 4, t = 64 / 2, C = 64;
-    REQUIRE(ex->calls.size() == 12);
-    for (size_t i = 0; i < ex->calls.size(); i += 2) {
+    REQUIRE(ex->calls.size() > 12);  // the timing's 12, then the profiled blocks' own exchanges
+    for (size_t i = 0; i < 12; i += 2) {
       CHECK(ex->calls[i].first == B * t * 3 * C);
       CHECK(ex->calls[i].second == c.xq);
       CHECK(ex->calls[i + 1].first == B * t * C);
       CHECK(ex->calls[i + 1].second == c.xo);
     }
+    size_t qkv = 0, out = 0;  // the blocks': every exchange one of the two, as many of each
+    for (size_t i = 12; i < ex->calls.size(); ++i) {
+      const auto& [numel, dtype] = ex->calls[i];
+      const bool is_qkv = numel == B * t * 3 * C && dtype == c.xq, is_out = numel == B * t * C && dtype == c.xo;
+      CHECK((is_qkv || is_out));
+      qkv += is_qkv ? 1 : 0;
+      out += is_out ? 1 : 0;
+    }
+    CHECK(qkv == out);
     REQUIRE(p.blocks.size() == 6);
     for (const auto& b : p.blocks) {
       CHECK(b.exchange > 0);

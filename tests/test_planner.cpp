@@ -846,6 +846,10 @@ TEST_CASE("sequence parallelism at degree 2 and 4: every rank's peak within 2% o
       {"gpt2 4 layers, none", {"checkpointing.mode=none"}},
       {"llama 6 layers, full", {"model.arch=llama", "model.n_layer=6", "checkpointing.mode=full"}},
       {"gpt2 4 layers, selective", {"checkpointing.mode=selective", "checkpointing.recompute=[attention,mlp,norm]"}},
+      // checkpointing.exchange keep: each recomputed block's exchanged tensors held from its first pass
+      {"gpt2 4 layers, full, exchange keep", {"checkpointing.mode=full", "checkpointing.exchange=keep"}},
+      {"gpt2 4 layers, selective attention, exchange keep",
+       {"checkpointing.mode=selective", "checkpointing.recompute=[attention]", "checkpointing.exchange=keep"}},
   };
   test::TempDir dir("planner-sequence");
   int k = 0;

@@ -476,19 +476,19 @@ Costs profile_costs(const Scenario& sc, model::GPT& model, torch::Device device,
   // first block that has it, and stands for every block of that size.
   std::map<int64_t, std::pair<BlockCost, BlockBytes>> by_width;
   Costs out{{}, "profile", "ms", {}};
-  // The exchanges, the same for every block: the profiled block runs its attention on this rank's
-  // positions alone, so their time is added to its attention and forward.
+  // The exchanges, the same for every block: timed apart for what keeping them saves (BlockCost::exchange);
+  // the profiled block exchanges through the run's group as the model's do, so its attention and forward
+  // include them (and its attention covers the whole sequence for n_head / N heads).
   const double exchange = model->sequence ? time_exchange(sc, model->sequence, positions, device) : 0.0;
   const config::Shape shape(sc.model);
   for (int64_t l = 0; l < sc.model.n_layer; ++l) {
     const int64_t width = shape.hidden(l);
     if (!by_width.count(width)) {
       auto block = profiling_block(sc, l, device, gen);
+      block->sequence = model->sequence;
       block->train();  // as the run trains it: dropout's masks, and on the CPU SDPA's math path with them
       BlockCost time = time_block(block, x, rope, device);
       time.exchange = exchange;
-      time.attention += exchange;
-      time.forward += exchange;
       by_width[width] = {time, meter.works() ? measure_block(block, x, rope, meter) : BlockBytes{}};
     }
     out.blocks.push_back(by_width[width].first);
