@@ -117,6 +117,7 @@ checkpointing::Plan plan_of(const budget::Schedule& s) {
   p.mode = config::CheckpointingMode::kBudget;
   p.segments = s.segments;
   p.block_parts = s.block_parts;
+  p.exchange_kept = s.exchange_kept;
   return p;
 }
 
@@ -263,12 +264,6 @@ double brute_best(const std::vector<ExchangeEvaluated>& all, double budget, cons
   return best;
 }
 
-checkpointing::Plan exchange_plan_of(const budget::Schedule& s) {
-  checkpointing::Plan p = plan_of(s);
-  p.exchange_kept = s.exchange_kept;
-  return p;
-}
-
 }  // namespace
 
 // Whole-number sizes and costs, as in the brute-force case above: exact comparisons. Under auto the DP
@@ -294,7 +289,7 @@ TEST_CASE("checkpointing.exchange: the DP finds what a brute-force search of eve
           const auto s = budget::solve_budget(c.mem, c.costs, budget, static_cast<int64_t>(budget), -1.0, exchange);
           REQUIRE(s.feasible == std::isfinite(best));
           if (!s.feasible) continue;
-          const auto p = exchange_plan_of(s);
+          const auto p = plan_of(s);
           CHECK(s.cost == best);
           CHECK(s.cost == budget::schedule_cost(s.segments, s.block_parts, c.costs, 0.0, s.exchange_kept));
           CHECK(memory::chain_peak(c.mem, p) <= budget);
@@ -363,7 +358,7 @@ TEST_CASE("checkpointing.exchange auto: the cheapest schedule keeps where the bu
   // blocks cannot all fit, so some block is in a checkpointed segment, which keeps too.
   const auto keep = budget::solve_budget(m, costs, keep_all - 1, static_cast<int64_t>(keep_all - 1), -1.0, config::Exchange::kKeep);
   REQUIRE(keep.feasible);
-  const auto kp = exchange_plan_of(keep);
+  const auto kp = plan_of(keep);
   for (int64_t b = 0; b < 4; ++b) CHECK(kp.keeps_exchange(b) == kp.recomputes_attention(b));
   CHECK(kp.checkpointed_blocks() > 0);
   CHECK(keep.cost == budget::schedule_cost(keep.segments, keep.block_parts, costs, 0.0, keep.exchange_kept));
