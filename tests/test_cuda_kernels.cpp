@@ -17,6 +17,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "catch.h"
@@ -41,12 +42,25 @@ const std::vector<int64_t> kWidths = {768, 2048, 1000, 4099};
 // 2 x 37 rows: two whole pieces of 32 rows and a partial one.
 constexpr int64_t kBatch = 2, kSeq = 37;
 
-// Skips the case where it cannot run; a macro, as SUBLINEAR_SKIP ends the case.
-#define REQUIRE_CUDA_KERNELS()                                                                  \
-  do {                                                                                          \
-    if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");                    \
-    if (!model::kCudaKernels) SUBLINEAR_SKIP("this build has no CUDA kernels (no CUDA compiler)"); \
+// Skips the case without a CUDA device; with one, a build without the CUDA kernels fails (its skip would
+// pass a GPU run that never ran them). A macro, as SUBLINEAR_SKIP ends the case.
+#define REQUIRE_CUDA_KERNELS()                                                                            \
+  do {                                                                                                    \
+    if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");                              \
+    if (!model::kCudaKernels)                                                                             \
+      FAIL("a CUDA device is here but this build has no CUDA kernels: rebuild where CMake finds a CUDA "   \
+           "compiler, with -DSUBLINEAR_CUDA_KERNELS=ON (trainer --version: CUDA kernels: yes)");           \
   } while (0)
+
+using model::cuda::Kernel;
+
+// How many times wrapper k (model/cuda_fused.h) ran while f ran: the fused path taken, not ATen's.
+template <class F>
+int64_t launches_during(Kernel k, F&& f) {
+  const int64_t before = model::cuda::launches(k);
+  std::forward<F>(f)();
+  return model::cuda::launches(k) - before;
+}
 
 torch::Tensor f64(const torch::Tensor& t) { return t.detach().to(torch::kCPU).to(torch::kDouble); }
 
@@ -351,7 +365,8 @@ TEST_CASE("CUDA residual add: ATen's bits; with the bias x + (y + b), dy = bf16(
     const auto y16 = torch::randn({kBatch, kSeq, C}, cuda).to(torch::kBFloat16), b0 = torch::randn({C}, cuda);
     REQUIRE(model::residual_add_fused(x0, y16));
     auto x = leaf(x0), y = leaf(y16);
-    auto out = model::residual_add(x, y);
+    torch::Tensor out;
+    REQUIRE(launches_during(Kernel::residual_add, [&] { out = model::residual_add(x, y); }) == 1);
     CHECK(torch::equal(out, x0 + y16.to(torch::kFloat32)));
     out.backward(g);
     CHECK(torch::equal(x.grad(), g));
@@ -359,9 +374,11 @@ TEST_CASE("CUDA residual add: ATen's bits; with the bias x + (y + b), dy = bf16(
     for (const auto& branch : {y16, torch::randn({kBatch, kSeq, C}, cuda)}) {  // a bf16 and an fp32 branch
       CAPTURE(c10::toString(branch.scalar_type()));
       auto xb = leaf(x0), yb = leaf(branch), bb = leaf(b0);
-      auto outb = model::residual_add(xb, yb, bb);
+      REQUIRE(model::residual_bias_fused(x0, b0));  // the predicate the block asks before its linear
+      torch::Tensor outb;
+      REQUIRE(launches_during(Kernel::residual_add_bias, [&] { outb = model::residual_add(xb, yb, bb); }) == 1);
       CHECK(torch::equal(outb, x0 + (branch.to(torch::kFloat32) + b0)));
-      outb.backward(g);
+      REQUIRE(launches_during(Kernel::residual_bias_backward, [&] { outb.backward(g); }) == 1);
       CHECK(torch::equal(xb.grad(), g));
       CHECK(torch::equal(yb.grad(), g.to(branch.scalar_type())));
       CHECK(within(bb.grad(), f64(g).reshape({-1, C}).sum(0), column_bound(f64(g).abs(), kBatch * kSeq)));
@@ -422,7 +439,23 @@ TEST_CASE("CUDA fused kernels in a GPT-2 under bf16 autocast: as close to fp32 a
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kLong);
   const auto idx = torch::randint(0, c.vocab_size, {4, 48}, cuda), targets = torch::randint(0, c.vocab_size, {4, 48}, cuda);
   const auto fp32 = model_run(m, idx, targets, /*autocast=*/false);
+  // The fused kernels ran in the bf16 model, forward and backward (the norms, the GELUs, the residual adds
+  // in one of their two forms: with the projection's bias where it is fused, else without): the
+  // comparison below is between the two paths, not ATen's against itself.
+  const auto residual_adds = [] {
+    return model::cuda::launches(Kernel::residual_add) + model::cuda::launches(Kernel::residual_add_bias);
+  };
+  const std::vector<Kernel> each = {Kernel::layer_norm_forward, Kernel::layer_norm_backward, Kernel::gelu_forward,
+                                    Kernel::gelu_backward};
+  std::vector<int64_t> before;
+  for (const auto k : each) before.push_back(model::cuda::launches(k));
+  const int64_t adds_before = residual_adds();
   const auto fused = model_run(m, idx, targets, /*autocast=*/true);
+  for (size_t i = 0; i < each.size(); ++i) {
+    INFO("model::cuda::Kernel " << static_cast<int>(each[i]));
+    CHECK(model::cuda::launches(each[i]) > before[i]);
+  }
+  CHECK(residual_adds() > adds_before);
   std::map<std::string, torch::Tensor> aten;
   {
     const AtenKernels forced;

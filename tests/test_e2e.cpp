@@ -233,8 +233,16 @@ TEST_CASE("bf16 autocast trains the tiny recipe like fp32; fp16 logs its loss sc
   // fp16 rounds finer (2^-12): bf16's bound holds, plus the steps its loss scaler skipped (no update
   // while the scale comes down), each leaving its curve one step behind fp32's: worth fp32's own
   // slope over its last 5 steps per skipped step.
+  // The skips are the scaler's halvings: 20 steps are far from growth_interval (2000), so the scale only
+  // comes down, by half per skipped step, from 2^16: skipped = log2(65536 / the last scale). And they are
+  // capped: at scale 1 an fp16 backward that overflows could not train at all, so at most 16 halvings; a
+  // scaler that skipped every step (the curve flat, ~2.7 nats above fp32's) fails the loss check below.
+  const auto skipped = s16["skipped_steps"].get<int64_t>();
+  CHECK(skipped <= 16);
+  const double last_scale = fp16.back()["loss_scale"].get<double>() * (fp16.back()["skipped"].get<bool>() ? 0.5 : 1.0);
+  CHECK(std::ldexp(last_scale, static_cast<int>(skipped)) == 65536.0);  // a record's scale is the one its step used
   const double late_slope = std::max(0.0, (fp32[fp32.size() - 6]["loss"].get<double>() - fp32.back()["loss"].get<double>()) / 5);
-  CHECK(std::abs(last5(fp16) - last5(fp32)) < 0.05 + s16["skipped_steps"].get<double>() * late_slope);
+  CHECK(std::abs(last5(fp16) - last5(fp32)) < 0.05 + static_cast<double>(skipped) * late_slope);
   // bf16 keeps activations in half the bytes where autocast computes in it.
   CHECK(s16b["median_activation_peak_bytes"].get<int64_t>() < 0.8 * s32["median_activation_peak_bytes"].get<int64_t>());
 }

@@ -72,15 +72,15 @@ TEST_CASE("bf16 compute copy: zero1/2/3 at world 2 end where world 1 does", "[nu
   Runner run(kRecipe, "mixed");
   // World 1 (zero1: the masters need a shard, world 1 included), the global batch of 8 as 2 micro-batches
   // of 4: each rank's bf16 gradient is rounded from a 4-row sum, as each micro-batch's is here; only
-  // the order of the fp32 sums differs: tests/runs.h's same_training (kReordered).
-  const auto w1 = load_params(run.train(1, "--set parallel.sharding=zero1 --set train.grad_accum=2"));
-  // One micro-batch of 8 rounds a different (8-row) bf16 gradient: same_training with kRounded.
-  const auto w1x8 = load_params(run.train(1, "--set parallel.sharding=zero1 --set train.micro_batch=8"));
+  // the order of the fp32 sums differs: tests/runs.h's parity (kReordered16: 16-bit roundings after step 1).
+  const auto w1 = run.train(1, "--set parallel.sharding=zero1 --set train.grad_accum=2");
+  // One micro-batch of 8 rounds a different (8-row) bf16 gradient: parity with kRoundedRuns.
+  const auto w1x8 = run.train(1, "--set parallel.sharding=zero1 --set train.micro_batch=8");
   for (const std::string stage : {"zero1", "zero2", "zero3"}) {
     INFO(stage);
     const auto dir = run.train(2, "--set parallel.sharding=" + stage);
-    CHECK_SAME_TRAINING(w1, load_params(dir), dir);
-    CHECK_SAME_TRAINING(w1x8, load_params(dir), dir, test::kRounded);
+    CHECK_PARITY(w1, dir, test::kReordered16);
+    CHECK_PARITY(w1x8, dir, test::kRoundedRuns);
     // The final weights are the fp32 masters, not the bf16 copy: some differ from their bf16 rounding.
     bool off_bf16 = false;
     for (const auto& [name, t] : load_params(dir)) off_bf16 |= !torch::equal(t, t.to(torch::kBFloat16).to(torch::kFloat));
@@ -94,16 +94,16 @@ TEST_CASE("fp16 compute copy with the loss scaler: zero1/2/3 at world 2 end wher
   // Unlike bf16, world 1 cannot round the same gradients: its backward carries the loss scale times
   // 1/accumulation (1/2 here), world 2's the scale alone, and fp16's subnormal range (below 6e-5)
   // rounds a halved gradient differently. So: the stages agree with each other as DDP's tolerance
-  // asks (same_training, kReordered), and with world 1 as differently rounded gradients do (kRounded).
-  const auto w1 = load_params(run.train(1, fp16 + "--set parallel.sharding=zero1 --set train.grad_accum=2"));
+  // asks (parity, kReordered16), and with world 1 as differently rounded gradients do (kRoundedRuns).
+  const auto w1 = run.train(1, fp16 + "--set parallel.sharding=zero1 --set train.grad_accum=2");
   const auto fp32 = losses(run.train(1, "--set precision.compute=fp32 --set precision.param_dtype=fp32 "
                                         "--set train.grad_accum=2"));
-  const auto w2 = load_params(run.train(2, fp16 + "--set parallel.sharding=zero1"));
+  const auto w2 = run.train(2, fp16 + "--set parallel.sharding=zero1");
   for (const std::string stage : {"zero1", "zero2", "zero3"}) {
     INFO(stage);
     const auto dir = run.train(2, fp16 + "--set parallel.sharding=" + stage);
-    CHECK_SAME_TRAINING(w2, load_params(dir), dir);
-    CHECK_SAME_TRAINING(w1, load_params(dir), dir, test::kRounded);
+    CHECK_PARITY(w2, dir, test::kReordered16);
+    CHECK_PARITY(w1, dir, test::kRoundedRuns);
     bool off_fp16 = false;  // the final weights are the fp32 masters
     for (const auto& [name, t] : load_params(dir)) off_fp16 |= !torch::equal(t, t.to(torch::kHalf).to(torch::kFloat));
     CHECK(off_fp16);
@@ -207,11 +207,11 @@ TEST_CASE("bf16 reduction (precision.reduce_dtype) halves the gradient buffer an
     const auto lossy = run.train(2, "--set parallel.sharding=" + stage + " --set precision.reduce_dtype=bf16");
     const auto le = losses(exact), ll = losses(lossy);
     REQUIRE(le.size() == ll.size());
-    // bf16 reductions round each reduced gradient element to 2^-8 relative: the parameters are
-    // same_training with kRounded, and the losses within 1e-2 relative as fp16's against fp32 above
+    // bf16 reductions round each reduced gradient element to 2^-8 relative: the steps and parameters are
+    // parity with kRoundedRuns, and the losses within 1e-2 relative as fp16's against fp32 above
     // (one more rounding per element, 2^-9 on average, moves the loss less than fp16's forward does).
     for (size_t i = 0; i < le.size(); ++i) CHECK(std::abs(le[i] - ll[i]) <= 1e-2 * le[i]);
-    CHECK_SAME_TRAINING(load_params(exact), load_params(lossy), lossy, test::kRounded);
+    CHECK_PARITY(exact, lossy, test::kRoundedRuns);
     CHECK(summary(lossy)["parallel"]["ranks"][0]["transient_peak_bytes"].get<double>() <
           summary(exact)["parallel"]["ranks"][0]["transient_peak_bytes"].get<double>());
   }

@@ -154,6 +154,9 @@ TEST_CASE("every placement trains bitwise like the recipe without offload (fp32,
         const auto s_ref = summary(ref), s_got = summary(got);
         CHECK(s_ref["host_memory"]["peak_bytes"].get<int64_t>() == 0);
         CHECK(s_got["host_memory"]["peak_bytes"].get<int64_t>() > 0);
+        // Every transfer of the offloaded run is the simulated device's (device/host.h's copy counts).
+        CHECK(s_got["host_memory"]["copies"]["path"] == "simulated");
+        CHECK(s_got["host_memory"]["copies"]["simulated"].get<int64_t>() > 0);
         CHECK(s_got["peak_allocated_bytes"].get<int64_t>() <= s_ref["peak_allocated_bytes"].get<int64_t>());
         if (p.sets != kActivations) {  // model states left the device
           CHECK(s_got["peak_allocated_bytes"].get<int64_t>() < s_ref["peak_allocated_bytes"].get<int64_t>());

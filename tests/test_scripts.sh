@@ -11,8 +11,13 @@
 #     tests (exit 77, SKIP_RETURN_CODE) are counted and named with their reasons, ctest's exit status
 #     is kept,
 #   - scripts/check_links.py: passes on this tree; fails naming a missing page and a missing anchor
-#   - bench/gpu.sh: --help, argument errors and a run without a pack exit 2 (its runs: a GPU machine);
-#     schedule: each part's timeout from --budget, in the run's order; run with a pack of this build's
+#   - bench/gpu.sh: --help, argument errors, `run` (now cases, then figures) and a call without a pack
+#     exit 2 (its measurements: a GPU machine); schedule: call 1's timeout per case, call 2's per part
+#     from --budget, in the run's order; cases on stand-ins (a trainer and a Catch2 binary, scripts)
+#     with a CUDA device: each case's result under its fixed timeout, the skip listed apart, $OUT
+#     written, exit 1 for the failure; a budget too small for a case's timeout: not run; a build
+#     without "CUDA kernels: yes": cases and figures exit 2 on a CUDA device and run nothing, pack
+#     exits 2 unless SUBLINEAR_PACK_WITHOUT_KERNELS=1; cases and figures with a pack of this build's
 #     trainer and no CUDA device: every target and part recorded as skipped, exit 0,
 #   - bench/compiled_gpt.py (the GPU baseline) on the CPU, tiny and uncompiled: its FLOPs per token are
 #     the trainer's summary's for the same shape,
@@ -335,72 +340,208 @@ link_rules() {
 }
 check "check_links.py: every README and docs/ link resolves" link_rules
 
-gpu_sh_arguments() {  # bench/gpu.sh's usage and refusals (its runs need a build and a GPU: bench/gpu.sh run)
+gpu_sh_arguments() {  # bench/gpu.sh's usage and refusals (its calls need a pack, and a GPU to measure)
   local gpu="$ROOT/bench/gpu.sh" out
   out="$("$gpu" --help)" || { echo "--help failed"; return 1; }
-  grep -q 'bench/gpu.sh pack' <<< "$out" && grep -q 'bench/gpu.sh run' <<< "$out" || { echo "--help: $out"; return 1; }
+  grep -q 'bench/gpu.sh pack' <<< "$out" && grep -q 'bench/gpu.sh cases' <<< "$out" &&
+    grep -q 'bench/gpu.sh figures' <<< "$out" || { echo "--help: $out"; return 1; }
   "$gpu" > /dev/null 2>&1; [[ $? == 2 ]] || { echo "no command: not exit 2"; return 1; }
   out="$("$gpu" bogus 2>&1)"; [[ $? == 2 && "$out" == *"unknown command: bogus"* ]] || { echo "bogus: $out"; return 1; }
-  out="$("$gpu" run --budget soon 2>&1)"; [[ $? == 2 && "$out" == *"--budget needs a number"* ]] || { echo "$out"; return 1; }
+  out="$("$gpu" run 2>&1)"; [[ $? == 2 && "$out" == *"bench/gpu.sh cases, then bench/gpu.sh figures"* ]] ||
+    { echo "run (split in two): $out"; return 1; }
+  local c
+  for c in cases figures; do
+    out="$("$gpu" "$c" --budget soon 2>&1)"; [[ $? == 2 && "$out" == *"--budget needs a number"* ]] || { echo "$c: $out"; return 1; }
+    out="$("$gpu" "$c" --only 2>&1)"; [[ $? == 2 && "$out" == *"--only needs"* ]] || { echo "$c: $out"; return 1; }
+    out="$("$gpu" "$c" --bogus 2>&1)"; [[ $? == 2 && "$out" == *"unknown argument to $c: --bogus"* ]] || { echo "$c: $out"; return 1; }
+  done
   mkdir -p "$TMP/gputree/bench" && cp "$gpu" "$TMP/gputree/bench/"  # a tree without .gpu/pack.tar.xz
-  out="$("$TMP/gputree/bench/gpu.sh" run 2>&1)"; [[ $? == 2 && "$out" == *"bench/gpu.sh pack"* ]] || { echo "no pack: $out"; return 1; }
+  for c in cases figures; do
+    out="$("$TMP/gputree/bench/gpu.sh" "$c" 2>&1)"; [[ $? == 2 && "$out" == *"bench/gpu.sh pack"* ]] || { echo "no pack ($c): $out"; return 1; }
+  done
 }
 check "gpu.sh: usage, and argument errors and a missing pack exit 2" gpu_sh_arguments
 
-gpu_sh_schedule() {  # each target part's timeout is its share of --budget; the shares leave the [cuda] cases some
+gpu_sh_schedule() {  # call 1: each case's fixed timeout and the budget; call 2: each part's share of the budget
   local gpu="$ROOT/bench/gpu.sh" b out
-  for b in 480 300 1000; do
-    out="$("$gpu" schedule --budget "$b")" || { echo "schedule --budget $b failed: $out"; return 1; }
+  for b in "" 480 300 1000; do
+    out="$("$gpu" schedule ${b:+--budget "$b"})" || { echo "schedule --budget $b failed: $out"; return 1; }
     "$PYTHON" -c '
 import re, sys
-budget = int(sys.argv[1])
-parts = [(m.group(2), int(m.group(1))) for m in
-         (re.match(r"\s*(-?\d+) s  (\w+)", l) for l in sys.stdin.read().splitlines()[1:])]
+text = sys.stdin.read()
+cases, figures = text.split("\ncall 2: ")
+# call 1: the heavy cases 150 s, every other 120 s, under the budget (default 540 s)
+assert cases.startswith("call 1: bench/gpu.sh cases --budget " + (sys.argv[1] or "540") + "\n"), cases
+rule = [(int(m.group(1)), m.group(2)) for m in re.finditer(r"^\s*(\d+) s  (.*)$", cases, re.M)]
+assert rule == [(150, "a case whose name holds \"predicted peaks\""),
+                (150, "a case whose name holds \"every checkpointing mode\""),
+                (150, "a case whose name holds \"captured micro-batch replayed\""),
+                (120, "every other [cuda] case")], rule
+# call 2: the run order (the trainer and its baseline first, the 7B after its plan), default budget 480 s
+budget = int(sys.argv[1] or 480)
+assert figures.startswith(f"bench/gpu.sh figures --budget {budget}\n"), figures
+parts = [(m.group(2), int(m.group(1))) for m in re.finditer(r"^\s*(-?\d+) s  (\w+)", figures, re.M)]
 keys = [k for k, _ in parts]
-# the run order: the trainer and its baseline first, the 7B after its plan, the [cuda] cases last
 assert keys == ["gpt2_none", "baseline", "gpt2_full", "gpt2_selective", "llama_1b", "offload_bw", "plan_7b",
-                "run_7b", "cases"], keys
-# every part has time; the parts and what is left for the [cuda] cases add up to the budget exactly,
-# and the cases keep at least 5 % of it (the shares sum to at most 95 %)
+                "run_7b", "left"], keys
+# every part has time; the parts and what is left add up to the budget exactly, and at least 5 % is left
+# for unpacking and the report
 assert all(t >= 1 for _, t in parts), parts
-assert sum(t for _, t in parts) == budget and dict(parts)["cases"] >= budget * 5 // 100, parts' "$b" <<< "$out" ||
+assert sum(t for _, t in parts) == budget and dict(parts)["left"] >= budget * 5 // 100, parts' "$b" <<< "$out" ||
       { echo "$out"; return 1; }
   done
   out="$("$gpu" schedule --budget soon 2>&1)"; [[ $? == 2 && "$out" == *"--budget needs a number"* ]] || { echo "$out"; return 1; }
 }
-check "gpu.sh schedule: every part's timeout from the budget, in the run's order" gpu_sh_schedule
+check "gpu.sh schedule: call 1's timeout per case, call 2's per part from the budget, in the run's order" gpu_sh_schedule
 
-gpu_sh_without_gpu() {  # a pack of this build's trainer alone, no CUDA device: every part skipped, exit 0
-  local tree="$TMP/gpuskip" stage="$TMP/gpustage" out md
-  mkdir -p "$tree/bench" "$tree/.gpu" "$stage/bin" "$stage/lib"
-  cp "$ROOT"/bench/{gpu.sh,gpu_targets.py,compiled_gpt.py,eager_gpt.py} "$tree/bench/"
-  cp "$TRAINER" "$stage/bin/trainer"
-  { echo "commit (test)"; echo "packed (test)"; "$TRAINER" --version; } > "$stage/MANIFEST"
+gpu_pack_stage() {  # gpu_pack_stage STAGE TREE: STAGE's MANIFEST, bin/ and lib/ into TREE/.gpu/pack.tar.xz
+  mkdir -p "$2/.gpu"
   "$PYTHON" -c 'import sys, tarfile
 with tarfile.open(sys.argv[2], "w:xz", preset=0) as t:
     for name in ("MANIFEST", "bin", "lib"):
-        t.add(sys.argv[1] + "/" + name, arcname=name)' "$stage" "$tree/.gpu/pack.tar.xz" || return 1
-  out="$(CUDA_VISIBLE_DEVICES= SUBLINEAR_PYTHON="$PYTHON" "$tree/bench/gpu.sh" run 2>&1)" ||
-    { echo "exit $?:"; echo "$out"; return 1; }
-  md="$(ls "$tree"/bench/results/gpu-*.md)" || return 1
+        t.add(sys.argv[1] + "/" + name, arcname=name)' "$1" "$2/.gpu/pack.tar.xz"
+}
+
+# gpu_fake_pack TREE DEVICES KERNELS_LINE: TREE with bench/gpu.sh and a pack of stand-ins: a trainer whose
+# --version names this torch, DEVICES CUDA devices here and KERNELS_LINE (none when empty), and a Catch2
+# binary test_fake with four [cuda] cases (passes, skips with exit 77, fails, a heavy one that passes).
+gpu_fake_pack() {
+  local tree="$1" stage="$1.stage" torch
+  rm -rf "$tree" "$stage"
+  mkdir -p "$tree/bench" "$stage/bin" "$stage/lib"
+  cp "$ROOT/bench/gpu.sh" "$tree/bench/"
+  torch="$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("torch").split("+")[0])')" || return 1
+  printf '#!/usr/bin/env bash\nprintf "%%s\\n" "sublinear trainer 0.0.0 (a stand-in)" "LibTorch %s" "CUDA: compiled; devices here %s" %s\n' \
+    "$torch" "$2" "${3:+\"$3\"}" > "$stage/bin/trainer"
+  cat > "$stage/bin/test_fake" <<'FAKE'
+#!/usr/bin/env bash
+if [[ "${2:-}" == --list-test-names-only ]]; then
+  printf '%s\n' "passes" "skips here" "fails" "predicted peaks of the stand-in"; exit 4
+fi
+case "$1" in
+  passes|predicted*) echo "All tests passed"; exit 0 ;;
+  skips*) echo "SKIPPED (exit 77): needs two CUDA devices"; exit 77 ;;
+  fails) echo "tests/test_fake.cpp:1: FAILED: on purpose"; exit 3 ;;
+esac
+exit 9
+FAKE
+  chmod +x "$stage/bin/trainer" "$stage/bin/test_fake"
+  { echo "commit (test)"; echo "packed (test)"; "$stage/bin/trainer" --version; } > "$stage/MANIFEST"
+  gpu_pack_stage "$stage" "$tree"
+}
+
+gpu_sh_cases() {  # call 1 on stand-ins with a CUDA device: each case's result and fixed timeout; a skip listed apart
+  local tree="$TMP/gpucases" out rc=0
+  gpu_fake_pack "$tree" 1 "CUDA kernels: yes" || return 1
+  mkdir -p "$TMP/gpuout"
+  out="$(OUT="$TMP/gpuout" SUBLINEAR_PYTHON="$PYTHON" "$tree/bench/gpu.sh" cases 2>&1)" || rc=$?
+  ((rc == 1)) || { echo "exit $rc, wanted 1 (a case failed):"; echo "$out"; return 1; }
   "$PYTHON" -c '
-import json, sys
-md, logs = open(sys.argv[1]).read(), sys.argv[1][:-3] + "-logs"
+import glob, os, sys
+tree, out = sys.argv[1], sys.argv[2]
+[md] = glob.glob(tree + "/bench/results/gpu-*.md")
+assert not md.endswith("-figures.md"), md
+text, logs = open(md).read(), md[:-3] + "-logs"
+parts = [l.split("\t") for l in open(logs + "/parts.tsv").read().splitlines()]
+assert [p[0][:18] for p in parts] == ["case_01_test_fake_", "case_02_test_fake_", "case_03_test_fake_",
+                                      "case_04_test_fake_"], parts
+assert [p[1] for p in parts] == ["passed", "skipped", "failed (exit 3)", "passed"], parts
+assert all(os.path.exists(f"{logs}/{p[0]}.log") for p in parts), os.listdir(logs)
+# each case under its own timeout: 150 s for the heavy names, 120 s for the others
+for row in ("| test_fake: passes | passed |", "| test_fake: fails | failed (exit 3) |"):
+    assert any(l.startswith(row) and l.split(" | ")[3] == "120" for l in text.splitlines()), (row, text)
+assert any(l.startswith("| test_fake: predicted peaks of the stand-in | passed |") and l.split(" | ")[3] == "150"
+           for l in text.splitlines()), text
+assert "tests/test_fake.cpp:1: FAILED: on purpose" in text, text
+# a skip with a CUDA device here, listed apart with its reason
+assert "### Skipped with a CUDA device here (1)" in text and "- test_fake: skips here: needs two CUDA devices" in text, text
+assert "2 passed" in text and "1 skipped" in text and "1 failed (exit 3)" in text, text
+assert "CUDA kernels: yes" in text and "so far" not in text, text
+# $OUT: the report and its logs
+got = sorted(os.listdir(out))
+assert got == sorted([os.path.basename(md), os.path.basename(logs) + ".tar.gz"]), got
+assert open(out + "/" + os.path.basename(md)).read() == text' "$tree" "$TMP/gpuout" || { echo "$out"; return 1; }
+  # a budget that leaves no room for a case's fixed timeout: the cases chosen are not run, none is cut short
+  rm -rf "$tree/bench/results"
+  rc=0
+  out="$(SUBLINEAR_PYTHON="$PYTHON" "$tree/bench/gpu.sh" cases --budget 100 --only 'passes|peaks' 2>&1)" || rc=$?
+  ((rc == 1)) || { echo "exit $rc, wanted 1 (cases not run):"; echo "$out"; return 1; }
+  "$PYTHON" -c '
+import glob, sys
+[md] = glob.glob(sys.argv[1] + "/bench/results/gpu-*.md")
+parts = [l.split("\t") for l in open(md[:-3] + "-logs/parts.tsv").read().splitlines()]
+assert [(p[3], p[1]) for p in parts] == [("test_fake: passes", "not run"),
+                                         ("test_fake: predicted peaks of the stand-in", "not run")], parts
+assert all("did not fit" in p[4] for p in parts), parts' "$tree" || { echo "$out"; return 1; }
+}
+check "gpu.sh cases: every case under its own timeout, not run past the budget, a skip with a GPU listed apart" gpu_sh_cases
+
+gpu_sh_kernels() {  # without the fused CUDA kernels: cases and figures refuse on a CUDA device, pack refuses
+  local tree="$TMP/gpukernels" out rc
+  gpu_fake_pack "$tree" 1 "CUDA kernels: no" || return 1
+  out="$(SUBLINEAR_PYTHON="$PYTHON" "$tree/bench/gpu.sh" cases 2>&1)"; rc=$?
+  [[ $rc == 2 && "$out" == *"lacks the fused CUDA kernels (trainer --version: CUDA kernels: no)"* &&
+     "$out" == *"-DSUBLINEAR_CUDA_KERNELS=ON"* ]] || { echo "cases, kernels no: exit $rc: $out"; return 1; }
+  gpu_fake_pack "$tree" 1 "" || return 1  # a build from before the line: no "CUDA kernels: yes" either
+  out="$(SUBLINEAR_PYTHON="$PYTHON" "$tree/bench/gpu.sh" figures 2>&1)"; rc=$?
+  [[ $rc == 2 && "$out" == *"lacks the fused CUDA kernels"* ]] || { echo "figures, no line: exit $rc: $out"; return 1; }
+  [[ ! -e "$tree/bench/results" ]] || { echo "a refused call left results"; return 1; }
+  # no CUDA device: nothing to refuse, the cases run (and their skips are not listed apart)
+  gpu_fake_pack "$tree" 0 "CUDA kernels: no" || return 1
+  out="$(SUBLINEAR_PYTHON="$PYTHON" "$tree/bench/gpu.sh" cases --only 'skips' 2>&1)" ||
+    { echo "cases without a device: exit $?: $out"; return 1; }
+  grep -q '^| test_fake: skips here | skipped | .* | needs two CUDA devices |$' <<< "$out" &&
+    ! grep -q 'Skipped with a CUDA device' <<< "$out" || { echo "$out"; return 1; }
+  # pack: a build without the kernels only with SUBLINEAR_PACK_WITHOUT_KERNELS=1
+  local build="$TMP/gpukernels.build" packtree="$TMP/gpupacktree"
+  mkdir -p "$build" "$packtree/bench" && cp "$ROOT/bench/gpu.sh" "$packtree/bench/" && git init -q "$packtree" || return 1
+  cp "$tree.stage/bin/trainer" "$build/trainer"
+  out="$(BUILD_DIR="$build" "$packtree/bench/gpu.sh" pack 2>&1)"; rc=$?
+  [[ $rc == 2 && "$out" == *"lacks the fused CUDA kernels"* && "$out" == *"SUBLINEAR_PACK_WITHOUT_KERNELS=1"* &&
+     ! -e "$packtree/.gpu" ]] || { echo "pack, kernels no: exit $rc: $out"; return 1; }
+  # with it, pack goes on (to strip, which a script stand-in fails)
+  out="$(SUBLINEAR_PACK_WITHOUT_KERNELS=1 BUILD_DIR="$build" "$packtree/bench/gpu.sh" pack 2>&1)"; rc=$?
+  [[ $rc == 2 && "$out" == *"packing a build without the fused CUDA kernels"* && "$out" == *"strip $build/trainer failed"* ]] ||
+    { echo "pack, kernels no, SUBLINEAR_PACK_WITHOUT_KERNELS=1: exit $rc: $out"; return 1; }
+}
+check "gpu.sh: a build without the fused CUDA kernels refused on a CUDA device (cases, figures) and by pack" gpu_sh_kernels
+
+gpu_sh_without_gpu() {  # a pack of this build's trainer alone, no CUDA device: both calls exit 0, every part skipped
+  local tree="$TMP/gpuskip" stage="$TMP/gpustage" out
+  mkdir -p "$tree/bench" "$stage/bin" "$stage/lib"
+  cp "$ROOT"/bench/{gpu.sh,gpu_targets.py,compiled_gpt.py,eager_gpt.py} "$tree/bench/"
+  cp "$TRAINER" "$stage/bin/trainer"
+  { echo "commit (test)"; echo "packed (test)"; "$TRAINER" --version; } > "$stage/MANIFEST"
+  gpu_pack_stage "$stage" "$tree" || return 1
+  out="$(CUDA_VISIBLE_DEVICES='' SUBLINEAR_PYTHON="$PYTHON" "$tree/bench/gpu.sh" cases 2>&1)" ||
+    { echo "cases: exit $?:"; echo "$out"; return 1; }
+  out="$(CUDA_VISIBLE_DEVICES='' SUBLINEAR_PYTHON="$PYTHON" "$tree/bench/gpu.sh" figures 2>&1)" ||
+    { echo "figures: exit $?:"; echo "$out"; return 1; }
+  "$PYTHON" -c '
+import glob, json, sys
+results = sys.argv[1] + "/bench/results"
+[cases] = glob.glob(results + "/gpu-*[0-9].md")
+[md] = glob.glob(results + "/gpu-*-figures.md")
+# call 1: no test binary in this pack
+parts = [l.split("\t") for l in open(cases[:-3] + "-logs/parts.tsv").read().splitlines()]
+assert parts == [["case_none", "skipped", "0", "[cuda] test cases", "the pack holds no test binaries"]], parts
+# call 2: every target of issue 53 has its row, each skipped; the cases are the other call'"'"'s
+md, logs = open(md).read(), md[:-3] + "-logs"
 t = json.load(open(logs + "/targets.json"))["targets"]
 names = [r["target"] for r in t]
-# every target of issue 53 has its row, each skipped
 for want in ("over the torch.compile baseline", "trainer MFU", "checkpointing full", "checkpointing selective",
              "LLaMA 1B", "optimizer steps run", "device peak", "modelled step", "planner peak vs allocated",
              "[cuda] test cases"):
     assert sum(want in n for n in names) == 1, (want, names)
-assert all(r["result"] == "skipped" for r in t), t
+assert all(r["result"] == "skipped" for r in t if r["target"] != "[cuda] test cases"), t
+assert [(r["result"], "bench/gpu.sh cases" in r["note"]) for r in t if r["target"] == "[cuda] test cases"] == [("not run", True)], t
 parts = [l.split("\t") for l in open(logs + "/parts.tsv").read().splitlines()]
 assert [p[0] for p in parts] == ["gpt2_none", "baseline", "gpt2_full", "gpt2_selective", "llama_1b", "offload_bw",
-                                 "plan_7b", "run_7b", "case_none"], parts
+                                 "plan_7b", "run_7b"], parts
 assert all(p[1] == "skipped" for p in parts), parts
-assert "| LLaMA 1B (configs/1b_24gb.yaml): MFU |  | >= 45 % | skipped |" in md, md' "$md"
+assert "| LLaMA 1B (configs/1b_24gb.yaml): MFU |  | >= 45 % | skipped |" in md, md' "$tree" || { echo "$out"; return 1; }
 }
-check "gpu.sh run without a GPU: every target and part recorded as skipped, exit 0" gpu_sh_without_gpu
+check "gpu.sh cases and figures without a GPU: every target and part recorded as skipped, exit 0" gpu_sh_without_gpu
 
 # bench/compiled_gpt.py (the torch.compile baseline) on the CPU with a tiny model, uncompiled: its FLOPs
 # per token are the trainer's for the same shape (vocabulary 200, padded to 256 in the baseline only).

@@ -31,6 +31,7 @@
 #include "device/device.h"
 #include "memory/footprint.h"
 #include "memory/tracker.h"
+#include "model/cuda_fused.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
 #include "parallel/engine.h"
@@ -1145,6 +1146,9 @@ TEST_CASE("trainer --version prints the version, commit, LibTorch, CUDA and CPU 
   } else {
     CHECK_THAT(r.output, Catch::Contains("CUDA: not compiled in"));
   }
+  // Whether the fused CUDA kernels are built in: the line bench/gpu.sh requires to say yes on a GPU.
+  CHECK(cuda["kernels"] == model::kCudaKernels);
+  CHECK_THAT(r.output, Catch::Contains(std::string("\nCUDA kernels: ") + (model::kCudaKernels ? "yes" : "no") + "\n"));
   CHECK(info["cpu"]["this_cpu"]["avx2_fma"] == device::cpu_has_avx2_fma());
   CHECK_THAT(r.output, Catch::Contains("this CPU: " + device::cpu_features().model_name));
   CHECK_THAT(r.output, Catch::Contains(std::string("avx2_fma ") + (device::cpu_has_avx2_fma() ? "yes" : "no")));
@@ -1577,6 +1581,10 @@ TEST_CASE("train.cuda_graphs: each eligibility condition in the order train/cuda
       {"memory.limit", [](auto& c) { c.memory.limit.bytes = int64_t{1} << 30; }, 1, cuda, "memory.limit"},
       {"memory timeline", [](auto& c) { c.logging.memory_timeline = 2; }, 1, cuda, "logging.memory_timeline"},
       {"dropout", [](auto& c) { c.model.dropout = 0.1; }, 1, cuda, "model.dropout > 0"},
+      // Dropout without any recompute is refused too, as the key's help and docs/recipes.md say.
+      {"dropout without recompute",
+       [](auto& c) { c.model.dropout = 0.1, c.checkpointing.mode = config::CheckpointingMode::kNone; }, 1, cuda,
+       "model.dropout > 0"},
       {"check_recompute", [](auto& c) { c.checkpointing.check_recompute = true; }, 1, cuda,
        "checkpointing.check_recompute"},
       // Two conditions at once: the earlier one in the list is the reason.
@@ -1591,6 +1599,13 @@ TEST_CASE("train.cuda_graphs: each eligibility condition in the order train/cuda
     CHECK_FALSE(got.capture);
     CHECK_THAT(got.reason, Catch::StartsWith(c.reason));
   }
+  // The key's help (trainer --help-config) names the dropout condition as the check applies it.
+  const std::string help = config::help_text();
+  const auto at = help.find("\n  cuda_graphs ");  // the train section's key line
+  REQUIRE(at != std::string::npos);
+  const std::string graphs_help = help.substr(at + 1, help.find('\n', at + 1) - at - 1);
+  CHECK_THAT(graphs_help, Catch::Contains("model.dropout 0"));
+  CHECK_THAT(graphs_help, !Catch::Contains("dropout only without recompute"));
   // bf16 autocast and checkpointing (full, selective) stay eligible: they add no host work to a micro-batch.
   auto bf16 = base;
   bf16.precision.compute = config::Dtype::kBf16;
@@ -1740,4 +1755,72 @@ TEST_CASE("train.cuda_graphs on CUDA: a captured micro-batch replayed trains as 
     CHECK(s.at("eager_micro_batches") == train::StepGraph::kWarmupMicroBatches);
     CHECK(s.at("replays") == 12 - train::StepGraph::kWarmupMicroBatches);
   }
+}
+
+namespace {
+
+// configs/gpt2_124m.yaml's model and layout (zero1 at world 1 with a bf16 compute copy, bf16 compute) at
+// 2 x 256 tokens, 4 micro-batches a step, 30 steps, every step logged, graphs on.
+const std::string kGpt2GraphArgs =
+    "--config configs/gpt2_124m.yaml --set train.device=cuda --set train.seq_len=256 --set train.micro_batch=2 "
+    "--set train.grad_accum=4 --set train.steps=30 --set train.eval_interval=0 --set logging.interval=1 "
+    "--set logging.progress=false --set logging.save_model=false --set state.at_end=false --set train.cuda_graphs=on";
+
+// The cuda_graphs block of a run's summary.json, and each step's reserved bytes.
+struct GraphRun {
+  nlohmann::json graphs;
+  std::vector<int64_t> reserved;
+};
+
+GraphRun gpt2_graph_run(const std::string& env, const std::filesystem::path& run_dir) {
+  const auto r = test::run("cd " + test::kSourceDir + " && OMP_NUM_THREADS=1 " + env + " " + test::kTrainer + " " +
+                           kGpt2GraphArgs + " --set logging.dir=" + run_dir.string());
+  INFO(env << "\n" << r.output);
+  REQUIRE(r.code == 0);
+  GraphRun out{nlohmann::json::parse(test::read_text(run_dir / "summary.json")).at("cuda_graphs"), {}};
+  for (const auto& rec : test::read_jsonl(run_dir / "metrics.jsonl"))
+    if (!rec.contains("event")) out.reserved.push_back(rec.at("reserved_bytes").get<int64_t>());
+  REQUIRE(out.reserved.size() == 30);
+  return out;
+}
+
+}  // namespace
+
+// A capture that fails must leave the caching allocators as it found them: allocation to the graph's pool
+// ended and the pool released, zero1's accumulator nodes back on the caller's stream. Left in capture mode
+// the allocator processes no events, and each micro-batch's gradients, record_stream'ed across the two
+// streams, are never reused (about 250 MB a micro-batch at this width): the reserved bytes would climb
+// step after step. Flat from step 5: the caching allocator has every block size it needs after the first
+// steps, and nothing else in an eager step changes what it keeps.
+TEST_CASE("train.cuda_graphs on CUDA: a capture that fails (the loss read on the host inside it) goes on eager with "
+          "the reason, its reserved memory flat from step 5 (zero1 bf16, GPT-2 shape, 30 steps)",
+          "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  test::TempDir dir("graphs-fail");
+  const auto run = gpt2_graph_run("SUBLINEAR_TEST_CAPTURE=host_read", dir.path / "run");
+  INFO(run.graphs.dump());
+  CHECK(run.graphs.at("mode") == "eager");
+  CHECK(run.graphs.at("captured") == false);
+  CHECK_THAT(run.graphs.at("reason").get<std::string>(), Catch::StartsWith("the capture failed"));
+  CHECK(run.graphs.at("replays") == 0);
+  CHECK(run.graphs.at("eager_micro_batches") == 30 * 4);
+  for (size_t i = 4; i < run.reserved.size(); ++i) {
+    INFO("step " << i + 1);
+    CHECK(run.reserved[i] == run.reserved[4]);
+  }
+}
+
+// state.async's writer thread waits on a CUDA event (HostSnapshot::wait) while the next step may capture:
+// the capture is thread-local, so another thread's wait leaves it valid. The hook makes a thread wait on an
+// event inside the capture, every time.
+TEST_CASE("train.cuda_graphs on CUDA: another thread waiting on a CUDA event during the capture (as state.async's "
+          "writer does) leaves the capture valid",
+          "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  test::TempDir dir("graphs-writer");
+  const auto run = gpt2_graph_run("SUBLINEAR_TEST_CAPTURE=writer_wait", dir.path / "run");
+  INFO(run.graphs.dump());
+  CHECK(run.graphs.at("mode") == "graph");
+  CHECK(run.graphs.at("captured") == true);
+  CHECK(run.graphs.at("replays") == 30 * 4 - train::StepGraph::kWarmupMicroBatches);
 }

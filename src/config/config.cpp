@@ -193,7 +193,7 @@ std::vector<Field> train_fields() {
       field(&R::train, &T::sample_interval, "train", "sample_interval", "print (and log as a sample event) a greedy continuation every N steps and at the end; needs a tokenizer (data.tokenizer); 0 = never"),
       field(&R::train, &T::sample_tokens, "train", "sample_tokens", "new tokens per training-time sample"),
       field(&R::train, &T::sample_prompt, "train", "sample_prompt", "prompt of the training-time sample; \"\" = the tokenizer's end-of-text token"),
-      field(&R::train, &T::cuda_graphs, "train", "cuda_graphs", "off | on | auto: a micro-batch's forward and backward captured into a CUDA graph after 3 eager warm-up micro-batches and replayed for every later one; auto = where the run is eligible (one process without sharding or with zero1, CUDA, no offload, no fp16, no memory.limit, no memory timeline, dropout only without recompute), eager elsewhere with the reason in the settings and summary.json; on = as auto, warning when not eligible; off = eager (the default: the graph's memory pool stays reserved for the run)"),
+      field(&R::train, &T::cuda_graphs, "train", "cuda_graphs", "off | on | auto: a micro-batch's forward and backward captured into a CUDA graph after 3 eager warm-up micro-batches and replayed for every later one; auto = where the run is eligible (one process without sharding or with zero1, CUDA, no offload, no fp16, no memory.limit, no memory timeline, model.dropout 0), eager elsewhere with the reason in the settings and summary.json; on = as auto, warning when not eligible; off = eager (the default: the graph's memory pool stays reserved for the run)"),
   };
 }
 

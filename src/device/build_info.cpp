@@ -96,9 +96,15 @@ Json cuda_info() {
 #else
   const bool nccl = false;
 #endif
+#if defined(SUBLINEAR_CUDA_KERNELS)
+  const bool kernels = true;  // src/kernels/*.cu built in (CMake: a CUDA compiler found, SUBLINEAR_CUDA_KERNELS on)
+#else
+  const bool kernels = false;
+#endif
   const bool available = torch::cuda::is_available();
   return {{"compiled", !version.is_null()}, {"version", version}, {"archs", archs}, {"nccl", nccl},
-          {"available", available}, {"devices", available ? static_cast<int64_t>(torch::cuda::device_count()) : 0}};
+          {"kernels", kernels}, {"available", available},
+          {"devices", available ? static_cast<int64_t>(torch::cuda::device_count()) : 0}};
 }
 
 std::string yes_no(const Json& b) { return b.get<bool>() ? "yes" : "no"; }
@@ -154,6 +160,7 @@ std::string version_text(const Json& info) {
                         cuda["devices"].get<int64_t>());
   else
     text += "CUDA: not compiled in (a CPU-only LibTorch)\n";
+  text += fmt::format("CUDA kernels: {}\n", yes_no(cuda["kernels"]));  // bench/gpu.sh requires yes on a GPU
   text += fmt::format("CPU code: compiled for {}; fused kernels built for {}\n", joined(cpu["compiled_isa"], " "),
                       joined(cpu["kernels"], ", "));
   text += fmt::format("this CPU: {}; avx2_fma {}, avx512 {}, avx512_bf16 {}, amx_bf16 {}, avx512_fp16 {}; fused kernels "

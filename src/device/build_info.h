@@ -14,7 +14,7 @@ namespace sl::device {
 std::vector<std::string> cuda_archs_from_flags(const std::string& nvcc_flags);
 
 // {"version", "commit", "build_type", "compiler", "libtorch",
-//  "cuda": {"compiled", "version", "archs", "nccl", "available", "devices"},
+//  "cuda": {"compiled", "version", "archs", "nccl", "kernels", "available", "devices"},
 //  "cpu": {"compiled_isa", "kernels", "this_cpu": {"avx2_fma", ...CpuFeatures::to_json()}}}
 nlohmann::json build_info();
 

@@ -39,6 +39,18 @@ bool HostScope::active() { return t_host_depth > 0; }
 
 namespace {
 std::atomic<int> g_synchronous{-1};  // -1: not yet read from SUBLINEAR_SYNC_OFFLOAD
+std::atomic<int64_t> g_side_copies{0}, g_sync_copies{0}, g_simulated_copies{0};  // copy_counts()
+
+// One copy between `a` and `b` not on the side stream: synchronous on CUDA, else simulated.
+void count_plain_copy(const at::Tensor& a, const at::Tensor& b) {
+  auto& counter = a.is_cuda() || b.is_cuda() ? g_sync_copies : g_simulated_copies;
+  counter.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace
+
+CopyCounts copy_counts() {
+  return {g_side_copies.load(std::memory_order_relaxed), g_sync_copies.load(std::memory_order_relaxed),
+          g_simulated_copies.load(std::memory_order_relaxed)};
 }
 
 void set_synchronous_copies(bool on) { g_synchronous.store(on ? 1 : 0); }
@@ -265,6 +277,7 @@ Arrival side_copy(const at::Tensor& dst, const at::Tensor& src, const std::share
   if (on_device.has_storage()) c10::cuda::CUDACachingAllocator::recordStream(on_device.storage().data_ptr(), side);
   auto done = record_on(side);
   block->last = done;
+  g_side_copies.fetch_add(1, std::memory_order_relaxed);
   return Arrival(done);
 }
 
@@ -359,10 +372,12 @@ at::Tensor to_host(const at::Tensor& t, Arrival* pending) {
   }
   if (!t.device().is_cpu()) {  // the device's own copy to the CPU (the lazy device cannot copy_ into a CPU tensor)
     HostScope scope;
+    count_plain_copy(t, t);
     return t.to(c10::kCPU, /*non_blocking=*/false, /*copy=*/true);
   }
   auto h = empty_same_layout(t, c10::kCPU, /*host=*/true);
   h.copy_(t);
+  count_plain_copy(h, t);
   return h;
 }
 
@@ -372,6 +387,7 @@ at::Tensor to_host_reusing(const at::Tensor& t, const at::Tensor& reuse) {
   if (!fits) return to_host(t);
   if (async_cuda(t) && copy_to_pooled_host(reuse, t)) return reuse;
   reuse.copy_(t);
+  count_plain_copy(reuse, t);
   return reuse;
 }
 
@@ -382,6 +398,7 @@ at::Tensor to_device_copy(const at::Tensor& h, c10::Device device, Arrival* defe
     return d;
   }
   d.copy_(h);
+  count_plain_copy(d, h);
   return d;
 }
 
@@ -394,6 +411,7 @@ at::Tensor host_readable(const at::Tensor& t) {
   if (t.device().is_cpu()) return t;
   if (async_cuda(t)) return to_host(t);  // page-locked, landed when it returns
   HostScope scope;  // its own: on CUDA this runs in gradient hooks, on autograd's device thread (no outer scope there)
+  count_plain_copy(t, t);
   return t.to(c10::kCPU);
 }
 
@@ -402,6 +420,7 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src, Arrival* deferred) 
   if (async_cuda(dst) && s.device().is_cpu()) return copy_to_cuda(dst, s, deferred);
   if (async_cuda(s) && dst.device().is_cpu() && copy_to_pooled_host(dst, s)) return;
   dst.copy_(s);
+  count_plain_copy(dst, s);
 }
 
 // ---- state.async's snapshot (contract in host.h) ----

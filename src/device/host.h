@@ -114,6 +114,17 @@ void copy_into(const at::Tensor& dst, const at::Tensor& src, Arrival* deferred =
 // are copied from) calls this first.
 void wait_for_host_copies();
 
+// How the transfers of these functions went in this process (summary.json's host_memory.copies): each
+// copy between a device tensor and a host one counted once, by the path it took.
+//   side_stream  CUDA, the asynchronous path: a non-blocking copy on the side stream (side_copy);
+//   synchronous  CUDA, a copy on the current stream (the synchronous path, or a destination the
+//                asynchronous path cannot take: a host tensor outside the page-locked pool);
+//   simulated    the cpu and lazy devices (device and host are one RAM; a copy into a new buffer).
+struct CopyCounts {
+  int64_t side_stream = 0, synchronous = 0, simulated = 0;
+};
+CopyCounts copy_counts();
+
 // The CUDA path's switch (initially on unless SUBLINEAR_SYNC_OFFLOAD=1 is in the environment):
 // true gives the synchronous pageable path. For comparing the two; set it before any copy.
 void set_synchronous_copies(bool on);

@@ -9,6 +9,8 @@
 // Nothing here synchronizes with the host. The callers name the ops for the profiler (RECORD_FUNCTION).
 #include "model/cuda_fused.h"
 
+#include <atomic>
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -18,6 +20,11 @@
 
 namespace sl::model::cuda {
 namespace {
+
+std::array<std::atomic<int64_t>, static_cast<size_t>(Kernel::count)> g_launches{};
+
+// One more call of wrapper k (after its checks passed).
+void counted(Kernel k) { g_launches[static_cast<size_t>(k)].fetch_add(1, std::memory_order_relaxed); }
 
 kernels::Stream stream_of(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
@@ -62,6 +69,8 @@ const void* data_in(const torch::Tensor& t) { return t.const_data_ptr(); }
 
 }  // namespace
 
+int64_t launches(Kernel k) { return g_launches[static_cast<size_t>(k)].load(std::memory_order_relaxed); }
+
 LayerNormForward layer_norm_forward(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto dtype = stream_dtype(x);
@@ -80,6 +89,7 @@ LayerNormForward layer_norm_forward(const torch::Tensor& x, const torch::Tensor&
                                 b.defined() ? b.const_data_ptr<float>() : nullptr, e, rows, C, bf16_out(f.y),
                                 f.mean.data_ptr<float>(), f.rstd.data_ptr<float>(), stream_of(x));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  counted(Kernel::layer_norm_forward);
   return f;
 }
 
@@ -107,6 +117,7 @@ std::array<torch::Tensor, 3> layer_norm_backward(const torch::Tensor& dy, const 
                                  mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(), rows, C,
                                  dx.data_ptr<float>(), dw_part.data_ptr<float>(), db, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  counted(Kernel::layer_norm_backward);
   // dw, db: the fp32 sums of the pieces, rounded once into the weights' dtype (a no-op for fp32).
   auto dw = sum_pieces(dw_part, stream).to(dtype);
   auto db_sum = with_bias ? sum_pieces(db_part, stream).to(dtype) : torch::Tensor();
@@ -121,6 +132,7 @@ torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& y) {
   auto out = torch::empty_like(x);
   kernels::residual_add(x.const_data_ptr<float>(), bf16_in(y), out.data_ptr<float>(), x.numel(), stream_of(x));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  counted(Kernel::residual_add);
   return out;
 }
 
@@ -137,6 +149,7 @@ torch::Tensor residual_add_bias(const torch::Tensor& x, const torch::Tensor& y, 
                              bf16 ? nullptr : y.const_data_ptr<float>(), b.const_data_ptr<float>(),
                              out.data_ptr<float>(), rows, C, stream_of(x));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  counted(Kernel::residual_add_bias);
   return out;
 }
 
@@ -152,6 +165,7 @@ std::pair<torch::Tensor, torch::Tensor> residual_bias_backward(const torch::Tens
   kernels::residual_bias_backward(gc.const_data_ptr<float>(), bf16 ? bf16_out(dy) : nullptr, part.data_ptr<float>(),
                                   rows, C, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  counted(Kernel::residual_bias_backward);
   return {dy, sum_pieces(part, stream)};
 }
 
@@ -165,6 +179,7 @@ torch::Tensor gelu_forward(const torch::Tensor& x, const torch::Tensor& b) {
   kernels::gelu_forward(data_in(x), bf16, b.defined() ? b.const_data_ptr<float>() : nullptr, y.data_ptr(), rows, C,
                         stream_of(x));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  counted(Kernel::gelu_forward);
   return y;
 }
 
@@ -185,6 +200,7 @@ std::pair<torch::Tensor, torch::Tensor> gelu_backward(const torch::Tensor& g, co
   kernels::gelu_backward(data_in(g), data_in(x), bf16, b.defined() ? b.const_data_ptr<float>() : nullptr, dx.data_ptr(),
                          b.defined() ? part.data_ptr<float>() : nullptr, rows, C, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  counted(Kernel::gelu_backward);
   return {dx, b.defined() ? sum_pieces(part, stream) : torch::Tensor()};
 }
 

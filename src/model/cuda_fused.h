@@ -9,6 +9,7 @@
 // and returns without synchronizing: the results are ordinary tensors on that stream, like ATen's.
 #pragma once
 #include <array>
+#include <cstdint>
 #include <utility>
 
 #include <torch/types.h>
@@ -23,6 +24,29 @@ inline constexpr bool kCudaKernels = false;
 
 // A device the fused kernels run on: the CPU, and CUDA in a build with the CUDA kernels.
 inline bool fused_kernel_device(const torch::Device& d) { return d.is_cpu() || (kCudaKernels && d.is_cuda()); }
+
+namespace cuda {
+
+// The wrappers below (a build with the CUDA kernels), for counting: launches(k) is how many times
+// wrapper k has queued its kernels in this process (any thread, any device; 0 in a build without them).
+// Tests read it before and after an op to assert that the fused path ran, not ATen's fall-back.
+enum class Kernel {
+  layer_norm_forward,
+  layer_norm_backward,
+  residual_add,
+  residual_add_bias,
+  residual_bias_backward,
+  gelu_forward,
+  gelu_backward,
+  count
+};
+#if defined(SUBLINEAR_CUDA_KERNELS)
+int64_t launches(Kernel k);
+#else
+inline int64_t launches(Kernel /*k*/) { return 0; }  // no wrapper in this build
+#endif
+
+}  // namespace cuda
 
 #if defined(SUBLINEAR_CUDA_KERNELS)
 namespace cuda {

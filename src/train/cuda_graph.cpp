@@ -1,11 +1,16 @@
 // train.cuda_graphs (see cuda_graph.h): the eligibility list and the captured micro-batch.
 #include "train/cuda_graph.h"
 
+#include <cstdlib>
+#include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -57,10 +62,32 @@ GraphEligibility graph_eligibility(const config::RunConfig& cfg, int64_t world, 
 // rewritten by each replay, so it is copied out on the caller's stream before the next replay can start
 // (that replay waits for the caller's stream). The activations of a replay reuse the pool's blocks the
 // capture left; the gradients are the parameters' own .grad tensors, allocated before the capture.
+namespace {
+// A CUDAGraph that tells whether its capture ended (CUDAGraph::reset releases the graph's pool then,
+// and only then).
+struct Graph : at::cuda::CUDAGraph {
+  bool ended() const { return capture_ended_; }
+};
+
+}  // namespace
+
+// Memory: the capture allocates into `pool`, a private pool of the caching allocators (device and
+// page-locked host) named before the capture (at::cuda::graph_pool_handle), so that a capture that fails
+// can end allocation to it and release it here (release_failed_capture): CUDAGraph::capture_end ends it
+// only after cudaStreamEndCapture succeeded, and its reset() releases it only after a capture that
+// ended. Left on, the allocator would go on believing a capture is under way (no event processing, no
+// cache release) and every record_stream'ed block would stay held for the rest of the run.
+// Capture mode: thread-local (cudaStreamCaptureModeThreadLocal): only the capturing thread is barred
+// from the calls a capture cannot hold (a synchronization, a host read), not the others: state.async's
+// writer thread waits on a CUDA event (HostSnapshot::wait) while the step after a save may capture, and
+// under the global mode that wait would invalidate the capture. The work a capture records is the
+// capturing stream's, whichever thread queues it (autograd's device thread queues the backward).
 struct StepGraph::Cuda {
-  explicit Cuda(torch::Device device) : side(c10::cuda::getStreamFromPool(false, device.index())) {}
+  explicit Cuda(torch::Device device)
+      : side(c10::cuda::getStreamFromPool(false, device.index())), pool(at::cuda::graph_pool_handle()) {}
   c10::cuda::CUDAStream side;
-  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  at::cuda::MempoolId_t pool;
+  std::unique_ptr<Graph> graph;
   torch::Tensor x, y, loss;
   std::vector<const void*> addresses;  // addresses_of the parameters at the capture, checked before each replay
 };
@@ -104,15 +131,65 @@ std::vector<const void*> addresses_of(const std::vector<torch::Tensor>& params) 
   return out;
 }
 
-// Ends a capture that threw: cudaStreamEndCapture (inside capture_end) takes the stream out of capture
-// whether or not the capture was still valid; what it held is discarded with the graph. Its error, and
-// the one CUDA keeps for the next call, are dropped: the exception that stopped the capture is the reason.
-void end_failed_capture(at::cuda::CUDAGraph& graph) {
-  try {
-    graph.capture_end();
-  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): the capture's own error is reported
+// Takes `stream` out of a capture still under way (the capture threw before capture_end, or capture_end
+// threw before ending it): cudaStreamEndCapture ends it whether or not it was still valid, and the graph
+// it gives (none for an invalidated capture) is destroyed. Errors are dropped, the one CUDA keeps for the
+// next call too: the exception that stopped the capture is the reason reported.
+void end_stream_capture(const c10::cuda::CUDAStream& stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream.stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+    cudaGraph_t left = nullptr;
+    if (cudaStreamEndCapture(stream.stream(), &left) == cudaSuccess && left != nullptr) (void)cudaGraphDestroy(left);
   }
   (void)cudaGetLastError();
+}
+
+// Ends allocation to `pool` in the device's caching allocator and in the page-locked host one, where it
+// is still on; false when neither had it on (capture_begin never began it, or capture_end ended it).
+bool end_allocating_to(c10::DeviceIndex device, const at::cuda::MempoolId_t& pool) {
+  bool was_on = false;
+  try {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
+    was_on = true;
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): "not currently recording": already ended
+  }
+  try {
+    at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool);
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): as above
+  }
+  return was_on;
+}
+
+// After a capture that failed anywhere from capture_begin on: the stream out of capture, allocation to the
+// graph's pool ended in both allocators, and the pool released in both (its blocks go back to the device
+// and the host once the tensors in them are freed) unless the graph's own reset() will (a capture that
+// ended). `begun`: capture_begin returned, so the pool was made (else only an allocation the failed
+// capture_begin turned on says so).
+void release_failed_capture(const Graph& graph, const c10::cuda::CUDAStream& stream, const at::cuda::MempoolId_t& pool,
+                            bool begun) {
+  end_stream_capture(stream);
+  const bool was_on = end_allocating_to(stream.device_index(), pool);
+  if (graph.ended() || (!begun && !was_on)) return;
+  try {
+    c10::cuda::CUDACachingAllocator::releasePool(stream.device_index(), pool);
+    at::getHostAllocator(at::kCUDA)->release_pool(pool);
+  } catch (const std::exception& e) {
+    spdlog::warn("train.cuda_graphs: releasing the failed capture's memory pool: {}", e.what());
+  }
+}
+
+// A test hook (tests/test_train.cpp's [cuda] cases): SUBLINEAR_TEST_CAPTURE in the environment does, inside
+// the capture after the micro-batch was queued, what a capture must survive or fail on:
+//   host_read    reads the loss on the host (a synchronization: the capture fails, the run goes on eager);
+//   writer_wait  another thread waits on a CUDA event recorded before the capture, as state.async's writer
+//                does (the thread-local capture mode lets it: the capture succeeds).
+// Unset (every real run): nothing.
+void test_probe_in_capture(const torch::Tensor& loss, const at::cuda::CUDAEvent& before) {
+  static const char* const probe = std::getenv("SUBLINEAR_TEST_CAPTURE");
+  if (probe == nullptr) return;
+  const std::string_view what(probe);
+  if (what == "host_read") (void)loss.item<double>();
+  if (what == "writer_wait") std::thread([&before] { before.synchronize(); }).join();
 }
 
 }  // namespace
@@ -140,6 +217,7 @@ torch::Tensor StepGraph::run(const MicroBatchWork& w, parallel::Strategy& strate
   }
   stream_waits(caller, cuda_->side);
   if (!l.defined()) {  // the capture failed (nothing of it ran): this micro-batch eager, on the caller's stream
+    hooks_back(strategy);
     ++eager_;
     return eager_micro_batch(w, strategy, last);
   }
@@ -154,11 +232,23 @@ torch::Tensor StepGraph::run(const MicroBatchWork& w, parallel::Strategy& strate
 // stayed on another stream: a capture would reach that stream.
 bool StepGraph::start(torch::Device device, parallel::Strategy& strategy) {
   cuda_ = std::make_unique<Cuda>(device);
-  const c10::cuda::CUDAStreamGuard on_side(cuda_->side);
-  if (strategy.hooks_to_current_stream()) return true;
+  {
+    const c10::cuda::CUDAStreamGuard on_side(cuda_->side);
+    if (strategy.hooks_to_current_stream()) return true;
+  }
   give_up("a gradient accumulator node is held by a live autograd graph and stays on another stream than the "
           "capture's");
+  hooks_back(strategy);
   return false;
+}
+
+// After giving up (on the caller's stream): the strategy's accumulator nodes made again on the caller's
+// stream, where the eager micro-batches run from now on; left on the side stream, every gradient would
+// cross streams (record_stream'ed, its memory reused only after an event).
+void StepGraph::hooks_back(parallel::Strategy& strategy) {
+  if (!strategy.hooks_to_current_stream())
+    spdlog::warn("train.cuda_graphs: a gradient accumulator node stays on the graph's side stream (a live autograd "
+                 "graph holds it): gradients cross streams");
 }
 
 // On `side`: warm-up, capture (then its replay), replay, or eager for a batch the graph does not fit.
@@ -206,19 +296,23 @@ torch::Tensor StepGraph::capture(const MicroBatchWork& w, parallel::Strategy& st
   }
   const auto before = grads_of(params_);
   c10::cuda::device_synchronize();  // once: nothing of the warm-up is in flight while the capture starts
-  auto graph = std::make_unique<at::cuda::CUDAGraph>();
+  at::cuda::CUDAEvent before_capture;
+  before_capture.record(c.side);
+  auto graph = std::make_unique<Graph>();
   try {
-    graph->capture_begin();
+    graph->capture_begin(c.pool, cudaStreamCaptureModeThreadLocal);
   } catch (const std::exception& e) {
+    release_failed_capture(*graph, c.side, c.pool, /*begun=*/false);
     give_up(fmt::format("capture_begin failed: {}", e.what()));
     return {};
   }
   try {
     c.loss = micro_batch_pass(w, c.x, c.y, strategy, last);
+    test_probe_in_capture(c.loss, before_capture);
     graph->capture_end();
   } catch (const std::exception& e) {
-    end_failed_capture(*graph);
-    c.loss = torch::Tensor();
+    c.loss = torch::Tensor();  // its block goes back to the pool before the pool is released
+    release_failed_capture(*graph, c.side, c.pool, /*begun=*/true);
     give_up(fmt::format("the capture failed: {}", e.what()));
     return {};
   }

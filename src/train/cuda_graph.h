@@ -40,7 +40,13 @@
 //   - the loss is the graph's static float64 output, copied out after each replay; the step reads it with
 //     its one host read, as without graphs;
 //   - a capture that throws (an op that synchronizes, a kernel that cannot be captured) is ended, its
-//     graph discarded, the micro-batch run eager, and every later one eager: the summary names the error.
+//     graph discarded, its memory pool ended and released in the device and host caching allocators
+//     (the capture allocates into a pool named before it: cuda_graph.cpp), the strategy's accumulator
+//     nodes made again on the caller's stream, the micro-batch run eager, and every later one eager: the
+//     summary names the error;
+//   - the capture is thread-local (cudaStreamCaptureModeThreadLocal): another thread may synchronize
+//     meanwhile (state.async's writer waits on a CUDA event while the step after a save captures).
+// Test hook: SUBLINEAR_TEST_CAPTURE=host_read | writer_wait (cuda_graph.cpp, test_probe_in_capture).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -122,6 +128,7 @@ class StepGraph {
   torch::Tensor graphed(const MicroBatchWork& w, parallel::Strategy& strategy, bool last);
   torch::Tensor capture(const MicroBatchWork& w, parallel::Strategy& strategy, bool last);
   void give_up(const std::string& why);
+  void hooks_back(parallel::Strategy& strategy);
 
   GraphEligibility eligibility_;
   config::CudaGraphs mode_;

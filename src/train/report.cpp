@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "device/build_info.h"
+#include "device/host.h"
 #include "interop/hf.h"
 #include "planner/planner.h"
 #include "train/run.h"
@@ -149,6 +150,18 @@ Json state_report(const config::StateConfig& c, const Process& proc, const Start
           {"median_save_blocking_ms", median(st.save_blocking_ms)}};
 }
 
+// The transfers between device and host by the path they took (device/host.h, CopyCounts), and that
+// path in one word: the one every copy took, "mixed", or "none" without a copy.
+Json copies_report(const device::CopyCounts& c) {
+  const int paths = (c.side_stream > 0) + (c.synchronous > 0) + (c.simulated > 0);
+  const char* path = paths == 0   ? "none"
+                     : paths > 1  ? "mixed"
+                     : c.side_stream > 0 ? "side_stream"
+                     : c.synchronous > 0 ? "synchronous"
+                                         : "simulated";
+  return {{"path", path}, {"side_stream", c.side_stream}, {"synchronous", c.synchronous}, {"simulated", c.simulated}};
+}
+
 // Offloaded state in host memory (offload.*): measured and predicted, and the limit.
 Json host_report(int64_t host_limit, const memory::PeakPrediction& predicted, const LoopState& st) {
   return {{"peak_bytes", st.host_peak_bytes},
@@ -156,7 +169,8 @@ Json host_report(int64_t host_limit, const memory::PeakPrediction& predicted, co
           {"predicted_peak_bytes", predicted.host_peak_bytes()},
           {"predicted_states_bytes", predicted.host_states_bytes()},
           {"predicted_activation_bytes", predicted.activations.host_bytes},
-          {"limit_bytes", host_limit > 0 ? Json(host_limit) : Json(nullptr)}};
+          {"limit_bytes", host_limit > 0 ? Json(host_limit) : Json(nullptr)},
+          {"copies", copies_report(device::copy_counts())}};
 }
 
 // summary.json's model block: setup's, with the MFU's peak as the run ends (raised by a step that beat
