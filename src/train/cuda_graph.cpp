@@ -312,6 +312,8 @@ torch::Tensor StepGraph::capture(const MicroBatchWork& w, parallel::Strategy& st
     graph->capture_end();
   } catch (const std::exception& e) {
     c.loss = torch::Tensor();  // its block goes back to the pool before the pool is released
+    // A backward cut short may have left a .grad made in the pool (never computed): the old ones back.
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = before[i];
     release_failed_capture(*graph, c.side, c.pool, /*begun=*/true);
     give_up(fmt::format("the capture failed: {}", e.what()));
     return {};
