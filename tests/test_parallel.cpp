@@ -208,7 +208,7 @@ TEST_CASE("world 2 x micro 4 = world 1 x micro 8 = world 1 x 4 x accum 2 after 1
   REQUIRE(s["parallel"]["ranks"].size() == 2);
 }
 
-TEST_CASE("buckets launch during backward, and accumulation reduces once per step (zero2/3: per micro-batch)") {
+TEST_CASE("buckets launch during backward, and accumulation reduces once per step (zero2 and zero3: per micro-batch)") {
   Runner& run = shared_runner();
   const auto w1 = run.train(1, kW1x8);
   for (const std::string stage : {"none", "zero1", "zero2", "zero3"}) {
