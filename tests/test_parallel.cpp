@@ -24,7 +24,6 @@
 #include <fstream>
 #include <functional>
 #include <map>
-#include <sstream>
 #include <thread>
 
 #include "catch.h"
@@ -107,41 +106,15 @@ std::string accum_sets(const std::string& stage) {
 }
 
 
-// Every optimizer step's loss and (pre-clip) grad_norm from rank 0's metrics.jsonl, events left out.
-struct StepMetrics {
-  double loss, grad_norm;
-};
-std::vector<StepMetrics> step_metrics(const std::filesystem::path& run_dir) {
-  std::vector<StepMetrics> out;
-  std::istringstream in(test::read_text(run_dir / "metrics.jsonl"));
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty()) continue;
-    const auto r = json::parse(line);
-    if (r.contains("event")) continue;
-    REQUIRE(r["step"].get<size_t>() == out.size() + 1);
-    REQUIRE(r["grad_norm"].is_number());  // fp32: never skipped
-    out.push_back({r["loss"].get<double>(), r["grad_norm"].get<double>()});
+// Every step's loss and grad_norm from rank 0's metrics.jsonl: each of the 10 steps once, none skipped (fp32).
+std::vector<test::StepRecord> all_steps(const std::filesystem::path& run_dir) {
+  auto steps = test::step_records(run_dir / "metrics.jsonl");
+  REQUIRE(steps.size() == 10);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    REQUIRE(steps[i].step == static_cast<int64_t>(i) + 1);
+    REQUIRE(steps[i].grad_norm >= 0.0);  // a skipped step has none (-1)
   }
-  return out;
-}
-
-// Tolerance for "same loss and grad_norm", relative, at every step: the runs' arithmetic differs only
-// in the order of fp32 sums (tests/runs.h kReorderedStep, derived there).
-constexpr double kMetricTol = test::kReorderedStep;
-
-struct MetricDiff {
-  double loss = 0.0, grad_norm = 0.0;  // largest relative difference over the steps
-};
-MetricDiff max_rel_diff(const std::vector<StepMetrics>& a, const std::vector<StepMetrics>& b) {
-  REQUIRE(a.size() == b.size());
-  REQUIRE(!a.empty());
-  const auto rel = [](double x, double y) { return std::abs(x - y) / std::max(std::abs(x), std::abs(y)); };
-  MetricDiff d;
-  for (size_t i = 0; i < a.size(); ++i) {
-    d.loss = std::max(d.loss, rel(a[i].loss, b[i].loss));
-    d.grad_norm = std::max(d.grad_norm, rel(a[i].grad_norm, b[i].grad_norm));
-  }
-  return d;
+  return steps;
 }
 
 }  // namespace
@@ -224,36 +197,36 @@ TEST_CASE("buckets launch during backward, and accumulation reduces once per ste
 
 TEST_CASE("every sharding stage at world 2 has world 1's loss and grad_norm at every step", "[numerics]") {
   // The runs of the two test cases above and of the ZeRO one below: nothing new when they run too.
+  // Every step and each tensor (tests/runs.h parity, kReorderedRuns).
   Runner& run = shared_runner();
-  const auto w1 = step_metrics(run.train(1, kW1x8));
-  const auto acc = step_metrics(run.train(1, kW1x4Accum2));
-  REQUIRE(w1.size() == 10);
-  auto same = [&](const std::string& what, const std::vector<StepMetrics>& m, const std::vector<StepMetrics>& ref) {
-    INFO(what);
-    const auto d = max_rel_diff(m, ref);
-    CHECK(d.loss <= kMetricTol);
-    CHECK(d.grad_norm <= kMetricTol);
-  };
-  same("world 1 x 4 x accum 2 vs world 1 x 8", acc, w1);
-  same("world 1 x 8 through the engine (zero3, one shard)",
-       step_metrics(run.train(1, kW1x8 + " --set parallel.sharding=zero3")), w1);
+  const auto w1 = run.train(1, kW1x8), acc = run.train(1, kW1x4Accum2);
+  {
+    INFO("world 1 x 4 x accum 2 vs world 1 x 8");
+    CHECK_PARITY(acc, w1);
+  }
+  {
+    INFO("world 1 x 8 through the engine (zero3, one shard)");
+    CHECK_PARITY(run.train(1, kW1x8 + " --set parallel.sharding=zero3"), w1);
+  }
   for (const std::string stage : {"none", "zero1", "zero2", "zero3"}) {
     // World 2 x 4 (accum 1: tests the division by the world size) and world 2 x 2 x accum 2 (both divisions).
     for (const auto& sets : {stage_sets(stage), accum_sets(stage)}) {
-      const auto m = step_metrics(run.train(2, sets));
-      same("world 2 " + sets + " vs world 1 x 8", m, w1);
-      same("world 2 " + sets + " vs world 1 x 4 x accum 2", m, acc);
+      INFO("world 2 " << sets << " vs world 1 x 8 and vs world 1 x 4 x accum 2");
+      const auto dir = run.train(2, sets);
+      CHECK_PARITY(dir, w1);
+      CHECK_PARITY(dir, acc);
     }
   }
 
   // Controls. Clipping is active (the recipe's grad_clip 1.0): where the norm is above it, a doubled
   // gradient is clipped back to the same update, so only the norm itself can show the doubling.
-  CHECK(std::any_of(w1.begin(), w1.end(), [](const StepMetrics& m) { return m.grad_norm > 1.0; }));
+  const auto w1_steps = all_steps(w1);
+  CHECK(std::any_of(w1_steps.begin(), w1_steps.end(), [](const test::StepRecord& m) { return m.grad_norm > 1.0; }));
   // The comparison sees the data: half the batch (world 1 x 4) differs by far more than the tolerance,
   // in both numbers (the loss only by ~7e-4 at step 1, where every sequence costs about ln 256).
-  const auto diff_half = max_rel_diff(step_metrics(run.train(1, "--set train.micro_batch=4")), w1);
-  CHECK(diff_half.loss > 100 * kMetricTol);
-  CHECK(diff_half.grad_norm > 100 * kMetricTol);
+  const auto diff_half = test::max_rel_step_diff(all_steps(run.train(1, "--set train.micro_batch=4")), w1_steps);
+  CHECK(diff_half.loss > 100 * test::kReorderedStep);
+  CHECK(diff_half.grad_norm > 100 * test::kReorderedStep);
 }
 
 TEST_CASE("world 3 (every stage) and world 4 (zero3) have world 1's loss, grad_norm and parameters", "[numerics]") {
@@ -264,15 +237,11 @@ TEST_CASE("world 3 (every stage) and world 4 (zero3) have world 1's loss, grad_n
   // of sums differs.
   Runner& run = shared_runner();
   const auto w1x12 = run.train(1, "--set train.micro_batch=12");
-  const auto m1 = step_metrics(w1x12);
-  REQUIRE(m1.size() == 10);
+  all_steps(w1x12);
   const auto ddp3 = run.train(3, accum_sets("none"));
   for (const std::string stage : {"none", "zero1", "zero2", "zero3"}) {
     INFO("world 3, " << stage);
     const auto dir = run.train(3, accum_sets(stage));
-    const auto d = max_rel_diff(step_metrics(dir), m1);
-    CHECK(d.loss <= kMetricTol);
-    CHECK(d.grad_norm <= kMetricTol);
     CHECK_PARITY(dir, w1x12);
     CHECK_PARITY(dir, ddp3);
     const auto s = summary(dir);
@@ -292,9 +261,6 @@ TEST_CASE("world 3 (every stage) and world 4 (zero3) have world 1's loss, grad_n
   const auto w1x8 = run.train(1, kW1x8);
   const auto w4 = run.train(4, "--set train.micro_batch=1 --set train.grad_accum=2 --set parallel.bucket_mb=0.05 "
                                "--set parallel.sharding=zero3");
-  const auto d4 = max_rel_diff(step_metrics(w4), step_metrics(w1x8));
-  CHECK(d4.loss <= kMetricTol);
-  CHECK(d4.grad_norm <= kMetricTol);
   CHECK_PARITY(w4, w1x8);
   CHECK(summary(w4)["parallel"]["ranks"].size() == 4);
 }
