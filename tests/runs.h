@@ -140,6 +140,9 @@ inline constexpr ParityBounds kRoundedRuns{kRoundedStep, kRoundedStep, kRounded}
 // unsharded run, reduced in another order): step 1 as fp32 runs, later steps within 16-bit roundings of
 // the drifted weights' activations, the parameters (fp32 masters) as fp32 runs.
 inline constexpr ParityBounds kReordered16{kReorderedStep, kRoundedStep, kReordered};
+// ATen's kernels against the fused CPU ones (the lazy device's path against the CPU's): per-op differences of
+// a few ulp through chains of <= 1e3 terms, 1e3 u = 6e-5 relative per step (tests/test_device.cpp's top).
+inline constexpr ParityBounds kKernelPathRuns{6e-5, 6e-5, kReordered};
 
 // One parameter tensor's |a - b|: its median, 90th percentile (0 under kQuantileNumel elements: not
 // checked), its largest row median and that row (0 and -1 for a vector or rows under kRowNumel elements),

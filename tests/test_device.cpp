@@ -22,9 +22,9 @@
 // - Final weights: where AdamW normalises a gradient at rounding noise they are chaotic, so they are
 //   compared as tests/runs.h's parity does for any two runs whose sums differ only in order (each
 //   tensor's median and 90th-percentile element within 1e-2 of AdamW's travel in the run, derived
-//   there), with every step's loss and gradient norm within kStepRel = 1e3 u = 6e-5 relative (the
-//   losses' worst case above; the norm's reordered sums are within it too, tests/runs.h kReorderedStep's
-//   argument with this 1e3 u per element); a stale or wrong tensor, a lost moment or a replayed step
+//   there), with every step's loss and gradient norm within 1e3 u = 6e-5 relative (the losses' worst
+//   case above; the norm's reordered sums are within it too, tests/runs.h kReorderedStep's argument with
+//   this 1e3 u per element): tests/runs.h kKernelPathRuns; a stale or wrong tensor, a lost moment or a replayed step
 //   moves a tensor's median by O(1) of the travel.
 #include <atomic>
 #include <csignal>
@@ -52,7 +52,6 @@ namespace {
 
 constexpr int kSteps = 12;
 constexpr double kLossTol = 1e-4;
-constexpr double kStepRel = 6e-5;  // 1e3 u: the top of this file
 const std::string kArgs = fmt::format(
     "--config configs/tiny.yaml --set model.n_layer=2 --set train.seq_len=64 --set train.micro_batch=4 "
     "--set train.grad_accum=2 --set train.steps={} --set train.eval_interval=5 --set train.eval_batches=2 "
@@ -156,7 +155,7 @@ void device_run_follows_cpu(const std::string& device) {
   // The final weights, staged to host by the writer, are the CPU run's as parity has it (see the top).
   const auto dev_model = dev_dir / "model" / "model.safetensors";
   REQUIRE(fs::exists(dev_model));
-  CHECK_PARITY(dev_dir, cpu_dir, test::ParityBounds{kStepRel, kStepRel, test::kReordered});
+  CHECK_PARITY(dev_dir, cpu_dir, test::kKernelPathRuns);
 
   // trainer export of the dev run: the same weights as its final weights, bit for bit.
   const auto out = dir.path / "exported";

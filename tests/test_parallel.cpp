@@ -466,7 +466,7 @@ TEST_CASE("parity rejects faults the size of one block, a tenth of a shard, one 
     if (f.steps_catch) CHECK_FALSE(v.steps_hold());
     if (f.params_catch) CHECK_FALSE(v.params_hold());
     // Every parity case's bounds fail it: the 16-bit ones (kReordered16, kRoundedRuns) and test_device's.
-    for (const auto& bounds : {test::kReordered16, test::kRoundedRuns, test::ParityBounds{6e-5, 6e-5, test::kReordered}}) {
+    for (const auto& bounds : {test::kReordered16, test::kRoundedRuns, test::kKernelPathRuns}) {
       const auto w = test::parity(a, faulty, travel, bounds);
       INFO(w.why());
       CHECK_FALSE(w.holds());
