@@ -22,6 +22,12 @@
 7. No recipe is copied to ask "what if": outside src/config and src/main.cpp no code declares a
    `RunConfig` by value (`RunConfig c = ...`) or copies a recipe into an `auto` (`auto c = cfg;`); a
    what-if varies a copy of the memory model's input (memory::Scenario, `s.micro_batch = b`) instead.
+10. The build holds the same order: CMakeLists.txt's SUBLINEAR_LAYERS (one static library a folder, each
+   seeing only the folders below it) equals LAYERS; and inside a folder no two files include each other
+   (a .cpp and its .h are one unit): a base file never includes a derived one (factories sit above both).
+9. Coordinates come from the process mesh (src/layout/mesh.h): outside src/layout no code divides or
+   reduces a rank or a world size by a degree (`rank % sequence`, `world / sequence_`) or defines its own
+   `data_world`, `data_rank` or `sequence_rank`; a new parallel dimension adds its coordinate there.
 8. The whole recipe is a parameter only where it is read whole or nearly so: outside src/config and
    src/main.cpp a `RunConfig&` parameter appears only in the functions of RECIPE_READERS; every other
    function takes the sections or values it reads (`TrainConfig&`, a `memory::Scenario`, a
@@ -54,8 +60,10 @@ COMPARISON = re.compile(r'(==|!=)\s*"(%s)"|"(%s)"\s*(==|!=)' % (NAMES, NAMES))
 
 # Bottom first. Each folder may include its own headers and those of the folders listed before it.
 LAYERS = [
+    "layout",     # the process mesh: each rank's coordinates and groups, the batch arithmetic (torch-free)
     "config",     # the recipe: keys, typed choices, validation (torch-free)
-    "log",        # formatting, metrics.jsonl, the run directory (torch-free)
+    "log",        # formatting, metrics.jsonl, the run directory, atomic files and CRC-32 (torch-free)
+    "text",       # tokenizer.json: encoding, decoding, the files beside exported weights (torch-free)
     "kernels",    # the fused CUDA kernels' launch functions (torch-free; the .cu files beside them)
     "device",     # what runs where: device choice, the CPU's instruction set, host staging
     "model",      # GPT-2 / LLaMA and their kernels
@@ -68,7 +76,6 @@ LAYERS = [
     "optim",      # AdamW and its fused kernel
     "parallel",   # c10d: DDP and ZeRO-1/2/3
     "state",      # training state: save, load, re-shard (of the components that declare it)
-    "text",       # tokenizer.json: encoding, decoding, the files beside exported weights
     "interop",    # Hugging Face weights in and out; `trainer sample` (a model and its tokenizer from a run or folder)
     "train",      # the run: setup, the loop, the step, reports
 ]
@@ -80,10 +87,11 @@ SESSION_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bSession\s*&[^()]*)\)')
 # Rule 6: the most parameters a function of this name may take.
 MAX_PARAMS = {"train_step": 5}
 # Files that include no torch header, directly or through the project headers they include.
-TORCH_FREE = ["src/config/*", "src/log/*", "src/kernels/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h", "src/memory/scenario.*"]
+TORCH_FREE = ["src/layout/*", "src/config/*", "src/log/*", "src/text/*", "src/kernels/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h", "src/memory/scenario.*"]
 # Rule 8: the functions that take the whole recipe, each because it reads most of it.
 RECIPE_READERS = {
     "Scenario": "memory/scenario.cpp: the memory model's input, read from the recipe once",
+    "unresolved": "memory/scenario.h: the same before train.micro_batch: auto has its number",
     "of": "parallel::Spec::of: a strategy's sections, read from the recipe once",
     "run": "train/loop.cpp: the whole run", "setup": "train/setup.cpp: every part of the run",
     "train_loop": "steps, logging, eval, saves, the memory limit and the planner's advice on OOM",
@@ -95,7 +103,6 @@ RECIPE_READERS = {
     "micro_batch_fits": "as find_micro_batch", "probe_step": "a fresh model, plan, optimizer and scaler: one real step",
     "make_model": "model.*, train.seed, the stage's deferred build and the planner's OOM advice",
     "build_learner": "model, plan, strategy, optimizer and precision: most sections",
-    "check_model_states_fit": "the states' prediction, memory.* and the advice naming the stage and world",
     "open_run_log": "writes the whole resolved recipe (config.json)",
     "graph_eligibility": "train.cuda_graphs: whether a graph may capture reads train, model, checkpointing, precision, parallel, offload, memory and logging",
     "print_settings": "prints the settings table of the recipe", "state_parts": "a save's meta.json holds the recipe",
@@ -106,6 +113,9 @@ RECIPE_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bRunConfig\s*&[^()]*)\)?')
 # Rule 7: a whole recipe copied (by value into a RunConfig, or into an auto from a name that holds one).
 RECIPE_COPY = re.compile(r'\b(auto|(config::)?RunConfig)\s+\w+\s*=\s*\*?(\w+(\.|->))*(cfg|recipe)\s*;'
                          r'|\b(config::)?RunConfig\s+\w+\s*(=|\{)')
+# Rule 9: a rank or world divided or reduced by a degree, or a coordinate defined, outside src/layout.
+COORDINATE = re.compile(r'\b\w*(rank|world)\w*(\(\))?\s*[/%]\s*[\w.]*(sequence|degree|pieces)\w*'
+                        r'|\b(int64_t|auto)\s+(data_world|data_rank|sequence_rank)\s*\(')
 TORCH = re.compile(r'#include\s*<(torch|ATen|c10)/')
 INCLUDE = re.compile(r'#include\s*"([^"]+)"')
 
@@ -209,6 +219,13 @@ def recipe_takers(root: pathlib.Path):
             if m.group(1) not in RECIPE_READERS]
 
 
+def coordinates_outside_mesh(root: pathlib.Path):
+    """Rule 9: FILE:LINE: code for every coordinate derived outside src/layout."""
+    return [f"{path.relative_to(root)}:{n}: {code.strip()}: ask the process mesh (layout::Mesh) instead"
+            for path in sources(root) if path.relative_to(root).parts[:2] != ("src", "layout")
+            for n, code in code_lines(path) if COORDINATE.search(code)]
+
+
 def recipe_copies(root: pathlib.Path):
     """Rule 7: FILE:LINE: code for every recipe copied outside src/config and src/main.cpp."""
     return [f"{rel}:{n}: {code.strip()}: a recipe copied; vary a memory::Scenario (or pass the part) instead"
@@ -276,6 +293,34 @@ def torch_includes(root: pathlib.Path):
     return found
 
 
+def cmake_layers(root: pathlib.Path):
+    """The folder order CMakeLists.txt builds its layer libraries in (set(SUBLINEAR_LAYERS ...))."""
+    m = re.search(r'set\(SUBLINEAR_LAYERS([^)]*)\)', (root / "CMakeLists.txt").read_text())
+    return m.group(1).split() if m else []
+
+
+def folder_cycles(root: pathlib.Path):
+    """Rule 10: FILE units (a .cpp with its .h) of one folder that include each other, as 'a <-> b' lines."""
+    found = []
+    units = {}
+    for path in sources(root):
+        rel = path.relative_to(root)
+        folder = folder_of(rel)
+        if folder is None:
+            continue
+        unit = str(rel.with_suffix(""))
+        for inc in includes(path):
+            dst = "src/" + str(pathlib.PurePath(inc).with_suffix(""))
+            if inc.split("/", 1)[0] == folder and dst != unit and (root / "src" / inc).exists():
+                units.setdefault(unit, set()).add(dst)
+    for a, outs in sorted(units.items()):
+        for b in sorted(outs):
+            if a < b and a in units.get(b, set()):
+                found.append(f"{a} <-> {b}: the two include each other; move what one needs of the other "
+                             "(a factory, a shared type) to a file above or below both")
+    return found
+
+
 def main() -> int:
     args = [a for a in sys.argv[1:] if a != "--edges"]
     root = pathlib.Path(args[0]) if args else pathlib.Path(__file__).resolve().parent.parent
@@ -295,6 +340,17 @@ def main() -> int:
     print(f"includes against the layer order ({' < '.join(LAYERS)}): {len(layers)} (must be 0)")
     broken += bool(layers)
 
+    built = cmake_layers(root)
+    if built != LAYERS:
+        print(f"CMakeLists.txt SUBLINEAR_LAYERS {built} differs from LAYERS {LAYERS}")
+    print(f"layer orders that differ between the build and LAYERS: {int(built != LAYERS)} (must be 0)")
+    broken += built != LAYERS
+    cycles = folder_cycles(root)
+    for c in cycles:
+        print(c)
+    print(f"files of one folder that include each other: {len(cycles)} (must be 0)")
+    broken += bool(cycles)
+
     torch = torch_includes(root)
     for t in torch:
         print(t)
@@ -305,7 +361,8 @@ def main() -> int:
                         ("functions taking the whole `Session`", session_takers(root)),
                         ("signatures wider than MAX_PARAMS allows", wide_signatures(root)),
                         ("recipe copies outside src/config and src/main.cpp", recipe_copies(root)),
-                        ("functions taking the whole recipe beyond RECIPE_READERS", recipe_takers(root))):
+                        ("functions taking the whole recipe beyond RECIPE_READERS", recipe_takers(root)),
+                        ("coordinates derived outside the process mesh", coordinates_outside_mesh(root))):
         for f in found:
             print(f)
         print(f"{rule}: {len(found)} (must be 0)")

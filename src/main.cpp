@@ -162,7 +162,7 @@ int run_export(const Cli& cli) {
 // plan --sequence-parallel auto: every degree's peak and step time; the plan below is at the smallest
 // degree that fits (the recipe's when none does), with the exchange the search chose there.
 nlohmann::json choose_sequence_degree(sl::config::RunConfig& cfg, int64_t memory) {
-  const sl::memory::Scenario sc(cfg, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
+  const auto sc = sl::memory::Scenario::unresolved(cfg);
   auto search = sl::planner::sequence_search(sc, memory);
   fmt::print("{}\n", sl::planner::format_sequence_search(search, memory));
   if (!search["chosen"].is_null()) cfg.parallel.sequence = search["chosen"].get<int64_t>();

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <variant>
 
 #include "catch.h"
@@ -11,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config/config.h"
+#include "layout/mesh.h"
 #include "errors.h"
 #include "test_util.h"
 
@@ -500,4 +502,72 @@ TEST_CASE("the GPU recipes compute in bf16 on a bf16 compute copy of the weights
     CHECK(c.precision.param_dtype == config::Dtype::kBf16);
     CHECK_FALSE(c.parallel.sharding.replicated());
   }
+}
+
+// ---- the process mesh (layout/mesh.h) ----
+
+TEST_CASE("the process mesh gives every rank one place, sequence groups consecutive, data groups strided") {
+  struct Layout { int64_t world, sequence; };
+  for (const auto [world, sequence] : {Layout{1, 1}, Layout{4, 1}, Layout{4, 2}, Layout{4, 4}, Layout{8, 2},
+                                       Layout{6, 3}, Layout{12, 4}}) {
+    INFO("world " << world << ", sequence " << sequence);
+    const layout::Mesh mesh(world, 0, {.sequence = sequence});
+    CHECK(mesh.data() * mesh.sequence() == world);
+    std::set<std::pair<int64_t, int64_t>> places;
+    for (int64_t r = 0; r < world; ++r) {
+      const auto m = mesh.at(r);
+      CHECK(m.rank() == r);
+      CHECK(m.data_rank() == r / sequence);  // written out here, the one other place: what the mesh must give
+      CHECK(m.sequence_rank() == r % sequence);
+      CHECK(m.rank_of(m.data_rank(), m.sequence_rank()) == r);
+      places.insert({m.data_rank(), m.sequence_rank()});
+      std::vector<int64_t> seq_group, data_group;
+      for (int64_t s = 0; s < sequence; ++s) seq_group.push_back(r - r % sequence + s);
+      for (int64_t d = 0; d < world / sequence; ++d) data_group.push_back(d * sequence + r % sequence);
+      CHECK(m.sequence_group() == seq_group);
+      CHECK(m.data_group() == data_group);
+    }
+    CHECK(static_cast<int64_t>(places.size()) == world);  // no two ranks share a place
+  }
+  // One example by hand: rank 5 of 8 at sequence degree 2.
+  const layout::Mesh m(8, 5, {.sequence = 2});
+  CHECK(m.data_rank() == 2);
+  CHECK(m.sequence_rank() == 1);
+  CHECK(m.sequence_group() == std::vector<int64_t>{4, 5});
+  CHECK(m.data_group() == std::vector<int64_t>{1, 3, 5, 7});
+}
+
+TEST_CASE("the process mesh's batch arithmetic counts the data ranks only") {
+  const layout::Mesh m(8, 3, {.sequence = 2});  // 4 data ranks
+  CHECK(m.global_batch(3, 2) == 24);
+  CHECK(m.tokens_per_step(3, 2, 64) == 24 * 64);
+  CHECK(m.sequences_per_rank(24) == 6);
+  CHECK(m.sequences_per_rank(25) == 7);  // rounded up
+  CHECK(m.local_positions(64) == 32);
+  const layout::Mesh one;
+  CHECK(one.world() == 1);
+  CHECK(one.global_batch(3, 2) == 6);
+  CHECK(one.local_positions(64) == 64);
+}
+
+TEST_CASE("a mesh whose degrees do not fit the world is a recipe error naming them") {
+  CHECK_FALSE(layout::Mesh::fits(4, {.sequence = 3}));
+  CHECK(layout::Mesh::fits(6, {.sequence = 3}));
+  const auto message = [](auto make) {
+    try {
+      make();
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(message([] { (void)layout::Mesh(4, 0, {.sequence = 3}); }) ==
+        "parallel.sequence: 3 does not divide WORLD_SIZE = 4: pick a degree that divides it");
+  CHECK(message([] { (void)layout::Mesh(4, 4, {}); }).find("RANK: 4 is not in [0, WORLD_SIZE = 4)") == 0);
+  CHECK(message([] { (void)layout::Mesh(2, 0, {.sequence = 0}); }).find("parallel.sequence: must be >= 1") == 0);
+  // The recipe's mesh: world_size ranks with parallel.sequence.
+  config::RunConfig cfg;
+  cfg.parallel.sequence = 2;
+  cfg.world_size = 4;
+  CHECK(cfg.mesh(3) == layout::Mesh(4, 3, {.sequence = 2}));
 }

@@ -13,6 +13,7 @@
 
 #include "config/config.h"
 #include "data/loader.h"
+#include "layout/mesh.h"
 #include "errors.h"
 #include "test_util.h"
 
@@ -142,9 +143,21 @@ TEST_CASE("loader: targets are inputs shifted by one, deterministic per seed, di
   CHECK(torch::equal(ba.x, bb.x));
   CHECK(torch::equal(ba.x.narrow(1, 1, 31), ba.y.narrow(1, 0, 31)));
   // Two ranks draw the same global offsets and keep different rows: together they equal world=1 with 2B.
-  data::Loader r0(src, 4, 32, 5, 0, 2), r1(src, 4, 32, 5, 1, 2), whole(src, 8, 32, 5);
+  data::Loader r0(src, 4, 32, 5, layout::Mesh(2, 0, {})), r1(src, 4, 32, 5, layout::Mesh(2, 1, {})), whole(src, 8, 32, 5);
   auto x0 = r0.next().x, x1 = r1.next().x, xw = whole.next().x;
   CHECK(torch::equal(torch::cat({x0, x1}), xw));
+}
+
+TEST_CASE("loader: a mesh's sequence ranks hold consecutive pieces of their data rank's windows") {
+  std::shared_ptr<data::TokenSource> src = data::make_synthetic(10000, 256, 1);
+  // 4 ranks at sequence degree 2: data ranks 0 (ranks 0, 1) and 1 (ranks 2, 3), each window in two halves.
+  std::vector<data::Batch> b;
+  for (int64_t r = 0; r < 4; ++r) b.push_back(data::Loader(src, 3, 32, 7, layout::Mesh(4, r, {.sequence = 2})).next());
+  for (const auto& piece : b) CHECK(piece.x.sizes() == torch::IntArrayRef({3, 16}));
+  // The data ranks' rows, each row's halves side by side, are one process's 2 x 3 windows of 32.
+  const auto whole = data::Loader(src, 6, 32, 7).next();
+  CHECK(torch::equal(torch::cat({torch::cat({b[0].x, b[1].x}, 1), torch::cat({b[2].x, b[3].x}, 1)}), whole.x));
+  CHECK(torch::equal(torch::cat({torch::cat({b[0].y, b[1].y}, 1), torch::cat({b[2].y, b[3].y}, 1)}), whole.y));
 }
 
 TEST_CASE("val_path empty holds out the tail of the training file") {

@@ -323,7 +323,8 @@ Tensors step1_grads(const config::RunConfig& cfg, int64_t micro, int64_t rank, i
   torch::manual_seed(static_cast<uint64_t>(cfg.train.seed));
   model::GPT m(cfg.model, torch::kCPU);
   const auto splits = data::open_splits(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed);
-  data::Loader loader(splits.train, micro, cfg.train.seq_len, static_cast<uint64_t>(cfg.train.seed), rank, world);
+  data::Loader loader(splits.train, micro, cfg.train.seq_len, static_cast<uint64_t>(cfg.train.seed),
+                      layout::Mesh(world, rank, {}));
   const auto batch = loader.next();
   m->loss(batch.x, batch.y).backward();
   Tensors out;

@@ -685,20 +685,22 @@ static void check_global_batch(const RunConfig& c) {
   const auto& t = c.train;
   // Sequence parallelism: the N ranks of a sequence group train the same sequences, so the ranks that
   // draw their own are WORLD_SIZE / parallel.sequence.
-  const int64_t world = c.parallel.sequence > 0 && c.world_size % c.parallel.sequence == 0
-                            ? c.parallel.data_world(c.world_size)
-                            : std::max<int64_t>(1, c.world_size);
+  // (A degree that does not divide the world: validate_sequence names it; count every rank until then.)
+  const auto mesh = layout::Mesh::fits(std::max<int64_t>(1, c.world_size), {c.parallel.sequence})
+                        ? c.mesh()
+                        : ParallelConfig{}.mesh(std::max<int64_t>(1, c.world_size));
+  const int64_t world = mesh.data();
   const std::string ranks = c.parallel.sequence > 1 ? "WORLD_SIZE / parallel.sequence" : "WORLD_SIZE";
   if (t.micro_batch.is_auto()) {
     if (t.global_batch % world != 0)
       fail("train.global_batch", fmt::format("{} is not divisible by {} {}: micro_batch: auto gives every rank "
                                              "global_batch / {} sequences per step; pick a multiple of it",
                                              t.global_batch, ranks, world, ranks));
-  } else if (t.global_batch > 0 && t.global_batch != t.micro_batch * t.grad_accum * world) {
+  } else if (t.global_batch > 0 && t.global_batch != mesh.global_batch(t.micro_batch, t.grad_accum)) {
     fail("train.global_batch", fmt::format("{} is not train.micro_batch * train.grad_accum * {} = {} * {} * {} = {}; "
                                            "drop one of them (global_batch counts sequences per step over all ranks)",
                                            t.global_batch, ranks, t.micro_batch, t.grad_accum, world,
-                                           t.micro_batch * t.grad_accum * world));
+                                           mesh.global_batch(t.micro_batch, t.grad_accum)));
   }
 }
 

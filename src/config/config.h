@@ -11,6 +11,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "config/choices.h"
+#include "layout/mesh.h"
 
 namespace sl::config {
 
@@ -144,8 +145,9 @@ struct ParallelConfig {
   // every rank holding seq_len / N of their positions; attention exchanges positions for heads with an
   // all-to-all inside the group. The world is data-parallel x N.
   int64_t sequence = 1;
-  // The ranks that draw different sequences (the data-parallel degree): world / sequence.
-  int64_t data_world(int64_t world) const { return std::max<int64_t>(1, world) / sequence; }
+  // The process mesh of `world` ranks (layout/mesh.h) with this section's degrees, seen from `rank`.
+  // Throws ConfigError when a degree does not divide the world (validate() names it first for a recipe).
+  layout::Mesh mesh(int64_t world, int64_t rank = 0) const { return layout::Mesh(world, rank, {sequence}); }
   // What one rank sends per second in its sequence group's all-to-all (GB/s), for the planner's step
   // time and budget mode's price of a recomputed exchange. 100: a conservative share of an H100's
   // NVLink 4 (450 GB/s each way) for NCCL's all-to-all inside a node of 8; measure yours with
@@ -215,6 +217,8 @@ struct RunConfig {
   // train.global_batch is checked against it.
   // The planner predicts per-rank memory with it.
   int64_t world_size = 1;
+  // The recipe's process mesh: world_size ranks (at least 1) with parallel.*'s degrees, seen from `rank`.
+  layout::Mesh mesh(int64_t rank = 0) const { return parallel.mesh(world_size > 1 ? world_size : 1, rank); }
   // Not a recipe key: `trainer --resume auto|PATH` ("" = start fresh; kResumeNewest = auto).
   std::string resume;
 };

@@ -298,14 +298,11 @@ void write_llmc(const std::string& path, const std::vector<int64_t>& tokens) {
 }
 
 Loader::Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t seq_len, uint64_t seed,
-               int64_t rank, int64_t world_size, int64_t piece, int64_t pieces)
+               const layout::Mesh& mesh)
     : source_(std::move(source)),
       B_(micro_batch),
       T_(seq_len),
-      rank_(rank),
-      world_(world_size),
-      piece_(piece),
-      pieces_(pieces),
+      mesh_(mesh),
       seed_(seed),
       state_(seed) {
   if (source_->size() < T_ + 1)
@@ -315,13 +312,13 @@ Loader::Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t
 
 Batch Loader::next() {
   const int64_t span = source_->size() - T_;  // valid window starts: [0, span)
-  const int64_t t = T_ / pieces_;              // this piece's positions: window + [piece * t, piece * t + t)
+  const int64_t t = mesh_.local_positions(T_);  // this piece's positions: window + [piece * t, piece * t + t)
   auto buf = torch::empty({B_, t + 1}, torch::kInt64);
   int64_t* p = buf.data_ptr<int64_t>();
-  for (int64_t g = 0; g < B_ * world_; ++g) {
+  for (int64_t g = 0; g < B_ * mesh_.data(); ++g) {
     const int64_t start = static_cast<int64_t>(splitmix64(state_) % static_cast<uint64_t>(span));
-    if (g / B_ != rank_) continue;  // another rank's row
-    source_->read(start + piece_ * t, t + 1, p + (g % B_) * (t + 1));
+    if (g / B_ != mesh_.data_rank()) continue;  // another data rank's row
+    source_->read(start + mesh_.sequence_rank() * t, t + 1, p + (g % B_) * (t + 1));
   }
   return {buf.narrow(1, 0, t).contiguous(), buf.narrow(1, 1, t).contiguous()};
 }

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "config/config.h"
+#include "layout/mesh.h"
 
 namespace sl::data {
 
@@ -52,16 +53,15 @@ struct Batch {
   at::Tensor y;  // (B, T) int64 targets, x shifted by one
 };
 
-// Samples (B, T) windows at random offsets from a token source. Deterministic in (seed, rank):
-// every rank draws the same global offsets and keeps its own slice, so batches do not overlap
-// across ranks and a run is reproducible for a given world size. `rank` and `world_size` count the
-// ranks that draw their own sequences (the data-parallel ones). With `pieces` > 1 (sequence
-// parallelism) each window's positions come in that many equal consecutive pieces and the loader
-// returns piece `piece` of them, (B, T / pieces): the tokens and their targets of those positions.
+// Samples (B, T) windows at random offsets from a token source. Deterministic in (seed, the mesh's
+// data rank): every data rank draws the same global offsets and keeps its own slice, so batches do not
+// overlap across the ranks that draw their own sequences and a run is reproducible for a given mesh.
+// With a sequence degree N > 1 each window's positions come in N equal consecutive pieces and the
+// loader returns the piece of the mesh's sequence rank, (B, T / N): the tokens and their targets there.
 class Loader {
  public:
   Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t seq_len, uint64_t seed,
-         int64_t rank = 0, int64_t world_size = 1, int64_t piece = 0, int64_t pieces = 1);
+         const layout::Mesh& mesh = {});
   Batch next();
   const TokenSource& source() const { return *source_; }
   // The sampler's position (its RNG state; the same on every rank), for saved training states.
@@ -72,7 +72,8 @@ class Loader {
 
  private:
   std::shared_ptr<TokenSource> source_;
-  int64_t B_, T_, rank_, world_, piece_, pieces_;
+  int64_t B_, T_;
+  layout::Mesh mesh_;
   uint64_t seed_;
   uint64_t state_;  // splitmix64 state
 };

@@ -7,6 +7,10 @@ namespace sl::memory {
 
 Scenario::Scenario(const config::RunConfig& cfg) : Scenario(cfg, cfg.train.micro_batch.value()) {}
 
+Scenario Scenario::unresolved(const config::RunConfig& cfg) {
+  return Scenario(cfg, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
+}
+
 Scenario::Scenario(const config::RunConfig& cfg, int64_t micro_batch)
     : model(cfg.model),
       micro_batch(micro_batch),

@@ -51,6 +51,9 @@ struct Scenario {
   Scenario(const config::RunConfig& cfg);  // NOLINT(google-explicit-constructor)
   // The same at a given micro-batch (a search's probe, or the number an auto micro-batch resolved to).
   Scenario(const config::RunConfig& cfg, int64_t micro_batch);
+  // The recipe's scenario before train.micro_batch: auto has a number: micro-batch 1 in its place (what
+  // the model states and a micro-batch search start from); a number stays.
+  static Scenario unresolved(const config::RunConfig& cfg);
 };
 
 }  // namespace sl::memory

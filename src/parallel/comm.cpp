@@ -241,10 +241,7 @@ std::vector<c10d::Backend*> Comm::backends() const {
 }
 
 Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device device)
-    : env_(env), device_(device), timeout_s_(cfg.timeout_s), sequence_(std::max<int64_t>(1, cfg.sequence)) {
-  if (env_.world % sequence_ != 0)
-    throw ConfigError(fmt::format("parallel.sequence: {} does not divide WORLD_SIZE = {}: pick a degree that divides it",
-                                  sequence_, env_.world));
+    : env_(env), device_(device), timeout_s_(cfg.timeout_s), mesh_(cfg.mesh(env.world, env.rank)) {
   if (env_.world == 1) return;
   backend_ = resolve_backend(cfg.backend, device);
   const auto timeout = std::chrono::milliseconds(cfg.timeout_s * 1000);
@@ -266,10 +263,11 @@ Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device 
     }
     store_ = c10::make_intrusive<c10d::PrefixStore>("sublinear", store_);
     pg_ = make_backend(store_, env_.rank, env_.world, timeout);
-    if (sequence_ > 1) {
+    if (mesh_.sequence() > 1) {
       // Every rank makes its own group's process group, on a store prefix of that group alone.
-      const auto group_store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("sequence_group_{}", data_rank()), store_);
-      seq_pg_ = make_backend(group_store, sequence_rank(), sequence_, timeout);
+      const auto group_store =
+          c10::make_intrusive<c10d::PrefixStore>(fmt::format("sequence_group_{}", mesh_.data_rank()), store_);
+      seq_pg_ = make_backend(group_store, mesh_.sequence_rank(), mesh_.sequence(), timeout);
     }
   } catch (const Error&) {
     throw;

@@ -28,6 +28,7 @@
 
 #include "config/config.h"
 #include "errors.h"
+#include "layout/mesh.h"
 
 namespace c10d {
 class Backend;
@@ -122,15 +123,13 @@ class Comm {
   Pending all_gather(const at::Tensor& out, const at::Tensor& in, const std::string& what);
   // out (n elements) <- this rank's n-element slice of the sum over ranks of `in` (world * n).
   Pending reduce_scatter_sum(const at::Tensor& out, const at::Tensor& in, const std::string& what);
-  // The sequence group (parallel.sequence = N > 1): the N consecutive ranks rank / N * N .. + N - 1, a
-  // process group of their own. out <- the all-to-all of `in` over it: `in` is N equal contiguous chunks
+  // The sequence group (parallel.sequence = N > 1): the mesh's sequence group of this rank (N consecutive
+  // ranks), a process group of their own. out <- the all-to-all of `in` over it: `in` is N equal contiguous chunks
   // along dim 0, chunk j goes to the group's rank j, and out's chunk j is what rank j sent this rank.
   // One rank in its group (N = 1): out <- in.
   Pending all_to_all(const at::Tensor& out, const at::Tensor& in, const std::string& what);
-  int64_t sequence_degree() const { return sequence_; }
-  int64_t sequence_rank() const { return env_.rank % sequence_; }  // this rank's place in its sequence group
-  int64_t data_rank() const { return env_.rank / sequence_; }      // which sequences it trains (data-parallel rank)
-  int64_t data_world() const { return env_.world / sequence_; }
+  // This rank's place in the process mesh (the launch's world and rank, parallel.*'s degrees).
+  const layout::Mesh& mesh() const { return mesh_; }
 
   // Blocking conveniences.
   double all_reduce_sum(double v, const std::string& what);
@@ -181,8 +180,8 @@ class Comm {
   int64_t timeout_s_;
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> pg_;
-  int64_t sequence_ = 1;                      // parallel.sequence
-  c10::intrusive_ptr<c10d::Backend> seq_pg_;  // the sequence group's (sequence_ > 1)
+  layout::Mesh mesh_;                         // the launch's world and rank with parallel.*'s degrees
+  c10::intrusive_ptr<c10d::Backend> seq_pg_;  // the sequence group's (mesh_.sequence() > 1)
   std::string failure_;
   int64_t agreements_ = 0;  // agree_on_failure calls so far: each posts under its own store keys
   std::atomic<int64_t> abandoned_{0};  // collectives launched and never waited for (Pending::abandon)

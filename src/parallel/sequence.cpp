@@ -9,7 +9,7 @@ void SequenceGroup::all_to_all(const torch::Tensor& out, const torch::Tensor& in
 }
 
 std::shared_ptr<model::SequenceExchange> sequence_exchange(Comm* comm) {
-  if (comm == nullptr || comm->sequence_degree() == 1) return nullptr;
+  if (comm == nullptr || comm->mesh().sequence() == 1) return nullptr;
   return std::make_shared<SequenceGroup>(*comm);
 }
 

@@ -13,8 +13,8 @@ namespace sl::parallel {
 class SequenceGroup : public model::SequenceExchange {
  public:
   explicit SequenceGroup(Comm& comm) : comm_(comm) {}
-  int64_t degree() const override { return comm_.sequence_degree(); }
-  int64_t rank() const override { return comm_.sequence_rank(); }
+  int64_t degree() const override { return comm_.mesh().sequence(); }
+  int64_t rank() const override { return comm_.mesh().sequence_rank(); }
   void all_to_all(const torch::Tensor& out, const torch::Tensor& in) override;
   int64_t sent_bytes() const override { return sent_; }
 

@@ -1,21 +1,7 @@
-// DDP, ZeRO-1 and ZeRO-2 over the shared Engine, and the choice of a stage (stages.h).
+// DDP, ZeRO-1 and ZeRO-2 over the shared Engine (stages.h).
 #include "parallel/stages.h"
 
-#include "parallel/zero3.h"
-
 namespace sl::parallel {
-
-std::unique_ptr<Engine> make_engine(model::GPT model, const Spec& spec, std::shared_ptr<Comm> comm) {
-  std::unique_ptr<Engine> e;
-  switch (spec.parallel.sharding.stage()) {
-    case config::Sharding::kNone: e = std::make_unique<Ddp>(std::move(model), spec, std::move(comm)); break;
-    case config::Sharding::kZero1: e = std::make_unique<Zero1>(std::move(model), spec, std::move(comm)); break;
-    case config::Sharding::kZero2: e = std::make_unique<Zero2>(std::move(model), spec, std::move(comm)); break;
-    case config::Sharding::kZero3: e = std::make_unique<Zero3>(std::move(model), spec, std::move(comm)); break;
-  }
-  e->init(spec);
-  return e;
-}
 
 // ---- Ddp ----
 

@@ -39,11 +39,10 @@ std::vector<std::pair<std::string, config::CheckpointingConfig>> plan_modes(cons
   return out;
 }
 
-// Sequences each rank contributes to one optimizer step: micro_batch x grad_accum, or with
-// train.micro_batch: auto its share of train.global_batch.
-int64_t sequences_per_rank(const config::TrainConfig& train, int64_t world_size) {
-  const int64_t world = std::max<int64_t>(1, world_size);
-  if (train.micro_batch.is_auto()) return (train.global_batch + world - 1) / world;
+// Sequences each data-parallel rank (with its sequence group) contributes to one optimizer step:
+// micro_batch x grad_accum, or with train.micro_batch: auto its share of train.global_batch.
+int64_t sequences_per_rank(const config::TrainConfig& train, const layout::Mesh& mesh) {
+  if (train.micro_batch.is_auto()) return mesh.sequences_per_rank(train.global_batch);
   return train.micro_batch * train.grad_accum;
 }
 
@@ -218,12 +217,9 @@ Json offload_report(const Scenario& sc) {
 
 Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   const bool auto_batch = recipe.train.micro_batch.is_auto();
-  const int64_t world = std::max<int64_t>(1, recipe.world_size);
-  // Sequences each data-parallel rank (with its sequence group) contributes to one optimizer step.
-  const int64_t data_world = recipe.parallel.data_world(world);
-  const int64_t per_rank = sequences_per_rank(recipe.train, data_world);
-  const int64_t global = per_rank * data_world;
-  Scenario sc(recipe, auto_batch ? 1 : recipe.train.micro_batch.value());
+  const int64_t per_rank = sequences_per_rank(recipe.train, recipe.mesh());
+  const int64_t global = recipe.mesh().global_batch(per_rank, 1);
+  Scenario sc = Scenario::unresolved(recipe);
   if (auto_batch) {
     sc.micro_batch = std::max<int64_t>(1, memory_bytes > 0 ? largest_micro_batch(sc, memory_bytes, per_rank) : 1);
     sc.grad_accum = (per_rank + sc.micro_batch - 1) / sc.micro_batch;
@@ -455,8 +451,9 @@ Json degree_row(const Scenario& recipe, int64_t n, int64_t memory_bytes) {
   if (!schedule) return {{"degree", n}, {"fits", false}, {"peak_bytes", nullptr}, {"step_s", nullptr}};
   const auto p = memory::predict_peak(sc, *schedule);
   const auto t = modelled_step(sc, *schedule);
-  // Every data-parallel rank (world / n of them) trains its own sequences: the step's tokens.
-  const int64_t tokens = sc.micro_batch * sc.grad_accum * sc.seq_len * (std::max<int64_t>(1, sc.placement.world) / n);
+  // Every data-parallel rank of the mesh at degree n trains its own sequences: the step's tokens.
+  const auto mesh = layout::Mesh(std::max<int64_t>(1, sc.placement.world), 0, {.sequence = n});
+  const int64_t tokens = mesh.tokens_per_step(sc.micro_batch, sc.grad_accum, sc.seq_len);
   Json row = {{"degree", n},
               {"tokens_per_step", tokens},
               {"tokens_per_s", sc.peak_tflops > 0 ? Json(static_cast<double>(tokens) / t.step_s) : Json(nullptr)},
@@ -558,8 +555,8 @@ std::string format_sequence_search(const Json& search, int64_t memory_bytes) {
 
 std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
   if (limit_bytes <= 0) return "lower train.micro_batch (raise train.grad_accum to keep the global batch) or enable checkpointing.mode: full";
-  const int64_t per_rank = sequences_per_rank(cfg.train, cfg.parallel.data_world(cfg.world_size));
-  const Scenario sc(cfg, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
+  const int64_t per_rank = sequences_per_rank(cfg.train, cfg.mesh());
+  const Scenario sc = Scenario::unresolved(cfg);
   std::string out;
   for (const auto& [name, ck] : plan_modes(sc.checkpointing)) {
     Scenario c = sc;

@@ -25,15 +25,6 @@ using Json = nlohmann::json;
 // ---- model states: parameters and AdamW moments, by element span ----
 
 
-// Every parameter's shape, from a model on the meta device (ZeRO-3 frees the real ones between units).
-std::map<std::string, std::vector<int64_t>> param_shapes(const config::ModelConfig& m) {
-  torch::NoGradGuard no_grad;
-  model::GPT meta(m, torch::kMeta);
-  std::map<std::string, std::vector<int64_t>> out;
-  for (const auto& item : meta->named_parameters()) out[item.key()] = item.value().sizes().vec();
-  return out;
-}
-
 torch::optim::AdamWParamState* adam_state(torch::optim::AdamW& opt, const torch::Tensor& p) {
   auto it = opt.state().find(p.unsafeGetTensorImpl());
   return it == opt.state().end() ? nullptr : static_cast<torch::optim::AdamWParamState*>(it->second.get());
@@ -206,18 +197,13 @@ std::vector<std::unique_ptr<Component>> components(Parts& parts, Counters& count
   return out;
 }
 
-void check_model_shapes(const Found& f, const config::ModelConfig& m) {
-  const Reader r(f.dir, f.meta);
-  for (const auto& [name, shape] : param_shapes(m)) {
-    const int64_t saved = r.saved_elements("param", name), now = c10::multiply_integers(shape);
-    if (saved < 0 || saved == now) continue;
-    throw StateFileError(fmt::format(
-        "--resume: parameter {} has {} elements in the saved state but {} in the recipe's model (shape [{}]): the "
-        "saved run built another model. model.vocab_multiple changes the rows of wte and lm_head (model.vocab_size {} "
-        "padded to {} here); resume with the saved run's model.vocab_multiple (its meta.json holds the recipe), or "
-        "start a new run (model.init_from takes its exported weights)",
-        name, saved, now, fmt::join(shape, ", "), m.vocab_size, m.padded_vocab()));
-  }
+// Every parameter's shape, from a model on the meta device (ZeRO-3 frees the real ones between units).
+std::map<std::string, std::vector<int64_t>> param_shapes(const config::ModelConfig& m) {
+  torch::NoGradGuard no_grad;
+  model::GPT meta(m, torch::kMeta);
+  std::map<std::string, std::vector<int64_t>> out;
+  for (const auto& item : meta->named_parameters()) out[item.key()] = item.value().sizes().vec();
+  return out;
 }
 
 }  // namespace sl::state

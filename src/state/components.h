@@ -13,6 +13,7 @@
 //   loss scaler   loss_scaler.{scale,           -                                 the scale (fp16; null when
 //                 growth_tracker}                                                  the scaler is off)
 #pragma once
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -21,7 +22,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/types.h>
 
-#include "state/state.h"
+#include "state/parts.h"
 
 namespace sl::state {
 
@@ -39,6 +40,9 @@ class Component {
 // The parts of a run, in the order they are written and loaded (the model states first: their
 // tensors lead the rank file, and the RNG is restored after the parameters are in place).
 std::vector<std::unique_ptr<Component>> components(Parts& parts, Counters& counters);
+
+// Every parameter's shape, from a model on the meta device (ZeRO-3 frees the real ones between units).
+std::map<std::string, std::vector<int64_t>> param_shapes(const config::ModelConfig& m);
 
 // "<field>/<param>" for a whole parameter, "<field>/<param>/<begin>:<end>" for elements [begin, end)
 // of the flattened parameter (Reader parses them back).

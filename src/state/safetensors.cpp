@@ -1,12 +1,11 @@
-// safetensors writing (atomic, checked, CRC-32 while writing) and reading (mmap, every offset
-// checked), CRC-32 of files, atomic text files.
+// safetensors writing (atomic, checked, CRC-32 while writing: log/files.h) and reading (mmap, every
+// offset checked).
 #include "state/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <bit>
@@ -28,7 +27,6 @@ static_assert(std::endian::native == std::endian::little, "safetensors data is l
 namespace {
 
 constexpr int64_t kMaxHeaderBytes = 100'000'000;  // the reference reader's limit
-constexpr size_t kIoChunk = size_t{64} << 20;     // bytes per write(2) / read(2) call
 
 std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
 
@@ -54,64 +52,6 @@ std::optional<at::ScalarType> dtype_from_name(const std::string& name) {
 }
 
 }  // namespace
-
-// A file written as <path>.tmp and renamed over <path> by commit(). Every failure removes the
-// temporary and throws IoError naming <path>; so does destruction before commit() (without throwing).
-class AtomicFile {
- public:
-  explicit AtomicFile(std::filesystem::path path) : path_(std::move(path)), tmp_(path_) {
-    tmp_ += ".tmp";
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail(errno);
-  }
-  ~AtomicFile() { discard(); }
-  AtomicFile(const AtomicFile&) = delete;
-  AtomicFile& operator=(const AtomicFile&) = delete;
-
-  // Writes all n bytes (in chunks), updating the digest with the bytes actually written.
-  void write(const void* data, size_t n) {
-    const auto* p = static_cast<const uint8_t*>(data);
-    while (n > 0) {
-      const ssize_t w = ::write(fd_, p, std::min(n, kIoChunk));
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) fail(w < 0 ? errno : ENOSPC);
-      digest_.crc32 = crc32(p, static_cast<size_t>(w), digest_.crc32);
-      digest_.bytes += w;
-      p += w;
-      n -= static_cast<size_t>(w);
-    }
-  }
-
-  // fsync, close, rename over the target.
-  FileDigest commit() {
-    if (::fsync(fd_) != 0) fail(errno);
-    // The bytes are on disk: drop them from the page cache, so a multi-GiB state does not push the
-    // training process's memory out (the steps after a save would pay for it). Advice only.
-    ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) fail(errno);
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0) fail(errno);
-    committed_ = true;
-    return digest_;
-  }
-
- private:
-  void discard() noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-    if (!committed_) ::unlink(tmp_.c_str());
-  }
-  [[noreturn]] void fail(int err) {
-    discard();
-    throw IoError(fmt::format("writing {} failed: {}", path_.string(), errno_text(err)));
-  }
-
-  std::filesystem::path path_, tmp_;
-  int fd_ = -1;
-  bool committed_ = false;
-  FileDigest digest_;
-};
 
 namespace {
 
@@ -253,38 +193,6 @@ void check_tiling(std::vector<SafetensorsFile::Entry>& entries, int64_t data_byt
 
 }  // namespace
 
-uint32_t crc32(const void* data, size_t n, uint32_t seed) {
-  const auto* p = static_cast<const Bytef*>(data);
-  uLong crc = seed;
-  while (n > 0) {
-    const auto chunk = static_cast<uInt>(std::min<size_t>(n, size_t{1} << 30));
-    crc = ::crc32(crc, p, chunk);
-    p += chunk;
-    n -= chunk;
-  }
-  return static_cast<uint32_t>(crc);
-}
-
-uint32_t crc32_file(const std::filesystem::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw IoError(fmt::format("reading {} failed: {}", path.string(), errno_text(errno)));
-  std::vector<uint8_t> buf(size_t{1} << 20);
-  uint32_t crc = 0;
-  for (;;) {
-    const ssize_t n = ::read(fd, buf.data(), buf.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      throw IoError(fmt::format("reading {} failed: {}", path.string(), errno_text(err)));
-    }
-    if (n == 0) break;
-    crc = crc32(buf.data(), static_cast<size_t>(n), crc);
-  }
-  ::close(fd);
-  return crc;
-}
-
 void for_each_host_chunk(const at::Tensor& t, const std::function<void(const void*, size_t)>& sink) {
   if (t.numel() == 0) return;
   if (t.device().is_cpu()) {  // written from its own memory (a contiguous copy first when strided)
@@ -347,20 +255,6 @@ FileDigest write_safetensors(const std::filesystem::path& path,
   for (const auto& [name, t] : tensors) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
   SafetensorsWriter out(path, std::move(specs), metadata);
   for (const auto& named : tensors) out.append(named.second);
-  return out.commit();
-}
-
-void fsync_dir(const std::filesystem::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  int err = fd < 0 ? errno : 0;
-  if (fd >= 0 && ::fsync(fd) != 0) err = errno;
-  if (fd >= 0) ::close(fd);
-  if (err) throw IoError(fmt::format("syncing directory {} failed: {}", dir.string(), errno_text(err)));
-}
-
-FileDigest write_file_atomic(const std::filesystem::path& path, const std::string& text) {
-  AtomicFile out(path);
-  out.write(text.data(), text.size());
   return out.commit();
 }
 

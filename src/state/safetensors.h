@@ -1,5 +1,5 @@
-// safetensors files (write atomically, read through mmap with every offset checked), CRC-32 content
-// checksums, and atomic text files: the storage layer of the state files. Format notes:
+// safetensors files (write atomically, read through mmap with every offset checked): the storage layer
+// of the state files, on log/files.h's atomic files and CRC-32 checksums. Format notes:
 // ../shared/design/FORMATS.md (8-byte little-endian header length, JSON header, tensors tiling the
 // data area exactly).
 #pragma once
@@ -18,6 +18,7 @@
 
 #include "device/staging.h"
 #include "errors.h"
+#include "log/files.h"
 
 namespace sl::state {
 
@@ -26,15 +27,13 @@ struct StateFileError : Error {
   explicit StateFileError(const std::string& what) : Error(kExitConfig, what) {}
 };
 
-// Content checksum: CRC-32 (zlib's crc32, the same as Python's zlib.crc32) of a byte range / a whole
-// file. crc32_file throws IoError naming the path when the file cannot be read.
-uint32_t crc32(const void* data, size_t n, uint32_t seed = 0);
-uint32_t crc32_file(const std::filesystem::path& path);
-
-struct FileDigest {
-  int64_t bytes = 0;
-  uint32_t crc32 = 0;
-};
+// The file helpers (log/files.h) the state files are written with, under their state:: names.
+using log::AtomicFile;
+using log::crc32;
+using log::crc32_file;
+using log::FileDigest;
+using log::fsync_dir;
+using log::write_file_atomic;
 
 // Host staging: the one place a tensor leaves its device for a file. Every writer of this project
 // (training states, final weights, export) goes through for_each_host_chunk, so no caller stages
@@ -58,8 +57,6 @@ void for_each_host_chunk(const at::Tensor& t, const std::function<void(const voi
 FileDigest write_safetensors(const std::filesystem::path& path,
                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                              const std::map<std::string, std::string>& metadata = {});
-
-class AtomicFile;
 
 // A safetensors file written one tensor at a time, so that only one tensor needs to be in memory:
 // the header (names, dtypes, shapes, in file order) is fixed by the constructor, append() writes the
@@ -89,13 +86,6 @@ class SafetensorsWriter {
   size_t next_ = 0;
   std::unique_ptr<AtomicFile> file_;
 };
-
-// fsync a directory (after renames inside it). Throws IoError on failure.
-void fsync_dir(const std::filesystem::path& dir);
-
-// Writes `text` to `path` atomically (tmp, checked writes, fsync, rename); returns the digest of the
-// bytes written. IoError on failure, temporary removed.
-FileDigest write_file_atomic(const std::filesystem::path& path, const std::string& text);
 
 // A safetensors file opened read-only with mmap. The constructor checks everything a truncated or
 // corrupt file can break (sizes, header JSON, dtypes, shapes, offsets: the tensors must tile the data

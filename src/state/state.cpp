@@ -14,6 +14,7 @@
 
 #include <ATen/Context.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -99,9 +100,9 @@ std::optional<Piece> parse_name(const std::string& name) {
 
 std::string project_version() { return SUBLINEAR_VERSION; }
 
-// data_world: the ranks that draw their own sequences (WORLD_SIZE / parallel.sequence).
-int64_t global_batch(const config::TrainConfig& t, int64_t world) {
-  return t.global_batch > 0 ? t.global_batch : t.micro_batch * t.grad_accum * std::max<int64_t>(1, world);
+// train.global_batch, or (0) what the mesh trains per step.
+int64_t global_batch(const config::TrainConfig& t, const layout::Mesh& mesh) {
+  return t.global_batch > 0 ? t.global_batch : mesh.global_batch(t.micro_batch, t.grad_accum);
 }
 
 // The math keys' values, as the resolved recipe JSON holds them (train.global_batch resolved).
@@ -126,7 +127,7 @@ Json math_values(const Json& recipe, int64_t global) {
 // recipe and its math) and each part's entries (components.h), as they stand now.
 Json meta_content(Parts& s, const Counters& st) {
   const Json recipe = config::to_json(s.cfg);
-  const Json math = math_values(recipe, global_batch(s.cfg.train, s.cfg.parallel.data_world(s.cfg.world_size)));
+  const Json math = math_values(recipe, global_batch(s.cfg.train, s.cfg.mesh()));
   Json meta = {{"format", "sublinear-training-state"},
                {"format_version", kFormatVersion},
                {"sublinear_version", project_version()},
@@ -576,7 +577,7 @@ const std::vector<std::string>& math_keys() {
 
 void check_recipe(const Json& meta, const config::RunConfig& cfg) {
   const Json saved = meta.at("math");
-  const Json now = math_values(config::to_json(cfg), global_batch(cfg.train, cfg.parallel.data_world(cfg.world_size)));
+  const Json now = math_values(config::to_json(cfg), global_batch(cfg.train, cfg.mesh()));
   std::string diffs;
   for (const auto& key : math_keys())
     if (saved.contains(key) && canonical(key, saved.at(key)) != canonical(key, now.at(key)))  // newer keys: not compared
@@ -798,6 +799,20 @@ void load(const Found& found, Parts& s, Counters& st) {
     set_aside_other_trajectories(root, found);
     set_aside_final_weights(s.run_dir, root, found);
   });
+}
+
+void check_model_shapes(const Found& f, const config::ModelConfig& m) {
+  const Reader r(f.dir, f.meta);
+  for (const auto& [name, shape] : param_shapes(m)) {
+    const int64_t saved = r.saved_elements("param", name), now = c10::multiply_integers(shape);
+    if (saved < 0 || saved == now) continue;
+    throw StateFileError(fmt::format(
+        "--resume: parameter {} has {} elements in the saved state but {} in the recipe's model (shape [{}]): the "
+        "saved run built another model. model.vocab_multiple changes the rows of wte and lm_head (model.vocab_size {} "
+        "padded to {} here); resume with the saved run's model.vocab_multiple (its meta.json holds the recipe), or "
+        "start a new run (model.init_from takes its exported weights)",
+        name, saved, now, fmt::join(shape, ", "), m.vocab_size, m.padded_vocab()));
+  }
 }
 
 }  // namespace sl::state

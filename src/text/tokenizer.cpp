@@ -19,7 +19,7 @@
 #include <unicode/regex.h>
 #include <unicode/unistr.h>
 
-#include "state/safetensors.h"
+#include "log/files.h"
 
 namespace sl::text {
 namespace {
@@ -510,9 +510,9 @@ void write_hf_tokenizer(const fs::path& dir, const fs::path& tokenizer_json, int
   if (!info.end_of_text.empty()) config["eos_token"] = config["bos_token"] = info.end_of_text;
   std::error_code ec;
   if (!fs::equivalent(dir / "tokenizer.json", tokenizer_json, ec))
-    state::write_file_atomic(dir / "tokenizer.json", read_bytes(tokenizer_json));
-  state::write_file_atomic(dir / "tokenizer_config.json", config.dump(2) + "\n");
-  state::fsync_dir(dir);
+    log::write_file_atomic(dir / "tokenizer.json", read_bytes(tokenizer_json));
+  log::write_file_atomic(dir / "tokenizer_config.json", config.dump(2) + "\n");
+  log::fsync_dir(dir);
 }
 
 }  // namespace sl::text

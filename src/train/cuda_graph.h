@@ -58,6 +58,7 @@
 
 #include "config/config.h"
 #include "data/loader.h"
+#include "train/micro_batch.h"
 #include "train/trainer.h"
 
 namespace sl::parallel {
@@ -74,24 +75,6 @@ struct GraphEligibility {
 
 // The eligibility list above, a pure function of the recipe, the world size and the resolved device.
 GraphEligibility graph_eligibility(const config::RunConfig& cfg, int64_t world, torch::Device device);
-
-// One micro-batch as forward_backward hands it over: the loss function, the batch (host tensors), the
-// device, the step's precision and the number of micro-batches of the step (each loss is divided by it).
-struct MicroBatchWork {
-  const LossFn& loss;
-  const data::Batch& batch;
-  torch::Device device;
-  const StepPrecision& precision;
-  double micro_batches = 1.0;
-};
-
-// One micro-batch's forward and backward on device tensors `x`, `y` (what a graph captures): the forward
-// under autocast, the backward of loss / micro_batches (times the loss scale) bracketed by the strategy's
-// hooks (`last`: the step's last micro-batch). Returns the loss, detached, as a 0-d float64 tensor.
-torch::Tensor micro_batch_pass(const MicroBatchWork& w, const torch::Tensor& x, const torch::Tensor& y,
-                               parallel::Strategy& strategy, bool last);
-// The same with the batch copied to the device first: a micro-batch without a graph.
-torch::Tensor eager_micro_batch(const MicroBatchWork& w, parallel::Strategy& strategy, bool last);
 
 // A run's CUDA graph of one micro-batch (see the top of this file). Made at set-up for every run whose
 // recipe wants graphs; a run that is not eligible keeps it to report why, and runs eager through it.

@@ -126,12 +126,12 @@ void observe_peak(Meter& meter, const Voice& v, double tokens_per_s, int64_t wor
   if (meter.peak.raises() == 1) v.warn(peak_raised_message(meter.peak, previous));
 }
 
-// world_size: the devices the step ran on (rates per device divide by it); data_world: the ranks that
-// drew their own sequences (tokens and samples count those).
-Json step_record(const config::TrainConfig& t, const Meter& meter, int64_t world_size, int64_t data_world,
-                 const StepResult& r, int64_t step, double lr, const checkpointing::Stats& rs) {
-  const double world = static_cast<double>(world_size);
-  const double tps = static_cast<double>(tokens_per_step(t, data_world)) / (r.ms * 1e-3);
+// mesh: the devices the step ran on (rates per device divide by its world) and the ranks that drew
+// their own sequences (tokens and samples count those).
+Json step_record(const config::TrainConfig& t, const Meter& meter, const layout::Mesh& mesh, const StepResult& r,
+                 int64_t step, double lr, const checkpointing::Stats& rs) {
+  const double world = static_cast<double>(mesh.world());
+  const double tps = static_cast<double>(tokens_per_step(t, mesh)) / (r.ms * 1e-3);
   return {{"step", step + 1},
           {"loss", r.loss},
           {"lr", lr},
@@ -139,9 +139,9 @@ Json step_record(const config::TrainConfig& t, const Meter& meter, int64_t world
           {"loss_scale", r.loss_scale},
           {"skipped", r.skipped || r.nonfinite_grads || r.held},
           {"step_ms", r.ms},
-          {"tokens", tokens_per_step(t, data_world)},
+          {"tokens", tokens_per_step(t, mesh)},
           {"tokens_per_s", tps},
-          {"samples_per_s", static_cast<double>(t.micro_batch * t.grad_accum * data_world) / (r.ms * 1e-3)},
+          {"samples_per_s", static_cast<double>(mesh.global_batch(t.micro_batch, t.grad_accum)) / (r.ms * 1e-3)},
           {"mfu", meter.peak.utilisation(meter.flops_per_token * tps / world)},  // per-device peak
           {"hfu", meter.peak.utilisation((meter.flops_per_token + meter.recompute_flops_per_token) * tps / world)},
           {"recompute_ms", rs.recompute_ms},
@@ -355,9 +355,9 @@ void poll_pending_save(state::Parts& saves, const Voice& v, LoopState& st, const
 void log_step(Loop& l, LoopState& st, const StepResult& r, int64_t step, double lr) {
   RECORD_FUNCTION("sublinear::log_step", std::vector<c10::IValue>{});
   const auto& t = l.cfg.train;
-  const int64_t world = l.proc.world(), data_world = l.proc.data_world();
-  observe_peak(l.meter, l.v, static_cast<double>(tokens_per_step(t, data_world)) / (r.ms * 1e-3), world, step);
-  const Json rec = step_record(t, l.meter, world, data_world, r, step, lr, l.learn.runner->take_stats());
+  const auto& mesh = l.proc.mesh();
+  observe_peak(l.meter, l.v, static_cast<double>(tokens_per_step(t, mesh)) / (r.ms * 1e-3), mesh.world(), step);
+  const Json rec = step_record(t, l.meter, mesh, r, step, lr, l.learn.runner->take_stats());
   l.v.runlog.step(rec);
   accumulate(l.cfg.logging, t.steps, *l.learn.strategy, st, r, rec, step);
   l.v.bar.update(st.steps_done, r.loss);

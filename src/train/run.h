@@ -42,16 +42,13 @@
 namespace sl::train {
 
 // Who this process is: its place in the launch (torchrun's environment), its device, and its
-// communicator (world 1 too: a single process has one).
+// communicator (world 1 too: a single process has one), which holds its place in the process mesh.
 struct Process {
   parallel::LaunchEnv launch;
   torch::Device device{torch::kCPU};
   std::shared_ptr<parallel::Comm> comm;
-  int64_t sequence = 1;  // parallel.sequence: the ranks that share each sequence, consecutive
+  const layout::Mesh& mesh() const { return comm->mesh(); }  // coordinates, groups, the batch arithmetic
   int64_t world() const { return launch.world; }
-  int64_t data_world() const { return launch.world / sequence; }  // the ranks that draw their own sequences
-  int64_t data_rank() const { return launch.rank / sequence; }
-  int64_t sequence_rank() const { return launch.rank % sequence; }  // which piece of each sequence this rank holds
   bool rank0() const { return launch.rank == 0; }
 };
 
@@ -130,10 +127,9 @@ struct Session {
   nlohmann::json summary_json(const LoopState& st, const Outcome& o, nlohmann::json parallel, nlohmann::json final_weights) const;
 };
 
-// Tokens one optimizer step trains on, over every rank (data_world: the ranks that draw their own
-// sequences, Process::data_world()).
-inline int64_t tokens_per_step(const config::TrainConfig& t, int64_t data_world) {
-  return t.micro_batch * t.grad_accum * t.seq_len * data_world;
+// Tokens one optimizer step trains on, over every rank.
+inline int64_t tokens_per_step(const config::TrainConfig& t, const layout::Mesh& mesh) {
+  return mesh.tokens_per_step(t.micro_batch, t.grad_accum, t.seq_len);
 }
 
 // What the step loop accumulates for the summary. Its state::Counters (steps_done, skipped_steps,
@@ -168,8 +164,10 @@ struct Outcome {
 
 // Refuses (OomError, exit 4) a recipe whose model states (weights, gradients, AdamW moments per rank,
 // from the planner) exceed what the device has: memory.limit, else physical memory (or the cgroup's
-// limit) on CPU, the device's memory on CUDA. Runs before any weight is made.
-void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit);
+// limit) on CPU, the device's memory on CUDA, or host memory beyond host_limit (memory.host_limit, 0 =
+// none). `sc`: the recipe's scenario (any micro-batch and mode: the states depend on neither). Runs
+// before any weight is made.
+void check_model_states_fit(memory::Scenario sc, int64_t host_limit, torch::Device device, int64_t limit);
 
 std::unique_ptr<Session> setup(const config::RunConfig& cfg);
 // --resume: loads the state setup() found into the session and the loop's counters; a torchrun restart

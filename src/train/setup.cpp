@@ -67,7 +67,6 @@ Process init_process(config::RunConfig& cfg) {
   }
   if (cfg.train.threads > 0) at::set_num_threads(static_cast<int>(cfg.train.threads));
   p.comm = std::make_shared<parallel::Comm>(p.launch, cfg.parallel, p.device);
-  p.sequence = cfg.parallel.sequence;
   return p;
 }
 
@@ -168,8 +167,8 @@ void check_run_dir_early(const Process& proc, const std::string& run_dir, bool r
 // ranks), written into the recipe with its grad_accum; the trials for summary.json.
 nlohmann::json choose_micro_batch(config::RunConfig& cfg, const Process& proc, int64_t limit) {
   const int64_t world = proc.world();
-  // each data-parallel rank (with its sequence group) holds global_batch / data_world of every step
-  const int64_t per_rank = cfg.train.global_batch / proc.data_world();
+  // each data-parallel rank (with its sequence group) holds its share of every step's global batch
+  const int64_t per_rank = proc.mesh().sequences_per_rank(cfg.train.global_batch);
   BatchSearch found = find_micro_batch(cfg, per_rank, proc.device);
   if (world > 1) {  // every rank must train the same micro-batch: take the smallest that fits everywhere
     const auto agreed =
@@ -240,14 +239,15 @@ model::GPT make_model(const config::RunConfig& cfg, torch::Device device, int64_
 
 // What trains: the model, its runner under the run's plan, the data-parallel strategy, AdamW and the
 // step's precision. meter.build_peak_bytes: the tensor bytes at the peak of building them.
-Learner build_learner(const config::RunConfig& cfg, const Process& proc, Meter& meter, checkpointing::Plan resolved) {
+Learner build_learner(const config::RunConfig& cfg, const memory::Scenario& sc, const Process& proc, Meter& meter,
+                      checkpointing::Plan resolved) {
   Learner l;
   meter.tracker->reset_peak();
   const int64_t before_build = meter.tracker->read().allocated_bytes;
   l.model = make_model(cfg, proc.device, meter.limit);
   l.model->shard_sequence(parallel::sequence_exchange(proc.comm.get()));  // parallel.sequence > 1: this rank's positions
   const int64_t model_peak = meter.tracker->read().peak_allocated_bytes;
-  auto plan = run_plan(memory::Scenario(cfg), cfg.train.seed, proc, l.model, std::move(resolved));  // the budget profile resets the peak to measure its own
+  auto plan = run_plan(sc, cfg.train.seed, proc, l.model, std::move(resolved));  // the budget profile resets the peak to measure its own
   meter.tracker->reset_peak();
   l.runner = std::make_unique<checkpointing::Runner>(cfg.checkpointing, l.model, std::move(plan));
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
@@ -288,8 +288,7 @@ Inputs open_inputs(const config::DataConfig& d, const config::TrainConfig& t, in
 void open_loaders(const config::TrainConfig& t, const Process& proc, Inputs& in) {
   const auto seed = static_cast<uint64_t>(t.seed);
   const auto loader = [&](const std::shared_ptr<data::TokenSource>& source, uint64_t s) {
-    return std::make_unique<data::Loader>(source, t.micro_batch, t.seq_len, s, proc.data_rank(), proc.data_world(),
-                                          proc.sequence_rank(), proc.sequence);
+    return std::make_unique<data::Loader>(source, t.micro_batch, t.seq_len, s, proc.mesh());
   };
   in.train_loader = loader(in.splits.train, seed);
   in.val_loader = loader(in.splits.val, seed + 1);
@@ -394,7 +393,6 @@ void print_settings(const config::RunConfig& cfg, const Process& proc, const Lea
   rows.emplace_back("peak FLOP/s for MFU", fmt::format("{:.3g} ({})", meter.peak.flops(), meter.peak.source()));
   fmt::print("{}", log::format_table(rows));
   std::fflush(stdout);
-  warn_fallback_matmuls(memory::Scenario(cfg), proc);
   if (cfg.train.cuda_graphs == config::CudaGraphs::kOn && !learn.graph->eligible())
     spdlog::warn("train.cuda_graphs: on, but this run is not eligible and runs eager: {}", learn.graph->reason());
 }
@@ -416,16 +414,15 @@ void check_host_states_fit(int64_t host_limit, const memory::PeakPrediction& p) 
 
 }  // namespace
 
-void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, int64_t limit) {
+void check_model_states_fit(memory::Scenario sc, int64_t host_limit, torch::Device device, int64_t limit) {
   const auto capacity = limit > 0 ? memory::Capacity{limit, "memory.limit"} : memory::device_capacity(device);
-  // The states do not depend on the micro-batch (1 while auto) or the checkpointing mode (a budget is checked below).
-  memory::Scenario states_only(cfg, cfg.train.micro_batch.is_auto() ? 1 : cfg.train.micro_batch.value());
-  states_only.checkpointing = config::CheckpointingConfig{};
-  const memory::PeakPrediction p = planner::predict_peak(states_only);
-  check_host_states_fit(cfg.memory.host_limit.bytes, p);
+  // The states do not depend on the checkpointing mode (a budget is checked with the plan).
+  sc.checkpointing = config::CheckpointingConfig{};
+  const memory::PeakPrediction p = planner::predict_peak(sc);
+  check_host_states_fit(host_limit, p);
   const int64_t states = p.model_states_bytes();
   if (capacity.bytes <= 0 || states <= capacity.bytes) return;
-  const int64_t params = config::Shape(cfg.model).total_params();
+  const int64_t params = sc.shape().total_params();
   const int64_t ranks_needed = (16 * params + capacity.bytes - 1) / capacity.bytes;
   throw OomError(fmt::format(
       "the model cannot fit: {} parameters need {} of model states per rank (weights {}, gradients {}, AdamW moments "
@@ -434,7 +431,7 @@ void check_model_states_fit(const config::RunConfig& cfg, torch::Device device, 
       "world size), or host memory for them (offload.optimizer, + gradients, + parameters); precision.compute does not "
       "shrink these fp32 states",
       params, log::format_bytes(states), log::format_bytes(p.params_bytes), log::format_bytes(p.grads_bytes),
-      log::format_bytes(p.optimizer_bytes), cfg.parallel.sharding.name(), std::max<int64_t>(1, cfg.world_size),
+      log::format_bytes(p.optimizer_bytes), sc.placement.sharding.name(), std::max<int64_t>(1, sc.placement.world),
       capacity.source, log::format_bytes(capacity.bytes), ranks_needed));
 }
 
@@ -454,18 +451,22 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   meter.limit = cfg.memory.limit.bytes;
   meter.tracker->set_limit(meter.limit);  // before the model exists: the limit covers everything, as on a GPU
   meter.tracker->set_host_limit(cfg.memory.host_limit.bytes);
-  check_model_states_fit(cfg, s->proc.device, meter.limit);
+  // The states do not depend on the micro-batch (1 while auto).
+  check_model_states_fit(memory::Scenario::unresolved(cfg), cfg.memory.host_limit.bytes, s->proc.device, meter.limit);
   if (cfg.train.micro_batch.is_auto()) meter.batch_search = choose_micro_batch(cfg, s->proc, meter.limit);
+  // The memory model's input, once, with the micro-batch resolved.
+  const memory::Scenario sc(cfg);
   // The plan, resolved once before a model exists; a budget no schedule fits stops here (exit 2),
   // before a model or a run directory exists.
-  auto plan = budget::plan_for(cfg);
+  auto plan = budget::plan_for(sc);
   open_loaders(cfg.train, s->proc, s->data);
-  s->learn = build_learner(cfg, s->proc, meter, std::move(plan));
+  s->learn = build_learner(cfg, sc, s->proc, meter, std::move(plan));
   meter.load_peak_bytes = peak_during(*meter.tracker, [&] { load_init_from(s->proc, s->start, *s->learn.strategy); });
-  measure(memory::Scenario(cfg), s->proc, s->learn, meter);
+  measure(sc, s->proc, s->learn, meter);
   describe(s->proc, s->learn, meter, s->out);
   open_run_log(cfg, s->proc, s->start, s->data, s->out);
   print_settings(cfg, s->proc, s->learn, s->data, meter, s->out.run_dir);
+  warn_fallback_matmuls(sc, s->proc);
   return s;
 }
 

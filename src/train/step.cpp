@@ -18,6 +18,7 @@
 #include "parallel/strategy.h"
 #include "precision/autocast.h"
 #include "train/cuda_graph.h"
+#include "train/micro_batch.h"
 #include "train/trainer.h"
 
 namespace sl::train {
@@ -94,34 +95,6 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
 }  // namespace
 
 const char* current_phase() { return device::phase_name(device::current_phase().phase); }
-
-torch::Tensor micro_batch_pass(const MicroBatchWork& w, const torch::Tensor& x, const torch::Tensor& y,
-                               parallel::Strategy& strategy, bool last) {
-  set_phase(Phase::forward);
-  torch::Tensor loss;
-  {
-    precision::AutocastGuard autocast(w.device.type(), w.precision.autocast);
-    loss = w.loss(x, y);
-  }
-  set_phase(Phase::backward);
-  strategy.begin_backward(last);
-  // Divided by a 0-d tensor, not a double: the same float division on CPU and CUDA, and the form the
-  // lazy test device differentiates (a double scalar there reaches nll_loss_backward as float64).
-  auto* scaler = w.precision.scaler;
-  ((scaler ? scaler->scale_loss(loss) : loss) / torch::scalar_tensor(w.micro_batches, loss.options())).backward();
-  strategy.end_backward();
-  return loss.detach().to(torch::kDouble);
-}
-
-torch::Tensor eager_micro_batch(const MicroBatchWork& w, parallel::Strategy& strategy, bool last) {
-  set_phase(Phase::forward);
-  torch::Tensor x, y;
-  {
-    LabelScope input(Label::input);
-    x = device::to_device(w.batch.x, w.device), y = device::to_device(w.batch.y, w.device);
-  }
-  return micro_batch_pass(w, x, y, strategy, last);
-}
 
 torch::Tensor forward_backward(const LossFn& loss_of, const std::vector<data::Batch>& micro, torch::Device device,
                                parallel::Strategy& strategy, const StepPrecision& precision, StepGraph* graph) {
