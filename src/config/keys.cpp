@@ -229,10 +229,9 @@ std::vector<Field> train_fields() {
             "prompt of the training-time sample; \"\" = the tokenizer's end-of-text token"),
       field(&R::train, &T::cuda_graphs, "train", "cuda_graphs",
             "off | on | auto: a micro-batch's forward and backward captured into a CUDA graph after 3 eager warm-up "
-            "micro-batches and replayed for every later one; auto = where the run is eligible (one process without "
-            "sharding or with zero1, CUDA, no offload, no fp16, no memory.limit, no memory timeline, model.dropout 0), "
-            "eager elsewhere with the reason in the settings and summary.json; on = as auto, warning when not "
-            "eligible; off = eager (the default: the graph's memory pool stays reserved for the run)"),
+            "micro-batches and replayed for every later one, where the run is eligible (CUDA, one process, "
+            "model.dropout 0, ...: see docs/recipes.md#cuda-graphs); auto = eager elsewhere, the reason in the "
+            "settings and summary.json; on = as auto, warning when not eligible; off = eager (the default)"),
   };
 }
 
