@@ -38,7 +38,7 @@ struct LossScale {
   bool dynamic() const { return fixed == 0.0; }
 };
 
-// Field docs live in the key table in config.cpp (printed by `trainer --help-config`).
+// Field docs live in the key table in keys.cpp (printed by `trainer --help-config`).
 struct ModelConfig {
   std::string preset = "";
   Arch arch = Arch::kGpt2;

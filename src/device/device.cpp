@@ -17,7 +17,7 @@
 namespace sl::device {
 
 c10::Device resolve_device(const config::TrainConfig& t, int64_t local_rank) {
-  if (t.device == config::DeviceChoice::kLazy) {  // config.cpp (validate_lazy_device) allows it at world 1, fp32 only
+  if (t.device == config::DeviceChoice::kLazy) {  // validate_lazy_device (config) allows it at world 1, fp32 only
     static std::once_flag started;
     std::call_once(started, [] { torch::lazy::InitTorchScriptBackend(); });
     return c10::Device(c10::kLazy);

@@ -24,6 +24,8 @@
 
 namespace sl::train {
 
+// Rules 1-9 of cuda_graph.h's list, in its order; rule 10 (static shapes) is checked per micro-batch in
+// StepGraph::graphed.
 GraphEligibility graph_eligibility(const config::RunConfig& cfg, int64_t world, torch::Device device) {
   const auto eager = [](std::string why) { return GraphEligibility{false, std::move(why)}; };
   if (!cfg.train.cuda_graphs.wanted()) return eager("train.cuda_graphs: off");

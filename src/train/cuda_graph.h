@@ -3,7 +3,8 @@
 // elsewhere, with the reason in the settings table and summary.json.
 //
 // Eligibility is decided by construction, from the recipe and the device, before the first step
-// (graph_eligibility, in this order; the first that fails is the reason):
+// (graph_eligibility, in this order; the first that fails is the reason). The rules are stated here
+// only: docs/recipes.md#cuda-graphs, where the key's help points, names them in recipe terms and links here.
 //   1. train.cuda_graphs is on or auto;
 //   2. the device is CUDA;
 //   3. one process: without sharding (parallel::Single), or parallel.sharding zero1 (the data-parallel
