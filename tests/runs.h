@@ -275,7 +275,8 @@ inline Parity parity(const std::filesystem::path& a, const std::filesystem::path
 }
 
 struct Runner {
-  Runner(const char* recipe_text, const std::string& tag) : dir(tag), recipe(dir.file("recipe.yaml", recipe_text)) {}
+  Runner(const std::string& recipe_text, const std::string& tag)
+      : dir(tag), recipe(dir.file("recipe.yaml", recipe_text)) {}
   TempDir dir;
   std::string recipe;
   int n = 0;

@@ -112,15 +112,6 @@ double brute_best(const std::vector<Evaluated>& all, double budget) {
   return best;
 }
 
-checkpointing::Plan plan_of(const budget::Schedule& s) {
-  checkpointing::Plan p;
-  p.mode = config::CheckpointingMode::kBudget;
-  p.segments = s.segments;
-  p.block_parts = s.block_parts;
-  p.exchange_kept = s.exchange_kept;
-  return p;
-}
-
 }  // namespace
 
 // Costs here are whole numbers (random_chain) and every cost is a sum or difference of them far below
@@ -147,7 +138,7 @@ TEST_CASE("the DP finds what a brute-force search of every schedule finds (L <= 
           continue;
         }
         CHECK(exact.cost == best);
-        CHECK(memory::chain_peak(c.mem, plan_of(exact)) <= budget);
+        CHECK(memory::chain_peak(c.mem, budget::as_plan(exact)) <= budget);
         CHECK(exact.cost == budget::schedule_cost(exact.segments, exact.block_parts, c.costs));
         // A coarse quantum: never over the budget, never worse than the best schedule L quanta below it
         // (where one fits there: otherwise that bound says nothing, and such budgets are not counted).
@@ -159,7 +150,7 @@ TEST_CASE("the DP finds what a brute-force search of every schedule finds (L <= 
           ++bounded_below;
         }
         if (coarse.feasible) {
-          CHECK(memory::chain_peak(c.mem, plan_of(coarse)) <= budget);
+          CHECK(memory::chain_peak(c.mem, budget::as_plan(coarse)) <= budget);
           CHECK(coarse.cost >= best);
           CHECK(coarse.cost == budget::schedule_cost(coarse.segments, coarse.block_parts, c.costs));
         }
@@ -183,7 +174,7 @@ TEST_CASE("with autocast's weight copies the DP stays within the budget and no b
       const double budget = std::floor(lo + (hi - lo) * k / 4.0);
       const auto s = budget::solve_budget(c.mem, c.costs, budget, static_cast<int64_t>(budget));
       REQUIRE(s.feasible);
-      CHECK(memory::chain_peak(c.mem, plan_of(s)) <= budget);
+      CHECK(memory::chain_peak(c.mem, budget::as_plan(s)) <= budget);
       CHECK(s.cost >= brute_best(all, budget));  // whole-number costs: exact (see the case above)
     }
   }
@@ -289,7 +280,7 @@ TEST_CASE("checkpointing.exchange: the DP finds what a brute-force search of eve
           const auto s = budget::solve_budget(c.mem, c.costs, budget, static_cast<int64_t>(budget), -1.0, exchange);
           REQUIRE(s.feasible == std::isfinite(best));
           if (!s.feasible) continue;
-          const auto p = plan_of(s);
+          const auto p = budget::as_plan(s);
           CHECK(s.cost == best);
           CHECK(s.cost == budget::schedule_cost(s.segments, s.block_parts, c.costs, 0.0, s.exchange_kept));
           CHECK(memory::chain_peak(c.mem, p) <= budget);  // the solver's own peak_bytes is this walk: its
@@ -358,7 +349,7 @@ TEST_CASE("checkpointing.exchange auto: the cheapest schedule keeps where the bu
   // blocks cannot all fit, so some block is in a checkpointed segment, which keeps too.
   const auto keep = budget::solve_budget(m, costs, keep_all - 1, static_cast<int64_t>(keep_all - 1), -1.0, config::Exchange::kKeep);
   REQUIRE(keep.feasible);
-  const auto kp = plan_of(keep);
+  const auto kp = budget::as_plan(keep);
   for (int64_t b = 0; b < 4; ++b) CHECK(kp.keeps_exchange(b) == kp.recomputes_attention(b));
   CHECK(kp.checkpointed_blocks() > 0);
   CHECK(keep.cost == budget::schedule_cost(keep.segments, keep.block_parts, costs, 0.0, keep.exchange_kept));

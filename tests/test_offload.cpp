@@ -35,6 +35,7 @@
 #include "memory/footprint.h"
 #include "memory/tracking_allocator.h"
 #include "planner/planner.h"
+#include "recipes.h"
 #include "runs.h"
 #include "test_util.h"
 
@@ -45,43 +46,18 @@ using test::summary;
 
 namespace {
 
-const char* kRecipe = R"(
-model:
-  arch: gpt2
-  n_layer: 4
-  n_head: 2
-  n_embd: 64
-  vocab_size: 256
-  max_seq_len: 64
-  dropout: 0.0
-data:
-  source: synthetic
-  synthetic_tokens: 20000
-train:
-  seq_len: 64
-  micro_batch: 4
-  grad_accum: 2
-  steps: 4
-  lr: 1.0e-3
-  warmup_steps: 1
-  grad_clip: 1.0
-  eval_interval: 0
-  device: cpu
-  threads: 1
-  seed: 7
-checkpointing:
-  mode: full
-parallel:
-  timeout_s: 60
-  bucket_mb: 0.05
-state:
-  at_end: false
-logging:
-  interval: 100
-  skip_first: 0
-  peak_tflops: 1.0
-  progress: false
-)";
+// tests/recipes.h's GPT-2 at T 64, micro-batch 4 x accumulation 2, 4 steps, full recompute, 0.05 MiB buckets;
+// no state at the end, no final weights.
+const std::string kRecipe = test::recipe_gpt2()
+                                .set("train.seq_len", "64")
+                                .set("train.grad_accum", "2")
+                                .set("train.steps", "4")
+                                .set("train.warmup_steps", "1")
+                                .set("checkpointing.mode", "full")
+                                .set("parallel.bucket_mb", "0.05")
+                                .set("state.at_end", "false")
+                                .erase("logging.save_model")
+                                .yaml();
 
 Runner& shared_runner() {
   static Runner runner(kRecipe, "offload");

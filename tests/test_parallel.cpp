@@ -42,6 +42,7 @@
 #include "parallel/single.h"
 #include "parallel/stages.h"
 #include "parallel/zero3.h"
+#include "recipes.h"
 #include "runs.h"
 #include "test_util.h"
 
@@ -52,39 +53,8 @@ using test::summary;
 
 namespace {
 
-const char* kRecipe = R"(
-model:
-  arch: gpt2
-  n_layer: 4
-  n_head: 2
-  n_embd: 64
-  vocab_size: 256
-  max_seq_len: 64
-  dropout: 0.0
-data:
-  source: synthetic
-  synthetic_tokens: 20000
-train:
-  seq_len: 32
-  micro_batch: 4
-  grad_accum: 1
-  steps: 10
-  lr: 1.0e-3
-  warmup_steps: 2
-  grad_clip: 1.0
-  eval_interval: 0
-  device: cpu
-  threads: 1
-  seed: 7
-parallel:
-  timeout_s: 60
-logging:
-  interval: 100
-  skip_first: 0
-  peak_tflops: 1.0
-  progress: false
-  save_model: true
-)";
+// tests/recipes.h's GPT-2 as it stands: T 32, micro-batch 4, 10 steps, the final weights saved.
+const std::string kRecipe = test::recipe_gpt2().yaml();
 
 // The equivalence tests share one runner, so a run that several of them compare (world 1 x 8, DDP,
 // each stage at world 2) is made once per test executable, by whichever test case asks first.

@@ -28,6 +28,7 @@
 #include <nlohmann/json.hpp>
 
 #include "log/run_dir.h"
+#include "recipes.h"
 #include "test_util.h"
 
 using namespace sl;
@@ -37,14 +38,10 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr int kSteps = 12;
-// Tiny and fast (~0.1 s a step at 2 layers on one thread), fp32, dropout 0.1 (so the RNG state must
-// come back exactly), gradient accumulation 2, an eval every 5 steps (the val sampler must come back).
-const std::string kCommon = fmt::format(
-    "--config configs/tiny.yaml --set train.seq_len=64 --set train.micro_batch=4 --set train.grad_accum=2 "
-    "--set train.steps={} --set train.eval_interval=5 --set train.eval_batches=2 --set model.dropout=0.1 "
-    "--set logging.progress=false --set train.threads=1 --set logging.peak_tflops=1 --set logging.interval=100 "
-    "--set parallel.timeout_s=60",
-    kSteps);
+// tests/recipes.h's tiny state recipe (fp32, dropout 0.1, accumulation 2, an eval every 5 steps), every
+// collective bounded by a 60 s timeout.
+const std::string kCommon =
+    "--config configs/tiny.yaml " + test::recipe_tiny_state(kSteps).set("parallel.timeout_s", "60").sets();
 
 uint32_t test_seed() {
   static const uint32_t seed = [] {

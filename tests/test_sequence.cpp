@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "catch.h"
+#include "recipes.h"
 #include "runs.h"
 #include "test_util.h"
 
@@ -17,43 +18,10 @@ using test::Runner;
 
 namespace {
 
-// test_parallel.cpp's recipe with 4 heads (degree 4 leaves each rank one), T 32 (8 positions per rank at
-// degree 4), 6 steps.
-const char* kRecipe = R"(
-model:
-  arch: gpt2
-  n_layer: 4
-  n_head: 4
-  n_embd: 64
-  vocab_size: 256
-  max_seq_len: 64
-  dropout: 0.0
-data:
-  source: synthetic
-  synthetic_tokens: 20000
-train:
-  seq_len: 32
-  micro_batch: 4
-  grad_accum: 1
-  steps: 6
-  lr: 1.0e-3
-  warmup_steps: 2
-  grad_clip: 1.0
-  eval_interval: 0
-  device: cpu
-  threads: 1
-  seed: 7
-parallel:
-  timeout_s: 60
-state:
-  at_end: false
-logging:
-  interval: 100
-  skip_first: 0
-  peak_tflops: 1.0
-  progress: false
-  save_model: true
-)";
+// tests/recipes.h's GPT-2 (test_parallel.cpp's recipe) with 4 heads (degree 4 leaves each rank one), T 32
+// (8 positions per rank at degree 4), 6 steps, no state at the end.
+const std::string kRecipe =
+    test::recipe_gpt2().set("model.n_head", "4").set("train.steps", "6").set("state.at_end", "false").yaml();
 
 const std::string kLlama = " --set model.arch=llama --set model.bias=false";
 

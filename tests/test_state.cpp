@@ -43,6 +43,7 @@
 
 #include "device/host.h"
 #include "memory/tracking_allocator.h"
+#include "recipes.h"
 #include "state/safetensors.h"
 #include "state/state.h"
 #include "test_util.h"
@@ -54,13 +55,8 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr int kSteps = 12;
-// The tiny recipe at 2 layers (~0.1 s a step on one thread), fp32, dropout 0.1, accumulation 2.
-const std::string kArgs = fmt::format(
-    "--config configs/tiny.yaml --set model.n_layer=2 --set train.seq_len=64 --set train.micro_batch=4 "
-    "--set train.grad_accum=2 --set train.steps={} --set train.eval_interval=5 --set train.eval_batches=2 "
-    "--set model.dropout=0.1 --set logging.progress=false --set train.threads=1 --set logging.peak_tflops=1 "
-    "--set logging.interval=100",
-    kSteps);
+// tests/recipes.h's tiny state recipe at 2 layers (fp32, dropout 0.1, accumulation 2).
+const std::string kArgs = "--config configs/tiny.yaml --set model.n_layer=2 " + test::recipe_tiny_state(kSteps).sets();
 
 std::string dir_arg(const fs::path& run_dir) { return " --set logging.dir=" + run_dir.string(); }
 std::string step_name(int step) { return fmt::format("step-{:08d}", step); }

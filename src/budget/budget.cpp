@@ -203,6 +203,8 @@ void read_back(const Table& t, int64_t h, Schedule& out) {
   if (!any_kept) out.exchange_kept.clear();  // every recompute redoes (checkpointing::Plan's empty)
 }
 
+}  // namespace
+
 Plan as_plan(const Schedule& s) {
   Plan p;
   p.mode = config::CheckpointingMode::kBudget;
@@ -211,8 +213,6 @@ Plan as_plan(const Schedule& s) {
   p.exchange_kept = s.exchange_kept;
   return p;
 }
-
-}  // namespace
 
 Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>& costs, double budget_bytes, int64_t quanta,
                       double offload_cost, config::Exchange exchange) {

@@ -69,6 +69,9 @@ struct Schedule {
   double quantum_bytes = 0;
 };
 
+// The schedule as a checkpointing plan (mode budget: its segments, selective parts and kept exchanges).
+Plan as_plan(const Schedule& s);
+
 // The least-cost schedule whose activation peak (memory::chain_peak's walk) is at most budget_bytes.
 // Dynamic programming over blocks left to right. The state is the memory the blocks so far keep for
 // backward, in buckets of budget_bytes / quanta bytes; each bucket keeps its least-cost path (on a tie
