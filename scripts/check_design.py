@@ -64,8 +64,10 @@ LAYERS = [
     "config",     # the recipe: keys, typed choices, validation (torch-free)
     "log",        # formatting, metrics.jsonl, the run directory, atomic files and CRC-32 (torch-free)
     "text",       # tokenizer.json: encoding, decoding, the files beside exported weights (torch-free)
-    "kernels",    # the fused CUDA kernels' launch functions (torch-free; the .cu files beside them)
     "device",     # what runs where: device choice, the CPU's instruction set, host staging
+    "kernels",    # the fused kernels' loops on raw pointers, torch-free: cpu/ (GEMM tiles, GELU, LayerNorm,
+                  # residual adds, attention heads; their instruction set picked per call from
+                  # device/cpu_features.h) and cuda/ (the .cu files behind their launch functions)
     "model",      # GPT-2 / LLaMA and their kernels
     "precision",  # autocast and the loss scaler
     "checkpointing",  # activation checkpointing: the per-block plan (torch-free) and the engine that runs it
@@ -87,7 +89,7 @@ SESSION_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bSession\s*&[^()]*)\)')
 # Rule 6: the most parameters a function of this name may take.
 MAX_PARAMS = {"train_step": 5}
 # Files that include no torch header, directly or through the project headers they include.
-TORCH_FREE = ["src/layout/*", "src/config/*", "src/log/*", "src/text/*", "src/kernels/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h", "src/memory/scenario.*"]
+TORCH_FREE = ["src/layout/*", "src/config/*", "src/log/*", "src/text/*", "src/kernels/**/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h", "src/memory/scenario.*"]
 # Rule 8: the functions that take the whole recipe, each because it reads most of it.
 RECIPE_READERS = {
     "Scenario": "memory/scenario.cpp: the memory model's input, read from the recipe once",
@@ -277,7 +279,7 @@ def torch_includes(root: pathlib.Path):
     """Files in TORCH_FREE that reach a torch header, with the chain of includes that gets there."""
     found = []
     for pattern in TORCH_FREE:
-        for path in sorted(root.glob(pattern)):
+        for path in sorted(p for p in root.glob(pattern) if p.is_file()):
             seen, todo = set(), [(path, [str(path.relative_to(root))])]
             while todo:
                 p, chain = todo.pop()

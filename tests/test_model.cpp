@@ -23,7 +23,7 @@
 #include "model/linear.h"
 #include "model/layernorm.h"
 #include "model/residual.h"
-#include "model/small_gemm.h"
+#include "kernels/cpu/small_gemm.h"
 
 using namespace sl;
 
@@ -951,7 +951,7 @@ TEST_CASE("bf16 fused causal attention on the AVX512-BF16 products: output and g
 namespace {
 struct GemmCase {
   int64_t M, N, K;
-  model::Causal causal;
+  kernels::cpu::Causal causal;
   int64_t diag;
 };
 
@@ -960,8 +960,8 @@ struct GemmCase {
 torch::Tensor causal_operand(const GemmCase& c) {
   auto a = torch::randn({c.M, c.K});
   const auto r = torch::arange(c.M).view({c.M, 1}), k = torch::arange(c.K).view({1, c.K});
-  if (c.causal == model::Causal::k_to_diag) a.masked_fill_(k > r + c.diag, 0.0);
-  if (c.causal == model::Causal::k_from_diag) a.masked_fill_(k < r - c.diag, 0.0);
+  if (c.causal == kernels::cpu::Causal::k_to_diag) a.masked_fill_(k > r + c.diag, 0.0);
+  if (c.causal == kernels::cpu::Causal::k_from_diag) a.masked_fill_(k < r - c.diag, 0.0);
   return a;
 }
 }  // namespace
@@ -973,11 +973,11 @@ torch::Tensor causal_operand(const GemmCase& c) {
 // kind (A zero past the mask, as the attention's P and dS are), with and without accumulation, A read
 // along rows and down columns (pack_row_pairs, pack_column_pairs with strides (1, ld)).
 TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the fp32 summation bound", "[avx512bf16]") {
-  if (!model::bf16_dot_products()) {
+  if (!kernels::cpu::bf16_dot_products()) {
     SUBLINEAR_SKIP("this CPU has no AVX512-BF16 (or oneDNN is capped below avx512_core_bf16): the bf16 products cannot run here");
   }
   torch::manual_seed(31);
-  using model::Causal;
+  using kernels::cpu::Causal;
   for (const GemmCase c : {GemmCase{19, 45, 33, Causal::all, 0}, GemmCase{64, 256, 64, Causal::cols_to_diag, 192},
                            GemmCase{19, 45, 45, Causal::k_to_diag, 7}, GemmCase{45, 24, 19, Causal::k_from_diag, 5},
                            GemmCase{8, 16, 1, Causal::all, 0}}) {
@@ -990,18 +990,18 @@ TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the 
         const auto c0 = torch::randn({c.M, c.N});
         const int64_t kp = (c.K + 1) / 2;
         std::vector<uint32_t> aw(static_cast<size_t>(c.M * kp + c.K * c.M + 8)), bw(static_cast<size_t>(kp * c.N));
-        model::WordsA wa{aw.data(), kp, 1};
+        kernels::cpu::WordsA wa{aw.data(), kp, 1};
         if (transposed_a) {  // A^T stored (K x M), its pairs down columns: A's pair (r, kp) at kp * M + r
           const auto at = a.t().contiguous();
-          model::pack_column_pairs(at.data_ptr<float>(), c.M, c.K, c.M, aw.data(), c.M);
+          kernels::cpu::pack_column_pairs(at.data_ptr<float>(), c.M, c.K, c.M, aw.data(), c.M);
           wa = {aw.data(), 1, c.M};
         } else {
-          model::pack_row_pairs(a.data_ptr<float>(), c.K, c.M, c.K, aw.data(), kp);
+          kernels::cpu::pack_row_pairs(a.data_ptr<float>(), c.K, c.M, c.K, aw.data(), kp);
         }
-        model::pack_column_pairs(b.data_ptr<float>(), c.N, c.K, c.N, bw.data(), c.N);
+        kernels::cpu::pack_column_pairs(b.data_ptr<float>(), c.N, c.K, c.N, bw.data(), c.N);
         auto got = c0.clone();
         const float alpha = 0.75f;
-        model::small_gemm_bf16({c.M, c.N, c.K, c.causal, c.diag}, alpha, wa, bw.data(), c.N, got.data_ptr<float>(), c.N,
+        kernels::cpu::small_gemm_bf16({c.M, c.N, c.K, c.causal, c.diag}, alpha, wa, bw.data(), c.N, got.data_ptr<float>(), c.N,
                                accumulate);
         const auto ad = f64(a.to(torch::kBFloat16)), bd = f64(b.to(torch::kBFloat16));
         auto want = alpha * ad.mm(bd);
@@ -1022,12 +1022,13 @@ TEST_CASE("bf16 products (AVX512-BF16): fp64 of the rounded operands within the 
 // 33; cols 1-35, odd ones pairing their last element with 0), a row stride past the columns (ldx),
 // and the destination's words outside the packed ones left as they were.
 TEST_CASE("bf16 packings (AVX512-BF16): pairs along rows, down columns and transposed, word by word", "[avx512bf16]") {
-  if (!model::bf16_dot_products()) {
+  if (!kernels::cpu::bf16_dot_products()) {
     SUBLINEAR_SKIP("this CPU has no AVX512-BF16 (or oneDNN is capped below avx512_core_bf16): the bf16 products cannot run here");
   }
   torch::manual_seed(37);
   constexpr uint32_t kUntouched = 0xDEADBEEFu;
   auto bits = [](const c10::BFloat16* x, int64_t i) { return static_cast<uint32_t>(x[i].x); };
+  auto Bf16s = [](const c10::BFloat16* x) { return reinterpret_cast<const kernels::cpu::Bf16*>(x); };
   for (const int64_t rows : {1, 2, 7, 15, 16, 17, 33}) {
     for (const int64_t cols : {1, 2, 3, 16, 31, 32, 33, 35}) {
       CAPTURE(rows, cols);
@@ -1041,9 +1042,9 @@ TEST_CASE("bf16 packings (AVX512-BF16): pairs along rows, down columns and trans
       std::vector<uint32_t> along(static_cast<size_t>(rows * ld_rows), kUntouched);
       std::vector<uint32_t> transposed(static_cast<size_t>(cps * ld_t), kUntouched);
       std::vector<uint32_t> down(static_cast<size_t>((rows + 1) / 2 * ld_cols), kUntouched);
-      model::pack_row_pairs(X, ldx, rows, cols, along.data(), ld_rows);
-      model::pack_row_pairs_transposed(X, ldx, rows, cols, transposed.data(), ld_t);
-      model::pack_column_pairs(X, ldx, rows, cols, down.data(), ld_cols);
+      kernels::cpu::pack_row_pairs(Bf16s(X), ldx, rows, cols, along.data(), ld_rows);
+      kernels::cpu::pack_row_pairs_transposed(Bf16s(X), ldx, rows, cols, transposed.data(), ld_t);
+      kernels::cpu::pack_column_pairs(Bf16s(X), ldx, rows, cols, down.data(), ld_cols);
       int64_t wrong = 0;
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t cp = 0; cp < ld_rows; ++cp) {
@@ -1077,7 +1078,7 @@ TEST_CASE("small_gemm: the 16-lane form gives the AVX2 clone's bits", "[avx512]"
     SUBLINEAR_SKIP("this CPU (or ATEN_CPU_CAPABILITY) gives no AVX-512 lanes: only the AVX2 products run here");
   }
   torch::manual_seed(35);
-  using model::Causal;
+  using kernels::cpu::Causal;
   std::vector<GemmCase> cases{GemmCase{19, 45, 33, Causal::all, 0}, GemmCase{64, 130, 64, Causal::cols_to_diag, 66},
                               GemmCase{19, 77, 45, Causal::k_to_diag, 7}, GemmCase{45, 64, 19, Causal::k_from_diag, 5},
                               GemmCase{7, 5, 1, Causal::all, 0}, GemmCase{13, 77, 64, Causal::cols_to_diag, 0}};
@@ -1090,14 +1091,14 @@ TEST_CASE("small_gemm: the 16-lane form gives the AVX2 clone's bits", "[avx512]"
         auto b = torch::randn({c.K, c.N});
         if (c.N > 40) b[0][3] = std::numeric_limits<float>::quiet_NaN(), b[c.K - 1][40] = INFINITY;
         const auto at = a.t().contiguous();
-        const model::MatA ma = transposed_a ? model::MatA{at.data_ptr<float>(), 1, c.M} : model::MatA{a.data_ptr<float>(), c.K, 1};
+        const kernels::cpu::MatA ma = transposed_a ? kernels::cpu::MatA{at.data_ptr<float>(), 1, c.M} : kernels::cpu::MatA{a.data_ptr<float>(), c.K, 1};
         const auto c0 = torch::randn({c.M, c.N});
         auto run = [&](bool avx2) {
           const KernelClone vector(/*baseline=*/false);
           const Avx2Lanes lanes(avx2);
           REQUIRE(device::avx512_kernels() == !avx2);
           auto got = c0.clone();
-          model::small_gemm({c.M, c.N, c.K, c.causal, c.diag}, 0.75f, ma, b.data_ptr<float>(), c.N,
+          kernels::cpu::small_gemm({c.M, c.N, c.K, c.causal, c.diag}, 0.75f, ma, b.data_ptr<float>(), c.N,
                             got.data_ptr<float>(), c.N, accumulate);
           return got;
         };

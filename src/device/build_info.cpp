@@ -97,7 +97,7 @@ Json cuda_info() {
   const bool nccl = false;
 #endif
 #if defined(SUBLINEAR_CUDA_KERNELS)
-  const bool kernels = true;  // src/kernels/*.cu built in (CMake: a CUDA compiler found, SUBLINEAR_CUDA_KERNELS on)
+  const bool kernels = true;  // src/kernels/cuda/*.cu built in (CMake: a CUDA compiler found, SUBLINEAR_CUDA_KERNELS on)
 #else
   const bool kernels = false;
 #endif

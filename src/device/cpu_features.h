@@ -36,7 +36,7 @@ struct CpuFeatures {
   bool onednn_fp16 = false;  // oneDNN takes fp16 matmuls (needs native fp16 support)
   bool native_bf16 = false;  // oneDNN may use bf16 instructions: the CPU has them and the ISA cap allows them
   bool amx = false;          // ... AMX tiles among them
-  // The fused bf16 attention may multiply with AVX512-BF16 (model/small_gemm.h): avx512_bf16 with
+  // The fused bf16 attention may multiply with AVX512-BF16 (kernels/cpu/small_gemm.h): avx512_bf16 with
   // AVX-512 F/BW/VL/DQ, and oneDNN's cap allows avx512_core_bf16 (a lower cap stands for a CPU without).
   bool bf16_dot = false;
   // The fused GELU, softmax rows and fp32 attention products may run on 16 lanes
@@ -76,7 +76,7 @@ bool vector_kernels();
 // Forces the baseline clones (on) or lets the vector clones run where the CPU has them (off); returns
 // the setting it replaces. Takes effect at the next kernel call: do not switch while a kernel runs.
 bool force_baseline_kernels(bool on);
-// The fused GELU, the attention's softmax rows and its fp32 products (model/small_gemm.h) run on 16
+// The fused GELU, the attention's softmax rows and its fp32 products (kernels/cpu/small_gemm.h) run on 16
 // lanes now (AVX-512, the same operations in the same order as their 8-lane AVX2 forms, so the same
 // bits): vector_kernels(), CpuFeatures::avx512_lanes, and not turned off by force_avx2_kernels. The
 // other fused kernels have no 16-lane form.

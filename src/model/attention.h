@@ -9,7 +9,7 @@
 // (the log-sum-exp stays fp32). Other tensors (CUDA, fp16, mixed dtypes, attention dropout) keep
 // at::scaled_dot_product_attention, and so does everything under SUBLINEAR_ATEN_KERNELS=1
 // (device::fused_kernels()). Its row kernels and GEMM tiles have AVX2 + FMA and baseline clones
-// (model/clones.h): results differ between the clones by float rounding. On AVX-512
+// (kernels/cpu/clones.h): results differ between the clones by float rounding. On AVX-512
 // (device::avx512_kernels()) the softmax rows take their exps 16 at a time and the fp32 GEMM tiles 16
 // columns per instruction, bit for bit the AVX2 clone.
 // On a CPU with AVX512-BF16 (device::CpuFeatures::bf16_dot; the vector clones running) a bf16 head's

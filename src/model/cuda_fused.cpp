@@ -1,4 +1,4 @@
-// The fused kernels' CUDA wrappers (model/cuda_fused.h; kernels: src/kernels/cuda_kernels.h). Built
+// The fused kernels' CUDA wrappers (model/cuda_fused.h; kernels: src/kernels/cuda/cuda_kernels.h). Built
 // only with SUBLINEAR_CUDA_KERNELS.
 //
 // Streams and buffers: every launch goes to the current CUDA stream of the operands' device (a
@@ -16,7 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/torch.h>
 
-#include "kernels/cuda_kernels.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace sl::model::cuda {
 namespace {

@@ -1,5 +1,5 @@
 // The fused kernels on CUDA: the wrappers that model/layernorm.cpp, residual.cpp and gelu.cpp call
-// for CUDA tensors, in a build with the CUDA kernels (src/kernels/cuda_kernels.h; CMake defines
+// for CUDA tensors, in a build with the CUDA kernels (src/kernels/cuda/cuda_kernels.h; CMake defines
 // SUBLINEAR_CUDA_KERNELS when it builds them). Each follows the contract of the CPU kernel it stands
 // in for (the header named beside it): the same inputs, outputs, dtypes and saved tensors, so the
 // autograd functions, the model and the planner's memory model are the same on both devices.

@@ -9,7 +9,7 @@
 // float rounding. On AVX-512 the AVX2 form runs on 16 lanes (device::avx512_kernels()), bit for bit
 // its 8-lane result.
 //
-// On CUDA (a build with the CUDA kernels, model/cuda_fused.h; src/kernels/gelu.cu) the same forms for
+// On CUDA (a build with the CUDA kernels, model/cuda_fused.h; src/kernels/cuda/gelu.cu) the same forms for
 // contiguous fp32 and bf16 CUDA tensors, with ATen's CUDA arithmetic (0.5 x (1 + tanh z), tanhf) in fp32
 // and one rounding per stored element; the bias gradient in fixed pieces of rows summed in order (the
 // same bits from run to run). The predicates ask the autocast of the tensors' device.

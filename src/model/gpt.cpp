@@ -2,11 +2,11 @@
 #include "model/gpt.h"
 #include "config/shape.h"
 #include "model/attention.h"
+#include "model/block_ops.h"
 #include "model/fused_loss.h"
 #include "model/gelu.h"
 #include "model/layernorm.h"
 #include "model/linear.h"
-#include "model/residual.h"
 
 #include <cmath>
 
@@ -191,27 +191,13 @@ torch::Tensor BlockImpl::mlp_act(const torch::Tensor& u, const torch::Tensor& fc
 
 torch::Tensor BlockImpl::residual_dropout(const torch::Tensor& y) const { return torch::dropout(y, dropout, is_training()); }
 
-torch::Tensor BlockImpl::residual_bias(const torch::Tensor& stream, const torch::Tensor& b) const {
-  const bool dropout_active = is_training() && dropout > 0.0;  // the bias goes in before the dropout
-  return !dropout_active && residual_bias_fused(stream, b) ? b : torch::Tensor();
-}
-
+// Pre-norm: h = x + attention(norm1(x)); out = h + mlp(norm2(h)). The ops (model/block_ops.h) run each
+// norm and activation inside the linear after it, through linear_after, and route biases to the fused
+// kernels.
 torch::Tensor BlockImpl::forward_with(const torch::Tensor& x, const Rope& rope, const LinearAfter& linear_after) {
-  auto qkv = linear_after(Part::norm1_qkv, [this](const auto& in) { return norm1(in[0]); }, {x}, {ln1_w, ln1_b}, w_qkv, b_qkv);
-  // Fused kernels take the biases of the linears they follow where they run (one pass each instead of
-  // addmm's bias broadcast and a separate column sum for the gradient), else the linears keep them:
-  // the projections' into the residual adds, GPT-2's fc bias into the GELU.
-  const auto proj_bias = residual_bias(x, b_proj);
-  auto y = linear_after(Part::attention_proj, [this](const auto& in) { return attention_core(in); },
-                        attention_inputs(qkv, rope), {}, w_proj, proj_bias.defined() ? torch::Tensor() : b_proj);
-  auto h = residual_add(x, residual_dropout(y), proj_bias);
-  const auto act_bias = !llama && gelu_tanh_bias_fused(h, b_fc) ? b_fc : torch::Tensor();
-  auto u = linear_after(Part::norm2_fc, [this](const auto& in) { return norm2(in[0]); }, {h}, {ln2_w, ln2_b}, w_fc,
-                        act_bias.defined() ? torch::Tensor() : b_fc);
-  const auto out_bias = residual_bias(h, b_out);
-  auto o = linear_after(Part::act_out, [this, act_bias](const auto& in) { return mlp_act(in[0], act_bias); }, {u},
-                        {act_bias}, w_out, out_bias.defined() ? torch::Tensor() : b_out);
-  return residual_add(h, residual_dropout(o), out_bias);
+  const BlockOps op(*this, rope, linear_after);
+  const auto h = op.residual(x, op.attention(op.norm1(x)));
+  return op.residual(h, op.mlp(op.norm2(h)));
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {

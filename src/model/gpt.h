@@ -33,8 +33,10 @@ using LinearAfter = std::function<torch::Tensor(Part part, const CheapFn& cheap,
                                                 const std::vector<torch::Tensor>& cheap_params,
                                                 const torch::Tensor& W, const torch::Tensor& b)>;
 
-// One transformer block, written as the four cheap-op -> linear pairs above:
-//   h = x + drop(proj(attention_core(attention_inputs(qkv(norm1(x))))));  out = h + drop(fc_out(act(fc(norm2(h)))))
+// One pre-norm transformer block: h = x + attention(norm1(x)); out = h + mlp(norm2(h)), with
+//   attention(n) = drop(proj(attention_core(attention_inputs(qkv(n)))))  and  mlp(n) = drop(fc_out(act(fc(n)))).
+// forward_with writes it in the ops of model/block_ops.h, which run the four cheap-op -> linear pairs above
+// through linear_after; the parts below are those ops' pieces (and generate.cpp's cached step's).
 struct BlockImpl : torch::nn::Module {
   BlockImpl(const config::ModelConfig& cfg, int64_t layer, torch::Device device, bool defer_params = false);
 
@@ -63,10 +65,6 @@ struct BlockImpl : torch::nn::Module {
   // or (B, T, 2H) -> (B, T, H) SwiGLU.
   torch::Tensor mlp_act(const torch::Tensor& u, const torch::Tensor& fc_bias) const;
   torch::Tensor residual_dropout(const torch::Tensor& y) const;
-  // b (a projection's bias) where the residual add onto `stream` takes it (model/residual.h: a bf16
-  // branch under bf16 CPU autocast or an fp32 run's fp32 one, no residual dropout active), else
-  // undefined: the linear keeps it.
-  torch::Tensor residual_bias(const torch::Tensor& stream, const torch::Tensor& b) const;
 
   int64_t layer, n_head, n_embd, hidden;
   bool llama;

@@ -1,8 +1,6 @@
 #include "model/layernorm.h"
 
-#include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -12,77 +10,15 @@
 #include <torch/torch.h>
 
 #include "device/cpu_features.h"
-#include "model/bf16.h"
-#include "model/clones.h"
+#include "kernels/cpu/layernorm.h"
 #include "model/cuda_fused.h"
 #include "model/intra_op.h"
 
 namespace sl::model {
 namespace {
 
-constexpr int kLanes = 8;          // independent accumulators per row sum, so the loops vectorize
-
-// ---- one row of n elements: one clone per instruction set (AVX2 + FMA, baseline; clones.h) ----
-
-// The row's sum of f(j), in kLanes lanes, then the lanes in order, then the tail.
-template <class F>
-SL_KERNEL_BODY float lane_sum(int64_t n, F f) {
-  float lane[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane[l] += f(j + l);
-  float s = 0.0f;
-  for (float v : lane) s += v;
-  for (; j < n; ++j) s += f(j);
-  return s;
-}
-
-// y = bf16((x - mean) rstd w + b) for one row; returns {mean, rstd} through the pointers. b may be null.
-SL_KERNEL_BODY void forward_row_body(const float* x, const float* w, const float* b, float eps, int64_t n,
-                                     c10::BFloat16* y, float* mean_out, float* rstd_out) {
-  const float inv_n = 1.0f / static_cast<float>(n);
-  const float mean = lane_sum(n, [&](int64_t j) { return x[j]; }) * inv_n;
-  const float var = lane_sum(n, [&](int64_t j) { return (x[j] - mean) * (x[j] - mean); }) * inv_n;
-  const float rstd = 1.0f / std::sqrt(var + eps);
-  if (b) {
-    for (int64_t j = 0; j < n; ++j) y[j] = narrow((x[j] - mean) * rstd * w[j] + b[j]);
-  } else {
-    for (int64_t j = 0; j < n; ++j) y[j] = narrow((x[j] - mean) * rstd * w[j]);
-  }
-  *mean_out = mean;
-  *rstd_out = rstd;
-}
-SL_KERNEL_CLONES(void, forward_row,
-                 (const float* x, const float* w, const float* b, float eps, int64_t n, c10::BFloat16* y,
-                  float* mean_out, float* rstd_out),
-                 (x, w, b, eps, n, y, mean_out, rstd_out))
-
-// dx for one row from its bf16 output gradient dy; adds dy xhat to dw and dy to db (a piece's partial
-// sums; db may be null).
-SL_KERNEL_BODY void backward_row_body(const c10::BFloat16* dy, const float* x, const float* w, float mean, float rstd,
-                                      int64_t n, float* dx, float* dw, float* db) {
-  const float inv_n = 1.0f / static_cast<float>(n);
-  const float g_mean = lane_sum(n, [&](int64_t j) { return widen(dy[j]) * w[j]; }) * inv_n;
-  const float gx_mean =
-      lane_sum(n, [&](int64_t j) { return widen(dy[j]) * w[j] * ((x[j] - mean) * rstd); }) * inv_n;
-  const auto row = [&](int64_t j) {
-    const float d = widen(dy[j]), xhat = (x[j] - mean) * rstd;
-    dx[j] = rstd * (d * w[j] - g_mean - xhat * gx_mean);
-    dw[j] += d * xhat;
-    return d;
-  };
-  if (db) {
-    for (int64_t j = 0; j < n; ++j) db[j] += row(j);
-  } else {
-    for (int64_t j = 0; j < n; ++j) row(j);
-  }
-}
-SL_KERNEL_CLONES(void, backward_row,
-                 (const c10::BFloat16* dy, const float* x, const float* w, float mean, float rstd, int64_t n,
-                  float* dx, float* dw, float* db),
-                 (dy, x, w, mean, rstd, n, dx, dw, db))
-
-// ---- whole tensors: x seen as (rows, C), row pieces on ATen's intra-op threads (intra_op.h) ----
+// x seen as (rows, C), row pieces on ATen's intra-op threads (intra_op.h), each row through the row
+// kernels (kernels/cpu/layernorm.h).
 
 struct Forward {
   torch::Tensor y, mean, rstd;  // y bf16 (x's sizes), mean and rstd fp32 (rows)
@@ -101,10 +37,12 @@ Forward forward_fused(const torch::Tensor& x, const torch::Tensor& w, const torc
             torch::empty({rows}, x.options())};
   const float *X = x.const_data_ptr<float>(), *W = w.const_data_ptr<float>();
   const float* B = b.defined() ? b.const_data_ptr<float>() : nullptr;
-  auto* Y = f.y.data_ptr<c10::BFloat16>();
+  auto* Y = static_cast<kernels::cpu::Bf16*>(f.y.data_ptr());
   float *M = f.mean.data_ptr<float>(), *R = f.rstd.data_ptr<float>();
   const auto e = static_cast<float>(eps);
-  for_each_row(rows, [&](int64_t r, int64_t) { forward_row(X + r * C, W, B, e, C, Y + r * C, M + r, R + r); });
+  for_each_row(rows, [&](int64_t r, int64_t) {
+    kernels::cpu::layer_norm_forward_row(X + r * C, W, B, e, C, Y + r * C, M + r, R + r);
+  });
   return f;
 }
 
@@ -120,13 +58,14 @@ std::array<torch::Tensor, 3> backward_fused(const torch::Tensor& dy, const torch
   auto dx = torch::empty_like(x);
   auto dw_part = torch::zeros({pieces, C}, x.options());
   auto db_part = with_bias ? torch::zeros({pieces, C}, x.options()) : torch::Tensor();
-  const auto* G = g.const_data_ptr<c10::BFloat16>();
+  const auto* G = static_cast<const kernels::cpu::Bf16*>(g.const_data_ptr());
   const float *X = x.const_data_ptr<float>(), *W = w.const_data_ptr<float>();
   const float *M = mean.const_data_ptr<float>(), *R = rstd.const_data_ptr<float>();
   float *DX = dx.data_ptr<float>(), *DW = dw_part.data_ptr<float>();
   float* DB = with_bias ? db_part.data_ptr<float>() : nullptr;
   for_each_row(rows, [&](int64_t r, int64_t c) {
-    backward_row(G + r * C, X + r * C, W, M[r], R[r], C, DX + r * C, DW + c * C, DB ? DB + c * C : nullptr);
+    kernels::cpu::layer_norm_backward_row(G + r * C, X + r * C, W, M[r], R[r], C, DX + r * C, DW + c * C,
+                                          DB ? DB + c * C : nullptr);
   });
   return {dx, sum_pieces(dw_part), with_bias ? sum_pieces(db_part) : torch::Tensor()};
 }

@@ -15,7 +15,7 @@
 // and rstd, as ATen's layer_norm does (not its output). Differentiable once (no double backward).
 //
 // On CUDA (a build with the CUDA kernels, model/cuda_fused.h) the same contract under CUDA autocast, one
-// block per row (src/kernels/layernorm.cu): the row sums in another fixed order (so other fp32 bits), dw
+// block per row (src/kernels/cuda/layernorm.cu): the row sums in another fixed order (so other fp32 bits), dw
 // and db in fixed pieces of rows summed in order, bit for bit the same from run to run. On CUDA the
 // stream may also be bf16 with bf16 w and b (bf16 compute copies, precision.param_dtype bf16): the same
 // fp32 arithmetic on the exactly widened values, the same bf16 y and fp32 saved mean and rstd (and the

@@ -9,51 +9,16 @@
 #include <torch/torch.h>
 
 #include "device/cpu_features.h"
-#include "model/bf16.h"
-#include "model/clones.h"
+#include "kernels/cpu/residual.h"
 #include "model/cuda_fused.h"
 #include "model/intra_op.h"
 
 namespace sl::model {
 namespace {
 
+using kernels::cpu::Bf16;
+
 constexpr int64_t kPiece = 16384;  // elements per piece a thread takes (64 KiB of fp32 output)
-
-// out[i] = x[i] + widen(y[i]): the AVX2 clone's loop vectorizes (widening is a shift).
-SL_KERNEL_BODY void add_widened_body(const float* x, const c10::BFloat16* y, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] + widen(y[i]);
-}
-SL_KERNEL_CLONES(void, add_widened, (const float* x, const c10::BFloat16* y, float* out, int64_t n), (x, y, out, n))
-
-// One row: out[i] = x[i] + (widen(y[i]) + b[i]).
-SL_KERNEL_BODY void add_widened_bias_body(const float* x, const c10::BFloat16* y, const float* b, float* out,
-                                          int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] + (widen(y[i]) + b[i]);
-}
-SL_KERNEL_CLONES(void, add_widened_bias, (const float* x, const c10::BFloat16* y, const float* b, float* out, int64_t n),
-                 (x, y, b, out, n))
-
-// One row of the bias form's backward: dy[i] = bf16(g[i]), db[i] += g[i].
-SL_KERNEL_BODY void narrow_and_sum_body(const float* g, c10::BFloat16* dy, float* db, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    dy[i] = narrow(g[i]);
-    db[i] += g[i];
-  }
-}
-SL_KERNEL_CLONES(void, narrow_and_sum, (const float* g, c10::BFloat16* dy, float* db, int64_t n), (g, dy, db, n))
-
-// The same for an fp32 branch (an fp32 run): out[i] = x[i] + (y[i] + b[i]); backward db[i] += g[i]
-// (dy is g).
-SL_KERNEL_BODY void add_bias_body(const float* x, const float* y, const float* b, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] + (y[i] + b[i]);
-}
-SL_KERNEL_CLONES(void, add_bias, (const float* x, const float* y, const float* b, float* out, int64_t n),
-                 (x, y, b, out, n))
-
-SL_KERNEL_BODY void sum_rows_body(const float* g, float* db, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) db[i] += g[i];
-}
-SL_KERNEL_CLONES(void, sum_rows, (const float* g, float* db, int64_t n), (g, db, n))
 
 torch::Tensor forward_fused(const torch::Tensor& x, const torch::Tensor& y) {
   RECORD_FUNCTION("sublinear::residual_add", std::vector<c10::IValue>{});
@@ -62,12 +27,12 @@ torch::Tensor forward_fused(const torch::Tensor& x, const torch::Tensor& y) {
 #endif
   auto out = torch::empty_like(x, torch::MemoryFormat::Contiguous);
   const float* xp = x.const_data_ptr<float>();
-  const auto* yp = y.const_data_ptr<c10::BFloat16>();
+  const auto* yp = static_cast<const Bf16*>(y.const_data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t n = x.numel(), pieces = (n + kPiece - 1) / kPiece;
   for_each_index(pieces, [&](int64_t p, int) {
     const int64_t i0 = p * kPiece, len = std::min(kPiece, n - i0);
-    add_widened(xp + i0, yp + i0, op + i0, len);
+    kernels::cpu::add_widened(xp + i0, yp + i0, op + i0, len);
   });
   return out;
 }
@@ -90,14 +55,14 @@ torch::Tensor forward_bias_fused(const torch::Tensor& x, const torch::Tensor& y,
   const float* bp = b.const_data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool bf16 = y.scalar_type() == torch::kBFloat16;
-  const auto* y16 = bf16 ? y.const_data_ptr<c10::BFloat16>() : nullptr;
+  const auto* y16 = bf16 ? static_cast<const Bf16*>(y.const_data_ptr()) : nullptr;
   const float* y32 = bf16 ? nullptr : y.const_data_ptr<float>();
   const int64_t C = b.numel(), rows = x.numel() / C;
   for_each_row(rows, [&](int64_t r, int64_t) {
     if (bf16)
-      add_widened_bias(xp + r * C, y16 + r * C, bp, op + r * C, C);
+      kernels::cpu::add_widened_bias(xp + r * C, y16 + r * C, bp, op + r * C, C);
     else
-      add_bias(xp + r * C, y32 + r * C, bp, op + r * C, C);
+      kernels::cpu::add_bias(xp + r * C, y32 + r * C, bp, op + r * C, C);
   });
   return out;
 }
@@ -116,13 +81,13 @@ std::pair<torch::Tensor, torch::Tensor> backward_bias_fused(const torch::Tensor&
   const int64_t rows = gc.numel() / C;
   auto partial = torch::zeros({pieces_of(rows), C}, gc.options());
   const float* gp = gc.const_data_ptr<float>();
-  auto* dy16 = bf16 ? dy.data_ptr<c10::BFloat16>() : nullptr;
+  auto* dy16 = bf16 ? static_cast<Bf16*>(dy.data_ptr()) : nullptr;
   float* pp = partial.data_ptr<float>();
   for_each_row(rows, [&](int64_t r, int64_t c) {
     if (bf16)
-      narrow_and_sum(gp + r * C, dy16 + r * C, pp + c * C, C);
+      kernels::cpu::narrow_and_sum(gp + r * C, dy16 + r * C, pp + c * C, C);
     else
-      sum_rows(gp + r * C, pp + c * C, C);
+      kernels::cpu::sum_rows(gp + r * C, pp + c * C, C);
   });
   return {dy, sum_pieces(partial)};
 }

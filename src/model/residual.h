@@ -17,7 +17,7 @@
 // forward in ATen ops, the same bits, no copy of y), so the gradients do not depend on y's layout; other
 // operands take x + (y + b).
 //
-// On CUDA (a build with the CUDA kernels, model/cuda_fused.h; src/kernels/residual.cu) the same forms,
+// On CUDA (a build with the CUDA kernels, model/cuda_fused.h; src/kernels/cuda/residual.cu) the same forms,
 // under CUDA autocast where the CPU's ask CPU autocast: the sums bit for bit ATen's, db in fixed pieces
 // of rows summed in order (the same bits from run to run).
 #pragma once

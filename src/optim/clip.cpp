@@ -5,7 +5,7 @@
 
 #include <torch/torch.h>
 
-#include "model/clones.h"
+#include "kernels/cpu/clones.h"
 #include "model/intra_op.h"
 
 namespace sl::optim {

@@ -1,7 +1,7 @@
 #include "optim/optimizer.h"
 #include "device/alloc_tag.h"
 #include "memory/footprint.h"
-#include "model/clones.h"
+#include "kernels/cpu/clones.h"
 #include "model/intra_op.h"
 
 #include <algorithm>
@@ -38,7 +38,7 @@ AdamWCoeffs coeffs(const torch::optim::AdamWOptions& o, int64_t step) {
 }
 
 // m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2; p = decay p - step m / (sqrt(v / bc2) + eps).
-// AVX2 + FMA and baseline clones (model/clones.h), bitwise equal: every operation is a separately
+// AVX2 + FMA and baseline clones (kernels/cpu/clones.h), bitwise equal: every operation is a separately
 // rounded IEEE multiply, add, divide or square root in the order written, in every lane and the scalar
 // tail alike. That holds because this file is built with -ffp-contract=off (CMakeLists.txt): otherwise
 // GCC fuses a * b + c into one FMA (one rounding) in the AVX2 clone and not in the baseline one, and

@@ -1,4 +1,4 @@
-// The fused CUDA kernels (src/kernels/*.cu): plain CUDA C++, no torch headers, built into
+// The fused CUDA kernels (src/kernels/cuda/*.cu): plain CUDA C++, no torch headers, built into
 // sublinear_cuda_kernels only where CMake finds a CUDA compiler and torch is a CUDA build (then
 // SUBLINEAR_CUDA_KERNELS is defined for sublinear_core). Their callers are the wrappers of
 // src/model/cuda_fused.cpp, which check the operands, allocate every output and scratch buffer with

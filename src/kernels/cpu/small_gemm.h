@@ -1,17 +1,17 @@
-// Small row-major fp32 GEMMs for the fused attention (attention.cpp): C (=|+=) alpha A B with A read
+// Small row-major fp32 GEMMs for the fused attention (kernels/cpu/attention.cpp): C (=|+=) alpha A B with A read
 // through any row and column strides (so A or A^T), B row-major, and the causal structure of a
 // block of attention used to skip what the mask zeroes. Register-tiled (6 rows x 16 columns of C),
 // no packing: the operands of one (batch, head) sit in L1/L2. AVX2 + FMA and baseline clones, picked
-// per call (model/clones.h), and a 16-lane AVX-512 form where device::avx512_kernels() says so (tiles
+// per call (kernels/cpu/clones.h), and a 16-lane AVX-512 form where device::avx512_kernels() says so (tiles
 // up to 6 x 64) with the AVX2 clone's arithmetic, so its bits. A fixed summation order per element and
 // no threads: the bits depend only on the operands and whether the baseline runs (it differs from the
 // vector forms by rounding: they fuse each multiply-add).
 #pragma once
 #include <cstdint>
 
-#include <c10/util/BFloat16.h>
+#include "kernels/cpu/bf16.h"
 
-namespace sl::model {
+namespace sl::kernels::cpu {
 
 // A(r, k) = p[r * rs + k * ks].
 struct MatA {
@@ -66,9 +66,9 @@ void pack_row_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uin
 void pack_column_pairs(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
 // The same from bf16 rows (the bits as they are), and pairs along a row stored transposed:
 // pack_row_pairs_transposed's dst[cp * ld + r] = (x[r][2 cp], x[r][2 cp + 1]) (the B of q k^T from k).
-void pack_row_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
-void pack_column_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
-void pack_row_pairs_transposed(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
+void pack_row_pairs(const Bf16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
+void pack_column_pairs(const Bf16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst, int64_t ld);
+void pack_row_pairs_transposed(const Bf16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
                                int64_t ld);
 
 // small_gemm's contract (the causal kinds included; cols_to_diag may write up to a whole 16-column
@@ -77,4 +77,4 @@ void pack_row_pairs_transposed(const c10::BFloat16* x, int64_t ldx, int64_t rows
 void small_gemm_bf16(const GemmShape& s, float alpha, WordsA a, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
                      bool accumulate);
 
-}  // namespace sl::model
+}  // namespace sl::kernels::cpu

@@ -9,7 +9,7 @@
 #include <immintrin.h>
 #endif
 
-namespace sl::model {
+namespace sl::kernels::cpu {
 
 // e^x for x in [-87, 88] (clamped), within ~2 ulp: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split
 // of ln2), e^r by its degree-6 Taylor polynomial (remainder below 1.2e-7 relative), 2^n from the
@@ -83,4 +83,4 @@ __attribute__((target("avx2,fma"))) inline __m256i lanes_below(int64_t count) {
 }
 #endif
 
-}  // namespace sl::model
+}  // namespace sl::kernels::cpu

@@ -3,7 +3,7 @@
 // IEEE division and no fast-math: the numerics are the contract's): elementwise grid-stride loops,
 // and the bias gradient's column sums per piece of rows (one thread per column of a piece, rows in
 // order), then sum_pieces.
-#include "kernels/common.cuh"
+#include "kernels/cuda/common.cuh"
 
 namespace sl::kernels {
 namespace {

@@ -8,26 +8,31 @@
 #include <cstdint>
 #include <cstring>
 
-#include <c10/util/BFloat16.h>
-
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-namespace sl::model {
+namespace sl::kernels::cpu {
 
-inline float widen(c10::BFloat16 h) {
+// A bf16 value as its bits: the layout of c10::BFloat16 (one uint16_t `x`), so the model's wrappers
+// hand the kernels a bf16 tensor's data pointer as it is (reinterpret_cast), and the kernels stay
+// torch-free.
+struct Bf16 {
+  uint16_t x;
+};
+
+inline float widen(Bf16 h) {
   const uint32_t bits = static_cast<uint32_t>(h.x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
 
-inline c10::BFloat16 narrow(float f) {
+inline Bf16 narrow(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return c10::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+  return Bf16{static_cast<uint16_t>(f != f ? 0x7FC0u : rounded)};
 }
 
 #if defined(__x86_64__)
@@ -63,4 +68,4 @@ __attribute__((target("avx512f"))) inline __m256i narrow16(__m512 v) {
 }
 #endif
 
-}  // namespace sl::model
+}  // namespace sl::kernels::cpu

@@ -2,11 +2,11 @@
 // picks one at each call: device::vector_kernels(), the CPU's, unless the baseline is forced
 // (SUBLINEAR_FORCE_BASELINE=1, or device::force_baseline_kernels; see device/cpu_features.h).
 // GCC's target_clones would pick once, at load time, leaving no way to run the baseline clone on a CPU
-// that has AVX2; the tests run both clones on every CPU. Used by the attention (attention.cpp,
-// small_gemm.cpp), a bf16 run's residual add and LayerNorm (residual.cpp, layernorm.cpp) and AdamW
-// (optim/optimizer.cpp); GELU's vector form is written in intrinsics and picks the same way. GELU, the
-// attention's softmax rows and its fp32 GEMM tiles have a 16-lane AVX-512 form beside the 8-lane one
-// (device::avx512_kernels), bit for bit the AVX2 clone.
+// that has AVX2; the tests run both clones on every CPU. Used by the kernels beside it (attention.cpp,
+// small_gemm.cpp, a bf16 run's residual add and LayerNorm: residual.cpp, layernorm.cpp), by AdamW and the
+// clipping (optim/optimizer.cpp, optim/clip.cpp); GELU's vector form is written in intrinsics and picks
+// the same way. GELU, the attention's softmax rows and its fp32 GEMM tiles have a 16-lane AVX-512 form
+// beside the 8-lane one (device::avx512_kernels), bit for bit the AVX2 clone.
 //
 //   SL_KERNEL_BODY float dot_body(const float* a, const float* b, int64_t n) { ... }
 //   SL_KERNEL_CLONES(float, dot, (const float* a, const float* b, int64_t n), (a, b, n))

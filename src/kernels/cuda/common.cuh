@@ -4,7 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/cuda_kernels.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace sl::kernels {
 

@@ -1,10 +1,10 @@
-#include "model/small_gemm.h"
-#include "model/clones.h"
+#include "kernels/cpu/small_gemm.h"
+#include "kernels/cpu/clones.h"
 
 #include <algorithm>
 #include <cstring>
 
-namespace sl::model {
+namespace sl::kernels::cpu {
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));  // 8 floats: one AVX register, two SSE ones
@@ -130,16 +130,16 @@ SL_KERNEL_CLONES(void, small_gemm_8,
                  (s, alpha, a, b, ldb, c, ldc, accumulate))
 
 }  // namespace
-}  // namespace sl::model
+}  // namespace sl::kernels::cpu
 
 // ---- bf16 products (AVX512-BF16) ----
 #if defined(__x86_64__)
 #include <immintrin.h>
 
 #include "device/cpu_features.h"
-#include "model/bf16.h"
+#include "kernels/cpu/bf16.h"
 
-namespace sl::model {
+namespace sl::kernels::cpu {
 namespace {
 
 #define SL_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
@@ -149,7 +149,7 @@ constexpr int kRowsBf16 = 8;  // rows of a C tile: 8 x 2 accumulators of 16 floa
 inline uint32_t pair(float lo, float hi) {
   return static_cast<uint32_t>(narrow(lo).x) | static_cast<uint32_t>(narrow(hi).x) << 16;
 }
-inline uint32_t pair(c10::BFloat16 lo, c10::BFloat16 hi) {
+inline uint32_t pair(Bf16 lo, Bf16 hi) {
   return static_cast<uint32_t>(lo.x) | static_cast<uint32_t>(hi.x) << 16;
 }
 
@@ -322,24 +322,24 @@ SL_BF16_DOT void pack_column_pairs(const float* x, int64_t ldx, int64_t rows, in
 
 // From bf16 rows the pairs are the rows' own 32-bit words (element 2 cp low, 2 cp + 1 high, as x86
 // stores them), so the three packings below move words: copies, one 16-bit interleave, a transpose.
-SL_BF16_DOT void pack_row_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
+SL_BF16_DOT void pack_row_pairs(const Bf16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
                                 int64_t ld) {
   if (cols % 2) return row_pairs(x, ldx, rows, cols, dst, ld);
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * ld, x + r * ldx, cols * sizeof(c10::BFloat16));
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * ld, x + r * ldx, cols * sizeof(Bf16));
 }
 
 // 16 bf16 of row lo and 16 of row hi (lanes below `mask`) as 16 pairs.
-SL_BF16_DOT static inline __m512i interleave16(const c10::BFloat16* lo, const c10::BFloat16* hi, __mmask16 mask) {
+SL_BF16_DOT static inline __m512i interleave16(const Bf16* lo, const Bf16* hi, __mmask16 mask) {
   const __m512i l = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, lo));
   const __m512i h = hi ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, hi)) : _mm512_setzero_si512();
   return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
 }
 
-SL_BF16_DOT void pack_column_pairs(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
+SL_BF16_DOT void pack_column_pairs(const Bf16* x, int64_t ldx, int64_t rows, int64_t cols, uint32_t* dst,
                                    int64_t ld) {
   for (int64_t rp = 0; rp < (rows + 1) / 2; ++rp) {
-    const c10::BFloat16* lo = x + 2 * rp * ldx;
-    const c10::BFloat16* hi = 2 * rp + 1 < rows ? lo + ldx : nullptr;  // none: pairs with 0
+    const Bf16* lo = x + 2 * rp * ldx;
+    const Bf16* hi = 2 * rp + 1 < rows ? lo + ldx : nullptr;  // none: pairs with 0
     uint32_t* d = dst + rp * ld;
     for (int64_t c = 0; c < cols; c += 16) {
       const auto mask = static_cast<__mmask16>(cols - c >= 16 ? 0xFFFFu : (1u << (cols - c)) - 1u);
@@ -376,7 +376,7 @@ SL_BF16_DOT static inline void transpose16x16(__m512i (&v)[16]) {
 static inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : (1u << n) - 1u); }
 
 // The rows' whole pairs as a word matrix, transposed 16 x 16 at a time; an odd last column pairs with 0.
-SL_BF16_DOT void pack_row_pairs_transposed(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t cols,
+SL_BF16_DOT void pack_row_pairs_transposed(const Bf16* x, int64_t ldx, int64_t rows, int64_t cols,
                                            uint32_t* dst, int64_t ld) {
   const int64_t whole = cols / 2;
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
@@ -390,7 +390,7 @@ SL_BF16_DOT void pack_row_pairs_transposed(const c10::BFloat16* x, int64_t ldx, 
       for (int j = 0; j < nc; ++j) _mm512_mask_storeu_epi32(dst + (c0 + j) * ld + r0, first_lanes(nr), v[j]);
     }
     if (cols % 2)
-      for (int64_t r = r0; r < r0 + nr; ++r) dst[whole * ld + r] = pair(x[r * ldx + cols - 1], c10::BFloat16(0.0f));
+      for (int64_t r = r0; r < r0 + nr; ++r) dst[whole * ld + r] = pair(x[r * ldx + cols - 1], Bf16{0});
   }
 }
 
@@ -416,30 +416,30 @@ SL_BF16_DOT void small_gemm_bf16(const GemmShape& s, float alpha, WordsA a, cons
   }
 }
 
-}  // namespace sl::model
+}  // namespace sl::kernels::cpu
 
 #else  // not x86-64: no AVX512-BF16
-#include <c10/util/Exception.h>
+#include <cstdlib>
 
-namespace sl::model {
+namespace sl::kernels::cpu {
 void small_gemm(const GemmShape& s, float alpha, MatA a, const float* b, int64_t ldb, float* c, int64_t ldc,
                 bool accumulate) {
   small_gemm_8(s, alpha, a, b, ldb, c, ldc, accumulate);
 }
 bool bf16_dot_products() { return false; }
-void pack_row_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
-void pack_column_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { TORCH_INTERNAL_ASSERT(false); }
-void pack_row_pairs(const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) {
-  TORCH_INTERNAL_ASSERT(false);
+void pack_row_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { std::abort(); }
+void pack_column_pairs(const float*, int64_t, int64_t, int64_t, uint32_t*, int64_t) { std::abort(); }
+void pack_row_pairs(const Bf16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) {
+  std::abort();  // callers check bf16_dot_products() first
 }
-void pack_column_pairs(const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) {
-  TORCH_INTERNAL_ASSERT(false);
+void pack_column_pairs(const Bf16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) {
+  std::abort();  // callers check bf16_dot_products() first
 }
-void pack_row_pairs_transposed(const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) {
-  TORCH_INTERNAL_ASSERT(false);
+void pack_row_pairs_transposed(const Bf16*, int64_t, int64_t, int64_t, uint32_t*, int64_t) {
+  std::abort();  // callers check bf16_dot_products() first
 }
 void small_gemm_bf16(const GemmShape&, float, WordsA, const uint32_t*, int64_t, float*, int64_t, bool) {
-  TORCH_INTERNAL_ASSERT(false);
+  std::abort();  // callers check bf16_dot_products() first
 }
-}  // namespace sl::model
+}  // namespace sl::kernels::cpu
 #endif

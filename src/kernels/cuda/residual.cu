@@ -2,7 +2,7 @@
 // CUDA): elementwise grid-stride loops (four elements per thread and step where every array is aligned
 // for it), and the bias form's column sums per piece of rows, each column of a piece summed by one
 // thread, rows in order, then sum_pieces.
-#include "kernels/common.cuh"
+#include "kernels/cuda/common.cuh"
 
 namespace sl::kernels {
 namespace {

@@ -6,7 +6,7 @@
 // and their bits depend on C alone.
 #include <type_traits>
 
-#include "kernels/common.cuh"
+#include "kernels/cuda/common.cuh"
 
 namespace sl::kernels {
 namespace {
