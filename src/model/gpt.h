@@ -12,26 +12,10 @@
 #include <vector>
 
 #include "config/config.h"
+#include "model/block_parts.h"
 #include "model/sequence.h"
 
 namespace sl::model {
-
-// RoPE rotation tables, (T, head_dim / 2) each; undefined for learned positions.
-struct Rope {
-  torch::Tensor cos, sin;
-};
-
-// The four places in a block where a cheap op feeds a linear layer. Selective recompute works on
-// exactly these pairs: the cheap op's output is saved by nobody but the linear, so not keeping it
-// (and recomputing it in backward) is what saves memory.
-enum class Part { norm1_qkv, attention_proj, norm2_fc, act_out };
-
-// cheap(inputs) followed by linear(W, b). The block calls it once per Part; the default runs both
-// plainly, a checkpointing runner passes one that keeps only the cheap op's inputs.
-using CheapFn = std::function<torch::Tensor(const std::vector<torch::Tensor>&)>;
-using LinearAfter = std::function<torch::Tensor(Part part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
-                                                const std::vector<torch::Tensor>& cheap_params,
-                                                const torch::Tensor& W, const torch::Tensor& b)>;
 
 // One pre-norm transformer block: h = x + attention(norm1(x)); out = h + mlp(norm2(h)), with
 //   attention(n) = drop(proj(attention_core(attention_inputs(qkv(n)))))  and  mlp(n) = drop(fc_out(act(fc(n)))).
