@@ -53,8 +53,10 @@ void add_sample_command(CLI::App& app, Cli& cli) {
                                                 "with a KV cache; prints the text and tokens/s");
   auto& r = cli.sample_req;
   auto* cmd = cli.sample_cmd;
-  auto* run = cmd->add_option("--run", r.run, "a run directory: its newest weights (final or saved state) and its tokenizer.json");
-  auto* weights = cmd->add_option("--weights", r.weights, "a Hugging Face folder: config.json, model.safetensors, tokenizer.json");
+  auto* run = cmd->add_option("--run", r.run,
+                              "a run directory: its newest weights (final or saved state) and its tokenizer.json");
+  auto* weights =
+      cmd->add_option("--weights", r.weights, "a Hugging Face folder: config.json, model.safetensors, tokenizer.json");
   run->excludes(weights);
   cmd->add_option("--tokenizer", r.tokenizer, "a tokenizer.json to use instead of the run's or folder's");
   cmd->add_option("--prompt", r.prompt, "the text to continue (default: the end-of-text token alone)");
@@ -63,7 +65,8 @@ void add_sample_command(CLI::App& app, Cli& cli) {
   cmd->add_option("--top-k", r.top_k, "sample among the k most likely tokens; 0 = all (default)");
   cmd->add_option("--seed", r.seed, "sampling seed: the same seed gives the same text (default 1337)");
   cmd->add_option("--device", cli.sample_device, "auto (default: cuda when available) | cpu | cuda");
-  cmd->add_flag("--no-cache", cli.sample_no_cache, "recompute the whole sequence for every token (no KV cache; for comparison)");
+  cmd->add_flag("--no-cache", cli.sample_no_cache,
+                "recompute the whole sequence for every token (no KV cache; for comparison)");
   cmd->add_flag("--ignore-eot", cli.sample_ignore_eot, "keep going past the end-of-text token");
   cmd->add_flag("--json", cli.sample_json, "print one JSON object (ids, text, timings) instead of the text");
 }
@@ -110,8 +113,9 @@ void add_commands(CLI::App& app, Cli& cli) {
                                                   "not a profiling pass (= --set checkpointing.profile_costs=false)");
   };
   auto add_resume = [&](CLI::App* cmd) {
-    cmd->add_option("--resume", cli.resume, "continue from a saved training state: auto (the newest valid one of the run "
-                                            "directory; none: start fresh) or PATH (a state, state directory or run directory)");
+    cmd->add_option("--resume", cli.resume,
+                    "continue from a saved training state: auto (the newest valid one of the run "
+                    "directory; none: start fresh) or PATH (a state, state directory or run directory)");
   };
   add_run_options(&app);
   add_resume(&app);
@@ -123,8 +127,11 @@ void add_commands(CLI::App& app, Cli& cli) {
   add_run_options(cli.plan_cmd);
   cli.plan_cmd->add_option("--memory", cli.plan_memory, "device memory to fit, e.g. 80GiB (default: memory.limit)");
   cli.plan_cmd->add_option("--out", cli.plan_out, "where to write plan.json (default: runs/<recipe>-plan.json)");
-  cli.plan_cmd->add_option("--world-size", cli.plan_world, "ranks to plan for (per-rank memory under parallel.sharding; "
-                                                           "default: WORLD_SIZE or 1)")->check(CLI::PositiveNumber);
+  cli.plan_cmd
+      ->add_option("--world-size", cli.plan_world,
+                   "ranks to plan for (per-rank memory under parallel.sharding; "
+                   "default: WORLD_SIZE or 1)")
+      ->check(CLI::PositiveNumber);
   cli.plan_cmd
       ->add_option("--sequence-parallel", cli.plan_sequence,
                    "auto | N: plan at parallel.sequence N, or (auto) at every degree that divides the world size, "
@@ -177,7 +184,8 @@ int run_plan(sl::config::RunConfig cfg, const Cli& cli) {
   auto report = sl::planner::plan(cfg, memory);
   if (!search.is_null()) report["sequence_search"] = search;
   fmt::print("{}", sl::planner::format_plan(report));
-  const std::filesystem::path out = cli.plan_out.empty() ? sl::log::default_plan_path(cfg.recipe_name) : std::filesystem::path(cli.plan_out);
+  const std::filesystem::path out =
+      cli.plan_out.empty() ? sl::log::default_plan_path(cfg.recipe_name) : std::filesystem::path(cli.plan_out);
   if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
   sl::log::write_json_file(out, report);
   fmt::print("wrote {}\n", out.string());
@@ -189,7 +197,8 @@ int dispatch(const Cli& cli) {
   if (cli.export_cmd->parsed()) return run_export(cli);
   if (cli.sample_cmd->parsed()) return run_sample(cli);
   if (cli.config_path.empty())
-    throw sl::ConfigError("--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
+    throw sl::ConfigError(
+        "--config: no recipe given; try `trainer --config configs/tiny.yaml` (keys: trainer --help-config)");
   auto overrides = cli.overrides;
   if (cli.no_profile) overrides.push_back("checkpointing.profile_costs=false");
   // plan --memory: the memory to fit, also what a share budget (checkpointing.budget: 90%) is a share of;

@@ -35,7 +35,8 @@ double BlockCost::parts(uint8_t set) const {
 }
 
 double schedule_cost(const std::vector<Segment>& segments, const std::vector<uint8_t>& block_parts,
-                     const std::vector<BlockCost>& costs, double offload_cost, const std::vector<uint8_t>& exchange_kept) {
+                     const std::vector<BlockCost>& costs, double offload_cost,
+                     const std::vector<uint8_t>& exchange_kept) {
   double total = 0;
   for (const auto& s : segments) {
     if (s.offloaded) total += offload_cost;
@@ -129,7 +130,8 @@ void expand_kept(Table& t, int64_t i, int32_t from, double c, double held, const
       if (keep ? !(attention && ex.keep) : (attention && !ex.redo)) continue;
       const double after = held + m.kept[bi][parts] + m.weights[bi] + (keep ? at_or_zero(m.exchange_kept, bi) : 0.0);
       if (!fit.kept_fits(after, i, parts)) continue;
-      t.relax(i + 1, after, c + costs[bi].parts(parts) - (keep ? costs[bi].exchange : 0.0), {from, 0, parts, false, keep});
+      t.relax(i + 1, after, c + costs[bi].parts(parts) - (keep ? costs[bi].exchange : 0.0),
+              {from, 0, parts, false, keep});
     }
   }
 }
@@ -158,14 +160,16 @@ void expand_segments(Table& t, int64_t i, int32_t from, double c, double held, c
     // Every bound only grows with j: a choice that fails stays failed.
     redo = redo && fit.first_pass_fits(held_in, worst_forward) &&
            fit.recompute_fits(held_in, weights + std::max(saved + worst_backward, worst_exchange));
-    keep = keep && fit.first_pass_fits(held_in, worst_kept_forward) && fit.recompute_fits(held_in, weights + saved + worst_backward);
+    keep = keep && fit.first_pass_fits(held_in, worst_kept_forward) &&
+           fit.recompute_fits(held_in, weights + saved + worst_backward);
     if (!redo && !keep) break;
     const auto len = static_cast<int32_t>(j - i);
     const double cost = c + forward - costs[b].output;
     if (redo) t.relax(j, held_in, cost, {from, len, 0});
     if (redo && offload_cost >= 0) t.relax(j, held, cost + offload_cost, {from, len, 0, true});
     if (keep) t.relax(j, held_in + kx, cost - exchange_cost, {from, len, 0, false, true});
-    if (keep && offload_cost >= 0) t.relax(j, held + kx, cost - exchange_cost + offload_cost, {from, len, 0, true, true});
+    if (keep && offload_cost >= 0)
+      t.relax(j, held + kx, cost - exchange_cost + offload_cost, {from, len, 0, true, true});
   }
 }
 
@@ -194,7 +198,8 @@ void read_back(const Table& t, int64_t h, Schedule& out) {
     } else {
       out.segments.push_back({begin, i, true, b.offloaded});
     }
-    for (int64_t k = begin; k < i; ++k) out.exchange_kept[static_cast<size_t>(k)] = b.kept_exchange ? 1 : 0;  // a segment's blocks alike
+    // a segment's blocks alike
+    for (int64_t k = begin; k < i; ++k) out.exchange_kept[static_cast<size_t>(k)] = b.kept_exchange ? 1 : 0;
     any_kept = any_kept || b.kept_exchange;
     i = begin;
     h = b.from;
@@ -214,12 +219,13 @@ Plan as_plan(const Schedule& s) {
   return p;
 }
 
-Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>& costs, double budget_bytes, int64_t quanta,
-                      double offload_cost, config::Exchange exchange) {
+Schedule solve_budget(const memory::ChainModel& m, const std::vector<BlockCost>& costs, double budget_bytes,
+                      int64_t quanta, double offload_cost, config::Exchange exchange) {
   Schedule out;
   const auto L = static_cast<int64_t>(costs.size());
   if (!(budget_bytes > 0) || L == 0 || quanta < 1) return out;
-  if (quanta >= std::numeric_limits<int32_t>::max()) throw std::invalid_argument("solve_budget: quanta must fit in int32");
+  if (quanta >= std::numeric_limits<int32_t>::max())
+    throw std::invalid_argument("solve_budget: quanta must fit in int32");
   const double delta = budget_bytes / static_cast<double>(quanta);
   out.quantum_bytes = delta;
   Table t(L, quanta + 1, delta);
@@ -329,8 +335,9 @@ BlockCost time_block(model::Block& block, const torch::Tensor& x, const model::R
   PieceTimes t;
   for (int rep = 0; rep < 6; ++rep) {
     double attention = 0, mlp = 0, norm = 0, output = 0;
-    const model::LinearAfter timed_parts = [&](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& in,
-                                               const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b) {
+    const model::LinearAfter timed_parts = [&](model::Part part, const model::CheapFn& cheap,
+                                               const std::vector<torch::Tensor>& in, const std::vector<torch::Tensor>&,
+                                               const torch::Tensor& W, const torch::Tensor& b) {
       auto [a, cheap_ms] = timed(device, [&] { return cheap(in); });
       auto [y, linear_ms] = timed(device, [&] { return model::linear(a, W, b); });
       (part == model::Part::attention_proj ? attention : part == model::Part::act_out ? mlp : norm) += cheap_ms;
@@ -358,7 +365,8 @@ double time_exchange(const Scenario& sc, const std::shared_ptr<model::SequenceEx
   const bool fp32_rotary = sc.model.arch == config::Arch::kLlama && c != torch::kFloat32;
   const auto on = [&](torch::ScalarType t) { return torch::TensorOptions().dtype(t).device(device); };
   const auto qkv = torch::zeros({B, positions, 3, nh, hd}, on(fp32_rotary ? torch::kFloat32 : c));
-  const auto y = torch::zeros({B, positions * n, 1, nh / n, hd}, on(fp32_rotary && !device.is_cuda() ? torch::kFloat32 : c));
+  const auto y =
+      torch::zeros({B, positions * n, 1, nh / n, hd}, on(fp32_rotary && !device.is_cuda() ? torch::kFloat32 : c));
   std::vector<double> ms;
   for (int rep = 0; rep < 6; ++rep) {  // the first warms up
     const double t = timed(device, [&] {
@@ -387,12 +395,13 @@ struct ByteMeter {
 // One forward and backward of `block` with selective parts `parts`: what the forward keeps, and the
 // most the backward holds beyond it. The parameters' gradients exist beforehand, as in training, so the
 // backward's weight gradients are transients.
-void measure_parts(model::Block& block, uint8_t parts, const torch::Tensor& x, const model::Rope& rope, ByteMeter& meter,
-                   BlockBytes& out) {
+void measure_parts(model::Block& block, uint8_t parts, const torch::Tensor& x, const model::Rope& rope,
+                   ByteMeter& meter, BlockBytes& out) {
   Options opts;
   auto in = x.detach().requires_grad_();
   const double before = meter.now();
-  auto y = parts == 0 ? block->forward(in, rope) : block->forward_with(in, rope, selective_linear_after(parts, 0, opts));
+  auto y =
+      parts == 0 ? block->forward(in, rope) : block->forward_with(in, rope, selective_linear_after(parts, 0, opts));
   const double after = meter.now();
   out.kept[parts] = std::max(0.0, after - before);
   auto dy = torch::ones_like(y);  // the residual gradient, part of what the model's backward term holds
@@ -522,8 +531,8 @@ std::optional<Plan> try_budget_plan(const Scenario& sc, const Costs& costs) {
   const int64_t budget = memory::activation_budget_bytes(sc);
   const auto mem = solver_model(sc, costs);
   const double offload = sc.placement.offload.activations ? offload_cost(sc, costs, mem.input) : -1.0;
-  const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(sc.model.n_layer), offload,
-                                  sc.checkpointing.exchange);
+  const Schedule s = solve_budget(mem, costs.blocks, static_cast<double>(budget), budget_quanta(sc.model.n_layer),
+                                  offload, sc.checkpointing.exchange);
   if (!s.feasible) return std::nullopt;
   Plan p = as_plan(s);
   p.budget = {budget, static_cast<int64_t>(std::ceil(s.quantum_bytes)), static_cast<int64_t>(s.peak_bytes), s.cost, 0.0,
@@ -563,8 +572,9 @@ Plan budget_plan(const Scenario& sc, const Costs& costs) {
   std::string needed = log::format_bytes(least + transient);
   if (share > 0) {
     const double room = static_cast<double>(budget + transient) / share;
-    needed = room > 0 ? fmt::format("{:.0f}% ({})", std::ceil(100.0 * static_cast<double>(least + transient) / room), needed)
-                      : "more than memory.limit leaves after the model states";
+    needed = room > 0
+                 ? fmt::format("{:.0f}% ({})", std::ceil(100.0 * static_cast<double>(least + transient) / room), needed)
+                 : "more than memory.limit leaves after the model states";
   }
   throw ConfigError(fmt::format(
       "checkpointing.budget: no schedule fits {} of activations at micro-batch {} x {} tokens (checkpointing.budget "
@@ -579,7 +589,8 @@ Plan budget_plan(const Scenario& sc, const Costs& costs) {
 std::optional<Plan> try_plan_for(const Scenario& sc) {
   if (sc.checkpointing.mode.solved()) return formula_plan(sc);
   Plan p = checkpointing::make_plan(sc.checkpointing, sc.model.n_layer);
-  for (auto& s : p.segments) s.offloaded = s.checkpointed && sc.placement.offload.activations;  // every input, in the uniform modes
+  // every input, in the uniform modes
+  for (auto& s : p.segments) s.offloaded = s.checkpointed && sc.placement.offload.activations;
   return p;
 }
 

@@ -93,7 +93,8 @@ Plan as_plan(const Schedule& s);
 // (each block's first pass beside the Kx of those before it), makes no exchange buffers in its
 // recompute, and costs its blocks' exchanges less.
 Schedule solve_budget(const memory::ChainModel& mem, const std::vector<BlockCost>& costs, double budget_bytes,
-                      int64_t quanta = 16384, double offload_cost = -1.0, config::Exchange exchange = config::Exchange::kAuto);
+                      int64_t quanta = 16384, double offload_cost = -1.0,
+                      config::Exchange exchange = config::Exchange::kAuto);
 // The quanta a recipe's schedule is solved with: 16384, or 16 per block for deeper chains (the error
 // bound, n_layer quanta, stays below 1/16 of the budget).
 int64_t budget_quanta(int64_t n_layer);
@@ -120,9 +121,9 @@ Costs formula_costs(const Scenario& sc);
 
 // Costs measured (ms): each piece of one block's forward timed at the run's micro-batch, sequence
 // length, device and precision (median of 5 after a warm-up), and under parallel.sequence the block's
-// two forward exchanges on their own (model->sequence, the same calls on every rank of the group); and, where the device's allocations are
-// tracked (CPU with the tracking allocator, CUDA), the block's bytes for every set of selective parts
-// (a forward and backward each) and without saving. Blocks differ only by their MLP size
+// two forward exchanges on their own (model->sequence, the same calls on every rank of the group); and, where the
+// device's allocations are tracked (CPU with the tracking allocator, CUDA), the block's bytes for every set of
+// selective parts (a forward and backward each) and without saving. Blocks differ only by their MLP size
 // (model.layer_mlp_hidden): one block of each size is measured and stands for every block of that size.
 // The input and the blocks' weights are drawn from a generator seeded with `seed` (train.seed).
 Costs profile_costs(const Scenario& sc, model::GPT& model, torch::Device device, int64_t seed);

@@ -194,8 +194,10 @@ Saved::Meta meta_of(const at::Tensor& t) {
 void check_outputs(const Saved& s, const std::vector<at::Tensor>& outs) {
   if (!s.opts.check_recompute) return;
   auto fail = [&](const std::string& what) {
-    throw Error(kExitInternal, fmt::format("recompute check failed in {}: {} (is the piece non-deterministic, or does it "
-                               "use randomness with checkpointing.preserve_rng: false?)", s.name, what));
+    throw Error(kExitInternal,
+                fmt::format("recompute check failed in {}: {} (is the piece non-deterministic, or does it "
+                            "use randomness with checkpointing.preserve_rng: false?)",
+                            s.name, what));
   };
   if (outs.size() != s.out_meta.size())
     fail(fmt::format("{} outputs in recompute, {} in forward", outs.size(), s.out_meta.size()));
@@ -294,7 +296,8 @@ auto timed(const Saved& s, std::optional<c10::Device> cuda, F&& f) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   auto out = f();
-  s.opts.stats->recompute_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  s.opts.stats->recompute_ms +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return out;
 }
 
@@ -346,7 +349,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
     std::vector<at::Tensor> roots, root_grads;
     for (size_t i = 0; i < outs.size() && i < grad_outputs.size(); ++i)
-      if (grad_outputs[i].defined() && outs[i].requires_grad()) roots.push_back(outs[i]), root_grads.push_back(grad_outputs[i]);
+      if (grad_outputs[i].defined() && outs[i].requires_grad())
+        roots.push_back(outs[i]), root_grads.push_back(grad_outputs[i]);
     const auto [wrt, slot] = targets(ctx, *saved, inputs, n_params);
 
     variable_list result(1 + n_in + n_params);
@@ -505,7 +509,8 @@ void bring_back(ActivationOffload::Slot& slot, Stats& stats, bool prefetch) {
 
 void ActivationOffload::begin_forward() { chain_.clear(); }
 
-std::shared_ptr<ActivationOffload::Slot> ActivationOffload::offload(const std::vector<at::Tensor>& inputs, Stats& stats) {
+std::shared_ptr<ActivationOffload::Slot> ActivationOffload::offload(const std::vector<at::Tensor>& inputs,
+                                                                    Stats& stats) {
   auto slot = std::make_shared<Slot>();
   for (const auto& t : inputs) {
     if (!t.requires_grad()) {
@@ -530,7 +535,8 @@ std::vector<at::Tensor> ActivationOffload::restore(Slot& slot, Stats& stats) {
   slot.prefetched.wait();  // this slot's prefetch, when there was one: before the first use
   slot.prefetched = device::Arrival();
   if (slot.index > 0 && slot.index <= chain_.size())
-    if (auto prev = chain_[slot.index - 1].lock()) bring_back(*prev, stats, /*prefetch=*/true);  // its backward comes next
+    // its backward comes next
+    if (auto prev = chain_[slot.index - 1].lock()) bring_back(*prev, stats, /*prefetch=*/true);
   std::vector<at::Tensor> out = std::move(slot.restored);
   slot.restored.clear();
   slot.host.clear();  // the host copy is not needed again: backward runs once

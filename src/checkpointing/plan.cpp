@@ -90,7 +90,10 @@ nlohmann::json Plan::to_json() const {
   for (const auto& s : segments)
     for (int64_t b = s.begin; b < s.end; ++b) {
       const auto parts = part_names(s.checkpointed ? 0 : parts_of(b));
-      const char* choice = s.offloaded ? "offload" : s.checkpointed ? "recompute" : parts.empty() ? "keep" : "selective";
+      const char* choice = s.offloaded      ? "offload"
+                           : s.checkpointed ? "recompute"
+                           : parts.empty()  ? "keep"
+                                            : "selective";
       blocks.push_back({{"block", b}, {"choice", choice}, {"parts", parts}, {"segment", {s.begin, s.end}},
                         {"exchange", keeps_exchange(b) ? "keep" : "redo"}});
     }
@@ -137,24 +140,25 @@ UniformRule uniform_rule(const config::CheckpointingConfig& cfg, int64_t L) {
     r.size = r.last = L;
     r.parts = parts;
   };
-  std::visit(Visitor{
-                 [&](const mode::None&) { kept(0); },
-                 [&](const mode::Full&) { split(1); },
-                 [&](const mode::Sqrt&) { split(std::max<int64_t>(1, std::llround(std::sqrt(static_cast<double>(L))))); },
-                 [&](const mode::Interval& m) {
-                   if (m.k > 0) return split(m.k);
-                   // checkpoint_sequential style: n segments of L / n blocks, the last one takes the remainder
-                   r.checkpointed = true;
-                   r.count = m.segments;
-                   r.size = L / r.count;
-                   r.last = L - (r.count - 1) * r.size;
-                 },
-                 [&](const mode::Selective& m) { kept(parts_of(m)); },
-                 [&](const mode::Budget&) {
-                   throw std::logic_error("uniform_rule: a budget plan comes from budget::solve_budget");
-                 },
-             },
-             config::choice(cfg));
+  std::visit(
+      Visitor{
+          [&](const mode::None&) { kept(0); },
+          [&](const mode::Full&) { split(1); },
+          [&](const mode::Sqrt&) { split(std::max<int64_t>(1, std::llround(std::sqrt(static_cast<double>(L))))); },
+          [&](const mode::Interval& m) {
+            if (m.k > 0) return split(m.k);
+            // checkpoint_sequential style: n segments of L / n blocks, the last one takes the remainder
+            r.checkpointed = true;
+            r.count = m.segments;
+            r.size = L / r.count;
+            r.last = L - (r.count - 1) * r.size;
+          },
+          [&](const mode::Selective& m) { kept(parts_of(m)); },
+          [&](const mode::Budget&) {
+            throw std::logic_error("uniform_rule: a budget plan comes from budget::solve_budget");
+          },
+      },
+      config::choice(cfg));
   return r;
 }
 
@@ -171,7 +175,8 @@ void lay_out(const UniformRule& r, int64_t L, Plan& p) {
     return;
   }
   p.k = r.size;
-  for (int64_t i = 0; i < r.count; ++i) p.segments.push_back({i * r.size, i == r.count - 1 ? L : (i + 1) * r.size, true});
+  for (int64_t i = 0; i < r.count; ++i)
+    p.segments.push_back({i * r.size, i == r.count - 1 ? L : (i + 1) * r.size, true});
   if (r.skip_last) p.segments.back().checkpointed = false;
 }
 

@@ -33,7 +33,8 @@ device::Label unit_label() {
 // Otherwise nothing is added to the graph.
 void mark_backward(int64_t unit, const torch::Tensor& out) {
   if (!device::detailed_tags() || !torch::GradMode::is_enabled() || !out.defined() || !out.requires_grad()) return;
-  out.register_hook([u = static_cast<int32_t>(unit)](const torch::Tensor&) { device::set_phase(device::Phase::backward, u); });
+  out.register_hook(
+      [u = static_cast<int32_t>(unit)](const torch::Tensor&) { device::set_phase(device::Phase::backward, u); });
 }
 
 }  // namespace
@@ -42,14 +43,14 @@ model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Op
   static const char* kPartNames[] = {"norm1->qkv", "attention->proj", "norm2->fc", "act->out"};
   const std::array<bool, 4> recompute = {(parts & kPartNorm) != 0, (parts & kPartAttention) != 0,
                                          (parts & kPartNorm) != 0, (parts & kPartMlp) != 0};
-  return [recompute, layer, keep_exchange, o = &opts](model::Part part, const model::CheapFn& cheap,
-                                                      const std::vector<torch::Tensor>& inputs,
-                                                      const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W,
-                                                      const torch::Tensor& b) {
+  return [recompute, layer, keep_exchange, o = &opts](
+             model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
+             const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W, const torch::Tensor& b) {
     const auto i = static_cast<size_t>(part);
     if (!recompute[i]) return model::linear(cheap(inputs), W, b);
     const auto name = fmt::format("block {} {}", layer, kPartNames[i]);
-    if (part != model::Part::attention_proj || !keep_exchange) return recompute_then_linear(name, cheap, inputs, cheap_params, W, b, *o);
+    if (part != model::Part::attention_proj || !keep_exchange)
+      return recompute_then_linear(name, cheap, inputs, cheap_params, W, b, *o);
     Options keeping = *o;  // the attention's piece keeps its exchanges
     keeping.keep_exchange = true;
     return recompute_then_linear(name, cheap, inputs, cheap_params, W, b, keeping);
@@ -107,7 +108,8 @@ torch::Tensor Runner::block_forward_unhooked(model::BlockImpl& block, const torc
   }
   const uint8_t parts = plan_.parts_of(block.layer);
   if (parts == 0) return block.forward(x, rope);
-  return block.forward_with(x, rope, selective_linear_after(parts, block.layer, opts_, plan_.keeps_exchange(block.layer)));
+  return block.forward_with(x, rope,
+                            selective_linear_after(parts, block.layer, opts_, plan_.keeps_exchange(block.layer)));
 }
 
 torch::Tensor Runner::forward(const torch::Tensor& idx) {

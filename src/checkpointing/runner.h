@@ -21,7 +21,8 @@ namespace sl::checkpointing {
 // on the chosen cheap-op -> linear pairs, plain linears on the others. What Runner runs in a kept block,
 // and what the budget profile measures; `opts` must outlive the forward it is used in. keep_exchange: the
 // recomputed attention keeps its sequence exchanges (Options::keep_exchange).
-model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts, bool keep_exchange = false);
+model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Options& opts,
+                                          bool keep_exchange = false);
 
 // Called around each unit of the forward (unit 0 the embeddings, 1..L the blocks, L+1 the final
 // norm and head), in the first forward and again when a block is recomputed. ZeRO-3 gathers a unit's
@@ -29,7 +30,8 @@ model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Op
 // embeddings), `out` its output. `flush` ends a chain of units (end of a forward or of a recompute).
 struct UnitHooks {
   std::function<void(int64_t unit)> before;
-  std::function<void(int64_t unit, const torch::Tensor& in, const torch::Tensor& out, bool needs_params_in_backward)> after;
+  std::function<void(int64_t unit, const torch::Tensor& in, const torch::Tensor& out, bool needs_params_in_backward)>
+      after;
   std::function<void()> flush;
 };
 
@@ -44,7 +46,9 @@ class Runner {
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
   const Plan& plan() const { return plan_; }
   // Runs before each recompute with the piece's name (sharding re-gathers parameters here).
-  void set_pre_recompute_hook(std::function<void(const std::string&)> hook) { opts_.pre_recompute_hook = std::move(hook); }
+  void set_pre_recompute_hook(std::function<void(const std::string&)> hook) {
+    opts_.pre_recompute_hook = std::move(hook);
+  }
   void set_unit_hooks(UnitHooks hooks) { hooks_ = std::move(hooks); }
   Stats take_stats();  // since the last call
   // Forward FLOPs per token that backward re-runs (for HFU): each checkpointed block's

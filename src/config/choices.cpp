@@ -26,7 +26,9 @@ void to_json(nlohmann::json& j, const CudaGraphs& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const Exchange& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const DataSource& c) { name_to_json(j, c); }
 void to_json(nlohmann::json& j, const RawDtype& c) { name_to_json(j, c); }
-void to_json(nlohmann::json& j, const MicroBatch& m) { j = m.is_auto() ? nlohmann::json("auto") : nlohmann::json(m.value()); }
+void to_json(nlohmann::json& j, const MicroBatch& m) {
+  j = m.is_auto() ? nlohmann::json("auto") : nlohmann::json(m.value());
+}
 
 int64_t MicroBatch::value() const {
   if (auto_) throw std::logic_error("train.micro_batch: auto read as a number before set-up chose one");

@@ -1,11 +1,11 @@
 // The recipe's named choices, parsed once where the recipe is read: parallel.sharding (Sharding),
 // checkpointing.mode (CheckpointingMode), model.arch (Arch), the precision dtypes (Dtype),
 // precision.tf32 (Tf32), parallel.backend (Backend), train.device (DeviceChoice), train.on_nonfinite
-// (OnNonfinite), train.on_spike (OnSpike), train.cuda_graphs (CudaGraphs), checkpointing.exchange (Exchange), data.source (DataSource) and data.raw_dtype (RawDtype). Past the parser no
-// code sees their names: it asks the value what it does (sharding.shards_params(), dtype.bytes()) or
-// compares values (mode == CheckpointingMode::kBudget). Comparing one with a string does not compile,
-// and scripts/check_design.py keeps src/ free of string comparisons with these names.
-// Torch-free: the planner and the formulas use them too.
+// (OnNonfinite), train.on_spike (OnSpike), train.cuda_graphs (CudaGraphs), checkpointing.exchange (Exchange),
+// data.source (DataSource) and data.raw_dtype (RawDtype). Past the parser no code sees their names: it asks the value
+// what it does (sharding.shards_params(), dtype.bytes()) or compares values (mode == CheckpointingMode::kBudget).
+// Comparing one with a string does not compile, and scripts/check_design.py keeps src/ free of string comparisons with
+// these names. Torch-free: the planner and the formulas use them too.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -51,7 +51,8 @@ class Sharding : public NamedChoice<Sharding> {
   static constexpr std::array<std::string_view, 4> kNames = {"none", "zero1", "zero2", "zero3"};
 
   constexpr Sharding() : Sharding(kNone) {}
-  constexpr Sharding(Stage s) : NamedChoice(s) {}  // NOLINT(google-explicit-constructor): Sharding::kZero3 reads as a value
+  // NOLINT(google-explicit-constructor): Sharding::kZero3 reads as a value
+  constexpr Sharding(Stage s) : NamedChoice(s) {}
 
   constexpr Stage stage() const { return kind(); }
 
@@ -155,7 +156,8 @@ class OnSpike : public NamedChoice<OnSpike> {
   constexpr OnSpike() : OnSpike(kWarn) {}
   constexpr OnSpike(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
 
-  constexpr bool holds() const { return kind() == kSkip || kind() == kStop; }  // the spike's step leaves the weights untouched
+  // the spike's step leaves the weights untouched
+  constexpr bool holds() const { return kind() == kSkip || kind() == kStop; }
 };
 
 // train.cuda_graphs: whether a micro-batch's forward and backward are captured into a CUDA graph and

@@ -280,7 +280,8 @@ struct Selective {
 };
 using Budget = config::Budget;  // the activation memory a step may use
 }  // namespace mode
-using CheckpointingChoice = std::variant<mode::None, mode::Full, mode::Interval, mode::Sqrt, mode::Selective, mode::Budget>;
+using CheckpointingChoice =
+    std::variant<mode::None, mode::Full, mode::Interval, mode::Sqrt, mode::Selective, mode::Budget>;
 CheckpointingChoice choice(const CheckpointingConfig& ck);
 
 

@@ -30,7 +30,8 @@ Shape::Shape(const ModelConfig& m)
       layer_hidden_(m.layer_mlp_hidden) {
   padding_params_ = sat_mul(sat_mul(tied ? 1 : 2, vocab_rows - m.vocab_size), n_embd);
   hidden_ = m.mlp_hidden > 0 ? m.mlp_hidden : llama ? round_up(2 * 4 * m.n_embd / 3, 256) : 4 * m.n_embd;
-  for (int64_t l = 1; l < static_cast<int64_t>(layer_hidden_.size()); ++l) uniform_ = uniform_ && hidden(l) == hidden(0);
+  for (int64_t l = 1; l < static_cast<int64_t>(layer_hidden_.size()); ++l)
+    uniform_ = uniform_ && hidden(l) == hidden(0);
   widest_ = hidden(0);
   if (!uniform_)
     for (int64_t l = 1; l < n_layer; ++l) widest_ = std::max(widest_, hidden(l));
@@ -55,7 +56,9 @@ int64_t Shape::block_params_of_width(int64_t H) const {
   return n;
 }
 
-int64_t Shape::head_params() const { return sat_add(bias ? 2 * n_embd : n_embd, tied ? 0 : sat_mul(vocab_rows, n_embd)); }
+int64_t Shape::head_params() const {
+  return sat_add(bias ? 2 * n_embd : n_embd, tied ? 0 : sat_mul(vocab_rows, n_embd));
+}
 
 int64_t Shape::total_params() const {
   int64_t blocks = 0;  // n_layer times one block's, or with per-block widths their sum

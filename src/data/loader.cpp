@@ -65,8 +65,13 @@ class MappedFile {
 // llm.c shards (after their header) and headerless token files alike.
 class MappedTokens final : public TokenSource {
  public:
-  MappedTokens(std::string path, std::shared_ptr<MappedFile> file, size_t offset, int width, int64_t n, std::string kind)
-      : path_(std::move(path)), file_(std::move(file)), base_(file_->data() + offset), width_(width), n_(n),
+  MappedTokens(std::string path, std::shared_ptr<MappedFile> file, size_t offset, int width, int64_t n,
+               std::string kind)
+      : path_(std::move(path)),
+        file_(std::move(file)),
+        base_(file_->data() + offset),
+        width_(width),
+        n_(n),
         kind_(std::move(kind)) {}
   int64_t size() const override { return n_; }
   int64_t at(int64_t i) const {
@@ -115,7 +120,8 @@ std::string no_llmc_header(const std::string& path, int32_t first_word) {
 // The token width an llm.c header's version means: 1 = uint16, 2 = uint32.
 int llmc_width(const std::string& path, int32_t version) {
   if (version == 1 || version == 2) return version == 1 ? 2 : 4;
-  throw DataError(fmt::format("{}: unsupported llm.c shard version {} (1: uint16 tokens, 2: uint32 tokens)", path, version));
+  throw DataError(
+      fmt::format("{}: unsupported llm.c shard version {} (1: uint16 tokens, 2: uint32 tokens)", path, version));
 }
 
 std::unique_ptr<MappedTokens> map_llmc(const std::string& path) {
@@ -133,9 +139,11 @@ std::unique_ptr<MappedTokens> map_llmc(const std::string& path) {
   const int64_t n = header[2];
   const size_t expected = header_bytes + static_cast<size_t>(n) * static_cast<size_t>(width);
   if (file->size() != expected)
-    throw DataError(fmt::format("{}: {} ({} bytes, the header promises {} tokens = {} bytes); re-create the shard", path,
-                                file->size() < expected ? "truncated" : "has trailing bytes", file->size(), n, expected));
-  return std::make_unique<MappedTokens>(path, std::move(file), header_bytes, width, n, width == 2 ? "llm.c" : "llm.c uint32");
+    throw DataError(fmt::format("{}: {} ({} bytes, the header promises {} tokens = {} bytes); re-create the shard",
+                                path, file->size() < expected ? "truncated" : "has trailing bytes", file->size(), n,
+                                expected));
+  return std::make_unique<MappedTokens>(path, std::move(file), header_bytes, width, n,
+                                        width == 2 ? "llm.c" : "llm.c uint32");
 }
 
 std::unique_ptr<MappedTokens> map_raw(const std::string& path, int width) {
@@ -143,7 +151,8 @@ std::unique_ptr<MappedTokens> map_raw(const std::string& path, int width) {
   int32_t first = 0;
   if (file->size() >= 4) std::memcpy(&first, file->data(), 4);
   if (first == kShardMagic)
-    throw DataError(fmt::format("{}: this file has an llm.c shard header (magic {}); use data.source: llmc", path, kShardMagic));
+    throw DataError(
+        fmt::format("{}: this file has an llm.c shard header (magic {}); use data.source: llmc", path, kShardMagic));
   if (file->size() % static_cast<size_t>(width) != 0)
     throw DataError(fmt::format("{}: {} bytes is not a whole number of {}-byte tokens; check data.raw_dtype (uint16 | "
                                 "uint32) or whether the file is truncated", path, file->size(), width));
@@ -167,7 +176,8 @@ class VectorSource final : public TokenSource {
 
 class SliceSource final : public TokenSource {
  public:
-  SliceSource(std::shared_ptr<TokenSource> base, int64_t begin, int64_t n) : base_(std::move(base)), begin_(begin), n_(n) {}
+  SliceSource(std::shared_ptr<TokenSource> base, int64_t begin, int64_t n)
+      : base_(std::move(base)), begin_(begin), n_(n) {}
   int64_t size() const override { return n_; }
   void read(int64_t begin, int64_t n, int64_t* out) const override { base_->read(begin_ + begin, n, out); }
   std::string describe() const override {
@@ -236,7 +246,8 @@ std::unique_ptr<TokenSource> open_raw(const std::string& path, int64_t vocab_siz
 
 std::unique_ptr<TokenSource> open_text(const std::string& path, int64_t vocab_size) {
   if (vocab_size < 256)
-    throw DataError(fmt::format("{}: text data needs model.vocab_size >= 256 (one token per byte), got {}", path, vocab_size));
+    throw DataError(
+        fmt::format("{}: text data needs model.vocab_size >= 256 (one token per byte), got {}", path, vocab_size));
   MappedFile file(path);
   if (const std::string why = binary_evidence(file.data(), file.size()); !why.empty())
     spdlog::warn("{}: data.source is text but the file looks binary ({}); every byte becomes a token. If it holds "
@@ -287,7 +298,8 @@ void write_llmc(const std::string& path, const std::vector<int64_t>& tokens) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(header.data()), static_cast<std::streamsize>(header.size() * sizeof(int32_t)));
+    out.write(reinterpret_cast<const char*>(header.data()),
+              static_cast<std::streamsize>(header.size() * sizeof(int32_t)));
     out.write(reinterpret_cast<const char*>(body.data()), static_cast<std::streamsize>(body.size() * sizeof(uint16_t)));
     if (!out) {
       std::filesystem::remove(tmp);
@@ -306,8 +318,10 @@ Loader::Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t
       seed_(seed),
       state_(seed) {
   if (source_->size() < T_ + 1)
-    throw DataError(fmt::format("{}: only {} tokens, fewer than one sequence of train.seq_len + 1 = {}; "
-                                "use more data or a shorter train.seq_len", source_->describe(), source_->size(), T_ + 1));
+    throw DataError(
+        fmt::format("{}: only {} tokens, fewer than one sequence of train.seq_len + 1 = {}; "
+                    "use more data or a shorter train.seq_len",
+                    source_->describe(), source_->size(), T_ + 1));
 }
 
 Batch Loader::next() {
@@ -352,8 +366,10 @@ std::filesystem::path tokenizer_path(const config::DataConfig& d) {
   std::error_code ec;
   if (!d.tokenizer.empty()) {
     if (!std::filesystem::is_regular_file(d.tokenizer, ec))
-      throw DataError(fmt::format("data.tokenizer: {} does not exist; give the tokenizer.json scripts/prepare_data.py wrote "
-                                  "beside the shards, or \"\" for none", d.tokenizer));
+      throw DataError(
+          fmt::format("data.tokenizer: {} does not exist; give the tokenizer.json scripts/prepare_data.py wrote "
+                      "beside the shards, or \"\" for none",
+                      d.tokenizer));
     return d.tokenizer;
   }
   if (!d.source.token_file()) return {};

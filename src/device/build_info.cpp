@@ -97,7 +97,8 @@ Json cuda_info() {
   const bool nccl = false;
 #endif
 #if defined(SUBLINEAR_CUDA_KERNELS)
-  const bool kernels = true;  // src/kernels/cuda/*.cu built in (CMake: a CUDA compiler found, SUBLINEAR_CUDA_KERNELS on)
+  // src/kernels/cuda/*.cu built in (CMake: a CUDA compiler found, SUBLINEAR_CUDA_KERNELS on)
+  const bool kernels = true;
 #else
   const bool kernels = false;
 #endif
@@ -163,12 +164,13 @@ std::string version_text(const Json& info) {
   text += fmt::format("CUDA kernels: {}\n", yes_no(cuda["kernels"]));  // bench/gpu.sh requires yes on a GPU
   text += fmt::format("CPU code: compiled for {}; fused kernels built for {}\n", joined(cpu["compiled_isa"], " "),
                       joined(cpu["kernels"], ", "));
-  text += fmt::format("this CPU: {}; avx2_fma {}, avx512 {}, avx512_bf16 {}, amx_bf16 {}, avx512_fp16 {}; fused kernels "
-                      "run {}, ATen dispatches {}, bf16 linears take {}\n",
-                      here["cpu_model"].get<std::string>(), yes_no(here["avx2_fma"]), yes_no(here["avx512"]),
-                      yes_no(here["avx512_bf16"]), yes_no(here["amx_bf16"]), yes_no(here["avx512_fp16"]),
-                      here["fused_kernels"].get<std::string>(), here["aten_cpu_capability"].get<std::string>(),
-                      here["bf16_linear"].get<std::string>());
+  text += fmt::format(
+      "this CPU: {}; avx2_fma {}, avx512 {}, avx512_bf16 {}, amx_bf16 {}, avx512_fp16 {}; fused kernels "
+      "run {}, ATen dispatches {}, bf16 linears take {}\n",
+      here["cpu_model"].get<std::string>(), yes_no(here["avx2_fma"]), yes_no(here["avx512"]),
+      yes_no(here["avx512_bf16"]), yes_no(here["amx_bf16"]), yes_no(here["avx512_fp16"]),
+      here["fused_kernels"].get<std::string>(), here["aten_cpu_capability"].get<std::string>(),
+      here["bf16_linear"].get<std::string>());
   text.pop_back();  // the last line's newline: the caller ends it
   return text;
 }

@@ -29,7 +29,8 @@ std::string lower(std::string s) {
 unsigned isa_mask(const std::string& name) {
   enum : unsigned { sse41 = 1, avx = 2, avx2 = 4, avx_vnni = 8, avx2_vnni_2 = 16, a512 = 32, a512_vnni = 64,
                     a512_bf16 = 128, avx10_1 = 256, amx = 512, amx_fp16 = 1024, avx10_2 = 2048, amx_2 = 4096 };
-  const unsigned m_avx2 = sse41 | avx | avx2, m_avx2_vnni = m_avx2 | avx_vnni, m_avx2_vnni_2 = m_avx2_vnni | avx2_vnni_2;
+  const unsigned m_avx2 = sse41 | avx | avx2, m_avx2_vnni = m_avx2 | avx_vnni,
+                 m_avx2_vnni_2 = m_avx2_vnni | avx2_vnni_2;
   const unsigned m_bf16 = m_avx2 | a512 | a512_vnni | a512_bf16, m_avx10_1 = m_bf16 | m_avx2_vnni_2 | avx10_1;
   const unsigned m_amx = m_avx10_1 | amx, m_amx_fp16 = m_amx | amx_fp16, m_avx10_2 = m_avx10_1 | avx10_2;
   static const std::array<std::pair<const char*, unsigned>, 19> masks{{
@@ -151,7 +152,8 @@ nlohmann::json CpuFeatures::to_json() const {
           {"avx512_lanes", avx512_lanes},
           {"bf16_matmul", to_string(bf16_matmul)},
           {"fp16_matmul", to_string(fp16_matmul)},
-          {"bf16_linear", to_string(linear_path(config::Dtype::kBf16))},  // the model's linears: widened where bf16_matmul is aten or emulated
+          // the model's linears: widened where bf16_matmul is aten or emulated
+          {"bf16_linear", to_string(linear_path(config::Dtype::kBf16))},
           {"fp16_linear", to_string(linear_path(config::Dtype::kFp16))},
           {"fused_kernels", kernel_clone_name()},
           {"gelu_lanes", gelu_lanes()},  // 16 where the GELU's vector clone runs on AVX-512

@@ -37,9 +37,9 @@ c10::Device resolve_device(const config::TrainConfig& t, int64_t local_rank) {
 void check_local_rank(int64_t local_rank, int64_t device_count, const std::string& visible_devices,
                       bool local_rank_set) {
   if (local_rank >= 0 && local_rank < device_count) return;
-  const std::string visible = fmt::format("{} CUDA device{} {} visible{}", device_count, device_count == 1 ? "" : "s",
-                                          device_count == 1 ? "is" : "are",
-                                          visible_devices.empty() ? "" : " (CUDA_VISIBLE_DEVICES=" + visible_devices + ")");
+  const std::string visible = fmt::format(
+      "{} CUDA device{} {} visible{}", device_count, device_count == 1 ? "" : "s", device_count == 1 ? "is" : "are",
+      visible_devices.empty() ? "" : " (CUDA_VISIBLE_DEVICES=" + visible_devices + ")");
   const std::string more = visible_devices.empty() ? "" : ", or list more devices in CUDA_VISIBLE_DEVICES";
   if (local_rank_set)
     throw ConfigError(fmt::format("LOCAL_RANK={} but only {}: each rank uses the CUDA device numbered by its "
@@ -67,7 +67,8 @@ void set_tf32(bool on) {
 }
 
 bool tf32_matmuls() {
-  return at::globalContext().float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL) == at::Float32Precision::TF32;
+  return at::globalContext().float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL) ==
+         at::Float32Precision::TF32;
 }
 
 void end_step(c10::Device device) {

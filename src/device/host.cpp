@@ -251,7 +251,8 @@ void PinnedPool::give_back(PinnedBlock* b) noexcept {
 
 // A pooled host tensor like `like` (its sizes, and its strides when dense; contiguous otherwise) of
 // `dtype`; the tensor holds the block, which goes back to the pool with the tensor's last view.
-at::Tensor pinned_like(const at::Tensor& like, c10::ScalarType dtype, c10::DeviceIndex dev, std::shared_ptr<PinnedBlock>& block) {
+at::Tensor pinned_like(const at::Tensor& like, c10::ScalarType dtype, c10::DeviceIndex dev,
+                       std::shared_ptr<PinnedBlock>& block) {
   block = pool().take(static_cast<size_t>(like.numel()) * c10::elementSize(dtype), dev);
   const auto opts = at::TensorOptions().dtype(dtype).device(c10::kCPU);
   auto keep = [held = block](void*) {};
@@ -267,7 +268,8 @@ std::shared_ptr<PinnedBlock> pooled_block(const at::Tensor& h) {
 // `dst` from `src` (one on CUDA device `dev`, the other host memory in `block`, the same dtype) on
 // the side stream, after the current stream's queued work; the event after it is the Arrival and
 // the block's last copy. The device tensor is record_stream'ed on the side stream.
-Arrival side_copy(const at::Tensor& dst, const at::Tensor& src, const std::shared_ptr<PinnedBlock>& block, c10::DeviceIndex dev) {
+Arrival side_copy(const at::Tensor& dst, const at::Tensor& src, const std::shared_ptr<PinnedBlock>& block,
+                  c10::DeviceIndex dev) {
   const auto side = side_after_current(dev);
   {
     const c10::cuda::CUDAStreamGuard guard(side);
@@ -383,7 +385,8 @@ at::Tensor to_host(const at::Tensor& t, Arrival* pending) {
 
 at::Tensor to_host_reusing(const at::Tensor& t, const at::Tensor& reuse) {
   const bool fits = reuse.defined() && reuse.device().is_cpu() && (t.device().is_cpu() || t.device().is_cuda()) &&
-                    reuse.scalar_type() == t.scalar_type() && reuse.sizes() == t.sizes() && reuse.strides() == t.strides();
+                    reuse.scalar_type() == t.scalar_type() && reuse.sizes() == t.sizes() &&
+                    reuse.strides() == t.strides();
   if (!fits) return to_host(t);
   if (async_cuda(t) && copy_to_pooled_host(reuse, t)) return reuse;
   reuse.copy_(t);
@@ -490,7 +493,8 @@ bool same_layout(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>
 }
 
 // Contiguous host tensors like `src`'s viewing a new block in packed_offsets' layout; each holds the block.
-std::vector<at::Tensor> pinned_views(const std::vector<at::Tensor>& src, const std::shared_ptr<HostSnapshot::Pinned>& block,
+std::vector<at::Tensor> pinned_views(const std::vector<at::Tensor>& src,
+                                     const std::shared_ptr<HostSnapshot::Pinned>& block,
                                      const std::vector<int64_t>& offsets) {
   std::vector<at::Tensor> out;
   out.reserve(src.size());
@@ -516,7 +520,8 @@ HostSnapshot HostSnapshot::take(const std::vector<at::Tensor>& src, HostSnapshot
   const c10::DeviceIndex cuda = cuda_index(src);
   if (cuda < 0) {  // cpu, lazy: tensor by tensor, finished here
     out.tensors_.reserve(src.size());
-    for (size_t i = 0; i < src.size(); ++i) out.tensors_.push_back(to_host_reusing(src[i], fits ? reuse.tensors_[i] : at::Tensor()));
+    for (size_t i = 0; i < src.size(); ++i)
+      out.tensors_.push_back(to_host_reusing(src[i], fits ? reuse.tensors_[i] : at::Tensor()));
     return out;
   }
   if (fits && reuse.pinned_) {

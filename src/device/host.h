@@ -83,11 +83,11 @@ class Arrival {
 };
 
 // A host-placed copy of `t` (same dtype, values, sizes and strides when they are dense; contiguous
-// otherwise; from another device, the layout its copy to the CPU gives), and the way back: a copy of host tensor `h` in `device`'s memory with its layout. A
-// restored tensor meets the kernels the original met (a stride change could change their bits).
-// From CUDA, with `pending`: the copy may still be in flight when to_host returns and *pending is
-// where it lands; the host tensor may then be read only by copies back to the device (the same side
-// stream, after it) or after pending->host_wait(). Without: landed when it returns.
+// otherwise; from another device, the layout its copy to the CPU gives), and the way back: a copy of host tensor `h` in
+// `device`'s memory with its layout. A restored tensor meets the kernels the original met (a stride change could change
+// their bits). From CUDA, with `pending`: the copy may still be in flight when to_host returns and *pending is where it
+// lands; the host tensor may then be read only by copies back to the device (the same side stream, after it) or after
+// pending->host_wait(). Without: landed when it returns.
 at::Tensor to_host(const at::Tensor& t, Arrival* pending = nullptr);
 // to_host(t) into `reuse` when it is a host copy of the same dtype, sizes and strides (copied in place:
 // no new allocation, no page faults); otherwise (undefined, another layout, the lazy device, which

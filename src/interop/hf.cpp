@@ -117,7 +117,8 @@ std::optional<config::Arch> arch_of_model_type(std::string_view type) {
 }
 
 Json gpt2_config(const config::ModelConfig& m) {
-  const bool has_gpt2_ids = m.vocab_size > 50256;  // GPT-2's <|endoftext|>; a byte vocabulary has none (hf_config may override)
+  // GPT-2's <|endoftext|>; a byte vocabulary has none (hf_config may override)
+  const bool has_gpt2_ids = m.vocab_size > 50256;
   return {{"architectures", {"GPT2LMHeadModel"}},
           {"model_type", model_type(config::Arch::kGpt2)},
           {"vocab_size", m.vocab_size},
@@ -174,7 +175,8 @@ void compare(const Json& hf, const std::vector<ConfigCheck>& checks, std::vector
   for (const auto& c : checks) {
     if (!hf.contains(c.hf_key)) continue;
     const Json& theirs = hf.at(c.hf_key);
-    const bool same = theirs.is_number() && c.ours.is_number() ? theirs.get<double>() == c.ours.get<double>() : theirs == c.ours;
+    const bool same =
+        theirs.is_number() && c.ours.is_number() ? theirs.get<double>() == c.ours.get<double>() : theirs == c.ours;
     if (!same)
       diffs.push_back(fmt::format("{} is {} but the recipe gives {}{}", c.hf_key, theirs.dump(), c.ours.dump(),
                                   c.recipe_key[0] ? fmt::format(" (set {}: {})", c.recipe_key, theirs.dump()) : ""));
@@ -191,15 +193,22 @@ void check_gpt2_config(const Json& hf, const config::ModelConfig& m, std::vector
   if (act != "gelu_new" && act != "gelu_pytorch_tanh")
     diffs.push_back(fmt::format("activation_function is \"{}\"; this trainer's GELU is the tanh approximation "
                                 "(\"gelu_new\"), so the model would compute something else", act));
-  compare(hf, {{"n_layer", m.n_layer, "model.n_layer"}, {"n_head", m.n_head, "model.n_head"},
-               {"n_embd", m.n_embd, "model.n_embd"}, {"vocab_size", m.vocab_size, "model.vocab_size"},
-               {"n_positions", m.max_seq_len, "model.max_seq_len"}, {"layer_norm_epsilon", m.norm_eps, "model.norm_eps"},
-               {"tie_word_embeddings", m.tie_embeddings, "model.tie_embeddings"},
-               {"scale_attn_weights", true, ""}, {"scale_attn_by_inverse_layer_idx", false, ""}}, diffs);
+  compare(hf,
+          {{"n_layer", m.n_layer, "model.n_layer"},
+           {"n_head", m.n_head, "model.n_head"},
+           {"n_embd", m.n_embd, "model.n_embd"},
+           {"vocab_size", m.vocab_size, "model.vocab_size"},
+           {"n_positions", m.max_seq_len, "model.max_seq_len"},
+           {"layer_norm_epsilon", m.norm_eps, "model.norm_eps"},
+           {"tie_word_embeddings", m.tie_embeddings, "model.tie_embeddings"},
+           {"scale_attn_weights", true, ""},
+           {"scale_attn_by_inverse_layer_idx", false, ""}},
+          diffs);
 }
 
 double rope_theta_of(const Json& hf, double fallback) {
-  if (hf.contains("rope_parameters") && hf["rope_parameters"].is_object() && hf["rope_parameters"].contains("rope_theta"))
+  if (hf.contains("rope_parameters") && hf["rope_parameters"].is_object() &&
+      hf["rope_parameters"].contains("rope_theta"))
     return hf["rope_parameters"]["rope_theta"].get<double>();
   return hf.value("rope_theta", fallback);
 }
@@ -207,22 +216,33 @@ double rope_theta_of(const Json& hf, double fallback) {
 void check_llama_config(const Json& hf, const config::ModelConfig& m, std::vector<std::string>& diffs) {
   const double theta = rope_theta_of(hf, m.rope_theta);
   if (theta != m.rope_theta)
-    diffs.push_back(fmt::format("rope_theta is {} but the recipe gives {} (set model.rope_theta: {})", theta, m.rope_theta, theta));
+    diffs.push_back(
+        fmt::format("rope_theta is {} but the recipe gives {} (set model.rope_theta: {})", theta, m.rope_theta, theta));
   const Json rp = hf.value("rope_parameters", Json(nullptr)), rs = hf.value("rope_scaling", Json(nullptr));
   const std::string rope_type = rp.is_object() ? rp.value("rope_type", "default") : "default";
   if (rope_type != "default" || !rs.is_null())
     diffs.push_back(fmt::format("RoPE scaling \"{}\" is not supported; only the default rotary embedding is",
                                 rs.is_null() ? rope_type : rs.dump()));
-  compare(hf, {{"num_hidden_layers", m.n_layer, "model.n_layer"}, {"num_attention_heads", m.n_head, "model.n_head"},
-               {"num_key_value_heads", m.n_head, ""}, {"hidden_size", m.n_embd, "model.n_embd"},
-               {"head_dim", m.n_embd / m.n_head, ""}, {"intermediate_size", config::Shape(m).hidden(), "model.mlp_hidden"},
-               {"vocab_size", m.vocab_size, "model.vocab_size"}, {"rms_norm_eps", m.norm_eps, "model.norm_eps"},
-               {"tie_word_embeddings", m.tie_embeddings, "model.tie_embeddings"}, {"hidden_act", "silu", ""},
-               {"attention_bias", false, ""}, {"mlp_bias", false, ""}}, diffs);
+  compare(hf,
+          {{"num_hidden_layers", m.n_layer, "model.n_layer"},
+           {"num_attention_heads", m.n_head, "model.n_head"},
+           {"num_key_value_heads", m.n_head, ""},
+           {"hidden_size", m.n_embd, "model.n_embd"},
+           {"head_dim", m.n_embd / m.n_head, ""},
+           {"intermediate_size", config::Shape(m).hidden(), "model.mlp_hidden"},
+           {"vocab_size", m.vocab_size, "model.vocab_size"},
+           {"rms_norm_eps", m.norm_eps, "model.norm_eps"},
+           {"tie_word_embeddings", m.tie_embeddings, "model.tie_embeddings"},
+           {"hidden_act", "silu", ""},
+           {"attention_bias", false, ""},
+           {"mlp_bias", false, ""}},
+          diffs);
 }
 
 bool is_ignored_buffer(const std::string& name) {
-  auto ends_with = [&](const std::string& s) { return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0; };
+  auto ends_with = [&](const std::string& s) {
+    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
   return ends_with(".attn.bias") || ends_with(".attn.masked_bias") || ends_with("rotary_emb.inv_freq");
 }
 
@@ -242,9 +262,10 @@ std::vector<int64_t> HfTensor::param_shape() const {
 
 std::vector<HfTensor> hf_layout(const config::ModelConfig& m) {
   if (!config::Shape(m).uniform())
-    throw ConfigError("model.layer_mlp_hidden: Hugging Face's GPT-2 and LLaMA classes give every block one MLP size, so "
-                      "this model (blocks of differing MLP sizes) has no Hugging Face layout; use its training states "
-                      "(state.*) instead");
+    throw ConfigError(
+        "model.layer_mlp_hidden: Hugging Face's GPT-2 and LLaMA classes give every block one MLP size, so "
+        "this model (blocks of differing MLP sizes) has no Hugging Face layout; use its training states "
+        "(state.*) instead");
   std::vector<HfTensor> out;
   if (m.arch == config::Arch::kLlama) llama_layout(m, out);
   else gpt2_layout(m, out);
@@ -321,9 +342,10 @@ std::vector<std::string> config_differences(const Json& hf, const config::ModelC
 void check_hf_config(const Json& hf, const config::ModelConfig& m, const std::string& where) {
   const auto diffs = config_differences(hf, m, "model.init_from", where);
   if (!diffs.empty())
-    throw DataError(fmt::format("model.init_from: {} describes another model than the recipe: {}. Make the recipe match "
-                                "the checkpoint (or remove config.json if it is stale)",
-                                where, fmt::join(diffs, "; ")));
+    throw DataError(
+        fmt::format("model.init_from: {} describes another model than the recipe: {}. Make the recipe match "
+                    "the checkpoint (or remove config.json if it is stale)",
+                    where, fmt::join(diffs, "; ")));
 }
 
 config::ModelConfig model_config_from_hf(const Json& hf, const std::string& where) {
@@ -331,7 +353,8 @@ config::ModelConfig model_config_from_hf(const Json& hf, const std::string& wher
   try {
     const std::string type = hf.value("model_type", "");
     const auto arch = arch_of_model_type(type);
-    if (!arch) throw DataError(fmt::format("{}: model_type \"{}\" is not one this trainer runs (gpt2, llama)", where, type));
+    if (!arch)
+      throw DataError(fmt::format("{}: model_type \"{}\" is not one this trainer runs (gpt2, llama)", where, type));
     m = *arch == config::Arch::kLlama ? llama_model(hf) : gpt2_model(hf);
   } catch (const nlohmann::json::exception& e) {
     throw DataError(fmt::format("{}: a key has the wrong type ({}); fix or remove the file", where, e.what()));
@@ -347,8 +370,9 @@ config::ModelConfig model_config_from_hf(const Json& hf, const std::string& wher
 namespace {
 
 // The directory and the streaming writer for write_hf; any filesystem failure becomes an IoError naming the path.
-std::unique_ptr<state::SafetensorsWriter> open_hf_writer(const fs::path& file, const fs::path& dir, const std::vector<HfTensor>& layout,
-                                                         at::ScalarType dtype, const std::map<std::string, std::string>& metadata) {
+std::unique_ptr<state::SafetensorsWriter> open_hf_writer(const fs::path& file, const fs::path& dir,
+                                                         const std::vector<HfTensor>& layout, at::ScalarType dtype,
+                                                         const std::map<std::string, std::string>& metadata) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw IoError(fmt::format("cannot create {}: {}; choose a writable directory", dir.string(), ec.message()));
@@ -435,10 +459,13 @@ HfCheckpoint::HfCheckpoint(const fs::path& path, const config::ModelConfig& m) :
   std::error_code ec;
   path_ = path;
   if (fs::is_directory(path, ec)) {
-    path_ = fs::exists(path / "model.safetensors", ec) ? path / "model.safetensors" : path / "model.safetensors.index.json";
+    path_ =
+        fs::exists(path / "model.safetensors", ec) ? path / "model.safetensors" : path / "model.safetensors.index.json";
     if (!fs::exists(path_, ec))
-      throw DataError(fmt::format("model.init_from: {} holds neither model.safetensors nor model.safetensors.index.json; "
-                                  "give the checkpoint file or the directory save_pretrained() wrote", path.string()));
+      throw DataError(
+          fmt::format("model.init_from: {} holds neither model.safetensors nor model.safetensors.index.json; "
+                      "give the checkpoint file or the directory save_pretrained() wrote",
+                      path.string()));
   }
   const fs::path config_path = path_.parent_path() / "config.json";
   if (fs::exists(config_path, ec)) {
@@ -467,10 +494,12 @@ void HfCheckpoint::open_files() {
     std::ifstream in(path_);
     const Json j = Json::parse(in, nullptr, false);
     if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object())
-      throw DataError(fmt::format("model.init_from: {}: not a safetensors index (no \"weight_map\" object)", path_.string()));
+      throw DataError(
+          fmt::format("model.init_from: {}: not a safetensors index (no \"weight_map\" object)", path_.string()));
     weight_map = j["weight_map"];
     for (const auto& [name, file] : weight_map.items())
-      if (std::find(names.begin(), names.end(), file.get<std::string>()) == names.end()) names.push_back(file.get<std::string>());
+      if (std::find(names.begin(), names.end(), file.get<std::string>()) == names.end())
+        names.push_back(file.get<std::string>());
   }
   const std::string pre = prefix(model_);
   auto normalized = [&](const std::string& n) {
@@ -508,22 +537,27 @@ void HfCheckpoint::check_tensors() {
     }
     const auto* e = files_[it->second.first]->find(it->second.second);
     if (e->dtype != at::kFloat && e->dtype != at::kBFloat16 && e->dtype != at::kHalf)
-      problems.push_back(fmt::format("tensor {} has dtype {} (expected F32, BF16 or F16)", t.name, c10::toString(e->dtype)));
+      problems.push_back(
+          fmt::format("tensor {} has dtype {} (expected F32, BF16 or F16)", t.name, c10::toString(e->dtype)));
     else if (e->shape != t.shape)
-      problems.push_back(fmt::format("tensor {} has shape {} but the recipe's model needs {}", t.name, shape_text(e->shape),
-                                     shape_text(t.shape)));
+      problems.push_back(fmt::format("tensor {} has shape {} but the recipe's model needs {}", t.name,
+                                     shape_text(e->shape), shape_text(t.shape)));
     else if (t.param.empty() && view(t.name).ne(0).any().item<bool>())
-      problems.push_back(fmt::format("tensor {} is not zero but the recipe has model.bias: false (set it true)", t.name));
+      problems.push_back(
+          fmt::format("tensor {} is not zero but the recipe has model.bias: false (set it true)", t.name));
   }
   if (problems.empty() && model_.tie_embeddings && where_.count("lm_head.weight") &&
       !torch::equal(view("lm_head.weight"), view(layout_.front().name)))
-    problems.push_back("tensor lm_head.weight differs from the embeddings but the recipe has model.tie_embeddings: true "
-                       "(set it false)");
+    problems.push_back(
+        "tensor lm_head.weight differs from the embeddings but the recipe has model.tie_embeddings: true "
+        "(set it false)");
   if (!problems.empty())
-    throw DataError(fmt::format("model.init_from: {} does not fit the recipe's model ({} {}, {} layers, d {}): {}. "
-                                "Make the recipe describe the checkpoint's model",
-                                path_.string(), model_.arch.name(), model_.arch == config::Arch::kLlama ? "LlamaForCausalLM" : "GPT2LMHeadModel",
-                                model_.n_layer, model_.n_embd, fmt::join(problems, "; ")));
+    throw DataError(
+        fmt::format("model.init_from: {} does not fit the recipe's model ({} {}, {} layers, d {}): {}. "
+                    "Make the recipe describe the checkpoint's model",
+                    path_.string(), model_.arch.name(),
+                    model_.arch == config::Arch::kLlama ? "LlamaForCausalLM" : "GPT2LMHeadModel", model_.n_layer,
+                    model_.n_embd, fmt::join(problems, "; ")));
 }
 
 void HfCheckpoint::check_extras() const {
@@ -534,10 +568,11 @@ void HfCheckpoint::check_extras() const {
   for (const auto& [name, loc] : where_)
     if (!known.count(name) && !is_ignored_buffer(name)) extra.push_back(name);
   if (!extra.empty())
-    throw DataError(fmt::format("model.init_from: {} holds {} tensor(s) the recipe's model does not have: {}{}. Check "
-                                "model.arch, model.n_layer and model.bias against the checkpoint",
-                                path_.string(), extra.size(), fmt::join(extra.begin(), extra.begin() + std::min<size_t>(extra.size(), 5), ", "),
-                                extra.size() > 5 ? ", ..." : ""));
+    throw DataError(fmt::format(
+        "model.init_from: {} holds {} tensor(s) the recipe's model does not have: {}{}. Check "
+        "model.arch, model.n_layer and model.bias against the checkpoint",
+        path_.string(), extra.size(), fmt::join(extra.begin(), extra.begin() + std::min<size_t>(extra.size(), 5), ", "),
+        extra.size() > 5 ? ", ..." : ""));
 }
 
 void HfCheckpoint::read(const std::string& param, int64_t begin, int64_t end, at::Tensor dst) const {
@@ -565,7 +600,8 @@ std::string HfCheckpoint::describe() const {
     const auto& [file, name] = where_.at(t.name);
     dtypes.insert(c10::toString(files_[file]->find(name)->dtype));
   }
-  return fmt::format("{} ({} tensors in {} file(s), {})", path_.string(), layout_.size(), files_.size(), fmt::join(dtypes, "/"));
+  return fmt::format("{} ({} tensors in {} file(s), {})", path_.string(), layout_.size(), files_.size(),
+                     fmt::join(dtypes, "/"));
 }
 
 WeightsSource HfCheckpoint::source(std::shared_ptr<HfCheckpoint> ckpt) {

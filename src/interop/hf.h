@@ -54,7 +54,8 @@ std::vector<HfTensor> hf_layout(const config::ModelConfig& m);
 // config.json for the checkpoint (GPT2Config / LlamaConfig keys), dtype "float32" or "bfloat16".
 // eos_id: the tokenizer's end-of-text id (bos_token_id and eos_token_id, so generate() stops there);
 // none: GPT-2's 50256 for a vocabulary that has it, else null.
-nlohmann::json hf_config(const config::ModelConfig& m, at::ScalarType dtype, std::optional<int64_t> eos_id = std::nullopt);
+nlohmann::json hf_config(const config::ModelConfig& m, at::ScalarType dtype,
+                         std::optional<int64_t> eos_id = std::nullopt);
 
 // The model a Hugging Face config.json describes (GPT2Config or LlamaConfig keys; absent keys take
 // transformers' defaults), for running a downloaded or exported folder without a recipe. Whatever this

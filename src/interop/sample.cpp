@@ -58,9 +58,12 @@ Loaded load_run(const fs::path& run) {
 }
 
 void check_request(const SampleRequest& r) {
-  if (r.run.empty() == r.weights.empty()) throw ConfigError("sample: give exactly one of --run DIR and --weights FOLDER");
-  if (r.max_new_tokens < 1) throw ConfigError(fmt::format("sample --max-new-tokens: must be >= 1, got {}", r.max_new_tokens));
-  if (!config::valid_utf8(r.prompt)) throw ConfigError("sample --prompt: not valid UTF-8; give the prompt as UTF-8 text");
+  if (r.run.empty() == r.weights.empty())
+    throw ConfigError("sample: give exactly one of --run DIR and --weights FOLDER");
+  if (r.max_new_tokens < 1)
+    throw ConfigError(fmt::format("sample --max-new-tokens: must be >= 1, got {}", r.max_new_tokens));
+  if (!config::valid_utf8(r.prompt))
+    throw ConfigError("sample --prompt: not valid UTF-8; give the prompt as UTF-8 text");
   if (r.device == config::DeviceChoice::kLazy)
     throw ConfigError(fmt::format("sample --device {}: expected auto, cpu or cuda", r.device.name()));
 }

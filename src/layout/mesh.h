@@ -46,7 +46,9 @@ class Mesh {
   int64_t data_rank() const { return rank_ / degrees_.sequence; }      // which sequences it trains
   int64_t sequence_rank() const { return rank_ % degrees_.sequence; }  // which piece of their positions it holds
   // The rank at coordinates (data_rank, sequence_rank).
-  int64_t rank_of(int64_t data_rank, int64_t sequence_rank) const { return data_rank * degrees_.sequence + sequence_rank; }
+  int64_t rank_of(int64_t data_rank, int64_t sequence_rank) const {
+    return data_rank * degrees_.sequence + sequence_rank;
+  }
 
   // This rank's groups, each in its own coordinate's order: the ranks that share its sequences (its
   // sequence group) and the ranks that hold the same piece of other sequences (its data group).

@@ -8,6 +8,8 @@ namespace sl::log {
 using Clock = std::chrono::steady_clock;
 
 // Milliseconds from t0 to now.
-inline double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+inline double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
 
 }  // namespace sl::log

@@ -123,11 +123,14 @@ void write_text_file(const std::filesystem::path& path, const std::string& text)
   }
   if (err) {
     std::filesystem::remove(tmp, ec);
-    throw IoError(fmt::format("writing {} failed: {} (free disk space or check permissions)", path.string(), errno_text(err)));
+    throw IoError(
+        fmt::format("writing {} failed: {} (free disk space or check permissions)", path.string(), errno_text(err)));
   }
 }
 
-void write_json_file(const std::filesystem::path& path, const nlohmann::json& j) { write_text_file(path, j.dump(2) + "\n"); }
+void write_json_file(const std::filesystem::path& path, const nlohmann::json& j) {
+  write_text_file(path, j.dump(2) + "\n");
+}
 
 std::string format_table(const std::vector<std::pair<std::string, std::string>>& rows) {
   size_t kw = 0, vw = 0;
@@ -147,11 +150,12 @@ std::string format_bytes(int64_t bytes) {
 }
 
 std::string format_step_line(const nlohmann::json& r, int64_t total_steps) {
-  return fmt::format("step {:>5}/{} | loss {:.4f} | gnorm {:.3f} | lr {:.2e} | {:.1f} ms | {:.0f} tok/s | mfu {:.1f}% | mem {}",
-                     r.at("step").get<int64_t>(), total_steps, r.at("loss").get<double>(),
-                     r.at("grad_norm").is_null() ? std::nan("") : r.at("grad_norm").get<double>(), r.at("lr").get<double>(), r.at("step_ms").get<double>(),
-                     r.at("tokens_per_s").get<double>(), 100.0 * r.at("mfu").get<double>(),
-                     format_bytes(r.at("peak_allocated_bytes").get<int64_t>()));
+  return fmt::format(
+      "step {:>5}/{} | loss {:.4f} | gnorm {:.3f} | lr {:.2e} | {:.1f} ms | {:.0f} tok/s | mfu {:.1f}% | mem {}",
+      r.at("step").get<int64_t>(), total_steps, r.at("loss").get<double>(),
+      r.at("grad_norm").is_null() ? std::nan("") : r.at("grad_norm").get<double>(), r.at("lr").get<double>(),
+      r.at("step_ms").get<double>(), r.at("tokens_per_s").get<double>(), 100.0 * r.at("mfu").get<double>(),
+      format_bytes(r.at("peak_allocated_bytes").get<int64_t>()));
 }
 
 ProgressBar::ProgressBar(int64_t total, bool enabled) : total_(total), enabled_(enabled && ::isatty(STDOUT_FILENO)) {}

@@ -34,7 +34,8 @@ std::pair<std::string, long long> run_order(const std::string& rest) {
   const bool stamp = rest.size() >= 15 && digits(rest, 0, 8) && rest[8] == '-' && digits(rest, 9, 6);
   if (!stamp) return {"", 0};
   if (rest.size() == 15) return {rest, 1};
-  if (rest[15] != '-' || rest.size() == 16 || rest.size() > 16 + 9 || !digits(rest, 16, rest.size() - 16)) return {"", 0};
+  if (rest[15] != '-' || rest.size() == 16 || rest.size() > 16 + 9 || !digits(rest, 16, rest.size() - 16))
+    return {"", 0};
   return {rest.substr(0, 15), std::stoll(rest.substr(16))};
 }
 
@@ -74,7 +75,8 @@ fs::path newest_run_with_state(const fs::path& runs, const std::string& recipe) 
 RunDirLock::RunDirLock(const fs::path& run_dir) {
   std::error_code ec;
   fs::create_directories(run_dir, ec);
-  if (ec) throw ConfigError(fmt::format("logging.dir: cannot create run directory {} ({})", run_dir.string(), ec.message()));
+  if (ec)
+    throw ConfigError(fmt::format("logging.dir: cannot create run directory {} ({})", run_dir.string(), ec.message()));
   const fs::path file = run_dir / ".lock";
   fd_ = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0) throw IoError(fmt::format("logging.dir: cannot open {} ({})", file.string(), std::strerror(errno)));

@@ -113,10 +113,13 @@ std::vector<TensorBoardScalar> tensorboard_scalars(const nlohmann::json& record)
     return out;
   }
   for (const char* f : kTrainFields)
-    if (record.contains(f) && record[f].is_number()) out.push_back({fmt::format("train/{}", f), record[f].get<double>()});
+    if (record.contains(f) && record[f].is_number())
+      out.push_back({fmt::format("train/{}", f), record[f].get<double>()});
   for (const char* f : kMemoryFields)
-    if (record.contains(f) && record[f].is_number()) out.push_back({fmt::format("memory/{}", f), record[f].get<double>()});
-  if (record.contains("host_peak_bytes") && record["host_peak_bytes"].is_number() && record["host_peak_bytes"].get<double>() != 0)
+    if (record.contains(f) && record[f].is_number())
+      out.push_back({fmt::format("memory/{}", f), record[f].get<double>()});
+  if (record.contains("host_peak_bytes") && record["host_peak_bytes"].is_number() &&
+      record["host_peak_bytes"].get<double>() != 0)
     out.push_back({"memory/host_peak_bytes", record["host_peak_bytes"].get<double>()});
   return out;
 }
@@ -133,8 +136,8 @@ TensorBoardWriter::TensorBoardWriter(const std::filesystem::path& dir, int64_t r
     for (const auto& p : earlier)
       if (!ec) std::filesystem::remove(p, ec);
     if (ec)
-      throw ConfigError(fmt::format("logging.tensorboard: cannot clear the earlier event files in {} ({})", dir.string(),
-                                    ec.message()));
+      throw ConfigError(fmt::format("logging.tensorboard: cannot clear the earlier event files in {} ({})",
+                                    dir.string(), ec.message()));
   }
   path_ = dir / next_event_file_name(dir);
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);

@@ -47,7 +47,8 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
   const bool lowp_on = sc.precision.compute != config::Dtype::kFp32;
   Sizes z;
   z.C = static_cast<double>(m.n_embd), z.H = static_cast<double>(config::Shape(m).hidden(layer));
-  z.V = static_cast<double>(m.padded_vocab()), z.nh = static_cast<double>(m.n_head);  // the head's product has the padded rows
+  // the head's product has the padded rows
+  z.V = static_cast<double>(m.padded_vocab()), z.nh = static_cast<double>(m.n_head);
   z.llama = m.arch == config::Arch::kLlama;
   z.c = lowp_on ? 2.0 : 4.0;
   z.lowp_params = sc.precision.param_dtype != config::Dtype::kFp32;
@@ -192,8 +193,8 @@ double widened_fc_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
 model::FusedLossBytes loss_bytes(const Scenario& sc, const Sizes& z) {
   const auto N = static_cast<int64_t>(z.tok), C = sc.model.n_embd, V = sc.model.padded_vocab();
   const auto c = static_cast<int64_t>(z.c);
-  return model::fused_loss_bytes(N, C, V, model::loss_chunk_rows(N, V, sc.model.loss_chunk), c, c, z.lowp_params ? c : 4,
-                                 z.widened, true);
+  return model::fused_loss_bytes(N, C, V, model::loss_chunk_rows(N, V, sc.model.loss_chunk), c, c,
+                                 z.lowp_params ? c : 4, z.widened, true);
 }
 
 // E: the head's tensors per token at the start of backward, through the final norm's backward: the
@@ -264,7 +265,8 @@ int64_t head_moment(const Scenario& sc, const Sizes& z, double start) {
 // the forward, then kept by the linears that saved them until their backward.
 double block_cast_bytes(const Sizes& z) {
   const double c = z.c;
-  if (c >= 4.0 || z.lowp_params || z.widened) return 0;  // the parameters are in the compute dtype, or nothing is cached
+  // the parameters are in the compute dtype, or nothing is cached
+  if (c >= 4.0 || z.lowp_params || z.widened) return 0;
   return c * (4 * z.C * z.C + (z.llama ? 3 : 2) * z.C * z.H);
 }
 
@@ -357,10 +359,12 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   e.weight_cast_bytes = static_cast<int64_t>(L * Wb);
   // F: end of the forward (the head, before its gradients) or a checkpointed block's first pass,
   // with every block's weight copies still cached.
-  e.moment_f = always + L * Wb + std::max(tok * (fC * n + S * kept) + head_end, n > 0 ? tok * (fC * n + e.forward_bytes) : 0.0);
+  e.moment_f =
+      always + L * Wb + std::max(tok * (fC * n + S * kept) + head_end, n > 0 ? tok * (fC * n + e.forward_bytes) : 0.0);
   e.moment_a = always + kept * Wb + head_start + tok * (fC * n + S * kept);
   // A block's backward: the MLP's moment (T and Wg), or the math attention's where it holds more.
-  const double backward = std::max({mlp_backward_bytes(z, seg), tok * e.attention_backward_bytes, widened_fc_backward_bytes(z, seg)});
+  const double backward =
+      std::max({mlp_backward_bytes(z, seg), tok * e.attention_backward_bytes, widened_fc_backward_bytes(z, seg)});
   if (seg.kept_blocks > 0) e.moment_d = always + kept * Wb + tied + backward + tok * (fC * n + S * kept);
   // B also holds the recomputed segment's output: its backward starts from it.
   if (seg.checkpointed > 0) {
@@ -370,14 +374,16 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
     if (z.sequence) e.moment_b = std::max(e.moment_b, always + k * Wb + tied + exchange);
   }
   e.peak_bytes = static_cast<int64_t>(std::max({e.moment_f, e.moment_a, e.moment_d, e.moment_b}));
-  const int64_t recomputed = seg.attention ? sc.model.n_layer : (seg.checkpointed > 0 ? sc.model.n_layer - seg.kept_blocks : 0);
+  const int64_t recomputed =
+      seg.attention ? sc.model.n_layer : (seg.checkpointed > 0 ? sc.model.n_layer - seg.kept_blocks : 0);
   e.all_to_all_bytes = exchange_bytes(z, sc.sequence, sc.model.n_layer, recomputed);
   // The moments a sharded engine's buffers meet (memory/footprint.h): F's two parts (the end of the
   // forward; a block's forward: a first pass, or a kept block's end, with what the blocks before it
   // keep), A, H and the blocks' backward.
   const double weights_now = always + L * Wb;
   e.forward_end_peak_bytes = static_cast<int64_t>(weights_now + tok * (fC * n + S * kept) + head_end);
-  e.forward_block_peak_bytes = static_cast<int64_t>(weights_now + tok * (fC * n + std::max(n > 0 ? e.forward_bytes : 0.0, S * kept)));
+  e.forward_block_peak_bytes =
+      static_cast<int64_t>(weights_now + tok * (fC * n + std::max(n > 0 ? e.forward_bytes : 0.0, S * kept)));
   e.start_peak_bytes = static_cast<int64_t>(e.moment_a);
   e.head_backward_peak_bytes = head_moment(sc, z, e.moment_a);
   e.backward_peak_bytes = static_cast<int64_t>(std::max(e.moment_d, e.moment_b));
@@ -398,7 +404,8 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
       parts.norm = (b & checkpointing::kPartNorm) != 0;
       kept[static_cast<size_t>(b)] = tok * block_bytes(zl, parts);
       backward[static_cast<size_t>(b)] =
-          std::max({mlp_backward_bytes(zl, parts), tok * attention_backward_bytes(zl, parts), widened_fc_backward_bytes(zl, parts)});
+          std::max({mlp_backward_bytes(zl, parts), tok * attention_backward_bytes(zl, parts),
+                    widened_fc_backward_bytes(zl, parts)});
     }
     m.kept.push_back(kept);
     m.backward.push_back(backward);
@@ -453,7 +460,8 @@ double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, dou
         kx += kept_exchange(m, plan, b);
       }
       held += kx;  // on the device, offloaded input or not
-      if (m.offload_inputs || seg.offloaded) held -= m.input, host += m.input;  // to the host once the first pass is over
+      // to the host once the first pass is over
+      if (m.offload_inputs || seg.offloaded) held -= m.input, host += m.input;
       continue;
     }
     for (int64_t b = seg.begin; b < seg.end; ++b) {  // a kept block's forward, ended: what it keeps
@@ -479,9 +487,11 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
   if (host) *host = offloaded;
   for (auto seg = plan.segments.rbegin(); seg != plan.segments.rend(); ++seg) {
     if (seg->checkpointed) {  // B: what comes before the segment (kept blocks' weight copies too), its input
-      if (m.offload_inputs || seg->offloaded) {  // its input restored (counted below); the previous checkpointed segment's prefetched
-        const bool earlier = std::any_of(plan.segments.begin(), plan.segments.begin() + (plan.segments.rend() - seg - 1),
-                                         [&](const checkpointing::Segment& s) { return s.checkpointed && (m.offload_inputs || s.offloaded); });
+      // its input restored (counted below); the previous checkpointed segment's prefetched
+      if (m.offload_inputs || seg->offloaded) {
+        const bool earlier = std::any_of(
+            plan.segments.begin(), plan.segments.begin() + (plan.segments.rend() - seg - 1),
+            [&](const checkpointing::Segment& s) { return s.checkpointed && (m.offload_inputs || s.offloaded); });
         if (prefetched) held -= m.input;
         prefetched = earlier;
         if (earlier) held += m.input;
@@ -497,7 +507,8 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
         weights += m.weights[static_cast<size_t>(b)];
         worst_backward = std::max(worst_backward, m.backward[static_cast<size_t>(b)][0]);
       }
-      peak = std::max(peak, kept_weights + weights + m.tied_grad + held + m.input + std::max(saved + worst_backward, worst_exchange));
+      peak = std::max(peak, kept_weights + weights + m.tied_grad + held + m.input +
+                                std::max(saved + worst_backward, worst_exchange));
       continue;
     }
     for (int64_t b = seg->end - 1; b >= seg->begin; --b) {  // D: the block and every unit before it
@@ -508,7 +519,8 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
       kept_weights -= m.weights[i];
     }
   }
-  if (phases) *phases = {m.held + ph.forward_end, m.held + ph.forward_block, m.held + ph.start, m.held + peak};  // what every moment holds besides
+  // what every moment holds besides
+  if (phases) *phases = {m.held + ph.forward_end, m.held + ph.forward_block, m.held + ph.start, m.held + peak};
   return m.held + std::max({forward, ph.start, peak});
 }
 
@@ -544,7 +556,8 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpoint
   int64_t recomputed = 0;  // the blocks whose recompute redoes their exchanges
   for (const auto& seg : plan.segments)
     for (int64_t b = seg.begin; b < seg.end; ++b)
-      if ((seg.checkpointed || (plan.parts_of(b) & checkpointing::kPartAttention) != 0) && !plan.keeps_exchange(b)) ++recomputed;
+      if ((seg.checkpointed || (plan.parts_of(b) & checkpointing::kPartAttention) != 0) && !plan.keeps_exchange(b))
+        ++recomputed;
   e.all_to_all_bytes = exchange_bytes(sizes_of(sc, lowp), sc.sequence, sc.model.n_layer, recomputed);
   return e;
 }
@@ -553,7 +566,8 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc) {
   // The recipe's plan keeps its recomputes' exchanges (checkpointing.exchange keep, and some attention recomputed).
   const auto seg = segment_counts(sc.checkpointing, sc.model.n_layer);
   const bool keeps = sc.sequence > 1 && sc.checkpointing.exchange.keeps() && (seg.checkpointed > 0 || seg.attention);
-  if (!sc.shape().uniform() || sc.placement.offload.activations || keeps) return estimate_activation_peak(sc, checkpointing::make_plan(sc.checkpointing, sc.model.n_layer));
+  if (!sc.shape().uniform() || sc.placement.offload.activations || keeps)
+    return estimate_activation_peak(sc, checkpointing::make_plan(sc.checkpointing, sc.model.n_layer));
   return estimate_activation_peak(sc, seg, lowp_matmul_path(sc));
 }
 

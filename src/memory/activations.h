@@ -166,7 +166,8 @@ struct ActivationEstimate {
   // outweigh the head's weight gradient (the head-heavy known gap, docs/memory.md).
   int64_t forward_end_peak_bytes = 0, forward_block_peak_bytes = 0, start_peak_bytes = 0;
   int64_t head_backward_peak_bytes = 0, backward_peak_bytes = 0;
-  int64_t host_bytes = 0;            // offload.activations: the checkpointed inputs in host memory at the end of the forward
+  // offload.activations: the checkpointed inputs in host memory at the end of the forward
+  int64_t host_bytes = 0;
   // parallel.sequence = N > 1: the bytes this rank sends in its sequence group's all-to-alls for one
   // micro-batch (forward, backward and recomputes; "Sequence parallelism" above). 0 at N = 1.
   int64_t all_to_all_bytes = 0;
@@ -189,8 +190,10 @@ struct ChainModel {
   std::vector<std::array<double, checkpointing::kPartSets>> backward;  // T of block i with parts b, and its Wg
   std::vector<double> weights;  // W of block i (autocast's copies; 0 in fp32)
   std::vector<double> forward;  // Fb of block i: the block run without saving, beyond its input
-  std::vector<double> recompute_exchange;  // Rx of block i: its exchange in a recompute (0 at N = 1; empty: 0 for every block)
-  std::vector<double> exchange_kept;  // Kx of block i: what its first pass keeps for a recompute that keeps its exchanges (0 at N = 1; empty: 0)
+  // Rx of block i: its exchange in a recompute (0 at N = 1; empty: 0 for every block)
+  std::vector<double> recompute_exchange;
+  // Kx of block i: what its first pass keeps for a recompute that keeps its exchanges (0 at N = 1; empty: 0)
+  std::vector<double> exchange_kept;
   double input = 0;        // fC: what a checkpointed segment keeps (its input)
   double head = 0;          // the head at the start of backward: tok E and the fused loss's dW
   double head_forward = 0;  // the head at the end of the forward: E's input, the norm's output, the fused loss's peak
@@ -217,7 +220,8 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp);
 struct PhasePeaks {
   double forward_end = 0, forward_block = 0, start = 0, backward = 0;
 };
-double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host = nullptr, PhasePeaks* phases = nullptr);
+double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host = nullptr,
+                  PhasePeaks* phases = nullptr);
 
 // Whether the recipe runs on CUDA (train.device cuda, or auto with a GPU present).
 bool runs_on_cuda(const Scenario& sc);

@@ -60,7 +60,9 @@ class LimitingAllocator final : public cca::CUDAAllocator {
   // ---- c10::Allocator and c10::DeviceAllocator: forwarded ----
   bool is_simple_data_ptr(const c10::DataPtr& p) const override { return native_->is_simple_data_ptr(p); }
   c10::DeleterFnPtr raw_deleter() const override { return native_->raw_deleter(); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { native_->copy_data(dest, src, count); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    native_->copy_data(dest, src, count);
+  }
   bool initialized() override { return native_->initialized(); }
   void emptyCache(MempoolId_t id = {0, 0}) override { native_->emptyCache(id); }
   void recordStream(const c10::DataPtr& p, c10::Stream stream) override { native_->recordStream(p, stream); }
@@ -106,7 +108,9 @@ class LimitingAllocator final : public cca::CUDAAllocator {
                      bool clear, const std::vector<std::string>& skip_actions) override {
     native_->recordHistory(enabled, recorder, max_entries, when, clear, skip_actions);
   }
-  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override { native_->recordAnnotation(md); }
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    native_->recordAnnotation(md);
+  }
   void pushCompileContext(std::string& md) override { native_->pushCompileContext(md); }
   void popCompileContext() override { native_->popCompileContext(); }
   void setUserMetadata(const std::string& md) override { native_->setUserMetadata(md); }
@@ -132,7 +136,9 @@ class LimitingAllocator final : public cca::CUDAAllocator {
 
  private:
   int64_t allocated(DeviceIndex d) {
-    return native_->getDeviceStats(d).allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+    return native_->getDeviceStats(d)
+        .allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+        .current;
   }
 
   // raw_alloc's pointer is owned (given back on refusal, or if the reading throws) until admitted.

@@ -26,8 +26,8 @@ int64_t bucket_cap_params(const Scenario& sc) {
   return std::max(cap, sc.shape().largest_param());  // a bigger single tensor gets its own bucket
 }
 
-std::vector<std::vector<model::NamedParam>> engine_group_members(const std::vector<std::vector<model::NamedParam>>& units,
-                                                                 bool per_unit, int64_t cap_bytes) {
+std::vector<std::vector<model::NamedParam>> engine_group_members(
+    const std::vector<std::vector<model::NamedParam>>& units, bool per_unit, int64_t cap_bytes) {
   if (per_unit) return {units.rbegin(), units.rend()};
   std::vector<std::vector<model::NamedParam>> groups;
   int64_t bytes = 0;
@@ -113,7 +113,9 @@ void place_host(const Scenario& sc, PeakPrediction& p) {
   const bool replicated = sc.placement.sharding.replicated();
   const bool need_groups = offload || (!replicated && W > 1);
   const auto groups = need_groups ? engine_groups(sc) : std::vector<EngineGroup>{};
-  const auto part = [&](int64_t rank) { return need_groups ? rank_part(groups, W, replicated, rank) : RankPart{n, n, 0}; };
+  const auto part = [&](int64_t rank) {
+    return need_groups ? rank_part(groups, W, replicated, rank) : RankPart{n, n, 0};
+  };
   const auto held_bytes = [&](const RankPart& r) {
     return (offload ? 8 * r.held + 8 * r.owned : 0) +
            (snapshot ? 12 * (replicated ? n : r.owned) + rng_state_bytes(runs_on_cuda(sc)) : 0);
@@ -156,11 +158,13 @@ void place_transients(const Scenario& sc, PeakPrediction& p) {
   const int64_t cp = sc.precision.param_dtype.bytes(), cr = sc.precision.reduce_dtype.bytes();
   const auto padded = [&](int64_t elems) { return shard_elems(elems, W) * W; };
   if (sh == config::Sharding::kZero2) {
-    p.transient_backward_bytes = p.transient_head_bytes = cr * padded(std::min(sc.shape().total_params(), bucket_cap_params(sc)));
+    p.transient_backward_bytes = p.transient_head_bytes =
+        cr * padded(std::min(sc.shape().total_params(), bucket_cap_params(sc)));
   } else if (sh.shards_params()) {
     const config::Shape d(sc.model);
     const int64_t L = d.n_layer;
-    const int64_t ue = padded(d.embedding_params()), ub = L > 0 ? padded(d.widest_block_params()) : 0, uh = padded(d.head_params());
+    const int64_t ue = padded(d.embedding_params()), ub = L > 0 ? padded(d.widest_block_params()) : 0,
+                  uh = padded(d.head_params());
     const int64_t ut = uh + (d.tied ? ue : 0), second = L > 1 ? ub : 0;  // the head's gather; a second block
     const int64_t grad = cr * std::max(ub, uh);  // one unit's gradient buffer
     p.transient_forward_bytes = cp * std::max({ue + (L > 0 ? ub : ut), ub + second, ub + ut});
@@ -173,8 +177,8 @@ void place_transients(const Scenario& sc, PeakPrediction& p) {
                                 p.transient_backward_bytes});
 }
 
-// offload.*: the device terms the engine keeps on the host instead (parallel/host_placement.h; each stage's count_group;
-// their host size: place_host).
+// offload.*: the device terms the engine keeps on the host instead (parallel/host_placement.h; each stage's
+// count_group; their host size: place_host).
 void place_offloaded(const Scenario& sc, PeakPrediction& p) {
   const auto& o = sc.placement.offload;
   if (!o.optimizer) return;
@@ -206,7 +210,8 @@ PeakPrediction predict_states(const Scenario& sc) {
   p.optimizer_bytes = sh.shards_optimizer() ? O / N : O;
   place_transients(sc, p);
   p.batch_bytes = 2 * 8 * sc.local_tokens();  // this rank's positions (parallel.sequence)
-  if (sc.model.arch == config::Arch::kLlama) p.buffer_bytes = 4 * sc.model.max_seq_len * (sc.model.n_embd / sc.model.n_head);
+  if (sc.model.arch == config::Arch::kLlama)
+    p.buffer_bytes = 4 * sc.model.max_seq_len * (sc.model.n_embd / sc.model.n_head);
   // AdamW updates the model's parameters (none) or this rank's shard of each group; the engine's
   // norm reads whole groups (none) or shards. World 1 without sharding has no engine.
   const int64_t group = largest_group_params(sc, n), shard = ceil_div(group, N);

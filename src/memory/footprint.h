@@ -89,7 +89,8 @@ struct PeakPrediction {
   // sharding: gathered parameters and unreduced gradients beside the activations of a block's forward
   // and of the forward's end (F), the head's backward (H) and the blocks' backward (D, B) (above), and
   // the largest of them (the room a budget schedule leaves beside its activations)
-  int64_t transient_forward_bytes = 0, transient_forward_end_bytes = 0, transient_head_bytes = 0, transient_backward_bytes = 0;
+  int64_t transient_forward_bytes = 0, transient_forward_end_bytes = 0, transient_head_bytes = 0,
+          transient_backward_bytes = 0;
   int64_t transient_bytes = 0;
   int64_t batch_bytes = 0;  // the (B, T/N) int64 inputs and targets of one micro-batch (N = parallel.sequence)
   int64_t buffer_bytes = 0;  // the model's non-parameter buffers (RoPE cos/sin tables)
@@ -99,8 +100,8 @@ struct PeakPrediction {
   // stages one bounded piece at a time (device/staging.h); CPU runs write from the tensors themselves.
   int64_t host_staging_bytes = 0;
   // state.async with state.every > 0: a save's host snapshot of this rank's state file (state/state.h
-  // AsyncSave), allocated at the first save and reused by the later ones until the run ends: the fp32 parameters and both AdamW
-  // moments of the elements this rank's optimizer updates (12 B each: every element on rank 0 of a
+  // AsyncSave), allocated at the first save and reused by the later ones until the run ends: the fp32 parameters and
+  // both AdamW moments of the elements this rank's optimizer updates (12 B each: every element on rank 0 of a
   // replicated run; under zero1/2/3 rank 0's part of every group, ceil(n_g / N) of its n_g), and the
   // RNG states (rng_state_bytes). It counts in the host peak.
   int64_t host_snapshot_bytes = 0;
@@ -135,7 +136,8 @@ struct PeakPrediction {
   }
   int64_t optimizer_phase_bytes() const { return std::max(adamw_temp_bytes, grad_norm_temp_bytes); }
   int64_t peak_bytes() const {
-    return model_states_bytes() + buffer_bytes + batch_bytes + std::max(activation_phase_bytes(), optimizer_phase_bytes());
+    return model_states_bytes() + buffer_bytes + batch_bytes +
+           std::max(activation_phase_bytes(), optimizer_phase_bytes());
   }
 };
 
@@ -167,8 +169,8 @@ int64_t bucket_cap_params(const Scenario& sc);
 // terms below count them): with `per_unit` (zero3) one group per unit, the last unit first (backward's
 // order); otherwise buckets of at most `cap_bytes`, filled with the parameters from the last to the
 // first, a larger tensor in a bucket of its own.
-std::vector<std::vector<model::NamedParam>> engine_group_members(const std::vector<std::vector<model::NamedParam>>& units,
-                                                                 bool per_unit, int64_t cap_bytes);
+std::vector<std::vector<model::NamedParam>> engine_group_members(
+    const std::vector<std::vector<model::NamedParam>>& units, bool per_unit, int64_t cap_bytes);
 // The recipe's engine groups (engine_group_members on a meta-device model): params, the group's
 // parameter elements; decay, those of its matrices (laid out first: weight decay applies to them).
 // O(n_layer).

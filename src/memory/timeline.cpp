@@ -10,11 +10,14 @@ namespace {
 
 using Json = nlohmann::json;
 
-uint64_t key(uint8_t kind, int32_t unit) { return (static_cast<uint64_t>(kind) << 32) | static_cast<uint32_t>(unit + 1); }
+uint64_t key(uint8_t kind, int32_t unit) {
+  return (static_cast<uint64_t>(kind) << 32) | static_cast<uint32_t>(unit + 1);
+}
 
 std::string unit_text(int32_t unit, const std::vector<std::string>& unit_names) {
   if (unit < 0) return "";
-  return static_cast<size_t>(unit) < unit_names.size() ? unit_names[static_cast<size_t>(unit)] : "unit " + std::to_string(unit);
+  return static_cast<size_t>(unit) < unit_names.size() ? unit_names[static_cast<size_t>(unit)]
+                                                       : "unit " + std::to_string(unit);
 }
 
 // "activations/block 3", or the label alone when it belongs to no unit.
@@ -133,7 +136,8 @@ void Timeline::relabel(const KnownTensors& known) {
   for (const auto& [id, ptr] : end_live_)
     if (const device::Tag* t = known.find(ptr); t && id < block_label_.size()) block_label_[id] = label_id(*t);
   for (size_t id = 0; id < start_ptr_.size(); ++id)
-    if (const device::Tag* t = known.find(start_ptr_[id]); t && block_label_[id] == other) block_label_[id] = label_id(*t);
+    if (const device::Tag* t = known.find(start_ptr_[id]); t && block_label_[id] == other)
+      block_label_[id] = label_id(*t);
 }
 
 Json Timeline::vocabulary(const std::vector<std::string>& unit_names) const {

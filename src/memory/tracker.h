@@ -1,5 +1,6 @@
-// Device memory readings (and the host pool's, for offloaded state) with one meaning on CPU and CUDA: current and peak tensor bytes
-// (the tracking CPU allocator, or CUDA's caching-allocator stats) and reserved bytes (tensors plus what the allocator holds for reuse).
+// Device memory readings (and the host pool's, for offloaded state) with one meaning on CPU and CUDA: current and peak
+// tensor bytes (the tracking CPU allocator, or CUDA's caching-allocator stats) and reserved bytes (tensors plus what
+// the allocator holds for reuse).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -13,7 +14,8 @@ namespace sl::memory {
 struct Snapshot {
   int64_t allocated_bytes = 0;       // tensor bytes live now
   int64_t peak_allocated_bytes = 0;  // highest allocated_bytes since the last reset_peak()
-  int64_t reserved_bytes = 0;        // CUDA: held by the caching allocator; CPU: allocated + the freed blocks kept for reuse
+  // CUDA: held by the caching allocator; CPU: allocated + the freed blocks kept for reuse
+  int64_t reserved_bytes = 0;
   // CUDA: the highest reserved_bytes since the last reset_peak() (the headroom a real card needs above
   // the allocated peak); none on CPU, where the tracking allocator does not follow it.
   std::optional<int64_t> peak_reserved_bytes;

@@ -50,9 +50,9 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
   if (limit > 0 && current.load() + static_cast<int64_t>(nbytes) > limit) {
     refused_.store(static_cast<int64_t>(nbytes));
     refused_host_.store(host);
-    TORCH_CHECK_WITH(OutOfMemoryError, false, host ? "host" : "CPU", " out of memory (simulated limit): tried to allocate ",
-                     nbytes, " bytes with ", current.load(), " of the ", limit, "-byte ",
-                     host ? "memory.host_limit" : "memory.limit", " in use");
+    TORCH_CHECK_WITH(OutOfMemoryError, false, host ? "host" : "CPU",
+                     " out of memory (simulated limit): tried to allocate ", nbytes, " bytes with ", current.load(),
+                     " of the ", limit, "-byte ", host ? "memory.host_limit" : "memory.limit", " in use");
   }
   void* ptr = take_cached(nbytes);
   if (ptr == nullptr) ptr = system_alloc(nbytes, host);
@@ -69,7 +69,8 @@ c10::DataPtr TrackingCPUAllocator::allocate(size_t nbytes) {
     b = {nbytes, host, 0};
     count(current, host ? host_peak_ : peak_, static_cast<int64_t>(nbytes));
     count(live_now_, live_peak_, static_cast<int64_t>(nbytes));
-    if (auto& timeline = Timeline::instance(); timeline.on()) b.timeline_id = timeline.on_alloc(static_cast<int64_t>(nbytes), host);
+    if (auto& timeline = Timeline::instance(); timeline.on())
+      b.timeline_id = timeline.on_alloc(static_cast<int64_t>(nbytes), host);
   }
   allocs_.fetch_add(1);
   return {ptr, ptr, &free_block, c10::Device(c10::DeviceType::CPU)};
@@ -154,7 +155,8 @@ void TrackingCPUAllocator::free_block(void* ptr) {
       self.blocks_.erase(it);
       (b.host ? self.host_current_ : self.current_).fetch_sub(static_cast<int64_t>(b.bytes));
       self.live_now_.fetch_sub(static_cast<int64_t>(b.bytes));
-      if (auto& timeline = Timeline::instance(); timeline.on()) timeline.on_free(b.timeline_id, static_cast<int64_t>(b.bytes), b.host);
+      if (auto& timeline = Timeline::instance(); timeline.on())
+        timeline.on_free(b.timeline_id, static_cast<int64_t>(b.bytes), b.host);
       kept = self.keep(ptr, b.bytes);
     }
   }

@@ -22,8 +22,8 @@ enum class Part { norm1_qkv, attention_proj, norm2_fc, act_out };
 // cheap(inputs) followed by linear(W, b). The block calls it once per Part; the default runs both
 // plainly, a checkpointing runner passes one that keeps only the cheap op's inputs.
 using CheapFn = std::function<torch::Tensor(const std::vector<torch::Tensor>&)>;
-using LinearAfter = std::function<torch::Tensor(Part part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
-                                                const std::vector<torch::Tensor>& cheap_params,
-                                                const torch::Tensor& W, const torch::Tensor& b)>;
+using LinearAfter = std::function<torch::Tensor(
+    Part part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
+    const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W, const torch::Tensor& b)>;
 
 }  // namespace sl::model

@@ -26,7 +26,9 @@ std::array<std::atomic<int64_t>, static_cast<size_t>(Kernel::count)> g_launches{
 // One more call of wrapper k (after its checks passed).
 void counted(Kernel k) { g_launches[static_cast<size_t>(k)].fetch_add(1, std::memory_order_relaxed); }
 
-kernels::Stream stream_of(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+kernels::Stream stream_of(const torch::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
 
 // `t` is a contiguous CUDA tensor of dtype `dtype` on `device`.
 void require(const torch::Tensor& t, const torch::Device& device, c10::ScalarType dtype, const char* what) {
@@ -71,7 +73,8 @@ const void* data_in(const torch::Tensor& t) { return t.const_data_ptr(); }
 
 int64_t launches(Kernel k) { return g_launches[static_cast<size_t>(k)].load(std::memory_order_relaxed); }
 
-LayerNormForward layer_norm_forward(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
+LayerNormForward layer_norm_forward(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                                    double eps) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto dtype = stream_dtype(x);
   const int64_t C = x.size(-1), rows = x.numel() / C;
@@ -93,8 +96,9 @@ LayerNormForward layer_norm_forward(const torch::Tensor& x, const torch::Tensor&
   return f;
 }
 
-std::array<torch::Tensor, 3> layer_norm_backward(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,
-                                                 const torch::Tensor& mean, const torch::Tensor& rstd, bool with_bias) {
+std::array<torch::Tensor, 3> layer_norm_backward(const torch::Tensor& dy, const torch::Tensor& x,
+                                                 const torch::Tensor& w, const torch::Tensor& mean,
+                                                 const torch::Tensor& rstd, bool with_bias) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto dtype = stream_dtype(x);
   require(dy, x.device(), torch::kBFloat16, "the norm's output gradient");
@@ -153,7 +157,8 @@ torch::Tensor residual_add_bias(const torch::Tensor& x, const torch::Tensor& y, 
   return out;
 }
 
-std::pair<torch::Tensor, torch::Tensor> residual_bias_backward(const torch::Tensor& g, int64_t C, c10::ScalarType branch) {
+std::pair<torch::Tensor, torch::Tensor> residual_bias_backward(const torch::Tensor& g, int64_t C,
+                                                               c10::ScalarType branch) {
   const c10::cuda::CUDAGuard guard(g.device());
   const auto gc = g.contiguous();
   require(gc, gc.device(), torch::kFloat32, "the residual gradient");
@@ -183,7 +188,8 @@ torch::Tensor gelu_forward(const torch::Tensor& x, const torch::Tensor& b) {
   return y;
 }
 
-std::pair<torch::Tensor, torch::Tensor> gelu_backward(const torch::Tensor& g, const torch::Tensor& x, const torch::Tensor& b) {
+std::pair<torch::Tensor, torch::Tensor> gelu_backward(const torch::Tensor& g, const torch::Tensor& x,
+                                                      const torch::Tensor& b) {
   const c10::cuda::CUDAGuard guard(x.device());
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   require(x, x.device(), bf16 ? torch::kBFloat16 : torch::kFloat32, "the GELU's input");

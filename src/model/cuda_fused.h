@@ -59,19 +59,22 @@ struct LayerNormForward {
 LayerNormForward layer_norm_forward(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps);
 // dy bf16 of x's sizes; (dx, dw, db in x's dtype, db undefined without the bias): a bf16 dx rounded
 // once from fp32, bf16 dw and db rounded once from their fp32 sums.
-std::array<torch::Tensor, 3> layer_norm_backward(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,
-                                                 const torch::Tensor& mean, const torch::Tensor& rstd, bool with_bias);
+std::array<torch::Tensor, 3> layer_norm_backward(const torch::Tensor& dy, const torch::Tensor& x,
+                                                 const torch::Tensor& w, const torch::Tensor& mean,
+                                                 const torch::Tensor& rstd, bool with_bias);
 
 // model/residual.h: x fp32 + y bf16 (same sizes); with the bias b fp32 (C), y bf16 or fp32.
 torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& y);
 torch::Tensor residual_add_bias(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& b);
 // (dy in `branch`'s dtype: bf16(g), or g itself for fp32; db fp32 (C)) from the fp32 g.
-std::pair<torch::Tensor, torch::Tensor> residual_bias_backward(const torch::Tensor& g, int64_t C, c10::ScalarType branch);
+std::pair<torch::Tensor, torch::Tensor> residual_bias_backward(const torch::Tensor& g, int64_t C,
+                                                               c10::ScalarType branch);
 
 // model/gelu.h: x fp32 or bf16, b fp32 (C = x.size(-1)) or undefined; y in x's dtype.
 torch::Tensor gelu_forward(const torch::Tensor& x, const torch::Tensor& b);
 // g in x's dtype; (dx in x's dtype, db fp32 (C) or undefined without b).
-std::pair<torch::Tensor, torch::Tensor> gelu_backward(const torch::Tensor& g, const torch::Tensor& x, const torch::Tensor& b);
+std::pair<torch::Tensor, torch::Tensor> gelu_backward(const torch::Tensor& g, const torch::Tensor& x,
+                                                      const torch::Tensor& b);
 
 }  // namespace cuda
 #endif

@@ -70,7 +70,8 @@ constexpr int64_t fused_loss_chunk_bytes(int64_t m, int64_t C, int64_t V, int64_
   const int64_t loss = 4 * m * V + 24 * m, sums = 4 * m;
   if (c == 4) return max3(loss, grads ? 4 * m * V + sums + 4 * m * C : 0, 0);
   if (widened)
-    return max3(max3((8 + c) * m * V, loss, 0), grads ? (8 + c) * m * V + sums : 0, grads ? 4 * m * V + sums + (8 + c) * m * C : 0);
+    return max3(max3((8 + c) * m * V, loss, 0), grads ? (8 + c) * m * V + sums : 0,
+                grads ? 4 * m * V + sums + (8 + c) * m * C : 0);
   const int64_t made = max3((4 + c) * m * V, loss, grads ? (4 + c) * m * V + sums : 0);
   return grads ? max3(made, c * m * V + sums + c * m * C, c * m * V + sums + c * V * C) : made;
 }
@@ -84,7 +85,8 @@ constexpr FusedLossBytes fused_loss_bytes(int64_t N, int64_t C, int64_t V, int64
   const int64_t h_op = widened ? 4 * N * C : (h_bytes != c ? c * N * C : 0);
   const int64_t w_op = widened ? 4 * V * C : (w_bytes != c ? c * V * C : 0);
   const int64_t making = h_op + w_op + (widened ? c * V * C : 0);
-  b.peak = max3(b.kept + h_op + w_op + fused_loss_chunk_bytes(chunk < N ? chunk : N, C, V, c, widened, grads), making, 0);
+  b.peak =
+      max3(b.kept + h_op + w_op + fused_loss_chunk_bytes(chunk < N ? chunk : N, C, V, c, widened, grads), making, 0);
   return b;
 }
 

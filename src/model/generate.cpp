@@ -75,7 +75,9 @@ std::vector<LayerCache> make_caches(const GPTImpl& m, int64_t capacity) {
 }
 
 void check_request(const GPTImpl& m, const std::vector<int64_t>& prompt, const GenerateOptions& o) {
-  if (prompt.empty()) throw ConfigError("sample: the prompt encodes to no tokens; give a prompt (or leave it empty for the end-of-text token)");
+  if (prompt.empty())
+    throw ConfigError(
+        "sample: the prompt encodes to no tokens; give a prompt (or leave it empty for the end-of-text token)");
   for (int64_t id : prompt)
     if (id < 0 || id >= m.cfg.vocab_size)
       throw ConfigError(fmt::format("sample: prompt token {} is outside the model's vocabulary (model.vocab_size {}); "
@@ -85,7 +87,8 @@ void check_request(const GPTImpl& m, const std::vector<int64_t>& prompt, const G
     throw ConfigError(fmt::format("sample: {} prompt tokens + {} new tokens = {} exceed the model's context of {} "
                                   "(model.max_seq_len); shorten the prompt or ask for fewer tokens",
                                   prompt.size(), o.max_new_tokens, total, m.cfg.max_seq_len));
-  if (!(o.temperature >= 0.0)) throw ConfigError(fmt::format("sample: temperature must be >= 0, got {}", o.temperature));
+  if (!(o.temperature >= 0.0))
+    throw ConfigError(fmt::format("sample: temperature must be >= 0, got {}", o.temperature));
   if (o.top_k < 0) throw ConfigError(fmt::format("sample: top-k must be >= 0, got {}", o.top_k));
 }
 
@@ -126,7 +129,8 @@ Generated generate(GPTImpl& model, const std::vector<int64_t>& prompt, const Gen
   const auto device = model.wte.device();
   const auto t0 = Clock::now();
   std::vector<int64_t> seq = prompt;
-  auto caches = o.use_cache ? make_caches(model, static_cast<int64_t>(prompt.size()) + o.max_new_tokens) : std::vector<LayerCache>{};
+  auto caches = o.use_cache ? make_caches(model, static_cast<int64_t>(prompt.size()) + o.max_new_tokens)
+                            : std::vector<LayerCache>{};
   Generated out;
   int64_t pos = 0;  // positions already in the caches
   while (static_cast<int64_t>(out.ids.size()) < o.max_new_tokens) {

@@ -189,7 +189,9 @@ torch::Tensor BlockImpl::mlp_act(const torch::Tensor& u, const torch::Tensor& fc
   return at::silu(u.narrow(-1, 0, H)) * u.narrow(-1, H, H);
 }
 
-torch::Tensor BlockImpl::residual_dropout(const torch::Tensor& y) const { return torch::dropout(y, dropout, is_training()); }
+torch::Tensor BlockImpl::residual_dropout(const torch::Tensor& y) const {
+  return torch::dropout(y, dropout, is_training());
+}
 
 // Pre-norm: h = x + attention(norm1(x)); out = h + mlp(norm2(h)). The ops (model/block_ops.h) run each
 // norm and activation inside the linear after it, through linear_after, and route biases to the fused
@@ -202,9 +204,8 @@ torch::Tensor BlockImpl::forward_with(const torch::Tensor& x, const Rope& rope, 
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {
   static const LinearAfter plain = [](Part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
-                                      const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b) {
-    return model::linear(cheap(inputs), W, b);
-  };
+                                      const std::vector<torch::Tensor>&, const torch::Tensor& W,
+                                      const torch::Tensor& b) { return model::linear(cheap(inputs), W, b); };
   return forward_with(x, rope, plain);
 }
 

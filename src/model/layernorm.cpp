@@ -122,9 +122,10 @@ bool layer_norm_bf16_fused(const torch::Tensor& x, const torch::Tensor& w, const
 }
 
 torch::Tensor layer_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps) {
-  TORCH_CHECK(x.defined() && stream_of_kernels(x) && x.dim() >= 1 && vector_of(w, x) && (!b.defined() || vector_of(b, x)),
-              "layer_norm_bf16: x (..., C) must be a contiguous fp32 CPU (or fp32 or bf16 CUDA) tensor and w, b "
-              "vectors of C in its dtype on its device");
+  TORCH_CHECK(
+      x.defined() && stream_of_kernels(x) && x.dim() >= 1 && vector_of(w, x) && (!b.defined() || vector_of(b, x)),
+      "layer_norm_bf16: x (..., C) must be a contiguous fp32 CPU (or fp32 or bf16 CUDA) tensor and w, b "
+      "vectors of C in its dtype on its device");
   const bool grad = torch::GradMode::is_enabled() &&
                     (x.requires_grad() || w.requires_grad() || (b.defined() && b.requires_grad()));
   if (!grad) return forward_fused(x, w, b, eps).y;

@@ -22,7 +22,8 @@ bool is_lowp(c10::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 // fused kernels are on.
 bool widens(c10::ScalarType dt) {
   if (!is_lowp(dt)) return false;
-  return device::cpu_features().linear_path(dt == at::kBFloat16 ? config::Dtype::kBf16 : config::Dtype::kFp16) == device::LowpMatmul::widened;
+  return device::cpu_features().linear_path(dt == at::kBFloat16 ? config::Dtype::kBf16 : config::Dtype::kFp16) ==
+         device::LowpMatmul::widened;
 }
 
 // The GEMMs below take fp32 tensors on purpose: autocast must not cast them back (the linear's
@@ -57,7 +58,8 @@ void for_chunks(int64_t M, int64_t chunk, F&& f) {
 }
 
 // out (M, N, in dt) = a2 (M, K, in dt) B (K, N, fp32) [+ bias (N, fp32), added before the one rounding].
-void rows_times(const at::Tensor& out, const at::Tensor& a2, const at::Tensor& B, const at::Tensor& bias, int64_t chunk) {
+void rows_times(const at::Tensor& out, const at::Tensor& a2, const at::Tensor& B, const at::Tensor& bias,
+                int64_t chunk) {
   const int64_t M = a2.size(0), K = a2.size(1), N = B.size(1);
   const auto f32 = a2.options().dtype(at::kFloat);
   auto af = at::empty({std::min(chunk, M), K}, f32), yf = at::empty({std::min(chunk, M), N}, f32);
@@ -79,7 +81,8 @@ void rows_times(const at::Tensor& out, const at::Tensor& a2, const at::Tensor& B
 struct LinearGradients {
   at::Tensor dx, dW;
 };
-LinearGradients widened_gradients(const at::Tensor& gy2, const at::Tensor& a2, const at::Tensor& Wr, int64_t K, int64_t chunk) {
+LinearGradients widened_gradients(const at::Tensor& gy2, const at::Tensor& a2, const at::Tensor& Wr, int64_t K,
+                                  int64_t chunk) {
   const auto dt = gy2.scalar_type();
   const int64_t M = gy2.size(0), N = gy2.size(1);
   const auto f32 = gy2.options().dtype(at::kFloat);
@@ -121,8 +124,8 @@ at::Tensor widened_forward(const at::Tensor& xc, const at::Tensor& W, const at::
 
 // One autograd node for the widened linear. Graph inputs: x, W, b (optional), the compute dtype.
 struct WidenedLinearFunction : torch::autograd::Function<WidenedLinearFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& W, const std::optional<at::Tensor>& b,
-                            int64_t dtype) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& W,
+                            const std::optional<at::Tensor>& b, int64_t dtype) {
     const NoAutocast no_autocast;
     const auto xc = x.to(static_cast<c10::ScalarType>(dtype));  // what autocast's linear would save
     const at::Tensor bias = b.value_or(at::Tensor());
@@ -149,7 +152,8 @@ struct WidenedLinearFunction : torch::autograd::Function<WidenedLinearFunction> 
                             widened_chunk_rows(gy2.size(0), K, N));
     if (g.dW.defined()) result[1] = g.dW.to(W.scalar_type());
     if (b.defined() && ctx->needs_input_grad(2)) result[2] = gy2.sum(0).to(b.scalar_type());
-    if (g.dx.defined()) result[0] = g.dx.view(xc.sizes()).to(static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+    if (g.dx.defined())
+      result[0] = g.dx.view(xc.sizes()).to(static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
     return result;
   }
 };
@@ -159,7 +163,8 @@ struct WidenedLinearFunction : torch::autograd::Function<WidenedLinearFunction> 
 std::optional<c10::ScalarType> widened_dtype(const at::Tensor& x) {
   if (!x.defined() || !x.device().is_cpu()) return std::nullopt;
   if (x.scalar_type() != at::kFloat && !is_lowp(x.scalar_type())) return std::nullopt;  // as autocast: fp64 stays
-  const auto dt = at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : x.scalar_type();
+  const auto dt =
+      at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : x.scalar_type();
   if (!widens(dt)) return std::nullopt;
   return dt;
 }
@@ -185,7 +190,8 @@ at::Tensor linear_weight_grad(const at::Tensor& gy2, const at::Tensor& a2) {
   const NoAutocast no_autocast;
   const auto dt = gy2.scalar_type();
   if (!gy2.device().is_cpu() || !widens(dt)) return gy2.t().mm(a2.to(dt));
-  return widened_gradients(gy2, a2, at::Tensor(), a2.size(1), widened_chunk_rows(gy2.size(0), a2.size(1), gy2.size(1))).dW;
+  return widened_gradients(gy2, a2, at::Tensor(), a2.size(1), widened_chunk_rows(gy2.size(0), a2.size(1), gy2.size(1)))
+      .dW;
 }
 
 }  // namespace sl::model

@@ -4,9 +4,9 @@
 // libraries' path device::LowpMatmul::aten), ATen runs low-precision matmuls on its fallback GEMM,
 // 10-100x slower than the fp32 one; on AVX-512 without bf16 instructions (a Cascade Lake Xeon:
 // LowpMatmul::emulated) oneDNN's gemm:jit:bf16 makes a bf16 step twice as slow as fp32's
-// (docs/precision.md). There a linear in the compute dtype is *widened*: its operands, rounded to the compute dtype as autocast rounds them, are converted exactly
-// to fp32 a chunk of rows at a time, multiplied by the fp32 GEMM (MKL / oneDNN), and the result is
-// rounded once back to the compute dtype.
+// (docs/precision.md). There a linear in the compute dtype is *widened*: its operands, rounded to the compute dtype as
+// autocast rounds them, are converted exactly to fp32 a chunk of rows at a time, multiplied by the fp32 GEMM (MKL /
+// oneDNN), and the result is rounded once back to the compute dtype.
 //
 // Numerics: the same roundings as autocast's ATen linear: the input, weight and bias rounded to the
 // compute dtype, the output, the input gradient, the weight gradient and the bias gradient rounded to
@@ -45,7 +45,8 @@ bool widened_path(c10::Device device, c10::ScalarType dt);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& W, const at::Tensor& b = {});
 
 // a (M, K) b (K, N) in a's dtype, b rounded to it: widened where a's dtype is widened (the rule of
-// widened_dtype, on a's own dtype: autocast plays no part), else at::mm. A linear's input gradient is mm(gy2, W); the MFU's peak is measured with it.
+// widened_dtype, on a's own dtype: autocast plays no part), else at::mm. A linear's input gradient is mm(gy2, W); the
+// MFU's peak is measured with it.
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b);
 // A linear's weight gradient for autograd nodes that take it themselves (checkpointing/checkpoint.cpp):
 // gy2^T (N, M) a2 (M, K) rounded to gy2's dtype (the compute dtype; a2 rounded to it too): widened

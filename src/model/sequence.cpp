@@ -53,12 +53,14 @@ torch::Tensor exchange_to_positions(SequenceExchange& ex, const torch::Tensor& y
 struct ToHeads : torch::autograd::Function<ToHeads> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const std::shared_ptr<SequenceExchange>& ex);
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g);
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g);
 };
 struct ToPositions : torch::autograd::Function<ToPositions> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& y,
                                const std::shared_ptr<SequenceExchange>& ex);
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g);
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g);
 };
 
 // The exchange rides in the context as an int64 of its address: AutogradContext keeps IValues only. It
@@ -77,7 +79,8 @@ torch::Tensor ToHeads::forward(torch::autograd::AutogradContext* ctx, const torc
   const std::vector<int64_t> sizes = {x.size(0), n * x.size(1), x.size(2), x.size(3) / n, x.size(4)};
   return exchange_or_take(sizes, [&] { return exchange_to_heads(*ex, x); });
 }
-torch::autograd::variable_list ToHeads::backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g) {
+torch::autograd::variable_list ToHeads::backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
   return {exchange_to_positions(kept(ctx), g[0]), torch::Tensor()};
 }
 torch::Tensor ToPositions::forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& y,
@@ -95,12 +98,14 @@ torch::autograd::variable_list ToPositions::backward(torch::autograd::AutogradCo
 }  // namespace
 
 torch::Tensor ExchangeMemo::take(at::IntArrayRef sizes) {
-  if (kept_.empty()) throw std::logic_error("checkpointing.exchange keep: a recompute exchanged more than its first pass");
+  if (kept_.empty())
+    throw std::logic_error("checkpointing.exchange keep: a recompute exchanged more than its first pass");
   auto t = std::move(kept_.front());
   kept_.pop_front();
   if (t.sizes() != sizes)
-    throw std::logic_error(fmt::format("checkpointing.exchange keep: the recompute's exchange is {}, its first pass's {}",
-                                       fmt::join(sizes, "x"), fmt::join(t.sizes(), "x")));
+    throw std::logic_error(
+        fmt::format("checkpointing.exchange keep: the recompute's exchange is {}, its first pass's {}",
+                    fmt::join(sizes, "x"), fmt::join(t.sizes(), "x")));
   return t;
 }
 

@@ -87,7 +87,8 @@ torch::Tensor clip_on_cpu(const std::vector<torch::Tensor>& grads, double clip) 
   if (clip > 0.0) {
     // clip_coefficient's formula in fp64, rounded once (no tensor to read back: tests count host
     // reads); ATen's fp32 steps there may give an ulp more or less.
-    const float s = std::isfinite(norm) ? static_cast<float>(std::min(1.0, clip / (static_cast<double>(norm) + 1e-6))) : 1.0f;
+    const float s =
+        std::isfinite(norm) ? static_cast<float>(std::min(1.0, clip / (static_cast<double>(norm) + 1e-6))) : 1.0f;
     if (s != 1.0f)
       model::for_each_index(static_cast<int64_t>(all.pieces.size()), [&](int64_t i, int) {
         scale(all.begin(all.pieces[i]), all.pieces[i].size, s);

@@ -164,7 +164,8 @@ std::map<std::pair<std::string, torch::ScalarType>, FusedLists> fused_lists(torc
 std::vector<torch::Tensor> step_tensors(const std::vector<int64_t>& steps, const torch::Device& device) {
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   const bool same = std::all_of(steps.begin(), steps.end(), [&](int64_t s) { return s == steps.front(); });
-  if (same) return torch::full({static_cast<int64_t>(steps.size())}, static_cast<double>(steps.front()), opts).unbind(0);
+  if (same)
+    return torch::full({static_cast<int64_t>(steps.size())}, static_cast<double>(steps.front()), opts).unbind(0);
   std::vector<float> host(steps.begin(), steps.end());
   return torch::tensor(host).to(device).unbind(0);
 }

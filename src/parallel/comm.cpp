@@ -272,10 +272,11 @@ Comm::Comm(const LaunchEnv& env, const config::ParallelConfig& cfg, c10::Device 
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw DistError(fmt::format("rendezvous at {}:{} as rank {} of {} failed within parallel.timeout_s={} s: {}. Check "
-                                "that every rank was started with the same MASTER_ADDR/MASTER_PORT/WORLD_SIZE and that "
-                                "the port is free",
-                                env_.master_addr, env_.master_port, env_.rank, env_.world, cfg.timeout_s, short_what(e)));
+    throw DistError(
+        fmt::format("rendezvous at {}:{} as rank {} of {} failed within parallel.timeout_s={} s: {}. Check "
+                    "that every rank was started with the same MASTER_ADDR/MASTER_PORT/WORLD_SIZE and that "
+                    "the port is free",
+                    env_.master_addr, env_.master_port, env_.rank, env_.world, cfg.timeout_s, short_what(e)));
   }
   try {
     barrier("start-up barrier");
@@ -362,8 +363,9 @@ void Comm::check(const std::string& what) {
 
 void Comm::fail(const std::string& what, const std::string& detail) {
   if (failure_.empty())
-    failure_ = fmt::format("rank {} of {}: {} failed (a peer died, hung past parallel.timeout_s={} s, or disagrees): {}",
-                           env_.rank, env_.world, what, timeout_s_, detail);
+    failure_ =
+        fmt::format("rank {} of {}: {} failed (a peer died, hung past parallel.timeout_s={} s, or disagrees): {}",
+                    env_.rank, env_.world, what, timeout_s_, detail);
   throw DistError(failure_);
 }
 

@@ -113,7 +113,8 @@ class Comm {
   int64_t rank() const { return env_.rank; }
   int64_t world() const { return env_.world; }
   const LaunchEnv& env() const { return env_; }
-  std::string_view backend() const { return backend_ ? backend_->name() : "none"; }  // gloo, nccl, or none for one process
+  // gloo, nccl, or none for one process
+  std::string_view backend() const { return backend_ ? backend_->name() : "none"; }
   bool distributed() const { return env_.world > 1; }
   c10::Device device() const { return device_; }  // this rank's device (cuda:LOCAL_RANK or cpu)
 

@@ -56,7 +56,8 @@ void Engine::init(const Spec& spec) {
   torch::NoGradGuard no_grad;
   if (!deferred_)
     for (const auto& p : model_->parameters()) init_sum_ += p.to(torch::kFloat64).sum().item<double>();
-  build_groups(static_cast<int64_t>(spec.parallel.bucket_mb * 1024 * 1024));  // a deferred model's values are drawn here, and summed
+  // a deferred model's values are drawn here, and summed
+  build_groups(static_cast<int64_t>(spec.parallel.bucket_mb * 1024 * 1024));
   check_same_init();
 }
 
@@ -77,7 +78,8 @@ bool Engine::low_precision_copy() const { return param_dtype_ != at::kFloat; }
 
 // Which parameters form which group: zero3 one group per unit, otherwise buckets of bucket_mb; both in
 // reverse unit order (the order gradients arrive in).
-Engine::Layout Engine::plan_groups(int64_t bucket_bytes, const std::vector<std::vector<model::NamedParam>>& units) const {
+Engine::Layout Engine::plan_groups(int64_t bucket_bytes,
+                                   const std::vector<std::vector<model::NamedParam>>& units) const {
   Layout l;
   l.group_of_unit.assign(units.size(), -1);
   const bool per_unit = groups_per_unit();
@@ -153,13 +155,15 @@ void Engine::bind_values(Group&, torch::Tensor) {
 // zero3 on a deferred model (parameters without memory): unit by unit, in forward order, the unit's full fp32 values
 // are drawn into one buffer (init_parameter, parameters in registration order: the same draws a
 // one-process build makes), the rank keeps its shard and the buffer goes. At most one unit is whole.
-void Engine::materialize_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit) {
+void Engine::materialize_units(const std::vector<std::vector<model::NamedParam>>& units,
+                               const std::vector<int64_t>& group_of_unit) {
   for (size_t u = 0; u < units.size(); ++u) {
     auto& g = *groups_[static_cast<size_t>(group_of_unit[u])];
     auto flat = torch::zeros({g.padded}, fp32_options());
     for (const auto& np : units[u]) {
       const auto i = static_cast<size_t>(std::find(g.names.begin(), g.names.end(), np.name) - g.names.begin());
-      model::init_parameter(model_->cfg, np.name, flat.narrow(0, g.offsets[i], g.params[i].numel()).view(g.params[i].sizes()));
+      model::init_parameter(model_->cfg, np.name,
+                            flat.narrow(0, g.offsets[i], g.params[i].numel()).view(g.params[i].sizes()));
     }
     init_sum_ += flat.sum().item<double>();  // fp32: a float64 sum would first make a float64 copy of the unit
     bind_values(g, std::move(flat));
@@ -168,7 +172,8 @@ void Engine::materialize_units(const std::vector<std::vector<model::NamedParam>>
 
 // unit -> the groups it needs gathered (a group per unit: its own, and the embeddings for a tied head;
 // otherwise the buckets that hold its parameters); parameter name -> (group, index).
-void Engine::index_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit) {
+void Engine::index_units(const std::vector<std::vector<model::NamedParam>>& units,
+                         const std::vector<int64_t>& group_of_unit) {
   unit_groups_.assign(units.size(), {});
   if (groups_per_unit()) {
     for (size_t u = 0; u < units.size(); ++u) unit_groups_[u].push_back(static_cast<size_t>(group_of_unit[u]));
@@ -233,7 +238,9 @@ bool Engine::hooks_to_current_stream() {
   });
 }
 
-torch::TensorOptions Engine::fp32_options() const { return torch::TensorOptions().dtype(torch::kFloat).device(device_); }
+torch::TensorOptions Engine::fp32_options() const {
+  return torch::TensorOptions().dtype(torch::kFloat).device(device_);
+}
 
 Strategy::Trainables Engine::shard_pieces() {
   Trainables t;
@@ -268,7 +275,9 @@ void Engine::check_reduction(const std::string& what) {
 }
 
 nlohmann::json Engine::layout() const {
-  return {{"largest_group_bytes", largest_unit_bytes()}, {"groups", groups()}, {"groups_launched_during_backward", launched_from_hooks()}};
+  return {{"largest_group_bytes", largest_unit_bytes()},
+          {"groups", groups()},
+          {"groups_launched_during_backward", launched_from_hooks()}};
 }
 
 // ---- step, memory, saves ----
@@ -285,7 +294,8 @@ void Engine::optimizer_step(torch::optim::AdamW& opt) {
 // This rank's slot of flat_param holding its master shard in the compute dtype (the all-gather's input).
 // A master the slot is not (a low-precision copy; masters on the host) is copied into the slot.
 torch::Tensor Engine::compute_shard(Group& g) {
-  if (!low_precision_copy() && !host_.masters_on_host()) return g.shard_param;  // zero1/2: the slot itself; zero3: its own fp32 buffer
+  // zero1/2: the slot itself; zero3: its own fp32 buffer
+  if (!low_precision_copy() && !host_.masters_on_host()) return g.shard_param;
   auto slot = g.slot();
   host_.master_to_slot(slot, g.shard_param);
   return slot;
@@ -328,7 +338,9 @@ std::vector<Span> Engine::shard_spans() const {
     const auto [lo, hi] = owned_range(g);
     for (size_t i = 0; i < g.params.size(); ++i) {
       const int64_t a = std::max(lo, g.offsets[i]), b = std::min(hi, g.offsets[i] + g.params[i].numel());
-      if (a < b) out.push_back({g.names[i], a - g.offsets[i], b - g.offsets[i], g.shard_param.detach().narrow(0, a - lo, b - a)});
+      if (a < b)
+        out.push_back(
+            {g.names[i], a - g.offsets[i], b - g.offsets[i], g.shard_param.detach().narrow(0, a - lo, b - a)});
     }
   }
   return out;

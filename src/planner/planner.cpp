@@ -102,7 +102,8 @@ OffloadTraffic offload_traffic(const Scenario& sc, const checkpointing::Plan& pl
   OffloadTraffic t;
   const auto& o = sc.placement.offload;
   if (!o.any()) return t;
-  const auto N = sc.placement.sharding.replicated() ? 1 : std::max<int64_t>(1, sc.placement.world);  // DDP: the whole model
+  // DDP: the whole model
+  const auto N = sc.placement.sharding.replicated() ? 1 : std::max<int64_t>(1, sc.placement.world);
   const int64_t micro = sc.grad_accum, n = sc.shape().total_params();
   const int64_t cp = sc.precision.param_dtype.bytes(), cr = sc.precision.reduce_dtype.bytes();
   const auto units = memory::unit_param_counts(sc.model);
@@ -275,9 +276,11 @@ config::Dtype dtype_in(const Json& j, const char* key) {
 std::string weights_label(config::Dtype param_dtype, const std::string& sharding, bool masters_on_host) {
   const auto fp32 = config::Dtype::kFp32;
   if (masters_on_host)
-    return param_dtype == fp32 ? "weights (fp32 copy; masters on the host)" : fmt::format("weights ({} copy; fp32 masters on the host)", param_dtype.name());
+    return param_dtype == fp32 ? "weights (fp32 copy; masters on the host)"
+                               : fmt::format("weights ({} copy; fp32 masters on the host)", param_dtype.name());
   if (param_dtype == fp32) return "weights (fp32)";
-  if (config::Sharding::parse(sharding).value_or(config::Sharding::kNone).shards_params()) return fmt::format("weights (fp32 master shard; gathered in {})", param_dtype.name());
+  if (config::Sharding::parse(sharding).value_or(config::Sharding::kNone).shards_params())
+    return fmt::format("weights (fp32 master shard; gathered in {})", param_dtype.name());
   return fmt::format("weights (fp32 master shard + {} copy)", param_dtype.name());
 }
 
@@ -312,11 +315,13 @@ std::string breakdown_table(const Json& j) {
       {weights_label(dtype_in(j, "param_dtype"), j["sharding"].get<std::string>(),
                      j.contains("offload") && !j["offload"].is_null() && j["offload"]["optimizer"].get<bool>()),
        bytes(j["params_bytes"])},
-      {dtype_in(j, "reduce_dtype") == config::Dtype::kFp32 ? std::string("gradients (fp32)")
-                                                           : fmt::format("gradients (fp32; reduce-scattered in {})", dtype_in(j, "reduce_dtype").name()),
+      {dtype_in(j, "reduce_dtype") == config::Dtype::kFp32
+           ? std::string("gradients (fp32)")
+           : fmt::format("gradients (fp32; reduce-scattered in {})", dtype_in(j, "reduce_dtype").name()),
        bytes(j["grads_bytes"])},
       {"AdamW moments (fp32)", bytes(j["optimizer_state_bytes"])},
-      {j.contains("offload") ? "model states on the device (host part below)" : "model states", bytes(j["model_states_bytes"])},
+      {j.contains("offload") ? "model states on the device (host part below)" : "model states",
+       bytes(j["model_states_bytes"])},
       {"gathered parameters / unreduced gradients", bytes(j["sharding_transient_bytes"])},
       {"input batch", bytes(j["batch_bytes"])},
       {"fused LM head and loss, at its peak (in activations)", bytes(j["loss_bytes"])},
@@ -336,16 +341,19 @@ std::string modes_table(const Json& j, bool with_memory) {
   std::vector<std::pair<std::string, std::string>> modes;
   for (const auto& m : j["modes"]) {
     if (!m.contains("activation_peak_bytes")) {
-      modes.emplace_back(m["mode"].get<std::string>(),
-                         fmt::format("no schedule fits checkpointing.budget ({} of activations)", bytes(j["budget_bytes"])));
+      modes.emplace_back(
+          m["mode"].get<std::string>(),
+          fmt::format("no schedule fits checkpointing.budget ({} of activations)", bytes(j["budget_bytes"])));
       continue;
     }
-    std::string v = fmt::format("activations {:>10} | peak {:>10}", bytes(m["activation_peak_bytes"]), bytes(m["peak_bytes"]));
+    std::string v =
+        fmt::format("activations {:>10} | peak {:>10}", bytes(m["activation_peak_bytes"]), bytes(m["peak_bytes"]));
     if (j.value("sequence_parallel", int64_t{1}) > 1)
       v += fmt::format(" | all-to-all {:>10} sent a step", bytes(m["all_to_all_bytes_per_step"]));
     if (with_memory) {
       const int64_t mb = m["largest_micro_batch"].get<int64_t>();
-      v += mb > 0 ? fmt::format(" | largest micro-batch {} (grad_accum {})", mb, m["grad_accum_for_global_batch"].get<int64_t>())
+      v += mb > 0 ? fmt::format(" | largest micro-batch {} (grad_accum {})", mb,
+                                m["grad_accum_for_global_batch"].get<int64_t>())
                   : std::string(" | does not fit at micro-batch 1");
     }
     modes.emplace_back(m["mode"].get<std::string>(), v);
@@ -389,7 +397,9 @@ std::string offload_table(const Json& j) {
   for (const char* k : {"optimizer", "gradients", "parameters", "activations"})
     if (o[k].get<bool>()) placed += (placed.empty() ? "" : ", ") + std::string(k);
   const double gib = 1024.0 * 1024 * 1024;
-  auto secs = [](const Json& v) { return v.is_null() ? std::string("unknown (set logging.peak_tflops)") : fmt::format("{:.3f} s", v.get<double>()); };
+  auto secs = [](const Json& v) {
+    return v.is_null() ? std::string("unknown (set logging.peak_tflops)") : fmt::format("{:.3f} s", v.get<double>());
+  };
   std::vector<std::pair<std::string, std::string>> rows = {
       {"offloaded to host memory", placed},
       {"device peak (recipe's mode)", bytes(o["device_peak_bytes"])},
@@ -400,14 +410,15 @@ std::string offload_table(const Json& j) {
       {"host: AdamW's piece index (optimizer step)", bytes(o["host_optimizer_temp_bytes"])},
       {"host: snapshot of an asynchronous save", bytes(o["host_snapshot_bytes"])},
       {"host peak", bytes(o["host_peak_bytes"])},
-      {"moved per step", fmt::format("{:.2f} GiB to host, {:.2f} GiB to device", o["to_host_bytes_per_step"].get<double>() / gib,
-                                     o["to_device_bytes_per_step"].get<double>() / gib)},
-      {"transfer time", fmt::format("{:.3f} s at {:g} GB/s, {:.3f} s not hidden (overlap {:g})", o["transfer_s"].get<double>(),
-                                    o["bandwidth_gbps"].get<double>(), o["exposed_transfer_s"].get<double>(),
-                                    o["overlap"].get<double>())},
+      {"moved per step",
+       fmt::format("{:.2f} GiB to host, {:.2f} GiB to device", o["to_host_bytes_per_step"].get<double>() / gib,
+                   o["to_device_bytes_per_step"].get<double>() / gib)},
+      {"transfer time", fmt::format("{:.3f} s at {:g} GB/s, {:.3f} s not hidden (overlap {:g})",
+                                    o["transfer_s"].get<double>(), o["bandwidth_gbps"].get<double>(),
+                                    o["exposed_transfer_s"].get<double>(), o["overlap"].get<double>())},
       {"host AdamW step", fmt::format("{:.3f} s", o["host_adamw_s"].get<double>())},
-      {"compute", fmt::format("{} ({:g} TFLOP/s peak at {:.0f}% MFU)", secs(o["compute_s"]), o["peak_tflops"].get<double>(),
-                              100 * o["modelled_mfu"].get<double>())},
+      {"compute", fmt::format("{} ({:g} TFLOP/s peak at {:.0f}% MFU)", secs(o["compute_s"]),
+                              o["peak_tflops"].get<double>(), 100 * o["modelled_mfu"].get<double>())},
       {"modelled step time", fmt::format("{:.3f} s", o["step_s"].get<double>())},
   };
   return "\nOffload (offload.*, per rank, the recipe's checkpointing mode):\n" + log::format_table(rows);
@@ -424,10 +435,11 @@ std::string format_plan(const Json& j) {
   out += budget_schedule_text(j);
   out += offload_table(j);
   if (with_memory && j["model_states_bytes"].get<int64_t>() > j["memory_bytes"].get<int64_t>())
-    out += fmt::format("Model states alone ({}) exceed {}: no checkpointing mode can fit; this needs more ranks "
-                       "with parallel.sharding (zero3 divides all three states by the world size), lower precision, "
-                       "or host memory for them: offload.optimizer (+ gradients with zero2/3, + parameters with zero3).\n",
-                       bytes(j["model_states_bytes"]), bytes(j["memory_bytes"]));
+    out += fmt::format(
+        "Model states alone ({}) exceed {}: no checkpointing mode can fit; this needs more ranks "
+        "with parallel.sharding (zero3 divides all three states by the world size), lower precision, "
+        "or host memory for them: offload.optimizer (+ gradients with zero2/3, + parameters with zero3).\n",
+        bytes(j["model_states_bytes"]), bytes(j["memory_bytes"]));
   return out;
 }
 
@@ -463,7 +475,8 @@ Json degree_row(const Scenario& recipe, int64_t n, int64_t memory_bytes) {
               {"all_to_all_s", t.all_to_all_s},
               {"step_s", sc.peak_tflops > 0 ? Json(t.step_s) : Json(nullptr)},
               {"fits", memory_bytes <= 0 || p.peak_bytes() <= memory_bytes}};
-  if (n > 1 && sc.checkpointing.mode.solved()) row["exchange_kept_blocks"] = schedule->to_json()["exchange_kept_blocks"];
+  if (n > 1 && sc.checkpointing.mode.solved())
+    row["exchange_kept_blocks"] = schedule->to_json()["exchange_kept_blocks"];
   return row;
 }
 
@@ -506,7 +519,9 @@ Json sequence_search(const Scenario& sc, int64_t memory_bytes) {
     chosen = n;
     if (degrees.back().contains("exchange")) chosen_exchange = degrees.back()["exchange"];
   }
-  Json out = {{"degrees", degrees}, {"chosen", chosen}, {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)}};
+  Json out = {{"degrees", degrees},
+              {"chosen", chosen},
+              {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)}};
   if (!chosen_exchange.is_null()) out["chosen_exchange"] = chosen_exchange;
   return out;
 }
@@ -518,10 +533,11 @@ std::string format_exchanges(const Json& d) {
   std::string out;
   for (const char* name : {"redo", "keep"}) {
     const auto& r = d["exchanges"][name];
-    out += r["peak_bytes"].is_null() ? fmt::format("{}exchange {}: no schedule", out.empty() ? "" : " | ", name)
-                                     : fmt::format("{}exchange {}: peak {} (all-to-all {:.2f} s) {}", out.empty() ? "" : " | ", name,
-                                                   bytes(r["peak_bytes"]), r["all_to_all_s"].get<double>(),
-                                                   r["fits"].get<bool>() ? "fits" : "does not fit");
+    out += r["peak_bytes"].is_null()
+               ? fmt::format("{}exchange {}: no schedule", out.empty() ? "" : " | ", name)
+               : fmt::format("{}exchange {}: peak {} (all-to-all {:.2f} s) {}", out.empty() ? "" : " | ", name,
+                             bytes(r["peak_bytes"]), r["all_to_all_s"].get<double>(),
+                             r["fits"].get<bool>() ? "fits" : "does not fit");
   }
   return out + fmt::format(" -> {}", d["exchange"].get<std::string>());
 }
@@ -535,26 +551,33 @@ std::string format_sequence_search(const Json& search, int64_t memory_bytes) {
                           ? std::string("unknown (set logging.peak_tflops)")
                           : fmt::format("{:.1f} s for {} tokens, {:.0f} tokens/s", d["step_s"].get<double>(),
                                         d["tokens_per_step"].get<int64_t>(), d["tokens_per_s"].get<double>());
-    rows.emplace_back(fmt::format("parallel.sequence {}", d["degree"].get<int64_t>()),
-                      d["peak_bytes"].is_null()
-                          ? std::string("no budget schedule fits")
-                          : fmt::format("peak {:>10} | step {} (all-to-all {:.2f} s) | {}", bytes(d["peak_bytes"]), step,
-                                        d["all_to_all_s"].get<double>(), d["fits"].get<bool>() ? "fits" : "does not fit"));
+    rows.emplace_back(
+        fmt::format("parallel.sequence {}", d["degree"].get<int64_t>()),
+        d["peak_bytes"].is_null()
+            ? std::string("no budget schedule fits")
+            : fmt::format("peak {:>10} | step {} (all-to-all {:.2f} s) | {}", bytes(d["peak_bytes"]), step,
+                          d["all_to_all_s"].get<double>(), d["fits"].get<bool>() ? "fits" : "does not fit"));
     if (d.contains("exchanges")) rows.emplace_back("", format_exchanges(d));
   }
   std::string out = fmt::format("Sequence-parallel degrees (per rank, the recipe's checkpointing mode{}):\n",
                                 memory_bytes > 0 ? ", against " + log::format_bytes(memory_bytes) : std::string());
   out += log::format_table(rows);
-  const std::string exchange =
-      search.contains("chosen_exchange") ? ", checkpointing.exchange: " + search["chosen_exchange"].get<std::string>() : "";
-  out += search["chosen"].is_null()
-             ? std::string("No degree fits: shard further (parallel.sharding: zero3, more ranks), checkpoint more, or offload.\n")
-             : fmt::format("Smallest degree that fits: parallel.sequence: {}{}\n", search["chosen"].get<int64_t>(), exchange);
+  const std::string exchange = search.contains("chosen_exchange")
+                                   ? ", checkpointing.exchange: " + search["chosen_exchange"].get<std::string>()
+                                   : "";
+  out +=
+      search["chosen"].is_null()
+          ? std::string(
+                "No degree fits: shard further (parallel.sharding: zero3, more ranks), checkpoint more, or offload.\n")
+          : fmt::format("Smallest degree that fits: parallel.sequence: {}{}\n", search["chosen"].get<int64_t>(),
+                        exchange);
   return out;
 }
 
 std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
-  if (limit_bytes <= 0) return "lower train.micro_batch (raise train.grad_accum to keep the global batch) or enable checkpointing.mode: full";
+  if (limit_bytes <= 0)
+    return "lower train.micro_batch (raise train.grad_accum to keep the global batch) or enable checkpointing.mode: "
+           "full";
   const int64_t per_rank = sequences_per_rank(cfg.train, cfg.mesh());
   const Scenario sc = Scenario::unresolved(cfg);
   std::string out;
@@ -563,11 +586,13 @@ std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
     c.checkpointing = ck;
     const int64_t mb = largest_micro_batch(c, limit_bytes);
     if (mb == 0) continue;
-    out += fmt::format("{}{}: micro_batch {} with grad_accum {}", out.empty() ? "" : "; ", name, mb, (per_rank + mb - 1) / mb);
+    out += fmt::format("{}{}: micro_batch {} with grad_accum {}", out.empty() ? "" : "; ", name, mb,
+                       (per_rank + mb - 1) / mb);
   }
   if (out.empty())
     return fmt::format("the planner predicts nothing fits {} (model states alone: {}); shard or lower precision",
-                       log::format_bytes(limit_bytes), log::format_bytes(memory::predict_states(sc).model_states_bytes()));
+                       log::format_bytes(limit_bytes),
+                       log::format_bytes(memory::predict_states(sc).model_states_bytes()));
   return "the planner predicts these fit " + log::format_bytes(limit_bytes) + ": " + out +
          " (set train.micro_batch / train.grad_accum / checkpointing.mode accordingly)";
 }

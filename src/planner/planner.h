@@ -72,9 +72,9 @@ StepTime modelled_step(const memory::Scenario& sc, const checkpointing::Plan& pl
 // `trainer plan --sequence-parallel auto`: the recipe's scenario (its checkpointing mode, micro-batch, placement)
 // at every degree N that divides WORLD_SIZE, model.n_head and train.seq_len, smallest first: each one's
 // per-rank peak, modelled step time and whether it fits memory_bytes. {"degrees": [{degree, peak_bytes,
-// activation_peak_bytes, all_to_all_bytes_per_step, step_s, tokens_per_step, tokens_per_s, fits}], "chosen": the smallest that fits, or
-// null}. A budget mode that fits no schedule at a degree does not fit there; at a degree above 1 its
-// row also has exchange_kept_blocks (the blocks whose recompute its schedule lets keep their exchanges).
+// activation_peak_bytes, all_to_all_bytes_per_step, step_s, tokens_per_step, tokens_per_s, fits}], "chosen": the
+// smallest that fits, or null}. A budget mode that fits no schedule at a degree does not fit there; at a degree above 1
+// its row also has exchange_kept_blocks (the blocks whose recompute its schedule lets keep their exchanges).
 // checkpointing.exchange auto in a mode that recomputes attention (not budget): at each degree above 1
 // the row's own numbers are the recipe's (redo), "exchanges": {"redo": {...}, "keep": {...}} holds both
 // choices' rows (the same keys less degree and tokens_per_step), "exchange" is "keep" where keep fits

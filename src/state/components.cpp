@@ -44,14 +44,17 @@ void add_model_states(Parts& s, Named& out) {
   for (const auto& sp : s.strategy.owned_spans()) {
     const auto& shape = shapes.at(sp.param);
     const int64_t numel = c10::multiply_integers(shape);
-    auto as_saved = [&](const torch::Tensor& flat) { return sp.begin == 0 && sp.end == numel ? flat.view(shape) : flat; };
+    auto as_saved = [&](const torch::Tensor& flat) {
+      return sp.begin == 0 && sp.end == numel ? flat.view(shape) : flat;
+    };
     out.emplace_back(tensor_name("param", sp, numel), as_saved(sp.values));
     if (!moments) continue;
     const parallel::OptSlot slot = s.strategy.optimizer_slot(*s.opt, sp);
     auto* st = adam_state(*s.opt, slot.param);
     const int64_t len = sp.end - sp.begin;
     out.emplace_back(tensor_name("exp_avg", sp, numel), as_saved(st->exp_avg().view({-1}).narrow(0, slot.offset, len)));
-    out.emplace_back(tensor_name("exp_avg_sq", sp, numel), as_saved(st->exp_avg_sq().view({-1}).narrow(0, slot.offset, len)));
+    out.emplace_back(tensor_name("exp_avg_sq", sp, numel),
+                     as_saved(st->exp_avg_sq().view({-1}).narrow(0, slot.offset, len)));
   }
 }
 
@@ -178,7 +181,8 @@ class LossScale final : public Component {
   }
   void load(const Json& meta, const Reader& /*r*/) override {
     const auto& sc = meta.at("loss_scaler");
-    if (!sc.is_null() && s_.scaler->enabled()) s_.scaler->restore(sc.at("scale").get<double>(), sc.at("growth_tracker").get<int64_t>());
+    if (!sc.is_null() && s_.scaler->enabled())
+      s_.scaler->restore(sc.at("scale").get<double>(), sc.at("growth_tracker").get<int64_t>());
   }
 
  private:

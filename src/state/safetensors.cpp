@@ -65,7 +65,8 @@ void check_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensor
 }
 
 // The header JSON padded with spaces to a multiple of 8 bytes; offsets follow the given order.
-std::string build_header(const std::vector<SafetensorsWriter::Spec>& specs, const std::map<std::string, std::string>& metadata) {
+std::string build_header(const std::vector<SafetensorsWriter::Spec>& specs,
+                         const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json h = nlohmann::ordered_json::object();
   if (!metadata.empty()) h["__metadata__"] = metadata;
   int64_t offset = 0;
@@ -114,7 +115,8 @@ std::vector<int64_t> parse_shape(const std::string& name, const nlohmann::json& 
   std::vector<int64_t> dims;
   for (const auto& d : shape) {
     if (!d.is_number_integer() || (d.is_number_unsigned() ? d.get<uint64_t>() > INT64_MAX : d.get<int64_t>() < 0))
-      throw Corrupt{fmt::format("tensor {}: shape {} has a dimension that is not a non-negative integer", name, shape.dump())};
+      throw Corrupt{
+          fmt::format("tensor {}: shape {} has a dimension that is not a non-negative integer", name, shape.dump())};
     dims.push_back(d.get<int64_t>());
   }
   return dims;
@@ -142,7 +144,8 @@ SafetensorsFile::Entry parse_entry(const std::string& name, const nlohmann::json
   e.dtype = *type;
   e.shape = parse_shape(name, v.at("shape"));
   const auto& offs = v.at("data_offsets");
-  if (!offs.is_array() || offs.size() != 2) throw Corrupt{fmt::format("tensor {}: data_offsets is not [begin, end]", name)};
+  if (!offs.is_array() || offs.size() != 2)
+    throw Corrupt{fmt::format("tensor {}: data_offsets is not [begin, end]", name)};
   uint64_t begin, end;
   try {
     begin = json_offset(offs[0]), end = json_offset(offs[1]);
@@ -155,7 +158,8 @@ SafetensorsFile::Entry parse_entry(const std::string& name, const nlohmann::json
                               offs.dump(), data_bytes)};
   if (end - begin != expected_bytes(e))
     throw Corrupt{fmt::format("tensor {}: {} bytes in data_offsets {}, but dtype {} and shape {} need {}", name,
-                              end - begin, offs.dump(), dtype.get<std::string>(), v.at("shape").dump(), expected_bytes(e))};
+                              end - begin, offs.dump(), dtype.get<std::string>(), v.at("shape").dump(),
+                              expected_bytes(e))};
   e.begin = static_cast<int64_t>(begin);
   e.end = static_cast<int64_t>(end);
   return e;
@@ -183,7 +187,8 @@ void check_tiling(std::vector<SafetensorsFile::Entry>& entries, int64_t data_byt
       throw Corrupt{fmt::format("tensor {} (bytes {}..{}) overlaps tensor {} (bytes {}..{})", e.name, e.begin, e.end,
                                 prev->name, prev->begin, prev->end)};
     if (e.begin > covered)
-      throw Corrupt{fmt::format("bytes {}..{} of the data area before tensor {} belong to no tensor", covered, e.begin, e.name)};
+      throw Corrupt{
+          fmt::format("bytes {}..{} of the data area before tensor {} belong to no tensor", covered, e.begin, e.name)};
     covered = e.end;
     prev = &e;
   }
@@ -283,8 +288,10 @@ void SafetensorsFile::map_file() {
   size_ = st.st_size;
   if (size_ < 8) {
     ::close(fd);
-    throw StateFileError(fmt::format("{} is not a valid safetensors file: {} bytes, shorter than the 8-byte header length "
-                                     "(truncated?)", path_.string(), size_));
+    throw StateFileError(
+        fmt::format("{} is not a valid safetensors file: {} bytes, shorter than the 8-byte header length "
+                    "(truncated?)",
+                    path_.string(), size_));
   }
   void* p = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_PRIVATE, fd, 0);
   const int err = errno;

@@ -68,7 +68,8 @@ std::string check_meta_crc(const Json& meta, const fs::path& path) {
   if (!meta.contains(kMetaChecksum) || !meta.at(kMetaChecksum).is_number_unsigned())
     return fmt::format("{} has no {} (corrupt)", path.string(), kMetaChecksum);
   if (meta.at(kMetaChecksum).get<uint32_t>() != meta_crc(meta))
-    return fmt::format("{} fails its CRC-32 check ({}: a value in it was changed; corrupt)", path.string(), kMetaChecksum);
+    return fmt::format("{} fails its CRC-32 check ({}: a value in it was changed; corrupt)", path.string(),
+                       kMetaChecksum);
   return "";
 }
 
@@ -91,7 +92,8 @@ std::optional<Piece> parse_name(const std::string& name) {
   auto num = [](const std::string& t, int64_t& v) {
     return std::from_chars(t.data(), t.data() + t.size(), v).ec == std::errc();
   };
-  if (!num(range.substr(0, colon), p.begin) || !num(range.substr(colon + 1), p.end) || p.end < p.begin) return std::nullopt;
+  if (!num(range.substr(0, colon), p.begin) || !num(range.substr(colon + 1), p.end) || p.end < p.begin)
+    return std::nullopt;
   p.param.resize(last);
   return p;
 }
@@ -186,7 +188,8 @@ void make_fresh_dir(const fs::path& root, const fs::path& tmp) {
   recover_replaced(root);
   for (const auto& e : fs::directory_iterator(root)) {  // earlier saves cut short by a crash
     const std::string n = e.path().filename().string();
-    if (n.rfind(".step-", 0) == 0 && n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0) fs::remove_all(e.path(), ec);
+    if (n.rfind(".step-", 0) == 0 && n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0)
+      fs::remove_all(e.path(), ec);
   }
   fs::create_directory(tmp, ec);
   if (ec) throw IoError(fmt::format("state.dir: cannot create {} ({})", tmp.string(), ec.message()));
@@ -205,13 +208,15 @@ std::vector<double> write_rank_file(const fs::path& tmp, int64_t rank, const Nam
 
 // Every rank's [ok, bytes, crc32] (a collective); when any rank failed, rank 0 removes `tmp` and every
 // rank throws IoError (its own error, or one naming the rank that failed).
-std::vector<double> agree_on_files(Parts& s, const std::vector<double>& mine, const std::string& error, const fs::path& tmp) {
+std::vector<double> agree_on_files(Parts& s, const std::vector<double>& mine, const std::string& error,
+                                   const fs::path& tmp) {
   const auto all = s.world() > 1 ? s.comm->all_gather(mine, "state save") : mine;
   for (int64_t r = 0; r < s.world(); ++r)
     if (all[static_cast<size_t>(3 * r)] == 0.0) {
       std::error_code ec;
       if (s.rank0()) fs::remove_all(tmp, ec);
-      throw IoError(error.empty() ? fmt::format("rank {} could not write its part of the state (see its error)", r) : error);
+      throw IoError(error.empty() ? fmt::format("rank {} could not write its part of the state (see its error)", r)
+                                  : error);
     }
   return all;
 }
@@ -257,8 +262,10 @@ std::string check_files(const fs::path& dir, const Json& meta) {
     const auto size = fs::file_size(p, ec);
     if (ec) return fmt::format("{} is missing", p.string());
     if (static_cast<int64_t>(size) != f.at("bytes").get<int64_t>())
-      return fmt::format("{} has {} bytes, meta.json says {} (truncated?)", p.string(), size, f.at("bytes").get<int64_t>());
-    if (crc32_file(p) != f.at("crc32").get<uint32_t>()) return fmt::format("{} fails its CRC-32 check (corrupt)", p.string());
+      return fmt::format("{} has {} bytes, meta.json says {} (truncated?)", p.string(), size,
+                         f.at("bytes").get<int64_t>());
+    if (crc32_file(p) != f.at("crc32").get<uint32_t>())
+      return fmt::format("{} fails its CRC-32 check (corrupt)", p.string());
   }
   return "";
 }
@@ -271,10 +278,12 @@ std::string check_state(const fs::path& dir, Json& meta) {
   try {
     std::ifstream in(mp);
     meta = Json::parse(in);
-    if (meta.value("format", "") != "sublinear-training-state") return fmt::format("{} is not a sublinear state", mp.string());
+    if (meta.value("format", "") != "sublinear-training-state")
+      return fmt::format("{} is not a sublinear state", mp.string());
     const int version = meta.at("format_version").get<int>();
     if (version < 1 || version > kFormatVersion)
-      return fmt::format("{} has format_version {}, this build reads 1 to {}", mp.string(), meta.at("format_version").dump(), kFormatVersion);
+      return fmt::format("{} has format_version {}, this build reads 1 to {}", mp.string(),
+                         meta.at("format_version").dump(), kFormatVersion);
     if (std::string why = check_meta_crc(meta, mp); !why.empty()) return why;
     return check_files(dir, meta);
   } catch (const std::exception& e) {
@@ -351,7 +360,8 @@ fs::path chosen_dir(const std::string& resume, const fs::path& root, int64_t ste
   const fs::path base = resume == config::kResumeNewest ? root : fs::path(resume);
   std::error_code ec;
   if (fs::exists(base / "meta.json", ec)) return base;
-  return (resume == config::kResumeNewest || fs::exists(base / "latest", ec) ? base : base / "state") / step_dir_name(step);
+  return (resume == config::kResumeNewest || fs::exists(base / "latest", ec) ? base : base / "state") /
+         step_dir_name(step);
 }
 
 // ---- loading ----
@@ -359,7 +369,8 @@ fs::path chosen_dir(const std::string& resume, const fs::path& root, int64_t ste
 }  // namespace
 
 Reader::Reader(const fs::path& dir, const Json& meta) {
-  for (const auto& f : meta.at("files")) files_.push_back(std::make_unique<SafetensorsFile>(dir / f.at("name").get<std::string>()));
+  for (const auto& f : meta.at("files"))
+    files_.push_back(std::make_unique<SafetensorsFile>(dir / f.at("name").get<std::string>()));
   for (size_t i = 0; i < files_.size(); ++i)
     for (const auto& e : files_[i]->entries())
       if (auto p = parse_name(e.name)) index_[{p->field, p->param}].push_back({i, e.name, p->begin, p->end});
@@ -396,8 +407,10 @@ void Reader::read(const std::string& field, const parallel::Span& sp, torch::Ten
   int64_t covered = sp.begin;
   for (const auto& [a, b] : pieces) {
     if (a < covered)
-      throw StateFileError(fmt::format("state: the files hold elements [{}, {}) of {} of {} more than once (overlapping "
-                                       "pieces; the state is corrupt or mixes two saves)", a, std::min(b, covered), field, sp.param));
+      throw StateFileError(
+          fmt::format("state: the files hold elements [{}, {}) of {} of {} more than once (overlapping "
+                      "pieces; the state is corrupt or mixes two saves)",
+                      a, std::min(b, covered), field, sp.param));
     if (a > covered) break;
     covered = b;
   }
@@ -420,7 +433,8 @@ void install_state_dir(const fs::path& tmp, const fs::path& dir) {
     fs::remove_all(old, ec);  // a leftover from an earlier crash whose step-N is in place (recover_replaced)
     fs::rename(dir, old, ec);
     if (ec)
-      throw IoError(fmt::format("state: cannot move the earlier save {} aside ({}); it is untouched", dir.string(), ec.message()));
+      throw IoError(fmt::format("state: cannot move the earlier save {} aside ({}); it is untouched", dir.string(),
+                                ec.message()));
   }
   fs::rename(tmp, dir, ec);
   if (ec) {
@@ -446,7 +460,8 @@ void recover_replaced(const fs::path& root) {
   std::vector<fs::path> olds;
   for (const auto& e : fs::directory_iterator(root)) {
     const std::string n = e.path().filename().string();
-    if (n.size() == 18 && n[0] == '.' && step_of(n.substr(1, 13)) >= 0 && n.compare(14, 4, ".old") == 0) olds.push_back(e.path());
+    if (n.size() == 18 && n[0] == '.' && step_of(n.substr(1, 13)) >= 0 && n.compare(14, 4, ".old") == 0)
+      olds.push_back(e.path());
   }
   for (const auto& old : olds) {
     const fs::path dir = root / old.filename().string().substr(1, 13);
@@ -457,7 +472,8 @@ void recover_replaced(const fs::path& root) {
       spdlog::warn("state: a save of {} was cut short while replacing it; putting the earlier save back from {}",
                    dir.string(), old.string());
       fs::rename(old, dir, ec);
-      if (ec) throw IoError(fmt::format("state: cannot rename {} back to {} ({})", old.string(), dir.string(), ec.message()));
+      if (ec)
+        throw IoError(fmt::format("state: cannot rename {} back to {} ({})", old.string(), dir.string(), ec.message()));
     }
   }
 }
@@ -469,7 +485,8 @@ std::vector<fs::path> set_aside_other_trajectories(const fs::path& root, const F
   std::vector<fs::path> other;
   for (const auto& e : fs::directory_iterator(root)) {
     const int64_t step = step_of(e.path().filename().string());
-    if (step > resumed.step || (step == resumed.step && !fs::equivalent(e.path(), resumed.dir, ec))) other.push_back(e.path());
+    if (step > resumed.step || (step == resumed.step && !fs::equivalent(e.path(), resumed.dir, ec)))
+      other.push_back(e.path());
   }
   std::sort(other.begin(), other.end());
   const fs::path aside = root / "abandoned";
@@ -478,9 +495,13 @@ std::vector<fs::path> set_aside_other_trajectories(const fs::path& root, const F
     fs::path to = aside / dir.filename();
     for (int k = 2; fs::exists(to, ec); ++k) to = aside / fmt::format("{}-{}", dir.filename().string(), k);
     fs::rename(dir, to, ec);
-    if (ec) throw IoError(fmt::format("state: cannot move {} (not on the resumed trajectory) to {} ({})", dir.string(), to.string(), ec.message()));
-    spdlog::warn("--resume from step {}: {} is from a trajectory this run abandons; moved to {} (delete it when no longer needed)",
-                 resumed.step, dir.string(), to.string());
+    if (ec)
+      throw IoError(fmt::format("state: cannot move {} (not on the resumed trajectory) to {} ({})", dir.string(),
+                                to.string(), ec.message()));
+    spdlog::warn(
+        "--resume from step {}: {} is from a trajectory this run abandons; moved to {} (delete it when no longer "
+        "needed)",
+        resumed.step, dir.string(), to.string());
     moved.push_back(to);
   }
   const bool here = fs::equivalent(resumed.dir.parent_path(), root, ec);
@@ -535,7 +556,8 @@ fs::path set_aside_final_weights(const fs::path& run_dir, const fs::path& root, 
   try {
     step = final_weights_step(model / "model.safetensors");
   } catch (const std::exception& e) {  // unreadable: export and sample ignore it too (with their own warning)
-    spdlog::warn("--resume: cannot read the step of the final weights in {} ({}); left in place", model.string(), e.what());
+    spdlog::warn("--resume: cannot read the step of the final weights in {} ({}); left in place", model.string(),
+                 e.what());
     return {};
   }
   std::error_code ec;
@@ -547,9 +569,10 @@ fs::path set_aside_final_weights(const fs::path& run_dir, const fs::path& root, 
   for (int k = 2; fs::exists(to, ec); ++k) to = aside / fmt::format("model-{}-{}", step_dir_name(step), k);
   move_dir(model, to);
   fsync_dir(run_dir);
-  spdlog::warn("--resume from step {}: the final weights {} (step {}) are from a trajectory this run abandons; moved to {} "
-               "(trainer export and sample now read this run's weights; delete it when no longer needed)",
-               resumed.step, model.string(), step, to.string());
+  spdlog::warn(
+      "--resume from step {}: the final weights {} (step {}) are from a trajectory this run abandons; moved to {} "
+      "(trainer export and sample now read this run's weights; delete it when no longer needed)",
+      resumed.step, model.string(), step, to.string());
   return to;
 }
 
@@ -564,14 +587,44 @@ fs::path state_root(const config::StateConfig& st, const fs::path& run_dir) {
 }
 
 const std::vector<std::string>& math_keys() {
-  static const std::vector<std::string> keys = {
-      "model.arch", "model.n_layer", "model.n_head", "model.n_embd", "model.vocab_size", "model.max_seq_len",
-      "model.mlp_hidden", "model.layer_mlp_hidden", "model.dropout", "model.bias", "model.tie_embeddings", "model.norm_eps", "model.rope_theta",
-      "model.init_std", "data.source", "data.raw_dtype", "data.path", "data.val_path", "data.val_fraction", "data.synthetic_tokens",
-      "train.seq_len", "train.global_batch", "train.lr", "train.min_lr", "train.warmup_steps", "train.weight_decay",
-      "train.beta1", "train.beta2", "train.grad_clip", "train.seed", "precision.compute", "precision.param_dtype",
-      "precision.reduce_dtype", "precision.loss_scale",
-      "precision.init_scale", "precision.growth_factor", "precision.backoff_factor", "precision.growth_interval"};
+  static const std::vector<std::string> keys = {"model.arch",
+                                                "model.n_layer",
+                                                "model.n_head",
+                                                "model.n_embd",
+                                                "model.vocab_size",
+                                                "model.max_seq_len",
+                                                "model.mlp_hidden",
+                                                "model.layer_mlp_hidden",
+                                                "model.dropout",
+                                                "model.bias",
+                                                "model.tie_embeddings",
+                                                "model.norm_eps",
+                                                "model.rope_theta",
+                                                "model.init_std",
+                                                "data.source",
+                                                "data.raw_dtype",
+                                                "data.path",
+                                                "data.val_path",
+                                                "data.val_fraction",
+                                                "data.synthetic_tokens",
+                                                "train.seq_len",
+                                                "train.global_batch",
+                                                "train.lr",
+                                                "train.min_lr",
+                                                "train.warmup_steps",
+                                                "train.weight_decay",
+                                                "train.beta1",
+                                                "train.beta2",
+                                                "train.grad_clip",
+                                                "train.seed",
+                                                "precision.compute",
+                                                "precision.param_dtype",
+                                                "precision.reduce_dtype",
+                                                "precision.loss_scale",
+                                                "precision.init_scale",
+                                                "precision.growth_factor",
+                                                "precision.backoff_factor",
+                                                "precision.growth_interval"};
   return keys;
 }
 
@@ -580,9 +633,10 @@ void check_recipe(const Json& meta, const config::RunConfig& cfg) {
   const Json now = math_values(config::to_json(cfg), global_batch(cfg.train, cfg.mesh()));
   std::string diffs;
   for (const auto& key : math_keys())
-    if (saved.contains(key) && canonical(key, saved.at(key)) != canonical(key, now.at(key)))  // newer keys: not compared
-      diffs += fmt::format("{}{} (saved {}, now {})", diffs.empty() ? "" : "; ", key, saved.value(key, Json(nullptr)).dump(),
-                           now.at(key).dump());
+    // newer keys: not compared
+    if (saved.contains(key) && canonical(key, saved.at(key)) != canonical(key, now.at(key)))
+      diffs += fmt::format("{}{} (saved {}, now {})", diffs.empty() ? "" : "; ", key,
+                           saved.value(key, Json(nullptr)).dump(), now.at(key).dump());
   if (!diffs.empty())
     throw ConfigError(fmt::format("--resume: the recipe changes the math of the saved run: {}. Use the saved values "
                                   "(the state's meta.json holds its recipe), or start a new run",
@@ -617,7 +671,8 @@ namespace {
 
 fs::path tmp_dir(const fs::path& root, int64_t step) { return root / ("." + step_dir_name(step) + ".tmp"); }
 
-Saved saved_result(const fs::path& root, int64_t step, const std::vector<double>& digests, int64_t world, Clock::time_point t0) {
+Saved saved_result(const fs::path& root, int64_t step, const std::vector<double>& digests, int64_t world,
+                   Clock::time_point t0) {
   Saved out{root / step_dir_name(step), 0, 0};
   for (int64_t r = 0; r < world; ++r) out.bytes += static_cast<int64_t>(digests[static_cast<size_t>(3 * r + 1)]);
   out.ms = log::ms_since(t0);

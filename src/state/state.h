@@ -140,7 +140,8 @@ void recover_replaced(const std::filesystem::path& root);
 // S but not the resumed one) are not on: they are moved into <root>/abandoned/ (never deleted), each
 // with a warning naming it, and `latest` names the resumed state (or is removed when the resumed state
 // lies elsewhere), so --resume auto and state.keep only ever see this trajectory. Returns the moved.
-std::vector<std::filesystem::path> set_aside_other_trajectories(const std::filesystem::path& root, const Found& resumed);
+std::vector<std::filesystem::path> set_aside_other_trajectories(const std::filesystem::path& root,
+                                                                const Found& resumed);
 
 // The step logging.save_model's final weights (<run dir>/model/model.safetensors) were written at, from
 // their `sublinear_step` metadata; -1 when the file is missing or records no step. An unreadable file

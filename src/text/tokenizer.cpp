@@ -37,9 +37,10 @@ constexpr const char* kByteLevelPattern =
 }
 
 [[noreturn]] void unsupported(const fs::path& path, const std::string& what) {
-  throw TokenizerError(kExitConfig, fmt::format("{}: {} is not supported; this trainer encodes byte-level BPE tokenizers "
-                                                "(GPT-2, LLaMA 3, scripts/prepare_data.py's) (src/text/tokenizer.h)",
-                                                path.string(), what));
+  throw TokenizerError(kExitConfig,
+                       fmt::format("{}: {} is not supported; this trainer encodes byte-level BPE tokenizers "
+                                   "(GPT-2, LLaMA 3, scripts/prepare_data.py's) (src/text/tokenizer.h)",
+                                   path.string(), what));
 }
 
 Json read_json(const fs::path& path) {
@@ -165,8 +166,10 @@ void Tokenizer::Impl::read_normalizer(const fs::path& path, const Json& n) {
 void Tokenizer::Impl::add_split(const fs::path& path, const std::string& pattern) {
   UErrorCode status = U_ZERO_ERROR;
   UParseError where;
-  std::unique_ptr<icu::RegexPattern> p(icu::RegexPattern::compile(icu::UnicodeString::fromUTF8(pattern), 0, where, status));
-  if (U_FAILURE(status)) bad_file(path, fmt::format("the split pattern {} does not compile ({})", pattern, u_errorName(status)));
+  std::unique_ptr<icu::RegexPattern> p(
+      icu::RegexPattern::compile(icu::UnicodeString::fromUTF8(pattern), 0, where, status));
+  if (U_FAILURE(status))
+    bad_file(path, fmt::format("the split pattern {} does not compile ({})", pattern, u_errorName(status)));
   splits.push_back(std::move(p));
 }
 
@@ -182,7 +185,8 @@ void Tokenizer::Impl::read_pre_tokenizer(const fs::path& path, const Json& p) {
     const Json& pattern = p.at("pattern");
     if (!pattern.contains("Regex")) unsupported(path, "a Split pre-tokenizer on a plain string");
     if (p.value("behavior", "") != "Isolated" || p.value("invert", false))
-      unsupported(path, fmt::format("Split behavior \"{}\"{}", p.value("behavior", ""), p.value("invert", false) ? " inverted" : ""));
+      unsupported(path, fmt::format("Split behavior \"{}\"{}", p.value("behavior", ""),
+                                    p.value("invert", false) ? " inverted" : ""));
     add_split(path, pattern.at("Regex").get<std::string>());
   } else {
     unsupported(path, fmt::format("pre_tokenizer \"{}\"", type));
@@ -194,7 +198,8 @@ void Tokenizer::Impl::read_model(const fs::path& path, const Json& m) {
   if (type != "BPE") unsupported(path, fmt::format("model \"{}\"", type));
   if (m.value("byte_fallback", false)) unsupported(path, "BPE byte_fallback (SentencePiece style)");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
-    if (m.contains(key) && m[key].is_string() && !m[key].get<std::string>().empty()) unsupported(path, fmt::format("BPE {}", key));
+    if (m.contains(key) && m[key].is_string() && !m[key].get<std::string>().empty())
+      unsupported(path, fmt::format("BPE {}", key));
   if (m.contains("dropout") && !m["dropout"].is_null()) unsupported(path, "BPE dropout");
   ignore_merges = m.value("ignore_merges", false);
   for (const auto& [text, id_json] : m.at("vocab").items()) {
@@ -238,7 +243,8 @@ void Tokenizer::Impl::read_added(const fs::path& path, const Json& a) {
     by_text[content] = id;
     if (!content.empty()) added.push_back({content, id});
   }
-  std::stable_sort(added.begin(), added.end(), [](const auto& x, const auto& y) { return x.content.size() > y.content.size(); });
+  std::stable_sort(added.begin(), added.end(),
+                   [](const auto& x, const auto& y) { return x.content.size() > y.content.size(); });
 }
 
 std::vector<std::string> Tokenizer::Impl::pre_tokenize(const std::string& segment) const {
@@ -417,9 +423,10 @@ TextCodec TextCodec::open(const fs::path& path, int64_t model_vocab) {
   TextCodec c;
   if (path.empty()) {
     if (model_vocab != 256)
-      throw ConfigError(fmt::format("no tokenizer.json for a model of {} tokens (only a 256-token model is read as bytes); "
-                                    "give the tokenizer the data was made with (data.tokenizer, or sample --tokenizer)",
-                                    model_vocab));
+      throw ConfigError(
+          fmt::format("no tokenizer.json for a model of {} tokens (only a 256-token model is read as bytes); "
+                      "give the tokenizer the data was made with (data.tokenizer, or sample --tokenizer)",
+                      model_vocab));
     return c;
   }
   c.tokenizer_ = std::make_shared<const Tokenizer>(Tokenizer::from_file(path));
@@ -447,17 +454,21 @@ std::string TextCodec::name() const { return tokenizer_ ? tokenizer_->path().str
 std::vector<int64_t> TextCodec::prompt(const std::string& text) const {
   if (!text.empty()) return encode(text);
   const auto eot = end_of_text();
-  if (!eot) throw ConfigError(fmt::format("the tokenizer ({}) has no end-of-text token to start a sample from; give a prompt", name()));
+  if (!eot)
+    throw ConfigError(
+        fmt::format("the tokenizer ({}) has no end-of-text token to start a sample from; give a prompt", name()));
   return {*eot};
 }
 
 void check_vocab_match(int64_t tokenizer_vocab, int64_t model_vocab, const std::string& where) {
   auto round_up = [&](int64_t m) { return (tokenizer_vocab + m - 1) / m * m; };
   if (model_vocab == tokenizer_vocab || model_vocab == round_up(64) || model_vocab == round_up(128)) return;
-  throw ConfigError(fmt::format("{} has a vocabulary of {} tokens but model.vocab_size is {}; set model.vocab_size: {} "
-                                "(or {} / {}, padded to a multiple of 64 / 128; model.vocab_multiple pads the model's tables instead, keeping the "
-                                "padding out of the loss), or use the tokenizer the data was made with",
-                                where, tokenizer_vocab, model_vocab, tokenizer_vocab, round_up(64), round_up(128)));
+  throw ConfigError(
+      fmt::format("{} has a vocabulary of {} tokens but model.vocab_size is {}; set model.vocab_size: {} "
+                  "(or {} / {}, padded to a multiple of 64 / 128; model.vocab_multiple pads the model's tables "
+                  "instead, keeping the "
+                  "padding out of the loss), or use the tokenizer the data was made with",
+                  where, tokenizer_vocab, model_vocab, tokenizer_vocab, round_up(64), round_up(128)));
 }
 
 int64_t Tokenizer::vocab_size() const { return static_cast<int64_t>(impl_->id_bytes.size()); }

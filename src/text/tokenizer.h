@@ -97,8 +97,8 @@ TokenizerFileInfo inspect_tokenizer_file(const std::filesystem::path& path);
 
 // Makes `dir` loadable by transformers' AutoTokenizer: tokenizer.json (a byte copy of tokenizer_json)
 // and tokenizer_config.json (PreTrainedTokenizerFast, the end-of-text token as eos and bos,
-// model_max_length). A copy of a file into its own directory rewrites only tokenizer_config.json. Each file atomic; IoError (exit 7) on a failed write, TokenizerError (3) for an
-// unreadable source.
+// model_max_length). A copy of a file into its own directory rewrites only tokenizer_config.json. Each file atomic;
+// IoError (exit 7) on a failed write, TokenizerError (3) for an unreadable source.
 void write_hf_tokenizer(const std::filesystem::path& dir, const std::filesystem::path& tokenizer_json,
                         int64_t model_max_length);
 

@@ -11,9 +11,11 @@
 namespace sl::train {
 
 bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::Device device) {
-  const auto plan = budget::try_plan_for(memory::Scenario(cfg, micro_batch));  // budget: this micro-batch's schedule (formula costs)
+  // budget: this micro-batch's schedule (formula costs)
+  const auto plan = budget::try_plan_for(memory::Scenario(cfg, micro_batch));
   if (!plan) return false;
-  return !probe_step(cfg, *plan, {.device = device, .micro_batch = micro_batch}).oom;  // train.seed, train.grad_clip, a loss scaler
+  // train.seed, train.grad_clip, a loss scaler
+  return !probe_step(cfg, *plan, {.device = device, .micro_batch = micro_batch}).oom;
 }
 
 BatchSearch find_micro_batch(const config::RunConfig& cfg, int64_t global, torch::Device device) {

@@ -30,7 +30,8 @@ GraphEligibility graph_eligibility(const config::RunConfig& cfg, int64_t world, 
   const auto eager = [](std::string why) { return GraphEligibility{false, std::move(why)}; };
   if (!cfg.train.cuda_graphs.wanted()) return eager("train.cuda_graphs: off");
   if (!device.is_cuda())
-    return eager(fmt::format("the run is on the {} device: CUDA graphs need CUDA", c10::DeviceTypeName(device.type(), true)));
+    return eager(
+        fmt::format("the run is on the {} device: CUDA graphs need CUDA", c10::DeviceTypeName(device.type(), true)));
   if (cfg.parallel.uses_engine(world) && (world > 1 || cfg.parallel.sharding.stage() != config::Sharding::kZero1))
     return eager(fmt::format("{} rank(s) with parallel.sharding {}: the data-parallel engine's gradient hooks launch "
                              "collectives or make and free gradient buffers per micro-batch; one process without "
@@ -41,7 +42,8 @@ GraphEligibility graph_eligibility(const config::RunConfig& cfg, int64_t world, 
   if (cfg.memory.limit.bytes > 0)
     return eager("memory.limit: the limit is checked at each allocation, and a replayed graph allocates nothing");
   if (cfg.logging.memory_timeline > 0)
-    return eager("logging.memory_timeline: it records each allocation of a step, and a replayed graph allocates nothing");
+    return eager(
+        "logging.memory_timeline: it records each allocation of a step, and a replayed graph allocates nothing");
   if (cfg.model.dropout > 0.0)
     return eager("model.dropout > 0: a recompute restores the CUDA generator's state, which cannot be read under "
                  "capture, and a capture that fails part-way leaves the generator in capture mode");
@@ -129,7 +131,8 @@ bool grads_kept(const std::vector<torch::Tensor>& before, const std::vector<torc
 std::vector<const void*> addresses_of(const std::vector<torch::Tensor>& params) {
   std::vector<const void*> out;
   out.reserve(2 * params.size());
-  for (const auto& p : params) out.push_back(p.data_ptr()), out.push_back(p.grad().defined() ? p.grad().data_ptr() : nullptr);
+  for (const auto& p : params)
+    out.push_back(p.data_ptr()), out.push_back(p.grad().defined() ? p.grad().data_ptr() : nullptr);
   return out;
 }
 
@@ -223,7 +226,8 @@ torch::Tensor StepGraph::run(const MicroBatchWork& w, parallel::Strategy& strate
     ++eager_;
     return eager_micro_batch(w, strategy, last);
   }
-  if (cuda_->graph && l.is_same(cuda_->loss)) return cuda_->loss.clone();  // on the caller's stream: the next replay rewrites it
+  // on the caller's stream: the next replay rewrites it
+  if (cuda_->graph && l.is_same(cuda_->loss)) return cuda_->loss.clone();
   l.record_stream(caller);  // made on `side`, read and freed on the caller's stream
   return l;
 }
@@ -270,7 +274,8 @@ torch::Tensor StepGraph::graphed(const MicroBatchWork& w, parallel::Strategy& st
     return eager_micro_batch(w, strategy, last);
   }
   if (addresses_of(params_) != c.addresses) {  // something outside the graph replaced a weight or a gradient
-    give_up("a parameter or gradient tensor was replaced after the capture (the graph reads and writes fixed addresses)");
+    give_up(
+        "a parameter or gradient tensor was replaced after the capture (the graph reads and writes fixed addresses)");
     return {};
   }
   {
@@ -323,7 +328,8 @@ torch::Tensor StepGraph::capture(const MicroBatchWork& w, parallel::Strategy& st
   if (!grads_kept(before, grads_of(params_))) {
     for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = before[i];
     c.loss = torch::Tensor();
-    give_up("the capture replaced a gradient tensor (the graph would accumulate into tensors the optimizer does not read)");
+    give_up(
+        "the capture replaced a gradient tensor (the graph would accumulate into tensors the optimizer does not read)");
     return {};
   }
   c.graph = std::move(graph);
@@ -345,7 +351,8 @@ std::string StepGraph::mode() const { return cuda_ && cuda_->graph && failure_.e
 std::string StepGraph::reason() const {
   if (!eligibility_.capture) return eligibility_.reason;
   if (!failure_.empty()) return failure_;
-  if (!cuda_ || !cuda_->graph) return fmt::format("no micro-batch after the {} eager warm-up ones yet", kWarmupMicroBatches);
+  if (!cuda_ || !cuda_->graph)
+    return fmt::format("no micro-batch after the {} eager warm-up ones yet", kWarmupMicroBatches);
   return "";
 }
 

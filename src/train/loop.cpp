@@ -74,29 +74,32 @@ struct Voice {
 // A step that did not update the weights, or should stop the run: fp16 overflow skips (diverged
 // after precision.max_skipped_steps in a row), a non-finite loss, non-finite gradients
 // (train.on_nonfinite). Throws NonFiniteError after writing the event.
-void check_step(const config::TrainConfig& t, int64_t max_skipped_steps, const precision::LossScaler& scaler, const Voice& v,
-                LoopState& st, const StepResult& r, int64_t step) {
+void check_step(const config::TrainConfig& t, int64_t max_skipped_steps, const precision::LossScaler& scaler,
+                const Voice& v, LoopState& st, const StepResult& r, int64_t step) {
   const int64_t steps = t.steps;
   if (!r.skipped && !r.nonfinite_grads) {
     st.consecutive_skips = 0;
     if (!std::isfinite(r.loss)) {
       v.event("non_finite_loss", {{"step", step + 1}, {"loss", r.loss}});
-      throw NonFiniteError(fmt::format("step {}: loss is {}; lower train.lr or raise train.warmup_steps", step + 1, r.loss));
+      throw NonFiniteError(
+          fmt::format("step {}: loss is {}; lower train.lr or raise train.warmup_steps", step + 1, r.loss));
     }
     return;
   }
   if (r.nonfinite_grads && t.on_nonfinite == config::OnNonfinite::kAbort) {
     v.event("non_finite_grad", {{"step", step + 1}, {"loss", r.loss}, {"action", "abort"}});
-    throw NonFiniteError(fmt::format("step {}: gradients hold NaN/Inf while the loss is finite ({:.4f}); stopped before "
-                                     "the optimizer step, weights untouched. Lower train.lr, or set "
-                                     "train.on_nonfinite: skip to skip such steps",
-                                     step + 1, r.loss));
+    throw NonFiniteError(
+        fmt::format("step {}: gradients hold NaN/Inf while the loss is finite ({:.4f}); stopped before "
+                    "the optimizer step, weights untouched. Lower train.lr, or set "
+                    "train.on_nonfinite: skip to skip such steps",
+                    step + 1, r.loss));
   }
   ++st.skipped_steps;
   ++st.consecutive_skips;
   if (r.nonfinite_grads) {
     v.event("skip", {{"step", step + 1}, {"reason", "non_finite_grad"}, {"loss", r.loss}});
-    v.warn(fmt::format("step {:>5}/{} | non-finite gradients: step skipped (train.on_nonfinite: skip)", step + 1, steps));
+    v.warn(
+        fmt::format("step {:>5}/{} | non-finite gradients: step skipped (train.on_nonfinite: skip)", step + 1, steps));
   } else {
     v.event("skip", {{"step", step + 1}, {"reason", "fp16_overflow"}, {"loss_scale", r.loss_scale},
                              {"new_loss_scale", scaler.scale()}});
@@ -107,10 +110,11 @@ void check_step(const config::TrainConfig& t, int64_t max_skipped_steps, const p
   if (r.skipped && limit > 0 && st.consecutive_skips >= limit) {
     v.event("diverged", {{"step", step + 1}, {"consecutive_skips", st.consecutive_skips},
                                  {"loss_scale", scaler.scale()}});
-    throw NonFiniteError(fmt::format("step {}: {} fp16 steps in a row were skipped (loss scale now {:g}): the run has "
-                                     "diverged. Lower train.lr, raise train.warmup_steps, or use precision.compute: bf16 "
-                                     "(precision.max_skipped_steps sets this limit)",
-                                     step + 1, st.consecutive_skips, scaler.scale()));
+    throw NonFiniteError(
+        fmt::format("step {}: {} fp16 steps in a row were skipped (loss scale now {:g}): the run has "
+                    "diverged. Lower train.lr, raise train.warmup_steps, or use precision.compute: bf16 "
+                    "(precision.max_skipped_steps sets this limit)",
+                    step + 1, st.consecutive_skips, scaler.scale()));
   }
 }
 
@@ -118,7 +122,8 @@ void check_step(const config::TrainConfig& t, int64_t max_skipped_steps, const p
 // that beats the peak raises it (a `peak_raised` event; a warning at the first raise), so the step's
 // mfu and hfu, and every later step's, are at most 1.
 void observe_peak(Meter& meter, const Voice& v, double tokens_per_s, int64_t world, int64_t step) {
-  const double achieved = (meter.flops_per_token + meter.recompute_flops_per_token) * tokens_per_s / static_cast<double>(world);
+  const double achieved =
+      (meter.flops_per_token + meter.recompute_flops_per_token) * tokens_per_s / static_cast<double>(world);
   const double previous = meter.peak.flops();
   if (!meter.peak.observe(achieved, step + 1)) return;
   v.event("peak_raised", {{"step", step + 1}, {"peak_flops", meter.peak.flops()}, {"previous_peak_flops", previous},
@@ -149,7 +154,8 @@ Json step_record(const config::TrainConfig& t, const Meter& meter, const layout:
           {"activation_peak_bytes", r.activation_peak_bytes()},
           {"allocated_bytes", r.mem.allocated_bytes},
           {"reserved_bytes", r.mem.reserved_bytes},
-          {"peak_reserved_bytes", r.mem.peak_reserved_bytes ? Json(*r.mem.peak_reserved_bytes) : Json(nullptr)},  // CUDA
+          // CUDA
+          {"peak_reserved_bytes", r.mem.peak_reserved_bytes ? Json(*r.mem.peak_reserved_bytes) : Json(nullptr)},
           {"host_peak_bytes", r.mem.host_peak_bytes},
           {"host_allocated_bytes", r.mem.host_allocated_bytes},
           {"offload_to_host_bytes", r.moved_to_host + rs.offload_to_host},
@@ -160,7 +166,8 @@ void accumulate(const config::LoggingConfig& logging, int64_t steps, parallel::S
                 const StepResult& r, const Json& rec, int64_t step) {
   st.transient_peak = std::max(st.transient_peak, strategy.take_transient_peak()), st.gathers = strategy.gathers();
   st.rest_bytes = r.mem.allocated_bytes;
-  if (r.mem.peak_allocated_bytes >= st.peak_bytes) st.peak_bytes = r.mem.peak_allocated_bytes, st.states_at_peak = r.states;
+  if (r.mem.peak_allocated_bytes >= st.peak_bytes)
+    st.peak_bytes = r.mem.peak_allocated_bytes, st.states_at_peak = r.states;
   st.host_peak_bytes = std::max(st.host_peak_bytes, r.mem.host_peak_bytes);
   st.host_states_bytes = r.host_states;
   st.steps_done = step + 1;
@@ -175,11 +182,12 @@ void accumulate(const config::LoggingConfig& logging, int64_t steps, parallel::S
   }
 }
 
-void maybe_evaluate(const config::TrainConfig& t, const Process& proc, Learner& learn, data::Loader& val, const Voice& v,
-                    LoopState& st) {
+void maybe_evaluate(const config::TrainConfig& t, const Process& proc, Learner& learn, data::Loader& val,
+                    const Voice& v, LoopState& st) {
   if (t.eval_interval <= 0 || (st.steps_done % t.eval_interval != 0 && st.steps_done != t.steps)) return;
   st.last_val = evaluate(learn.model, val, t.eval_batches, proc.device, learn.precision.autocast, learn.loss);
-  if (proc.world() > 1) st.last_val = proc.comm->all_reduce_sum(st.last_val, "eval loss average") / static_cast<double>(proc.world());
+  if (proc.world() > 1)
+    st.last_val = proc.comm->all_reduce_sum(st.last_val, "eval loss average") / static_cast<double>(proc.world());
   v.event("eval", {{"step", st.steps_done}, {"val_loss", st.last_val}});
   v.info(fmt::format("step {:>5}/{} | val loss {:.4f}", st.steps_done, t.steps, st.last_val));
 }
@@ -404,8 +412,8 @@ int loop_step(Loop& l, LoopState& st, int64_t step) {
 // The `oom` record (event and summary.json) of a refusal in host memory (memory.host_limit, offloaded
 // state and snapshots) or device memory: that pool's peak and limit, and the bytes this rank's tracking
 // allocator refused there (null when another rank refused, or off the tracking allocator).
-Json oom_record(const memory::Tracker& tracker, int64_t limit, const Voice& v, int64_t step, const char* phase, bool host,
-                const std::string& message) {
+Json oom_record(const memory::Tracker& tracker, int64_t limit, const Voice& v, int64_t step, const char* phase,
+                bool host, const std::string& message) {
   const memory::Snapshot snap = tracker.read();
   auto& alloc = memory::TrackingCPUAllocator::instance();
   const bool refused_here = memory::TrackingCPUAllocator::installed() && alloc.last_refused_bytes() > 0 &&
@@ -426,15 +434,17 @@ Outcome oom_outcome(const Loop& l, const LoopState& st, const std::string& what)
   o.code = kExitOom;
   const char* phase = current_phase();
   // The tracking allocator records whether its last refusal was in the host pool (offloaded state).
-  const bool host = memory::TrackingCPUAllocator::installed() && memory::TrackingCPUAllocator::instance().last_refused_host();
-  o.message = host ? fmt::format("out of host memory in {} at step {} ({}). To fit, raise memory.host_limit (the planner "
-                                 "predicts {} of host memory for this recipe: trainer plan) or offload less (offload.*)",
-                                 phase, st.steps_done + 1, what.substr(0, 300),
-                                 log::format_bytes(memory::predict_peak(l.cfg, l.learn.runner->plan()).host_peak_bytes()))
+  const bool host =
+      memory::TrackingCPUAllocator::installed() && memory::TrackingCPUAllocator::instance().last_refused_host();
+  o.message = host ? fmt::format(
+                         "out of host memory in {} at step {} ({}). To fit, raise memory.host_limit (the planner "
+                         "predicts {} of host memory for this recipe: trainer plan) or offload less (offload.*)",
+                         phase, st.steps_done + 1, what.substr(0, 300),
+                         log::format_bytes(memory::predict_peak(l.cfg, l.learn.runner->plan()).host_peak_bytes()))
                    : fmt::format("out of memory in {} at step {} ({}). To fit, {}", phase, st.steps_done + 1,
                                  what.substr(0, 300), planner::oom_advice(l.cfg, l.meter.limit));
-  o.oom = oom_record(*l.meter.tracker, host ? l.cfg.memory.host_limit.bytes : l.meter.limit, l.v, st.steps_done + 1, phase,
-                     host, o.message);
+  o.oom = oom_record(*l.meter.tracker, host ? l.cfg.memory.host_limit.bytes : l.meter.limit, l.v, st.steps_done + 1,
+                     phase, host, o.message);
   return o;
 }
 
@@ -443,14 +453,16 @@ Outcome oom_outcome(const Loop& l, const LoopState& st, const std::string& what)
 // throws one. Recorded as an out-of-memory in host memory, phase state_snapshot.
 Outcome snapshot_oom_outcome(const Loop& l, const LoopState& st, const std::string& message) {
   return {kExitOom, message,
-          oom_record(*l.meter.tracker, l.cfg.memory.host_limit.bytes, l.v, st.steps_done, "state_snapshot", /*host=*/true, message)};
+          oom_record(*l.meter.tracker, l.cfg.memory.host_limit.bytes, l.v, st.steps_done, "state_snapshot",
+                     /*host=*/true, message)};
 }
 
 // Anything else thrown inside the loop: a collective that failed inside a gradient hook (autograd
 // wraps it) is a distributed failure; the rest is an internal error, reported with an event.
 Outcome unexpected_outcome(const parallel::Comm& comm, const Voice& v, const LoopState& st, const std::string& what) {
   if (!comm.failure().empty()) return {kExitDistributed, comm.failure(), nullptr};
-  Outcome o{kExitInternal, fmt::format("unexpected error at step {}: {}", st.steps_done + 1, what.substr(0, 1000)), nullptr};
+  Outcome o{kExitInternal, fmt::format("unexpected error at step {}: {}", st.steps_done + 1, what.substr(0, 1000)),
+            nullptr};
   v.event("error", {{"step", st.steps_done + 1}, {"phase", current_phase()}, {"message", o.message}});
   return o;
 }
@@ -462,7 +474,8 @@ std::string earlier_state_note(state::Parts& saves, const LoopState& st, int64_t
   const auto dir = state::step_dir(state::state_root(saves.cfg.state, saves.run_dir), st.last_saved_step);
   std::error_code ec;
   if (!std::filesystem::exists(dir / "meta.json", ec))
-    return fmt::format("The state of step {} is no longer at {}; check the state directory", st.last_saved_step, dir.string());
+    return fmt::format("The state of step {} is no longer at {}; check the state directory", st.last_saved_step,
+                       dir.string());
   return fmt::format("The state of step {} is intact at {}; resume from it with --resume auto once there is space",
                      st.last_saved_step, dir.string());
 }
@@ -488,9 +501,9 @@ void record_saved(const Voice& v, LoopState& st, const state::Saved& saved, int6
   st.save_blocking_ms.push_back(blocking_ms);
   v.event("state_saved", {{"step", step}, {"reason", why}, {"dir", saved.dir.string()}, {"bytes", saved.bytes},
                           {"save_ms", saved.ms}, {"blocking_ms", blocking_ms}, {"async", async}});
-  v.info(fmt::format("step {:>5}/{} | state saved ({}): {} in {:.0f} ms{} -> {}", step, v.steps, why,
-                     log::format_bytes(saved.bytes), saved.ms,
-                     async ? fmt::format(" (the steps waited {:.0f} ms)", blocking_ms) : std::string(), saved.dir.string()));
+  v.info(fmt::format(
+      "step {:>5}/{} | state saved ({}): {} in {:.0f} ms{} -> {}", step, v.steps, why, log::format_bytes(saved.bytes),
+      saved.ms, async ? fmt::format(" (the steps waited {:.0f} ms)", blocking_ms) : std::string(), saved.dir.string()));
 }
 
 // state.async: publishes the save in flight (a collective: every rank calls it at the same point) after
@@ -499,7 +512,8 @@ void record_saved(const Voice& v, LoopState& st, const state::Saved& saved, int6
 // save's writer).
 void finish_pending_save(state::Parts& saves, const Voice& v, LoopState& st, bool last) {
   if (!st.pending_save) {
-    if (last && st.finished_save) st.finished_save->apply_keep(saves);  // published by a poll, its state.keep left to a save that will not come
+    // published by a poll, its state.keep left to a save that will not come
+    if (last && st.finished_save) st.finished_save->apply_keep(saves);
     return;
   }
   auto pending = std::move(st.pending_save);
@@ -531,7 +545,8 @@ void poll_pending_save(state::Parts& saves, const Voice& v, LoopState& st, const
 void begin_async_save(state::Parts& saves, const Voice& v, LoopState& st) {
   st.pending_save = state::begin_save(saves, st, std::move(st.finished_save));
   const int64_t bytes = st.pending_save->snapshot_bytes();
-  v.event("state_snapshot", {{"step", st.steps_done}, {"snapshot_bytes", bytes}, {"snapshot_ms", st.pending_save->snapshot_ms()}});
+  v.event("state_snapshot",
+          {{"step", st.steps_done}, {"snapshot_bytes", bytes}, {"snapshot_ms", st.pending_save->snapshot_ms()}});
   v.info(fmt::format("step {:>5}/{} | state snapshot: {} in host memory in {:.0f} ms, written in the background",
                      st.steps_done, v.steps, log::format_bytes(bytes), st.pending_save->snapshot_ms()));
 }
@@ -577,7 +592,8 @@ Outcome stop_run(const Loop& l, LoopState& st, int stop) {
   finish_pending_save(l.saves, l.v, st, /*last=*/true);
   // At world > 1 a stop can be agreed after the last step's `every` save (run_steps): not saved twice.
   const bool save = stop == kStopSpike || (stop != kStopIo && l.cfg.state.on_signal);
-  if (save && st.last_saved_step != st.steps_done) save_state(l.saves, l.v, st, stop == kStopSpike ? "spike" : "signal");
+  if (save && st.last_saved_step != st.steps_done)
+    save_state(l.saves, l.v, st, stop == kStopSpike ? "spike" : "signal");
   return stop_outcome(l.v, st, stop);
 }
 

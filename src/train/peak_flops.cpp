@@ -125,7 +125,8 @@ PeakFlops peak_flops(torch::Device device, config::Dtype dtype, double override_
       return {*peak, dtype, fmt::format("datasheet{}: {}", tensor_cores ? " (TF32)" : "", name), std::nullopt};
     }
   GemmProbe probe;
-  const double flops = measure_gemm_peak(device, precision::scalar_type(dtype), probe_shapes(model_shapes), kProbeWindowS, &probe);
+  const double flops =
+      measure_gemm_peak(device, precision::scalar_type(dtype), probe_shapes(model_shapes), kProbeWindowS, &probe);
   return {flops, dtype, fmt::format("measured_{}_gemm", dtype.name()), probe};
 }
 
@@ -135,7 +136,8 @@ double measure_gemm_peak(torch::Device device, c10::ScalarType dtype, const std:
   torch::NoGradGuard no_grad;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/1024);
   // Two operands of kProbeOperandElems elements: every shape's are views of their leading elements.
-  const auto a = gemm_operand(kProbeOperandElems, gen, device, dtype), b = gemm_operand(kProbeOperandElems, gen, device, dtype);
+  const auto a = gemm_operand(kProbeOperandElems, gen, device, dtype),
+             b = gemm_operand(kProbeOperandElems, gen, device, dtype);
   auto product = [&](const GemmShape& s) {
     model::mm(leading(a, s.m, s.k), leading(b, s.k, s.n));
     if (device.is_cuda()) torch::cuda::synchronize(device.index());

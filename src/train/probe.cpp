@@ -35,7 +35,8 @@ ProbeResult probe_step(const config::RunConfig& cfg, const checkpointing::Plan& 
     const double clip = opts.grad_clip.value_or(cfg.train.grad_clip);
     torch::Tensor x;
     if (!opts.loader)
-      x = torch::randint(0, cfg.model.vocab_size, {opts.micro_batch.value_or(cfg.train.micro_batch), cfg.train.seq_len}, torch::kInt64);
+      x = torch::randint(0, cfg.model.vocab_size, {opts.micro_batch.value_or(cfg.train.micro_batch), cfg.train.seq_len},
+                         torch::kInt64);
     for (int i = 0; i < opts.steps; ++i) {
       const data::Batch batch = opts.loader ? opts.loader->next() : data::Batch{x, x};
       out.last = train_step({.loss = loss, .strategy = single, .opt = *opt, .tracker = tracker, .device = device,

@@ -22,7 +22,8 @@ struct ProbeOptions {
   c10::Device device{c10::kCPU};
   bool loss_scaler = true;          // a precision::LossScaler for the recipe (it scales only under fp16)
   std::optional<double> grad_clip = std::nullopt;  // nullopt: the recipe's train.grad_clip
-  std::optional<uint64_t> seed = std::nullopt;     // torch::manual_seed just before the model is built; nullopt: train.seed
+  // torch::manual_seed just before the model is built; nullopt: train.seed
+  std::optional<uint64_t> seed = std::nullopt;
   int steps = 2;
   // Where the micro-batches come from: one next() per step, just before it; null: random tokens,
   // (train.micro_batch, train.seq_len), drawn once after the set-up and used as inputs and targets.

@@ -1,5 +1,5 @@
-// The end of a run: the final model (Hugging Face layout), per-rank memory gathered to rank 0, summary.json, the closing
-// console line.
+// The end of a run: the final model (Hugging Face layout), per-rank memory gathered to rank 0, summary.json, the
+// closing console line.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -38,7 +38,8 @@ bool ranks_aligned(int code) {
 // streamed tensor by tensor; under zero3 every rank gathers one unit at a time and rank 0 writes it.
 // Returns summary.json's final_weights block (null when none were written). Called with logging.save_model on.
 Json save_final_model(const config::ModelConfig& m, const Process& proc, parallel::Strategy& strategy,
-                      const std::filesystem::path& tokenizer_path, log::RunLog& runlog, const LoopState& st, Outcome& o) {
+                      const std::filesystem::path& tokenizer_path, log::RunLog& runlog, const LoopState& st,
+                      Outcome& o) {
   if (!ranks_aligned(o.code) || o.code == kExitNonFinite || o.code == kExitIo) return nullptr;
   interop::WeightsSource source;
   source.enter = [&](int64_t unit) { strategy.gather_unit(unit); };
@@ -51,9 +52,11 @@ Json save_final_model(const config::ModelConfig& m, const Process& proc, paralle
   try {
     // The run's copy of its tokenizer (record_tokenizer) beside the weights, so AutoTokenizer loads the folder too.
     const auto tokenizer = tokenizer_path.empty() ? std::filesystem::path() : runlog.dir() / "tokenizer.json";
-    const auto eos = tokenizer.empty() || !proc.rank0() ? std::nullopt : text::inspect_tokenizer_file(tokenizer).end_of_text_id;
-    const auto w = interop::write_hf(runlog.dir() / "model" / "model.safetensors", m, torch::kFloat, source, proc.rank0(),
-                                     {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}}, eos);
+    const auto eos =
+        tokenizer.empty() || !proc.rank0() ? std::nullopt : text::inspect_tokenizer_file(tokenizer).end_of_text_id;
+    const auto w =
+        interop::write_hf(runlog.dir() / "model" / "model.safetensors", m, torch::kFloat, source, proc.rank0(),
+                          {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}}, eos);
     if (proc.rank0() && !tokenizer.empty()) text::write_hf_tokenizer(runlog.dir() / "model", tokenizer, m.max_seq_len);
     return {{"path", w.file.string()}, {"step", st.steps_done}, {"bytes", w.digest.bytes}, {"tensors", w.tensors},
             {"gathered_peak_bytes", strategy.take_transient_peak()}};
@@ -207,8 +210,8 @@ void print_closing_line(const Process& proc, const log::RunLog& runlog, const Lo
   if (!proc.rank0()) return;
   const auto summary_path = (runlog.dir() / "summary.json").string();
   if (o.code == kExitOk)
-    spdlog::info("done: {} steps, median {:.1f} ms/step, {:.0f} tok/s, peak {} -> {}", st.steps_done, median(st.step_ms),
-                 median(st.tok_s), log::format_bytes(st.peak_bytes), summary_path);
+    spdlog::info("done: {} steps, median {:.1f} ms/step, {:.0f} tok/s, peak {} -> {}", st.steps_done,
+                 median(st.step_ms), median(st.tok_s), log::format_bytes(st.peak_bytes), summary_path);
   else
     spdlog::error("{} (summary: {})", o.message, summary_path);
 }
@@ -242,7 +245,8 @@ Json Session::summary_json(const LoopState& st, const Outcome& o, Json parallel,
           {"predicted_peak_bytes", predicted.peak_bytes()},
           {"wall_s", st.wall_s},
           {"peak_allocated_bytes", st.peak_bytes},
-          {"peak_reserved_bytes", reserved_peak ? Json(*reserved_peak) : Json(nullptr)},  // CUDA: beside the allocated peak
+          // CUDA: beside the allocated peak
+          {"peak_reserved_bytes", reserved_peak ? Json(*reserved_peak) : Json(nullptr)},
           {"memory_breakdown",
            {{"params_bytes", st.states_at_peak.params},
             {"grads_bytes", st.states_at_peak.grads},
@@ -266,15 +270,16 @@ int Session::finish(const LoopState& st, Outcome o) {
   // or the exit, so no rank waits in a collective another never joins and all exit with one code.
   const bool together = ranks_aligned(o.code) && s.proc.world() > 1;
   int entry = o.code;
-  Json final_weights = s.cfg.logging.save_model
-                          ? save_final_model(s.cfg.model, s.proc, *s.learn.strategy, s.data.tokenizer_path, *s.out.runlog, st, o)
-                          : Json(nullptr);
+  Json final_weights = s.cfg.logging.save_model ? save_final_model(s.cfg.model, s.proc, *s.learn.strategy,
+                                                                   s.data.tokenizer_path, *s.out.runlog, st, o)
+                                                : Json(nullptr);
   if (together) agree_outcome(s.proc, o, entry, "writing the final weights");
   entry = o.code;
   Json parallel = parallel_report(s.cfg.parallel.sharding, s.proc, s.learn, s.meter, st, o);
   write_summary(*s.out.runlog, summary_json(st, o, std::move(parallel), std::move(final_weights)), o);
   // Met here, every rank exits from this point (with one code): NCCL's group may be shut down cleanly.
-  if (together && ranks_aligned(entry) && agree_outcome(s.proc, o, entry, "writing summary.json")) s.proc.comm->ranks_leave_together();
+  if (together && ranks_aligned(entry) && agree_outcome(s.proc, o, entry, "writing summary.json"))
+    s.proc.comm->ranks_leave_together();
   print_closing_line(s.proc, *s.out.runlog, st, o);
   return o.code;
 }

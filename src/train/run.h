@@ -90,7 +90,8 @@ struct Outputs {
 struct Meter {
   std::unique_ptr<memory::Tracker> tracker;
   int64_t limit = 0;                  // memory.limit in bytes (0 = none)
-  int64_t build_peak_bytes = 0;       // tensor bytes at the peak of building the model and strategy (above what was live before)
+  // tensor bytes at the peak of building the model and strategy (above what was live before)
+  int64_t build_peak_bytes = 0;
   int64_t load_peak_bytes = 0;        // the same while reading weights in: model.init_from, or --resume's state
   nlohmann::json batch_search = nullptr;  // train.micro_batch: auto's trials
   memory::ActivationEstimate predicted;
@@ -124,7 +125,8 @@ struct Session {
   // cannot be written after an otherwise clean run.
   int finish(const LoopState& st, Outcome outcome);
   // summary.json (docs/logs.md): a report on every part of the run.
-  nlohmann::json summary_json(const LoopState& st, const Outcome& o, nlohmann::json parallel, nlohmann::json final_weights) const;
+  nlohmann::json summary_json(const LoopState& st, const Outcome& o, nlohmann::json parallel,
+                              nlohmann::json final_weights) const;
 };
 
 // Tokens one optimizer step trains on, over every rank.

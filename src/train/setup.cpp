@@ -76,7 +76,8 @@ std::string choose_run_dir(const config::LoggingConfig& lg, const config::StateC
                            const std::string& recipe_name, const Process& proc) {
   if (!lg.dir.empty()) return lg.dir;
   std::string dir;
-  if (resume == config::kResumeNewest && st.dir.empty()) dir = log::newest_run_with_state(log::kRunsDir, recipe_name).string();
+  if (resume == config::kResumeNewest && st.dir.empty())
+    dir = log::newest_run_with_state(log::kRunsDir, recipe_name).string();
   return dir.empty() ? default_run_dir(proc, recipe_name) : dir;
 }
 
@@ -89,7 +90,8 @@ void lock_run_dir(const Process& proc, Outputs& out, bool create) {
   if (proc.rank0() && !out.run_lock) {
     std::error_code ec;
     try {
-      if (create || std::filesystem::is_directory(out.run_dir, ec)) out.run_lock = std::make_unique<log::RunDirLock>(out.run_dir);
+      if (create || std::filesystem::is_directory(out.run_dir, ec))
+        out.run_lock = std::make_unique<log::RunDirLock>(out.run_dir);
     } catch (const Error& e) {
       code = e.code, error = e.what();
     }
@@ -105,7 +107,8 @@ state::Found find_resume_point(config::RunConfig& cfg, const Process& proc, cons
   state::Found found = state::find_state(cfg.resume, root, *proc.comm);
   if (!found.found()) {
     cfg.logging.overwrite = true;
-    if (proc.rank0()) spdlog::warn("--resume auto: no saved state under {}; starting from step 0 in {}", root.string(), run_dir);
+    if (proc.rank0())
+      spdlog::warn("--resume auto: no saved state under {}; starting from step 0 in {}", root.string(), run_dir);
     return found;
   }
   state::check_recipe(found.meta, cfg);
@@ -185,8 +188,9 @@ nlohmann::json choose_micro_batch(config::RunConfig& cfg, const Process& proc, i
   cfg.train.micro_batch = found.micro_batch;
   cfg.train.grad_accum = found.grad_accum;
   if (proc.rank0())
-    spdlog::info("micro_batch auto: planner predicted {}, tried {}, chose {} x grad_accum {} per rank (global batch {})",
-                 found.predicted, trials.dump(), found.micro_batch, found.grad_accum, cfg.train.global_batch);
+    spdlog::info(
+        "micro_batch auto: planner predicted {}, tried {}, chose {} x grad_accum {} per rank (global batch {})",
+        found.predicted, trials.dump(), found.micro_batch, found.grad_accum, cfg.train.global_batch);
   return {{"planner_prediction", found.predicted}, {"trials", trials}, {"micro_batch", found.micro_batch},
           {"grad_accum", found.grad_accum}, {"global_batch", cfg.train.global_batch}};
 }
@@ -233,7 +237,8 @@ model::GPT make_model(const config::RunConfig& cfg, torch::Device device, int64_
     return m;
   } catch (const c10::OutOfMemoryError& e) {  // before the run directory exists: nothing to clean up
     throw OomError(fmt::format("out of memory while building the model ({}). To fit, {}",
-                               std::string(e.what_without_backtrace()).substr(0, 200), planner::oom_advice(cfg, limit)));
+                               std::string(e.what_without_backtrace()).substr(0, 200),
+                               planner::oom_advice(cfg, limit)));
   }
 }
 
@@ -245,9 +250,11 @@ Learner build_learner(const config::RunConfig& cfg, const memory::Scenario& sc, 
   meter.tracker->reset_peak();
   const int64_t before_build = meter.tracker->read().allocated_bytes;
   l.model = make_model(cfg, proc.device, meter.limit);
-  l.model->shard_sequence(parallel::sequence_exchange(proc.comm.get()));  // parallel.sequence > 1: this rank's positions
+  // parallel.sequence > 1: this rank's positions
+  l.model->shard_sequence(parallel::sequence_exchange(proc.comm.get()));
   const int64_t model_peak = meter.tracker->read().peak_allocated_bytes;
-  auto plan = run_plan(sc, cfg.train.seed, proc, l.model, std::move(resolved));  // the budget profile resets the peak to measure its own
+  // the budget profile resets the peak to measure its own
+  auto plan = run_plan(sc, cfg.train.seed, proc, l.model, std::move(resolved));
   meter.tracker->reset_peak();
   l.runner = std::make_unique<checkpointing::Runner>(cfg.checkpointing, l.model, std::move(plan));
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
@@ -279,7 +286,8 @@ Inputs open_inputs(const config::DataConfig& d, const config::TrainConfig& t, in
     in.codec = text::TextCodec::open(in.tokenizer_path, vocab_size);
     in.codec->prompt(t.sample_prompt);  // a prompt it cannot start from fails now, not at the first sample
   }
-  in.splits = data::open_splits(d, vocab_size, t.seq_len, t.seed);  // after the tokenizer: a vocabulary mismatch is named as one, not as a token out of range
+  // after the tokenizer: a vocabulary mismatch is named as one, not as a token out of range
+  in.splits = data::open_splits(d, vocab_size, t.seq_len, t.seed);
   return in;
 }
 
@@ -305,16 +313,19 @@ int64_t records_kept_through(const Process& proc, const Start& start, bool resum
 // Creates (rank 0) the run directory and its run log, writes config.json and keeps the run's tokenizer
 // (<run dir>/tokenizer.json with a tokenizer_config.json: `trainer export`, logging.save_model and
 // `trainer sample --run` read them). A failure on rank 0 stops every rank with its exit code.
-void open_run_log(const config::RunConfig& cfg, const Process& proc, const Start& start, const Inputs& in, Outputs& out) {
+void open_run_log(const config::RunConfig& cfg, const Process& proc, const Start& start, const Inputs& in,
+                  Outputs& out) {
   lock_run_dir(proc, out, /*create=*/true);
   int code = kExitOk;
   std::string error;
   try {  // rank 0's writes; a failure there stops every rank with its exit code
-    out.runlog = std::make_unique<log::RunLog>(out.run_dir, proc.rank0(), cfg.logging.overwrite,
-                                               records_kept_through(proc, start, !cfg.resume.empty()), cfg.logging.tensorboard);
+    out.runlog =
+        std::make_unique<log::RunLog>(out.run_dir, proc.rank0(), cfg.logging.overwrite,
+                                      records_kept_through(proc, start, !cfg.resume.empty()), cfg.logging.tensorboard);
     out.resolved = config::to_json(cfg);
     out.runlog->write_json("config.json", out.resolved);
-    if (!in.tokenizer_path.empty() && proc.rank0()) text::write_hf_tokenizer(out.run_dir, in.tokenizer_path, cfg.model.max_seq_len);
+    if (!in.tokenizer_path.empty() && proc.rank0())
+      text::write_hf_tokenizer(out.run_dir, in.tokenizer_path, cfg.model.max_seq_len);
   } catch (const Error& e) {
     code = e.code;
     error = e.what();
@@ -332,7 +343,8 @@ void measure(const memory::Scenario& sc, const Process& proc, const Learner& lea
   // A budget schedule solved with profiled bytes: its peak by those bytes, the model it was solved with.
   if (plan.budget.bytes_source == "profile") meter.predicted.peak_bytes = plan.budget.predicted_peak_bytes;
   const auto shapes = model_gemm_shapes(sc.model, sc.local_tokens());  // this rank's rows (parallel.sequence: B*T/N)
-  meter.peak = PeakTracker(peak_flops(proc.device, sc.precision.compute, sc.peak_tflops, shapes, device::tf32_matmuls()));
+  meter.peak =
+      PeakTracker(peak_flops(proc.device, sc.precision.compute, sc.peak_tflops, shapes, device::tf32_matmuls()));
 }
 
 // summary.json's environment and model blocks.
@@ -363,10 +375,13 @@ void describe(const Process& proc, const Learner& learn, const Meter& meter, Out
 void warn_fallback_matmuls(const memory::Scenario& sc, const Process& proc) {
   if (!proc.device.is_cpu() || !precision::compute_dtype(sc.precision.compute)) return;
   if (memory::lowp_matmul_path(sc) != device::LowpMatmul::aten) return;
-  spdlog::warn("precision.compute {}: this CPU has no oneDNN matmul kernel for it (no AVX-512, or ONEDNN_MAX_CPU_ISA below it), so its matmuls take "
-               "ATen's fallback GEMM, far slower than fp32 (0.8 against 104 GFLOP/s on an AVX2 AMD EPYC), and SUBLINEAR_ATEN_KERNELS "
-               "turned off the widened linears that avoid it: unset it, or train in precision.compute: fp32 (docs/precision.md)",
-               sc.precision.compute.name());
+  spdlog::warn(
+      "precision.compute {}: this CPU has no oneDNN matmul kernel for it (no AVX-512, or ONEDNN_MAX_CPU_ISA below it), "
+      "so its matmuls take "
+      "ATen's fallback GEMM, far slower than fp32 (0.8 against 104 GFLOP/s on an AVX2 AMD EPYC), and "
+      "SUBLINEAR_ATEN_KERNELS "
+      "turned off the widened linears that avoid it: unset it, or train in precision.compute: fp32 (docs/precision.md)",
+      sc.precision.compute.name());
 }
 
 // The start-up table (rank 0): the recipe's rows, then each part's own.
@@ -377,17 +392,20 @@ void print_settings(const config::RunConfig& cfg, const Process& proc, const Lea
   rows.emplace_back("run directory", run_dir);
   rows.emplace_back("device", proc.device.str());
   rows.emplace_back("threads", std::to_string(at::get_num_threads()));
-  rows.emplace_back("fp32 matmuls", proc.device.is_cuda() && device::tf32_matmuls() ? "TF32 (precision.tf32)" : "IEEE fp32");
+  rows.emplace_back("fp32 matmuls",
+                    proc.device.is_cuda() && device::tf32_matmuls() ? "TF32 (precision.tf32)" : "IEEE fp32");
   rows.emplace_back("cuda graphs", learn.graph->describe());  // train.cuda_graphs, as this run will use it
   rows.emplace_back("data parallel", learn.strategy->describe());
   rows.emplace_back("checkpointing plan", learn.runner->plan().describe());
-  rows.emplace_back("predicted activation peak", fmt::format("{} per micro-batch", log::format_bytes(meter.predicted.peak_bytes)));
+  rows.emplace_back("predicted activation peak",
+                    fmt::format("{} per micro-batch", log::format_bytes(meter.predicted.peak_bytes)));
   const auto params = learn.model->num_params();
   const auto padding = learn.model->num_padding_params();
-  rows.emplace_back("parameters", padding == 0 ? fmt::format("{} ({:.2f} M)", params, static_cast<double>(params) / 1e6)
-                                               : fmt::format("{} ({:.2f} M), of which {} the vocabulary padding's zero rows "
-                                                             "(model.vocab_multiple; {} without them)",
-                                                             params, static_cast<double>(params) / 1e6, padding, params - padding));
+  rows.emplace_back("parameters",
+                    padding == 0 ? fmt::format("{} ({:.2f} M)", params, static_cast<double>(params) / 1e6)
+                                 : fmt::format("{} ({:.2f} M), of which {} the vocabulary padding's zero rows "
+                                               "(model.vocab_multiple; {} without them)",
+                                               params, static_cast<double>(params) / 1e6, padding, params - padding));
   rows.emplace_back("train data", in.splits.train->describe());
   rows.emplace_back("val data", in.splits.val->describe());
   rows.emplace_back("peak FLOP/s for MFU", fmt::format("{:.3g} ({})", meter.peak.flops(), meter.peak.source()));
@@ -405,11 +423,12 @@ namespace {
 void check_host_states_fit(int64_t host_limit, const memory::PeakPrediction& p) {
   if (host_limit <= 0 || p.host_states_bytes() <= host_limit) return;
   throw OomError(fmt::format(
-      "the offloaded model states cannot fit host memory: {} per rank (fp32 masters {}, gradients {}, AdamW moments {}) "
+      "the offloaded model states cannot fit host memory: {} per rank (fp32 masters {}, gradients {}, AdamW moments "
+      "{}) "
       "but memory.host_limit is {}. Nothing was allocated. To fit: raise memory.host_limit, offload less (offload.*), "
       "or shard over more ranks (each rank offloads its shard)",
-      log::format_bytes(p.host_states_bytes()), log::format_bytes(p.host_params_bytes), log::format_bytes(p.host_grads_bytes),
-      log::format_bytes(p.host_optimizer_bytes), log::format_bytes(host_limit)));
+      log::format_bytes(p.host_states_bytes()), log::format_bytes(p.host_params_bytes),
+      log::format_bytes(p.host_grads_bytes), log::format_bytes(p.host_optimizer_bytes), log::format_bytes(host_limit)));
 }
 
 }  // namespace
@@ -440,12 +459,14 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   auto& cfg = s->cfg;
   cfg = recipe;
   s->proc = init_process(cfg);
-  s->data = open_inputs(cfg.data, cfg.train, cfg.model.vocab_size);  // data first: a bad file or tokenizer fails before a run directory or a model exists
+  // data first: a bad file or tokenizer fails before a run directory or a model exists
+  s->data = open_inputs(cfg.data, cfg.train, cfg.model.vocab_size);
   s->out.run_dir = choose_run_dir(cfg.logging, cfg.state, cfg.resume, cfg.recipe_name, s->proc);
   lock_run_dir(s->proc, s->out, /*create=*/false);
   s->start.resume_from = find_resume_point(cfg, s->proc, s->out.run_dir);
   open_init_from(cfg.model, s->start);
-  check_run_dir_early(s->proc, s->out.run_dir, cfg.logging.overwrite || s->start.resume_from.found(), !cfg.resume.empty());
+  check_run_dir_early(s->proc, s->out.run_dir, cfg.logging.overwrite || s->start.resume_from.found(),
+                      !cfg.resume.empty());
   auto& meter = s->meter;
   meter.tracker = std::make_unique<memory::Tracker>(s->proc.device);
   meter.limit = cfg.memory.limit.bytes;
@@ -511,9 +532,12 @@ void load_state(state::Parts& saves, const Start& start, Meter& meter, log::RunL
   std::error_code ec;
   if (std::filesystem::equivalent(from.dir.parent_path(), state::state_root(saves.cfg.state, saves.run_dir), ec))
     st.last_saved_step = st.steps_done;
-  runlog.event("resume", {{"step", st.steps_done}, {"state", from.dir.string()},
-                          {"saved_world_size", from.meta.at("world_size")}, {"saved_sharding", from.meta.at("sharding")},
-                          {"load_ms", load_ms}, {"restart", saves.launch.restart_count}});
+  runlog.event("resume", {{"step", st.steps_done},
+                          {"state", from.dir.string()},
+                          {"saved_world_size", from.meta.at("world_size")},
+                          {"saved_sharding", from.meta.at("sharding")},
+                          {"load_ms", load_ms},
+                          {"restart", saves.launch.restart_count}});
   if (saves.rank0()) spdlog::info("state of step {} loaded in {:.0f} ms", st.steps_done, load_ms);
 }
 

@@ -163,7 +163,8 @@ void record_states(const StepParts& p, StepResult& r) {
 // clock from here to the return. On CUDA nothing waits for the device at either end: the kernels the
 // step queues after its read (clipping, AdamW, the ZeRO all-gather) finish during the next step and
 // count in its time, so step times still add up to the run's wall time and show its throughput.
-StepResult train_step(const StepParts& p, const std::vector<data::Batch>& micro, const StopPoll& stop, const HoldFn& hold) {
+StepResult train_step(const StepParts& p, const std::vector<data::Batch>& micro, const StopPoll& stop,
+                      const HoldFn& hold) {
   StepResult r;
   auto* scaler = p.precision.scaler && p.precision.scaler->enabled() ? p.precision.scaler : nullptr;
   p.tracker.reset_peak();
@@ -182,7 +183,8 @@ StepResult train_step(const StepParts& p, const std::vector<data::Batch>& micro,
   r.save_writing = got.save_writing;
   if (!std::isfinite(r.loss) && !scaler) return r;
   r.skipped = scaler && got.found_inf;
-  r.grad_norm = r.skipped ? std::numeric_limits<double>::quiet_NaN() : got.grad_norm;  // global: every rank branches alike
+  // global: every rank branches alike
+  r.grad_norm = r.skipped ? std::numeric_limits<double>::quiet_NaN() : got.grad_norm;
   if (!r.skipped && p.grad_clip > 0.0 && std::isfinite(r.grad_norm)) p.strategy.clip(p.grad_clip, r.grad_norm);
   r.nonfinite_grads = !r.skipped && !std::isfinite(r.grad_norm);
   r.held = !r.skipped && !r.nonfinite_grads && hold && hold(r.loss);

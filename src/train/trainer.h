@@ -78,7 +78,8 @@ constexpr int kStopSpike = 1001;  // a loss spike under train.on_spike: stop (ev
 struct LocalPoll {
   int stop = 0;
   bool save_writing = false;
-  LocalPoll(int stop_reason = 0, bool writing = false) : stop(stop_reason), save_writing(writing) {}  // NOLINT(google-explicit-constructor)
+  // NOLINT(google-explicit-constructor)
+  LocalPoll(int stop_reason = 0, bool writing = false) : stop(stop_reason), save_writing(writing) {}
 };
 using StopPoll = std::function<LocalPoll()>;
 

@@ -87,7 +87,8 @@ __attribute__((always_inline)) inline void row_tile(const MatA& a, const float* 
     tile<R, 1>(a, b + col, ldb, k0, k1, c + col, ldc, alpha, accumulate);
     col += 8;
   }
-  if (col < n_end) tile_narrow<R>(static_cast<int>(n_end - col), a, b + col, ldb, k0, k1, c + col, ldc, alpha, accumulate);
+  if (col < n_end)
+    tile_narrow<R>(static_cast<int>(n_end - col), a, b + col, ldb, k0, k1, c + col, ldc, alpha, accumulate);
 }
 
 // What a row tile [r0, last] of C needs under s.causal (the contract in small_gemm.h): columns up to
