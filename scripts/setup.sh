@@ -23,6 +23,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SUBLINEAR_HOME="${SUBLINEAR_HOME:-$HOME/.cache/sublinear}"
 VENV="$SUBLINEAR_HOME/venv"
 say() { echo "setup: $*"; }
+# Each phase's seconds, printed at the end (the figure docs/setup.md quotes comes from this line of CI's log).
+phase_start=$SECONDS
+declare -a PHASES=()
+phase_done() { PHASES+=("$1 $((SECONDS - phase_start)) s"); phase_start=$SECONDS; }
 
 # 1. Debian packages.
 missing=()
@@ -41,6 +45,8 @@ if ((${#missing[@]})); then
 else
   say "Debian packages present"
 fi
+
+phase_done "packages"
 
 # 2. torch wheel in the venv (outside the repo).
 PY="$VENV/bin/python"
@@ -72,6 +78,8 @@ pin transformers transformers "$TRANSFORMERS_VERSION"
 pin tokenizers tokenizers "$TOKENIZERS_VERSION"
 pin tensorboard tensorboard "$TENSORBOARD_VERSION"
 
+phase_done "Python packages"
+
 # The wheel's CMake config looks for a CUDA toolkit and an architecture list.
 [[ -x /usr/local/cuda/bin/nvcc ]] && [[ ":$PATH:" != *":/usr/local/cuda/bin:"* ]] && export PATH="/usr/local/cuda/bin:$PATH"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
@@ -83,4 +91,5 @@ say "cmake configure -> build/"
 cmake "${CMAKE_ARGS[@]}" >/dev/null
 say "cmake --build build -j 2"
 cmake --build "$ROOT/build" -j 2
-say "done: $ROOT/build/trainer"
+phase_done "configure and build"
+say "done: $ROOT/build/trainer (${PHASES[*]/%/;} total $SECONDS s)"

@@ -29,7 +29,8 @@
 #     outside src/config; fails naming an engine null check outside src/parallel, a function taking the
 #     whole Session, a train_step with more than 5 parameters, and each
 #     recipe copy outside src/config and src/main.cpp, and a function outside its RECIPE_READERS list
-#     taking the whole recipe.
+#     taking the whole recipe; fails naming a coordinate derived outside src/layout, two files of one
+#     folder that include each other, and a CMake layer order other than its LAYERS.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
 # at least one PNG. Registered with ctest. Cost: ~80 s on 2 shared cores (about 30 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
@@ -258,6 +259,31 @@ layer_rules() {
     { echo "the torch chain is not named:"; echo "$out"; return 1; }
 }
 check "check_design.py: includes follow the layer order; the bottom is torch-free" layer_rules
+
+# 7a. scripts/check_design.py rules 9 and 10: a coordinate derived outside src/layout (`rank % sequence`) fails
+#     naming its line (the same line in src/layout passes); two files of one folder that include each other
+#     fail naming both; a CMakeLists.txt whose SUBLINEAR_LAYERS differs from LAYERS fails.
+mesh_and_build_rules() {
+  local tree="$TMP/mesh" out
+  mkdir -p "$tree/src/layout" "$tree/src/parallel"
+  echo 'int64_t at(int64_t rank, int64_t sequence) { return rank % sequence; }' > "$tree/src/layout/mesh.cpp"
+  printf '#pragma once\n' > "$tree/src/parallel/strategy.h"
+  printf '#pragma once\n#include "parallel/strategy.h"\n' > "$tree/src/parallel/engine.h"
+  echo '#include "parallel/strategy.h"' > "$tree/src/parallel/strategy.cpp"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" || { echo "an allowed tree failed:"; echo "$out"; return 1; }
+  echo 'const int64_t r = comm.rank() / sequence_;' > "$tree/src/parallel/comm.cpp"
+  echo '#include "parallel/engine.h"' >> "$tree/src/parallel/strategy.cpp"
+  sed -n '/^set(SUBLINEAR_LAYERS/,/)/p' "$ROOT/CMakeLists.txt" | sed 's/ kernels / /' > "$tree/CMakeLists.txt"
+  out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "a broken tree passed:"; echo "$out"; return 1; }
+  local want
+  for want in 'src/parallel/comm.cpp:1: const int64_t r = comm.rank() / sequence_;: ask the process mesh' \
+              'src/parallel/engine <-> src/parallel/strategy: the two include each other' \
+              'layer orders that differ between the build and LAYERS: 1 (must be 0)'; do
+    grep -qF "$want" <<< "$out" || { echo "not named: $want"; echo "$out"; return 1; }
+  done
+}
+check "check_design.py: coordinates only in the mesh, no two files of a folder including each other, the build's order" \
+  mesh_and_build_rules
 
 # 7b. scripts/check_design.py's shape rules: outside src/parallel a test of an engine pointer fails (inside,
 #     it passes); a function taking the whole Session fails (the Session's own members pass); a
