@@ -100,31 +100,24 @@ int run_sample(const Cli& cli) {
   return sl::kExitOk;
 }
 
-void add_commands(CLI::App& app, Cli& cli) {
-  app.require_subcommand(0, 1);
-  app.add_flag("--help-config", cli.help_config, "print every recipe key with its type, default and meaning");
-  app.set_version_flag("--version", [] { return sl::device::version_text(sl::device::build_info()); },
-                       "print the version, the commit, the LibTorch version, the CUDA and CPU code compiled in and "
-                       "what this machine has of them, then exit");
-  auto add_run_options = [&](CLI::App* cmd) {
-    cmd->add_option("-c,--config", cli.config_path, "YAML recipe, e.g. configs/tiny.yaml");
-    cmd->add_option("-s,--set", cli.overrides, "override a recipe key: --set section.key=value (repeatable)");
-    cmd->add_flag("--no-profile", cli.no_profile, "checkpointing.mode budget: solve from the FLOP formula's costs, "
-                                                  "not a profiling pass (= --set checkpointing.profile_costs=false)");
-  };
-  auto add_resume = [&](CLI::App* cmd) {
-    cmd->add_option("--resume", cli.resume,
-                    "continue from a saved training state: auto (the newest valid one of the run "
-                    "directory; none: start fresh) or PATH (a state, state directory or run directory)");
-  };
-  add_run_options(&app);
-  add_resume(&app);
-  auto* train_cmd = app.add_subcommand("train", "train (the default when no subcommand is given)");
-  add_run_options(train_cmd);
-  add_resume(train_cmd);
+// The options of a command that reads a recipe: --config, --set, --no-profile.
+void add_run_options(CLI::App* cmd, Cli& cli) {
+  cmd->add_option("-c,--config", cli.config_path, "YAML recipe, e.g. configs/tiny.yaml");
+  cmd->add_option("-s,--set", cli.overrides, "override a recipe key: --set section.key=value (repeatable)");
+  cmd->add_flag("--no-profile", cli.no_profile, "checkpointing.mode budget: solve from the FLOP formula's costs, "
+                                                "not a profiling pass (= --set checkpointing.profile_costs=false)");
+}
 
+void add_resume(CLI::App* cmd, Cli& cli) {
+  cmd->add_option("--resume", cli.resume,
+                  "continue from a saved training state: auto (the newest valid one of the run "
+                  "directory; none: start fresh) or PATH (a state, state directory or run directory)");
+}
+
+// trainer plan: the recipe's options and what to plan for.
+void add_plan_command(CLI::App& app, Cli& cli) {
   cli.plan_cmd = app.add_subcommand("plan", "predict memory without making tensors; writes plan.json");
-  add_run_options(cli.plan_cmd);
+  add_run_options(cli.plan_cmd, cli);
   cli.plan_cmd->add_option("--memory", cli.plan_memory, "device memory to fit, e.g. 80GiB (default: memory.limit)");
   cli.plan_cmd->add_option("--out", cli.plan_out, "where to write plan.json (default: runs/<recipe>-plan.json)");
   cli.plan_cmd
@@ -144,7 +137,10 @@ void add_commands(CLI::App& app, Cli& cli) {
                        : std::string();
           },
           "auto|N"));
+}
 
+// trainer export: a run's newest weights as a Hugging Face checkpoint.
+void add_export_command(CLI::App& app, Cli& cli) {
   cli.export_cmd = app.add_subcommand("export", "write a run's newest weights as a Hugging Face checkpoint "
                                                 "(model.safetensors + config.json)");
   auto& req = cli.export_req;
@@ -152,6 +148,21 @@ void add_commands(CLI::App& app, Cli& cli) {
   cli.export_cmd->add_option("--out", req.out, "a directory, or a .safetensors file with config.json beside it "
                                                "(default: <run>/hf-step-NNNNNNNN/)");
   cli.export_cmd->add_option("--dtype", cli.export_dtype, "fp32 (default) or bf16 (for inference tools)");
+}
+
+void add_commands(CLI::App& app, Cli& cli) {
+  app.require_subcommand(0, 1);
+  app.add_flag("--help-config", cli.help_config, "print every recipe key with its type, default and meaning");
+  app.set_version_flag("--version", [] { return sl::device::version_text(sl::device::build_info()); },
+                       "print the version, the commit, the LibTorch version, the CUDA and CPU code compiled in and "
+                       "what this machine has of them, then exit");
+  add_run_options(&app, cli);
+  add_resume(&app, cli);
+  auto* train_cmd = app.add_subcommand("train", "train (the default when no subcommand is given)");
+  add_run_options(train_cmd, cli);
+  add_resume(train_cmd, cli);
+  add_plan_command(app, cli);
+  add_export_command(app, cli);
   add_sample_command(app, cli);
 }
 
