@@ -25,6 +25,8 @@
 10. The build holds the same order: CMakeLists.txt's SUBLINEAR_LAYERS (one static library a folder, each
    seeing only the folders below it) equals LAYERS; and inside a folder no two files include each other
    (a .cpp and its .h are one unit): a base file never includes a derived one (factories sit above both).
+11. Lines fit a reader's screen: no line of a source file under src/ (.h, .cpp, .cu, .cuh) is longer than
+   MAX_COLUMNS characters.
 9. Coordinates come from the process mesh (src/layout/mesh.h): outside src/layout no code divides or
    reduces a rank or a world size by a degree (`rank % sequence`, `world / sequence_`) or defines its own
    `data_world`, `data_rank` or `sequence_rank`; a new parallel dimension adds its coordinate there.
@@ -327,6 +329,20 @@ def folder_cycles(root: pathlib.Path):
     return found
 
 
+MAX_COLUMNS = 120
+
+
+def long_lines(root: pathlib.Path):
+    """Rule 11: FILE:LINE: length for every line of src/ longer than MAX_COLUMNS."""
+    found = []
+    for path in sorted((root / "src").rglob("*")):
+        if path.suffix in (".cpp", ".h", ".cu", ".cuh") and path.is_file():
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if len(line) > MAX_COLUMNS:
+                    found.append(f"{path.relative_to(root)}:{n}: {len(line)} columns (at most {MAX_COLUMNS})")
+    return found
+
+
 def main() -> int:
     args = [a for a in sys.argv[1:] if a != "--edges"]
     root = pathlib.Path(args[0]) if args else pathlib.Path(__file__).resolve().parent.parent
@@ -369,7 +385,8 @@ def main() -> int:
                         ("signatures wider than MAX_PARAMS allows", wide_signatures(root)),
                         ("recipe copies outside src/config and src/main.cpp", recipe_copies(root)),
                         ("functions taking the whole recipe beyond RECIPE_READERS", recipe_takers(root)),
-                        ("coordinates derived outside the process mesh", coordinates_outside_mesh(root))):
+                        ("coordinates derived outside the process mesh", coordinates_outside_mesh(root)),
+                        (f"lines in src/ longer than {MAX_COLUMNS} columns", long_lines(root))):
         for f in found:
             print(f)
         print(f"{rule}: {len(found)} (must be 0)")

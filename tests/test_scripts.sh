@@ -30,7 +30,8 @@
 #     whole Session, a train_step with more than 5 parameters, and each
 #     recipe copy outside src/config and src/main.cpp, and a function outside its RECIPE_READERS list
 #     taking the whole recipe; fails naming a coordinate derived outside src/layout, two files of one
-#     folder that include each other, and a CMake layer order other than its LAYERS.
+#     folder that include each other, a CMake layer order other than its LAYERS, and a line of src/ past
+#     120 columns.
 # Each sweep must write results.csv, results.md, results.json (parsable, right kind, with rows) and
 # at least one PNG. Registered with ctest. Cost: ~80 s on 2 shared cores (about 30 short trainer runs).
 # Usage: tests/test_scripts.sh [REPO_ROOT]   (default: derived from this file's location)
@@ -260,9 +261,10 @@ layer_rules() {
 }
 check "check_design.py: includes follow the layer order; the bottom is torch-free" layer_rules
 
-# 7a. scripts/check_design.py rules 9 and 10: a coordinate derived outside src/layout (`rank % sequence`) fails
+# 7a. scripts/check_design.py rules 9-11: a coordinate derived outside src/layout (`rank % sequence`) fails
 #     naming its line (the same line in src/layout passes); two files of one folder that include each other
-#     fail naming both; a CMakeLists.txt whose SUBLINEAR_LAYERS differs from LAYERS fails.
+#     fail naming both; a CMakeLists.txt whose SUBLINEAR_LAYERS differs from LAYERS fails; a line of src/
+#     past 120 columns fails naming its file, line and length.
 mesh_and_build_rules() {
   local tree="$TMP/mesh" out
   mkdir -p "$tree/src/layout" "$tree/src/parallel"
@@ -274,11 +276,13 @@ mesh_and_build_rules() {
   echo 'const int64_t r = comm.rank() / sequence_;' > "$tree/src/parallel/comm.cpp"
   echo '#include "parallel/engine.h"' >> "$tree/src/parallel/strategy.cpp"
   sed -n '/^set(SUBLINEAR_LAYERS/,/)/p' "$ROOT/CMakeLists.txt" | sed 's/ kernels / /' > "$tree/CMakeLists.txt"
+  printf '// %0121d\n' 0 > "$tree/src/layout/wide.h"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "a broken tree passed:"; echo "$out"; return 1; }
   local want
   for want in 'src/parallel/comm.cpp:1: const int64_t r = comm.rank() / sequence_;: ask the process mesh' \
               'src/parallel/engine <-> src/parallel/strategy: the two include each other' \
-              'layer orders that differ between the build and LAYERS: 1 (must be 0)'; do
+              'layer orders that differ between the build and LAYERS: 1 (must be 0)' \
+              'src/layout/wide.h:1: 124 columns (at most 120)'; do
     grep -qF "$want" <<< "$out" || { echo "not named: $want"; echo "$out"; return 1; }
   done
 }

@@ -1,7 +1,8 @@
 // The process mesh: the one place that derives where every rank stands in the parallel dimensions, the
 // groups those places make, and the batch arithmetic that follows from them. Built once from the launch
-// (world size and rank) and the recipe's degrees; Comm, the loaders, the memory model, saved states and
-// reports read it. Torch-free.
+// (world size and rank) and the recipe's degrees; Comm, the loaders, saved states, reports, the planner and
+// the recipe's validation read it (the memory model's Scenario keeps the degree and the world as plain
+// numbers, which its what-ifs vary one at a time). Torch-free.
 //
 // Dimensions, outermost first: data x sequence. A rank's coordinates are (data_rank, sequence_rank) with
 //   rank = data_rank * sequence + sequence_rank,
