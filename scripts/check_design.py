@@ -72,10 +72,11 @@ LAYERS = [
                   # device/cpu_features.h) and cuda/ (the .cu files behind their launch functions)
     "model",      # GPT-2 / LLaMA and their kernels
     "precision",  # autocast and the loss scaler
-    "checkpointing",  # activation checkpointing: the per-block plan (torch-free) and the engine that runs it
-    "memory",     # the memory model (activations, model states) and the tracking allocator
-    "budget",     # the budget solver: the fastest per-block plan under a memory budget
-    "planner",    # predicted peak of a recipe, largest micro-batch, `trainer plan`, OOM advice
+    "recompute",  # activation checkpointing (recompute): the per-block plan (torch-free) and the engine that runs it
+    "memory",     # measured memory: the tracker, the tracking allocator (its limit and host pool), CUDA's limit,
+                  # the memory timeline
+    "predict",    # memory prediction in one room: the memory model's input (scenario), activations and model
+                  # states (footprint), the budget solver, the planner (`trainer plan`, OOM advice)
     "data",       # token files and the loaders
     "optim",      # AdamW and its fused kernel
     "parallel",   # c10d: DDP and ZeRO-1/2/3
@@ -91,12 +92,11 @@ SESSION_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bSession\s*&[^()]*)\)')
 # Rule 6: the most parameters a function of this name may take.
 MAX_PARAMS = {"train_step": 5}
 # Files that include no torch header, directly or through the project headers they include.
-TORCH_FREE = ["src/layout/*", "src/config/*", "src/log/*", "src/text/*", "src/kernels/**/*", "src/checkpointing/plan.*", "src/memory/activations.h", "src/memory/footprint.h", "src/memory/scenario.*"]
+TORCH_FREE = ["src/layout/*", "src/config/*", "src/log/*", "src/text/*", "src/kernels/**/*", "src/recompute/plan.*", "src/predict/activations.h", "src/predict/footprint.h", "src/predict/scenario.h"]
 # Rule 8: the functions that take the whole recipe, each because it reads most of it.
 RECIPE_READERS = {
-    "Scenario": "memory/scenario.cpp: the memory model's input, read from the recipe once",
-    "unresolved": "memory/scenario.h: the same before train.micro_batch: auto has its number",
-    "of": "parallel::Spec::of: a strategy's sections, read from the recipe once",
+    "of": "memory::Scenario::of: the memory model's input, and parallel::Spec::of: a strategy's sections, "
+          "each read from the recipe once",
     "run": "train/loop.cpp: the whole run", "setup": "train/setup.cpp: every part of the run",
     "train_loop": "steps, logging, eval, saves, the memory limit and the planner's advice on OOM",
     "init_process": "sets world_size and validates the whole recipe against it",
@@ -105,13 +105,11 @@ RECIPE_READERS = {
     "choose_micro_batch": "train.*, memory.limit, the probe and the planner's advice",
     "find_micro_batch": "the probe builds the model, plan, strategy, optimizer and scaler",
     "micro_batch_fits": "as find_micro_batch", "probe_step": "a fresh model, plan, optimizer and scaler: one real step",
-    "make_model": "model.*, train.seed, the stage's deferred build and the planner's OOM advice",
     "build_learner": "model, plan, strategy, optimizer and precision: most sections",
     "open_run_log": "writes the whole resolved recipe (config.json)",
     "graph_eligibility": "train.cuda_graphs: whether a graph may capture reads train, model, checkpointing, precision, parallel, offload, memory and logging",
-    "print_settings": "prints the settings table of the recipe", "state_parts": "a save's meta.json holds the recipe",
+    "state_parts": "a save's meta.json holds the recipe",
     "plan": "planner::plan reports on the whole recipe (trainer plan)",
-    "oom_advice": "proposes changes across train, checkpointing, parallel and offload",
 }
 RECIPE_PARAM = re.compile(r'\b(\w+)\s*\(([^()]*\bRunConfig\s*&[^()]*)\)?')
 # Rule 7: a whole recipe copied (by value into a RunConfig, or into an auto from a name that holds one).

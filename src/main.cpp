@@ -20,9 +20,9 @@
 #include "interop/export.h"
 #include "log/metrics.h"
 #include "log/run_dir.h"
-#include "memory/scenario.h"
+#include "predict/scenario.h"
 #include "memory/tracking_allocator.h"
-#include "planner/planner.h"
+#include "predict/planner.h"
 #include "interop/sample.h"
 #include "train/trainer.h"
 
@@ -180,7 +180,7 @@ int run_export(const Cli& cli) {
 // plan --sequence-parallel auto: every degree's peak and step time; the plan below is at the smallest
 // degree that fits (the recipe's when none does), with the exchange the search chose there.
 nlohmann::json choose_sequence_degree(sl::config::RunConfig& cfg, int64_t memory) {
-  const auto sc = sl::memory::Scenario::unresolved(cfg);
+  const auto sc = sl::memory::Scenario::of(cfg);
   auto search = sl::planner::sequence_search(sc, memory);
   fmt::print("{}\n", sl::planner::format_sequence_search(search, memory));
   if (!search["chosen"].is_null()) cfg.parallel.sequence = search["chosen"].get<int64_t>();

@@ -11,12 +11,12 @@
 #include "config/config.h"
 #include "data/loader.h"
 #include "memory/tracking_allocator.h"
-#include "checkpointing/plan.h"
+#include "recompute/plan.h"
 #include "train/probe.h"
 
 namespace sl::test {
 
-inline int64_t measured_activation_peak(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
+inline int64_t measured_activation_peak(const config::RunConfig& cfg, const recompute::Plan& plan) {
   memory::TrackingCPUAllocator::install();
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(20000, cfg.model.vocab_size, 5);
   data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);

@@ -17,13 +17,13 @@
 #include "data/loader.h"
 #include "errors.h"
 #include "interop/hf.h"
-#include "memory/activations.h"
-#include "planner/planner.h"
+#include "predict/activations.h"
+#include "predict/planner.h"
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
-#include "budget/budget.h"
-#include "checkpointing/runner.h"
+#include "predict/budget.h"
+#include "recompute/runner.h"
 #include "measure.h"
 #include "runs.h"
 #include "test_util.h"
@@ -36,13 +36,13 @@ namespace {
 
 // Every schedule of an L-block chain: each block kept with one of the 8 sets of selective parts, or
 // part of a checkpointed segment of any length.
-void each_schedule(int64_t L, const std::function<void(const checkpointing::Plan&)>& visit) {
-  checkpointing::Plan p;
+void each_schedule(int64_t L, const std::function<void(const recompute::Plan&)>& visit) {
+  recompute::Plan p;
   p.mode = config::CheckpointingMode::kBudget;
   p.block_parts.assign(static_cast<size_t>(L), 0);
   std::function<void(int64_t)> from = [&](int64_t i) {
     if (i == L) return visit(p);
-    for (int s = 0; s < checkpointing::kPartSets; ++s) {
+    for (int s = 0; s < recompute::kPartSets; ++s) {
       p.segments.push_back({i, i + 1, false});
       p.block_parts[static_cast<size_t>(i)] = static_cast<uint8_t>(s);
       from(i + 1);
@@ -69,15 +69,15 @@ Chain random_chain(int64_t L, std::mt19937& rng, bool weights) {
   std::uniform_int_distribution<int> size(20, 120), small(1, 30), cost(1, 50);
   Chain c;
   for (int64_t i = 0; i < L; ++i) {
-    std::array<double, checkpointing::kPartSets> kept{}, backward{};
+    std::array<double, recompute::kPartSets> kept{}, backward{};
     const double full = size(rng), t = small(rng);
     const double save[] = {static_cast<double>(small(rng)), static_cast<double>(small(rng)), static_cast<double>(small(rng))};
-    for (int s = 0; s < checkpointing::kPartSets; ++s) {
+    for (int s = 0; s < recompute::kPartSets; ++s) {
       kept[static_cast<size_t>(s)] = full;
       for (int bit = 0; bit < 3; ++bit)
         if (s & (1 << bit)) kept[static_cast<size_t>(s)] -= save[bit] / 2;
       kept[static_cast<size_t>(s)] = std::max(1.0, std::floor(kept[static_cast<size_t>(s)]));
-      backward[static_cast<size_t>(s)] = t + ((s & checkpointing::kPartMlp) ? small(rng) % 5 : 0);
+      backward[static_cast<size_t>(s)] = t + ((s & recompute::kPartMlp) ? small(rng) % 5 : 0);
     }
     c.mem.kept.push_back(kept);
     c.mem.backward.push_back(backward);
@@ -99,7 +99,7 @@ struct Evaluated {
 
 std::vector<Evaluated> all_schedules(const Chain& c) {
   std::vector<Evaluated> out;
-  each_schedule(static_cast<int64_t>(c.costs.size()), [&](const checkpointing::Plan& p) {
+  each_schedule(static_cast<int64_t>(c.costs.size()), [&](const recompute::Plan& p) {
     out.push_back({memory::chain_peak(c.mem, p), budget::schedule_cost(p.segments, p.block_parts, c.costs)});
   });
   return out;
@@ -187,7 +187,7 @@ TEST_CASE("while a segment is recomputed, the kept blocks before it still hold t
   m.weights = {7, 11, 13};
   m.forward.assign(3, 20);
   m.input = 5, m.head = 30, m.head_forward = 29, m.tied_grad = 2;
-  checkpointing::Plan p;
+  recompute::Plan p;
   p.mode = config::CheckpointingMode::kBudget;
   p.segments = {{0, 1, false}, {1, 3, true}};
   p.block_parts = {0, 0, 0};
@@ -214,13 +214,13 @@ Chain random_sequence_chain(int64_t L, std::mt19937& rng) {
 
 // Every schedule of each_schedule with every exchange choice of its recomputes: each checkpointed
 // segment (all its blocks alike) and each kept block with selective attention redoes or keeps.
-void each_exchange_schedule(int64_t L, const std::function<void(const checkpointing::Plan&)>& visit) {
-  each_schedule(L, [&](const checkpointing::Plan& p) {
+void each_exchange_schedule(int64_t L, const std::function<void(const recompute::Plan&)>& visit) {
+  each_schedule(L, [&](const recompute::Plan& p) {
     std::vector<std::pair<int64_t, int64_t>> units;  // [begin, end) deciding together
     for (const auto& s : p.segments)
-      if (s.checkpointed || (p.parts_of(s.begin) & checkpointing::kPartAttention) != 0) units.emplace_back(s.begin, s.end);
+      if (s.checkpointed || (p.parts_of(s.begin) & recompute::kPartAttention) != 0) units.emplace_back(s.begin, s.end);
     for (uint32_t mask = 0; mask < (1u << units.size()); ++mask) {
-      checkpointing::Plan q = p;
+      recompute::Plan q = p;
       q.exchange_kept.assign(static_cast<size_t>(L), 0);
       for (size_t u = 0; u < units.size(); ++u)
         for (int64_t b = units[u].first; b < units[u].second; ++b) q.exchange_kept[static_cast<size_t>(b)] = (mask >> u) & 1u;
@@ -237,7 +237,7 @@ struct ExchangeEvaluated {
 std::vector<ExchangeEvaluated> all_exchange_schedules(const Chain& c) {
   std::vector<ExchangeEvaluated> out;
   const auto L = static_cast<int64_t>(c.costs.size());
-  each_exchange_schedule(L, [&](const checkpointing::Plan& p) {
+  each_exchange_schedule(L, [&](const recompute::Plan& p) {
     bool keeps = false, redoes = false;
     for (int64_t b = 0; b < L; ++b)
       if (p.recomputes_attention(b)) (p.keeps_exchange(b) ? keeps : redoes) = true;
@@ -307,9 +307,9 @@ TEST_CASE("checkpointing.exchange: the DP finds what a brute-force search of eve
 // and some block must redo (or change).
 TEST_CASE("checkpointing.exchange auto: the cheapest schedule keeps where the budget allows, and redoes one byte below its peak") {
   memory::ChainModel m;
-  std::array<double, checkpointing::kPartSets> kept{}, backward{};
-  for (int s = 0; s < checkpointing::kPartSets; ++s) {
-    kept[static_cast<size_t>(s)] = (s & checkpointing::kPartAttention) ? 100 : 300;
+  std::array<double, recompute::kPartSets> kept{}, backward{};
+  for (int s = 0; s < recompute::kPartSets; ++s) {
+    kept[static_cast<size_t>(s)] = (s & recompute::kPartAttention) ? 100 : 300;
     backward[static_cast<size_t>(s)] = 10;
   }
   m.kept.assign(4, kept);
@@ -330,7 +330,7 @@ TEST_CASE("checkpointing.exchange auto: the cheapest schedule keeps where the bu
   CHECK(s.peak_bytes == keep_all);
   CHECK(s.cost == 4 * (5 - 2));
   CHECK(s.exchange_kept == std::vector<uint8_t>(4, 1));
-  CHECK(s.block_parts == std::vector<uint8_t>(4, checkpointing::kPartAttention));
+  CHECK(s.block_parts == std::vector<uint8_t>(4, recompute::kPartAttention));
   CHECK(s.cost == budget::schedule_cost(s.segments, s.block_parts, costs, 0.0, s.exchange_kept));
   // One byte less: the same parts cannot all keep. Redoing one block's exchanges saves its Kx (20) at a
   // cost of 2: cost 14, the cheapest way under (a segment costs 190 or more).
@@ -377,10 +377,10 @@ TEST_CASE("the chain walk gives the formula's peak for every uniform plan: gpt2 
         if (arch == "llama") sets.insert(sets.end(), {"model.bias=false", "model.tie_embeddings=false"});
         sets.insert(sets.end(), mode.begin(), mode.end());
         const auto cfg = config::load_string("", sets);
-        const auto plan = checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer);
-        const auto lowp = memory::lowp_matmul_path(cfg);
-        const auto formula = memory::estimate_activation_peak(cfg, memory::segment_counts(plan), lowp);
-        const auto mem = memory::chain_model(cfg, lowp);
+        const auto plan = recompute::make_plan(cfg.checkpointing, cfg.model.n_layer);
+        const auto lowp = memory::lowp_matmul_path(memory::Scenario::of(cfg));
+        const auto formula = memory::estimate_activation_peak(memory::Scenario::of(cfg), memory::segment_counts(plan), lowp);
+        const auto mem = memory::chain_model(memory::Scenario::of(cfg), lowp);
         const double walk = memory::chain_peak(mem, plan);
         const auto n = static_cast<double>(memory::segment_counts(plan).checkpointed);
         INFO(fmt::format("{} {} {}: walk {} formula {}", arch, compute, fmt::join(mode, " "), walk, formula.peak_bytes));
@@ -404,11 +404,11 @@ struct Gradients {
 };
 
 // One forward/backward of a fresh model under `plan`: the same init, batch and dropout stream for every plan.
-Gradients gradients(const config::RunConfig& cfg, const checkpointing::Plan& plan) {
+Gradients gradients(const config::RunConfig& cfg, const recompute::Plan& plan) {
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
   m->train();
-  checkpointing::Runner runner(cfg.checkpointing, m, plan);
+  recompute::Runner runner(cfg.checkpointing, m, plan);
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(20000, cfg.model.vocab_size, 5);
   data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
   torch::manual_seed(1234);
@@ -420,7 +420,7 @@ Gradients gradients(const config::RunConfig& cfg, const checkpointing::Plan& pla
   return out;
 }
 
-bool uniform(const checkpointing::Plan& p) {
+bool uniform(const recompute::Plan& p) {
   std::set<std::string> kinds;
   for (const auto& s : p.segments)
     for (int64_t b = s.begin; b < s.end; ++b)
@@ -432,19 +432,19 @@ bool uniform(const checkpointing::Plan& p) {
 
 TEST_CASE("budget runs: measured activation peak within the budget (+5%), gradients bitwise equal to none") {
   auto none_cfg = six_layers({"model.dropout=0.1"});
-  const auto none = gradients(none_cfg, budget::plan_for(none_cfg));
-  const double none_peak = static_cast<double>(memory::estimate_activation_peak(six_layers({})).peak_bytes);
+  const auto none = gradients(none_cfg, budget::plan_for(memory::Scenario::of(none_cfg)));
+  const double none_peak = static_cast<double>(memory::estimate_activation_peak(memory::Scenario::of(six_layers({}))).peak_bytes);
   const double full_peak =
-      static_cast<double>(memory::estimate_activation_peak(six_layers({"checkpointing.mode=full"})).peak_bytes);
+      static_cast<double>(memory::estimate_activation_peak(memory::Scenario::of(six_layers({"checkpointing.mode=full"}))).peak_bytes);
   int mixed = 0;
   for (int k = 0; k <= 4; ++k) {
     const auto budget = static_cast<int64_t>(full_peak + (none_peak - full_peak) * k / 4.0);
     const auto sets = std::vector<std::string>{"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget)};
     const auto cfg = six_layers(sets);
-    const auto plan = budget::plan_for(cfg);
+    const auto plan = budget::plan_for(memory::Scenario::of(cfg));
     INFO(fmt::format("budget {}: {}", budget, plan.describe()));
     REQUIRE(plan.budget.predicted_peak_bytes <= budget);
-    CHECK(memory::estimate_activation_peak(cfg, plan).peak_bytes == plan.budget.predicted_peak_bytes);
+    CHECK(memory::estimate_activation_peak(memory::Scenario::of(cfg), plan).peak_bytes == plan.budget.predicted_peak_bytes);
     // Memory without dropout (the planner's model: SDPA's flash path); gradients with it (RNG replay).
     const auto measured = test::measured_activation_peak(cfg, plan);
     INFO("measured " << measured);
@@ -465,7 +465,7 @@ TEST_CASE("budget runs: measured activation peak within the budget (+5%), gradie
 TEST_CASE("a larger budget never costs more recompute, and the schedule a recipe gets is printed and logged") {
   double last = std::numeric_limits<double>::infinity();
   for (const char* b : {"3MiB", "5MiB", "8MiB", "12MiB", "20MiB"}) {
-    const auto plan = budget::plan_for(six_layers({"checkpointing.mode=budget", std::string("checkpointing.budget=") + b}));
+    const auto plan = budget::plan_for(memory::Scenario::of(six_layers({"checkpointing.mode=budget", std::string("checkpointing.budget=") + b})));
     // A larger budget's least cost is a minimum over a superset of schedules (the quantum, budget / 16384
     // bytes, times 6 blocks is far less than the step between these budgets). Costs are sums of at most
     // 6 x 5 positive formula terms in doubles: two orders of summing equal terms differ by at most
@@ -493,22 +493,22 @@ TEST_CASE("budget recipe keys: a share needs memory.limit, sizes and shares pars
                     Catch::Contains("only used with checkpointing.mode: budget"));
   CHECK(load({"checkpointing.mode=budget", "checkpointing.budget=2GiB"}).checkpointing.budget.bytes == (int64_t{2} << 30));
   const auto share = load({"checkpointing.mode=budget", "checkpointing.budget=50%", "memory.limit=1GiB"});
-  const auto p = planner::predict_peak(share);
+  const auto p = planner::predict_peak(memory::Scenario::of(share));
   const int64_t room = (int64_t{1} << 30) - p.model_states_bytes() - p.buffer_bytes - p.batch_bytes;
-  CHECK(memory::activation_budget_bytes(share) == room / 2);
+  CHECK(memory::activation_budget_bytes(memory::Scenario::of(share)) == room / 2);
   // Too small for any schedule: a ConfigError naming the key and the least that fits.
-  CHECK_THROWS_WITH(budget::plan_for(load({"checkpointing.mode=budget", "checkpointing.budget=1KiB"})),
+  CHECK_THROWS_WITH(budget::plan_for(memory::Scenario::of(load({"checkpointing.mode=budget", "checkpointing.budget=1KiB"}))),
                     Catch::Contains("the least any schedule needs"));
 }
 
 TEST_CASE("under zero3 the budget counts the gathered units") {
   auto cfg = six_layers({"checkpointing.mode=budget", "checkpointing.budget=12MiB", "parallel.sharding=zero3"});
   cfg.world_size = 2;
-  CHECK(planner::predict_peak(cfg).transient_bytes > 0);
-  CHECK(memory::activation_budget_bytes(cfg) == (int64_t{12} << 20) - planner::predict_peak(cfg).transient_bytes);
-  const auto plan = budget::plan_for(cfg);
-  CHECK(plan.budget.budget_bytes == (int64_t{12} << 20) - planner::predict_peak(cfg).transient_bytes);
-  CHECK(planner::predict_peak(cfg).activation_phase_bytes() <= int64_t{12} << 20);
+  CHECK(planner::predict_peak(memory::Scenario::of(cfg)).transient_bytes > 0);
+  CHECK(memory::activation_budget_bytes(memory::Scenario::of(cfg)) == (int64_t{12} << 20) - planner::predict_peak(memory::Scenario::of(cfg)).transient_bytes);
+  const auto plan = budget::plan_for(memory::Scenario::of(cfg));
+  CHECK(plan.budget.budget_bytes == (int64_t{12} << 20) - planner::predict_peak(memory::Scenario::of(cfg)).transient_bytes);
+  CHECK(planner::predict_peak(memory::Scenario::of(cfg)).activation_phase_bytes() <= int64_t{12} << 20);
 }
 
 TEST_CASE("a budget run on two ranks under zero3: the activation peak with the gathered units within the budget, none's losses") {
@@ -538,19 +538,19 @@ TEST_CASE("micro_batch: auto with a budget: the largest micro-batch at which som
                          "train.micro_batch=auto", "train.global_batch=64"});
   cfg.train.micro_batch = 1;
   const int64_t limit = cfg.memory.limit.bytes;
-  const int64_t mb = planner::largest_micro_batch(cfg, limit, 64);
+  const int64_t mb = planner::largest_micro_batch(memory::Scenario::of(cfg), limit, 64);
   REQUIRE(mb > 1);
   REQUIRE(mb < 64);
   auto at = [&](int64_t b) {
     auto c = cfg;
     c.train.micro_batch = b;
-    return budget::formula_plan(c);
+    return budget::formula_plan(memory::Scenario::of(c));
   };
   const auto chosen = at(mb);
   REQUIRE(chosen);
   auto c = cfg;
   c.train.micro_batch = mb;
-  CHECK(memory::predict_peak(c, *chosen).peak_bytes() <= limit);
+  CHECK(memory::predict_peak(memory::Scenario::of(c), *chosen).peak_bytes() <= limit);
   CHECK_FALSE(at(mb + 1));  // one more sequence: no schedule fits 80% of what the limit leaves
   // A smaller micro-batch gets a schedule of its own, with less recompute.
   CHECK(at(mb / 2)->budget.recompute_cost < chosen->budget.recompute_cost);
@@ -638,7 +638,7 @@ TEST_CASE("recompute FLOPs per token count each recomputed block's own MLP size"
   const auto cfg = mixed_widths({"checkpointing.mode=full"});  // blocks 0..4 recomputed, 5 kept
   torch::NoGradGuard no_grad;
   model::GPT m(cfg.model, torch::kMeta);
-  const checkpointing::Runner runner(cfg.checkpointing, m);
+  const recompute::Runner runner(cfg.checkpointing, m);
   const double C = 64, T = 64;
   double expected = 0;
   for (int64_t l = 0; l < 5; ++l) {
@@ -658,23 +658,23 @@ TEST_CASE("blocks of differing MLP sizes: predicted activation peaks within 5% o
            {"checkpointing.mode=selective", "checkpointing.recompute=[mlp]"},
            {"checkpointing.mode=selective", "checkpointing.recompute=[mlp, norm]"}}) {
     const auto cfg = mixed_widths(mode);
-    const auto plan = budget::plan_for(cfg);
-    const auto predicted = memory::estimate_activation_peak(cfg).peak_bytes;
-    CHECK(memory::estimate_activation_peak(cfg, plan).peak_bytes == predicted);
+    const auto plan = budget::plan_for(memory::Scenario::of(cfg));
+    const auto predicted = memory::estimate_activation_peak(memory::Scenario::of(cfg)).peak_bytes;
+    CHECK(memory::estimate_activation_peak(memory::Scenario::of(cfg), plan).peak_bytes == predicted);
     const auto measured = test::measured_activation_peak(cfg, plan);
     INFO(fmt::format("{}: measured {} predicted {}", fmt::join(mode, " "), measured, predicted));
     CHECK(std::abs(static_cast<double>(measured - predicted)) <= 0.05 * static_cast<double>(measured));
   }
   auto none_cfg = mixed_widths({"model.dropout=0.1"});
-  const auto none = gradients(none_cfg, budget::plan_for(none_cfg));
-  const double none_peak = static_cast<double>(memory::estimate_activation_peak(mixed_widths({})).peak_bytes);
+  const auto none = gradients(none_cfg, budget::plan_for(memory::Scenario::of(none_cfg)));
+  const double none_peak = static_cast<double>(memory::estimate_activation_peak(memory::Scenario::of(mixed_widths({}))).peak_bytes);
   const double full_peak =
-      static_cast<double>(memory::estimate_activation_peak(mixed_widths({"checkpointing.mode=full"})).peak_bytes);
+      static_cast<double>(memory::estimate_activation_peak(memory::Scenario::of(mixed_widths({"checkpointing.mode=full"}))).peak_bytes);
   int apart = 0;
   for (int k = 1; k <= 3; ++k) {
     const auto budget = static_cast<int64_t>(full_peak + (none_peak - full_peak) * k / 4.0);
     const auto cfg = mixed_widths({"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget)});
-    const auto plan = budget::plan_for(cfg);
+    const auto plan = budget::plan_for(memory::Scenario::of(cfg));
     const auto measured = test::measured_activation_peak(cfg, plan);
     INFO(fmt::format("budget {}: {}; measured {} predicted {}", budget, plan.describe(), measured,
                      plan.budget.predicted_peak_bytes));
@@ -697,7 +697,7 @@ TEST_CASE("blocks of differing MLP sizes: predicted activation peaks within 5% o
 
 TEST_CASE("costs per block follow each block's size: the formula, and the profile times each size once") {
   const auto cfg = mixed_widths({"checkpointing.mode=budget", "checkpointing.budget=8MiB"});
-  const auto f = budget::formula_costs(cfg);
+  const auto f = budget::formula_costs(memory::Scenario::of(cfg));
   REQUIRE(f.blocks.size() == 6);
   CHECK(f.blocks[1].mlp == Approx(8 * f.blocks[0].mlp));
   CHECK(f.blocks[1].output == Approx(8 * f.blocks[0].output));
@@ -705,7 +705,7 @@ TEST_CASE("costs per block follow each block's size: the formula, and the profil
   CHECK(f.blocks[0].forward == f.blocks[5].forward);
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
-  const auto p = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
+  const auto p = budget::profile_costs(memory::Scenario::of(cfg), m, torch::kCPU, cfg.train.seed);
   REQUIRE(p.blocks.size() == 6);
   CHECK(p.source == "profile");
   // One timing per size: blocks of one size share it exactly.
@@ -725,12 +725,12 @@ TEST_CASE("the profile measures each block's bytes on the device; they agree wit
     const auto cfg = mixed_widths(all);
     torch::manual_seed(0);
     model::GPT m(cfg.model, torch::kCPU);
-    const auto costs = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
+    const auto costs = budget::profile_costs(memory::Scenario::of(cfg), m, torch::kCPU, cfg.train.seed);
     REQUIRE(costs.bytes.size() == 6);
-    const auto formula = memory::chain_model(cfg, memory::lowp_matmul_path(cfg));
-    const auto solver = budget::solver_model(cfg, costs);
+    const auto formula = memory::chain_model(memory::Scenario::of(cfg), memory::lowp_matmul_path(memory::Scenario::of(cfg)));
+    const auto solver = budget::solver_model(memory::Scenario::of(cfg), costs);
     for (size_t b : {size_t{0}, size_t{1}}) {  // a narrow block and a wide one
-      for (size_t p = 0; p < checkpointing::kPartSets; ++p) {
+      for (size_t p = 0; p < recompute::kPartSets; ++p) {
         INFO(fmt::format("{} block {} parts {}: kept {} vs {}, backward {} vs {}", fmt::join(sets, " "), b, p,
                          costs.bytes[b].kept[p], formula.kept[b][p], costs.bytes[b].backward[p], formula.backward[b][p]));
         // What a block keeps: the model's tensors, and a few KiB it does not count (each recomputed part
@@ -755,15 +755,15 @@ TEST_CASE("the profile measures each block's bytes on the device; they agree wit
                                    std::string("precision.compute=") + compute});
     torch::manual_seed(0);
     model::GPT m(cfg.model, torch::kCPU);
-    const auto costs = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
-    const auto plan = budget::budget_plan(cfg, costs);
+    const auto costs = budget::profile_costs(memory::Scenario::of(cfg), m, torch::kCPU, cfg.train.seed);
+    const auto plan = budget::budget_plan(memory::Scenario::of(cfg), costs);
     CHECK(plan.budget.bytes_source == "profile");
     const auto measured = static_cast<double>(test::measured_activation_peak(cfg, plan));
     CHECK(plan.budget.predicted_peak_bytes <= plan.budget.budget_bytes);
     // Which schedule is chosen depends on the profiled times (and so on the machine's load); what is
     // asserted holds for whichever it is. The walk of the chosen schedule over the solver's model is
     // the prediction (up to the solver's rounding of it to whole bytes).
-    const auto model = budget::solver_model(cfg, costs);
+    const auto model = budget::solver_model(memory::Scenario::of(cfg), costs);
     const auto predicted = static_cast<double>(plan.budget.predicted_peak_bytes);
     CHECK(std::abs(memory::chain_peak(model, plan) - predicted) <= 1);
     // The same walk without autocast's weight copies (0 in fp32): under autocast the walk counts every
@@ -787,10 +787,10 @@ TEST_CASE("with dropout 0.1 the profiled schedule keeps the measured activation 
   // Budget mode profiles each block as the run trains it: in training mode, so the dropout masks (and
   // on the CPU SDPA's math path, which attention dropout takes) are in the bytes the solver walks.
   const std::vector<std::string> dropout = {"model.dropout=0.1"};
-  const double none_peak = static_cast<double>(memory::estimate_activation_peak(six_layers(dropout)).peak_bytes);
+  const double none_peak = static_cast<double>(memory::estimate_activation_peak(memory::Scenario::of(six_layers(dropout))).peak_bytes);
   auto full_sets = dropout;
   full_sets.push_back("checkpointing.mode=full");
-  const double full_peak = static_cast<double>(memory::estimate_activation_peak(six_layers(full_sets)).peak_bytes);
+  const double full_peak = static_cast<double>(memory::estimate_activation_peak(memory::Scenario::of(six_layers(full_sets))).peak_bytes);
   REQUIRE(full_peak < none_peak);
   memory::TrackingCPUAllocator::install();  // the profile measures bytes through it
   for (int k = 1; k <= 3; ++k) {
@@ -802,11 +802,11 @@ TEST_CASE("with dropout 0.1 the profiled schedule keeps the measured activation 
     const auto before = at::detail::getDefaultCPUGenerator().get_state();
     model::GPT m(cfg.model, torch::kCPU);
     const auto after_init = at::detail::getDefaultCPUGenerator().get_state();
-    const auto costs = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
+    const auto costs = budget::profile_costs(memory::Scenario::of(cfg), m, torch::kCPU, cfg.train.seed);
     CHECK(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), after_init));  // no draw left behind
     CHECK_FALSE(torch::equal(after_init, before));  // (the init did draw: the check above can see a draw)
     REQUIRE(costs.bytes.size() == 6);
-    const auto plan = budget::budget_plan(cfg, costs);
+    const auto plan = budget::budget_plan(memory::Scenario::of(cfg), costs);
     const auto measured = test::measured_activation_peak(cfg, plan);
     INFO(fmt::format("budget {}: {}; predicted {}, measured {}", budget, plan.describe(), plan.budget.predicted_peak_bytes,
                      measured));
@@ -816,14 +816,14 @@ TEST_CASE("with dropout 0.1 the profiled schedule keeps the measured activation 
 
 // The recipe's budget plan halfway between full's and none's peaks (formula costs), at degree 1 and 2.
 TEST_CASE("checkpointing.exchange in a budget recipe: nothing kept at degree 1; at degree 2 the plan's keeps priced by the walk") {
-  const double none_peak = static_cast<double>(memory::estimate_activation_peak(six_layers({})).peak_bytes);
-  const double full_peak = static_cast<double>(memory::estimate_activation_peak(six_layers({"checkpointing.mode=full"})).peak_bytes);
+  const double none_peak = static_cast<double>(memory::estimate_activation_peak(memory::Scenario::of(six_layers({}))).peak_bytes);
+  const double full_peak = static_cast<double>(memory::estimate_activation_peak(memory::Scenario::of(six_layers({"checkpointing.mode=full"}))).peak_bytes);
   const auto budget = static_cast<int64_t>((full_peak + none_peak) / 2);
   const auto cfg = six_layers({"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget)});
   auto keep_cfg = cfg;
   keep_cfg.checkpointing.exchange = config::Exchange::kKeep;
   // Degree 1: every Kx is 0, nothing to keep, whatever checkpointing.exchange says.
-  const auto a = budget::formula_plan(cfg), k = budget::formula_plan(keep_cfg);
+  const auto a = budget::formula_plan(memory::Scenario::of(cfg)), k = budget::formula_plan(memory::Scenario::of(keep_cfg));
   REQUIRE(a);
   REQUIRE(k);
   INFO(a->describe());
@@ -836,10 +836,10 @@ TEST_CASE("checkpointing.exchange in a budget recipe: nothing kept at degree 1; 
   // Degree 2 under keep, the budget a little above full checkpointing's peak with every exchange kept
   // (the solver's error bound, 6 quanta of budget / 16384, is below 1/1000 of it): every recomputed
   // attention keeps, the plan's predicted peak is the walk's, and all_to_all_bytes counts no redone exchange.
-  memory::Scenario full_keep(six_layers({"checkpointing.mode=full", "checkpointing.skip_last=false", "checkpointing.exchange=keep"}));
+  memory::Scenario full_keep(memory::Scenario::of(six_layers({"checkpointing.mode=full", "checkpointing.skip_last=false", "checkpointing.exchange=keep"})));
   full_keep.sequence = 2;
   const auto budget2 = static_cast<int64_t>(1.001 * static_cast<double>(memory::estimate_activation_peak(full_keep).peak_bytes));
-  memory::Scenario sc(six_layers({"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget2), "checkpointing.exchange=keep"}));
+  memory::Scenario sc(memory::Scenario::of(six_layers({"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget2), "checkpointing.exchange=keep"})));
   sc.sequence = 2;
   const auto p = budget::formula_plan(sc);
   REQUIRE(p);
@@ -854,7 +854,7 @@ TEST_CASE("checkpointing.exchange in a budget recipe: nothing kept at degree 1; 
   const auto e = memory::estimate_activation_peak(sc, *p);
   CHECK(e.peak_bytes == p->budget.predicted_peak_bytes);
   CHECK(e.peak_bytes <= budget2);
-  const auto none2 = memory::estimate_activation_peak(sc, checkpointing::make_plan({}, 6));
+  const auto none2 = memory::estimate_activation_peak(sc, recompute::make_plan({}, 6));
   CHECK(e.all_to_all_bytes == none2.all_to_all_bytes);  // forward and backward exchanges only: no recompute redoes
 }
 
@@ -872,7 +872,7 @@ TEST_CASE("a budget run at degree 2 with checkpointing.exchange keep: the measur
     ::unsetenv("WORLD_SIZE");
     return cfg;
   };
-  memory::Scenario full_keep(with({"checkpointing.mode=full", "checkpointing.skip_last=false", "checkpointing.exchange=keep"}));
+  memory::Scenario full_keep(memory::Scenario::of(with({"checkpointing.mode=full", "checkpointing.skip_last=false", "checkpointing.exchange=keep"})));
   full_keep.sequence = 2;
   const auto budget = static_cast<int64_t>(1.001 * static_cast<double>(memory::estimate_activation_peak(full_keep).peak_bytes));
   test::TempDir dir("budget-keep2");
@@ -911,7 +911,7 @@ struct LoopbackExchange : model::SequenceExchange {
 
 // profile_costs under a sequence group: the block's two forward exchanges timed once, on tensors of the
 // block's shapes (q, k, v: B x T/2 x 3C; the attention output: B x T x C/2) in the exchanged dtypes
-// (memory/activations.h: LLaMA under bf16 exchanges fp32 q, k, v and, on the CPU, an fp32 output),
+// (predict/activations.h: LLaMA under bf16 exchanges fp32 q, k, v and, on the CPU, an fp32 output),
 // six times each (a warm-up and five, whatever the blocks: every rank makes the same calls), their
 // median each block's `exchange`. Then the profiled blocks exchange through the same group as the model's
 // blocks do (forward and backward: the same two sizes and dtypes), so attention and forward include them.
@@ -931,11 +931,11 @@ TEST_CASE("the profile times a block's two exchanges through the model's sequenc
     INFO(c.arch << " " << c.compute);
     torch::manual_seed(0);
     model::GPT m(cfg.model, torch::kCPU);
-    const auto plain = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
+    const auto plain = budget::profile_costs(memory::Scenario::of(cfg), m, torch::kCPU, cfg.train.seed);
     for (const auto& b : plain.blocks) CHECK(b.exchange == 0);  // no sequence group: nothing exchanged
     auto ex = std::make_shared<LoopbackExchange>();
     m->shard_sequence(ex);
-    const auto p = budget::profile_costs(cfg, m, torch::kCPU, cfg.train.seed);
+    const auto p = budget::profile_costs(memory::Scenario::of(cfg), m, torch::kCPU, cfg.train.seed);
     const int64_t B = 4, t = 64 / 2, C = 64;
     REQUIRE(ex->calls.size() > 12);  // the timing's 12, then the profiled blocks' own exchanges
     for (size_t i = 0; i < 12; i += 2) {
@@ -963,7 +963,7 @@ TEST_CASE("the profile times a block's two exchanges through the model's sequenc
   }
 }
 
-// The walk's kept-exchange terms (memory/activations.h), by hand on a 3-block chain: an offloaded
+// The walk's kept-exchange terms (predict/activations.h), by hand on a 3-block chain: an offloaded
 // checkpointed segment [0, 2) and block 2 kept with its attention recomputed. Sizes: S 100 (60 with the
 // attention recomputed), T 10, Fb 200, input 5, Kx 7 and Rx 150 per block, H 29, E 30, no G, no weights.
 //   keep every recompute's exchanges:
@@ -983,10 +983,10 @@ TEST_CASE("the walk's kept exchanges: a segment's first passes beside the earlie
   m.recompute_exchange.assign(3, 150);
   m.exchange_kept.assign(3, 7);
   m.input = 5, m.head = 30, m.head_forward = 29, m.tied_grad = 0;
-  checkpointing::Plan p;
+  recompute::Plan p;
   p.mode = config::CheckpointingMode::kBudget;
   p.segments = {{0, 2, true, true}, {2, 3, false}};
-  p.block_parts = {0, 0, checkpointing::kPartAttention};
+  p.block_parts = {0, 0, recompute::kPartAttention};
   double host = 0;
   memory::PhasePeaks ph;
   CHECK(memory::chain_peak(m, p, &host, &ph) == 255);  // redo: exchange_kept empty

@@ -5,7 +5,7 @@
 #include <torch/torch.h>
 
 #include "memory/cuda_limit.h"
-#include "memory/footprint.h"
+#include "predict/footprint.h"
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "test_util.h"

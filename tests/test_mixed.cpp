@@ -22,7 +22,7 @@
 #include "config/config.h"
 #include "config/shape.h"
 #include "device/cpu_features.h"
-#include "planner/planner.h"
+#include "predict/planner.h"
 #include "runs.h"
 #include "test_util.h"
 

@@ -1960,7 +1960,7 @@ TEST_CASE("widened linear: an empty batch gives zero weight and bias gradients, 
   }
 }
 
-// The checkpointing nodes (checkpointing/checkpoint.cpp) take a linear's gradients with mm and
+// The checkpointing nodes (recompute/checkpoint.cpp) take a linear's gradients with mm and
 // linear_weight_grad; the widened node takes both in one pass. Every checkpointing mode promises the
 // gradients of mode none bitwise, so the two must agree bit for bit, over several chunks.
 TEST_CASE("widened linear: its backward equals mm and linear_weight_grad, the checkpointing nodes' matmuls, bitwise") {

@@ -25,16 +25,16 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "budget/budget.h"
-#include "checkpointing/plan.h"
+#include "predict/budget.h"
+#include "recompute/plan.h"
 #include "config/config.h"
 #include "config/shape.h"
 #include "device/device.h"
 #include "device/host.h"
 #include "errors.h"
-#include "memory/footprint.h"
+#include "predict/footprint.h"
 #include "memory/tracking_allocator.h"
-#include "planner/planner.h"
+#include "predict/planner.h"
 #include "recipes.h"
 #include "runs.h"
 #include "test_util.h"
@@ -173,7 +173,7 @@ TEST_CASE("the planner predicts the device and host peaks within 5% and the byte
       CHECK(std::abs(host_pred - host) <= 0.05 * host);
       // Bytes moved: counted where the copies are made, against the planner's count of them.
       const auto cfg = recipe_config(sets, world);
-      const auto traffic = planner::offload_traffic(cfg, budget::plan_for(cfg));
+      const auto traffic = planner::offload_traffic(memory::Scenario::of(cfg), budget::plan_for(memory::Scenario::of(cfg)));
       const auto rec = last_step(dir);
       const double to_host = rec["offload_to_host_bytes"].get<double>(), to_device = rec["offload_to_device_bytes"].get<double>();
       INFO("to host " << to_host << " predicted " << traffic.to_host_bytes << "; to device " << to_device << " predicted "
@@ -257,7 +257,7 @@ TEST_CASE("memory.host_limit exceeded is a clean exit 4 naming host memory: befo
   Runner& run = shared_runner();
   const Placement& p = kPlacements[4];  // everything, the checkpointed inputs too
   const std::string sets = base_sets(p, "fp32") + p.sets;
-  const auto predicted = planner::predict_peak(recipe_config(sets, 1));
+  const auto predicted = planner::predict_peak(memory::Scenario::of(recipe_config(sets, 1)));
   REQUIRE(predicted.activations.host_bytes > 0);
   test::TempDir dir("offload-host-limit");
   const auto train = [&](int64_t limit, const std::filesystem::path& run_dir) {
@@ -319,7 +319,7 @@ TEST_CASE("mode budget takes offload as a fourth choice when transfers are cheap
     return recipe_config("--set checkpointing.mode=budget --set checkpointing.profile_costs=false --set checkpointing.budget=" +
                              budget + " --set offload.activations=true --set offload.bandwidth_gbps=" + bandwidth, 1);
   };
-  const auto offloaded_blocks = [](const checkpointing::Plan& p) {
+  const auto offloaded_blocks = [](const recompute::Plan& p) {
     int64_t n = 0;
     for (const auto& s : p.segments)
       if (s.offloaded) n += s.end - s.begin;
@@ -329,11 +329,11 @@ TEST_CASE("mode budget takes offload as a fourth choice when transfers are cheap
   for (int kib = 256; kib <= 8192; kib += 128) {
     const std::string budget = std::to_string(kib) + "KiB";
     INFO("budget " << budget);
-    const auto slow = budget::try_plan_for(with(budget, "1e-3"));
-    const auto cheap = budget::try_plan_for(with(budget, "1e6"));
+    const auto slow = budget::try_plan_for(memory::Scenario::of(with(budget, "1e-3")));
+    const auto cheap = budget::try_plan_for(memory::Scenario::of(with(budget, "1e6")));
     auto without = with(budget, "1e6");
     without.offload.activations = false;
-    const auto plain = budget::try_plan_for(without);
+    const auto plain = budget::try_plan_for(memory::Scenario::of(without));
     if (plain) CHECK(slow.has_value());  // offload only adds schedules
     if (slow) CHECK(cheap.has_value());
     // Slow transfers: offload only where no schedule without it fits the budget.
@@ -359,20 +359,20 @@ TEST_CASE("mode budget takes offload as a fourth choice when transfers are cheap
 TEST_CASE("configs/7b_24gb.yaml: the planner puts a 7B fine-tune under 22 GiB of one 24 GB GPU, and not without offload") {
   auto cfg = config::load(test::kSourceDir + "/configs/7b_24gb.yaml", {});
   REQUIRE(config::Shape(cfg.model).total_params() > 6'700'000'000);
-  const auto plan = budget::plan_for(cfg);
-  const auto p = memory::predict_peak(cfg, plan);
+  const auto plan = budget::plan_for(memory::Scenario::of(cfg));
+  const auto p = memory::predict_peak(memory::Scenario::of(cfg), plan);
   const int64_t gib = int64_t{1} << 30;
   INFO("device " << p.peak_bytes() << ", host " << p.host_peak_bytes());
   CHECK(p.peak_bytes() <= 22 * gib);
   CHECK(p.host_peak_bytes() >= 100 * gib);  // fp32 masters, gradient shard and moments: 16 bytes a parameter
-  const auto t = planner::offload_traffic(cfg, plan);
+  const auto t = planner::offload_traffic(memory::Scenario::of(cfg), plan);
   CHECK(t.to_host_bytes > 0);
   CHECK(t.step_s > t.compute_s);
   CHECK(t.compute_s > 0);
   // The tutorial's trio alone (bf16, checkpointing, accumulation) does not fit: the model states exceed the card.
   auto plain = cfg;
   plain.offload = config::OffloadConfig{};
-  CHECK(memory::predict_states(plain).model_states_bytes() > 24 * gib);
+  CHECK(memory::predict_states(memory::Scenario::of(plain)).model_states_bytes() > 24 * gib);
 }
 
 // The planner's host peak is every tensor the run makes in host memory, to the byte, on the rank where it
@@ -389,7 +389,7 @@ TEST_CASE("memory.host_limit at exactly the planner's host peak trains and the h
     for (const Placement* p : {&kPlacements[1], &kPlacements[2]})  // zero2: optimizer + gradients; zero3: + parameters
       for (const int every : {0, 2}) {                             // 2: snapshots after steps 2 and 4 (state.async)
         const std::string sets = base_sets(*p, "fp32") + p->sets + fmt::format(" --set state.every={}", every);
-        const int64_t predicted = planner::predict_peak(recipe_config(sets, world)).host_peak_bytes();
+        const int64_t predicted = planner::predict_peak(memory::Scenario::of(recipe_config(sets, world))).host_peak_bytes();
         INFO(p->name << ", world " << world << ", state.every " << every << ": predicted host peak " << predicted);
         const auto dir = run.train(world, sets + fmt::format(" --set memory.host_limit={}", predicted));  // every rank exits 0
         const auto s = summary(dir);
@@ -417,7 +417,7 @@ TEST_CASE("a host out-of-memory in a step reports the host pool: its peak and me
   Runner& run = shared_runner();
   const Placement& p = kPlacements[4];  // everything offloaded: the checkpointed inputs go to the host in forward
   const std::string sets = base_sets(p, "fp32") + p.sets;
-  const auto predicted = planner::predict_peak(recipe_config(sets, 1));
+  const auto predicted = planner::predict_peak(memory::Scenario::of(recipe_config(sets, 1)));
   REQUIRE(predicted.activations.host_bytes > 0);
   // Room for the offloaded states, not for all the checkpointed inputs: the first forward runs out.
   const int64_t limit = predicted.host_states_bytes() + predicted.activations.host_bytes / 2;

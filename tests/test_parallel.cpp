@@ -36,7 +36,7 @@
 #include "device/device.h"
 #include "errors.h"
 #include "interop/hf.h"
-#include "planner/planner.h"
+#include "predict/planner.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
 #include "parallel/single.h"

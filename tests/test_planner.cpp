@@ -32,12 +32,12 @@
 #include "data/loader.h"
 #include "errors.h"
 #include "device/cpu_features.h"
-#include "budget/budget.h"
-#include "memory/scenario.h"
-#include "planner/planner.h"
+#include "predict/budget.h"
+#include "predict/scenario.h"
+#include "predict/planner.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
-#include "checkpointing/plan.h"
+#include "recompute/plan.h"
 #include "test_util.h"
 #include "train/probe.h"
 #include "train/trainer.h"
@@ -76,7 +76,7 @@ int64_t measured_peak(const config::RunConfig& cfg) {
   memory::TrackingCPUAllocator::install();
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(50000, cfg.model.vocab_size, 5);
   data::Loader loader(src, cfg.train.micro_batch, cfg.train.seq_len, 9);
-  const auto r = train::probe_step(cfg, checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer),
+  const auto r = train::probe_step(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer),
                                    {.loss_scaler = false, .grad_clip = 1.0, .seed = 0, .loader = &loader});
   REQUIRE_FALSE(r.oom);
   return r.last.mem.peak_allocated_bytes - r.allocated_before;
@@ -137,7 +137,7 @@ void check_recipes(const std::vector<Recipe>& recipes) {
         sets.push_back("train.micro_batch=" + std::to_string(b));
         auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", sets);
         const double measured = static_cast<double>(measured_peak(cfg));
-        const double predicted = static_cast<double>(planner::predict_peak(cfg).peak_bytes());
+        const double predicted = static_cast<double>(planner::predict_peak(memory::Scenario::of(cfg)).peak_bytes());
         const double err = (predicted - measured) / measured;
         const std::string what = fmt::format("{} {} B={}: measured {} predicted {} ({:+.1f}%)", rec.name,
                                              fmt::join(mode, " "), b, measured, predicted, 100 * err);
@@ -326,7 +326,7 @@ TEST_CASE("a run past memory.limit exits 4 with an oom event, a summary and advi
 
   // The planner's advice holds: full checkpointing at the suggested micro-batch runs under the same limit.
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {"checkpointing.mode=full"});
-  const int64_t mb = planner::largest_micro_batch(cfg, 60LL << 20);
+  const int64_t mb = planner::largest_micro_batch(memory::Scenario::of(cfg), 60LL << 20);
   REQUIRE(mb > 0);
   auto ok = test::trainer("--config configs/tiny.yaml --set memory.limit=60MiB --set train.steps=2 "
                           "--set checkpointing.mode=full --set train.micro_batch=" + std::to_string(mb) +
@@ -408,7 +408,7 @@ TEST_CASE("micro_batch: auto finds what a brute-force search finds, keeping the 
 
 TEST_CASE("per-rank model states follow the ZeRO formulas") {
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {});
-  const auto one = planner::predict_peak(cfg);
+  const auto one = planner::predict_peak(memory::Scenario::of(cfg));
   const int64_t n = config::Shape(cfg.model).total_params();
   CHECK(one.params_bytes == 4 * n);
   CHECK(one.model_states_bytes() == 16 * n);
@@ -422,7 +422,7 @@ TEST_CASE("per-rank model states follow the ZeRO formulas") {
   for (const Sharding stage : {Sharding::kNone, Sharding::kZero1, Sharding::kZero2, Sharding::kZero3}) {
     INFO(stage);
     cfg.parallel.sharding = stage;
-    const auto p = planner::predict_peak(cfg);
+    const auto p = planner::predict_peak(memory::Scenario::of(cfg));
     const int64_t expect = stage == Sharding::kNone    ? P + G + O
                            : stage == Sharding::kZero1 ? P + G + O / 4
                            : stage == Sharding::kZero2 ? P + (G + O) / 4
@@ -457,7 +457,7 @@ TEST_CASE("weight-heavy shape, world 1: predicted peak within 5%, gpt2 and llama
     sets.insert(sets.end(), variant.begin(), variant.end());
     auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", sets);
     const double measured = static_cast<double>(measured_peak(cfg));
-    const auto p = planner::predict_peak(cfg);
+    const auto p = planner::predict_peak(memory::Scenario::of(cfg));
     INFO(fmt::format("{}", fmt::join(variant, " ")) << ": measured " << measured << " predicted " << p.peak_bytes());
     CHECK(std::abs(static_cast<double>(p.peak_bytes()) - measured) <= kBound * measured);
     CHECK(p.model_states_bytes() > 0.85 * measured);
@@ -478,7 +478,7 @@ TEST_CASE("head-heavy shape, widened bf16 linears: predicted peak within 5%, gpt
     sets.insert(sets.end(), variant.begin(), variant.end());
     auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", sets);
     const double measured = static_cast<double>(measured_peak(cfg));
-    const auto p = planner::predict_peak(cfg);
+    const auto p = planner::predict_peak(memory::Scenario::of(cfg));
     INFO(fmt::format("{}: measured {} predicted {} ({:+.1f}%)", fmt::join(variant, " "), measured, p.peak_bytes(),
                      100 * (static_cast<double>(p.peak_bytes()) - measured) / measured));
     CHECK(std::abs(static_cast<double>(p.peak_bytes()) - measured) <= kBound * measured);
@@ -523,7 +523,7 @@ namespace {
 // the batch, the RoPE tables and the engine's buffers at each phase of the step (a unit's parameters,
 // its prefetched neighbour, a gradient buffer; each group padded to the world size's shards):
 // tensors whose sizes are fixed by the shapes. It approximates only the activations
-// (memory/activations.h): their per-token terms, which leave out tensors of a few KiB a step (the
+// (predict/activations.h): their per-token terms, which leave out tensors of a few KiB a step (the
 // CPU generator's state each checkpointed segment keeps for its recompute, 5056 bytes; the loss's
 // scalars; the fused AdamW's piece index: < 0.1 % of these peaks) and count some a moment early
 // (LLaMA's fp32 block backward: +0.4 %), and it adds each moment's activations to the largest
@@ -648,7 +648,7 @@ TEST_CASE("the planner does O(1) work in n_layer: a billion layers are predicted
     cfg.checkpointing.mode = mode;
     // Finishing at all is the check: a per-layer loop (or a meta-device model) over 1e9 layers takes
     // minutes and gigabytes. No timing is asserted here (timings belong in bench/).
-    const auto p = planner::predict_peak(cfg);
+    const auto p = planner::predict_peak(memory::Scenario::of(cfg));
     INFO(mode);
     CHECK(p.params_bytes == 4 * config::Shape(cfg.model).total_params());
     CHECK(p.peak_bytes() > p.model_states_bytes());
@@ -681,7 +681,7 @@ TEST_CASE("the O(1) segment counts equal the plan's for every mode") {
     for (int64_t L : {3, 4, 5, 7, 12, 13}) {
       if (c.mode == config::CheckpointingMode::kInterval && c.segments > L) continue;
       INFO(c.mode << " interval " << c.interval << " segments " << c.segments << " skip_last " << c.skip_last << " L " << L);
-      const auto fast = memory::segment_counts(c, L), slow = memory::segment_counts(checkpointing::make_plan(c, L));
+      const auto fast = memory::segment_counts(c, L), slow = memory::segment_counts(recompute::make_plan(c, L));
       CHECK(fast.checkpointed == slow.checkpointed);
       CHECK(fast.kept_blocks == slow.kept_blocks);
       CHECK(fast.largest_checkpointed == slow.largest_checkpointed);
@@ -701,10 +701,10 @@ TEST_CASE("the shipped GPU recipes fit what their headers say, at the world size
     INFO(c.recipe);
     auto cfg = config::load(test::kSourceDir + "/configs/" + c.recipe + ".yaml", {});
     cfg.world_size = c.world;
-    const auto p = planner::predict_peak(cfg);
+    const auto p = planner::predict_peak(memory::Scenario::of(cfg));
     CHECK(p.peak_bytes() <= c.memory);
     CHECK(std::abs(static_cast<double>(p.peak_bytes()) / (1 << 30) - c.peak_gib) < 0.05);
-    CHECK(planner::largest_micro_batch(cfg, c.memory) == c.largest_micro_batch);
+    CHECK(planner::largest_micro_batch(memory::Scenario::of(cfg), c.memory) == c.largest_micro_batch);
     CHECK(cfg.train.micro_batch * cfg.train.grad_accum * c.world * cfg.train.seq_len == c.tokens_per_step);
   }
 }
@@ -717,7 +717,7 @@ TEST_CASE("the fused head and loss: GPT-2 124M's full-checkpointing activations 
                                  "precision.param_dtype=fp32", "parallel.sharding=none"},
         std::vector<std::string>{"train.device=cuda", "checkpointing.mode=full"}}) {
     const auto cfg = config::load(test::kSourceDir + "/configs/gpt2_124m.yaml", sets);
-    const auto e = memory::estimate_activation_peak(cfg);
+    const auto e = memory::estimate_activation_peak(memory::Scenario::of(cfg));
     INFO(cfg.precision.compute.name() << ": activations " << e.peak_bytes << ", loss " << e.loss_bytes);
     CHECK(e.peak_bytes < (int64_t{3} << 29));  // 1.5 GiB
     CHECK(e.loss_bytes < (int64_t{1} << 29));  // the loss at its peak, under 0.5 GiB
@@ -728,7 +728,7 @@ namespace {
 // One micro-batch's estimate of `cfg` at sequence-parallel degree n (the Scenario's field: a recipe
 // at degree n needs WORLD_SIZE divisible by n to load).
 memory::ActivationEstimate at_degree(const config::RunConfig& cfg, int64_t n) {
-  memory::Scenario sc(cfg);
+  memory::Scenario sc(memory::Scenario::of(cfg));
   sc.sequence = n;
   return memory::estimate_activation_peak(sc);
 }
@@ -881,7 +881,7 @@ TEST_CASE("sequence parallelism: a recompute's exchange sets moment B where the 
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml",
                           {"train.micro_batch=4", "checkpointing.mode=full", "model.mlp_hidden=16"});
   REQUIRE(config::Shape(cfg.model).hidden(0) == 16);
-  memory::Scenario sc(cfg);
+  memory::Scenario sc(memory::Scenario::of(cfg));
   sc.sequence = 2;
   const auto e = memory::estimate_activation_peak(sc);
   const double tied = static_cast<double>(e.tied_grad_bytes);
@@ -892,7 +892,7 @@ TEST_CASE("sequence parallelism: a recompute's exchange sets moment B where the 
   // The walk block by block gives the same backward moment.
   memory::PhasePeaks phases;
   memory::chain_peak(memory::chain_model(sc, memory::lowp_matmul_path(sc)),
-                     checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer), nullptr, &phases);
+                     recompute::make_plan(cfg.checkpointing, cfg.model.n_layer), nullptr, &phases);
   CHECK(phases.backward == e.moment_b);
 }
 
@@ -956,7 +956,7 @@ TEST_CASE("trainer plan --sequence-parallel: 8b_128k fits 80 GiB at degree 8 and
 // Full checkpointing of tiny's 4 blocks (skip_last false) at degree 2, fp32 (f = c = xq = xo = 4):
 // tok = 4 x 128 / 2 = 256 local tokens, Kx = tok (3C + C) 4 = 256 x 16 x 128 bytes per block. With the
 // walk's terms (memory::chain_model: in = tok fC, S, T, Fb, Rx, the head's E and H), per the keep
-// paragraph of memory/activations.h, nothing else changing:
+// paragraph of predict/activations.h, nothing else changing:
 //   F, first pass of segment i:  redo  i in + in + Fb              keep  i (in + Kx) + in + Fb   (max at i = 3)
 //   F, end of the forward:       redo  4 in + H                    keep  4 (in + Kx) + H
 //   A, start of backward:        redo  4 in + E                    keep  4 (in + Kx) + E
@@ -969,7 +969,7 @@ TEST_CASE("checkpointing.exchange keep at degree 2: the peak grows by the held K
           "recomputes' exchanges, exactly") {
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml",
                           {"train.micro_batch=4", "checkpointing.mode=full", "checkpointing.skip_last=false"});
-  memory::Scenario redo(cfg), keep(cfg);
+  memory::Scenario redo(memory::Scenario::of(cfg)), keep(memory::Scenario::of(cfg));
   redo.sequence = keep.sequence = 2;
   redo.checkpointing.exchange = config::Exchange::kRedo;
   keep.checkpointing.exchange = config::Exchange::kKeep;
@@ -1013,7 +1013,7 @@ TEST_CASE("trainer plan --sequence-parallel auto: keep where it fits, redo where
   auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml",
                           {"train.micro_batch=4", "checkpointing.mode=full", "checkpointing.skip_last=false"});
   cfg.world_size = 2;
-  const auto search = planner::sequence_search(memory::Scenario(cfg, 4), 0);
+  const auto search = planner::sequence_search(memory::Scenario::of(cfg).at(4), 0);
   REQUIRE(search["degrees"].size() == 2);
   const auto& one = search["degrees"][0];
   const auto& two = search["degrees"][1];
@@ -1064,7 +1064,7 @@ TEST_CASE("budget's formula costs price the sequence group's all-to-all") {
     auto c = cfg;
     c.parallel.sequence = n;
     c.parallel.all_to_all_gbps = gbps;
-    return budget::formula_costs(memory::Scenario(c)).blocks.front();
+    return budget::formula_costs(memory::Scenario::of(c)).blocks.front();
   };
   const double C = 4096, T = 131072, c = 2, tok8 = T / 8;
   const double flops = 0.5 * 989e12;  // kModelledMfu of the recipe's logging.peak_tflops

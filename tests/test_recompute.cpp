@@ -12,13 +12,13 @@
 #include "data/loader.h"
 #include "device/host.h"
 #include "errors.h"
-#include "memory/activations.h"
+#include "predict/activations.h"
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
 #include "model/linear.h"
 #include "precision/autocast.h"
-#include "checkpointing/runner.h"
+#include "recompute/runner.h"
 #include "train/trainer.h"
 #include "measure.h"
 #include "parallel/single.h"
@@ -46,7 +46,7 @@ Result run_once(const config::RunConfig& cfg, int64_t micro_batches = 1) {
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
   m->train();
-  checkpointing::Runner runner(cfg.checkpointing, m);
+  recompute::Runner runner(cfg.checkpointing, m);
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(4000, 256, 5);
   data::Loader loader(src, 2, cfg.train.seq_len, 9);
   std::vector<data::Batch> batches;
@@ -179,7 +179,7 @@ TEST_CASE("the comparison can fail: without RNG replay dropout masks differ") {
 TEST_CASE("under NoGradGuard nothing is saved or recomputed") {
   auto cfg = small("gpt2", 0.0, {"checkpointing.mode=full", "checkpointing.skip_last=false"});
   model::GPT m(cfg.model, torch::kCPU);
-  checkpointing::Runner runner(cfg.checkpointing, m);
+  recompute::Runner runner(cfg.checkpointing, m);
   auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
   torch::NoGradGuard no_grad;
   auto out = runner.forward(idx);
@@ -204,8 +204,8 @@ TEST_CASE("checkpoint(): inputs without grad still give parameter grads; several
   w.mutable_grad().reset();
   other.mutable_grad().reset();
 
-  checkpointing::Options opts;
-  auto outs = checkpointing::checkpoint("test", fn, {x, other}, {w}, opts);
+  recompute::Options opts;
+  auto outs = recompute::checkpoint("test", fn, {x, other}, {w}, opts);
   REQUIRE(outs.size() == 2);
   (outs[0].sum() + outs[1].pow(2).sum()).backward();
   CHECK(torch::equal(w.grad(), gw));
@@ -220,7 +220,7 @@ TEST_CASE("a forward whose graph is dropped without backward frees everything") 
     DYNAMIC_SECTION(join(mode)) {
       auto cfg = small("gpt2", 0.1, mode);
       model::GPT m(cfg.model, torch::kCPU);
-      checkpointing::Runner runner(cfg.checkpointing, m);
+      recompute::Runner runner(cfg.checkpointing, m);
       auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
       const int64_t base = alloc.current_bytes();
       {
@@ -242,7 +242,7 @@ TEST_CASE("a forward whose graph is dropped without backward frees everything") 
 TEST_CASE("the pre-recompute hook runs before each recompute, last segment first") {
   auto cfg = small("gpt2", 0.0, {"checkpointing.mode=interval", "checkpointing.interval=2"});  // [0,2) [2,4) [4,5) kept
   model::GPT m(cfg.model, torch::kCPU);
-  checkpointing::Runner runner(cfg.checkpointing, m);
+  recompute::Runner runner(cfg.checkpointing, m);
   std::vector<std::string> calls;
   runner.set_pre_recompute_hook([&](const std::string& name) { calls.push_back(name); });
   auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
@@ -259,7 +259,7 @@ TEST_CASE("check_recompute names the segment whose recompute differs") {
   auto cfg = small("gpt2", 0.3, {"checkpointing.mode=full", "checkpointing.preserve_rng=false",
                                  "checkpointing.check_recompute=true"});
   model::GPT m(cfg.model, torch::kCPU);
-  checkpointing::Runner runner(cfg.checkpointing, m);
+  recompute::Runner runner(cfg.checkpointing, m);
   auto idx = torch::randint(0, 256, {2, 16}, torch::kInt64);
   auto loss = runner.loss(idx, idx);
   try {
@@ -270,38 +270,38 @@ TEST_CASE("check_recompute names the segment whose recompute differs") {
   }
   // With the RNG replayed the same check passes.
   auto ok = small("gpt2", 0.3, {"checkpointing.mode=full", "checkpointing.check_recompute=true"});
-  checkpointing::Runner p2(ok.checkpointing, m);
+  recompute::Runner p2(ok.checkpointing, m);
   CHECK_NOTHROW(p2.loss(idx, idx).backward());
 }
 
 TEST_CASE("segment plans") {
   config::CheckpointingConfig c;
   // "[begin,end)" per segment, "*" when checkpointed.
-  auto segs = [](const checkpointing::Plan& p) {
+  auto segs = [](const recompute::Plan& p) {
     std::string s;
     for (const auto& g : p.segments) s += fmt::format("[{},{}){}", g.begin, g.end, g.checkpointed ? "*" : "");
     return s;
   };
   c.mode = config::CheckpointingMode::kInterval, c.interval = 3;
-  CHECK(segs(checkpointing::make_plan(c, 10)) == "[0,3)*[3,6)*[6,9)*[9,10)");
+  CHECK(segs(recompute::make_plan(c, 10)) == "[0,3)*[3,6)*[6,9)*[9,10)");
   c.skip_last = false;
-  CHECK(segs(checkpointing::make_plan(c, 10)) == "[0,3)*[3,6)*[6,9)*[9,10)*");
+  CHECK(segs(recompute::make_plan(c, 10)) == "[0,3)*[3,6)*[6,9)*[9,10)*");
   c.interval = 0, c.segments = 3;
-  CHECK(segs(checkpointing::make_plan(c, 10)) == "[0,3)*[3,6)*[6,10)*");
+  CHECK(segs(recompute::make_plan(c, 10)) == "[0,3)*[3,6)*[6,10)*");
   c.mode = config::CheckpointingMode::kSqrt, c.segments = 0;
-  CHECK(checkpointing::make_plan(c, 12).k == 3);
-  CHECK(checkpointing::make_plan(c, 32).k == 6);
+  CHECK(recompute::make_plan(c, 12).k == 3);
+  CHECK(recompute::make_plan(c, 32).k == 6);
   c.mode = config::CheckpointingMode::kFull, c.skip_last = true;
-  auto full = checkpointing::make_plan(c, 4);
+  auto full = recompute::make_plan(c, 4);
   CHECK(full.segments.size() == 4);
   CHECK(full.checkpointed_blocks() == 3);
   c.mode = config::CheckpointingMode::kNone;
-  CHECK(checkpointing::make_plan(c, 4).checkpointed_blocks() == 0);
+  CHECK(recompute::make_plan(c, 4).checkpointed_blocks() == 0);
 }
 
 namespace {
 int64_t measured_activation_peak(const config::RunConfig& cfg) {
-  return test::measured_activation_peak(cfg, checkpointing::make_plan(cfg.checkpointing, cfg.model.n_layer));
+  return test::measured_activation_peak(cfg, recompute::make_plan(cfg.checkpointing, cfg.model.n_layer));
 }
 
 config::RunConfig twelve_layers(std::vector<std::string> extra) {
@@ -318,14 +318,14 @@ TEST_CASE("activation memory, 12 layers, fp32, dropout 0: the seeds' claims and 
   auto check_mode = [&](const std::vector<std::string>& mode, double max_ratio) {
     auto cfg = twelve_layers(mode);
     const double got = static_cast<double>(measured_activation_peak(cfg));
-    const auto predicted = memory::estimate_activation_peak(cfg, checkpointing::make_plan(cfg.checkpointing, 12));
+    const auto predicted = memory::estimate_activation_peak(memory::Scenario::of(cfg), recompute::make_plan(cfg.checkpointing, 12));
     INFO(join(mode) << ": measured " << got << " bytes, predicted " << predicted.peak_bytes << ", none " << none);
     CHECK(got <= max_ratio * none);
     CHECK(std::abs(got - static_cast<double>(predicted.peak_bytes)) <= 0.10 * got);
     return got;
   };
   {
-    const auto predicted = memory::estimate_activation_peak(none_cfg, checkpointing::make_plan(none_cfg.checkpointing, 12));
+    const auto predicted = memory::estimate_activation_peak(memory::Scenario::of(none_cfg), recompute::make_plan(none_cfg.checkpointing, 12));
     CHECK(std::abs(none - static_cast<double>(predicted.peak_bytes)) <= 0.05 * none);
   }
   // full keeps L block inputs + one block's internals: <= 20% of none.
@@ -337,8 +337,8 @@ TEST_CASE("activation memory, 12 layers, fp32, dropout 0: the seeds' claims and 
   check_mode({"checkpointing.mode=selective", "checkpointing.recompute=[attention, mlp, norm]"}, 0.62);
   {
     auto cfg = twelve_layers({"checkpointing.mode=selective", "checkpointing.recompute=[attention, mlp, norm]"});
-    const double kept = memory::estimate_activation_peak(cfg, checkpointing::make_plan(cfg.checkpointing, 12)).block_bytes;
-    const double plain = memory::estimate_activation_peak(none_cfg, checkpointing::make_plan(none_cfg.checkpointing, 12)).block_bytes;
+    const double kept = memory::estimate_activation_peak(memory::Scenario::of(cfg), recompute::make_plan(cfg.checkpointing, 12)).block_bytes;
+    const double plain = memory::estimate_activation_peak(memory::Scenario::of(none_cfg), recompute::make_plan(none_cfg.checkpointing, 12)).block_bytes;
     CHECK(kept <= 0.60 * plain);
   }
   // interval and sqrt land on the formula (and save memory).
@@ -356,11 +356,11 @@ TEST_CASE("the forward's autocast state is re-applied during recompute, and the 
     seen.push_back(at::autocast::is_autocast_enabled(at::kCPU));
     return std::vector<torch::Tensor>{in[0].mm(w).relu()};
   };
-  checkpointing::Options opts;
+  recompute::Options opts;
   torch::Tensor out;
   at::autocast::set_autocast_enabled(at::kCPU, true);
   at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-  out = checkpointing::checkpoint("amp", fn, {torch::randn({4, 8})}, {w}, opts)[0];
+  out = recompute::checkpoint("amp", fn, {torch::randn({4, 8})}, {w}, opts)[0];
   at::autocast::set_autocast_enabled(at::kCPU, false);
   at::autocast::clear_cache();
   CHECK(out.scalar_type() == at::kBFloat16);
@@ -387,7 +387,7 @@ TEST_CASE("a recompute on another thread (autograd's CUDA thread) sees the forwa
                     at::autocast::is_autocast_enabled(at::kCPU)});
     return std::vector<torch::Tensor>{in[0].mm(w).relu()};
   };
-  checkpointing::Options opts;
+  recompute::Options opts;
   torch::Tensor out;
   {
     const bool cache_before = at::autocast::is_autocast_cache_enabled();
@@ -395,7 +395,7 @@ TEST_CASE("a recompute on another thread (autograd's CUDA thread) sees the forwa
     at::autocast::set_autocast_enabled(at::kCPU, true);
     at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
     device::HostScope host;
-    out = checkpointing::checkpoint("other thread", fn, {torch::randn({4, 8})}, {w}, opts)[0];
+    out = recompute::checkpoint("other thread", fn, {torch::randn({4, 8})}, {w}, opts)[0];
     at::autocast::set_autocast_enabled(at::kCPU, false);
     at::autocast::set_autocast_cache_enabled(cache_before);
   }

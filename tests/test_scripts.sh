@@ -233,30 +233,30 @@ design_rules() {
 }
 check "check_design.py: no recipe choice's name compared outside src/config" design_rules
 
-# 7. scripts/check_design.py's layers: an include that points up the order (memory -> budget) fails
-#    naming the file and both folders; the same include pointing down (budget -> memory) passes; a
+# 7. scripts/check_design.py's layers: an include that points up the order (memory -> predict) fails
+#    naming the file and both folders; the same include pointing down (predict -> memory) passes; a
 #    folder the order does not place fails; a torch header reached from the torch-free bottom fails
 #    with the chain of includes that reaches it.
 layer_rules() {
   local tree="$TMP/layers" out
-  mkdir -p "$tree/src/memory" "$tree/src/budget" "$tree/src/config"
-  echo '#pragma once' > "$tree/src/memory/activations.h"
-  echo '#pragma once' > "$tree/src/budget/budget.h"
-  echo '#include "memory/activations.h"' > "$tree/src/budget/budget.cpp"
+  mkdir -p "$tree/src/memory" "$tree/src/predict" "$tree/src/config"
+  echo '#pragma once' > "$tree/src/memory/tracker.h"
+  echo '#pragma once' > "$tree/src/predict/budget.h"
+  echo '#include "memory/tracker.h"' > "$tree/src/predict/budget.cpp"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" || { echo "a downward include failed:"; echo "$out"; return 1; }
-  echo '#include "budget/budget.h"' > "$tree/src/memory/footprint.cpp"
+  echo '#include "predict/budget.h"' > "$tree/src/memory/timeline.cpp"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "an upward include passed:"; echo "$out"; return 1; }
-  grep -q '^src/memory/footprint.cpp: includes budget/budget.h: memory is below budget$' <<< "$out" ||
+  grep -q '^src/memory/timeline.cpp: includes predict/budget.h: memory is below predict$' <<< "$out" ||
     { echo "the upward include is not named:"; echo "$out"; return 1; }
-  rm "$tree/src/memory/footprint.cpp"
+  rm "$tree/src/memory/timeline.cpp"
   mkdir -p "$tree/src/misc" && echo 'int x;' > "$tree/src/misc/x.cpp"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "an unplaced folder passed:"; echo "$out"; return 1; }
   grep -q '^src/misc/: folder not in LAYERS' <<< "$out" || { echo "the unplaced folder is not named:"; echo "$out"; return 1; }
   rm -r "$tree/src/misc"
-  printf '#pragma once\n#include "memory/activations.h"\n' > "$tree/src/config/config.h"
-  printf '#pragma once\n#include <torch/types.h>\n' > "$tree/src/memory/activations.h"
+  printf '#pragma once\n#include "predict/activations.h"\n' > "$tree/src/config/config.h"
+  printf '#pragma once\n#include <torch/types.h>\n' > "$tree/src/predict/activations.h"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "torch in the bottom passed:"; echo "$out"; return 1; }
-  grep -q '^src/config/config.h -> memory/activations.h: includes a torch header$' <<< "$out" ||
+  grep -q '^src/config/config.h -> predict/activations.h: includes a torch header$' <<< "$out" ||
     { echo "the torch chain is not named:"; echo "$out"; return 1; }
 }
 check "check_design.py: includes follow the layer order; the bottom is torch-free" layer_rules
@@ -318,18 +318,18 @@ check "check_design.py: no engine null checks, no whole-Session parameters, a na
 #     copy of a memory::Scenario, and the same copies in src/config and src/main.cpp pass.
 recipe_copy_rules() {
   local tree="$TMP/copies" out
-  mkdir -p "$tree/src/planner" "$tree/src/config"
+  mkdir -p "$tree/src/predict" "$tree/src/config"
   printf '%s\n' 'const config::RunConfig& r = session.cfg;' 'memory::Scenario c = sc;' 'auto s = scenario;' \
-    > "$tree/src/planner/planner.cpp"
+    > "$tree/src/predict/planner.cpp"
   printf '%s\n' 'auto c = cfg;' 'RunConfig d = load(path);' > "$tree/src/config/config.cpp"
   printf '%s\n' 'auto cfg = config::load(path, sets);' 'config::RunConfig c = cfg;' > "$tree/src/main.cpp"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" || { echo "no copy, or an allowed one, failed:"; echo "$out"; return 1; }
   local copies=('auto c = cfg;' 'config::RunConfig what_if = recipe;' 'auto probe = s->cfg;' 'RunConfig other{cfg};')
-  printf '%s\n' "${copies[@]}" >> "$tree/src/planner/planner.cpp"
+  printf '%s\n' "${copies[@]}" >> "$tree/src/predict/planner.cpp"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" && { echo "a recipe copy passed:"; echo "$out"; return 1; }
   local n
   for n in $(seq 1 "${#copies[@]}"); do
-    grep -q "^src/planner/planner.cpp:$((n + 3)): .*a recipe copied" <<< "$out" || { echo "copy $n is not named:"; echo "$out"; return 1; }
+    grep -q "^src/predict/planner.cpp:$((n + 3)): .*a recipe copied" <<< "$out" || { echo "copy $n is not named:"; echo "$out"; return 1; }
   done
   grep -q '^recipe copies outside src/config and src/main.cpp: 4 (must be 0)$' <<< "$out" || { echo "the count is not 4:"; echo "$out"; return 1; }
 }

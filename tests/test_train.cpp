@@ -29,7 +29,7 @@
 #include "device/build_info.h"
 #include "device/cpu_features.h"
 #include "device/device.h"
-#include "memory/footprint.h"
+#include "predict/footprint.h"
 #include "memory/tracker.h"
 #include "model/cuda_fused.h"
 #include "model/gpt.h"
@@ -38,7 +38,7 @@
 #include "parallel/single.h"
 #include "precision/autocast.h"
 #include "precision/loss_scaler.h"
-#include "checkpointing/runner.h"
+#include "recompute/runner.h"
 #include "optim/clip.h"
 #include "optim/optimizer.h"
 #include "train/cuda_graph.h"
@@ -426,13 +426,13 @@ TEST_CASE("sum_of_squares: float64 over fp32 CPU gradients, the engine's norm on
   CHECK(names.seen.count("aten::_to_copy") == 0);
   REQUIRE(share.scalar_type() == torch::kFloat64);
   CHECK(std::abs(share.item<double>() - expected) <= kSumBound * expected);
-  CHECK(memory::predict_states(cfg).grad_norm_temp_bytes == 0);
+  CHECK(memory::predict_states(memory::Scenario::of(cfg)).grad_norm_temp_bytes == 0);
   auto cuda = cfg;
   cuda.train.device = config::DeviceChoice::kCuda;
-  CHECK(memory::predict_states(cuda).grad_norm_temp_bytes > 0);  // the float64 chunks on the GPU
+  CHECK(memory::predict_states(memory::Scenario::of(cuda)).grad_norm_temp_bytes > 0);  // the float64 chunks on the GPU
   cuda.parallel.sharding = config::Sharding::kZero2;
   cuda.offload.optimizer = cuda.offload.gradients = true;
-  const auto host = memory::predict_states(cuda);
+  const auto host = memory::predict_states(memory::Scenario::of(cuda));
   CHECK(host.grad_norm_temp_bytes == 0);  // the gradient shards on the host: the CPU pass
   CHECK(host.host_peak_bytes() == host.host_states_bytes() + host.host_snapshot_bytes + host.host_optimizer_temp_bytes);
 }
@@ -825,7 +825,7 @@ int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int
   parallel::LaunchEnv env;
   env.rank = rank, env.world = 2, env.local_rank = rank, env.local_world = 2, env.master_port = port;
   auto comm = std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU);
-  checkpointing::Runner runner(cfg.checkpointing, m);
+  recompute::Runner runner(cfg.checkpointing, m);
   const auto made = parallel::make_engine(m, parallel::Spec::of(cfg), comm);
   auto& engine = *made;
   engine.attach(runner);
@@ -1407,7 +1407,7 @@ StepCasts casts_in_a_step(const std::string& param_dtype) {
   model::GPT m(cfg.model, torch::kCPU);
   parallel::LaunchEnv env;
   env.rank = 0, env.world = 1, env.local_rank = 0, env.local_world = 1, env.master_port = test::free_port();
-  checkpointing::Runner runner(cfg.checkpointing, m);
+  recompute::Runner runner(cfg.checkpointing, m);
   const auto made = parallel::make_engine(m, parallel::Spec::of(cfg), std::make_shared<parallel::Comm>(env, cfg.parallel, torch::kCPU));
   auto& engine = *made;
   engine.attach(runner);

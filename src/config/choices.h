@@ -63,8 +63,8 @@ class Sharding : public NamedChoice<Sharding> {
 };
 
 // checkpointing.mode: which activations a step keeps and which it recomputes. Its parameters stay in
-// their own keys (checkpointing.interval / segments, recompute, budget) and the checkpointing::Plan made
-// from them (checkpointing/runner.h, budget/budget.h).
+// their own keys (checkpointing.interval / segments, recompute, budget) and the recompute::Plan made
+// from them (recompute/runner.h, predict/budget.h).
 class CheckpointingMode : public NamedChoice<CheckpointingMode> {
  public:
   enum Kind : uint8_t { kNone, kFull, kInterval, kSqrt, kSelective, kBudget };
@@ -73,8 +73,8 @@ class CheckpointingMode : public NamedChoice<CheckpointingMode> {
   constexpr CheckpointingMode() : CheckpointingMode(kNone) {}
   constexpr CheckpointingMode(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
 
-  // budget: the schedule is solved per block under a memory budget (budget/budget.h); the others
-  // follow one rule for every block (checkpointing::make_plan).
+  // budget: the schedule is solved per block under a memory budget (predict/budget.h); the others
+  // follow one rule for every block (recompute::make_plan).
   constexpr bool solved() const { return kind() == kBudget; }
 };
 
@@ -181,7 +181,7 @@ class CudaGraphs : public NamedChoice<CudaGraphs> {
 // selective attention). redo: exchanges again (no memory kept from the first pass); keep: the first
 // pass keeps what its exchanges received (the gathered q, k, v and the attention output, 3C + C per local
 // token per block) and the recompute takes them instead of communicating; auto: mode budget chooses per
-// block (budget/budget.h), every other mode redoes. Nothing to choose at parallel.sequence 1.
+// block (predict/budget.h), every other mode redoes. Nothing to choose at parallel.sequence 1.
 class Exchange : public NamedChoice<Exchange> {
  public:
   enum Kind : uint8_t { kAuto, kRedo, kKeep };

@@ -1,5 +1,5 @@
 // What the CPU offers and what LibTorch's libraries make of it: the kernels a bf16/fp16 matmul takes
-// on CPU decide how much memory autocast uses (memory/activations.h) and how fast it runs.
+// on CPU decide how much memory autocast uses (predict/activations.h) and how fast it runs.
 //
 // Asked at run time, after any cap the user set, so the answer is what the libraries will do:
 //   ATEN_CPU_CAPABILITY=avx2|avx512|default   caps ATen's vectorised kernels (at::get_cpu_capability)

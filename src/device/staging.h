@@ -1,6 +1,6 @@
 // Host staging of tensors that leave the process (state files, final weights, export): the bound
 // every writer keeps, in one place so the writer (state/safetensors.cpp, for_each_host_chunk) and the
-// planner (memory/footprint.cpp, PeakPrediction::host_staging_bytes) agree. Torch-free.
+// planner (predict/footprint.cpp, PeakPrediction::host_staging_bytes) agree. Torch-free.
 #pragma once
 #include <algorithm>
 #include <cstdint>

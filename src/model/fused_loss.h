@@ -19,7 +19,7 @@
 // differ in order (dW over chunks, the loss over rows) and d is rounded before it is scaled by 1/N
 // (exact when N is a power of two). In fp32 the difference is summation order only.
 //
-// Memory (the planner's model, memory/activations.cpp, "the fused loss"): while a chunk runs, its
+// Memory (the planner's model, predict/activations.cpp, "the fused loss"): while a chunk runs, its
 // logits in the compute dtype, their fp32 copy (the same tensor in fp32) and d in the compute dtype
 // (rows x V' each); beside them h and W rounded to the compute dtype when they are not in it (W not
 // on the CPU's widened path, model/linear.h, which rounds it itself), dh, dW and one chunk's
@@ -46,7 +46,7 @@ constexpr int64_t loss_chunk_rows(int64_t rows, int64_t vocab, int64_t requested
 }
 
 // What the fused loss allocates beyond its inputs, in bytes (the planner's model of it,
-// memory/activations.cpp, and what tests/test_loss.cpp measures): N rows of width C, V' vocabulary rows,
+// predict/activations.cpp, and what tests/test_loss.cpp measures): N rows of width C, V' vocabulary rows,
 // chunks of `chunk` rows, compute dtype of c bytes (2 or 4), h and W of h_bytes and w_bytes per element,
 // `widened` the CPU's widened path (model/linear.h).
 struct FusedLossBytes {

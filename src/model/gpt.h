@@ -64,8 +64,8 @@ TORCH_MODULE(Block);
 
 // The model's units, the one place their layout is defined: unit 0 the embeddings (wte, wpe), units
 // 1..L the blocks, unit L+1 the final norm and the untied head. ZeRO-3 shards, gathers and frees by
-// unit (parallel/engine.cpp), the checkpointing runner runs the forward unit by unit (checkpointing/runner.cpp),
-// the planner sizes them (memory/footprint.cpp) and saved states name parameters as units() does.
+// unit (parallel/engine.cpp), the checkpointing runner runs the forward unit by unit (recompute/runner.cpp),
+// the planner sizes them (predict/footprint.cpp) and saved states name parameters as units() does.
 inline constexpr int64_t kEmbeddingUnit = 0;
 inline int64_t block_unit(int64_t layer) { return layer + 1; }
 inline int64_t head_unit(const config::ModelConfig& m) { return m.n_layer + 1; }

@@ -20,7 +20,7 @@
 // weight through the whole forward). Transients of one call: the rounded weight in fp32 (4 N K bytes;
 // rounded 64K elements at a time), in backward the fp32 weight gradient (4 N K, rounded in place and
 // returned as W's gradient when W is fp32) beside it, and fp32 scratch of widened_scratch_bytes.
-// The planner's model is in memory/activations.cpp ("widened").
+// The planner's model is in predict/activations.cpp ("widened").
 //
 // Everywhere else (CUDA, fp32, a CPU with bf16 instructions, SUBLINEAR_ATEN_KERNELS=1) it is at::linear and
 // at::mm, exactly as before.
@@ -48,7 +48,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& W, const at::Tensor& b 
 // widened_dtype, on a's own dtype: autocast plays no part), else at::mm. A linear's input gradient is mm(gy2, W); the
 // MFU's peak is measured with it.
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b);
-// A linear's weight gradient for autograd nodes that take it themselves (checkpointing/checkpoint.cpp):
+// A linear's weight gradient for autograd nodes that take it themselves (recompute/checkpoint.cpp):
 // gy2^T (N, M) a2 (M, K) rounded to gy2's dtype (the compute dtype; a2 rounded to it too): widened
 // where mm would be, then in an fp32 tensor (rounded in place; its values are the compute dtype's),
 // else at::mm in gy2's dtype. Callers cast it to the weight's dtype.

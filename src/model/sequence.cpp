@@ -11,7 +11,7 @@ namespace sl::model {
 namespace {
 
 // The memo of this thread's ExchangeMemoScope (null: none), and whether it replays. Thread-local: on CUDA a
-// recompute runs on autograd's device thread, which opens its own scope (checkpointing/checkpoint.cpp).
+// recompute runs on autograd's device thread, which opens its own scope (recompute/checkpoint.cpp).
 thread_local ExchangeMemo* t_memo = nullptr;
 thread_local bool t_replay = false;
 

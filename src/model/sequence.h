@@ -30,7 +30,7 @@ class SequenceExchange {
 
 // checkpointing.exchange: keep. What a piece's first pass received from its exchanges, kept for the
 // piece's recompute, which takes them in the same order instead of exchanging again (the values are the
-// same bits: an all-to-all only moves them). Owned by the checkpointed piece (checkpointing/checkpoint.h),
+// same bits: an all-to-all only moves them). Owned by the checkpointed piece (recompute/checkpoint.h),
 // so it is freed with the piece's graph node. The exchanges' backward (the inverse all-to-all of the
 // gradient) is unchanged.
 class ExchangeMemo {

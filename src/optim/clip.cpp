@@ -3,7 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include "kernels/cpu/clones.h"
 #include "model/intra_op.h"

@@ -1,6 +1,6 @@
 #include "optim/optimizer.h"
 #include "device/alloc_tag.h"
-#include "memory/footprint.h"
+#include "predict/footprint.h"
 #include "kernels/cpu/clones.h"
 #include "model/intra_op.h"
 
@@ -10,7 +10,8 @@
 #include <string>
 
 #include <ATen/ops/_fused_adamw.h>
-#include <torch/torch.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 namespace sl::optim {
 namespace {

@@ -17,7 +17,7 @@
 #include "device/alloc_tag.h"
 #include "device/device.h"
 #include "device/host.h"
-#include "memory/footprint.h"
+#include "predict/footprint.h"
 #include "optim/clip.h"
 #include "optim/optimizer.h"
 #include "precision/autocast.h"

@@ -28,7 +28,7 @@
 
 #include <torch/optim/adamw.h>
 
-#include "checkpointing/runner.h"
+#include "recompute/runner.h"
 #include "config/config.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
@@ -48,7 +48,7 @@ class Engine : public Strategy {
   int64_t world() const override { return world_; }
   std::string describe() const override;  // ranks, backend, sharding
 
-  void attach(checkpointing::Runner&) override {}
+  void attach(recompute::Runner&) override {}
   void zero_grad() override;
   // Around each micro-batch's backward; `last` marks the micro-batch whose gradients are reduced
   // (none/zero1) — zero2/3 reduce-scatter every micro-batch and accumulate the shard.

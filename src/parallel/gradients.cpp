@@ -6,7 +6,7 @@
 
 #include "device/alloc_tag.h"
 #include "device/host.h"
-#include "memory/footprint.h"
+#include "predict/footprint.h"
 #include "optim/clip.h"
 #include "parallel/engine.h"
 
@@ -119,7 +119,7 @@ torch::Tensor Engine::grad_norm_sq_share() {
   if (const auto sq = optim::sum_of_squares(gs))
     return torch::scalar_tensor(*sq, torch::TensorOptions().dtype(torch::kDouble)).to(device_);
   // Elsewhere chunk by chunk: a float64 norm converts its input first, and a whole group's float64
-  // copy is twice the group's gradient (memory/footprint.h counts one chunk's copy).
+  // copy is twice the group's gradient (predict/footprint.h counts one chunk's copy).
   const auto scope = host_.gradient_scope();  // the chunks' float64 copies are made where the gradient lives
   std::vector<torch::Tensor> norms;
   for (const auto& t : gs)

@@ -12,7 +12,7 @@ class Single final : public Strategy {
 
   int64_t world() const override { return 1; }
   std::string describe() const override { return "1 rank: one process, nothing reduced or sharded"; }
-  void attach(checkpointing::Runner&) override {}
+  void attach(recompute::Runner&) override {}
 
   void zero_grad() override;
   void begin_backward(bool) override {}

@@ -13,7 +13,7 @@
 //   its share of saves      writes_model_states, owned_spans (what this rank writes), held_spans (what a
 //                           load fills), optimizer_slot (where a span's AdamW moments live), params_loaded;
 //   its memory              state_bytes between steps, take_moved (offload's copies), take_transient_peak;
-//                           the planner's formula for it is memory::predict_states (memory/footprint.h),
+//                           the planner's formula for it is memory::predict_states (predict/footprint.h),
 //                           which branches on the sharding stage.
 // Each data-parallel stage is its own class; what they share (groups, collectives' order, norm, clip,
 // step) is Engine. Offload (the recipe's offload section) is not a strategy: it is a placement of the
@@ -32,7 +32,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
-#include "checkpointing/runner.h"
+#include "recompute/runner.h"
 #include "config/config.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
@@ -91,7 +91,7 @@ class Strategy {
   // optimizer is built.
   std::unique_ptr<torch::optim::AdamW> make_optimizer(const config::TrainConfig& t);
   // zero3: gathers/frees units around the forward (unit 0 embeddings, 1..L blocks, L+1 head).
-  virtual void attach(checkpointing::Runner& runner) = 0;
+  virtual void attach(recompute::Runner& runner) = 0;
 
   // ---- one step: forward/backward, reduce, clip, step ----
   // Zeroes the gradients, kept allocated (so peak - model states is the activation peak).

@@ -33,8 +33,8 @@ void Zero3::count_group(StateBytes& s, const Group& g) const {
   host_.count_grad_shard(s, g.shard * 4);
 }
 
-void Zero3::attach(checkpointing::Runner& runner) {
-  checkpointing::UnitHooks h;
+void Zero3::attach(recompute::Runner& runner) {
+  recompute::UnitHooks h;
   h.before = [this](int64_t u) { unit_before(u); };
   h.after = [this](int64_t u, const torch::Tensor& in, const torch::Tensor& out, bool needs) {
     unit_after(u, in, out, needs);
@@ -139,7 +139,7 @@ void Zero3::unit_flush() {
 // Backward prefetch: while `unit`'s backward runs, start the all-gather of the block before it, whose
 // backward (or recompute) comes next, so the transfer overlaps this unit's compute. The embeddings need
 // no parameters in backward and are never prefetched. At most a third unit's parameters exist beside a
-// unit's parameters and gradient (memory/footprint.cpp counts it). Hooks run in the same order on every
+// unit's parameters and gradient (predict/footprint.cpp counts it). Hooks run in the same order on every
 // rank, so the all-gathers pair up.
 void Zero3::prefetch_backward(int64_t unit) {
   const int64_t next = unit - 1;

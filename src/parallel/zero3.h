@@ -19,7 +19,7 @@ class Zero3 final : public Zero2 {
       : Zero2(std::move(model), spec, std::move(comm)) {}
 
   // Gathers/frees units around the forward (unit 0 embeddings, 1..L blocks, L+1 head).
-  void attach(checkpointing::Runner& runner) override;
+  void attach(recompute::Runner& runner) override;
   void end_backward() override;
   void gather_all() override;
   void release_all() override;

@@ -3,8 +3,8 @@
 
 #include <torch/torch.h>
 
-#include "budget/budget.h"
-#include "planner/planner.h"
+#include "predict/budget.h"
+#include "predict/planner.h"
 #include "train/probe.h"
 #include "train/trainer.h"
 
@@ -12,7 +12,7 @@ namespace sl::train {
 
 bool micro_batch_fits(const config::RunConfig& cfg, int64_t micro_batch, torch::Device device) {
   // budget: this micro-batch's schedule (formula costs)
-  const auto plan = budget::try_plan_for(memory::Scenario(cfg, micro_batch));
+  const auto plan = budget::try_plan_for(memory::Scenario::of(cfg).at(micro_batch));
   if (!plan) return false;
   // train.seed, train.grad_clip, a loss scaler
   return !probe_step(cfg, *plan, {.device = device, .micro_batch = micro_batch}).oom;
@@ -24,7 +24,7 @@ BatchSearch find_micro_batch(const config::RunConfig& cfg, int64_t global, torch
     if (global % d == 0) divisors.push_back(d);
   BatchSearch r;
   const int64_t limit = cfg.memory.limit.bytes;
-  r.predicted = limit > 0 ? planner::largest_micro_batch(memory::Scenario(cfg, 1), limit, global) : global;
+  r.predicted = limit > 0 ? planner::largest_micro_batch(memory::Scenario::of(cfg).at(1), limit, global) : global;
   auto fits = [&](size_t i) {
     const bool ok = micro_batch_fits(cfg, divisors[i], device);
     r.trials.emplace_back(divisors[i], ok);

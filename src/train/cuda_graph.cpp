@@ -66,14 +66,12 @@ GraphEligibility graph_eligibility(const config::RunConfig& cfg, int64_t world, 
 // rewritten by each replay, so it is copied out on the caller's stream before the next replay can start
 // (that replay waits for the caller's stream). The activations of a replay reuse the pool's blocks the
 // capture left; the gradients are the parameters' own .grad tensors, allocated before the capture.
-namespace {
 // A CUDAGraph that tells whether its capture ended (CUDAGraph::reset releases the graph's pool then,
-// and only then).
-struct Graph : at::cuda::CUDAGraph {
+// and only then). Not in an anonymous namespace: StepGraph::Cuda, a member of an exported class, holds
+// one (GCC's -Wsubobject-linkage, where a unity build includes this file).
+struct CapturedGraph : at::cuda::CUDAGraph {
   bool ended() const { return capture_ended_; }
 };
-
-}  // namespace
 
 // Memory: the capture allocates into `pool`, a private pool of the caching allocators (device and
 // page-locked host) named before the capture (at::cuda::graph_pool_handle), so that a capture that fails
@@ -91,7 +89,7 @@ struct StepGraph::Cuda {
       : side(c10::cuda::getStreamFromPool(false, device.index())), pool(at::cuda::graph_pool_handle()) {}
   c10::cuda::CUDAStream side;
   at::cuda::MempoolId_t pool;
-  std::unique_ptr<Graph> graph;
+  std::unique_ptr<CapturedGraph> graph;
   torch::Tensor x, y, loss;
   std::vector<const void*> addresses;  // addresses_of the parameters at the capture, checked before each replay
 };
@@ -170,8 +168,8 @@ bool end_allocating_to(c10::DeviceIndex device, const at::cuda::MempoolId_t& poo
 // and the host once the tensors in them are freed) unless the graph's own reset() will (a capture that
 // ended). `begun`: capture_begin returned, so the pool was made (else only an allocation the failed
 // capture_begin turned on says so).
-void release_failed_capture(const Graph& graph, const c10::cuda::CUDAStream& stream, const at::cuda::MempoolId_t& pool,
-                            bool begun) {
+void release_failed_capture(const CapturedGraph& graph, const c10::cuda::CUDAStream& stream,
+                            const at::cuda::MempoolId_t& pool, bool begun) {
   end_stream_capture(stream);
   const bool was_on = end_allocating_to(stream.device_index(), pool);
   if (graph.ended() || (!begun && !was_on)) return;
@@ -305,7 +303,7 @@ torch::Tensor StepGraph::capture(const MicroBatchWork& w, parallel::Strategy& st
   c10::cuda::device_synchronize();  // once: nothing of the warm-up is in flight while the capture starts
   at::cuda::CUDAEvent before_capture;
   before_capture.record(c.side);
-  auto graph = std::make_unique<Graph>();
+  auto graph = std::make_unique<CapturedGraph>();
   try {
     graph->capture_begin(c.pool, cudaStreamCaptureModeThreadLocal);
   } catch (const std::exception& e) {

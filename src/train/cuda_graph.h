@@ -85,6 +85,8 @@ class StepGraph {
 
   // `params`: the model's parameters, whose .grad tensors a capture must keep.
   StepGraph(GraphEligibility eligibility, config::CudaGraphs mode, std::vector<torch::Tensor> params);
+  // Every micro-batch eager: the runner of a caller that has no graph (the micro-batch probe, tests).
+  StepGraph() : StepGraph({false, "train.cuda_graphs: off"}, config::CudaGraphs::kOff, {}) {}
   ~StepGraph();
   StepGraph(const StepGraph&) = delete;
   StepGraph& operator=(const StepGraph&) = delete;

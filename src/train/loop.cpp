@@ -17,7 +17,7 @@
 #include "memory/timeline.h"
 #include "memory/tracking_allocator.h"
 #include "model/generate.h"
-#include "planner/planner.h"
+#include "predict/planner.h"
 #include "precision/autocast.h"
 #include "train/profile.h"
 #include "train/run.h"
@@ -134,7 +134,7 @@ void observe_peak(Meter& meter, const Voice& v, double tokens_per_s, int64_t wor
 // mesh: the devices the step ran on (rates per device divide by its world) and the ranks that drew
 // their own sequences (tokens and samples count those).
 Json step_record(const config::TrainConfig& t, const Meter& meter, const layout::Mesh& mesh, const StepResult& r,
-                 int64_t step, double lr, const checkpointing::Stats& rs) {
+                 int64_t step, double lr, const recompute::Stats& rs) {
   const double world = static_cast<double>(mesh.world());
   const double tps = static_cast<double>(tokens_per_step(t, mesh)) / (r.ms * 1e-3);
   return {{"step", step + 1},
@@ -436,13 +436,14 @@ Outcome oom_outcome(const Loop& l, const LoopState& st, const std::string& what)
   // The tracking allocator records whether its last refusal was in the host pool (offloaded state).
   const bool host =
       memory::TrackingCPUAllocator::installed() && memory::TrackingCPUAllocator::instance().last_refused_host();
+  const auto predicted = [&] { return memory::predict_peak(l.meter.scenario, l.learn.runner->plan()); };
   o.message = host ? fmt::format(
                          "out of host memory in {} at step {} ({}). To fit, raise memory.host_limit (the planner "
                          "predicts {} of host memory for this recipe: trainer plan) or offload less (offload.*)",
                          phase, st.steps_done + 1, what.substr(0, 300),
-                         log::format_bytes(memory::predict_peak(l.cfg, l.learn.runner->plan()).host_peak_bytes()))
+                         log::format_bytes(predicted().host_peak_bytes()))
                    : fmt::format("out of memory in {} at step {} ({}). To fit, {}", phase, st.steps_done + 1,
-                                 what.substr(0, 300), planner::oom_advice(l.cfg, l.meter.limit));
+                                 what.substr(0, 300), planner::oom_advice(l.meter.scenario, l.meter.limit));
   o.oom = oom_record(*l.meter.tracker, host ? l.cfg.memory.host_limit.bytes : l.meter.limit, l.v, st.steps_done + 1,
                      phase, host, o.message);
   return o;

@@ -5,7 +5,7 @@
 
 #include <torch/torch.h>
 
-#include "checkpointing/runner.h"
+#include "recompute/runner.h"
 #include "memory/tracker.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
@@ -15,7 +15,7 @@
 
 namespace sl::train {
 
-ProbeResult probe_step(const config::RunConfig& cfg, const checkpointing::Plan& plan, const ProbeOptions& opts) {
+ProbeResult probe_step(const config::RunConfig& cfg, const recompute::Plan& plan, const ProbeOptions& opts) {
   ProbeResult out;
   const torch::Device device = opts.device;
   try {
@@ -25,7 +25,7 @@ ProbeResult probe_step(const config::RunConfig& cfg, const checkpointing::Plan& 
     out.allocated_before = tracker.read().allocated_bytes;
     torch::manual_seed(opts.seed.value_or(static_cast<uint64_t>(cfg.train.seed)));
     model::GPT m(cfg.model, device);
-    checkpointing::Runner runner(cfg.checkpointing, m, plan);
+    recompute::Runner runner(cfg.checkpointing, m, plan);
     parallel::Single single(m);
     auto opt = single.make_optimizer(cfg.train);
     std::optional<precision::LossScaler> scaler;

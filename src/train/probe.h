@@ -1,5 +1,5 @@
 // A probe step: the trainer's own step, run on a fresh model to see what it takes. It builds a
-// model::GPT on the device (seeded), a checkpointing::Runner over it with the given plan, AdamW
+// model::GPT on the device (seeded), a recompute::Runner over it with the given plan, AdamW
 // (make_optimizer), a memory::Tracker and the recipe's compute precision (with a LossScaler unless told
 // not to), then runs train_step `steps` times (the first creates the optimizer state) on one
 // micro-batch each and returns the last step's StepResult, or oom = true when c10::OutOfMemoryError was
@@ -11,7 +11,7 @@
 
 #include <c10/core/Device.h>
 
-#include "checkpointing/plan.h"
+#include "recompute/plan.h"
 #include "config/config.h"
 #include "data/loader.h"
 #include "train/trainer.h"
@@ -37,6 +37,6 @@ struct ProbeResult {
   StepResult last;               // the last step's (meaningless when oom)
 };
 
-ProbeResult probe_step(const config::RunConfig& cfg, const checkpointing::Plan& plan, const ProbeOptions& opts = {});
+ProbeResult probe_step(const config::RunConfig& cfg, const recompute::Plan& plan, const ProbeOptions& opts = {});
 
 }  // namespace sl::train

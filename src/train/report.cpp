@@ -11,7 +11,7 @@
 #include "device/build_info.h"
 #include "device/host.h"
 #include "interop/hf.h"
-#include "planner/planner.h"
+#include "predict/planner.h"
 #include "train/run.h"
 
 namespace sl::train {
@@ -221,7 +221,7 @@ void print_closing_line(const Process& proc, const log::RunLog& runlog, const Lo
 Json Session::summary_json(const LoopState& st, const Outcome& o, Json parallel, Json final_weights) const {
   const Session& s = *this;
   auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
-  const auto predicted = memory::predict_peak(s.cfg, s.learn.runner->plan());  // per rank, from the planner
+  const auto predicted = memory::predict_peak(s.meter.scenario, s.learn.runner->plan());  // per rank, from the planner
   const auto reserved_peak = s.meter.tracker->steps_peak_reserved_bytes();
   return {{"config", s.out.resolved},
           {"build", device::build_info()},  // what `trainer --version` prints

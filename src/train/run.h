@@ -20,14 +20,14 @@
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
-#include "checkpointing/runner.h"
+#include "recompute/runner.h"
 #include "config/config.h"
 #include "data/loader.h"
 #include "errors.h"
 #include "interop/hf.h"
 #include "log/metrics.h"
 #include "log/run_dir.h"
-#include "memory/activations.h"
+#include "predict/activations.h"
 #include "memory/tracker.h"
 #include "model/gpt.h"
 #include "parallel/comm.h"
@@ -56,7 +56,7 @@ struct Process {
 // data-parallel strategy (parallel/strategy.h), AdamW over what it updates, and the step's precision.
 struct Learner {
   model::GPT model{nullptr};
-  std::unique_ptr<checkpointing::Runner> runner;
+  std::unique_ptr<recompute::Runner> runner;
   std::unique_ptr<parallel::Strategy> strategy;
   std::unique_ptr<torch::optim::AdamW> opt;
   std::unique_ptr<precision::LossScaler> scaler;
@@ -94,6 +94,7 @@ struct Meter {
   int64_t build_peak_bytes = 0;
   int64_t load_peak_bytes = 0;        // the same while reading weights in: model.init_from, or --resume's state
   nlohmann::json batch_search = nullptr;  // train.micro_batch: auto's trials
+  memory::Scenario scenario;  // the memory model's input, made once at set-up (the planner's advice on OOM)
   memory::ActivationEstimate predicted;
   double flops_per_token = 0, recompute_flops_per_token = 0;
   PeakTracker peak;

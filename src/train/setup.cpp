@@ -15,14 +15,14 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#include "budget/budget.h"
+#include "predict/budget.h"
 #include "device/cpu_features.h"
 #include "device/device.h"
 #include "log/clock.h"
 #include "log/run_dir.h"
-#include "memory/activations.h"
+#include "predict/activations.h"
 #include "parallel/sequence.h"
-#include "planner/planner.h"
+#include "predict/planner.h"
 #include "precision/autocast.h"
 #include "train/peak_flops.h"
 #include "train/run.h"
@@ -168,7 +168,8 @@ void check_run_dir_early(const Process& proc, const std::string& run_dir, bool r
 
 // train.micro_batch: auto: the micro-batch every rank fits (find_micro_batch per rank, the smallest over
 // ranks), written into the recipe with its grad_accum; the trials for summary.json.
-nlohmann::json choose_micro_batch(config::RunConfig& cfg, const Process& proc, int64_t limit) {
+nlohmann::json choose_micro_batch(config::RunConfig& cfg, const memory::Scenario& sc, const Process& proc,
+                                  int64_t limit) {
   const int64_t world = proc.world();
   // each data-parallel rank (with its sequence group) holds its share of every step's global batch
   const int64_t per_rank = proc.mesh().sequences_per_rank(cfg.train.global_batch);
@@ -182,9 +183,12 @@ nlohmann::json choose_micro_batch(config::RunConfig& cfg, const Process& proc, i
   }
   Json trials = Json::array();
   for (const auto& [b, ok] : found.trials) trials.push_back({{"micro_batch", b}, {"fits", ok}});
-  if (found.micro_batch == 0)
+  if (found.micro_batch == 0) {
+    memory::Scenario whole = sc.at(1);  // the per-rank batch as micro-batch 1 x accumulation
+    whole.grad_accum = per_rank;
     throw OomError(fmt::format("train.micro_batch: auto: not even micro-batch 1 fits memory.limit {}; {}",
-                               cfg.memory.limit.text, planner::oom_advice(cfg, limit)));
+                               cfg.memory.limit.text, planner::oom_advice(whole, limit)));
+  }
   cfg.train.micro_batch = found.micro_batch;
   cfg.train.grad_accum = found.grad_accum;
   if (proc.rank0())
@@ -209,8 +213,8 @@ budget::Costs rank0_costs(parallel::Comm& comm, budget::Costs mine) {
   auto next = all.begin();
   for (auto& c : mine.blocks) c = {next[0], next[1], next[2], next[3], next[4]}, next += 5;
   for (auto& b : mine.bytes) {
-    std::copy(next, next + checkpointing::kPartSets, b.kept.begin()), next += checkpointing::kPartSets;
-    std::copy(next, next + checkpointing::kPartSets, b.backward.begin()), next += checkpointing::kPartSets;
+    std::copy(next, next + recompute::kPartSets, b.kept.begin()), next += recompute::kPartSets;
+    std::copy(next, next + recompute::kPartSets, b.backward.begin()), next += recompute::kPartSets;
     b.forward = *next++;
   }
   return mine;
@@ -220,8 +224,8 @@ budget::Costs rank0_costs(parallel::Comm& comm, budget::Costs mine) {
 // budget's schedule from formula costs), or with checkpointing.profile_costs the schedule solved from
 // the block costs profiled on this model, device and precision (the formula schedule was the check,
 // before any weight existed, that some schedule fits).
-checkpointing::Plan run_plan(const memory::Scenario& sc, int64_t seed, const Process& proc, model::GPT model,
-                             checkpointing::Plan resolved) {
+recompute::Plan run_plan(const memory::Scenario& sc, int64_t seed, const Process& proc, model::GPT model,
+                             recompute::Plan resolved) {
   if (!sc.checkpointing.mode.solved() || !sc.checkpointing.profile_costs) return resolved;
   const auto costs = rank0_costs(*proc.comm, budget::profile_costs(sc, model, proc.device, seed));
   return budget::budget_plan(sc, costs);
@@ -229,34 +233,34 @@ checkpointing::Plan run_plan(const memory::Scenario& sc, int64_t seed, const Pro
 
 // The model on the run's device (zero3: deferred, the strategy draws each unit's values in turn and keeps
 // its shard); out of memory here is an OomError with the planner's advice.
-model::GPT make_model(const config::RunConfig& cfg, torch::Device device, int64_t limit) {
-  torch::manual_seed(static_cast<uint64_t>(cfg.train.seed));
+model::GPT make_model(const memory::Scenario& sc, int64_t seed, torch::Device device, int64_t limit) {
+  torch::manual_seed(static_cast<uint64_t>(seed));
   try {
-    model::GPT m(cfg.model, device, /*deferred=*/cfg.parallel.sharding.shards_params());
+    model::GPT m(sc.model, device, /*deferred=*/sc.placement.sharding.shards_params());
     m->train();
     return m;
   } catch (const c10::OutOfMemoryError& e) {  // before the run directory exists: nothing to clean up
     throw OomError(fmt::format("out of memory while building the model ({}). To fit, {}",
                                std::string(e.what_without_backtrace()).substr(0, 200),
-                               planner::oom_advice(cfg, limit)));
+                               planner::oom_advice(sc, limit)));
   }
 }
 
 // What trains: the model, its runner under the run's plan, the data-parallel strategy, AdamW and the
 // step's precision. meter.build_peak_bytes: the tensor bytes at the peak of building them.
 Learner build_learner(const config::RunConfig& cfg, const memory::Scenario& sc, const Process& proc, Meter& meter,
-                      checkpointing::Plan resolved) {
+                      recompute::Plan resolved) {
   Learner l;
   meter.tracker->reset_peak();
   const int64_t before_build = meter.tracker->read().allocated_bytes;
-  l.model = make_model(cfg, proc.device, meter.limit);
+  l.model = make_model(sc, cfg.train.seed, proc.device, meter.limit);
   // parallel.sequence > 1: this rank's positions
   l.model->shard_sequence(parallel::sequence_exchange(proc.comm.get()));
   const int64_t model_peak = meter.tracker->read().peak_allocated_bytes;
   // the budget profile resets the peak to measure its own
   auto plan = run_plan(sc, cfg.train.seed, proc, l.model, std::move(resolved));
   meter.tracker->reset_peak();
-  l.runner = std::make_unique<checkpointing::Runner>(cfg.checkpointing, l.model, std::move(plan));
+  l.runner = std::make_unique<recompute::Runner>(cfg.checkpointing, l.model, std::move(plan));
   // zero3: autocast's cache of low-precision weight copies (kept until the forward's autocast region
   // ends) would keep every unit's weights alive after the unit's fp32 storage is freed.
   if (cfg.parallel.sharding.shards_params()) at::autocast::set_autocast_cache_enabled(false);
@@ -384,11 +388,10 @@ void warn_fallback_matmuls(const memory::Scenario& sc, const Process& proc) {
       sc.precision.compute.name());
 }
 
-// The start-up table (rank 0): the recipe's rows, then each part's own.
-void print_settings(const config::RunConfig& cfg, const Process& proc, const Learner& learn, const Inputs& in,
-                    const Meter& meter, const std::string& run_dir) {
+// The start-up table (rank 0): the recipe's rows (config::to_rows), then each part's own.
+void print_settings(std::vector<std::pair<std::string, std::string>> rows, const Process& proc,
+                    const Learner& learn, const Inputs& in, const Meter& meter, const std::string& run_dir) {
   if (!proc.rank0()) return;
-  auto rows = config::to_rows(cfg);
   rows.emplace_back("run directory", run_dir);
   rows.emplace_back("device", proc.device.str());
   rows.emplace_back("threads", std::to_string(at::get_num_threads()));
@@ -411,8 +414,12 @@ void print_settings(const config::RunConfig& cfg, const Process& proc, const Lea
   rows.emplace_back("peak FLOP/s for MFU", fmt::format("{:.3g} ({})", meter.peak.flops(), meter.peak.source()));
   fmt::print("{}", log::format_table(rows));
   std::fflush(stdout);
-  if (cfg.train.cuda_graphs == config::CudaGraphs::kOn && !learn.graph->eligible())
-    spdlog::warn("train.cuda_graphs: on, but this run is not eligible and runs eager: {}", learn.graph->reason());
+}
+
+// train.cuda_graphs: on in a run that is not eligible (rank 0, after the table): it runs eager, and why.
+void warn_eager_graphs(config::CudaGraphs wanted, const StepGraph& graph, const Process& proc) {
+  if (proc.rank0() && wanted == config::CudaGraphs::kOn && !graph.eligible())
+    spdlog::warn("train.cuda_graphs: on, but this run is not eligible and runs eager: {}", graph.reason());
 }
 
 }  // namespace
@@ -472,11 +479,14 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   meter.limit = cfg.memory.limit.bytes;
   meter.tracker->set_limit(meter.limit);  // before the model exists: the limit covers everything, as on a GPU
   meter.tracker->set_host_limit(cfg.memory.host_limit.bytes);
-  // The states do not depend on the micro-batch (1 while auto).
-  check_model_states_fit(memory::Scenario::unresolved(cfg), cfg.memory.host_limit.bytes, s->proc.device, meter.limit);
-  if (cfg.train.micro_batch.is_auto()) meter.batch_search = choose_micro_batch(cfg, s->proc, meter.limit);
-  // The memory model's input, once, with the micro-batch resolved.
-  const memory::Scenario sc(cfg);
+  // The memory model's input, made once; the states do not depend on the micro-batch (1 while auto).
+  memory::Scenario& sc = meter.scenario;
+  sc = memory::Scenario::of(cfg);
+  check_model_states_fit(sc, cfg.memory.host_limit.bytes, s->proc.device, meter.limit);
+  if (cfg.train.micro_batch.is_auto()) {
+    meter.batch_search = choose_micro_batch(cfg, sc, s->proc, meter.limit);
+    sc.micro_batch = cfg.train.micro_batch, sc.grad_accum = cfg.train.grad_accum;  // the numbers it chose
+  }
   // The plan, resolved once before a model exists; a budget no schedule fits stops here (exit 2),
   // before a model or a run directory exists.
   auto plan = budget::plan_for(sc);
@@ -486,7 +496,8 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   measure(sc, s->proc, s->learn, meter);
   describe(s->proc, s->learn, meter, s->out);
   open_run_log(cfg, s->proc, s->start, s->data, s->out);
-  print_settings(cfg, s->proc, s->learn, s->data, meter, s->out.run_dir);
+  print_settings(config::to_rows(cfg), s->proc, s->learn, s->data, meter, s->out.run_dir);
+  warn_eager_graphs(cfg.train.cuda_graphs, *s->learn.graph, s->proc);
   warn_fallback_matmuls(sc, s->proc);
   return s;
 }

@@ -99,11 +99,13 @@ const char* current_phase() { return device::phase_name(device::current_phase().
 torch::Tensor forward_backward(const LossFn& loss_of, const std::vector<data::Batch>& micro, torch::Device device,
                                parallel::Strategy& strategy, const StepPrecision& precision, StepGraph* graph) {
   const double n = static_cast<double>(micro.size());
+  StepGraph eager;  // one path, graphs on or off: every micro-batch goes through a StepGraph's run
+  StepGraph& runner = graph ? *graph : eager;
   torch::Tensor total;  // float64 on the device: the same sum the host made of each loss's value
   for (const auto& b : micro) {
     const MicroBatchWork w{loss_of, b, device, precision, n};
     const bool last = &b == &micro.back();
-    const auto l = graph ? graph->run(w, strategy, last) : eager_micro_batch(w, strategy, last);
+    const auto l = runner.run(w, strategy, last);
     total = total.defined() ? total + l : l;
   }
   return total / n;

@@ -51,8 +51,8 @@ struct StepPrecision {
 // The strategy brackets each backward (begin_backward / end_backward): data parallelism reduces gradients
 // across ranks during the backward of the last micro-batch (zero2/3: of every micro-batch); the returned
 // loss is still this rank's.
-// With `graph` (train.cuda_graphs, train/cuda_graph.h) each micro-batch runs through it: captured and
-// replayed where the run is eligible, eager (the same ops as without it) elsewhere.
+// Each micro-batch runs through `graph` (train.cuda_graphs, train/cuda_graph.h): captured and replayed
+// where the run is eligible, eager elsewhere; without one, through an eager StepGraph (the same path).
 torch::Tensor forward_backward(const LossFn& loss, const std::vector<data::Batch>& micro, torch::Device device,
                                parallel::Strategy& strategy, const StepPrecision& precision = {},
                                StepGraph* graph = nullptr);

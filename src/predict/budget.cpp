@@ -1,5 +1,5 @@
 // checkpointing.mode: budget: the dynamic program, its cost sources and the recipe's plan.
-#include "budget/budget.h"
+#include "predict/budget.h"
 
 #include <algorithm>
 #include <chrono>
@@ -18,15 +18,15 @@
 #include "errors.h"
 #include "log/clock.h"
 #include "log/metrics.h"
-#include "memory/footprint.h"
+#include "predict/footprint.h"
 #include "memory/tracker.h"
 #include "model/linear.h"
 #include "precision/autocast.h"
 
 namespace sl::budget {
 
-using checkpointing::Options;
-using checkpointing::selective_linear_after;
+using recompute::Options;
+using recompute::selective_linear_after;
 
 int64_t budget_quanta(int64_t n_layer) { return std::max<int64_t>(16384, 16 * n_layer); }
 
@@ -205,7 +205,7 @@ void read_back(const Table& t, int64_t h, Schedule& out) {
     h = b.from;
   }
   std::reverse(out.segments.begin(), out.segments.end());
-  if (!any_kept) out.exchange_kept.clear();  // every recompute redoes (checkpointing::Plan's empty)
+  if (!any_kept) out.exchange_kept.clear();  // every recompute redoes (recompute::Plan's empty)
 }
 
 }  // namespace
@@ -259,7 +259,7 @@ double exchange_gflop(const Scenario& sc, double tok, double C, double c) {
   const double n = static_cast<double>(sc.sequence);
   const double bytes = (n - 1) / n * tok * 4 * C * c;
   const double device_flops = sc.peak_tflops > 0 ? sc.peak_tflops * 1e12 * kModelledMfu
-                                                  : (memory::runs_on_cuda(sc) ? kFormulaFlopsCuda : kFormulaFlopsCpu);
+                                                  : (sc.on_cuda() ? kFormulaFlopsCuda : kFormulaFlopsCpu);
   return bytes / (sc.all_to_all_gbps * 1e9) * device_flops / 1e9;
 }
 
@@ -271,7 +271,7 @@ BlockCost formula_block_cost(const Scenario& sc, int64_t layer) {
   const double tok = static_cast<double>(sc.local_tokens()), T = static_cast<double>(sc.seq_len);
   const double C = static_cast<double>(mc.n_embd), H = static_cast<double>(config::Shape(mc).hidden(layer));
   const double c = static_cast<double>(sc.precision.compute.bytes()), f = 4.0;
-  const double balance = memory::runs_on_cuda(sc) ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
+  const double balance = sc.on_cuda() ? 300.0 : 20.0;  // FLOPs a byte of elementwise traffic costs
   const double matmul = 2 * tok * (4 * C * C + (llama ? 3 : 2) * C * H);
   BlockCost b;
   b.exchange = exchange_gflop(sc, tok, C, c);
@@ -355,7 +355,7 @@ BlockCost time_block(model::Block& block, const torch::Tensor& x, const model::R
 
 // Milliseconds of one block's two forward exchanges (model/sequence.h) at the run's shapes: the q, k, v
 // (B, T/N, 3, nh, hd) to heads, the attention output (B, T, 1, nh/N, hd) back to positions, in the
-// exchanged dtypes (memory/activations.h: xq, xo; LLaMA under a low-precision compute dtype exchanges
+// exchanged dtypes (predict/activations.h: xq, xo; LLaMA under a low-precision compute dtype exchanges
 // RoPE's fp32 q, k with v, and on the CPU its fp32 attention output). Median of 5 after a warm-up; every
 // rank of the group makes the same calls.
 double time_exchange(const Scenario& sc, const std::shared_ptr<model::SequenceExchange>& ex, int64_t positions,
@@ -511,7 +511,7 @@ double offload_cost(const Scenario& sc, const Costs& costs, double input_bytes) 
   const double exposed_s = 2.0 * input_bytes / (o.bandwidth_gbps * 1e9) * (1.0 - o.overlap);
   if (costs.unit == "ms") return 1e3 * exposed_s;
   const double rate = sc.peak_tflops > 0 ? sc.peak_tflops * 1e12 * kModelledMfu
-                      : memory::runs_on_cuda(sc)  ? kFormulaFlopsCuda
+                      : sc.on_cuda()  ? kFormulaFlopsCuda
                                                    : kFormulaFlopsCpu;
   return exposed_s * rate / 1e9;  // GFLOP the device could have run meanwhile
 }
@@ -567,7 +567,7 @@ Plan budget_plan(const Scenario& sc, const Costs& costs) {
   if (auto p = try_budget_plan(sc, costs)) return *p;
   const int64_t budget = memory::activation_budget_bytes(sc), least = least_budget(sc, costs);
   // What checkpointing.budget would have to say: the activations plus the transient it also counts.
-  const int64_t transient = memory::predict_peak(sc, checkpointing::make_plan({}, sc.model.n_layer)).transient_bytes;
+  const int64_t transient = memory::predict_peak(sc, recompute::make_plan({}, sc.model.n_layer)).transient_bytes;
   const double share = std::get<config::mode::Budget>(config::choice(sc.checkpointing)).share;
   std::string needed = log::format_bytes(least + transient);
   if (share > 0) {
@@ -588,7 +588,7 @@ Plan budget_plan(const Scenario& sc, const Costs& costs) {
 
 std::optional<Plan> try_plan_for(const Scenario& sc) {
   if (sc.checkpointing.mode.solved()) return formula_plan(sc);
-  Plan p = checkpointing::make_plan(sc.checkpointing, sc.model.n_layer);
+  Plan p = recompute::make_plan(sc.checkpointing, sc.model.n_layer);
   // every input, in the uniform modes
   for (auto& s : p.segments) s.offloaded = s.checkpointed && sc.placement.offload.activations;
   return p;

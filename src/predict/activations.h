@@ -28,7 +28,7 @@
 // H, the LM head's backward once the logits' gradient exists: A less the log-softmax output and its
 //   gradient (2fV per token) and less Wx (below), plus the head's weight gradient: 4VC, under autocast
 //   + cVC (the compute-dtype product it is cast from), on the widened path 8VC + its scratch. It counts
-//   only beside a sharded engine's buffers (memory/footprint.h).
+//   only beside a sharded engine's buffers (predict/footprint.h).
 // While a block's MLP runs backward it holds T beyond S: the residual gradient fC, under autocast its
 //   compute-dtype copy cC, and (M = the fp32 accumulator of a matmul output, below; 0 on most paths)
 //     gpt2  plain: cH + MH (the activation's gradient da, while its matmul runs)
@@ -107,7 +107,7 @@
 //   Sent per rank per micro-batch (all_to_all_bytes): (N-1)/N tok (3C xq + C xo) per exchange pair, two
 //     pairs per block (forward, and backward's inverse), and one more per recomputed block or attention
 //     whose recompute redoes its exchanges.
-//   checkpointing.exchange keep (checkpointing/plan.h): a block whose recompute keeps its exchanges
+//   checkpointing.exchange keep (recompute/plan.h): a block whose recompute keeps its exchanges
 //     holds from its first pass what they received, Kx = xq 3C + xo C per local token (the gathered q,
 //     k, v and the attention output), and its recompute communicates nothing. In a checkpointed
 //     segment the first pass of block b also holds the Kx of the segment's blocks before b; after the
@@ -125,10 +125,10 @@
 #include <string>
 #include <vector>
 
-#include "checkpointing/plan.h"
+#include "recompute/plan.h"
 #include "config/config.h"
 #include "device/cpu_features.h"
-#include "memory/scenario.h"
+#include "predict/scenario.h"
 
 namespace sl::memory {
 
@@ -140,7 +140,7 @@ struct SegmentCounts {
   bool attention = false, mlp = false, norm = false;  // selective parts
   bool operator==(const SegmentCounts&) const = default;
 };
-SegmentCounts segment_counts(const checkpointing::Plan& plan);
+SegmentCounts segment_counts(const recompute::Plan& plan);
 // The same from the recipe in O(1) work (no segment list): what make_plan would give.
 SegmentCounts segment_counts(const config::CheckpointingConfig& ck, int64_t n_layer);
 
@@ -158,7 +158,7 @@ struct ActivationEstimate {
   int64_t tied_grad_bytes = 0;       // in moments D and B
   int64_t weight_cast_bytes = 0;     // autocast's low-precision copies of the blocks' matmul weights
   int64_t peak_bytes = 0;            // max(F, A, D, B)
-  // The moments a sharded engine holds different buffers beside (memory/footprint.h), each the largest
+  // The moments a sharded engine holds different buffers beside (predict/footprint.h), each the largest
   // of its kind: the end of the forward (F's first part); a block's forward (a checkpointed segment's
   // first pass, F's second part, or a kept block's end, with what it and the blocks before keep); the start of
   // backward (A); the LM head's backward (H, above); the blocks' backward (D, B). The kept blocks'
@@ -174,7 +174,7 @@ struct ActivationEstimate {
 };
 
 // The recipe's device and precision decide the matmul path (CPU: cpu_features()).
-ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpointing::Plan& plan);
+ActivationEstimate estimate_activation_peak(const Scenario& sc, const recompute::Plan& plan);
 // O(1) in n_layer; O(n_layer) for a model whose blocks differ (model.layer_mlp_hidden), whose peak is
 // always the walk's (chain_peak) since the formula's moments assume one block shape.
 ActivationEstimate estimate_activation_peak(const Scenario& sc);
@@ -184,10 +184,10 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
 // The same terms per block, for plans or models whose blocks differ (checkpointing.mode: budget,
 // model.layer_mlp_hidden: H is the block's own), in bytes of one
 // micro-batch (tok times the per-token sizes above). Index b of kept/backward is a bit set of
-// selective parts (checkpointing::kPartAttention | kPartMlp | kPartNorm), 0 = plain.
+// selective parts (recompute::kPartAttention | kPartMlp | kPartNorm), 0 = plain.
 struct ChainModel {
-  std::vector<std::array<double, checkpointing::kPartSets>> kept;      // S of block i with parts b
-  std::vector<std::array<double, checkpointing::kPartSets>> backward;  // T of block i with parts b, and its Wg
+  std::vector<std::array<double, recompute::kPartSets>> kept;      // S of block i with parts b
+  std::vector<std::array<double, recompute::kPartSets>> backward;  // T of block i with parts b, and its Wg
   std::vector<double> weights;  // W of block i (autocast's copies; 0 in fp32)
   std::vector<double> forward;  // Fb of block i: the block run without saving, beyond its input
   // Rx of block i: its exchange in a recompute (0 at N = 1; empty: 0 for every block)
@@ -200,7 +200,7 @@ struct ChainModel {
   double tied_grad = 0;    // G
   double held = 0;         // Me: held at every moment (the embeddings' dropout mask)
   // offload.activations: a checkpointed segment's input leaves the device after its first pass and
-  // comes back for its backward, with the previous segment's prefetched (checkpointing/checkpoint.h).
+  // comes back for its backward, with the previous segment's prefetched (recompute/checkpoint.h).
   // Every checkpointed segment's (the uniform modes); a budget schedule marks its segments itself.
   bool offload_inputs = false;
 };
@@ -220,11 +220,8 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp);
 struct PhasePeaks {
   double forward_end = 0, forward_block = 0, start = 0, backward = 0;
 };
-double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host = nullptr,
+double chain_peak(const ChainModel& m, const recompute::Plan& plan, double* host = nullptr,
                   PhasePeaks* phases = nullptr);
-
-// Whether the recipe runs on CUDA (train.device cuda, or auto with a GPU present).
-bool runs_on_cuda(const Scenario& sc);
 
 // The path a recipe's low-precision matmuls take: on CPU cpu_features().linear_path (the libraries' path,
 // or widened where that is ATen's gemm or oneDNN's emulated one), on CUDA native.

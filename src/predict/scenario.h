@@ -1,5 +1,5 @@
-// The memory model's input: exactly what the activation model (memory/activations.h), the footprint
-// (memory/footprint.h), the budget solver (budget/budget.h) and the planner (planner/planner.h) read
+// The memory model's input: exactly what the activation model (predict/activations.h), the footprint
+// (predict/footprint.h), the budget solver (predict/budget.h) and the planner (predict/planner.h) read
 // of a recipe, typed and resolved once. A "what if" (another micro-batch, checkpointing mode or
 // placement) is a copy of a Scenario with one field changed, never a copy of the recipe.
 #pragma once
@@ -30,7 +30,9 @@ struct Scenario {
   config::CheckpointingConfig checkpointing;  // checkpointing.* (mode, its parameters, the budget)
   Placement placement;
   config::PrecisionConfig precision;         // compute, param_dtype, reduce_dtype
-  config::DeviceChoice device = config::DeviceChoice::kAuto;  // train.device
+  // train.device, resolved where the Scenario is made (auto: cuda where a GPU is present, else cpu): the
+  // model reads the device from here and asks nothing of the machine.
+  config::DeviceChoice device = config::DeviceChoice::kCpu;
   int64_t memory_limit = 0;                  // memory.limit in bytes (0: none); a budget's share is of it
   bool async_snapshot = false;               // state.async with state.every > 0: a host snapshot per save
   // logging.peak_tflops: the device's rate, against which offload's transfers are priced (the budget
@@ -44,16 +46,19 @@ struct Scenario {
   // The model's shape (parameter counts, MLP widths) of `model`.
   config::Shape shape() const { return config::Shape(model); }
 
-  Scenario() = default;
-  // The recipe's scenario: its micro-batch, mode, placement at cfg.world_size ranks, precision and
-  // device. A recipe converts implicitly, so a caller that holds one passes it where a Scenario is
-  // read. train.micro_batch auto has no number yet: std::logic_error (config::MicroBatch::value).
-  Scenario(const config::RunConfig& cfg);  // NOLINT(google-explicit-constructor)
-  // The same at a given micro-batch (a search's probe, or the number an auto micro-batch resolved to).
-  Scenario(const config::RunConfig& cfg, int64_t micro_batch);
-  // The recipe's scenario before train.micro_batch: auto has a number: micro-batch 1 in its place (what
-  // the model states and a micro-batch search start from); a number stays.
-  static Scenario unresolved(const config::RunConfig& cfg);
+  // Whether the recipe runs on CUDA (train.device cuda, or auto with a GPU present).
+  bool on_cuda() const { return device == config::DeviceChoice::kCuda; }
+
+  // The recipe's scenario, made once and explicitly: its micro-batch (train.micro_batch: auto before
+  // set-up has its number: 1, where the model states and a micro-batch search start), mode, placement
+  // at cfg.world_size ranks, precision and resolved device.
+  static Scenario of(const config::RunConfig& cfg);
+  // The same at another micro-batch (a search's probe, the number an auto micro-batch resolved to).
+  Scenario at(int64_t micro_batch) const {
+    Scenario s = *this;
+    s.micro_batch = micro_batch;
+    return s;
+  }
 };
 
 }  // namespace sl::memory

@@ -1,8 +1,8 @@
-// The checkpointing runner: runs a GPT's forward under a plan (checkpointing/plan.h): none, full
+// The checkpointing runner: runs a GPT's forward under a plan (recompute/plan.h): none, full
 // (every block a segment), interval (k blocks per segment, or n segments), sqrt (k = round(sqrt(L))),
 // selective (inside every block, recompute only the named cheap parts: attention core, MLP
 // activation, norms), or budget's per-block schedule. The plan says which segments are checkpointed;
-// Runner::forward runs the model under it with the checkpoint engine (checkpointing/checkpoint.h).
+// Runner::forward runs the model under it with the checkpoint engine (recompute/checkpoint.h).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -10,12 +10,12 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "checkpointing/checkpoint.h"
-#include "checkpointing/plan.h"
+#include "recompute/checkpoint.h"
+#include "recompute/plan.h"
 #include "config/config.h"
 #include "model/gpt.h"
 
-namespace sl::checkpointing {
+namespace sl::recompute {
 
 // The LinearAfter that runs block `layer` with its selective `parts` recomputed: recompute_then_linear
 // on the chosen cheap-op -> linear pairs, plain linears on the others. What Runner runs in a kept block,
@@ -77,4 +77,4 @@ class Runner {
   UnitHooks hooks_;
 };
 
-}  // namespace sl::checkpointing
+}  // namespace sl::recompute

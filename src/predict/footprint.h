@@ -1,8 +1,8 @@
 // A step's memory footprint, predicted without making tensors (parameter counts are closed formulas,
 // O(1) in n_layer): model states (fp32 weights, gradients, AdamW's two moments), the activation peak
-// of a checkpointing plan (memory/activations.h), the input batch, and the optimizer step's
-// temporaries. The planner (planner/planner.h) applies it to a recipe's own plan and searches
-// micro-batches with it; the budget solver (budget/budget.h) takes its room for activations from it.
+// of a checkpointing plan (predict/activations.h), the input batch, and the optimizer step's
+// temporaries. The planner (predict/planner.h) applies it to a recipe's own plan and searches
+// micro-batches with it; the budget solver (predict/budget.h) takes its room for activations from it.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -12,8 +12,8 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "config/config.h"
-#include "memory/activations.h"
-#include "memory/scenario.h"
+#include "predict/activations.h"
+#include "predict/scenario.h"
 
 namespace sl::model {
 struct NamedParam;
@@ -47,7 +47,7 @@ inline constexpr int64_t shard_elems(int64_t numel, int64_t world) {
 // With precision.param_dtype bf16/fp16 parameters count 2 bytes when gathered (the fp32 masters stay
 // in the shard), and reduce_dtype sets the gradient buffers' size.
 // Beside the activations the stage holds transients (parallel/stages.cpp, zero3.cpp), which differ between the
-// moments of memory/activations.h: the forward (F), the start of backward (A: the loss's backward,
+// moments of predict/activations.h: the forward (F), the start of backward (A: the loss's backward,
 // before any parameter gradient or gather), the LM head's backward (H, once the logits' gradient
 // exists) and the blocks' backward (D, B). With U_e, U_b, U_h the parameters of the embeddings, the
 // largest block and the head (final norm, and the LM head when untied), each group padded to N shards
@@ -83,7 +83,7 @@ inline constexpr int64_t shard_elems(int64_t numel, int64_t world) {
 // (zero1/2 keep the whole group on the device in the compute dtype; zero3 nothing), the moments, a
 // host copy of the gradient shard (the host AdamW, a fused in-place CPU kernel, makes no temporaries);
 // offload.gradients the gradient shard (its norm then a CPU pass without a copy); offload.activations the
-// checkpointed inputs (memory/activations.h).
+// checkpointed inputs (predict/activations.h).
 struct PeakPrediction {
   int64_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0;  // held by this rank
   // sharding: gathered parameters and unreduced gradients beside the activations of a block's forward
@@ -153,7 +153,7 @@ inline int64_t rng_state_bytes(bool cuda) { return kCpuRngStateBytes + (cuda ? k
 // engine_groups.
 PeakPrediction predict_states(const Scenario& sc);
 // The whole prediction for a given plan (planner::predict_peak resolves the recipe's own).
-PeakPrediction predict_peak(const Scenario& sc, const checkpointing::Plan& plan);
+PeakPrediction predict_peak(const Scenario& sc, const recompute::Plan& plan);
 
 // checkpointing.budget as the bytes a budget schedule's activation peak may reach: the size given, or
 // the share of what memory.limit leaves after the model states, buffers and batch; less, under

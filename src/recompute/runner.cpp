@@ -1,5 +1,5 @@
 // The checkpointing runner: the model forward under a plan (see runner.h).
-#include "checkpointing/runner.h"
+#include "recompute/runner.h"
 
 #include <algorithm>
 #include <array>
@@ -15,7 +15,7 @@
 #include "log/metrics.h"
 #include "model/linear.h"
 
-namespace sl::checkpointing {
+namespace sl::recompute {
 namespace {
 
 // What a unit's forward allocates: its activations; in backward (a checkpointed piece re-run) the
@@ -186,4 +186,4 @@ double Runner::recompute_flops_per_token(int64_t seq_len) const {
   return flops;
 }
 
-}  // namespace sl::checkpointing
+}  // namespace sl::recompute

@@ -1,6 +1,6 @@
 // The planner: a recipe's predicted peak in its own checkpointing mode (a budget schedule solved with
 // formula costs), the largest micro-batch that fits, the `trainer plan` report, the OOM advice.
-#include "planner/planner.h"
+#include "predict/planner.h"
 
 #include <algorithm>
 #include <vector>
@@ -8,8 +8,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "budget/budget.h"
-#include "checkpointing/plan.h"
+#include "predict/budget.h"
+#include "recompute/plan.h"
 #include "log/metrics.h"
 
 namespace sl::planner {
@@ -58,7 +58,7 @@ PeakPrediction predict_peak(const Scenario& sc) {
 namespace {
 
 // Parameters of the blocks a plan recomputes (each runs its forward once more in backward).
-int64_t recomputed_params(const std::vector<int64_t>& units, const checkpointing::Plan& plan) {
+int64_t recomputed_params(const std::vector<int64_t>& units, const recompute::Plan& plan) {
   int64_t n = 0;
   for (const auto& seg : plan.segments)
     if (seg.checkpointed)
@@ -77,7 +77,7 @@ int64_t gathered_params(const config::ModelConfig& m, const std::vector<int64_t>
 // The model FLOPs of one optimizer step on this rank: 6 N + 12 L T d per token of its B T / N tokens
 // (parallel.sequence: its attention covers the whole sequence for n_head / N heads, the same FLOPs per
 // local token as unsharded), plus the recomputed blocks' forward (2 per parameter and token).
-double step_flops(const Scenario& sc, const checkpointing::Plan& plan) {
+double step_flops(const Scenario& sc, const recompute::Plan& plan) {
   const auto& m = sc.model;
   const int64_t n = sc.shape().total_params();
   const int64_t recomputed = recomputed_params(memory::unit_param_counts(m), plan);
@@ -88,7 +88,7 @@ double step_flops(const Scenario& sc, const checkpointing::Plan& plan) {
 
 }  // namespace
 
-StepTime modelled_step(const Scenario& sc, const checkpointing::Plan& plan) {
+StepTime modelled_step(const Scenario& sc, const recompute::Plan& plan) {
   StepTime t;
   if (sc.peak_tflops > 0) t.compute_s = step_flops(sc, plan) / (sc.peak_tflops * 1e12 * kModelledMfu);
   const auto a = memory::estimate_activation_peak(sc, plan);
@@ -98,7 +98,7 @@ StepTime modelled_step(const Scenario& sc, const checkpointing::Plan& plan) {
   return t;
 }
 
-OffloadTraffic offload_traffic(const Scenario& sc, const checkpointing::Plan& plan) {
+OffloadTraffic offload_traffic(const Scenario& sc, const recompute::Plan& plan) {
   OffloadTraffic t;
   const auto& o = sc.placement.offload;
   if (!o.any()) return t;
@@ -152,7 +152,7 @@ namespace {
 // One row of the plan report: a mode's activation and total peak, and with memory_bytes the largest
 // micro-batch. A budget mode also writes its schedule (or null: none fits) into the report.
 Json mode_row(const std::string& name, const Scenario& c, int64_t memory_bytes, int64_t per_rank, Json& report) {
-  std::optional<checkpointing::Plan> schedule;
+  std::optional<recompute::Plan> schedule;
   if (c.checkpointing.mode.solved()) {
     schedule = budget::formula_plan(c);
     report["budget_schedule"] = schedule ? schedule->to_json() : Json(nullptr);
@@ -220,7 +220,7 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   const bool auto_batch = recipe.train.micro_batch.is_auto();
   const int64_t per_rank = sequences_per_rank(recipe.train, recipe.mesh());
   const int64_t global = recipe.mesh().global_batch(per_rank, 1);
-  Scenario sc = Scenario::unresolved(recipe);
+  Scenario sc = Scenario::of(recipe);
   if (auto_batch) {
     sc.micro_batch = std::max<int64_t>(1, memory_bytes > 0 ? largest_micro_batch(sc, memory_bytes, per_rank) : 1);
     sc.grad_accum = (per_rank + sc.micro_batch - 1) / sc.micro_batch;
@@ -574,12 +574,11 @@ std::string format_sequence_search(const Json& search, int64_t memory_bytes) {
   return out;
 }
 
-std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes) {
+std::string oom_advice(const Scenario& sc, int64_t limit_bytes) {
   if (limit_bytes <= 0)
     return "lower train.micro_batch (raise train.grad_accum to keep the global batch) or enable checkpointing.mode: "
            "full";
-  const int64_t per_rank = sequences_per_rank(cfg.train, cfg.mesh());
-  const Scenario sc = Scenario::unresolved(cfg);
+  const int64_t per_rank = sc.micro_batch * sc.grad_accum;
   std::string out;
   for (const auto& [name, ck] : plan_modes(sc.checkpointing)) {
     Scenario c = sc;

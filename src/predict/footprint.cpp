@@ -1,5 +1,5 @@
 // A step's memory footprint: parameter counts, model states per sharding stage, a plan's whole peak.
-#include "memory/footprint.h"
+#include "predict/footprint.h"
 
 #include <variant>
 
@@ -73,7 +73,7 @@ namespace {
 // Where the engine's gradients are CPU tensors (the CPU device, or offload.gradients' host shards), its
 // norm is one fused float64 pass with no copy (optim::sum_of_squares); on CUDA float64 copies of
 // kGradNormChunk elements at a time. (The lazy test device runs at world 1 without sharding: no engine.)
-bool engine_grads_on_cpu(const Scenario& sc) { return sc.placement.offload.gradients || !runs_on_cuda(sc); }
+bool engine_grads_on_cpu(const Scenario& sc) { return sc.placement.offload.gradients || !sc.on_cuda(); }
 
 // One rank's part of the engine's layout (parallel/engine.cpp), in elements, summed over the groups. A
 // group of n_g parameters (its d_g matrix elements first, the rest after) is padded to W shards of
@@ -118,7 +118,7 @@ void place_host(const Scenario& sc, PeakPrediction& p) {
   };
   const auto held_bytes = [&](const RankPart& r) {
     return (offload ? 8 * r.held + 8 * r.owned : 0) +
-           (snapshot ? 12 * (replicated ? n : r.owned) + rng_state_bytes(runs_on_cuda(sc)) : 0);
+           (snapshot ? 12 * (replicated ? n : r.owned) + rng_state_bytes(sc.on_cuda()) : 0);
   };
   const RankPart r0 = part(0);
   if (offload) {
@@ -139,7 +139,7 @@ void place_host(const Scenario& sc, PeakPrediction& p) {
 // The AdamW step runs the fused CPU kernel (optim/optimizer.cpp: every tensor a contiguous fp32 CPU
 // tensor, updated in place), not LibTorch's AdamW with its temporaries: on the CPU device (the lazy test
 // device's tensors are not CPU tensors).
-bool fused_cpu_adamw(const Scenario& sc) { return !runs_on_cuda(sc) && sc.device != config::DeviceChoice::kLazy; }
+bool fused_cpu_adamw(const Scenario& sc) { return !sc.on_cuda() && sc.device != config::DeviceChoice::kLazy; }
 
 // A checkpointed segment of 3 or more blocks can exist (its recompute's start holds a third block, see
 // footprint.h): the recipe's uniform plan has one, or a budget schedule, not known here, may.
@@ -224,7 +224,7 @@ PeakPrediction predict_states(const Scenario& sc) {
   return p;
 }
 
-PeakPrediction predict_peak(const Scenario& sc, const checkpointing::Plan& plan) {
+PeakPrediction predict_peak(const Scenario& sc, const recompute::Plan& plan) {
   PeakPrediction p = predict_states(sc);
   p.activations = estimate_activation_peak(sc, plan);
   return p;

@@ -1,20 +1,13 @@
 // Analytic activation-memory model (see activations.h for the terms).
-#include "memory/activations.h"
+#include "predict/activations.h"
 
 #include <algorithm>
 #include <cmath>
-
-#include <torch/cuda.h>
 
 #include "model/fused_loss.h"
 #include "model/linear.h"
 
 namespace sl::memory {
-
-bool runs_on_cuda(const Scenario& sc) {
-  const auto& d = sc.device;
-  return d == config::DeviceChoice::kCuda || (d == config::DeviceChoice::kAuto && torch::cuda::is_available());
-}
 
 namespace {
 
@@ -56,14 +49,14 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
   z.acc = lowp_on && lowp == device::LowpMatmul::emulated ? 4.0 : 0.0;
   z.widened = lowp_on && lowp == device::LowpMatmul::widened;
   z.tok = static_cast<double>(sc.local_tokens());
-  z.fused_attention = !lowp_on && !runs_on_cuda(sc);
+  z.fused_attention = !lowp_on && !sc.on_cuda();
   z.dropout = m.dropout > 0;
   if (z.dropout) {
     // CUDA's fused dropout keeps a bool mask; the CPU's keeps its noise tensor, in the input's dtype
     // (a branch's output: the compute dtype; the embeddings: the parameters').
-    z.mask = runs_on_cuda(sc) ? 1.0 : z.c;
-    z.embed_mask = runs_on_cuda(sc) ? 1.0 : z.r;
-    z.math_attention = !runs_on_cuda(sc);
+    z.mask = sc.on_cuda() ? 1.0 : z.c;
+    z.embed_mask = sc.on_cuda() ? 1.0 : z.r;
+    z.math_attention = !sc.on_cuda();
   }
   z.T = static_cast<double>(sc.seq_len);
   z.sequence = sc.sequence > 1;
@@ -71,7 +64,7 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
   // fp32, and on the CPU the fused fp32 attention runs on them and writes an fp32 output.
   const bool fp32_rotary = z.llama && z.c < z.f;
   z.xq = fp32_rotary ? z.f : z.c;
-  z.xo = fp32_rotary && !runs_on_cuda(sc) ? z.f : z.c;
+  z.xo = fp32_rotary && !sc.on_cuda() ? z.f : z.c;
   return z;
 }
 
@@ -253,7 +246,7 @@ double forward_block_bytes(const Sizes& z) {
 }
 
 // Moment H, the LM head's backward (where zero3 gathers the head and zero2's first bucket gradient
-// appears, memory/footprint.h): A, and the fused loss's scaled gradients cast to their inputs' dtypes
+// appears, predict/footprint.h): A, and the fused loss's scaled gradients cast to their inputs' dtypes
 // where those are not fp32 (dh to the norm output's c; dW to W's compute-dtype copy).
 int64_t head_moment(const Scenario& sc, const Sizes& z, double start) {
   const double dh_cast = z.c < z.f ? z.tok * z.c * z.C : 0.0;
@@ -288,7 +281,7 @@ int64_t exchange_bytes(const Sizes& z, int64_t N, int64_t n_layer, int64_t recom
 
 std::string path_name(const Scenario& sc, device::LowpMatmul lowp) {
   if (sc.precision.compute == config::Dtype::kFp32) return "fp32";
-  return runs_on_cuda(sc) ? "cuda" : device::to_string(lowp);
+  return sc.on_cuda() ? "cuda" : device::to_string(lowp);
 }
 
 // n segments of k blocks, the last of last_size blocks (make_plan's layout), all checkpointed but the
@@ -304,14 +297,14 @@ SegmentCounts split_counts(int64_t k, int64_t n, int64_t last_size, bool skip_la
 }  // namespace
 
 device::LowpMatmul lowp_matmul_path(const Scenario& sc) {
-  if (runs_on_cuda(sc)) return device::LowpMatmul::native;
+  if (sc.on_cuda()) return device::LowpMatmul::native;
   const auto& cpu = device::cpu_features();
   // Only CPU tensors widen (model/linear.h): the lazy test device keeps the libraries' path.
   if (sc.device == config::DeviceChoice::kLazy) return cpu.matmul_path(sc.precision.compute);
   return cpu.linear_path(sc.precision.compute);
 }
 
-SegmentCounts segment_counts(const checkpointing::Plan& plan) {
+SegmentCounts segment_counts(const recompute::Plan& plan) {
   SegmentCounts s;
   for (const auto& seg : plan.segments) {
     if (seg.checkpointed) {
@@ -326,13 +319,13 @@ SegmentCounts segment_counts(const checkpointing::Plan& plan) {
 }
 
 SegmentCounts segment_counts(const config::CheckpointingConfig& ck, int64_t L) {
-  const checkpointing::UniformRule r = checkpointing::uniform_rule(ck, L);
+  const recompute::UniformRule r = recompute::uniform_rule(ck, L);
   if (r.checkpointed) return split_counts(std::min(r.size, L), r.count, r.last, r.skip_last);
   SegmentCounts s;
   s.kept_blocks = L;
-  s.attention = (r.parts & checkpointing::kPartAttention) != 0;
-  s.mlp = (r.parts & checkpointing::kPartMlp) != 0;
-  s.norm = (r.parts & checkpointing::kPartNorm) != 0;
+  s.attention = (r.parts & recompute::kPartAttention) != 0;
+  s.mlp = (r.parts & recompute::kPartMlp) != 0;
+  s.norm = (r.parts & recompute::kPartNorm) != 0;
   return s;
 }
 
@@ -377,7 +370,7 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   const int64_t recomputed =
       seg.attention ? sc.model.n_layer : (seg.checkpointed > 0 ? sc.model.n_layer - seg.kept_blocks : 0);
   e.all_to_all_bytes = exchange_bytes(z, sc.sequence, sc.model.n_layer, recomputed);
-  // The moments a sharded engine's buffers meet (memory/footprint.h): F's two parts (the end of the
+  // The moments a sharded engine's buffers meet (predict/footprint.h): F's two parts (the end of the
   // forward; a block's forward: a first pass, or a kept block's end, with what the blocks before it
   // keep), A, H and the blocks' backward.
   const double weights_now = always + L * Wb;
@@ -396,12 +389,12 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
   ChainModel m;
   for (int64_t layer = 0; layer < L; ++layer) {  // the blocks differ only by model.layer_mlp_hidden
     const Sizes zl = sizes_of(sc, lowp, layer);
-    std::array<double, checkpointing::kPartSets> kept{}, backward{};
-    for (int b = 0; b < checkpointing::kPartSets; ++b) {
+    std::array<double, recompute::kPartSets> kept{}, backward{};
+    for (int b = 0; b < recompute::kPartSets; ++b) {
       SegmentCounts parts;
-      parts.attention = (b & checkpointing::kPartAttention) != 0;
-      parts.mlp = (b & checkpointing::kPartMlp) != 0;
-      parts.norm = (b & checkpointing::kPartNorm) != 0;
+      parts.attention = (b & recompute::kPartAttention) != 0;
+      parts.mlp = (b & recompute::kPartMlp) != 0;
+      parts.norm = (b & recompute::kPartNorm) != 0;
       kept[static_cast<size_t>(b)] = tok * block_bytes(zl, parts);
       backward[static_cast<size_t>(b)] =
           std::max({mlp_backward_bytes(zl, parts), tok * attention_backward_bytes(zl, parts),
@@ -427,26 +420,26 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
 namespace {
 
 // Kx of block b where the plan keeps its exchanges (its recompute takes them), else 0.
-double kept_exchange(const ChainModel& m, const checkpointing::Plan& plan, int64_t b) {
+double kept_exchange(const ChainModel& m, const recompute::Plan& plan, int64_t b) {
   const auto i = static_cast<size_t>(b);
   return i < m.exchange_kept.size() && plan.keeps_exchange(b) ? m.exchange_kept[i] : 0.0;
 }
 
 // Rx of block b where its recompute redoes its exchanges, else 0.
-double redone_exchange(const ChainModel& m, const checkpointing::Plan& plan, int64_t b) {
+double redone_exchange(const ChainModel& m, const recompute::Plan& plan, int64_t b) {
   const auto i = static_cast<size_t>(b);
   return i < m.recompute_exchange.size() && !plan.keeps_exchange(b) ? m.recompute_exchange[i] : 0.0;
 }
 
 // Kx of a kept block that recomputes its attention and keeps its exchanges (else 0).
-double kept_block_exchange(const ChainModel& m, const checkpointing::Plan& plan, int64_t b) {
-  return (plan.parts_of(b) & checkpointing::kPartAttention) != 0 ? kept_exchange(m, plan, b) : 0.0;
+double kept_block_exchange(const ChainModel& m, const recompute::Plan& plan, int64_t b) {
+  return (plan.parts_of(b) & recompute::kPartAttention) != 0 ? kept_exchange(m, plan, b) : 0.0;
 }
 
 // Moments F (segment first passes and the end of the forward), returned, and in `phases` (less what
 // every moment holds) the forward's parts and A; `held` ends as what the forward keeps for backward,
 // `kept_weights` as the kept blocks' weight copies.
-double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, double& held, double& kept_weights,
+double forward_moments(const ChainModel& m, const recompute::Plan& plan, double& held, double& kept_weights,
                        double& host, PhasePeaks& phases) {
   double all_weights = 0, passes = 0, blocks = 0;  // first passes; any block's forward (a bound, for phases)
   for (double w : m.weights) all_weights += w;
@@ -478,7 +471,7 @@ double forward_moments(const ChainModel& m, const checkpointing::Plan& plan, dou
 
 }  // namespace
 
-double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* host, PhasePeaks* phases) {
+double chain_peak(const ChainModel& m, const recompute::Plan& plan, double* host, PhasePeaks* phases) {
   double held = 0, kept_weights = 0, offloaded = 0;
   bool prefetched = false;  // offload: the input of the segment whose backward comes next is on the device
   PhasePeaks ph;
@@ -491,7 +484,7 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
       if (m.offload_inputs || seg->offloaded) {
         const bool earlier = std::any_of(
             plan.segments.begin(), plan.segments.begin() + (plan.segments.rend() - seg - 1),
-            [&](const checkpointing::Segment& s) { return s.checkpointed && (m.offload_inputs || s.offloaded); });
+            [&](const recompute::Segment& s) { return s.checkpointed && (m.offload_inputs || s.offloaded); });
         if (prefetched) held -= m.input;
         prefetched = earlier;
         if (earlier) held += m.input;
@@ -527,7 +520,7 @@ double chain_peak(const ChainModel& m, const checkpointing::Plan& plan, double* 
 namespace {
 
 // Whether some block's recompute keeps its exchanges under sequence parallelism (the walk's terms).
-bool keeps_exchanges(const Scenario& sc, const checkpointing::Plan& plan) {
+bool keeps_exchanges(const Scenario& sc, const recompute::Plan& plan) {
   if (sc.sequence <= 1) return false;
   for (int64_t b = 0; b < static_cast<int64_t>(plan.exchange_kept.size()); ++b)
     if (plan.keeps_exchange(b) && plan.recomputes_attention(b)) return true;
@@ -536,7 +529,7 @@ bool keeps_exchanges(const Scenario& sc, const checkpointing::Plan& plan) {
 
 }  // namespace
 
-ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpointing::Plan& plan) {
+ActivationEstimate estimate_activation_peak(const Scenario& sc, const recompute::Plan& plan) {
   const auto lowp = lowp_matmul_path(sc);
   if (!plan.mode.solved() && sc.shape().uniform() && !sc.placement.offload.activations && !keeps_exchanges(sc, plan))
     return estimate_activation_peak(sc, segment_counts(plan), lowp);
@@ -556,7 +549,7 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const checkpoint
   int64_t recomputed = 0;  // the blocks whose recompute redoes their exchanges
   for (const auto& seg : plan.segments)
     for (int64_t b = seg.begin; b < seg.end; ++b)
-      if ((seg.checkpointed || (plan.parts_of(b) & checkpointing::kPartAttention) != 0) && !plan.keeps_exchange(b))
+      if ((seg.checkpointed || (plan.parts_of(b) & recompute::kPartAttention) != 0) && !plan.keeps_exchange(b))
         ++recomputed;
   e.all_to_all_bytes = exchange_bytes(sizes_of(sc, lowp), sc.sequence, sc.model.n_layer, recomputed);
   return e;
@@ -567,7 +560,7 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc) {
   const auto seg = segment_counts(sc.checkpointing, sc.model.n_layer);
   const bool keeps = sc.sequence > 1 && sc.checkpointing.exchange.keeps() && (seg.checkpointed > 0 || seg.attention);
   if (!sc.shape().uniform() || sc.placement.offload.activations || keeps)
-    return estimate_activation_peak(sc, checkpointing::make_plan(sc.checkpointing, sc.model.n_layer));
+    return estimate_activation_peak(sc, recompute::make_plan(sc.checkpointing, sc.model.n_layer));
   return estimate_activation_peak(sc, seg, lowp_matmul_path(sc));
 }
 

@@ -1,5 +1,5 @@
 // The per-block plan: the rule from checkpointing.mode to segments, and its descriptions.
-#include "checkpointing/plan.h"
+#include "recompute/plan.h"
 
 #include <cmath>
 #include <stdexcept>
@@ -12,7 +12,7 @@
 
 #include "log/metrics.h"
 
-namespace sl::checkpointing {
+namespace sl::recompute {
 
 std::vector<std::string> part_names(uint8_t parts) {
   std::vector<std::string> out;
@@ -192,4 +192,4 @@ Plan make_plan(const config::CheckpointingConfig& cfg, int64_t L) {
   return p;
 }
 
-}  // namespace sl::checkpointing
+}  // namespace sl::recompute

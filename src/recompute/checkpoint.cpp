@@ -1,6 +1,6 @@
 // Checkpoint engine: forward-state capture (RNG, autocast), the segment Function and the
 // recompute-then-linear Function.
-#include "checkpointing/checkpoint.h"
+#include "recompute/checkpoint.h"
 
 #include <chrono>
 #include <cmath>
@@ -24,7 +24,7 @@
 #include "model/linear.h"
 #include "model/sequence.h"
 
-namespace sl::checkpointing {
+namespace sl::recompute {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -582,4 +582,4 @@ at::Tensor linear_without_output(const at::Tensor& a, const at::Tensor& W, const
   return OutputFreeLinearFunction::apply(a, W, at::TensorList(bias));
 }
 
-}  // namespace sl::checkpointing
+}  // namespace sl::recompute

@@ -12,20 +12,20 @@
 
 #include <torch/types.h>
 
-#include "checkpointing/runner.h"
+#include "recompute/runner.h"
 #include "config/config.h"
-#include "memory/activations.h"
+#include "predict/activations.h"
 #include "model/gpt.h"
 
 namespace sl::budget {
 
-// The per-block plan's vocabulary (checkpointing/plan.h): a schedule is one of its plans.
-using checkpointing::kPartAttention;
-using checkpointing::kPartMlp;
-using checkpointing::kPartNorm;
-using checkpointing::kPartSets;
-using checkpointing::Plan;
-using checkpointing::Segment;
+// The per-block plan's vocabulary (recompute/plan.h): a schedule is one of its plans.
+using recompute::kPartAttention;
+using recompute::kPartMlp;
+using recompute::kPartNorm;
+using recompute::kPartSets;
+using recompute::Plan;
+using recompute::Segment;
 using memory::Scenario;
 
 // What re-running a block's pieces costs, in one unit for the whole chain (ms or GFLOP).
@@ -84,7 +84,7 @@ Plan as_plan(const Schedule& s);
 // memory (28 bytes a state). quanta must be below 2^31.
 // With offload_cost >= 0 (offload.activations) a checkpointed segment may also put its input in host
 // memory: it then keeps nothing on the device for backward and costs offload_cost more; every backward
-// moment is checked with one more segment input on the device (the prefetch, checkpointing/checkpoint.h).
+// moment is checked with one more segment input on the device (the prefetch, recompute/checkpoint.h).
 // Under sequence parallelism (mem.exchange_kept non-zero) `exchange` (checkpointing.exchange) says what a
 // recompute does about a block's exchanges: redo (never keep), keep (every block whose attention is
 // recomputed keeps), auto (either, per block). A kept block with selective attention that keeps holds

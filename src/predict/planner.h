@@ -1,6 +1,6 @@
 // The planner: predicts a recipe's peak device memory without making tensors, in the recipe's own
-// checkpointing mode (memory/footprint.h's terms; mode budget's schedule solved with formula costs,
-// budget/budget.h), finds the largest micro-batch that fits a memory size, and writes the `trainer
+// checkpointing mode (predict/footprint.h's terms; mode budget's schedule solved with formula costs,
+// predict/budget.h), finds the largest micro-batch that fits a memory size, and writes the `trainer
 // plan` report and the out-of-memory advice. Used by `trainer plan`, the model-state check before any
 // weight is made, the out-of-memory message, and train.micro_batch: auto.
 #pragma once
@@ -9,9 +9,9 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "checkpointing/plan.h"
+#include "recompute/plan.h"
 #include "config/config.h"
-#include "memory/footprint.h"
+#include "predict/footprint.h"
 
 namespace sl::planner {
 
@@ -34,7 +34,7 @@ std::string format_plan(const nlohmann::json& plan);
 // What offload (the recipe's offload section) moves per optimizer step on this rank, and the step
 // time that costs on the recipe's hardware (offload.bandwidth_gbps, offload.overlap,
 // offload.host_gbps, logging.peak_tflops). Bytes, counted as parallel/host_placement.cpp and
-// checkpointing/checkpoint.cpp move them:
+// recompute/checkpoint.cpp move them:
 //   optimizer    to host: the gradient shard after clipping (4 B/param/N; not with offload.gradients);
 //                to device: the master shard, cast to the compute dtype, into the all-gather
 //                (zero1/2: once a step; zero3: at every gather, below)
@@ -57,7 +57,7 @@ struct OffloadTraffic {
   double exposed_s = 0;  // the transfer time compute does not hide
   double step_s = 0;     // compute + exposed + host AdamW
 };
-OffloadTraffic offload_traffic(const memory::Scenario& sc, const checkpointing::Plan& plan);
+OffloadTraffic offload_traffic(const memory::Scenario& sc, const recompute::Plan& plan);
 
 // The modelled time of one optimizer step on this rank: compute as in OffloadTraffic (the step's FLOPs
 // at kModelledMfu of logging.peak_tflops; 0 when that is 0) plus the sequence group's all-to-alls
@@ -67,7 +67,7 @@ struct StepTime {
   double compute_s = 0, all_to_all_s = 0, step_s = 0;
   int64_t all_to_all_bytes = 0;  // sent by this rank per step
 };
-StepTime modelled_step(const memory::Scenario& sc, const checkpointing::Plan& plan);
+StepTime modelled_step(const memory::Scenario& sc, const recompute::Plan& plan);
 
 // `trainer plan --sequence-parallel auto`: the recipe's scenario (its checkpointing mode, micro-batch, placement)
 // at every degree N that divides WORLD_SIZE, model.n_head and train.seq_len, smallest first: each one's
@@ -84,8 +84,8 @@ nlohmann::json sequence_search(const memory::Scenario& sc, int64_t memory_bytes)
 std::string format_sequence_search(const nlohmann::json& search, int64_t memory_bytes);
 
 // One-line advice for an out-of-memory failure under `limit_bytes`: what the planner predicts fits,
-// per checkpointing mode, with the grad_accum that keeps the recipe's batch per rank (train.global_batch
-// under train.micro_batch: auto).
-std::string oom_advice(const config::RunConfig& cfg, int64_t limit_bytes);
+// per checkpointing mode, with the grad_accum that keeps the batch per rank (sc.micro_batch x
+// sc.grad_accum: before train.micro_batch: auto has its number, micro-batch 1 x the per-rank batch).
+std::string oom_advice(const memory::Scenario& sc, int64_t limit_bytes);
 
 }  // namespace sl::planner

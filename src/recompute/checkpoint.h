@@ -18,7 +18,7 @@ namespace c10 {
 struct Event;
 }
 
-namespace sl::checkpointing {
+namespace sl::recompute {
 
 using SegmentFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 using CheapFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
@@ -71,9 +71,9 @@ struct Options {
   std::shared_ptr<Stats> stats = std::make_shared<Stats>();
   // checkpointing.exchange keep (parallel.sequence > 1): the piece's first pass keeps what its sequence
   // exchanges received (model::ExchangeMemo, owned by the piece's node) and its recompute takes them
-  // instead of exchanging again. Set per piece (checkpointing/runner.cpp); false: the recompute redoes them.
+  // instead of exchanging again. Set per piece (recompute/runner.cpp); false: the recompute redoes them.
   bool keep_exchange = false;
-  // offload.activations: set only on the Options of an offloaded segment (checkpointing/runner.cpp),
+  // offload.activations: set only on the Options of an offloaded segment (recompute/runner.cpp),
   // never on those of pieces nested in a segment or a kept block; null = inputs stay on the device.
   std::shared_ptr<ActivationOffload> offload;
 };
@@ -98,4 +98,4 @@ at::Tensor recompute_then_linear(const std::string& name, const CheapFn& cheap, 
                                  const std::vector<at::Tensor>& cheap_params, const at::Tensor& W, const at::Tensor& b,
                                  const Options& opts);
 
-}  // namespace sl::checkpointing
+}  // namespace sl::recompute

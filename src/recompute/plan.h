@@ -1,7 +1,7 @@
 // The per-block plan of activation checkpointing: which blocks run inside checkpointed segments
 // (their activations recomputed in backward), which keep theirs, and which selective parts a kept
-// block recomputes. Made from the recipe once (make_plan; mode budget: budget/budget.h), then read by
-// the engine (checkpointing/runner.h), the memory model (memory/activations.h) and the reports.
+// block recomputes. Made from the recipe once (make_plan; mode budget: predict/budget.h), then read by
+// the engine (recompute/runner.h), the memory model (predict/activations.h) and the reports.
 // Torch-free: the memory formulas and the planner use it without building a model.
 #pragma once
 #include <cstdint>
@@ -12,7 +12,7 @@
 
 #include "config/config.h"
 
-namespace sl::checkpointing {
+namespace sl::recompute {
 
 struct Segment {
   int64_t begin = 0, end = 0;  // blocks [begin, end)
@@ -26,7 +26,7 @@ inline constexpr int kPartSets = 8;
 std::vector<std::string> part_names(uint8_t parts);  // {"attention", "mlp"}; {} for none
 std::string parts_name(uint8_t parts);               // "attention, mlp"; "" for none
 
-// How a budget plan was chosen (budget/budget.h).
+// How a budget plan was chosen (predict/budget.h).
 struct BudgetInfo {
   int64_t budget_bytes = 0;        // the activation budget the schedule was solved for
   int64_t quantum_bytes = 0;       // the solver's memory step (its error bound is n_layer of them)
@@ -35,7 +35,7 @@ struct BudgetInfo {
   double forward_cost = 0;         // one forward of all blocks in cost_unit (for scale)
   std::string cost_source, cost_unit;  // profile / formula; ms / GFLOP
   double solve_ms = 0;
-  std::string bytes_source = "formula";  // profile (measured per block) / formula (memory/activations.h)
+  std::string bytes_source = "formula";  // profile (measured per block) / formula (predict/activations.h)
 };
 
 struct Plan {
@@ -75,7 +75,7 @@ UniformRule uniform_rule(const config::CheckpointingConfig& cfg, int64_t n_layer
 uint8_t parts_of(const config::mode::Selective& s);
 
 // Segments for a config and a block count: uniform_rule's, listed, with checkpointing.exchange: keep
-// every recomputed attention's exchange kept. Not for mode budget, whose plan comes from budget/budget.h.
+// every recomputed attention's exchange kept. Not for mode budget, whose plan comes from predict/budget.h.
 Plan make_plan(const config::CheckpointingConfig& cfg, int64_t n_layer);
 
-}  // namespace sl::checkpointing
+}  // namespace sl::recompute
