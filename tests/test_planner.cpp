@@ -18,6 +18,7 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <regex>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -35,6 +36,7 @@
 #include "predict/budget.h"
 #include "predict/scenario.h"
 #include "predict/planner.h"
+#include "predict/footprint.h"
 #include "memory/tracking_allocator.h"
 #include "model/gpt.h"
 #include "recompute/plan.h"
@@ -1074,4 +1076,50 @@ TEST_CASE("budget's formula costs price the sequence group's all-to-all") {
   CHECK(b8.attention == Approx(4 * tok8 * T * C / 1e9 + exchange).epsilon(1e-12));
   CHECK(b8.attention - b8_fast.attention == Approx(exchange / 2).epsilon(1e-9));
   CHECK(b1.attention == Approx(4 * T * T * C / 1e9).epsilon(1e-12));
+}
+
+TEST_CASE("the memory model's input is made once from the recipe: auto's micro-batch is 1, the device resolved") {
+  auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {"train.micro_batch=auto", "train.global_batch=8", "memory.limit=1GiB"});
+  const auto sc = memory::Scenario::of(cfg);
+  CHECK(sc.micro_batch == 1);  // where the states check and the micro-batch search start
+  CHECK(sc.seq_len == cfg.train.seq_len);
+  // train.device auto: resolved here, so the formulas never ask the machine.
+  CHECK(sc.device != config::DeviceChoice::kAuto);
+  CHECK(sc.on_cuda() == torch::cuda::is_available());
+  cfg.train.device = config::DeviceChoice::kCuda;
+  CHECK(memory::Scenario::of(cfg).on_cuda());
+  cfg.train.device = config::DeviceChoice::kLazy;
+  CHECK(memory::Scenario::of(cfg).device == config::DeviceChoice::kLazy);
+  CHECK_FALSE(memory::Scenario::of(cfg).on_cuda());
+  // at(b) is the same scenario at another micro-batch, nothing else changed.
+  const auto at4 = sc.at(4);
+  CHECK(at4.micro_batch == 4);
+  CHECK(at4.grad_accum == sc.grad_accum);
+  CHECK(at4.device == sc.device);
+  CHECK(memory::predict_states(at4).model_states_bytes() == memory::predict_states(sc).model_states_bytes());
+}
+
+TEST_CASE("the out-of-memory advice keeps the batch per rank: micro_batch x grad_accum, however it is split") {
+  const auto cfg = config::load(test::kSourceDir + "/configs/tiny.yaml", {});
+  const int64_t limit = 60LL << 20;  // holds the model states, not micro-batch 16's activations
+  auto split = [&](int64_t micro, int64_t accum) {
+    auto sc = memory::Scenario::of(cfg).at(micro);
+    sc.grad_accum = accum;
+    return planner::oom_advice(sc, limit);
+  };
+  // A per-rank batch of 64, above what any mode fits at this limit, so that each split's grad_accum shows.
+  const std::string whole = split(1, 64);  // auto before it has its number: the per-rank batch as 1 x 64
+  INFO(whole);
+  CHECK(whole == split(4, 16));
+  CHECK(whole == split(64, 1));
+  // Every mode's grad_accum is the per-rank batch over its micro-batch, rounded up.
+  const std::regex entry(R"((\w+): micro_batch (\d+) with grad_accum (\d+))");
+  int entries = 0;
+  for (std::sregex_iterator it(whole.begin(), whole.end(), entry), end; it != end; ++it, ++entries) {
+    const int64_t mb = std::stoll((*it)[2]), accum = std::stoll((*it)[3]);
+    CHECK(mb < 64);
+    CHECK(accum == (64 + mb - 1) / mb);
+  }
+  CHECK(entries > 0);
+  CHECK(split(1, 128) != whole);  // another per-rank batch, other accumulations
 }
