@@ -14,6 +14,7 @@ ARG SAFETENSORS_VERSION=0.8.0
 ARG TRANSFORMERS_VERSION=5.23.0
 ARG TOKENIZERS_VERSION=0.23.3
 ARG TENSORBOARD_VERSION=2.21.0
+ARG UV_VERSION=0.13.10
 ENV DEBIAN_FRONTEND=noninteractive \
     SUBLINEAR_HOME=/opt/sublinear \
     TORCH_CUDA_ARCH_LIST=9.0 \
@@ -31,7 +32,8 @@ RUN apt-get update \
 # Its own layer, so code changes do not re-download torch or matplotlib. A venv, so Ubuntu 24.04's
 # PEP 668 marker (externally managed system Python) does not apply.
 RUN python3 -m venv "$SUBLINEAR_HOME/venv" \
- && "$SUBLINEAR_HOME/venv/bin/python" -m pip install --quiet --no-cache-dir \
+ && "$SUBLINEAR_HOME/venv/bin/python" -m pip install --quiet --no-cache-dir "uv==$UV_VERSION" \
+ && "$SUBLINEAR_HOME/venv/bin/uv" pip install --quiet --no-cache --python "$SUBLINEAR_HOME/venv/bin/python" \
       "torch==$TORCH_VERSION" "matplotlib==$MATPLOTLIB_VERSION" "safetensors==$SAFETENSORS_VERSION" \
       "transformers==$TRANSFORMERS_VERSION" "tokenizers==$TOKENIZERS_VERSION" "tensorboard==$TENSORBOARD_VERSION"
 

@@ -105,7 +105,7 @@ do_pack() {
   check_pack_kernels "$version"
   local bins=("$build/trainer")
   for t in $(cuda_tests); do
-    [[ -x "$build/$t" ]] || die "no $build/$t: build it first (cmake --build build --target $t)"
+    [[ -x "$build/$t" ]] || die "no $build/$t: build it first (cmake --build build --target sublinear_tests)"
     bins+=("$build/$t")
   done
   local exclude
@@ -115,9 +115,15 @@ do_pack() {
   grep -qxF '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
   stage="$(mktemp -d)"
   mkdir -p "$stage/bin" "$stage/lib"
+  # test_<name> is a link to the one test executable (tests/main.cpp): packed once, linked by name.
+  local real
   for bin in "${bins[@]}"; do
-    strip --strip-unneeded -o "$stage/bin/$(basename "$bin")" "$bin" || die "strip $bin failed"
-    for lib in $(carried_libs "$bin"); do cp -Ln "$lib" "$stage/lib/" 2>/dev/null; done
+    real="$(readlink -f "$bin")"
+    if [[ ! -e "$stage/bin/$(basename "$real")" ]]; then
+      strip --strip-unneeded -o "$stage/bin/$(basename "$real")" "$real" || die "strip $real failed"
+      for lib in $(carried_libs "$real"); do cp -Ln "$lib" "$stage/lib/" 2>/dev/null; done
+    fi
+    [[ "$(basename "$real")" == "$(basename "$bin")" ]] || ln -s "$(basename "$real")" "$stage/bin/$(basename "$bin")"
   done
   { echo "commit $(git -C "$ROOT" rev-parse HEAD)$(git -C "$ROOT" diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "packed $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n)"
@@ -126,7 +132,7 @@ do_pack() {
   rm -rf "$PACK_DIR" && mkdir -p "$PACK_DIR"
   tar -C "$stage" -cJf "$PACK" MANIFEST bin lib || die "tar failed"
   echo "packed into $PACK:"
-  (cd "$stage" && find bin lib -type f | sort | sed 's/^/  /')
+  (cd "$stage" && find bin lib -type f -o -type l | sort | sed 's/^/  /')
   echo "unpacked $(du -sh "$stage" | cut -f1); $PACK: $(du -h "$PACK" | cut -f1)"
   local tree
   tree=$(git -C "$ROOT" ls-files -z --cached --others --exclude-standard | (cd "$ROOT" && du -cb --files0-from=- 2>/dev/null) | tail -1 | cut -f1)

@@ -6,8 +6,9 @@
 #      tokenizes text in scripts/prepare_data.py) in a venv at
 #      ${SUBLINEAR_HOME:-~/.cache/sublinear}/venv,
 #   3. CMake configure (Ninja, Release; -DSUBLINEAR_WERROR=ON when CI=true) and build.
-# Cost: first run downloads the CUDA torch wheel with its nvidia-* deps (~4.6 GB, ~70 s on a
-# fast link) and compiles the project (minutes on 2 cores); a re-run only rebuilds what changed.
+# Cost: first run downloads the CUDA torch wheel with its nvidia-* deps (~4.6 GB, ~35 s through uv on
+# the link docs/setup.md names) and compiles the project (minutes on 2 cores); a re-run only rebuilds
+# what changed.
 set -euo pipefail
 
 TORCH_VERSION=2.11.0   # the one place the LibTorch version is pinned
@@ -16,6 +17,7 @@ SAFETENSORS_VERSION=0.8.0  # the reference implementation tests/test_safetensors
 TRANSFORMERS_VERSION=5.23.0  # the reference GPT-2 / LLaMA tests/test_hf.cpp checks the model and its export against
 TOKENIZERS_VERSION=0.23.3    # Hugging Face tokenizers: scripts/prepare_data.py tokenizes with it; tests check ours against it
 TENSORBOARD_VERSION=2.21.0   # the reader tests/test_tensorboard checks logging.tensorboard's event files with
+UV_VERSION=0.13.10           # the installer of the above (parallel downloads)
 PACKAGES=(cmake ninja-build g++ ccache libgloo-dev libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
           nlohmann-json3-dev catch2 python3-venv zlib1g-dev libicu-dev libprotobuf-dev protobuf-compiler)
 
@@ -48,7 +50,10 @@ fi
 
 phase_done "packages"
 
-# 2. torch wheel in the venv (outside the repo).
+# 2. torch wheel and the test references in the venv (outside the repo). What is missing is installed
+# in one call of uv (PyPI's `uv`, pinned): it fetches the wheels in parallel, which takes the ~4.6 GB
+# of torch and its nvidia-* libraries from 199-261 s with pip down to ~35 s on the same link
+# (docs/setup.md).
 PY="$VENV/bin/python"
 [[ -x "$PY" ]] || { say "creating venv $VENV"; python3 -m venv "$VENV"; }
 # One interpreter start: prints the CMake prefix path when the pinned torch imports.
@@ -56,20 +61,18 @@ torch_prefix() {
   "$PY" -W ignore -c "import sys, torch, torch.utils
 sys.exit(1) if not torch.__version__.startswith('$TORCH_VERSION') else print(torch.utils.cmake_prefix_path)" 2>/dev/null
 }
+want=()
 if PREFIX="$(torch_prefix)"; then
   say "torch $TORCH_VERSION present in $VENV"
 else
-  say "pip install torch==$TORCH_VERSION (CUDA wheel, ~4.6 GB)"
-  "$PY" -m pip install --quiet "torch==$TORCH_VERSION"
-  PREFIX="$(torch_prefix)" || { echo "setup: torch $TORCH_VERSION does not import from $VENV" >&2; exit 1; }
+  want+=("torch==$TORCH_VERSION")
 fi
-# pin MODULE PACKAGE VERSION: pip-installs PACKAGE==VERSION unless MODULE already imports at VERSION.
+# pin MODULE PACKAGE VERSION: wants PACKAGE==VERSION unless MODULE already imports at VERSION.
 pin() {
   if "$PY" -c "import $1, sys; sys.exit($1.__version__ != '$3')" 2>/dev/null; then
     say "$2 $3 present"
   else
-    say "pip install $2==$3"
-    "$PY" -m pip install --quiet "$2==$3"
+    want+=("$2==$3")
   fi
 }
 pin matplotlib matplotlib "$MATPLOTLIB_VERSION"
@@ -77,6 +80,12 @@ pin safetensors safetensors "$SAFETENSORS_VERSION"
 pin transformers transformers "$TRANSFORMERS_VERSION"
 pin tokenizers tokenizers "$TOKENIZERS_VERSION"
 pin tensorboard tensorboard "$TENSORBOARD_VERSION"
+if ((${#want[@]})); then
+  [[ -x "$VENV/bin/uv" ]] || "$PY" -m pip install --quiet "uv==$UV_VERSION"
+  say "uv pip install ${want[*]}"
+  "$VENV/bin/uv" pip install --quiet --python "$PY" "${want[@]}"
+  PREFIX="$(torch_prefix)" || { echo "setup: torch $TORCH_VERSION does not import from $VENV" >&2; exit 1; }
+fi
 
 phase_done "Python packages"
 

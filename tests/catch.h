@@ -22,6 +22,14 @@ inline Matchers::StringContainsMatcher Contains(const std::string& text,
 #include <string>
 #include <vector>
 
+// Each test file's body sits in `namespace SUBLINEAR_TEST_FILE { ... }`. The test executable compiles
+// its files in unity batches (CMakeLists.txt: several files, one translation unit), where CMake defines
+// this name anew for each file (UNITY_BUILD_UNIQUE_ID), so that two files' helpers of the same name
+// do not meet; a file compiled alone finds it undefined here and gets an anonymous namespace.
+#ifndef SUBLINEAR_TEST_FILE
+#define SUBLINEAR_TEST_FILE
+#endif
+
 // A case that cannot run here (no root for a tmpfs, no AVX-512) is reported as skipped, never as
 // passed: SUBLINEAR_SKIP(why) ends the case (3.x: SKIP; 2.x has none: a warning, and the case ends
 // without failing) and records `why`; a test process in which a case skipped and nothing failed

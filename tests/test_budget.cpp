@@ -30,6 +30,8 @@
 #include "train/trainer.h"
 #include "parallel/single.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 
 namespace {
@@ -1003,3 +1005,5 @@ TEST_CASE("the walk's kept exchanges: a segment's first passes beside the earlie
   CHECK(ph.start == 111);
   CHECK(ph.backward == 215);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

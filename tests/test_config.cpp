@@ -16,6 +16,8 @@
 #include "errors.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 
 TEST_CASE("every shipped recipe loads and validates") {
@@ -571,3 +573,5 @@ TEST_CASE("a mesh whose degrees do not fit the world is a recipe error naming th
   cfg.world_size = 4;
   CHECK(cfg.mesh(3) == layout::Mesh(4, 3, {.sequence = 2}));
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -32,6 +32,8 @@
 #include "model/residual.h"
 #include "precision/autocast.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 
 namespace {
@@ -476,3 +478,5 @@ TEST_CASE("CUDA fused kernels in a GPT-2 under bf16 autocast: as close to fp32 a
   CHECK(m->final_norm(torch::randn({2, 3, c.n_embd}, torch::TensorOptions().device(torch::kCUDA))).scalar_type() ==
         torch::kBFloat16);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

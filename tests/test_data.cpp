@@ -17,6 +17,8 @@
 #include "errors.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 
 namespace {
@@ -301,3 +303,5 @@ TEST_CASE("the trainer trains on nanoGPT's headerless files with data.source: ra
   CHECK(r.code == 0);
   CHECK(r.output.find("raw uint16, 4000 tokens") != std::string::npos);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -45,6 +45,8 @@
 #include "runs.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 namespace fs = std::filesystem;
 
@@ -361,3 +363,5 @@ TEST_CASE("CUDA offload copies: the side stream's copies give the synchronous pa
   device::copy_into(reused, t);
   CHECK(torch::equal(reused, t.cpu()));
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -15,6 +15,8 @@
 #include "errors.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using nlohmann::json;
 
@@ -368,3 +370,5 @@ TEST_CASE("fp16 that keeps skipping steps is diverged: exit 6 with a diverged ev
   CHECK(recs.back()["event"] == "diverged");
   CHECK(recs.back()["consecutive_skips"] == 4);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -33,6 +33,8 @@
 #include "runs.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using nlohmann::json;
 namespace fs = std::filesystem;
@@ -528,3 +530,5 @@ TEST_CASE("CPU mirror: two processes over Gloo, DDP and zero1/2/3, have world 1'
           "[.cpu_mirror]") {
   gloo_on_one_device("cpu");
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -24,6 +24,8 @@
 #include "runs.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 namespace fs = std::filesystem;
 using namespace sl;
 
@@ -45,7 +47,7 @@ const char* const kLlamaSets =
     "--set train.seq_len=32";
 
 test::Result parity(const std::string& args) {
-  return test::run(test::kPython + " " + test::kSourceDir + "/tests/hf_parity.py " + args);
+  return test::python("hf_parity.py", args);
 }
 
 fs::path make_hf(const std::string& arch, const fs::path& dir, const std::string& extra = "") {
@@ -407,3 +409,5 @@ TEST_CASE("export takes the other source when one is damaged; unwritable outputs
   CHECK(entered == model::unit_count(cfg.model));
   CHECK(left == entered);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -20,6 +20,8 @@
 #include "model/linear.h"
 #include "precision/autocast.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 
 namespace {
@@ -320,3 +322,5 @@ TEST_CASE("a block's ATen ops and autograd nodes on the device-generic path, gpt
     CHECK(c.forward > 0);  // the counter sees the block's ops
   }
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

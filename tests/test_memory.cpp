@@ -10,6 +10,8 @@
 #include "memory/tracking_allocator.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using namespace sl::test;
 
@@ -193,3 +195,5 @@ TEST_CASE("memory.limit on CUDA: allocated bytes are admitted up to the limit, e
     CHECK(dev.admit(limit, 200) == 400);  // 600 + 400 = 1000
   }
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

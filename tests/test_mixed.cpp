@@ -26,6 +26,8 @@
 #include "runs.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using test::load_params;
 using test::max_abs_diff;
@@ -379,3 +381,5 @@ TEST_CASE("bf16 fused kernels: the tiny recipe's bf16 curve stays within 0.001 n
         std::max(std::abs(tail_mean(aten) - tail_mean(fp32)), spread) + 0.001);
   CHECK(fused.back() < fused.front() - 1.0);  // it trains
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -25,6 +25,8 @@
 #include "model/residual.h"
 #include "kernels/cpu/small_gemm.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 
 // How the fp32 tolerances below are derived. u = 2^-24 (fp32's unit roundoff, 6e-8). A sum of n terms t
@@ -1982,3 +1984,5 @@ TEST_CASE("widened linear: its backward equals mm and linear_weight_grad, the ch
     }
   }
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

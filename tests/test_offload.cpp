@@ -39,6 +39,8 @@
 #include "runs.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using nlohmann::json;
 using test::Runner;
@@ -472,3 +474,5 @@ TEST_CASE("a host copy made on a thread without a HostScope (autograd's CUDA thr
   // other live host tensors are not freed in between on this thread).
   CHECK(during - before >= static_cast<int64_t>(on_device.nbytes()));
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -46,6 +46,8 @@
 #include "runs.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using nlohmann::json;
 using test::Runner;
@@ -811,3 +813,5 @@ TEST_CASE("NCCL: a normal run shuts the process group down; a killed rank makes 
   CHECK(ms < 10'000 + 5'000);
   CHECK(summary(kill_dir.path / "run")["exit_status"]["code"] == kExitDistributed);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

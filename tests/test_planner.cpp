@@ -44,6 +44,8 @@
 #include "train/probe.h"
 #include "train/trainer.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using nlohmann::json;
 
@@ -1123,3 +1125,5 @@ TEST_CASE("the out-of-memory advice keeps the batch per rank: micro_batch x grad
   CHECK(entries > 0);
   CHECK(split(1, 128) != whole);  // another per-rank batch, other accumulations
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

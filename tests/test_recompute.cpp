@@ -23,6 +23,8 @@
 #include "measure.h"
 #include "parallel/single.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 
 namespace {
@@ -461,3 +463,5 @@ TEST_CASE("a recomputed segment does not re-run its last block's output projecti
                                             "checkpointing.check_recompute=true"})) == none + 4 * L);
   }
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -31,6 +31,8 @@
 #include "recipes.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using nlohmann::json;
 namespace fs = std::filesystem;
@@ -750,3 +752,5 @@ TEST_CASE("torchrun --max-restarts: a rank killed -9 during a save resumes from 
   check_events_once(metrics, "state_snapshot");
   CHECK(check_state_root(run_dir / "state") == kSteps);  // the end's save, after the interrupted step was saved again
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -21,6 +21,8 @@
 #include "device/device.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using state::SafetensorsFile;
 namespace fs = std::filesystem;
@@ -480,3 +482,5 @@ TEST_CASE("a tensor on a device that is not the CPU is staged to host by the wri
   CHECK(torch::equal(f.view("big"), host));
   CHECK(torch::equal(f.view("small_t"), small.t().contiguous()));
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

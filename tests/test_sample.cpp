@@ -24,6 +24,8 @@
 #include "train/trainer.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 namespace fs = std::filesystem;
 using namespace sl;
 using Json = nlohmann::json;
@@ -353,3 +355,5 @@ TEST_CASE("eval: every eval scores the same windows, so the same weights give th
   data::Loader other(source, 4, 16, /*seed=*/12);  // other windows, another loss: the check above can fail
   CHECK(train::evaluate(model, other, 3, torch::kCPU) != first);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

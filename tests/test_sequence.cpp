@@ -13,6 +13,8 @@
 #include "runs.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using test::Runner;
 
@@ -326,3 +328,5 @@ TEST_CASE("a degree that does not divide n_head, seq_len or WORLD_SIZE exits 2 n
   CHECK(a.code == 2);
   CHECK(a.output.find("train.micro_batch") != std::string::npos);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

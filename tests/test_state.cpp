@@ -48,6 +48,8 @@
 #include "state/state.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using nlohmann::json;
 namespace fs = std::filesystem;
@@ -1075,3 +1077,5 @@ TEST_CASE("state.async on CUDA: the snapshot's files are the synchronous save's,
 
   pinned_block_refused(dir.path / "limited", block);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -23,6 +23,8 @@
 #include "log/tensorboard.h"
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 namespace fs = std::filesystem;
 using namespace sl;
 using Json = nlohmann::json;
@@ -36,8 +38,7 @@ const std::string kQuick =
     "--set logging.tensorboard=true ";
 
 test::Result check(const fs::path& run_dir, const std::string& extra = "") {
-  return test::run(fmt::format("{} {}/tests/tensorboard_check.py {} {}", test::kPython, test::kSourceDir,
-                               run_dir.string(), extra));
+  return test::python("tensorboard_check.py", run_dir.string() + " " + extra);
 }
 
 std::vector<fs::path> event_files(const fs::path& dir) {
@@ -190,3 +191,5 @@ TEST_CASE("an event file that cannot be created refuses the run like metrics.jso
   CHECK(r.code == 2);
   CHECK(r.output.find("logging.tensorboard: cannot create " + (run / "tensorboard").string()) != std::string::npos);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

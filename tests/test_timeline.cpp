@@ -17,6 +17,8 @@
 
 #include "test_util.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using nlohmann::json;
 
@@ -192,3 +194,5 @@ TEST_CASE("logging.memory_timeline is refused below 0 and off the CPU") {
   CHECK(r.code == 2);
   CHECK(r.output.find("logging.memory_timeline") != std::string::npos);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

@@ -49,6 +49,8 @@
 #include "train/run.h"
 #include "train/trainer.h"
 
+namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
+
 using namespace sl;
 using nlohmann::json;
 
@@ -1824,3 +1826,5 @@ TEST_CASE("train.cuda_graphs on CUDA: another thread waiting on a CUDA event dur
   CHECK(run.graphs.at("captured") == true);
   CHECK(run.graphs.at("replays") == 30 * 4 - train::StepGraph::kWarmupMicroBatches);
 }
+
+}  // namespace SUBLINEAR_TEST_FILE

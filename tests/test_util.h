@@ -1,5 +1,6 @@
 // Shared test helpers: run the trainer binary, temp directories, reading JSON files.
 #pragma once
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
@@ -316,10 +317,119 @@ inline std::string trace_diff(const RunTrace& got, const RunTrace& want) {
   return d.empty() ? eval_diff(got.evals, want.evals) : d;
 }
 
-// tests/state_compare.py (the reference safetensors package): `check DIR` or `compare A B`.
-inline Result state_compare(const std::string& args) {
-  return run(kPython + " " + kSourceDir + "/tests/state_compare.py " + args);
+// ---- the Python references (tests/*.py) ----
+
+// One Python interpreter for the test process (tests/py_worker.py), started at the first call: each
+// call runs a script in it as `python SCRIPT ARGS` would, without importing torch (and transformers)
+// again. Its pipe ends are close-on-exec, so the trainers and shells the tests start do not hold them
+// and the worker sees the end of its input when this process ends.
+class PythonWorker {
+ public:
+  static PythonWorker& get() {
+    static PythonWorker worker;
+    return worker;
+  }
+  PythonWorker(const PythonWorker&) = delete;
+  PythonWorker& operator=(const PythonWorker&) = delete;
+  ~PythonWorker() { stop(); }
+
+  // The script's exit status and output (stdout and stderr together); code -1 when the worker died.
+  Result call(const std::vector<std::string>& argv) {
+    if (pid_ < 0 && !start()) return {-1, "could not start " + kPython + " tests/py_worker.py"};
+    const std::string request = nlohmann::json{{"argv", argv}}.dump() + "\n";
+    std::string line;
+    if (!write_all(request) || !read_line(line)) {
+      stop();
+      return {-1, "tests/py_worker.py ended while running: " + nlohmann::json(argv).dump()};
+    }
+    const auto reply = nlohmann::json::parse(line);
+    return {reply.at("code").get<int>(), reply.at("output").get<std::string>()};
+  }
+
+ private:
+  PythonWorker() = default;
+
+  bool start() {
+    int in[2], out[2];
+    if (::pipe2(in, O_CLOEXEC) != 0) return false;
+    if (::pipe2(out, O_CLOEXEC) != 0) {
+      ::close(in[0]);
+      ::close(in[1]);
+      return false;
+    }
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, in[0], 0);
+    posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+    const std::string script = kSourceDir + "/tests/py_worker.py";
+    char* const args[] = {const_cast<char*>(kPython.c_str()), const_cast<char*>(script.c_str()), nullptr};
+    const int rc = ::posix_spawn(&pid_, kPython.c_str(), &actions, nullptr, args, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(in[0]);
+    ::close(out[1]);
+    if (rc != 0) {
+      ::close(in[1]);
+      ::close(out[0]);
+      pid_ = -1;
+      return false;
+    }
+    to_ = in[1];
+    from_ = out[0];
+    return true;
+  }
+
+  void stop() {
+    if (pid_ < 0) return;
+    ::close(to_);
+    ::close(from_);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    buffered_.clear();
+  }
+
+  bool write_all(const std::string& s) {
+    for (size_t done = 0; done < s.size();) {
+      const ssize_t n = ::write(to_, s.data() + done, s.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      done += static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+  bool read_line(std::string& line) {
+    std::array<char, 65536> buf{};
+    for (;;) {
+      if (const auto nl = buffered_.find('\n'); nl != std::string::npos) {
+        line = buffered_.substr(0, nl);
+        buffered_.erase(0, nl + 1);
+        return true;
+      }
+      const ssize_t n = ::read(from_, buf.data(), buf.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      buffered_.append(buf.data(), static_cast<size_t>(n));
+    }
+  }
+
+  pid_t pid_ = -1;
+  int to_ = -1;
+  int from_ = -1;
+  std::string buffered_;
+};
+
+// tests/<script> with whitespace-separated `args` (paths without spaces, as the tests' temp folders are),
+// run by the worker above.
+inline Result python(const std::string& script, const std::string& args) {
+  std::vector<std::string> argv{kSourceDir + "/tests/" + script};
+  std::istringstream words(args);
+  for (std::string w; words >> w;) argv.push_back(w);
+  return PythonWorker::get().call(argv);
 }
+
+// tests/state_compare.py (the reference safetensors package): `check DIR` or `compare A B`.
+inline Result state_compare(const std::string& args) { return python("state_compare.py", args); }
 
 // A tmpfs of `size` bytes ("1m", "25000000") mounted on `dir` for a disk-full test, unmounted on
 // destruction. mount(2) needs root (or CAP_SYS_ADMIN): when it fails, `mounted` is false and `error`

@@ -60,8 +60,8 @@ say() { echo "faults: $*"; }
 all_patches() { local p; for p in "$HERE"/*.patch; do [[ -f "$p" ]] && basename "$p" .patch; done; }
 describe() { head -n 1 "$HERE/$1.patch"; }
 cases_of() { printf '%s\n' "${CASES[$1]}"; }
-# The build targets of a patch: the trainer and its cases' binaries.
-targets_of() { { echo trainer; cases_of "$1" | cut -d'|' -f1; } | awk '!seen[$0]++' | paste -sd ' '; }
+# The build targets of a patch: the trainer and the test executable (build/test_<name> links to it).
+targets_of() { { echo trainer; cases_of "$1" | cut -d'|' -f1 | sed 's/^test_.*/sublinear_tests/'; } | awk '!seen[$0]++' | paste -sd ' '; }
 slug() { tr -c 'A-Za-z0-9' '_' <<< "$1" | cut -c1-60; }
 
 # parse_args ARGS...: DRY, CONTROL, PATCHES (checked: each has a file and an entry in CASES).
