@@ -9,6 +9,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <set>
+#include <sstream>
 #include <stdexcept>
 
 #include "catch.h"
@@ -481,6 +484,69 @@ TEST_CASE("a tensor on a device that is not the CPU is staged to host by the wri
   const state::SafetensorsFile f(path);
   CHECK(torch::equal(f.view("big"), host));
   CHECK(torch::equal(f.view("small_t"), small.t().contiguous()));
+}
+
+// ---- the test executable's harness (tests/main.cpp, tests/py_worker.py) ----
+
+// The case names `command --list-test-names-only` prints.
+std::set<std::string> listed(const std::string& command) {
+  const auto r = test::run(command + " --list-test-names-only");
+  INFO(command << ":\n" << r.output);
+  REQUIRE(r.code >= 0);  // it ran (Catch2 2.x exits with the number of cases listed, 3.x with 0)
+  std::set<std::string> names;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);)
+    if (!line.empty()) names.insert(line);
+  return names;
+}
+
+std::set<std::string> both(const std::set<std::string>& a, const std::set<std::string>& b) {
+  std::set<std::string> out;
+  std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::inserter(out, out.end()));
+  return out;
+}
+
+TEST_CASE("build/test_<name> runs what the whole executable runs for the same spec, of that file's cases only") {
+  // The links sit beside the trainer (the build folder, or bench/gpu.sh's packed bin/).
+  const fs::path bin = fs::path(test::kTrainer).parent_path();
+  const std::string whole = (bin / "sublinear_tests").string();
+  // Each spec form: none (hidden cases stay out), a tag, alternatives (the file's tag must join the second
+  // too: test_hf and others have [numerics] cases), exclusions only (Catch2 2.x and 3.x differ on hidden
+  // cases there), a hidden tag, a case name.
+  const std::vector<std::pair<std::string, std::string>> runs = {
+      {"loss", ""}, {"loss", "'[numerics]'"}, {"loss", "'[no-such-tag],[numerics]'"},
+      {"gpu", ""}, {"gpu", "'~[cuda]'"}, {"gpu", "'[.cpu_mirror]'"},
+      {"config", "'precedence: *'"}};
+  for (const auto& [file, spec] : runs) {
+    INFO("test_" << file << " " << spec);
+    const auto of_file = listed(whole + " -# '[#test_" + file + "]'");  // Catch's own file tag: every case
+    const auto got = listed((bin / ("test_" + file)).string() + " " + spec);
+    const auto everywhere = listed(whole + " " + spec);
+    CHECK_FALSE(got.empty());
+    CHECK(got == both(everywhere, of_file));
+    if (spec == "'[numerics]'") CHECK(everywhere.size() > got.size());  // other files were left out
+  }
+}
+
+TEST_CASE("the Python worker gives what a fresh interpreter gives, and the next call after a failure runs") {
+  const std::string fresh = test::kPython + " " + test::kSourceDir + "/tests/state_compare.py";
+  // A usage error: exit 2 and the same text.
+  const auto usage = test::python("state_compare.py", "");
+  CHECK(usage.code == 2);
+  CHECK(usage.output == test::run(fresh).output);
+  // An uncaught exception: exit 1, its traceback ending in the same line.
+  const auto last_line = [](std::string text) {
+    while (!text.empty() && text.back() == '\n') text.pop_back();
+    return text.substr(text.rfind('\n') + 1);  // npos + 1 == 0: the whole text when it is one line
+  };
+  const auto bad = test::python("state_compare.py", "check /nonexistent-state");
+  const auto bad_fresh = test::run(fresh + " check /nonexistent-state");
+  CHECK(bad.code == 1);
+  CHECK(bad_fresh.code == 1);
+  CHECK(last_line(bad.output) == last_line(bad_fresh.output));
+  CHECK_THAT(bad.output, Catch::Contains("No such file or directory"));
+  // The worker is still there for the next call.
+  CHECK(test::python("state_compare.py", "").code == 2);
 }
 
 }  // namespace SUBLINEAR_TEST_FILE
