@@ -8,9 +8,9 @@
    (`sharding.shards_params()`, `dtype.bytes()`). Names that a file format shares with a choice
    (Hugging Face's model_type "llama") are mapped through a table, not compared.
 2. Layers point one way: a file in src/<folder>/ includes headers of its own folder and of the folders
-   below it in LAYERS (docs/architecture.md, "Layers"), never of a folder above it; src/main.cpp and
-   src/errors.h sit outside the order (the top and the bottom). A folder missing from LAYERS fails too,
-   so a new folder is placed on purpose.
+   below it in LAYERS (docs/architecture.md, "Layers"), never of a folder above it; src/cli.cpp and
+   src/main.cpp (the top) and src/errors.h (the bottom) sit outside the order. A folder missing from
+   LAYERS fails too, so a new folder is placed on purpose.
 3. The bottom is torch-free: no file in TORCH_FREE includes a torch, ATen or c10 header, directly or
    through a project header.
 4. Parallelism is a strategy chosen once (parallel::make_strategy): outside src/parallel no code asks
@@ -19,7 +19,7 @@
    train/run.h); the end of the run, which reports on every part, is the `Session`'s own
    (`Session::finish`, `Session::summary_json`).
 6. The step stays narrow: a function named in MAX_PARAMS takes at most that many parameters.
-7. No recipe is copied to ask "what if": outside src/config and src/main.cpp no code declares a
+7. No recipe is copied to ask "what if": outside src/config and src/cli.cpp no code declares a
    `RunConfig` by value (`RunConfig c = ...`) or copies a recipe into an `auto` (`auto c = cfg;`); a
    what-if varies a copy of the memory model's input (memory::Scenario, `s.micro_batch = b`) instead.
 10. The build holds the same order: CMakeLists.txt's SUBLINEAR_LAYERS (one static library a folder, each
@@ -31,7 +31,7 @@
    reduces a rank or a world size by a degree (`rank % sequence`, `world / sequence_`) or defines its own
    `data_world`, `data_rank` or `sequence_rank`; a new parallel dimension adds its coordinate there.
 8. The whole recipe is a parameter only where it is read whole or nearly so: outside src/config and
-   src/main.cpp a `RunConfig&` parameter appears only in the functions of RECIPE_READERS; every other
+   src/cli.cpp a `RunConfig&` parameter appears only in the functions of RECIPE_READERS; every other
    function takes the sections or values it reads (`TrainConfig&`, a `memory::Scenario`, a
    `parallel::Spec`, ...). A new reader is added to the list on purpose, with its reason.
 
@@ -199,17 +199,17 @@ def wide_signatures(root: pathlib.Path):
 
 def beyond_the_parser(root: pathlib.Path):
     """(path relative to root, line number, code) for every line outside src/config (the parser) and
-    src/main.cpp (the entry point): where the recipe is made, rules 7 and 8 do not look."""
+    src/cli.cpp (the command line): where the recipe is made, rules 7 and 8 do not look."""
     for path in sources(root):
         rel = path.relative_to(root)
-        if rel.parts[:2] == ("src", "config") or rel == pathlib.PurePath("src/main.cpp"):
+        if rel.parts[:2] == ("src", "config") or rel == pathlib.PurePath("src/cli.cpp"):
             continue
         for n, code in code_lines(path):
             yield rel, n, code
 
 
 def recipe_takers_all(root: pathlib.Path):
-    """FILE:LINE: name for every function with a RunConfig& parameter outside src/config and main.cpp."""
+    """FILE:LINE: name for every function with a RunConfig& parameter outside src/config and cli.cpp."""
     return [f"{rel}:{n}: {m.group(1)}" for rel, n, code in beyond_the_parser(root) for m in RECIPE_PARAM.finditer(code)]
 
 
@@ -229,7 +229,7 @@ def coordinates_outside_mesh(root: pathlib.Path):
 
 
 def recipe_copies(root: pathlib.Path):
-    """Rule 7: FILE:LINE: code for every recipe copied outside src/config and src/main.cpp."""
+    """Rule 7: FILE:LINE: code for every recipe copied outside src/config and src/cli.cpp."""
     return [f"{rel}:{n}: {code.strip()}: a recipe copied; vary a memory::Scenario (or pass the part) instead"
             for rel, n, code in beyond_the_parser(root) if RECIPE_COPY.search(code)]
 
@@ -381,7 +381,7 @@ def main() -> int:
     for rule, found in (("data-parallel engine null checks outside src/parallel", engine_null_checks(root)),
                         ("functions taking the whole `Session`", session_takers(root)),
                         ("signatures wider than MAX_PARAMS allows", wide_signatures(root)),
-                        ("recipe copies outside src/config and src/main.cpp", recipe_copies(root)),
+                        ("recipe copies outside src/config and src/cli.cpp", recipe_copies(root)),
                         ("functions taking the whole recipe beyond RECIPE_READERS", recipe_takers(root)),
                         ("coordinates derived outside the process mesh", coordinates_outside_mesh(root)),
                         (f"lines in src/ longer than {MAX_COLUMNS} columns", long_lines(root))):

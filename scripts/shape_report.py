@@ -5,12 +5,12 @@
                          (`engine ? ...`, `if (engine)`, `!engine`, `engine && ...`)
   choice comparisons     a string literal naming a recipe choice compared with == or != outside src/config
                          (scripts/check_design.py rule 1 fails on them)
-  RunConfig& parameters  function parameters of type RunConfig& outside src/config and src/main.cpp
+  RunConfig& parameters  function parameters of type RunConfig& outside src/config and src/cli.cpp
   recipe copies          a whole recipe copied to ask "what if" (`auto c = cfg;`, `RunConfig c = ...;`;
                          scripts/check_design.py rule 7 fails on them)
   `Session` fields       data members of `train::Session` (src/train/run.h)
   whole-`Session` takers   functions with a `Session&` parameter (check_design.py rule 5)
-  whole-recipe takers    distinct functions with a `RunConfig&` parameter outside src/config and main.cpp
+  whole-recipe takers    distinct functions with a `RunConfig&` parameter outside src/config and cli.cpp
   longest functions      the longest function bodies in src/, by lines from the opening line to the closing brace
 
 Usage: scripts/shape_report.py [ROOT] [--top N]   (ROOT default: this script's parent's parent)
@@ -32,7 +32,7 @@ FUNC_START = re.compile(r'^[A-Za-z_][\w:<>,\s\*&~]*\b([\w:~]+)\s*\(')
 def source_files(root, skip_config=True):
     for path in check_design.sources(root):
         rel = path.relative_to(root)
-        if skip_config and (rel.parts[:2] == ("src", "config") or rel == pathlib.Path("src/main.cpp")):
+        if skip_config and (rel.parts[:2] == ("src", "config") or rel == pathlib.Path("src/cli.cpp")):
             continue
         yield path, rel
 
@@ -93,11 +93,11 @@ def main():
     rows = [
         ("strategy null checks (outside src/parallel)", len(check_design.engine_null_checks(root))),
         ("choice comparisons (outside src/config)", len(check_design.choice_comparisons(root))),
-        ("RunConfig& parameters (outside src/config, main)", len(count(root, RUNCONFIG_PARAM))),
+        ("RunConfig& parameters (outside src/config, cli)", len(count(root, RUNCONFIG_PARAM))),
         ("recipe copies", len(check_design.recipe_copies(root))),
         ("Session fields", session_fields(root)),
         ("functions taking the whole Session", len(check_design.session_takers(root))),
-        ("functions taking the whole recipe (outside src/config, main)", len({f.split(": ")[1].split()[0] for f in check_design.recipe_takers_all(root)})),
+        ("functions taking the whole recipe (outside src/config, cli)", len({f.split(": ")[1].split()[0] for f in check_design.recipe_takers_all(root)})),
     ]
     print("| figure | count |\n| --- | --- |")
     for name, n in rows:

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "catch.h"
+#include "zygote.h"
 
 namespace {
 
@@ -114,6 +115,8 @@ std::vector<std::string> only_file(const std::string& file, const std::vector<st
 CATCH_REGISTER_LISTENER(FailureCounter)
 
 int main(int argc, char** argv) {
+  // Before anything runs: the copy of this process that trainer runs are forked from (tests/zygote.h).
+  sl::test::zygote::start(SUBLINEAR_TRAINER);
   Catch::Session session;
   if (const int bad = session.applyCommandLine(argc, argv); bad != 0) return bad;
   if (const auto file = file_of(argv[0]); !file.empty()) {

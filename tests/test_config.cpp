@@ -1,9 +1,14 @@
 // Recipe loading: good recipes, precedence, and bad recipes each failing with exit code 2 and a
 // message that names the key (and the YAML line where there is one).
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
 #include <set>
+#include <string>
+#include <thread>
+#include <vector>
 #include <variant>
 
 #include "catch.h"
@@ -572,6 +577,106 @@ TEST_CASE("a mesh whose degrees do not fit the world is a recipe error naming th
   cfg.parallel.sequence = 2;
   cfg.world_size = 4;
   CHECK(cfg.mesh(3) == layout::Mesh(4, 3, {.sequence = 2}));
+}
+
+
+// ---- the test executable's zygote (tests/zygote.h): trainer runs forked, not started ----
+
+// The command's words as the zygote took them; {"not taken"} when it left the command to the shell.
+std::vector<std::string> taken(const std::string& cmd) {
+  const auto c = test::zygote::parse(cmd);
+  if (!c) return {"not taken"};
+  std::vector<std::string> out{"cwd=" + c->cwd};
+  out.insert(out.end(), c->argv.begin(), c->argv.end());
+  return out;
+}
+
+bool env_has(const test::zygote::Command& c, const std::string& entry) {
+  return std::find(c.env.begin(), c.env.end(), entry) != c.env.end();
+}
+
+TEST_CASE("the zygote takes plain trainer runs and leaves every other command to the shell") {
+  if (!test::zygote::running()) SUBLINEAR_SKIP("no zygote in this process (SUBLINEAR_TEST_EXEC=1 or SUBLINEAR_TRAINER)");
+  const std::string t = test::kTrainer;
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  const std::string same_omp = omp != nullptr ? std::string("OMP_NUM_THREADS=") + omp + " " : "";
+  CHECK(taken("cd /tmp && " + same_omp + t + " --config 'a b.yaml' --set \"x=1 2\"") ==
+        std::vector<std::string>{"cwd=/tmp", t, "--config", "a b.yaml", "--set", "x=1 2"});
+  const auto c = test::zygote::parse("RANK=1 env -u SUBLINEAR_NO_CPU_CACHE SUBLINEAR_X=2 " + t + " --help");
+  REQUIRE(c);
+  CHECK(env_has(*c, "RANK=1"));
+  CHECK(env_has(*c, "SUBLINEAR_X=2"));
+  CHECK(c->argv == std::vector<std::string>{t, "--help"});
+  // Shell syntax, another program, command substitution: the shell's.
+  for (const auto& cmd : std::vector<std::string>{t + " --help | head -1", t + " --help > /dev/null", "(" + t + " --help)",
+                                t + " --prompt \"$(printf x)\"", t + " --prompt `true`", "cd /tmp && " + t + " && true",
+                                "python3 " + t, "env " + t + "x --help", t + " --help\n" + t})
+    CHECK(taken(cmd) == std::vector<std::string>{"not taken"});
+  // A variable the libraries read while they load (after the zygote loaded them): the shell's.
+  const char* cbwr = std::getenv("MKL_CBWR");
+  const std::string other_cbwr = cbwr != nullptr && std::string(cbwr) == "AVX" ? "COMPATIBLE" : "AVX";
+  CHECK(taken("MKL_CBWR=" + other_cbwr + " " + t + " --help") == std::vector<std::string>{"not taken"});
+  CHECK(taken("env -u PATH " + t + " --help") == std::vector<std::string>{"not taken"});
+  CHECK(taken("OMP_NUM_THREADS=7" + std::string(omp != nullptr && std::string(omp) == "7" ? "1" : "") + " " + t +
+              " --help") == std::vector<std::string>{"not taken"});
+}
+
+TEST_CASE("a run forked by the zygote gives what the trainer binary gives") {
+  if (!test::zygote::running()) SUBLINEAR_SKIP("no zygote in this process (SUBLINEAR_TEST_EXEC=1 or SUBLINEAR_TRAINER)");
+  test::TempDir dir("zygote");
+  const std::string in_src = "cd " + test::kSourceDir + " && " + test::kTrainer;
+  // Exit codes and every byte of output: help, usage errors, recipe errors, the environment read by the run.
+  for (const auto& args : std::vector<std::string>{" --help", " --help-config", " --frobnicate", " --config nowhere.yaml",
+                                 " --config configs/tiny.yaml --set train.steps=oops", " export --run " + dir.path.string() + "/none"}) {
+    INFO(args);
+    REQUIRE(test::zygote::parse(in_src + args));
+    const auto forked = test::zygote::run(in_src + args);
+    REQUIRE(forked);
+    const auto started = test::shell(in_src + args);
+    CHECK(forked->code == started.code);
+    CHECK(forked->text == started.output);
+  }
+  const auto env_run = "cd " + test::kSourceDir + " && RANK=0 WORLD_SIZE=two " + test::kTrainer + " --config configs/tiny.yaml";
+  const auto forked_env = test::zygote::run(env_run);
+  REQUIRE(forked_env);
+  CHECK(forked_env->code == 2);
+  CHECK(forked_env->text == test::shell(env_run).output);
+  // Training: the same steps bitwise and the same final weights, byte for byte.
+  const auto train = [&](const std::string& name) {
+    return in_src + " --config configs/tiny.yaml --set train.steps=3 --set train.eval_interval=0 --set logging.dir=" +
+           (dir.path / name).string();
+  };
+  const auto forked = test::zygote::run(train("forked"));
+  REQUIRE(forked);
+  REQUIRE(forked->code == 0);
+  REQUIRE(test::shell(train("started")).code == 0);
+  const auto a = test::step_records(dir.path / "forked" / "metrics.jsonl");
+  CHECK(a.size() == 3);
+  CHECK(test::bitwise_diff(a, test::step_records(dir.path / "started" / "metrics.jsonl")).empty());
+  CHECK(test::read_text(dir.path / "forked" / "model" / "model.safetensors") ==
+        test::read_text(dir.path / "started" / "model" / "model.safetensors"));
+}
+
+TEST_CASE("a run forked by the zygote is a process of its own: a signal ends it as it ends a trainer") {
+  if (!test::zygote::running()) SUBLINEAR_SKIP("no zygote in this process (SUBLINEAR_TEST_EXEC=1 or SUBLINEAR_TRAINER)");
+  test::TempDir dir("zygote-kill");
+  const auto c = test::zygote::parse("cd " + test::kSourceDir + " && " + test::kTrainer +
+                                     " --config configs/tiny.yaml --set train.steps=100000 --set logging.dir=" +
+                                     (dir.path / "run").string());
+  REQUIRE(c);
+  const int out = ::open((dir.path / "out.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  REQUIRE(out >= 0);
+  auto run = test::zygote::spawn(*c, out);
+  ::close(out);
+  REQUIRE(run);
+  CHECK(run->pid != ::getpid());
+  CHECK(::kill(run->pid, 0) == 0);
+  // Once it trains (a step record written), SIGKILL: the shell's status for it, 128 + 9.
+  for (int i = 0; i < 600 && test::step_records_now(dir.path / "run" / "metrics.jsonl") == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  CHECK(test::step_records_now(dir.path / "run" / "metrics.jsonl") > 0);
+  REQUIRE(::kill(run->pid, SIGKILL) == 0);
+  CHECK(test::zygote::wait(*run) == 137);
 }
 
 }  // namespace SUBLINEAR_TEST_FILE

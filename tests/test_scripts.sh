@@ -28,7 +28,7 @@
 #     recipe choice's name (sharding stage, architecture, dtype, backend, device, data source, spike action)
 #     outside src/config; fails naming an engine null check outside src/parallel, a function taking the
 #     whole Session, a train_step with more than 5 parameters, and each
-#     recipe copy outside src/config and src/main.cpp, and a function outside its RECIPE_READERS list
+#     recipe copy outside src/config and src/cli.cpp, and a function outside its RECIPE_READERS list
 #     taking the whole recipe; fails naming a coordinate derived outside src/layout, two files of one
 #     folder that include each other, a CMake layer order other than its LAYERS, and a line of src/ past
 #     120 columns.
@@ -313,16 +313,16 @@ shape_rules() {
 }
 check "check_design.py: no engine null checks, no whole-Session parameters, a narrow train_step" shape_rules
 
-# 7c. scripts/check_design.py rule 7 (recipe copies): a recipe copied outside src/config and src/main.cpp
+# 7c. scripts/check_design.py rule 7 (recipe copies): a recipe copied outside src/config and src/cli.cpp
 #     (into an auto, or by value into a RunConfig) fails naming each line; a reference to the recipe, a
-#     copy of a memory::Scenario, and the same copies in src/config and src/main.cpp pass.
+#     copy of a memory::Scenario, and the same copies in src/config and src/cli.cpp pass.
 recipe_copy_rules() {
   local tree="$TMP/copies" out
   mkdir -p "$tree/src/predict" "$tree/src/config"
   printf '%s\n' 'const config::RunConfig& r = session.cfg;' 'memory::Scenario c = sc;' 'auto s = scenario;' \
     > "$tree/src/predict/planner.cpp"
   printf '%s\n' 'auto c = cfg;' 'RunConfig d = load(path);' > "$tree/src/config/config.cpp"
-  printf '%s\n' 'auto cfg = config::load(path, sets);' 'config::RunConfig c = cfg;' > "$tree/src/main.cpp"
+  printf '%s\n' 'auto cfg = config::load(path, sets);' 'config::RunConfig c = cfg;' > "$tree/src/cli.cpp"
   out="$(python3 "$ROOT/scripts/check_design.py" "$tree" 2>&1)" || { echo "no copy, or an allowed one, failed:"; echo "$out"; return 1; }
   local copies=('auto c = cfg;' 'config::RunConfig what_if = recipe;' 'auto probe = s->cfg;' 'RunConfig other{cfg};')
   printf '%s\n' "${copies[@]}" >> "$tree/src/predict/planner.cpp"
@@ -331,9 +331,9 @@ recipe_copy_rules() {
   for n in $(seq 1 "${#copies[@]}"); do
     grep -q "^src/predict/planner.cpp:$((n + 3)): .*a recipe copied" <<< "$out" || { echo "copy $n is not named:"; echo "$out"; return 1; }
   done
-  grep -q '^recipe copies outside src/config and src/main.cpp: 4 (must be 0)$' <<< "$out" || { echo "the count is not 4:"; echo "$out"; return 1; }
+  grep -q '^recipe copies outside src/config and src/cli.cpp: 4 (must be 0)$' <<< "$out" || { echo "the count is not 4:"; echo "$out"; return 1; }
 }
-check "check_design.py: no recipe copied outside src/config and src/main.cpp" recipe_copy_rules
+check "check_design.py: no recipe copied outside src/config and src/cli.cpp" recipe_copy_rules
 
 # 7d. scripts/check_design.py rule 8 (the whole recipe as a parameter): a listed reader (setup) and a
 #     section passed alone pass; an unlisted function taking `RunConfig&` fails naming its file, line and

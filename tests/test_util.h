@@ -19,12 +19,15 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "zygote.h"
 
 namespace sl::test {
 
@@ -43,8 +46,8 @@ struct Result {
   std::string output;  // stdout and stderr together
 };
 
-// Runs a shell command line, returns its exit code and combined output.
-inline Result run(const std::string& cmd) {
+// Runs a shell command line through /bin/sh, returns its exit code and combined output.
+inline Result shell(const std::string& cmd) {
   Result r{-1, ""};
   std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
   if (!p) return r;
@@ -54,6 +57,13 @@ inline Result run(const std::string& cmd) {
   int status = ::pclose(p);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+// Runs a shell command line, returns its exit code and combined output: a plain trainer run is forked
+// from the zygote (tests/zygote.h: the same code and exit status, no process start), the rest is shell().
+inline Result run(const std::string& cmd) {
+  if (auto z = zygote::run(cmd)) return {z->code, std::move(z->text)};
+  return shell(cmd);
 }
 
 // Runs the trainer from the source directory (so configs/ and data/ resolve) with arguments
@@ -115,9 +125,39 @@ struct MultiResult {
   std::vector<int> codes;
   std::vector<std::string> outputs;
 };
+// The ranks forked from the zygote (tests/zygote.h), each with its output in logs/rank<r>.log; nullopt
+// when the zygote cannot take the command (nothing started then).
+inline std::optional<MultiResult> launch_forked(int world, const std::string& args, const TempDir& logs, int port) {
+  std::vector<zygote::Command> commands;
+  for (int r = 0; r < world; ++r) {
+    auto c = zygote::parse("cd " + kSourceDir + " && " + rank_env(r, world, port) + " " + kTrainer + " " + args);
+    if (!c) return std::nullopt;
+    commands.push_back(std::move(*c));
+  }
+  std::vector<zygote::Run> runs;
+  for (int r = 0; r < world; ++r) {
+    const auto log = logs.path / ("rank" + std::to_string(r) + ".log");
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    auto run = fd >= 0 ? zygote::spawn(commands[r], fd) : std::nullopt;
+    if (fd >= 0) ::close(fd);
+    if (!run) {  // the zygote failed midway: end the ranks it started, then the shell starts them all
+      for (auto& started : runs) ::kill(started.pid, SIGKILL), zygote::wait(started);
+      return std::nullopt;
+    }
+    runs.push_back(*run);
+  }
+  MultiResult m;
+  for (int r = 0; r < world; ++r) {
+    m.codes.push_back(zygote::wait(runs[r]));
+    m.outputs.push_back(read_text(logs.path / ("rank" + std::to_string(r) + ".log")));
+  }
+  return m;
+}
+
 inline MultiResult launch(int world, const std::string& args) {
   TempDir logs("launch");
   const int port = free_port();
+  if (auto m = launch_forked(world, args, logs, port)) return std::move(*m);
   // `cd DIR || exit 1;` (not `cd DIR && (rank 0) & (rank 1) &`, where the cd binds to rank 0's
   // subshell only): every rank starts in the source directory.
   std::string script = "cd " + kSourceDir + " || exit 1; ";
