@@ -37,9 +37,7 @@ const char* const kTestText =
     "Hello world! It's 2026... They'll say: naïve café, 東京 and Zürich; 1234567 + 89 = 1234656.\n"
     "tabs\t\tand  spaces   here\n\n  end <|endoftext|>next 🙂 done.   \n\n\nI'M LOUD, we've 'quoted'   ";
 
-test::Result reference(const std::string& args) {
-  return test::run(test::kPython + " " + test::kSourceDir + "/tests/sample_ref.py " + args);
-}
+test::Result reference(const std::string& args) { return test::python("sample_ref.py", args); }
 
 void write(const fs::path& p, const std::string& text) {
   std::ofstream(p, std::ios::binary) << text;

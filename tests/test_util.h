@@ -459,13 +459,14 @@ class PythonWorker {
   std::string buffered_;
 };
 
-// tests/<script> with whitespace-separated `args` (paths without spaces, as the tests' temp folders are),
-// run by the worker above.
+// tests/<script> with `args` split and unquoted as the shell would (`'{"a": 1}'` is one argument), run by
+// the worker above; arguments the shell would do more with (`$(...)`, a pipe) go to a fresh interpreter.
 inline Result python(const std::string& script, const std::string& args) {
-  std::vector<std::string> argv{kSourceDir + "/tests/" + script};
-  std::istringstream words(args);
-  for (std::string w; words >> w;) argv.push_back(w);
-  return PythonWorker::get().call(argv);
+  const std::string path = kSourceDir + "/tests/" + script;
+  auto argv = zygote::words(args);
+  if (!argv) return run(kPython + " " + path + " " + args);
+  argv->insert(argv->begin(), path);
+  return PythonWorker::get().call(*argv);
 }
 
 // tests/state_compare.py (the reference safetensors package): `check DIR` or `compare A B`.

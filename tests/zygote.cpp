@@ -77,20 +77,6 @@ void assign(Env& env, const std::string& w) {
   env[w.substr(0, eq)] = w.substr(eq + 1);
 }
 
-// The words of `s` as the shell splits and unquotes them; nullopt for a pipe, redirection, list,
-// subshell or command substitution (wordexp refuses them) or a newline.
-std::optional<std::vector<std::string>> words(const std::string& s) {
-  if (s.find('\n') != std::string::npos) return std::nullopt;
-  wordexp_t we{};
-  if (::wordexp(s.c_str(), &we, WRDE_NOCMD) != 0) {
-    ::wordfree(&we);
-    return std::nullopt;
-  }
-  std::vector<std::string> out(we.we_wordv, we.we_wordv + we.we_wordc);
-  ::wordfree(&we);
-  return out;
-}
-
 // ---- the wire: a request is NUL-terminated strings (cwd, the count of env entries, env, argv) with two
 // descriptors (the run's output, the reply socket); a reply is the run's pid, then its wait status.
 
@@ -248,6 +234,18 @@ void start(const std::string& trainer) {
 }
 
 bool running() { return g_control >= 0; }
+
+std::optional<std::vector<std::string>> words(const std::string& s) {
+  if (s.find('\n') != std::string::npos) return std::nullopt;
+  wordexp_t we{};
+  if (::wordexp(s.c_str(), &we, WRDE_NOCMD) != 0) {
+    ::wordfree(&we);
+    return std::nullopt;
+  }
+  std::vector<std::string> out(we.we_wordv, we.we_wordv + we.we_wordc);
+  ::wordfree(&we);
+  return out;
+}
 
 std::optional<Command> parse(const std::string& cmd) {
   if (!running()) return std::nullopt;

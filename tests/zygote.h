@@ -37,6 +37,10 @@ inline const std::vector<std::string> kRunTimeVariables = {
 void start(const std::string& trainer);
 bool running();
 
+// The words of `s` as the shell splits and unquotes them (wordexp: quotes, `$VAR`, globs; no command
+// substitution); nullopt for a pipe, redirection, list, subshell, command substitution or newline.
+std::optional<std::vector<std::string>> words(const std::string& s);
+
 // `cmd` (a `sh -c` line) as a run the zygote may take: `[cd DIR &&] [NAME=VALUE...] [env [-u NAME |
 // NAME=VALUE]...] TRAINER ARGS...`, words split and unquoted as the shell does (wordexp, no command
 // substitution), the environment this process's with those changes, within kRunTimeVariables of the
