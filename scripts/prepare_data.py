@@ -290,7 +290,9 @@ class Shard:
         self.count = self.documents = 0
 
     def add(self, eot_id, ids):
-        self.buf.append(eot_id)
+        """Appends one document: `eot_id` before it (None: nothing before it), then its ids."""
+        if eot_id is not None:
+            self.buf.append(eot_id)
         self.buf.extend(ids)
         self.documents += 1
         if len(self.buf) >= FLUSH_TOKENS:
@@ -432,12 +434,17 @@ def parse_args(argv):
             p.error("--delimiter-regex: use non-capturing groups (?:...); a capturing group would keep the delimiters")
         if a.regex.match(""):
             p.error("--delimiter-regex must not match the empty string")
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
-        p.error(f"--out {a.out} exists and is not a folder")
-    held = [n for n in OUTPUTS if os.path.exists(os.path.join(a.out, n))]
-    if held and not a.overwrite:
-        p.error(f"--out {a.out} already holds a data set ({', '.join(held)}); pass --overwrite to replace it, or pick another folder")
+    check_out(p, a.out, OUTPUTS, a.overwrite)
     return a
+
+
+def check_out(parser, out, outputs, overwrite):
+    """Usage errors (exit 2) for an --out that is not a folder, or holds a data set without --overwrite."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        parser.error(f"--out {out} exists and is not a folder")
+    held = [n for n in outputs if os.path.exists(os.path.join(out, n))]
+    if held and not overwrite:
+        parser.error(f"--out {out} already holds a data set ({', '.join(held)}); pass --overwrite to replace it, or pick another folder")
 
 
 def setup_threads(threads):
@@ -561,20 +568,25 @@ def prepare(a):
     return info
 
 
-def main(argv=None):
-    a = parse_args(argv)
+def exit_status(prepare_fn, a, say=note):
+    """Runs prepare_fn(a) and returns the exit code: 0, or a Fail's, an interruption's or a write error's,
+    each said with `say`."""
     try:
-        prepare(a)
+        prepare_fn(a)
     except Fail as e:
-        note(str(e))
+        say(str(e))
         return e.code
     except KeyboardInterrupt:
-        note("interrupted; nothing written")
+        say("interrupted; nothing written")
         return EXIT_INTERRUPTED
     except OSError as e:
-        note(f"cannot write {e.filename or a.out}: {e.strerror or e}; nothing written (check free space and permissions)")
+        say(f"cannot write {e.filename or a.out}: {e.strerror or e}; nothing written (check free space and permissions)")
         return EXIT_IO
     return 0
+
+
+def main(argv=None):
+    return exit_status(prepare, parse_args(argv))
 
 
 if __name__ == "__main__":
