@@ -37,14 +37,14 @@ import argparse
 import json
 import os
 import random
-import shutil
 import sys
 import time
 from array import array
 
 sys.dont_write_bytecode = True  # no __pycache__ in the repo
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prepare_data import EXIT_DATA, UINT16_VOCAB, Fail, Shard, check_out, exit_status, vocab_span, write_temp  # noqa: E402
+from prepare_data import (EXIT_DATA, UINT16_VOCAB, Fail, Shard, check_out, discard, exit_status, publish,  # noqa: E402
+                          vocab_span, write_temp)
 
 SPLITS = ("train", "val")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -154,6 +154,7 @@ def read_examples(paths, tok):
                 raise Fail(EXIT_DATA, f"{where}: not an example: give {{\"messages\": [...]}} or {{\"prompt\", \"completion\"}}")
             ids, mask = (chat_example(tok, obj["messages"], where) if "messages" in obj
                          else completion_example(tok, obj, where))
+            mask[0] = 0  # an example's first token is no one's target (an empty prompt without a BOS)
             out.append((ids, mask, where))
     return out
 
@@ -168,7 +169,7 @@ def fit(examples, seq_len, too_long):
                 counts["dropped_too_long"] += 1
                 continue
             ids, mask = ids[:limit], mask[:limit]
-            if not any(mask[1:]):  # the first token is never a target
+            if not any(mask):
                 counts["dropped_no_target_left"] += 1
                 continue
             counts["truncated"] += 1
@@ -222,19 +223,6 @@ def tokenizer_files(folder, out, temps):
     return pending
 
 
-def publish(out, pending):
-    """Renames the temporaries into place (data.json, the last of `pending`, marks a whole data set) and
-    removes the tokenizer files a replaced data set had that this one has not."""
-    for name in TOKENIZER_FILES:
-        if name not in {n for _, n in pending} and os.path.exists(os.path.join(out, name)):
-            os.unlink(os.path.join(out, name))
-    umask = os.umask(0)
-    os.umask(umask)
-    for tmp, name in pending:
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, os.path.join(out, name))
-
-
 def write_data_set(a, tok, kept, counts, n_read):
     n_val = max(1, round(len(kept) * a.val_fraction))
     if len(kept) - n_val < 1:
@@ -264,15 +252,9 @@ def write_data_set(a, tok, kept, counts, n_read):
         }
         pending.append((write_temp(a.out, "data.json", (json.dumps(info, indent=2, ensure_ascii=False) + "\n").encode(), temps),
                         "data.json"))
-        publish(a.out, pending)
+        publish(a.out, pending, optional=TOKENIZER_FILES)
     except BaseException:
-        for s in splits.values():
-            s.shard.file.close()
-        for tmp in temps:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        if created:
-            shutil.rmtree(a.out, ignore_errors=True)
+        discard([s.shard for s in splits.values()], temps, a.out, created)
         raise
     return info
 

@@ -328,6 +328,34 @@ def write_temp(directory, name, data, temps):
     return tmp
 
 
+def publish(out, pending, optional=()):
+    """Renames each (temporary, name) of `pending` into `out`, in order (data.json last: it marks a whole
+    data set), after removing each file of `optional` that a replaced data set has and this one has not."""
+    written = {name for _, name in pending}
+    for name in optional:
+        if name not in written and os.path.exists(os.path.join(out, name)):
+            os.unlink(os.path.join(out, name))
+    umask = os.umask(0)
+    os.umask(umask)
+    for tmp, name in pending:
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, os.path.join(out, name))
+
+
+def discard(shards, temps, out, created):
+    """After an error: the shards closed, every temporary removed, and `out` too if this run created it."""
+    for shard in shards:
+        shard.file.close()
+    for tmp in temps:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    if created:
+        try:
+            os.rmdir(out)
+        except OSError:
+            pass
+
+
 def batches(docs, chosen_for_val):
     """(texts, is_val flags, bytes) of up to BATCH_BYTES of text / BATCH_DOCS documents, in input order."""
     texts, flags, nbytes = [], [], 0
@@ -537,24 +565,9 @@ def prepare(a):
                            ("data.json", (json.dumps(info, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))):
             if data is not None:
                 pending.append((write_temp(a.out, name, data, temps), name))
-        if config_raw is None and os.path.exists(os.path.join(a.out, "tokenizer_config.json")):
-            os.unlink(os.path.join(a.out, "tokenizer_config.json"))  # a stale one from the replaced data set
-        umask = os.umask(0)
-        os.umask(umask)
-        for tmp, name in pending:  # data.json last: it marks a complete data set
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, os.path.join(a.out, name))
+        publish(a.out, pending, optional=("tokenizer_config.json",))
     except BaseException:
-        for shard in shards.values():
-            shard.file.close()
-        for tmp in temps:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        if created:
-            try:
-                os.rmdir(a.out)
-            except OSError:
-                pass
+        discard(shards.values(), temps, a.out, created)
         raise
 
     dt = time.monotonic() - t0

@@ -8,7 +8,8 @@ reference:
     with special tokens, the completion's, and the end-of-sequence id), and the offsets cut the shards
     into exactly those examples, in input order across both splits;
   - the mask, read apart from how the script finds it: its runs of 1 decode to each assistant turn's
-    content followed by "<|im_end|>\\n" (the completion followed by "<|im_end|>"), and nothing else is 1;
+    content followed by "<|im_end|>\\n" (the completion followed by "<|im_end|>"; after an empty prompt
+    without a BOS, all but the completion's first token), and nothing else is 1, never an example's first token;
   - --too-long drop and truncate, each counted in data.json (a cut example keeps seq_len + 1 tokens; one
     whose first trained token lies past them is dropped and counted apart); the val split's size; the
     trained-token counts equal the masks' sums; a second run writes the same bytes;
@@ -52,7 +53,8 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}],
 ]
 COMPLETIONS = [{"prompt": "Translate to French: cat =>", "completion": " chat"},
-               {"prompt": "2 + 2 =", "completion": " 4"}]
+               {"prompt": "2 + 2 =", "completion": " 4"},
+               {"prompt": "", "completion": " Hello there."}]  # no BOS: the completion's first token is no target
 
 
 def make_tokenizer(folder, template):
@@ -161,7 +163,8 @@ class PrepareChat(unittest.TestCase):
             return ids, [m["content"] + "<|im_end|>\n" for m in row["messages"] if m["role"] == "assistant"]
         head = self.tok(row["prompt"])["input_ids"]
         tail = self.tok(row["completion"], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
-        return list(head) + list(tail), [row["completion"] + "<|im_end|>"]
+        texts = [row["completion"] + "<|im_end|>"] if head else [self.tok.decode(tail[1:])]  # no one's target: the first
+        return list(head) + list(tail), texts
 
     def examples(self, out):
         """Every example of both splits as (ids, mask), in the order the offsets give, with the split's name."""
@@ -172,6 +175,7 @@ class PrepareChat(unittest.TestCase):
             self.assertEqual(offsets[0], 0)
             self.assertEqual(offsets[-1], len(ids))
             got += [(name, ids[a:b], mask[a:b]) for a, b in zip(offsets, offsets[1:])]
+            self.assertTrue(all(mask[a] == 0 for a in offsets[:-1]), f"{name}: an example's first token marked trained")
         return got
 
     def test_examples_and_masks_match_transformers(self):
