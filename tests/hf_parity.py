@@ -10,6 +10,13 @@
   hf_parity.py logits DIR TOKENS OUT
       Loads DIR with from_pretrained (fp32), runs the `tokens` of the safetensors file TOKENS and writes
       `logits` and `loss` to OUT.
+  hf_parity.py masked DIR SHARD OUT
+      The masked loss of an examples data set (data.source: examples; SHARD.bin with SHARD.mask.bin and
+      SHARD.examples.bin beside it, read here with numpy) under DIR's model: every example a row of one
+      batch, right-padded, labels = the tokens where the mask is 1 and -100 elsewhere, as transformers'
+      causal-LM loss takes them (it shifts them itself). Writes `loss` (the mean over every trained token
+      of the batch) and `mean_of_means` (the mean of the examples' own means: what a mean of per-micro-batch
+      means gives at micro-batch 1) to OUT.
   hf_parity.py bad KIND SRC OUT
       Writes a broken copy of the checkpoint SRC (model.safetensors) to OUT (a file, no config.json):
       KIND = missing (first block's q/c_attn weight gone), extra (an unknown tensor added),
@@ -77,6 +84,41 @@ def logits(a):
     print(f"loss {loss.item():.6f}")
 
 
+def read_examples(shard):
+    import numpy as np
+    stem = shard[:-len(".bin")]
+    header = np.fromfile(shard, dtype="<i4", count=256)
+    assert header[0] == 20240520 and header[1] == 1, "not an llm.c uint16 shard"
+    tokens = np.fromfile(shard, dtype="<u2", offset=256 * 4).astype(np.int64)
+    mask = np.fromfile(stem + ".mask.bin", dtype=np.uint8)
+    offsets = np.fromfile(stem + ".examples.bin", dtype="<u8").astype(np.int64)
+    assert len(tokens) == header[2] == len(mask) == offsets[-1]
+    return [(tokens[s:e], mask[s:e]) for s, e in zip(offsets[:-1], offsets[1:])]
+
+
+def masked(a):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(a.dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    examples = read_examples(a.shard)
+    width = max(len(t) for t, _ in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.int64)
+    labels = torch.full((len(examples), width), -100, dtype=torch.int64)
+    attention = torch.zeros(len(examples), width, dtype=torch.int64)
+    for i, (t, m) in enumerate(examples):
+        t, m = torch.from_numpy(t), torch.from_numpy(m).bool()
+        ids[i, :len(t)] = t
+        labels[i, :len(t)] = torch.where(m, t, torch.full_like(t, -100))
+        attention[i, :len(t)] = 1
+    with torch.no_grad():
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss.double()
+        means = [model(input_ids=ids[i:i + 1, :len(t)], labels=labels[i:i + 1, :len(t)]).loss.double()
+                 for i, (t, _) in enumerate(examples)]
+    mean_of_means = torch.stack(means).mean()
+    save_file({"loss": loss.reshape(1), "mean_of_means": mean_of_means.reshape(1)}, a.out)
+    print(f"{len(examples)} examples: loss {loss.item():.6f}, mean of means {mean_of_means.item():.6f}")
+
+
 def bad(a):
     t = load_file(a.src)
     first = sorted(t)[0]
@@ -112,12 +154,16 @@ def main():
     lg.add_argument("dir")
     lg.add_argument("tokens")
     lg.add_argument("out")
+    mk = sub.add_parser("masked")
+    mk.add_argument("dir")
+    mk.add_argument("shard")
+    mk.add_argument("out")
     b = sub.add_parser("bad")
     b.add_argument("kind")
     b.add_argument("src")
     b.add_argument("out")
     a = p.parse_args()
-    {"make": make, "logits": logits, "bad": bad}[a.cmd](a)
+    {"make": make, "logits": logits, "masked": masked, "bad": bad}[a.cmd](a)
 
 
 if __name__ == "__main__":

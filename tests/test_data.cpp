@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "catch.h"
@@ -15,6 +16,7 @@
 #include "data/loader.h"
 #include "layout/mesh.h"
 #include "errors.h"
+#include "examples_data.h"
 #include "test_util.h"
 
 namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
@@ -160,6 +162,125 @@ TEST_CASE("loader: a mesh's sequence ranks hold consecutive pieces of their data
   const auto whole = data::Loader(src, 6, 32, 7).next();
   CHECK(torch::equal(torch::cat({torch::cat({b[0].x, b[1].x}, 1), torch::cat({b[2].x, b[3].x}, 1)}), whole.x));
   CHECK(torch::equal(torch::cat({torch::cat({b[0].y, b[1].y}, 1), torch::cat({b[2].y, b[3].y}, 1)}), whole.y));
+}
+
+namespace {
+std::vector<int64_t> row(const torch::Tensor& t, int64_t r) {
+  const auto c = t[r].contiguous();
+  return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
+}
+}  // namespace
+
+TEST_CASE("examples: one example a row, targets masked and padded with -100, each example once an epoch") {
+  test::TempDir dir("examples");
+  const auto ex = test::varied_examples(5, 17, 256);  // lengths 3, 3, 7, 12, 17
+  const auto src = data::ExampleSource::open(test::write_examples(dir.path, "train", ex), 256, 16);
+  REQUIRE(src->count() == 5);
+  CHECK(src->describe().find("examples 0..5 of 5") != std::string::npos);
+  // Example k alone: inputs its tokens but the last, then 0; targets its tokens but the first where trained.
+  for (int64_t k = 0; k < 5; ++k) {
+    std::vector<int64_t> x(16), y(16);
+    const auto& e = ex[static_cast<size_t>(k)];
+    const int64_t L = static_cast<int64_t>(e.tokens.size()), trained = src->fill_row(k, 16, x.data(), y.data());
+    CHECK(trained == L - static_cast<int64_t>(e.prompt));
+    for (int64_t j = 0; j < 16; ++j) {
+      INFO("example " << k << " position " << j);
+      CHECK(x[j] == (j < L - 1 ? e.tokens[j] : 0));
+      const bool target = j + 1 < L && j + 1 >= static_cast<int64_t>(e.prompt);
+      CHECK(y[j] == (target ? e.tokens[j + 1] : data::kIgnoreTarget));
+    }
+  }
+  // Batches of 2 over 3 epochs (15 rows): each epoch holds every example once, in its own order.
+  data::Loader loader(src, 2, 16, 3);
+  std::vector<std::vector<int64_t>> rows;
+  for (int i = 0; i < 8; ++i) {
+    const auto b = loader.next();
+    int64_t trained = 0;
+    for (int64_t r = 0; r < 2; ++r) {
+      rows.push_back(row(b.x, r));
+      trained += (b.y[r] != data::kIgnoreTarget).sum().item<int64_t>();
+    }
+    CHECK(b.trained_everywhere == trained);
+    CHECK(b.masked());
+  }
+  const auto lengths_in_epoch = [&](size_t from) {
+    std::multiset<int64_t> lengths;
+    for (size_t i = from; i < from + 5; ++i) lengths.insert(16 - std::count(rows[i].begin() + 1, rows[i].end(), 0));
+    return lengths;
+  };
+  CHECK(lengths_in_epoch(0) == lengths_in_epoch(5));
+  CHECK(lengths_in_epoch(5) == lengths_in_epoch(10));
+  CHECK(rows.front() != rows[5]);  // the order is reshuffled (the seed's epochs 0 and 1 start elsewhere)
+  // A restored position goes on where it was; rewind starts over.
+  data::Loader again(src, 2, 16, 3);
+  again.restore(6);
+  CHECK(torch::equal(again.next().x, [&] { data::Loader l(src, 2, 16, 3); for (int i = 0; i < 3; ++i) l.next(); return l.next().x; }()));
+  loader.rewind();
+  CHECK(row(loader.next().x, 0) == rows[0]);
+}
+
+TEST_CASE("examples: data ranks take consecutive rows, sequence ranks their pieces, every rank the mesh's count") {
+  test::TempDir dir("examples-mesh");
+  const auto src = data::ExampleSource::open(test::write_examples(dir.path, "train", test::varied_examples(7, 33, 256)),
+                                             256, 32);
+  const auto whole = data::Loader(src, 6, 32, 9).next();
+  std::vector<data::Batch> b;
+  for (int64_t r = 0; r < 4; ++r) b.push_back(data::Loader(src, 3, 32, 9, layout::Mesh(4, r, {.sequence = 2})).next());
+  for (const auto& piece : b) {
+    CHECK(piece.x.sizes() == torch::IntArrayRef({3, 16}));
+    CHECK(piece.trained_everywhere == whole.trained_everywhere);
+  }
+  CHECK(torch::equal(torch::cat({torch::cat({b[0].x, b[1].x}, 1), torch::cat({b[2].x, b[3].x}, 1)}), whole.x));
+  CHECK(torch::equal(torch::cat({torch::cat({b[0].y, b[1].y}, 1), torch::cat({b[2].y, b[3].y}, 1)}), whole.y));
+}
+
+TEST_CASE("bad examples data throws DataError naming the file, the example and what to run") {
+  test::TempDir dir("badexamples");
+  const auto shard = test::write_examples(dir.path, "d", test::varied_examples(3, 9, 256));  // lengths 3, 4, 9
+  const auto open = [&](int64_t seq_len = 8) { return data_error([&] { data::ExampleSource::open(shard, 256, seq_len); }); };
+  CHECK(open() == "<no DataError>");
+  // Too long for the recipe's seq_len: names the example and prepare_chat's --seq-len.
+  CHECK(open(7).find("example 2 (tokens 7..16) has 9 tokens, more than train.seq_len + 1 = 8") != std::string::npos);
+  CHECK(open(7).find("--seq-len 7") != std::string::npos);
+  const auto mask = dir.path / "d.mask.bin", offsets = dir.path / "d.examples.bin";
+  std::vector<uint8_t> m(16, 0);
+  m[2] = 1, m[5] = 1, m[10] = 1;
+  const auto with_mask = [&](const std::vector<uint8_t>& bytes) {
+    test::write_bytes(mask, bytes.data(), bytes.size());
+    return open();
+  };
+  CHECK(with_mask(m) == "<no DataError>");
+  CHECK(with_mask(std::vector<uint8_t>(15, 0)).find("15 bytes for the 16 tokens") != std::string::npos);
+  auto two = m;
+  two[3] = 2;
+  CHECK(with_mask(two).find("byte 2 at token 3 is neither 0") != std::string::npos);
+  auto first = m;
+  first[3] = 1;  // example 1 starts at token 3
+  CHECK(with_mask(first).find("example 1 (tokens 3..7): its first token is marked trained") != std::string::npos);
+  auto none = m;
+  none[5] = 0;
+  CHECK(with_mask(none).find("example 1 (tokens 3..7) has no trained token") != std::string::npos);
+  with_mask(m);
+  const auto with_offsets = [&](const std::vector<uint64_t>& o) {
+    test::write_bytes(offsets, o.data(), o.size() * 8);
+    return open();
+  };
+  CHECK(with_offsets({0, 3, 7, 15}).find("not from 0 to the 16 tokens") != std::string::npos);
+  CHECK(with_offsets({0, 3, 3, 16}).find("example 1 is empty") != std::string::npos);
+  CHECK(with_offsets({0, 1, 7, 16}).find("example 0 (tokens 0..1) has one token") != std::string::npos);
+  CHECK(with_offsets({0}).find("two or more little-endian uint64 offsets") != std::string::npos);
+  std::filesystem::remove(offsets);
+  const auto missing = open();
+  CHECK(missing.find("no example offsets " + offsets.string()) != std::string::npos);
+  CHECK(missing.find("data.source: llmc") != std::string::npos);
+  // The trainer: exit 3 naming the file, no run directory.
+  const auto run_dir = dir.path / "run";
+  const auto r = test::trainer("--config configs/tiny.yaml --set data.source=examples --set data.path=" + shard +
+                               " --set data.val_path= --set logging.dir=" + run_dir.string());
+  INFO(r.output);
+  CHECK(r.code == kExitData);
+  CHECK(r.output.find(offsets.string()) != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(run_dir));
 }
 
 TEST_CASE("val_path empty holds out the tail of the training file") {

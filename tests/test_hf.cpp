@@ -8,6 +8,7 @@
 //     streaming (peak tensor memory a few tensors), in fp32 and bf16; transformers loads the export;
 //   - bad checkpoints and recipes that do not match exit 3 naming the tensor or key, before a run
 //     directory exists.
+#include <cfloat>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -21,6 +22,7 @@
 #include "interop/hf.h"
 #include "model/gpt.h"
 #include "state/safetensors.h"
+#include "examples_data.h"
 #include "runs.h"
 #include "test_util.h"
 
@@ -300,6 +302,92 @@ TEST_CASE("init_from: LLaMA from transformers goes through the trainer to its fi
   REQUIRE(r.code == 0);
   check_bitwise(dir.path / "run" / "model" / "model.safetensors", hf / "model.safetensors");
   check_bitwise(hf / "model.safetensors", dir.path / "run" / "model" / "model.safetensors");
+}
+
+// Fine-tuning's loss (data.source: examples): eight examples of 3 to 65 tokens, about a third of each a prompt
+// (not trained), one optimizer step's worth (every step sees all eight, in its own order).
+TEST_CASE("examples: micro-batch 1 x accumulation 8, 8 x 1, 2 ranks x 4 and sequence degree 2 train alike, and step "
+          "1's loss is transformers' with labels -100 where the mask is 0", "[numerics]") {
+  test::TempDir dir("hf-masked");
+  const fs::path hf = make_hf("llama", dir.path / "hf");
+  const auto examples = test::varied_examples(8, 65, 256);
+  const auto train = test::write_examples(dir.path, "train", examples);
+  int64_t trained = 0;  // a step's trained targets: every example's
+  for (const auto& e : examples) trained += static_cast<int64_t>(e.tokens.size() - e.prompt);
+  const auto val = test::write_examples(dir.path, "val", test::varied_examples(4, 40, 256, 2));
+  const auto r = parity(fmt::format("masked {} {} {}", hf.string(), train, (dir.path / "ref.safetensors").string()));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  const state::SafetensorsFile ref(dir.path / "ref.safetensors");
+  const double want = ref.view("loss").item<double>(), mean_of_means = ref.view("mean_of_means").item<double>();
+
+  const std::string common = fmt::format(
+      "--config configs/tiny.yaml {} --set train.seq_len=64 --set model.init_from={} --set data.source=examples "
+      "--set data.path={} --set data.val_path={} --set train.steps=3 --set train.eval_interval=3 --set train.eval_batches=8 "
+      "--set logging.save_model=true --set logging.progress=false", kLlamaSets, hf.string(), train, val);
+  const auto dir_of = [&](const char* name) { return (dir.path / name).string(); };
+  const auto one = test::trainer(common + " --set train.micro_batch=1 --set train.grad_accum=8 --set logging.dir=" +
+                                 dir_of("1x8"));
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  const auto eight = test::trainer(common + " --set train.micro_batch=8 --set train.grad_accum=1 --set logging.dir=" +
+                                   dir_of("8x1"));
+  INFO(eight.output);
+  REQUIRE(eight.code == 0);
+  const auto two = test::launch(2, common + " --set train.micro_batch=4 --set train.grad_accum=1 --set logging.dir=" +
+                                       dir_of("2x4"));
+  INFO(two.outputs[0]);
+  REQUIRE(two.codes == std::vector<int>{0, 0});
+  // Sequence parallelism: each rank holds half of every row's positions, and so of its trained targets.
+  const auto seq = test::launch(2, common + " --set train.micro_batch=8 --set train.grad_accum=1 "
+                                       "--set parallel.sequence=2 --set logging.dir=" + dir_of("seq2"));
+  INFO(seq.outputs[0]);
+  REQUIRE(seq.codes == std::vector<int>{0, 0});
+
+  // Step 1 runs the checkpoint's weights over all eight examples: its loss is the mean over their trained
+  // tokens, transformers' within kLossTol (each token's loss within 2 max|dz|, and so their mean).
+  for (const char* run : {"1x8", "8x1", "2x4", "seq2"}) {
+    INFO(run);
+    const auto steps = test::step_records(dir.path / run / "metrics.jsonl");
+    REQUIRE(steps.size() == 3);
+    CHECK(std::abs(steps[0].loss - want) <= kLossTol);
+    // Tokens processed (8 rows of 64) and trained, apart, in the summary and in every step's record.
+    const auto s = nlohmann::json::parse(test::read_text(dir.path / run / "summary.json"));
+    CHECK(s["tokens"] == 3 * 8 * 64);
+    CHECK(s["trained_tokens"] == 3 * trained);
+    std::ifstream metrics(dir.path / run / "metrics.jsonl");
+    int64_t records = 0;
+    for (std::string line; std::getline(metrics, line);) {
+      const auto rec = nlohmann::json::parse(line);
+      if (!rec.contains("trained_tokens")) continue;
+      ++records;
+      CHECK(rec["trained_tokens"] == trained);
+      CHECK(rec["tokens"] == 8 * 64);
+      // Both are a count over the same step time: one rounding each, and two in the product here.
+      const double rate = rec["tokens_per_s"].get<double>() * static_cast<double>(trained) / (8 * 64);
+      CHECK(std::abs(rec["trained_tokens_per_s"].get<double>() - rate) <= 4 * DBL_EPSILON * rate);
+    }
+    CHECK(records == 3);
+  }
+  // The mean of the examples' own means (micro-batch 1 averaged per micro-batch) is another number: the
+  // comparison above tells the two apart.
+  CHECK(std::abs(mean_of_means - want) > 10 * kLossTol);
+  // The eval after step 3 scores whole epochs of the four val examples (8 batches of 1, 4 or 8 rows, on one
+  // or two ranks): the mean over their trained tokens, transformers' on the run's final weights.
+  for (const char* run : {"1x8", "2x4", "seq2"}) {
+    INFO(run);
+    const auto out = dir.path / run / "val_ref.safetensors";
+    const auto v = parity(fmt::format("masked {} {} {}", (dir.path / run / "model").string(), val, out.string()));
+    INFO(v.output);
+    REQUIRE(v.code == 0);
+    const auto s = nlohmann::json::parse(test::read_text(dir.path / run / "summary.json"));
+    CHECK(std::abs(s["final_val_loss"].get<double>() - state::SafetensorsFile(out).view("loss").item<double>()) <=
+          kLossTol);
+  }
+  // Every step's loss and gradient norm, and the final weights: only the order of fp32 sums differs.
+  CHECK_PARITY(dir.path / "1x8", dir.path / "8x1");
+  CHECK_PARITY(dir.path / "8x1", dir.path / "2x4");
+  CHECK_PARITY(dir.path / "8x1", dir.path / "seq2");
 }
 
 TEST_CASE("bad checkpoints and mismatched recipes exit 3 naming the tensor or key; nothing is trained") {

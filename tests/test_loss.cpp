@@ -122,6 +122,37 @@ TEST_CASE("fused linear + cross-entropy: a padded vocabulary's rows never enter 
   CHECK(got.dW.narrow(0, 41, 7).abs().max().item<double>() == 0.0);
 }
 
+TEST_CASE("fused linear + cross-entropy: ignored targets (-100) add no loss and no gradient; the sum is over every row") {
+  const Case k = make_case(64, 24, 40, 40, 13);
+  Case masked = k;
+  masked.t = k.t.clone();
+  const auto ignored = torch::arange(64) % 3 == 0;  // rows 0, 3, ..., 63: 22 of 64
+  masked.t.masked_fill_(ignored, model::kIgnoreTarget);
+  // The reference: ATen's cross-entropy summed with the same ignore_index, over all 64 rows.
+  auto h = k.h.clone().requires_grad_(true), W = k.W.clone().requires_grad_(true);
+  auto ref = at::cross_entropy_loss(model::linear(h, W), masked.t, {}, at::Reduction::Sum, model::kIgnoreTarget) / 64.0;
+  ref.backward();
+  const Result want{ref.detach().to(torch::kDouble), h.grad().to(torch::kDouble), W.grad().to(torch::kDouble)};
+  // The bounds of every row (k's targets): the ignored rows add nothing on either side, and each bound's
+  // terms are non-negative, so the kept rows' sums are within them.
+  const Bounds b = bounds(k, 0.0);
+  for (int64_t chunk : {1, 7, 16, 64}) {
+    INFO("chunk " << chunk);
+    const Result got = run(masked, true, chunk);
+    check_within(got, want, b);
+    CHECK(got.dh.index({ignored}).abs().max().item<double>() == 0.0);  // an ignored row's d is zero
+  }
+  // It is not the mean over the kept rows: that is 64/42 of it.
+  CHECK(std::abs(run(masked, true, 16).loss.item<double>() * 64.0 / 42.0 - want.loss.item<double>()) > 100 * b.loss);
+  // Every target ignored: loss 0, no gradient (not 0/0).
+  Case none = k;
+  none.t = torch::full({64}, model::kIgnoreTarget, torch::kInt64);
+  const Result zero = run(none, true, 16);
+  CHECK(zero.loss.item<double>() == 0.0);
+  CHECK(zero.dh.abs().max().item<double>() == 0.0);
+  CHECK(zero.dW.abs().max().item<double>() == 0.0);
+}
+
 TEST_CASE("fused linear + cross-entropy under bf16 autocast: the composition's roundings, within a bf16 ulp", "[numerics]") {
   // Both round h, W, the logits, d and the products to bf16; fp32 sums in another order may put a value
   // on the other side of a rounding boundary (one bf16 ulp, `flip`), on either path (widened or native).

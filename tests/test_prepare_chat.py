@@ -16,7 +16,8 @@ reference:
   - bad input exits 3 naming FILE:LINE (not JSON, no role, content not text, an empty assistant turn, no
     assistant turn, an empty completion, a template whose renderings are not prefixes, no template) and
     leaves no --out behind; an --out holding a data set exits 2 without --overwrite;
-  - the trainer (SUBLINEAR_TRAINER, set by ctest) trains 2 steps on the token shards (data.source llmc).
+  - the trainer (SUBLINEAR_TRAINER, set by ctest) trains 2 steps on the examples (data.source examples: masks and
+    offsets read) and on the same shards' tokens (data.source llmc).
 The script runs in this process (its main(), exit status and output), so transformers loads once.
 Usage: python tests/test_prepare_chat.py [-v]
 """
@@ -208,25 +209,38 @@ class PrepareChat(unittest.TestCase):
         for name in ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", "train.examples.bin", "val.examples.bin"):
             self.assertEqual(read(os.path.join(out, name)), read(os.path.join(again, name)), name)
 
-    def test_the_trainer_reads_the_token_shards(self):
-        """As docs/data.md says: data.source llmc reads train.bin / val.bin of such a folder (every token trained)."""
+    def test_the_trainer_reads_the_examples(self):
+        """As docs/data.md says: data.source examples reads the shards with their masks and offsets (the loss
+        over the trained tokens only), and data.source llmc the same shards' tokens (every token trained)."""
         trainer = os.environ.get("SUBLINEAR_TRAINER") or os.path.join(ROOT, "build", "trainer")
         if not os.path.isfile(trainer):
             self.fail(f"no trainer binary at {trainer} (set SUBLINEAR_TRAINER)")
         src = write_jsonl(self.path("train.jsonl"), [{"messages": c} for c in CONVERSATIONS] * 3)
         out = self.path("for_trainer")
-        self.assertEqual(run(src, "--tokenizer", self.chatml, "--out", out, "--seq-len", "512").returncode, 0)
+        self.assertEqual(run(src, "--tokenizer", self.chatml, "--out", out, "--seq-len", "48", "--too-long",
+                             "truncate").returncode, 0)
         info = data_json(out)
-        sets = [f"data.path={out}/train.bin", f"data.val_path={out}/val.bin", f"model.vocab_size={info['vocab_size']}",
-                "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "train.seq_len=16", "train.micro_batch=2",
-                "train.grad_accum=1", "train.steps=2", "train.warmup_steps=1", "train.eval_interval=2",
-                "train.eval_batches=1", "logging.progress=false", f"logging.dir={self.path('chat_run')}"]
-        t = subprocess.run([trainer, "--config", os.path.join(ROOT, "configs", "tiny.yaml")] +
-                           [a for kv in sets for a in ("--set", kv)], capture_output=True, text=True,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
-        self.assertEqual(t.returncode, 0, t.stdout[-3000:] + t.stderr[-3000:])
-        self.assertIn(f"(llm.c, {info['train']['tokens']} tokens)", t.stdout + t.stderr)
-        self.assertEqual(json.loads(read(os.path.join(self.path("chat_run"), "summary.json"), "r"))["steps"], 2)
+        for source, says in (("examples", f"(examples 0..{info['train']['examples']} of {info['train']['examples']}, "
+                                          f"{info['train']['tokens']} tokens, {info['train']['trained_tokens']} trained)"),
+                             ("llmc", f"(llm.c, {info['train']['tokens']} tokens)")):
+            run_dir = self.path(f"chat_run_{source}")
+            sets = [f"data.source={source}", f"data.path={out}/train.bin", f"data.val_path={out}/val.bin",
+                    f"model.vocab_size={info['vocab_size']}", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+                    "train.seq_len=48", "train.micro_batch=2", "train.grad_accum=1", "train.steps=2",
+                    "train.warmup_steps=1", "train.eval_interval=2", "train.eval_batches=1", "logging.progress=false",
+                    f"logging.dir={run_dir}"]
+            t = subprocess.run([trainer, "--config", os.path.join(ROOT, "configs", "tiny.yaml")] +
+                               [a for kv in sets for a in ("--set", kv)], capture_output=True, text=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+            self.assertEqual(t.returncode, 0, t.stdout[-3000:] + t.stderr[-3000:])
+            self.assertIn(says, t.stdout + t.stderr)
+            summary = json.loads(read(os.path.join(run_dir, "summary.json"), "r"))
+            self.assertEqual((summary["steps"], summary["tokens"]), (2, 2 * 2 * 48))
+            if source == "examples":  # two rows a step, each one example: its trained tokens, never the padding
+                self.assertGreater(summary["trained_tokens"], 0)
+                self.assertLess(summary["trained_tokens"], summary["tokens"])
+            else:
+                self.assertEqual(summary["trained_tokens"], summary["tokens"])
 
     def test_too_long_examples_dropped_or_cut_and_counted(self):
         lengths = [len(self.reference({"messages": c})[0]) for c in CONVERSATIONS]

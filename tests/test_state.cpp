@@ -43,6 +43,7 @@
 
 #include "device/host.h"
 #include "memory/tracking_allocator.h"
+#include "examples_data.h"
 #include "recipes.h"
 #include "state/safetensors.h"
 #include "state/state.h"
@@ -622,6 +623,29 @@ TEST_CASE("--resume PATH from an earlier state sets the later states aside in ab
   REQUIRE(!resumes.empty());
   CHECK(resumes.back()["step"] == 12);
   CHECK(names_in(root / "abandoned").size() == 3);
+}
+
+TEST_CASE("examples: a run resumed from its step-3 state is bitwise the uninterrupted one (the epoch's order and "
+          "position, the trained-token count)") {
+  test::TempDir dir("state-examples");
+  // 13 examples, 4 rows a step: the epochs end mid-step (rows 13 and 26), and step 3 starts in the first.
+  const auto train = test::write_examples(dir.path, "train", test::varied_examples(13, 65, 256));
+  const auto val = test::write_examples(dir.path, "val", test::varied_examples(3, 40, 256, 2));
+  const std::string args = fmt::format(
+      "--config configs/tiny.yaml --set model.n_layer=2 --set model.dropout=0.1 --set data.source=examples "
+      "--set data.path={} --set data.val_path={} --set train.seq_len=64 --set train.micro_batch=2 "
+      "--set train.grad_accum=2 --set train.steps=7 --set train.eval_interval=3 --set train.eval_batches=2 "
+      "--set state.keep=0", train, val);
+  const auto whole = dir.path / "whole", resumed = dir.path / "resumed";
+  run_ok(args + " --set state.every=0 --set state.at_end=false" + dir_arg(whole));
+  run_ok(args + " --set state.every=3" + dir_arg(resumed));
+  run_ok(args + " --set state.every=3 --resume " + (resumed / "state" / step_name(3)).string() + dir_arg(resumed));
+  const auto want = test::trace(whole / "metrics.jsonl");
+  REQUIRE(want.steps.size() == 7);
+  CHECK(test::trace_diff(test::trace(resumed / "metrics.jsonl"), want) == "");
+  const auto summary = [](const fs::path& run) { return json::parse(test::read_text(run / "summary.json")); };
+  CHECK(summary(resumed)["trained_tokens"] == summary(whole)["trained_tokens"]);
+  CHECK(summary(whole)["trained_tokens"].get<int64_t>() < summary(whole)["tokens"].get<int64_t>());
 }
 
 namespace {

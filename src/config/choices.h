@@ -194,17 +194,20 @@ class Exchange : public NamedChoice<Exchange> {
   constexpr bool chosen() const { return kind() == kAuto; }    // budget mode's solver decides per block
 };
 
-// data.source: where the tokens come from (data/loader.h); bin is llmc's old name.
+// data.source: where the tokens come from (data/loader.h, data/examples.h); bin is llmc's old name; examples
+// are llm.c shards with a loss mask and example boundaries beside them (scripts/prepare_chat.py).
 class DataSource : public NamedChoice<DataSource> {
  public:
-  enum Kind : uint8_t { kLlmc, kBin, kRaw, kText, kSynthetic };
-  static constexpr std::array<std::string_view, 5> kNames = {"llmc", "bin", "raw", "text", "synthetic"};
+  enum Kind : uint8_t { kLlmc, kBin, kRaw, kText, kSynthetic, kExamples };
+  static constexpr std::array<std::string_view, 6> kNames = {"llmc", "bin", "raw", "text", "synthetic", "examples"};
 
   constexpr DataSource() : DataSource(kLlmc) {}
   constexpr DataSource(Kind k) : NamedChoice(k) {}  // NOLINT(google-explicit-constructor)
 
   constexpr bool llmc() const { return kind() == kLlmc || kind() == kBin; }  // llm.c's shard format (either name)
-  constexpr bool token_file() const { return llmc() || kind() == kRaw; }   // token ids a tokenizer wrote (data.path)
+  constexpr bool examples() const { return kind() == kExamples; }  // one example a row, a loss mask (data/examples.h)
+  // token ids a tokenizer wrote (data.path)
+  constexpr bool token_file() const { return llmc() || kind() == kRaw || examples(); }
 };
 
 // data.raw_dtype: the width of a raw (headerless) token file's ids.

@@ -163,7 +163,10 @@ std::vector<Field> data_fields() {
   return {
       field(&R::data, &D::source, "data", "source",
             "llmc (llm.c token shard: header + uint16/uint32 tokens; `bin` is its old name) | raw (headerless tokens, "
-            "nanoGPT's prepare.py output; width from raw_dtype) | text (UTF-8, one token per byte) | synthetic"),
+            "nanoGPT's prepare.py output; width from raw_dtype) | text (UTF-8, one token per byte) | synthetic | "
+            "examples "
+            "(scripts/prepare_chat.py's shards with their .mask.bin and .examples.bin: one example a row, padded; the "
+            "loss counts the masked-in tokens only, averaged over the optimizer step's)"),
       field(&R::data, &D::raw_dtype, "data", "raw_dtype",
             "token width of source: raw files: uint16 (nanoGPT) | uint32"),
       field(&R::data, &D::path, "data", "path", "training file (llmc, raw or text), relative to the working directory"),

@@ -1,21 +1,11 @@
-// Token sources (mmap'd llm.c shards and headerless token files, byte-level text, synthetic), splits and
-// batch sampling.
+// Batch sampling over token sources (random windows) and examples (epochs), splits, the tokenizer beside
+// the data (loader.h).
 #include "data/loader.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include "errors.h"
@@ -23,291 +13,13 @@
 namespace sl::data {
 namespace {
 
-// A read-only memory map of a whole file; unmapped on destruction.
-class MappedFile {
- public:
-  explicit MappedFile(const std::string& path) : path_(path) {
-    int fd = ::open(path.c_str(), O_RDONLY);
-    if (fd < 0)
-      throw DataError(fmt::format("{}: cannot open ({}); check data.path / data.val_path, or run "
-                                  "scripts/make_corpus.py to rebuild the shipped corpus", path, std::strerror(errno)));
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      ::close(fd);
-      throw DataError(fmt::format("{}: cannot stat ({})", path, std::strerror(errno)));
-    }
-    size_ = static_cast<size_t>(st.st_size);
-    if (size_ > 0) {
-      void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-      if (p == MAP_FAILED) {
-        ::close(fd);
-        throw DataError(fmt::format("{}: mmap failed ({})", path, std::strerror(errno)));
-      }
-      data_ = static_cast<const uint8_t*>(p);
-    }
-    ::close(fd);
-  }
-  ~MappedFile() {
-    if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
-  }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  const uint8_t* data() const { return data_; }
-  size_t size() const { return size_; }
-
- private:
-  std::string path_;
-  const uint8_t* data_ = nullptr;
-  size_t size_ = 0;
-};
-
-// Tokens of `width` bytes (2: uint16, 4: uint32), little-endian, at byte `offset` of a mapped file:
-// llm.c shards (after their header) and headerless token files alike.
-class MappedTokens final : public TokenSource {
- public:
-  MappedTokens(std::string path, std::shared_ptr<MappedFile> file, size_t offset, int width, int64_t n,
-               std::string kind)
-      : path_(std::move(path)),
-        file_(std::move(file)),
-        base_(file_->data() + offset),
-        width_(width),
-        n_(n),
-        kind_(std::move(kind)) {}
-  int64_t size() const override { return n_; }
-  int64_t at(int64_t i) const {
-    if (width_ == 2) {
-      uint16_t v;
-      std::memcpy(&v, base_ + 2 * i, 2);
-      return v;
-    }
-    uint32_t v;
-    std::memcpy(&v, base_ + 4 * i, 4);
-    return v;
-  }
-  void read(int64_t begin, int64_t n, int64_t* out) const override {
-    for (int64_t i = 0; i < n; ++i) out[i] = at(begin + i);
-  }
-  std::string describe() const override { return fmt::format("{} ({}, {} tokens)", path_, kind_, n_); }
-  // Throws DataError at the first token >= vocab_size (uint16 tokens are all below 65,536).
-  void check_vocab(int64_t vocab_size) const {
-    if (width_ == 2 && vocab_size >= 65536) return;
-    for (int64_t i = 0; i < n_; ++i)
-      if (at(i) >= vocab_size)
-        throw DataError(fmt::format("{}: token {} at position {} is >= model.vocab_size = {}; raise "
-                                    "model.vocab_size or re-tokenize", path_, at(i), i, vocab_size));
-  }
-
- private:
-  std::string path_;
-  std::shared_ptr<MappedFile> file_;
-  const uint8_t* base_;
-  int width_;
-  int64_t n_;
-  std::string kind_;
-};
-
-// The llm.c shard's magic is missing: say what the file probably is and exactly what to run.
-std::string no_llmc_header(const std::string& path, int32_t first_word) {
-  const std::filesystem::path p(path);
-  const std::string converted = (p.parent_path() / (p.stem().string() + ".llmc.bin")).string();
-  return fmt::format("{}: no llm.c shard header (first int32 word {}, expected the magic {}). If it holds headerless "
-                     "uint16 tokens, as nanoGPT's prepare.py writes them, set data.source: raw (and model.vocab_size), "
-                     "or convert it once: python3 scripts/tokens.py to-llmc {} {}. If it is UTF-8 text, use "
-                     "data.source: text or python3 scripts/txt_to_bin.py {} {}",
-                     path, first_word, kShardMagic, path, converted, path, converted);
-}
-
-// The token width an llm.c header's version means: 1 = uint16, 2 = uint32.
-int llmc_width(const std::string& path, int32_t version) {
-  if (version == 1 || version == 2) return version == 1 ? 2 : 4;
-  throw DataError(
-      fmt::format("{}: unsupported llm.c shard version {} (1: uint16 tokens, 2: uint32 tokens)", path, version));
-}
-
-std::unique_ptr<MappedTokens> map_llmc(const std::string& path) {
-  auto file = std::make_shared<MappedFile>(path);
-  const size_t header_bytes = kShardHeaderWords * sizeof(int32_t);
-  int32_t header[3] = {0, 0, 0};
-  std::memcpy(header, file->data(), std::min(sizeof(header), file->size()));
-  if (file->size() >= 4 && header[0] != kShardMagic) throw DataError(no_llmc_header(path, header[0]));
-  if (file->size() < header_bytes)
-    throw DataError(fmt::format("{}: truncated: {} bytes is shorter than the {}-byte llm.c shard header "
-                                "(is this a token shard? convert text with scripts/txt_to_bin.py)",
-                                path, file->size(), header_bytes));
-  const int width = llmc_width(path, header[1]);
-  if (header[2] < 0) throw DataError(fmt::format("{}: negative token count {} in the header", path, header[2]));
-  const int64_t n = header[2];
-  const size_t expected = header_bytes + static_cast<size_t>(n) * static_cast<size_t>(width);
-  if (file->size() != expected)
-    throw DataError(fmt::format("{}: {} ({} bytes, the header promises {} tokens = {} bytes); re-create the shard",
-                                path, file->size() < expected ? "truncated" : "has trailing bytes", file->size(), n,
-                                expected));
-  return std::make_unique<MappedTokens>(path, std::move(file), header_bytes, width, n,
-                                        width == 2 ? "llm.c" : "llm.c uint32");
-}
-
-std::unique_ptr<MappedTokens> map_raw(const std::string& path, int width) {
-  auto file = std::make_shared<MappedFile>(path);
-  int32_t first = 0;
-  if (file->size() >= 4) std::memcpy(&first, file->data(), 4);
-  if (first == kShardMagic)
-    throw DataError(
-        fmt::format("{}: this file has an llm.c shard header (magic {}); use data.source: llmc", path, kShardMagic));
-  if (file->size() % static_cast<size_t>(width) != 0)
-    throw DataError(fmt::format("{}: {} bytes is not a whole number of {}-byte tokens; check data.raw_dtype (uint16 | "
-                                "uint32) or whether the file is truncated", path, file->size(), width));
-  const auto n = static_cast<int64_t>(file->size() / static_cast<size_t>(width));
-  return std::make_unique<MappedTokens>(path, std::move(file), 0, width, n, width == 2 ? "raw uint16" : "raw uint32");
-}
-
-class VectorSource final : public TokenSource {
- public:
-  VectorSource(std::vector<uint16_t> tokens, std::string what) : tokens_(std::move(tokens)), what_(std::move(what)) {}
-  int64_t size() const override { return static_cast<int64_t>(tokens_.size()); }
-  void read(int64_t begin, int64_t n, int64_t* out) const override {
-    for (int64_t i = 0; i < n; ++i) out[i] = tokens_[begin + i];
-  }
-  std::string describe() const override { return fmt::format("{}, {} tokens)", what_, tokens_.size()); }
-
- private:
-  std::vector<uint16_t> tokens_;
-  std::string what_;
-};
-
-class SliceSource final : public TokenSource {
- public:
-  SliceSource(std::shared_ptr<TokenSource> base, int64_t begin, int64_t n)
-      : base_(std::move(base)), begin_(begin), n_(n) {}
-  int64_t size() const override { return n_; }
-  void read(int64_t begin, int64_t n, int64_t* out) const override { base_->read(begin_ + begin, n, out); }
-  std::string describe() const override {
-    return fmt::format("{} [tokens {}..{})", base_->describe(), begin_, begin_ + n_);
-  }
-
- private:
-  std::shared_ptr<TokenSource> base_;
-  int64_t begin_, n_;
-};
-
-uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
 std::shared_ptr<TokenSource> open_file(const config::DataConfig& d, int64_t vocab_size, const std::string& path) {
   if (d.source == config::DataSource::kText) return open_text(path, vocab_size);
   if (d.source == config::DataSource::kRaw) return open_raw(path, vocab_size, static_cast<int>(d.raw_dtype.bytes()));
   return open_llmc(path, vocab_size);  // llmc, or its old name bin
 }
 
-// The length of the UTF-8 sequence that lead byte c starts; 0 when c cannot start one (a continuation
-// byte, an overlong 0xc0/0xc1 or a byte above 0xf4).
-size_t utf8_length(uint8_t c) {
-  if (c < 0x80) return 1;
-  if (c < 0xc2) return 0;
-  return c < 0xe0 ? 2 : c < 0xf0 ? 3 : c < 0xf5 ? 4 : 0;
-}
-
-// Text that is really tokens or another binary file: NUL bytes, or bytes that are not UTF-8, in its
-// first 64 KiB (a multi-byte character cut by the end of the window is fine). "" when it looks like text.
-std::string binary_evidence(const uint8_t* p, size_t size) {
-  const size_t n = std::min<size_t>(size, 64 << 10);
-  const auto nuls = std::count(p, p + n, uint8_t{0});
-  if (nuls > 0) return fmt::format("{} NUL bytes in the first {} bytes", nuls, n);
-  for (size_t i = 0; i < n;) {
-    const size_t len = utf8_length(p[i]);
-    if (len == 0) return fmt::format("byte 0x{:02x} at offset {} is not UTF-8", p[i], i);
-    if (i + len > n) {
-      if (n < size) break;  // cut by the window, not by the end of the file
-      return fmt::format("the file ends inside a {}-byte UTF-8 character at offset {}", len, i);
-    }
-    for (size_t k = 1; k < len; ++k)
-      if ((p[i + k] >> 6) != 0x2) return fmt::format("byte 0x{:02x} at offset {} is not UTF-8", p[i + k], i + k);
-    i += len;
-  }
-  return "";
-}
-
 }  // namespace
-
-std::unique_ptr<TokenSource> open_llmc(const std::string& path, int64_t vocab_size) {
-  auto src = map_llmc(path);
-  src->check_vocab(vocab_size);
-  return src;
-}
-
-std::unique_ptr<TokenSource> open_raw(const std::string& path, int64_t vocab_size, int width) {
-  auto src = map_raw(path, width);
-  src->check_vocab(vocab_size);
-  return src;
-}
-
-std::unique_ptr<TokenSource> open_text(const std::string& path, int64_t vocab_size) {
-  if (vocab_size < 256)
-    throw DataError(
-        fmt::format("{}: text data needs model.vocab_size >= 256 (one token per byte), got {}", path, vocab_size));
-  MappedFile file(path);
-  if (const std::string why = binary_evidence(file.data(), file.size()); !why.empty())
-    spdlog::warn("{}: data.source is text but the file looks binary ({}); every byte becomes a token. If it holds "
-                 "token ids, use data.source: raw (headerless, as nanoGPT's prepare.py writes) or llmc",
-                 path, why);
-  std::vector<uint16_t> tokens(file.data(), file.data() + file.size());
-  return std::make_unique<VectorSource>(std::move(tokens), fmt::format("{} (text, bytes", path));
-}
-
-std::unique_ptr<TokenSource> make_synthetic(int64_t n, int64_t vocab_size, uint64_t seed) {
-  // Motifs of 8..23 tokens drawn from a small alphabet, repeated in a random order: the next token
-  // is predictable inside a motif, so the loss can fall far below log(vocab).
-  uint64_t state = seed;
-  const int64_t n_motifs = 64;
-  std::vector<std::vector<uint16_t>> motifs(n_motifs);
-  const uint64_t alphabet = static_cast<uint64_t>(std::min<int64_t>(vocab_size, 512));
-  for (auto& m : motifs) {
-    m.resize(8 + splitmix64(state) % 16);
-    for (auto& t : m) t = static_cast<uint16_t>(splitmix64(state) % alphabet);
-  }
-  std::vector<uint16_t> tokens;
-  tokens.reserve(static_cast<size_t>(n));
-  while (static_cast<int64_t>(tokens.size()) < n) {
-    const auto& m = motifs[splitmix64(state) % n_motifs];
-    for (auto t : m) {
-      if (static_cast<int64_t>(tokens.size()) == n) break;
-      tokens.push_back(t);
-    }
-  }
-  return std::make_unique<VectorSource>(std::move(tokens), "synthetic (motifs");
-}
-
-std::unique_ptr<TokenSource> slice(std::shared_ptr<TokenSource> base, int64_t begin, int64_t n) {
-  return std::make_unique<SliceSource>(std::move(base), begin, n);
-}
-
-void write_llmc(const std::string& path, const std::vector<int64_t>& tokens) {
-  std::vector<int32_t> header(kShardHeaderWords, 0);
-  header[0] = kShardMagic;
-  header[1] = kShardVersion;
-  header[2] = static_cast<int32_t>(tokens.size());
-  std::vector<uint16_t> body(tokens.size());
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] > 65535)
-      throw DataError(fmt::format("{}: token {} at position {} does not fit in uint16", path, tokens[i], i));
-    body[i] = static_cast<uint16_t>(tokens[i]);
-  }
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(header.data()),
-              static_cast<std::streamsize>(header.size() * sizeof(int32_t)));
-    out.write(reinterpret_cast<const char*>(body.data()), static_cast<std::streamsize>(body.size() * sizeof(uint16_t)));
-    if (!out) {
-      std::filesystem::remove(tmp);
-      throw DataError(fmt::format("{}: write failed (disk full or no permission?)", path));
-    }
-  }
-  std::filesystem::rename(tmp, path);
-}
 
 Loader::Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t seq_len, uint64_t seed,
                const layout::Mesh& mesh)
@@ -316,6 +28,7 @@ Loader::Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t
       T_(seq_len),
       mesh_(mesh),
       seed_(seed),
+      start_(seed),
       state_(seed) {
   if (source_->size() < T_ + 1)
     throw DataError(
@@ -324,7 +37,15 @@ Loader::Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t
                     source_->describe(), source_->size(), T_ + 1));
 }
 
-Batch Loader::next() {
+Loader::Loader(std::shared_ptr<ExampleSource> examples, int64_t micro_batch, int64_t seq_len, uint64_t seed,
+               const layout::Mesh& mesh)
+    : examples_(std::move(examples)), B_(micro_batch), T_(seq_len), mesh_(mesh), seed_(seed), start_(0), state_(0) {
+  if (examples_->count() < 1) throw DataError(examples_->describe() + ": no examples");
+}
+
+Batch Loader::next() { return examples_ ? next_examples() : next_window(); }
+
+Batch Loader::next_window() {
   const int64_t span = source_->size() - T_;  // valid window starts: [0, span)
   const int64_t t = mesh_.local_positions(T_);  // this piece's positions: window + [piece * t, piece * t + t)
   auto buf = torch::empty({B_, t + 1}, torch::kInt64);
@@ -337,7 +58,63 @@ Batch Loader::next() {
   return {buf.narrow(1, 0, t).contiguous(), buf.narrow(1, 1, t).contiguous()};
 }
 
+int64_t Loader::example_at(uint64_t row) {
+  const auto n = static_cast<uint64_t>(examples_->count());
+  const auto epoch = static_cast<int64_t>(row / n);
+  if (epoch != epoch_) {  // Fisher-Yates from (seed, epoch)
+    order_.resize(n);
+    for (uint64_t i = 0; i < n; ++i) order_[i] = static_cast<int64_t>(i);
+    uint64_t rng = seed_ ^ (0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(epoch + 1));
+    for (uint64_t i = n - 1; i > 0; --i) std::swap(order_[i], order_[splitmix64(rng) % (i + 1)]);
+    epoch_ = epoch;
+  }
+  return order_[row % n];
+}
+
+// Every rank fills every rank's rows (whole rows, T positions) to count the micro-batch's trained targets
+// over the mesh, and keeps its own rows' piece.
+Batch Loader::next_examples() {
+  const int64_t t = mesh_.local_positions(T_), piece = mesh_.sequence_rank() * t;
+  auto x = torch::empty({B_, t}, torch::kInt64), y = torch::empty({B_, t}, torch::kInt64);
+  std::vector<int64_t> row_x(static_cast<size_t>(T_)), row_y(static_cast<size_t>(T_));
+  Batch b;
+  for (int64_t g = 0; g < B_ * mesh_.data(); ++g) {
+    b.trained_everywhere += examples_->fill_row(example_at(state_++), T_, row_x.data(), row_y.data());
+    if (g / B_ != mesh_.data_rank()) continue;  // another data rank's row
+    std::copy_n(row_x.data() + piece, t, x.data_ptr<int64_t>() + (g % B_) * t);
+    std::copy_n(row_y.data() + piece, t, y.data_ptr<int64_t>() + (g % B_) * t);
+  }
+  b.x = x, b.y = y;
+  return b;
+}
+
+namespace {
+
+// data.source: examples: the shard's examples, or two (data.val_path) and the last val_fraction of them
+// held out (at least one) when there is no val_path.
+Splits open_example_splits(const config::DataConfig& d, int64_t vocab_size, int64_t seq_len) {
+  Splits s;
+  s.train_examples = ExampleSource::open(d.path, vocab_size, seq_len);
+  if (!d.val_path.empty()) {
+    s.val_examples = ExampleSource::open(d.val_path, vocab_size, seq_len);
+    return s;
+  }
+  const int64_t n = s.train_examples->count();
+  const int64_t n_val = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(n) * d.val_fraction));
+  if (n_val >= n)
+    throw DataError(fmt::format("{}: {} example(s) cannot be split into train and val (data.val_fraction {}); give "
+                                "data.val_path (scripts/prepare_chat.py writes val.bin) or more examples",
+                                s.train_examples->describe(), n, d.val_fraction));
+  auto all = s.train_examples;
+  s.train_examples = all->slice(0, n - n_val);
+  s.val_examples = all->slice(n - n_val, n_val);
+  return s;
+}
+
+}  // namespace
+
 Splits open_splits(const config::DataConfig& d, int64_t vocab_size, int64_t seq_len, int64_t seed) {
+  if (d.source.examples()) return open_example_splits(d, vocab_size, seq_len);
   Splits s;
   if (d.source == config::DataSource::kSynthetic) {
     std::shared_ptr<TokenSource> all = make_synthetic(d.synthetic_tokens, vocab_size, static_cast<uint64_t>(seed));

@@ -149,12 +149,23 @@ std::string format_bytes(int64_t bytes) {
   return fmt::format("{:.1f} {}", v, units[u]);
 }
 
+namespace {
+// The step's rate, and where the loss counts fewer targets than the step processes (examples: prompts and
+// padding), the trained tokens' rate beside it.
+std::string format_rate(const nlohmann::json& r) {
+  std::string rate = fmt::format("{:.0f} tok/s", r.at("tokens_per_s").get<double>());
+  if (r.contains("trained_tokens") && r.at("trained_tokens") != r.at("tokens"))
+    rate += fmt::format(" ({:.0f} trained)", r.at("trained_tokens_per_s").get<double>());
+  return rate;
+}
+}  // namespace
+
 std::string format_step_line(const nlohmann::json& r, int64_t total_steps) {
   return fmt::format(
-      "step {:>5}/{} | loss {:.4f} | gnorm {:.3f} | lr {:.2e} | {:.1f} ms | {:.0f} tok/s | mfu {:.1f}% | mem {}",
+      "step {:>5}/{} | loss {:.4f} | gnorm {:.3f} | lr {:.2e} | {:.1f} ms | {} | mfu {:.1f}% | mem {}",
       r.at("step").get<int64_t>(), total_steps, r.at("loss").get<double>(),
       r.at("grad_norm").is_null() ? std::nan("") : r.at("grad_norm").get<double>(), r.at("lr").get<double>(),
-      r.at("step_ms").get<double>(), r.at("tokens_per_s").get<double>(), 100.0 * r.at("mfu").get<double>(),
+      r.at("step_ms").get<double>(), format_rate(r), 100.0 * r.at("mfu").get<double>(),
       format_bytes(r.at("peak_allocated_bytes").get<int64_t>()));
 }
 

@@ -47,7 +47,10 @@ struct ChunkSums {
   at::Tensor dh, dW;  // unscaled gradients (fp32), when wanted
 };
 
-// One chunk's rows: their loss into s.loss; with gradients, their dh rows and their share of dW.
+// One chunk's rows: their loss into s.loss; with gradients, their dh rows and their share of dW. A row
+// whose target is kIgnoreTarget adds nothing: no loss and a zero row of d (its row sum is made infinite,
+// so z / sum is 0 there, and its one-hot weight is 0). Where no target is ignored the arithmetic is the
+// same as without the check, bit for bit (sum and -1 unchanged).
 void run_chunk(const Matmuls& mm, const at::Tensor& hc, const at::Tensor& Wc, const at::Tensor& t, int64_t valid,
                int64_t row0, ChunkSums& s) {
   const int64_t m = hc.size(0), V = Wc.size(0);
@@ -55,19 +58,20 @@ void run_chunk(const Matmuls& mm, const at::Tensor& hc, const at::Tensor& Wc, co
   auto z = logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
   logits = at::Tensor();
   if (valid < V) z.narrow(1, valid, V - valid).fill_(-std::numeric_limits<float>::infinity());
+  const auto ignored = t.eq(kIgnoreTarget).unsqueeze(1);  // (m, 1)
+  const auto target = t.unsqueeze(1).masked_fill(ignored, 0);
   // The log-sum-exp in place (at::logsumexp would make an (m, V') temporary): z becomes exp(z - max),
   // then, with gradients, the softmax less the one-hot target.
-  const auto target = t.unsqueeze(1);
   at::Tensor sum;  // (m, 1): what the gradient still needs of the rows' vectors
   {
     const auto picked = z.gather(1, target);
     const auto top = std::get<0>(z.max(1, /*keepdim=*/true));
     sum = z.sub_(top).exp_().sum(1, /*keepdim=*/true);
-    s.loss.add_((top + sum.log() - picked).sum());
+    s.loss.add_((top + sum.log() - picked).masked_fill_(ignored, 0.0).sum());
   }
   if (!s.dW.defined()) return;
-  z.div_(sum);
-  z.scatter_add_(1, target, at::full({m, 1}, -1.0, z.options()));
+  z.div_(sum.masked_fill_(ignored, std::numeric_limits<float>::infinity()));
+  z.scatter_add_(1, target, at::full({m, 1}, -1.0, z.options()).masked_fill_(ignored, 0.0));
   const auto d = mm.operand(z);
   z = at::Tensor();
   s.dh.narrow(0, row0, m).copy_(mm.product(d, Wc));

@@ -2,7 +2,11 @@
 // logits of the whole micro-batch never exist (the classifier of GPT-2 in fp32 would be 4 V = 201 KB
 // per token: 1.6 GB for 8 x 1024 tokens).
 //
-// loss = mean_i [ logsumexp_v(z_iv) - z_i,t_i ],  z = h W^T   (h: N x C, W: V' x C, t: N targets)
+// loss = (1/N) sum_i [ logsumexp_v(z_iv) - z_i,t_i ],  z = h W^T   (h: N x C, W: V' x C, t: N targets)
+//
+// over the rows whose target is not kIgnoreTarget (-100, transformers' label for it); the divisor is N,
+// every row, so that a micro-batch's loss times N is its summed loss (train/step.cpp divides the step's
+// sum by its trained targets). Without ignored targets: the mean.
 //
 // Forward, for each chunk of rows: the chunk's logits in the compute dtype (the autocast dtype where
 // autocast is on for the device, else W's), widened to fp32; only the first `valid_vocab` columns
@@ -30,6 +34,9 @@
 #include <ATen/core/Tensor.h>
 
 namespace sl::model {
+
+// A target the loss skips: transformers' label for it (data/loader.h's kIgnoreTarget, the same value).
+constexpr int64_t kIgnoreTarget = -100;
 
 // A chunk's fp32 logits are at most this many bytes under the automatic rule (model.loss_chunk: 0).
 constexpr int64_t kLossChunkBytes = int64_t{64} << 20;
@@ -66,14 +73,16 @@ constexpr int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c 
 //   widened: each product in fp32, its compute-dtype rounding and the fp32 result ((8 + c) m V' for
 //         the logits, and again for d from z); then d (4 m V') beside dh's rows made the same way
 //         ((8 + c) m C); dW grows in place.
+//   Beside all of it, the whole chunk: its targets with the ignored ones set to 0 (int64) and which are
+//         ignored (bool), 9 m.
 constexpr int64_t fused_loss_chunk_bytes(int64_t m, int64_t C, int64_t V, int64_t c, bool widened, bool grads) {
-  const int64_t loss = 4 * m * V + 24 * m, sums = 4 * m;
-  if (c == 4) return max3(loss, grads ? 4 * m * V + sums + 4 * m * C : 0, 0);
+  const int64_t loss = 4 * m * V + 24 * m, sums = 4 * m, targets = 9 * m;
+  if (c == 4) return targets + max3(loss, grads ? 4 * m * V + sums + 4 * m * C : 0, 0);
   if (widened)
-    return max3(max3((8 + c) * m * V, loss, 0), grads ? (8 + c) * m * V + sums : 0,
-                grads ? 4 * m * V + sums + (8 + c) * m * C : 0);
+    return targets + max3(max3((8 + c) * m * V, loss, 0), grads ? (8 + c) * m * V + sums : 0,
+                          grads ? 4 * m * V + sums + (8 + c) * m * C : 0);
   const int64_t made = max3((4 + c) * m * V, loss, grads ? (4 + c) * m * V + sums : 0);
-  return grads ? max3(made, c * m * V + sums + c * m * C, c * m * V + sums + c * V * C) : made;
+  return targets + (grads ? max3(made, c * m * V + sums + c * m * C, c * m * V + sums + c * V * C) : made);
 }
 
 constexpr FusedLossBytes fused_loss_bytes(int64_t N, int64_t C, int64_t V, int64_t chunk, int64_t c, int64_t h_bytes,
@@ -90,8 +99,9 @@ constexpr FusedLossBytes fused_loss_bytes(int64_t N, int64_t C, int64_t V, int64
   return b;
 }
 
-// Mean cross-entropy of h W^T against targets: h (N, C) in any float dtype, W (V', C), targets (N)
-// int64 in [0, valid_vocab). Returns a 0-d fp32 tensor; differentiable in h and W (one node).
+// Cross-entropy of h W^T against targets, summed over the targets that are not kIgnoreTarget and divided by
+// N: h (N, C) in any float dtype, W (V', C), targets (N) int64 in [0, valid_vocab) or kIgnoreTarget.
+// Returns a 0-d fp32 tensor; differentiable in h and W (one node).
 at::Tensor linear_cross_entropy(const at::Tensor& h, const at::Tensor& W, const at::Tensor& targets, int64_t chunk_rows,
                                 int64_t valid_vocab);
 

@@ -134,7 +134,8 @@ class Loop final : public Component {
                     {"consecutive_skips", c_.consecutive_skips},
                     {"last_val", std::isfinite(c_.last_val) ? Json(c_.last_val) : Json(nullptr)},
                     {"loss_average", std::isfinite(c_.loss_average) ? Json(c_.loss_average) : Json(nullptr)},
-                    {"losses_seen", c_.losses_seen}};
+                    {"losses_seen", c_.losses_seen},
+                    {"trained_tokens", c_.trained_tokens}};
   }
   void load(const Json& meta, const Reader& /*r*/) override {
     c_.steps_done = meta.at("step").get<int64_t>();
@@ -146,6 +147,7 @@ class Loop final : public Component {
     const Json average = loop.value("loss_average", Json(nullptr));
     c_.loss_average = average.is_null() ? NAN : average.get<double>();
     c_.losses_seen = loop.value("losses_seen", int64_t{0});
+    c_.trained_tokens = loop.value("trained_tokens", int64_t{0});  // states from before examples: token windows
   }
 
  private:

@@ -55,6 +55,7 @@ struct Counters {
   double last_val = NAN;  // the newest validation loss (NaN: none yet)
   double loss_average = NAN;  // train.on_spike's moving average of step losses (NaN: none yet; train/spike.h)
   int64_t losses_seen = 0;    // the finite losses it has taken
+  int64_t trained_tokens = 0;  // examples (data.source): trained targets over the steps done; 0 for token windows
 };
 
 // The rank files of a found state, mapped, with an index of their pieces by (field, param): reads any

@@ -91,6 +91,7 @@ struct StepGraph::Cuda {
   at::cuda::MempoolId_t pool;
   std::unique_ptr<CapturedGraph> graph;
   torch::Tensor x, y, loss;
+  torch::Tensor factor;  // a masked batch's loss factor (micro_batch.h), filled before each replay; else undefined
   std::vector<const void*> addresses;  // addresses_of the parameters at the capture, checked before each replay
 };
 
@@ -267,7 +268,8 @@ torch::Tensor StepGraph::graphed(const MicroBatchWork& w, parallel::Strategy& st
     }
     return capture(w, strategy, last);
   }
-  if (!same_shape(c.x, w.batch.x) || !same_shape(c.y, w.batch.y) || w.micro_batches != captured_micro_batches_) {
+  if (!same_shape(c.x, w.batch.x) || !same_shape(c.y, w.batch.y) || w.micro_batches != captured_micro_batches_ ||
+      c.factor.defined() != (w.loss_factor > 0.0)) {
     ++eager_;  // static shapes only: this batch runs eager (still on `side`, ordered with the replays)
     return eager_micro_batch(w, strategy, last);
   }
@@ -282,6 +284,7 @@ torch::Tensor StepGraph::graphed(const MicroBatchWork& w, parallel::Strategy& st
     // LibTorch's host allocator until the copy on `side` is done).
     c.x.copy_(w.batch.x.pin_memory(), /*non_blocking=*/true);
     c.y.copy_(w.batch.y.pin_memory(), /*non_blocking=*/true);
+    if (c.factor.defined()) c.factor.fill_(w.loss_factor);
   }
   c.graph->replay();
   ++replays_;
@@ -298,6 +301,7 @@ torch::Tensor StepGraph::capture(const MicroBatchWork& w, parallel::Strategy& st
     const device::LabelScope input(device::Label::input);
     c.x = device::to_device(w.batch.x, w.device);  // made and filled before the capture: the graph's inputs
     c.y = device::to_device(w.batch.y, w.device);
+    c.factor = loss_factor_tensor(w);
   }
   const auto before = grads_of(params_);
   c10::cuda::device_synchronize();  // once: nothing of the warm-up is in flight while the capture starts
@@ -312,7 +316,7 @@ torch::Tensor StepGraph::capture(const MicroBatchWork& w, parallel::Strategy& st
     return {};
   }
   try {
-    c.loss = micro_batch_pass(w, c.x, c.y, strategy, last);
+    c.loss = micro_batch_pass(w, c.x, c.y, c.factor, strategy, last);
     test_probe_in_capture(c.loss, before_capture);
     graph->capture_end();
   } catch (const std::exception& e) {
@@ -340,7 +344,7 @@ torch::Tensor StepGraph::capture(const MicroBatchWork& w, parallel::Strategy& st
 
 void StepGraph::give_up(const std::string& why) {
   failure_ = why.substr(0, 2000);
-  cuda_->x = torch::Tensor(), cuda_->y = torch::Tensor();
+  cuda_->x = torch::Tensor(), cuda_->y = torch::Tensor(), cuda_->factor = torch::Tensor();
   spdlog::warn("train.cuda_graphs: {}; the run goes on eager", failure_);
 }
 

@@ -137,6 +137,8 @@ Json step_record(const config::TrainConfig& t, const Meter& meter, const layout:
                  int64_t step, double lr, const recompute::Stats& rs) {
   const double world = static_cast<double>(mesh.world());
   const double tps = static_cast<double>(tokens_per_step(t, mesh)) / (r.ms * 1e-3);
+  // Examples: the targets the loss counted (the rest is prompt, masked out, or padding); token windows: all.
+  const int64_t trained = r.trained_targets > 0 ? r.trained_targets : tokens_per_step(t, mesh);
   return {{"step", step + 1},
           {"loss", r.loss},
           {"lr", lr},
@@ -146,6 +148,8 @@ Json step_record(const config::TrainConfig& t, const Meter& meter, const layout:
           {"step_ms", r.ms},
           {"tokens", tokens_per_step(t, mesh)},
           {"tokens_per_s", tps},
+          {"trained_tokens", trained},
+          {"trained_tokens_per_s", static_cast<double>(trained) / (r.ms * 1e-3)},
           {"samples_per_s", static_cast<double>(mesh.global_batch(t.micro_batch, t.grad_accum)) / (r.ms * 1e-3)},
           {"mfu", meter.peak.utilisation(meter.flops_per_token * tps / world)},  // per-device peak
           {"hfu", meter.peak.utilisation((meter.flops_per_token + meter.recompute_flops_per_token) * tps / world)},
@@ -172,10 +176,12 @@ void accumulate(const config::LoggingConfig& logging, int64_t steps, parallel::S
   st.host_states_bytes = r.host_states;
   st.steps_done = step + 1;
   st.last_loss = r.loss;
+  st.trained_tokens += r.trained_targets;
   const int64_t skip_first = logging.skip_first;
   if (step >= skip_first || steps <= skip_first) {
     st.step_ms.push_back(r.ms);
     st.tok_s.push_back(rec["tokens_per_s"].get<double>());
+    st.trained_tok_s.push_back(rec["trained_tokens_per_s"].get<double>());
     st.samp_s.push_back(rec["samples_per_s"].get<double>());
     st.recompute_ms.push_back(rec["recompute_ms"].get<double>());
     st.act_peaks.push_back(static_cast<double>(r.activation_peak_bytes()));
@@ -185,7 +191,8 @@ void accumulate(const config::LoggingConfig& logging, int64_t steps, parallel::S
 void maybe_evaluate(const config::TrainConfig& t, const Process& proc, Learner& learn, data::Loader& val,
                     const Voice& v, LoopState& st) {
   if (t.eval_interval <= 0 || (st.steps_done % t.eval_interval != 0 && st.steps_done != t.steps)) return;
-  st.last_val = evaluate(learn.model, val, t.eval_batches, proc.device, learn.precision.autocast, learn.loss);
+  st.last_val =
+      evaluate(learn.model, val, t.eval_batches, proc.device, learn.precision.autocast, learn.loss, proc.world());
   if (proc.world() > 1)
     st.last_val = proc.comm->all_reduce_sum(st.last_val, "eval loss average") / static_cast<double>(proc.world());
   v.event("eval", {{"step", st.steps_done}, {"val_loss", st.last_val}});

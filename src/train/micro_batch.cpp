@@ -13,14 +13,20 @@ using device::LabelScope;
 using device::Phase;
 using device::set_phase;
 
+torch::Tensor loss_factor_tensor(const MicroBatchWork& w) {
+  if (w.loss_factor <= 0.0) return {};
+  return torch::full({}, w.loss_factor, torch::TensorOptions().dtype(torch::kFloat).device(w.device));
+}
+
 torch::Tensor micro_batch_pass(const MicroBatchWork& w, const torch::Tensor& x, const torch::Tensor& y,
-                               parallel::Strategy& strategy, bool last) {
+                               const torch::Tensor& factor, parallel::Strategy& strategy, bool last) {
   set_phase(Phase::forward);
   torch::Tensor loss;
   {
     precision::AutocastGuard autocast(w.device.type(), w.precision.autocast);
     loss = w.loss(x, y);
   }
+  if (factor.defined()) loss = loss * factor;
   set_phase(Phase::backward);
   strategy.begin_backward(last);
   // Divided by a 0-d tensor, not a double: the same float division on CPU and CUDA, and the form the
@@ -38,7 +44,7 @@ torch::Tensor eager_micro_batch(const MicroBatchWork& w, parallel::Strategy& str
     LabelScope input(Label::input);
     x = device::to_device(w.batch.x, w.device), y = device::to_device(w.batch.y, w.device);
   }
-  return micro_batch_pass(w, x, y, strategy, last);
+  return micro_batch_pass(w, x, y, loss_factor_tensor(w), strategy, last);
 }
 
 }  // namespace sl::train

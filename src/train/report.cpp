@@ -223,6 +223,7 @@ Json Session::summary_json(const LoopState& st, const Outcome& o, Json parallel,
   auto finite = [](double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); };
   const auto predicted = memory::predict_peak(s.meter.scenario, s.learn.runner->plan());  // per rank, from the planner
   const auto reserved_peak = s.meter.tracker->steps_peak_reserved_bytes();
+  const int64_t tokens = st.steps_done * tokens_per_step(s.cfg.train, s.proc.mesh());
   return {{"config", s.out.resolved},
           {"build", device::build_info()},  // what `trainer --version` prints
           {"environment", s.out.environment},
@@ -231,12 +232,14 @@ Json Session::summary_json(const LoopState& st, const Outcome& o, Json parallel,
           {"run_dir", s.out.run_dir},
           {"steps", st.steps_done},
           {"skipped_steps", st.skipped_steps},
-          {"tokens", st.steps_done * tokens_per_step(s.cfg.train, s.proc.mesh())},
+          {"tokens", tokens},
+          {"trained_tokens", s.cfg.data.source.examples() ? st.trained_tokens : tokens},
           {"final_loss", finite(st.last_loss)},
           {"final_val_loss", finite(st.last_val)},
           {"warmup_steps_excluded", std::min<int64_t>(s.cfg.logging.skip_first, st.steps_done)},
           {"median_step_ms", median(st.step_ms)},
           {"median_tokens_per_s", median(st.tok_s)},
+          {"median_trained_tokens_per_s", median(st.trained_tok_s)},
           {"median_samples_per_s", median(st.samp_s)},
           {"median_mfu", median_mfu(s.meter, s.proc.world(), st)},
           {"median_recompute_ms", median(st.recompute_ms)},

@@ -151,7 +151,7 @@ struct LoopState : state::Counters {
   int64_t host_states_bytes = 0;  // offload: model states in host memory after the last step
   double last_loss = NAN;
   double wall_s = 0;  // the loop's wall-clock time
-  std::vector<double> step_ms, tok_s, samp_s, recompute_ms, act_peaks;  // after logging.skip_first
+  std::vector<double> step_ms, tok_s, trained_tok_s, samp_s, recompute_ms, act_peaks;  // after logging.skip_first
 };
 
 // The parts a training state is made of, lent to state::save / state::load.

@@ -299,11 +299,12 @@ Inputs open_inputs(const config::DataConfig& d, const config::TrainConfig& t, in
 // sequences, each rank of a sequence group its piece of their positions.
 void open_loaders(const config::TrainConfig& t, const Process& proc, Inputs& in) {
   const auto seed = static_cast<uint64_t>(t.seed);
-  const auto loader = [&](const std::shared_ptr<data::TokenSource>& source, uint64_t s) {
+  const auto loader = [&](const auto& source, uint64_t s) {
     return std::make_unique<data::Loader>(source, t.micro_batch, t.seq_len, s, proc.mesh());
   };
-  in.train_loader = loader(in.splits.train, seed);
-  in.val_loader = loader(in.splits.val, seed + 1);
+  const auto& sp = in.splits;
+  in.train_loader = sp.train ? loader(sp.train, seed) : loader(sp.train_examples, seed);
+  in.val_loader = sp.val ? loader(sp.val, seed + 1) : loader(sp.val_examples, seed + 1);
 }
 
 // The step through which metrics.jsonl keeps its records (RunLog's resume_step): the resumed state's; 0
@@ -409,8 +410,8 @@ void print_settings(std::vector<std::pair<std::string, std::string>> rows, const
                                  : fmt::format("{} ({:.2f} M), of which {} the vocabulary padding's zero rows "
                                                "(model.vocab_multiple; {} without them)",
                                                params, static_cast<double>(params) / 1e6, padding, params - padding));
-  rows.emplace_back("train data", in.splits.train->describe());
-  rows.emplace_back("val data", in.splits.val->describe());
+  rows.emplace_back("train data", in.splits.describe_train());
+  rows.emplace_back("val data", in.splits.describe_val());
   rows.emplace_back("peak FLOP/s for MFU", fmt::format("{:.3g} ({})", meter.peak.flops(), meter.peak.source()));
   fmt::print("{}", log::format_table(rows));
   std::fflush(stdout);

@@ -96,14 +96,35 @@ StepReading read_step(const torch::Tensor& loss, const torch::Tensor& norm, cons
 
 const char* current_phase() { return device::phase_name(device::current_phase().phase); }
 
+int64_t step_trained_targets(const std::vector<data::Batch>& micro) {
+  int64_t n = 0;
+  for (const auto& b : micro) n += b.trained_everywhere;
+  return n;
+}
+
+// A masked batch's loss factor. The fused loss returns a micro-batch's summed loss over its R rows
+// (model/fused_loss.h: the sum over trained targets, divided by every row); times R world n / N, N the
+// trained targets of the step over every micro-batch and rank, it becomes the share that forward_backward
+// (/ n, over the micro-batches) and read_step (summed over ranks, / world) turn into sum / N, the mean over
+// the step's trained targets. The gradients go the same way (the strategy averages them over the world):
+// the step's gradient is that of sum / N, whatever the micro-batch, accumulation and rank count, and not a
+// mean of per-micro-batch means (which weights a short example's tokens up). 0 for an unmasked batch.
+double masked_loss_factor(const data::Batch& b, int64_t step_trained, int64_t world, size_t micro_batches) {
+  if (!b.masked()) return 0.0;
+  return static_cast<double>(b.y.numel()) * static_cast<double>(world) * static_cast<double>(micro_batches) /
+         static_cast<double>(step_trained);
+}
+
 torch::Tensor forward_backward(const LossFn& loss_of, const std::vector<data::Batch>& micro, torch::Device device,
                                parallel::Strategy& strategy, const StepPrecision& precision, StepGraph* graph) {
   const double n = static_cast<double>(micro.size());
+  const int64_t trained = step_trained_targets(micro);
   StepGraph eager;  // one path, graphs on or off: every micro-batch goes through a StepGraph's run
   StepGraph& runner = graph ? *graph : eager;
   torch::Tensor total;  // float64 on the device: the same sum the host made of each loss's value
   for (const auto& b : micro) {
-    const MicroBatchWork w{loss_of, b, device, precision, n};
+    const MicroBatchWork w{loss_of, b, device, precision, n,
+                           masked_loss_factor(b, trained, strategy.world(), micro.size())};
     const bool last = &b == &micro.back();
     const auto l = runner.run(w, strategy, last);
     total = total.defined() ? total + l : l;
@@ -112,18 +133,21 @@ torch::Tensor forward_backward(const LossFn& loss_of, const std::vector<data::Ba
 }
 
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
-                std::optional<c10::ScalarType> autocast, const LossFn& loss_of) {
+                std::optional<c10::ScalarType> autocast, const LossFn& loss_of, int64_t world) {
   torch::NoGradGuard no_grad;
   set_phase(Phase::eval);
   loader.rewind();  // the same windows every eval: two evals of the same weights give the same loss
   model->eval();
+  std::vector<data::Batch> all;
+  for (int64_t i = 0; i < batches; ++i) all.push_back(loader.next());
+  const int64_t trained = step_trained_targets(all);
   torch::Tensor total;  // float64 on the device, read once
-  for (int64_t i = 0; i < batches; ++i) {
-    auto b = loader.next();
+  for (const auto& b : all) {
     precision::AutocastGuard guard(device.type(), autocast);
     auto x = device::to_device(b.x, device);
     const auto y = device::to_device(b.y, device);
-    const auto l = (loss_of ? loss_of(x, y) : model->loss(x, y)).to(torch::kDouble);
+    auto l = (loss_of ? loss_of(x, y) : model->loss(x, y)).to(torch::kDouble);
+    if (const double f = masked_loss_factor(b, trained, world, all.size()); f > 0.0) l = l * f;
     total = total.defined() ? total + l : l;
   }
   model->train();
@@ -174,6 +198,7 @@ StepResult train_step(const StepParts& p, const std::vector<data::Batch>& micro,
   p.strategy.take_moved();  // this step's transfers only (not an eval's gathers)
   p.strategy.zero_grad();
   r.loss_scale = scaler ? scaler->scale() : 1.0;
+  r.trained_targets = step_trained_targets(micro);
   const torch::Tensor loss = forward_backward(p.loss, micro, p.device, p.strategy, p.precision, p.graph);
   set_phase(Phase::optimizer);
   const std::vector<torch::Tensor> grads = p.strategy.grads();

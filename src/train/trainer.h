@@ -44,7 +44,8 @@ struct StepPrecision {
 
 // Forward + backward over the micro-batches of one optimizer step. Each micro-batch's mean loss is
 // divided by the number of micro-batches, so the accumulated gradient equals the gradient of the
-// mean loss over all of them (one big batch). Returns that mean loss as a 0-d float64 tensor on the
+// mean loss over all of them (one big batch); for examples, the mean over the step's trained targets
+// on every rank (masked_loss_factor). Returns that mean loss as a 0-d float64 tensor on the
 // device, not read (train_step reads it with the step's other numbers, once per step).
 // The forward runs under autocast; each micro-batch's loss is multiplied by the loss scale before its
 // backward (the same scale for every micro-batch of the step).
@@ -59,9 +60,17 @@ torch::Tensor forward_backward(const LossFn& loss, const std::vector<data::Batch
 
 // Mean loss over the first `batches` batches of `loader` (rewound first, so every eval scores the same
 // windows), in eval mode without autograd, through `loss`
-// (default: the model's own; ZeRO-3 needs the runner's, which gathers parameters).
+// (default: the model's own; ZeRO-3 needs the runner's, which gathers parameters). For examples this
+// rank's share of the mean over the batches' trained targets on `world` ranks (as a step's loss is made,
+// masked_loss_factor): the average over ranks is that mean.
 double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch::Device device,
-                std::optional<c10::ScalarType> autocast = std::nullopt, const LossFn& loss = {});
+                std::optional<c10::ScalarType> autocast = std::nullopt, const LossFn& loss = {}, int64_t world = 1);
+
+// A step's trained targets over every rank (the masked batches' trained_everywhere; 0 for token windows).
+int64_t step_trained_targets(const std::vector<data::Batch>& micro);
+// The factor a masked batch's loss is multiplied by in a step of `micro_batches` with `step_trained`
+// trained targets on `world` ranks (step.cpp says why); 0 for an unmasked batch.
+double masked_loss_factor(const data::Batch& b, int64_t step_trained, int64_t world, size_t micro_batches);
 
 struct ModelStateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
@@ -85,6 +94,7 @@ using StopPoll = std::function<LocalPoll()>;
 
 struct StepResult {
   double loss = 0.0, grad_norm = 0.0, ms = 0.0;
+  int64_t trained_targets = 0;  // examples: the step's trained targets over every rank; 0 for token windows
   int stop = 0;  // the stop reason agreed over ranks at this step's read (0 without a StopPoll)
   bool save_writing = false;  // with a StopPoll: some rank's asynchronous save was still being written at it
   double loss_scale = 1.0;  // the scale this step's backward used (1 without a scaler)
