@@ -416,7 +416,7 @@ Gradients gradients(const config::RunConfig& cfg, const recompute::Plan& plan) {
   torch::manual_seed(1234);
   Gradients out;
   parallel::Single single(m);
-  out.loss = train::forward_backward([&](const torch::Tensor& idx, const torch::Tensor& y) { return runner.loss(idx, y); }, {loader.next()},
+  out.loss = train::forward_backward([&](const torch::Tensor& idx, const torch::Tensor& y, const torch::Tensor& p) { return runner.loss(idx, y, p); }, {loader.next()},
                                      torch::kCPU, single).item<double>();
   for (const auto& p : m->parameters()) out.grads.push_back(p.grad().clone());
   return out;

@@ -9,7 +9,9 @@
 //     and the device peak falls, to the planner's figure for the placement; and offload's copies on
 //     the side stream give the synchronous path's losses and weights bitwise (SUBLINEAR_SYNC_OFFLOAD=1);
 //  d. two processes on one device over Gloo, DDP and every ZeRO stage, give world 1's losses, gradient
-//     norms and parameters within tests/test_parallel.cpp's bounds.
+//     norms and parameters within tests/test_parallel.cpp's bounds;
+//  e. fine-tuning data: packed rows (SDPA with their mask) under every checkpointing mode give mode none's
+//     training bitwise, fp32 and bf16, and the masked loss through a CUDA graph the eager run's.
 // Each is a function of the device. The [cuda] cases run it on cuda:0 (their own ctest entry,
 // gpu_cuda; skipped, reported, without CUDA; bench/gpu.sh runs them on a lent GPU). A hidden
 // [.cpu_mirror] case runs the same function on the CPU, where each property holds too (modes bitwise
@@ -30,6 +32,7 @@
 #include <torch/cuda.h>
 #include <ATen/cuda/CUDAContextLight.h>
 
+#include "examples_data.h"
 #include "runs.h"
 #include "test_util.h"
 
@@ -435,6 +438,45 @@ void sequence_on_one_device(const std::string& device) {
   }
 }
 
+// ---- e. fine-tuning data: the masked loss and packed rows ----
+
+// Twelve examples of 3 to 65 tokens (tests/examples_data.h) in kModesArgs' run: packed rows take SDPA with
+// their additive mask on the device, every fixed mode giving mode none's losses, norms and weights
+// bitwise, fp32 and bf16; and the masked loss's per-micro-batch factor through a CUDA graph (dropout 0,
+// eligible: a replay fills the factor before it runs) gives the eager run's losses and weights bitwise.
+void examples_on_device(const std::string& device) {
+  test::TempDir dir("gpu-examples-" + device);
+  const auto train = test::write_examples(dir.path, "train", test::varied_examples(12, 65, 256));
+  const auto val = test::write_examples(dir.path, "val", test::varied_examples(3, 40, 256, 2));
+  const std::string args = kModesArgs + " --set train.device=" + device +
+                           " --set data.source=examples --set data.path=" + train + " --set data.val_path=" + val;
+  const auto same_steps = [](const fs::path& a, const fs::path& b) {
+    const auto x = test::step_records(a / "metrics.jsonl"), y = test::step_records(b / "metrics.jsonl");
+    REQUIRE(x.size() == 4);
+    REQUIRE(x.size() == y.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      CHECK(x[i].loss == y[i].loss);
+      CHECK(x[i].grad_norm == y[i].grad_norm);
+    }
+    CHECK(weights_diff(a, b) == "");
+  };
+  for (const std::string prec : {"fp32", "bf16"}) {
+    const std::string packed = args + " --set data.packing=true --set precision.compute=" + prec;
+    const auto none = run_ok(packed + " --set checkpointing.mode=none", dir.path / ("none-" + prec));
+    check_device(none, device);
+    for (const auto& mode : kFixedModes) {
+      INFO(prec << ", packed rows, checkpointing " << mode.name);
+      same_steps(run_ok(packed + " " + mode.sets, dir.path / (mode.name + "-" + prec)), none);
+    }
+  }
+  const std::string still = args + " --set model.dropout=0.0";
+  const auto eager = run_ok(still + " --set train.cuda_graphs=off", dir.path / "eager");
+  const auto graphed = run_ok(still + " --set train.cuda_graphs=auto", dir.path / "graphed");
+  INFO("the masked loss, eager and through train.cuda_graphs: auto");
+  same_steps(graphed, eager);
+  if (device == "cuda") CHECK(test::summary(graphed).at("cuda_graphs").at("replays").get<int64_t>() > 0);
+}
+
 }  // namespace
 
 TEST_CASE("CUDA: dropout under every checkpointing mode gives none's losses, gradient norms and weights bitwise, fp32 and bf16",
@@ -512,6 +554,16 @@ TEST_CASE("CUDA: offload's copies on the side stream give the synchronous path's
 
 TEST_CASE("CPU mirror: offload with SUBLINEAR_SYNC_OFFLOAD=1 gives the same losses and weights bitwise", "[.cpu_mirror]") {
   offload_async_as_sync("cpu");
+}
+
+TEST_CASE("CUDA: packed rows under every checkpointing mode give none's training bitwise; the masked loss through a CUDA "
+          "graph gives the eager run's", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  examples_on_device("cuda");
+}
+TEST_CASE("CPU mirror: packed rows under every checkpointing mode give none's training bitwise; the masked loss with "
+          "train.cuda_graphs auto (eager here) gives the eager run's", "[.cpu_mirror]") {
+  examples_on_device("cpu");
 }
 
 TEST_CASE("CUDA: parallel.sequence 2 on one GPU over Gloo has degree 1's losses and gradient norms", "[cuda]") {

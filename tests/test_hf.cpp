@@ -388,6 +388,26 @@ TEST_CASE("examples: micro-batch 1 x accumulation 8, 8 x 1, 2 ranks x 4 and sequ
   CHECK_PARITY(dir.path / "1x8", dir.path / "8x1");
   CHECK_PARITY(dir.path / "8x1", dir.path / "2x4");
   CHECK_PARITY(dir.path / "8x1", dir.path / "seq2");
+
+  // Packed (data.packing): the eight examples fill three rows of 64 (191 inputs); micro-batch 4 x 1, 2 ranks
+  // x 2 and sequence degree 2 (each rank half of every row, the mask over the whole rows) train alike.
+  const std::string packed = common + " --set data.packing=true --set train.grad_accum=1";
+  const auto p1 = test::trainer(packed + " --set train.micro_batch=4 --set logging.dir=" + dir_of("packed"));
+  INFO(p1.output);
+  REQUIRE(p1.code == 0);
+  const auto p2 = test::launch(2, packed + " --set train.micro_batch=2 --set logging.dir=" + dir_of("packed2x2"));
+  INFO(p2.outputs[0]);
+  REQUIRE(p2.codes == std::vector<int>{0, 0});
+  const auto ps = test::launch(2, packed + " --set train.micro_batch=4 --set parallel.sequence=2 --set logging.dir=" +
+                                      dir_of("packed_seq2"));
+  INFO(ps.outputs[0]);
+  REQUIRE(ps.codes == std::vector<int>{0, 0});
+  CHECK_PARITY(dir.path / "packed", dir.path / "packed2x2");
+  CHECK_PARITY(dir.path / "packed", dir.path / "packed_seq2");
+  // Four rows of 64 hold every example and more: a step trains more tokens than the padded 8 x 64 did.
+  const auto packed_summary = nlohmann::json::parse(test::read_text(dir.path / "packed" / "summary.json"));
+  CHECK(packed_summary["tokens"] == 3 * 4 * 64);
+  CHECK(packed_summary["trained_tokens"].get<int64_t>() > 3 * trained);
 }
 
 TEST_CASE("bad checkpoints and mismatched recipes exit 3 naming the tensor or key; nothing is trained") {

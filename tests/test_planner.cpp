@@ -32,6 +32,7 @@
 #include "config/shape.h"
 #include "data/loader.h"
 #include "errors.h"
+#include "examples_data.h"
 #include "device/cpu_features.h"
 #include "predict/budget.h"
 #include "predict/scenario.h"
@@ -616,6 +617,48 @@ TEST_CASE("zero3 at world 2: every rank's peak within 2% of the prediction, llam
 TEST_CASE("zero3 with offload.optimizer and offload.parameters at world 2: every rank's device peak within 2%",
           "[strategies]") {
   check_strategy(2, {"parallel.sharding=zero3", "offload.optimizer=true", "offload.parameters=true"});
+}
+
+// Packed rows at a length where their mask is a fifth of the activations (2 rows of 512 positions, 2 blocks
+// of width 64): a planner that left it out would be ~20 % under, past kStrategyBound.
+TEST_CASE("packed rows (data.packing): the mask and positions are counted; peak within 2%, gpt2 and llama, "
+          "full and none, fp32 (and bf16 gpt2)") {
+  test::TempDir dir("planner-packing");
+  const auto train = test::write_examples(dir.path, "train", test::varied_examples(12, 513, 256));
+  const auto val = test::write_examples(dir.path, "val", test::varied_examples(2, 200, 256, 2));
+  const std::vector<std::pair<std::string, std::string>> shapes = {
+      {"gpt2 none", "--set checkpointing.mode=none"},
+      {"gpt2 full", "--set checkpointing.mode=full"},
+      {"llama none", "--set model.preset= --set model.arch=llama --set model.n_head=4"},
+      {"llama full", "--set model.preset= --set model.arch=llama --set model.n_head=4 --set checkpointing.mode=full"},
+      {"gpt2 full bf16", "--set checkpointing.mode=full --set precision.compute=bf16"},
+  };
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const auto& [name, sets] = shapes[i];
+    INFO(name);
+    const auto run_dir = dir.path / std::to_string(i);
+    const auto r = test::trainer(fmt::format(
+        "--config configs/tiny.yaml --set model.n_layer=2 --set model.n_embd=64 --set model.max_seq_len=512 "
+        "--set data.source=examples "
+        "--set data.path={} --set data.val_path={} --set data.packing=true --set train.seq_len=512 --set train.micro_batch=2 "
+        "--set train.grad_accum=1 --set train.steps=2 --set train.eval_interval=0 --set logging.dir={} {}",
+        train, val, run_dir.string(), sets));
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    const auto s = json::parse(test::read_text(run_dir / "summary.json"));
+    const double ratio = s["predicted_peak_bytes"].get<double>() / s["peak_allocated_bytes"].get<double>();
+    INFO("predicted / measured " << ratio);
+    CHECK(ratio >= 1 - kStrategyBound);
+    CHECK(ratio <= 1 + kStrategyBound);
+    // The term itself: the (2, 1, 512, 512) mask in the compute dtype, the (2, 512) positions, LLaMA's tables.
+    auto cfg = config::load((run_dir / "config.json").string(), {});
+    const auto e = memory::estimate_activation_peak(memory::Scenario::of(cfg),
+                                                    recompute::make_plan(cfg.checkpointing, cfg.model.n_layer));
+    const int64_t c = cfg.precision.compute == config::Dtype::kBf16 ? 2 : 4;
+    const int64_t tables = cfg.model.arch == config::Arch::kLlama ? 2 * 2 * 512 * (64 / 4 / 2) * 4 : 0;
+    CHECK(e.packing_bytes == 2 * 512 * 512 * c + 8 * 2 * 512 + tables);
+    CHECK(e.packing_bytes > s["peak_allocated_bytes"].get<double>() * 0.05);
+  }
 }
 
 TEST_CASE("parameter counts are closed formulas equal to the model's, gpt2 and llama, tied and untied") {

@@ -242,6 +242,26 @@ class PrepareChat(unittest.TestCase):
             else:
                 self.assertEqual(summary["trained_tokens"], summary["tokens"])
 
+    def test_the_shipped_chat_example_is_reproducible_and_prepares(self):
+        """data/chat_example.jsonl and data/chat_tokenizer/ are what scripts/make_chat_example.py writes, byte for
+        byte, and prepare_chat turns them into examples of very different lengths with its ChatML template."""
+        import make_chat_example
+        out = self.path("chat_example")
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.assertEqual(make_chat_example.main(["--out", out]), 0)
+        for name in ("chat_example.jsonl", os.path.join("chat_tokenizer", "tokenizer.json"),
+                     os.path.join("chat_tokenizer", "tokenizer_config.json")):
+            self.assertEqual(read(os.path.join(out, name)), read(os.path.join(ROOT, "data", name)), name)
+        prepared = self.path("chat_example_prepared")
+        r = run(os.path.join(ROOT, "data", "chat_example.jsonl"), "--tokenizer", os.path.join(ROOT, "data", "chat_tokenizer"),
+                "--seq-len", "256", "--out", prepared)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        info = data_json(prepared)
+        self.assertEqual((info["examples_read"], info["examples"]), (600, 600))
+        import numpy as np
+        lengths = np.diff(np.fromfile(os.path.join(prepared, "train.examples.bin"), dtype="<u8"))
+        self.assertGreater(lengths.max(), 4 * lengths.min())
+
     def test_too_long_examples_dropped_or_cut_and_counted(self):
         lengths = [len(self.reference({"messages": c})[0]) for c in CONVERSATIONS]
         seq_len = sorted(lengths)[1]  # the shortest two fit in seq_len + 1 tokens, the others do not

@@ -20,7 +20,9 @@
 #include "precision/autocast.h"
 #include "recompute/runner.h"
 #include "train/trainer.h"
+#include "examples_data.h"
 #include "measure.h"
+#include "test_util.h"
 #include "parallel/single.h"
 
 namespace SUBLINEAR_TEST_FILE {  // one per file (tests/catch.h)
@@ -44,20 +46,29 @@ struct Result {
 
 // One forward/backward of a fresh model (same init, same batch, same dropout stream) under a runner,
 // with the forward under the recipe's precision.compute autocast.
-Result run_once(const config::RunConfig& cfg, int64_t micro_batches = 1) {
+// Nine examples of 3 to 17 tokens (train.seq_len 16 + 1), written once, for packed rows.
+std::shared_ptr<data::ExampleSource> packable_examples() {
+  static test::TempDir dir("packable");
+  static const auto src =
+      data::ExampleSource::open(test::write_examples(dir.path, "train", test::varied_examples(9, 17, 256)), 256, 16);
+  return src;
+}
+
+Result run_once(const config::RunConfig& cfg, int64_t micro_batches = 1, bool packed = false) {
   torch::manual_seed(0);
   model::GPT m(cfg.model, torch::kCPU);
   m->train();
   recompute::Runner runner(cfg.checkpointing, m);
   std::shared_ptr<data::TokenSource> src = data::make_synthetic(4000, 256, 5);
-  data::Loader loader(src, 2, cfg.train.seq_len, 9);
+  data::Loader loader = packed ? data::Loader(packable_examples(), 2, cfg.train.seq_len, 9, {}, true)
+                               : data::Loader(src, 2, cfg.train.seq_len, 9);
   std::vector<data::Batch> batches;
   for (int64_t i = 0; i < micro_batches; ++i) batches.push_back(loader.next());
   torch::manual_seed(1234);  // the dropout stream
   Result r;
   const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), nullptr};
   parallel::Single single(m);
-  r.loss = train::forward_backward([&](const torch::Tensor& idx, const torch::Tensor& y) { return runner.loss(idx, y); }, batches, torch::kCPU,
+  r.loss = train::forward_backward([&](const torch::Tensor& idx, const torch::Tensor& y, const torch::Tensor& p) { return runner.loss(idx, y, p); }, batches, torch::kCPU,
                                    single, prec).item<double>();
   for (const auto& p : m->parameters()) r.grads.push_back(p.grad().clone());
   return r;
@@ -106,6 +117,65 @@ TEST_CASE("gradients are bitwise equal to mode none for every mode, dropout on, 
         }
       }
     }
+  }
+}
+
+TEST_CASE("packed rows (attention within each example, positions restarting): every mode gives none's gradients, "
+          "bitwise, gpt2 and llama, dropout on") {
+  for (const std::string arch : {"gpt2", "llama"}) {
+    const auto reference = run_once(small(arch, 0.1), 2, true);
+    for (const auto& mode : kModes) {
+      DYNAMIC_SECTION(arch << " " << join(mode)) { require_bitwise_equal(run_once(small(arch, 0.1, mode), 2, true), reference); }
+    }
+  }
+}
+
+// The logits two fp32 paths give for the same positions: the fused causal kernel on an example alone, SDPA
+// with the packed mask on the row. tests/test_hf.cpp's kLogitTol derivation (a few u sqrt(n) roundings per
+// op, a random walk over the ops, activations of unit scale) holds here with room: 5 blocks of width 32.
+constexpr double kPathLogitTol = 1e-4;
+
+TEST_CASE("a packed row's examples each get the logits and loss they get alone, gpt2 and llama") {
+  for (const std::string arch : {"gpt2", "llama"}) {
+    INFO(arch);
+    const auto cfg = small(arch, 0.0);
+    torch::manual_seed(0);
+    model::GPT m(cfg.model, torch::kCPU);
+    m->eval();
+    torch::NoGradGuard no_grad;
+    data::Loader loader(packable_examples(), 2, 16, 9, {}, true);
+    int64_t pieces = 0, checked_later = 0;
+    for (int step = 0; step < 3; ++step) {
+      const auto b = loader.next();
+      const auto packed = m->forward(b.x, b.positions);           // (2, 16, V)
+      const auto causal = m->forward(b.x);                        // the same rows without the mask: cross-talk
+      for (int64_t r = 0; r < 2; ++r) {
+        const auto p = b.positions[r];
+        for (int64_t o = 0; o < 16;) {
+          int64_t n = 1;
+          while (o + n < 16 && p[o + n].item<int64_t>() != 0) ++n;
+          ++pieces;
+          const auto alone = m->forward(b.x[r].narrow(0, o, n).unsqueeze(0))[0];  // (n, V)
+          const auto here = packed[r].narrow(0, o, n);
+          CHECK((here - alone).abs().max().item<double>() <= kPathLogitTol);
+          const auto y = b.y[r].narrow(0, o, n).unsqueeze(0);
+          if ((y != data::kIgnoreTarget).any().item<bool>()) {
+            const auto l = [&](const torch::Tensor& z) {
+              return at::cross_entropy_loss(z.unsqueeze(0).transpose(1, 2), y, {}, at::Reduction::Sum, -100).item<double>();
+            };
+            // Each token's loss moves by at most 2 max|dz|, and the sum by n times that.
+            CHECK(std::abs(l(here) - l(alone)) <= 2 * kPathLogitTol * static_cast<double>(n));
+          }
+          if (o > 0) {  // a later example: as a plain row (causal, positions 0..15) it sees the examples before it
+            ++checked_later;
+            CHECK((causal[r].narrow(0, o, n) - alone).abs().max().item<double>() > 100 * kPathLogitTol);
+          }
+          o += n;
+        }
+      }
+    }
+    CHECK(pieces > 6);       // rows held several examples (and padding)
+    CHECK(checked_later > 0);
   }
 }
 

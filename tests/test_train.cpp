@@ -66,7 +66,7 @@ train::Outcome loop(train::Session& s, train::LoopState& st) {
 }
 
 train::LossFn fwd(model::GPT& m) {
-  return [m](const torch::Tensor& idx, const torch::Tensor& y) mutable { return m->loss(idx, y); };
+  return [m](const torch::Tensor& idx, const torch::Tensor& y, const torch::Tensor& p) mutable { return m->loss(idx, y, p); };
 }
 
 std::vector<torch::Tensor> grads_of(model::GPT& m) {
@@ -836,7 +836,7 @@ int64_t rank_syncs(const config::RunConfig& cfg, model::GPT m, int64_t rank, int
   const train::StepPrecision prec{precision::compute_dtype(cfg.precision.compute), &scaler};
   memory::Tracker tracker(torch::kCPU);
   data::Loader loader(data::make_synthetic(20000, 256, 3), 2, 32, 100 + static_cast<uint64_t>(rank));
-  const train::LossFn loss = [&](const torch::Tensor& idx, const torch::Tensor& y) { return runner.loss(idx, y); };
+  const train::LossFn loss = [&](const torch::Tensor& idx, const torch::Tensor& y, const torch::Tensor& p) { return runner.loss(idx, y, p); };
   syncs::Counter::reset();
   for (int64_t s = 0; s < steps; ++s) {
     const train::StopPoll poll = [&] { return stops[s]; };
@@ -1416,7 +1416,7 @@ StepCasts casts_in_a_step(const std::string& param_dtype) {
   auto opt = engine.make_optimizer(cfg.train);
   memory::Tracker tracker(torch::kCPU);
   data::Loader loader(data::make_synthetic(20000, 256, 3), 2, 32, 100);
-  const train::LossFn loss = [&](const torch::Tensor& idx, const torch::Tensor& y) { return runner.loss(idx, y); };
+  const train::LossFn loss = [&](const torch::Tensor& idx, const torch::Tensor& y, const torch::Tensor& p) { return runner.loss(idx, y, p); };
   const train::StepParts parts{.loss = loss, .strategy = engine, .opt = *opt, .tracker = tracker,
                                .device = torch::kCPU, .precision = {precision::compute_dtype(cfg.precision.compute), nullptr},
                                .grad_clip = 1.0};

@@ -76,6 +76,7 @@ struct DataConfig {
   double val_fraction = 0.1;
   int64_t synthetic_tokens = 1 << 20;
   std::string tokenizer = "";  // tokenizer.json of the shards; "" = the one beside data.path, if any
+  bool packing = false;  // examples: whole examples fill each row, attention within each (data/loader.h)
 };
 
 struct TrainConfig {

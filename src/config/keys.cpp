@@ -176,6 +176,9 @@ std::vector<Field> data_fields() {
             "share of path held out for eval when val_path is \"\""),
       field(&R::data, &D::synthetic_tokens, "data", "synthetic_tokens",
             "corpus length in tokens for source: synthetic"),
+      field(&R::data, &D::packing, "data", "packing",
+            "source: examples: fill each train.seq_len row with whole examples (in the epoch's order) instead of one "
+            "padded example a row; attention stays within each example and positions restart at each"),
       field(&R::data, &D::tokenizer, "data", "tokenizer",
             "the tokenizer.json the shards were made with (scripts/prepare_data.py writes it beside them); its "
             "vocabulary must match model.vocab_size; the run keeps a copy and its exported weights carry it; \"\" = "

@@ -127,6 +127,9 @@ void validate_data(const RunConfig& c) {
   if (!(d.val_fraction > 0.0 && d.val_fraction < 1.0))
     fail("data.val_fraction", fmt::format("must be in (0, 1), got {}", d.val_fraction));
   positive("data.synthetic_tokens", d.synthetic_tokens);
+  if (d.packing && !d.source.examples())
+    fail("data.packing",
+         fmt::format("packs examples into rows; it needs data.source: examples, not {}", d.source.name()));
   if (d.source == DataSource::kText && m.vocab_size < 256)
     fail("model.vocab_size",
          fmt::format("text data uses one token per byte, so it must be >= 256, got {}", m.vocab_size));

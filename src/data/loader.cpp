@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <numeric>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -38,8 +39,15 @@ Loader::Loader(std::shared_ptr<TokenSource> source, int64_t micro_batch, int64_t
 }
 
 Loader::Loader(std::shared_ptr<ExampleSource> examples, int64_t micro_batch, int64_t seq_len, uint64_t seed,
-               const layout::Mesh& mesh)
-    : examples_(std::move(examples)), B_(micro_batch), T_(seq_len), mesh_(mesh), seed_(seed), start_(0), state_(0) {
+               const layout::Mesh& mesh, bool packing)
+    : examples_(std::move(examples)),
+      B_(micro_batch),
+      T_(seq_len),
+      packing_(packing),
+      mesh_(mesh),
+      seed_(seed),
+      start_(0),
+      state_(0) {
   if (examples_->count() < 1) throw DataError(examples_->describe() + ": no examples");
 }
 
@@ -55,7 +63,9 @@ Batch Loader::next_window() {
     if (g / B_ != mesh_.data_rank()) continue;  // another data rank's row
     source_->read(start + mesh_.sequence_rank() * t, t + 1, p + (g % B_) * (t + 1));
   }
-  return {buf.narrow(1, 0, t).contiguous(), buf.narrow(1, 1, t).contiguous()};
+  Batch b;
+  b.x = buf.narrow(1, 0, t).contiguous(), b.y = buf.narrow(1, 1, t).contiguous();
+  return b;
 }
 
 int64_t Loader::example_at(uint64_t row) {
@@ -71,18 +81,40 @@ int64_t Loader::example_at(uint64_t row) {
   return order_[row % n];
 }
 
+int64_t Loader::fill_example_row(int64_t* x, int64_t* y) {
+  return examples_->fill_row(example_at(state_++), T_, x, y);
+}
+
+// Whole examples while their inputs fit (a fresh row takes at least one: none is longer than T + 1 tokens),
+// each at positions 0, 1, ...; then padding (input 0, target -100), counted from 0 as one more piece.
+int64_t Loader::fill_packed_row(int64_t* x, int64_t* y, int64_t* positions) {
+  int64_t used = 0, trained = 0;
+  for (int64_t n; used + (n = examples_->length(example_at(state_)) - 1) <= T_; used += n) {
+    trained += examples_->fill_row(example_at(state_++), n, x + used, y + used);
+    std::iota(positions + used, positions + used + n, int64_t{0});
+  }
+  std::fill(x + used, x + T_, int64_t{0});
+  std::fill(y + used, y + T_, kIgnoreTarget);
+  std::iota(positions + used, positions + T_, int64_t{0});
+  return trained;
+}
+
 // Every rank fills every rank's rows (whole rows, T positions) to count the micro-batch's trained targets
-// over the mesh, and keeps its own rows' piece.
+// over the mesh, and keeps its own rows' piece (packed: with the whole rows' positions).
 Batch Loader::next_examples() {
   const int64_t t = mesh_.local_positions(T_), piece = mesh_.sequence_rank() * t;
   auto x = torch::empty({B_, t}, torch::kInt64), y = torch::empty({B_, t}, torch::kInt64);
-  std::vector<int64_t> row_x(static_cast<size_t>(T_)), row_y(static_cast<size_t>(T_));
   Batch b;
+  if (packing_) b.positions = torch::empty({B_, T_}, torch::kInt64);
+  std::vector<int64_t> row_x(static_cast<size_t>(T_)), row_y(static_cast<size_t>(T_)), row_p(static_cast<size_t>(T_));
   for (int64_t g = 0; g < B_ * mesh_.data(); ++g) {
-    b.trained_everywhere += examples_->fill_row(example_at(state_++), T_, row_x.data(), row_y.data());
+    b.trained_everywhere += packing_ ? fill_packed_row(row_x.data(), row_y.data(), row_p.data())
+                                     : fill_example_row(row_x.data(), row_y.data());
     if (g / B_ != mesh_.data_rank()) continue;  // another data rank's row
-    std::copy_n(row_x.data() + piece, t, x.data_ptr<int64_t>() + (g % B_) * t);
-    std::copy_n(row_y.data() + piece, t, y.data_ptr<int64_t>() + (g % B_) * t);
+    const int64_t r = g % B_;
+    std::copy_n(row_x.data() + piece, t, x.data_ptr<int64_t>() + r * t);
+    std::copy_n(row_y.data() + piece, t, y.data_ptr<int64_t>() + r * t);
+    if (packing_) std::copy_n(row_p.data(), T_, b.positions.data_ptr<int64_t>() + r * T_);
   }
   b.x = x, b.y = y;
   return b;
@@ -94,6 +126,7 @@ namespace {
 // held out (at least one) when there is no val_path.
 Splits open_example_splits(const config::DataConfig& d, int64_t vocab_size, int64_t seq_len) {
   Splits s;
+  s.packing = d.packing;
   s.train_examples = ExampleSource::open(d.path, vocab_size, seq_len);
   if (!d.val_path.empty()) {
     s.val_examples = ExampleSource::open(d.val_path, vocab_size, seq_len);

@@ -83,7 +83,7 @@ template <class Block>
 Branch BlockOps<Block>::attention(const PendingNorm& n) const {
   const auto qkv = linear(n, b_.w_qkv, b_.b_qkv);  // (B, T, 3C)
   const auto bias = residual_bias(n.x, b_.b_proj);  // the stream the branch is added to is the norm's input
-  const auto core = [block = &b_](const auto& in) { return block->attention_core(in); };  // (B, T, C)
+  const auto core = [block = &b_, mask = rope_.mask](const auto& in) { return block->attention_core(in, mask); };
   const auto y = linear_after_(Part::attention_proj, core, b_.attention_inputs(qkv, rope_), {}, b_.w_proj,
                                bias.defined() ? torch::Tensor() : b_.b_proj);
   return {y, bias};

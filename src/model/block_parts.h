@@ -9,9 +9,13 @@
 
 namespace sl::model {
 
-// RoPE rotation tables, (T, head_dim / 2) each; undefined for learned positions.
+// What a block needs of the positions: RoPE rotation tables, (T, head_dim / 2) each, or for packed rows
+// (B, 1, T, head_dim / 2), each row's own positions; undefined for learned positions. And for packed rows
+// the attention mask, (B, 1, T', T') bool over the whole row (T' = T times the sequence degree), true
+// where a query may attend a key: its own example's positions up to itself; undefined: plainly causal.
 struct Rope {
   torch::Tensor cos, sin;
+  torch::Tensor mask;
 };
 
 // The four places in a block where a cheap op feeds a linear layer. Selective recompute works on

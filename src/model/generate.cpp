@@ -57,7 +57,8 @@ torch::Tensor cached_forward(GPTImpl& m, const torch::Tensor& ids, int64_t pos, 
   const int64_t t = ids.size(1);
   auto x = at::embedding(m.wte, ids);
   if (m.wpe.defined()) x = x + m.wpe.narrow(0, pos, t);
-  const Rope rope = m.rope_cos.defined() ? Rope{m.rope_cos.narrow(0, pos, t), m.rope_sin.narrow(0, pos, t)} : Rope{};
+  const Rope rope =
+      m.rope_cos.defined() ? Rope{m.rope_cos.narrow(0, pos, t), m.rope_sin.narrow(0, pos, t), {}} : Rope{};
   for (size_t l = 0; l < m.blocks->size(); ++l)
     x = block_step(*m.blocks[l]->as<BlockImpl>(), x, pos, rope, caches[l]);
   return m.head(x.narrow(1, t - 1, 1)).reshape({-1});

@@ -9,8 +9,10 @@
 #include "model/linear.h"
 
 #include <cmath>
+#include <limits>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/dropout.h>
 
@@ -153,23 +155,25 @@ std::vector<torch::Tensor> BlockImpl::attention_inputs(const torch::Tensor& qkv,
   return {apply_rope(q, rope), apply_rope(k, rope), v};
 }
 
-torch::Tensor BlockImpl::attention_core(const std::vector<torch::Tensor>& in) const {
-  return sequence ? sequence_attention(in) : local_attention(in, n_head);
+torch::Tensor BlockImpl::attention_core(const std::vector<torch::Tensor>& in, const torch::Tensor& mask) const {
+  return sequence ? sequence_attention(in, mask) : local_attention(in, n_head, mask);
 }
 
-torch::Tensor BlockImpl::local_attention(const std::vector<torch::Tensor>& in, int64_t nh) const {
+torch::Tensor BlockImpl::local_attention(const std::vector<torch::Tensor>& in, int64_t nh,
+                                         const torch::Tensor& mask) const {
   const double dropout_p = is_training() ? dropout : 0.0;
-  const bool packed = in.size() == 1;
-  if (dropout_p == 0.0 && packed && causal_attention_packed_fused(in[0], nh))
+  const bool packed = in.size() == 1, causal = !mask.defined();
+  if (causal && dropout_p == 0.0 && packed && causal_attention_packed_fused(in[0], nh))
     return causal_attention_packed(in[0], nh);  // (B, T, nh * hd)
   auto [q, k, v] = packed ? heads(in[0], nh) : std::array<torch::Tensor, 3>{in[0], in[1], in[2]};
-  if (dropout_p == 0.0 && causal_attention_fused(q, k, v)) return causal_attention(q, k, v);  // (B, T, nh * hd)
+  if (causal && dropout_p == 0.0 && causal_attention_fused(q, k, v)) return causal_attention(q, k, v);  // (B, T, C')
   const int64_t B = q.size(0), T = q.size(2);
-  auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, dropout_p, /*is_causal=*/true);
+  auto y = causal ? at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, dropout_p, /*is_causal=*/true)
+                  : at::scaled_dot_product_attention(q, k, v, mask, dropout_p, /*is_causal=*/false);
   return y.transpose(1, 2).contiguous().view({B, T, nh * q.size(3)});  // (B, T, nh * hd)
 }
 
-torch::Tensor BlockImpl::sequence_attention(const std::vector<torch::Tensor>& in) const {
+torch::Tensor BlockImpl::sequence_attention(const std::vector<torch::Tensor>& in, const torch::Tensor& mask) const {
   const int64_t n = sequence->degree(), hd = n_embd / n_head, B = in[0].size(0);
   torch::Tensor mine;  // (B, T/N, 3, nh, hd): this rank's positions of every head
   if (in.size() == 1) {
@@ -179,7 +183,7 @@ torch::Tensor BlockImpl::sequence_attention(const std::vector<torch::Tensor>& in
   }
   const auto whole = positions_to_heads(sequence, mine);  // (B, T, 3, nh/N, hd)
   const int64_t T = whole.size(1), nh = n_head / n;
-  const auto y = local_attention({whole.view({B, T, 3 * nh * hd})}, nh);  // (B, T, nh/N * hd)
+  const auto y = local_attention({whole.view({B, T, 3 * nh * hd})}, nh, mask);  // (B, T, nh/N * hd)
   return heads_to_positions(sequence, y.view({B, T, 1, nh, hd})).view({B, T / n, n_embd});
 }
 
@@ -239,15 +243,47 @@ void GPTImpl::shard_sequence(std::shared_ptr<SequenceExchange> ex) {
   for (const auto& b : *blocks) b->as<BlockImpl>()->sequence = ex;
 }
 
-Rope GPTImpl::rope(int64_t T) const {
-  if (!rope_cos.defined()) return {};
-  const int64_t first = first_position(T);
-  return {rope_cos.narrow(0, first, T), rope_sin.narrow(0, first, T)};
+namespace {
+
+// Packed rows' attention mask from their positions p (B, T'), each position's index within its example:
+// query i attends key j when i - p_i <= j <= i (its example starts at i - p_i). Additive, (B, 1, T', T')
+// in the attention's dtype (autocast's where it is on, else the weights'): 0 there, -inf elsewhere. One
+// tensor for every layer of the micro-batch; SDPA would turn a bool mask into such a one at every call.
+torch::Tensor packed_mask(const torch::Tensor& p, const torch::Tensor& weights) {
+  const auto type = weights.device().type();
+  const bool autocasts = (type == c10::kCPU || type == c10::kCUDA) && at::autocast::is_autocast_enabled(type);
+  const auto dtype = autocasts ? at::autocast::get_autocast_dtype(type) : weights.scalar_type();
+  const auto i = torch::arange(p.size(1), p.options()).unsqueeze(1);  // (T', 1)
+  const auto j = i.view({1, -1});                                   // (1, T')
+  const auto start = (j - p).unsqueeze(2);                            // (B, T', 1): each query's example start
+  const auto allowed = (j <= i).unsqueeze(0).logical_and(j.unsqueeze(0) >= start).unsqueeze(1);
+  return torch::zeros(allowed.sizes(), weights.options().dtype(dtype))
+      .masked_fill_(allowed.logical_not(), -std::numeric_limits<double>::infinity());
 }
 
-torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
+}  // namespace
+
+Rope GPTImpl::rope(int64_t T, const torch::Tensor& positions) const {
+  const int64_t first = first_position(T);
+  if (!positions.defined()) {
+    if (!rope_cos.defined()) return {};
+    return {rope_cos.narrow(0, first, T), rope_sin.narrow(0, first, T), {}};
+  }
+  Rope r;
+  r.mask = packed_mask(positions, wte);
+  if (rope_cos.defined()) {
+    const auto mine = positions.narrow(1, first, T);  // (B, T)
+    const auto table = [&](const torch::Tensor& t) { return at::embedding(t, mine).unsqueeze(1); };  // (B, 1, T, hd/2)
+    r.cos = table(rope_cos), r.sin = table(rope_sin);
+  }
+  return r;
+}
+
+torch::Tensor GPTImpl::embed(const torch::Tensor& idx, const torch::Tensor& positions) {
   auto x = at::embedding(wte, idx);  // (B, T, C)
-  if (wpe.defined()) x = x + wpe.narrow(0, first_position(idx.size(1)), idx.size(1));
+  const int64_t T = idx.size(1), first = first_position(T);
+  if (wpe.defined())
+    x = x + (positions.defined() ? at::embedding(wpe, positions.narrow(1, first, T)) : wpe.narrow(0, first, T));
   return torch::dropout(x, cfg.dropout, is_training());
 }
 
@@ -274,18 +310,20 @@ torch::Tensor GPTImpl::head_loss(const torch::Tensor& x, const torch::Tensor& ta
 }
 
 namespace {
-torch::Tensor trunk(GPTImpl& m, const torch::Tensor& idx) {
-  auto x = m.embed(idx);
-  auto r = m.rope(idx.size(1));
+torch::Tensor trunk(GPTImpl& m, const torch::Tensor& idx, const torch::Tensor& positions) {
+  auto x = m.embed(idx, positions);
+  auto r = m.rope(idx.size(1), positions);
   for (const auto& b : *m.blocks) x = b->as<BlockImpl>()->forward(x, r);
   return x;
 }
 }  // namespace
 
-torch::Tensor GPTImpl::forward(const torch::Tensor& idx) { return head(trunk(*this, idx)); }
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const torch::Tensor& positions) {
+  return head(trunk(*this, idx, positions));
+}
 
-torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  return head_loss(trunk(*this, idx), targets);
+torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets, const torch::Tensor& positions) {
+  return head_loss(trunk(*this, idx, positions), targets);
 }
 
 torch::Tensor GPTImpl::loss_of_logits(const torch::Tensor& logits, const torch::Tensor& targets) {

@@ -36,15 +36,17 @@ struct BlockImpl : torch::nn::Module {
   std::vector<torch::Tensor> attention_inputs(const torch::Tensor& qkv, const Rope& rope) const;
   // attention_inputs -> (B, T, C): local_attention, or with a sequence group (T = this rank's positions)
   // sequence_attention.
-  torch::Tensor attention_core(const std::vector<torch::Tensor>& in) const;
+  // `mask`: Rope::mask (packed rows), undefined for causal attention.
+  torch::Tensor attention_core(const std::vector<torch::Tensor>& in, const torch::Tensor& mask) const;
   // attention_inputs of nh heads -> (B, T, nh * hd): the fused causal kernel (fp32 CPU, no attention
   // dropout) or SDPA.
-  torch::Tensor local_attention(const std::vector<torch::Tensor>& in, int64_t nh) const;
+  // With a mask (packed rows): SDPA with it.
+  torch::Tensor local_attention(const std::vector<torch::Tensor>& in, int64_t nh, const torch::Tensor& mask) const;
   // Ulysses (model/sequence.h): this rank's positions of every head -> the whole sequence of n_head / N
   // heads (one all-to-all of q, k, v together), local_attention on those, and the output back to this
   // rank's positions of every head (a second all-to-all). LLaMA's rotated q, k and v are stacked into
   // one (B, T/N, 3, nh, hd) tensor first; GPT-2's packed qkv is that layout already.
-  torch::Tensor sequence_attention(const std::vector<torch::Tensor>& in) const;
+  torch::Tensor sequence_attention(const std::vector<torch::Tensor>& in, const torch::Tensor& mask) const;
   // (B, T, H) GELU of u + fc_bias (fc_bias: the fc's bias when the fused GELU adds it, else undefined),
   // or (B, T, 2H) -> (B, T, H) SwiGLU.
   torch::Tensor mlp_act(const torch::Tensor& u, const torch::Tensor& fc_bias) const;
@@ -95,19 +97,22 @@ struct GPTImpl : torch::nn::Module {
   // in units() order, which draws the same numbers as building them here would (parallel::Engine, zero3).
   GPTImpl(const config::ModelConfig& cfg, torch::Device device, bool defer_params = false);
 
-  torch::Tensor embed(const torch::Tensor& idx);  // (B, T) int64 -> (B, T, C)
+  // (B, T) int64 -> (B, T, C); packed rows take their learned positions from `positions` (Batch::positions:
+  // (B, T') of the whole row, each position's index within its example; undefined: 0, 1, ...).
+  torch::Tensor embed(const torch::Tensor& idx, const torch::Tensor& positions = {});
   // (B, T, C) -> (B, T, V) logits after final norm: the product with the whole (padded_vocab-row) table,
   // narrowed to vocab_size columns (a view; none of the vocabulary padding's logits).
   torch::Tensor head(const torch::Tensor& x);
-  // Tables for this rank's T positions: the first T, or in a sequence group those from first_position(T).
-  Rope rope(int64_t T) const;
+  // Tables for this rank's T positions: the first T, or in a sequence group those from first_position(T);
+  // for packed rows (`positions` as embed's) each row's own, and the attention mask of the whole rows.
+  Rope rope(int64_t T, const torch::Tensor& positions = {}) const;
   // The global position of this rank's first one when it holds T of a sequence: 0, or in a sequence
   // group rank * T (model/sequence.h).
   int64_t first_position(int64_t T) const;
   // Runs this model as one rank of a sequence group (null: unsharded): embed() and rope() take the
   // rank's global positions and every block's attention exchanges through `ex`.
   void shard_sequence(std::shared_ptr<SequenceExchange> ex);
-  torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> (B, T, V)
+  torch::Tensor forward(const torch::Tensor& idx, const torch::Tensor& positions = {});  // (B, T) -> (B, T, V)
   // The training and evaluation loss: the final norm of x (B, T, C), then the LM head and the mean
   // cross-entropy against targets (B, T) fused, model.loss_chunk positions at a time (model/fused_loss.h):
   // the (B, T, V) logits never exist.
@@ -115,7 +120,8 @@ struct GPTImpl : torch::nn::Module {
   torch::Tensor final_norm(const torch::Tensor& x) const;  // (B, T, C) -> (B*T, C)
   // The fused LM head and loss of the final norm's output h (B*T, C) against targets (B, T).
   torch::Tensor classifier_loss(const torch::Tensor& h, const torch::Tensor& targets) const;
-  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);  // head_loss of the blocks' output
+  // head_loss of the blocks' output (`positions`: packed rows, as embed's)
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const torch::Tensor& positions = {});
   // ATen's composition on whole logits (B, T, V): the mean cross-entropy against targets (B, T), the
   // reference the fused loss is checked against.
   static torch::Tensor loss_of_logits(const torch::Tensor& logits, const torch::Tensor& targets);

@@ -22,6 +22,7 @@ struct Sizes {
   bool widened = false;     // the widened linears (model/linear.h): no weight copies, fp32 transients
   double tok = 0;           // tokens per micro-batch (the widened linears' scratch depends on them)
   bool fused_attention = false;  // the CPU fp32 attention kernel (model/attention.h): output in (B, T, C)
+  double packing = 0;            // packed rows: what a micro-batch holds throughout (packing_bytes)
   // model.dropout > 0 (see "Dropout" in activations.h):
   bool dropout = false;
   double mask = 0;              // bytes per element of a residual branch's dropout mask
@@ -33,6 +34,17 @@ struct Sizes {
   bool sequence = false;
   double xq = 4.0, xo = 4.0;
 };
+
+// Packed rows (data.packing), held by a micro-batch from its embedding to the end of its backward: the
+// attention mask over the whole rows, (B, 1, T, T) in the compute dtype (every rank of a sequence group
+// holds all of it), the positions (B, T) int64 on the device, and LLaMA's rotation tables gathered per
+// row, (B, T/N, hd/2) twice in the tables' dtype (model/gpt.h's Rope). 0 without packing.
+double packing_bytes(const Scenario& sc, const Sizes& z) {
+  if (!sc.packing) return 0.0;
+  const auto B = static_cast<double>(sc.micro_batch), T = static_cast<double>(sc.seq_len);
+  const double tables = z.llama ? 2.0 * z.tok * (z.C / z.nh / 2.0) * z.r : 0.0;
+  return B * T * T * z.c + 8.0 * B * T + tables;
+}
 
 // The sizes of block `layer` (they differ only in H, with model.layer_mlp_hidden).
 Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
@@ -49,7 +61,8 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
   z.acc = lowp_on && lowp == device::LowpMatmul::emulated ? 4.0 : 0.0;
   z.widened = lowp_on && lowp == device::LowpMatmul::widened;
   z.tok = static_cast<double>(sc.local_tokens());
-  z.fused_attention = !lowp_on && !sc.on_cuda();
+  z.fused_attention = !lowp_on && !sc.on_cuda() && !sc.packing;  // packed rows take SDPA with their mask
+  z.packing = packing_bytes(sc, z);
   z.dropout = m.dropout > 0;
   if (z.dropout) {
     // CUDA's fused dropout keeps a bool mask; the CPU's keeps its noise tensor, in the input's dtype
@@ -343,7 +356,8 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   e.attention_backward_bytes = attention_backward_bytes(z, seg);
   const double S = e.block_bytes, fC = z.r * z.C, tok = static_cast<double>(e.tokens);
   e.embed_mask_bytes = static_cast<int64_t>(tok * z.embed_mask * z.C);
-  const auto always = static_cast<double>(e.embed_mask_bytes);
+  e.packing_bytes = static_cast<int64_t>(z.packing);
+  const auto always = static_cast<double>(e.embed_mask_bytes) + z.packing;
   const double Wb = block_cast_bytes(z);
   const double head_end = head_forward_bytes(sc, z), head_start = head_start_bytes(sc, z);
   e.loss_bytes = loss_bytes(sc, z).peak;
@@ -412,7 +426,7 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
   m.head = head_start_bytes(sc, z);
   m.head_forward = head_forward_bytes(sc, z);
   if (sc.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(sc.model.padded_vocab() * sc.model.n_embd);
-  m.held = tok * z.embed_mask * z.C;
+  m.held = tok * z.embed_mask * z.C + z.packing;
   m.offload_inputs = sc.placement.offload.activations && !sc.checkpointing.mode.solved();  // budget: per segment
   return m;
 }

@@ -155,6 +155,7 @@ struct ActivationEstimate {
   double attention_backward_bytes = 0;  // Ta per token (0 off SDPA's math path)
   double moment_f = 0, moment_a = 0, moment_d = 0, moment_b = 0;  // whole moments, in bytes
   int64_t embed_mask_bytes = 0;      // Me, in every moment
+  int64_t packing_bytes = 0;         // packed rows' mask, positions (and LLaMA's tables), in every moment
   int64_t tied_grad_bytes = 0;       // in moments D and B
   int64_t weight_cast_bytes = 0;     // autocast's low-precision copies of the blocks' matmul weights
   int64_t peak_bytes = 0;            // max(F, A, D, B)

@@ -23,6 +23,7 @@ Scenario Scenario::of(const config::RunConfig& cfg) {
   s.seq_len = cfg.train.seq_len;
   s.grad_accum = cfg.train.grad_accum;
   s.sequence = std::max<int64_t>(1, cfg.parallel.sequence);
+  s.packing = cfg.data.packing;
   s.checkpointing = cfg.checkpointing;
   s.placement = {cfg.world_size, cfg.parallel.sharding, cfg.parallel.bucket_mb, cfg.offload};
   s.precision = cfg.precision;

@@ -119,8 +119,8 @@ torch::Tensor Runner::forward(const torch::Tensor& idx) {
   return logits;
 }
 
-torch::Tensor Runner::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  const auto x = trunk(idx);
+torch::Tensor Runner::loss(const torch::Tensor& idx, const torch::Tensor& targets, const torch::Tensor& positions) {
+  const auto x = trunk(idx, positions);
   const auto u = model::head_unit(model_->cfg);
   auto loss = unit(u, x, true, [&] {
     const auto h = model_->final_norm(x);
@@ -132,11 +132,11 @@ torch::Tensor Runner::loss(const torch::Tensor& idx, const torch::Tensor& target
   return loss;
 }
 
-torch::Tensor Runner::trunk(const torch::Tensor& idx) {
+torch::Tensor Runner::trunk(const torch::Tensor& idx, const torch::Tensor& positions) {
   if (offload_) offload_->begin_forward();
   // The embedding backward needs the indices only, not the table: its parameters need no re-gather.
-  auto x = unit(model::kEmbeddingUnit, torch::Tensor(), false, [&] { return model_->embed(idx); });
-  const auto rope = model_->rope(idx.size(1));
+  auto x = unit(model::kEmbeddingUnit, torch::Tensor(), false, [&] { return model_->embed(idx, positions); });
+  const auto rope = model_->rope(idx.size(1), positions);
   auto& blocks = *model_->blocks;
   for (size_t si = 0; si < plan_.segments.size(); ++si) {
     const auto seg = plan_.segments[si];

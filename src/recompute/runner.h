@@ -43,7 +43,8 @@ class Runner {
   torch::Tensor forward(const torch::Tensor& idx);  // (B, T) -> logits (B, T, V)
   // (B, T) inputs and targets -> the mean loss, the head and loss fused (GPTImpl::head_loss): what training
   // and evaluation run.
-  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
+  // `positions`: packed rows' (data::Batch::positions), undefined otherwise.
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const torch::Tensor& positions = {});
   const Plan& plan() const { return plan_; }
   // Runs before each recompute with the piece's name (sharding re-gathers parameters here).
   void set_pre_recompute_hook(std::function<void(const std::string&)> hook) {
@@ -63,7 +64,8 @@ class Runner {
                               bool output_unread = false);
   torch::Tensor block_forward_unhooked(model::BlockImpl& block, const torch::Tensor& x, const model::Rope& rope,
                                        bool output_unread);
-  torch::Tensor trunk(const torch::Tensor& idx);  // the embeddings and blocks under the plan: (B, T, C)
+  // the embeddings and blocks under the plan: (B, T, C)
+  torch::Tensor trunk(const torch::Tensor& idx, const torch::Tensor& positions = {});
   config::CheckpointingConfig cfg_;
   model::GPT model_;
   template <class F>

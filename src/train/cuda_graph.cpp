@@ -269,7 +269,7 @@ torch::Tensor StepGraph::graphed(const MicroBatchWork& w, parallel::Strategy& st
     return capture(w, strategy, last);
   }
   if (!same_shape(c.x, w.batch.x) || !same_shape(c.y, w.batch.y) || w.micro_batches != captured_micro_batches_ ||
-      c.factor.defined() != (w.loss_factor > 0.0)) {
+      c.factor.defined() != (w.loss_factor > 0.0) || w.batch.positions.defined()) {
     ++eager_;  // static shapes only: this batch runs eager (still on `side`, ordered with the replays)
     return eager_micro_batch(w, strategy, last);
   }

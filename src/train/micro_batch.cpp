@@ -24,7 +24,9 @@ torch::Tensor micro_batch_pass(const MicroBatchWork& w, const torch::Tensor& x, 
   torch::Tensor loss;
   {
     precision::AutocastGuard autocast(w.device.type(), w.precision.autocast);
-    loss = w.loss(x, y);
+    // Packed rows (which a CUDA graph leaves to this eager path) bring their positions.
+    const auto& p = w.batch.positions;
+    loss = w.loss(x, y, p.defined() ? device::to_device(p, w.device) : torch::Tensor());
   }
   if (factor.defined()) loss = loss * factor;
   set_phase(Phase::backward);

@@ -31,14 +31,19 @@ ProbeResult probe_step(const config::RunConfig& cfg, const recompute::Plan& plan
     std::optional<precision::LossScaler> scaler;
     if (opts.loss_scaler) scaler.emplace(cfg.precision, device);
     const StepPrecision prec{precision::compute_dtype(cfg.precision.compute), scaler ? &*scaler : nullptr};
-    const LossFn loss = [&runner](const torch::Tensor& idx, const torch::Tensor& y) { return runner.loss(idx, y); };
+    const LossFn loss = [&runner](const torch::Tensor& idx, const torch::Tensor& y, const torch::Tensor& p) {
+      return runner.loss(idx, y, p);
+    };
     const double clip = opts.grad_clip.value_or(cfg.train.grad_clip);
-    torch::Tensor x;
-    if (!opts.loader)
-      x = torch::randint(0, cfg.model.vocab_size, {opts.micro_batch.value_or(cfg.train.micro_batch), cfg.train.seq_len},
-                         torch::kInt64);
+    data::Batch random;
+    if (!opts.loader) {
+      const int64_t B = opts.micro_batch.value_or(cfg.train.micro_batch), T = cfg.train.seq_len;
+      random.x = random.y = torch::randint(0, cfg.model.vocab_size, {B, T}, torch::kInt64);
+      // Packed rows hold their mask whatever the examples: one example a row has the same bytes.
+      if (cfg.data.packing) random.positions = torch::arange(T, torch::kInt64).expand({B, T}).contiguous();
+    }
     for (int i = 0; i < opts.steps; ++i) {
-      const data::Batch batch = opts.loader ? opts.loader->next() : data::Batch{x, x};
+      const data::Batch batch = opts.loader ? opts.loader->next() : random;
       out.last = train_step({.loss = loss, .strategy = single, .opt = *opt, .tracker = tracker, .device = device,
                              .precision = prec, .grad_clip = clip},
                             {batch});

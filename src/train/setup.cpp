@@ -271,7 +271,9 @@ Learner build_learner(const config::RunConfig& cfg, const memory::Scenario& sc, 
   l.scaler = std::make_unique<precision::LossScaler>(cfg.precision, proc.device);
   l.precision = {precision::compute_dtype(cfg.precision.compute), l.scaler.get()};
   l.forward = [runner = l.runner.get()](const torch::Tensor& idx) { return runner->forward(idx); };
-  l.loss = [runner = l.runner.get()](const torch::Tensor& idx, const torch::Tensor& y) { return runner->loss(idx, y); };
+  l.loss = [runner = l.runner.get()](const torch::Tensor& idx, const torch::Tensor& y, const torch::Tensor& p) {
+    return runner->loss(idx, y, p);
+  };
   l.graph = std::make_unique<StepGraph>(graph_eligibility(cfg, proc.world(), proc.device), cfg.train.cuda_graphs,
                                         l.model->parameters());
   return l;
@@ -299,12 +301,14 @@ Inputs open_inputs(const config::DataConfig& d, const config::TrainConfig& t, in
 // sequences, each rank of a sequence group its piece of their positions.
 void open_loaders(const config::TrainConfig& t, const Process& proc, Inputs& in) {
   const auto seed = static_cast<uint64_t>(t.seed);
-  const auto loader = [&](const auto& source, uint64_t s) {
-    return std::make_unique<data::Loader>(source, t.micro_batch, t.seq_len, s, proc.mesh());
-  };
   const auto& sp = in.splits;
-  in.train_loader = sp.train ? loader(sp.train, seed) : loader(sp.train_examples, seed);
-  in.val_loader = sp.val ? loader(sp.val, seed + 1) : loader(sp.val_examples, seed + 1);
+  const auto loader = [&](const std::shared_ptr<data::TokenSource>& windows,
+                          const std::shared_ptr<data::ExampleSource>& examples, uint64_t s) {
+    if (windows) return std::make_unique<data::Loader>(windows, t.micro_batch, t.seq_len, s, proc.mesh());
+    return std::make_unique<data::Loader>(examples, t.micro_batch, t.seq_len, s, proc.mesh(), sp.packing);
+  };
+  in.train_loader = loader(sp.train, sp.train_examples, seed);
+  in.val_loader = loader(sp.val, sp.val_examples, seed + 1);
 }
 
 // The step through which metrics.jsonl keeps its records (RunLog's resume_step): the resumed state's; 0

@@ -146,7 +146,8 @@ double evaluate(model::GPT& model, data::Loader& loader, int64_t batches, torch:
     precision::AutocastGuard guard(device.type(), autocast);
     auto x = device::to_device(b.x, device);
     const auto y = device::to_device(b.y, device);
-    auto l = (loss_of ? loss_of(x, y) : model->loss(x, y)).to(torch::kDouble);
+    const auto p = b.positions.defined() ? device::to_device(b.positions, device) : torch::Tensor();
+    auto l = (loss_of ? loss_of(x, y, p) : model->loss(x, y, p)).to(torch::kDouble);
     if (const double f = masked_loss_factor(b, trained, world, all.size()); f > 0.0) l = l * f;
     total = total.defined() ? total + l : l;
   }

@@ -32,9 +32,11 @@ const char* current_phase();
 
 // idx (B, T) -> logits (B, T, V): the model's forward, or a checkpointing runner's (samples).
 using ForwardFn = std::function<torch::Tensor(const torch::Tensor&)>;
-// idx (B, T), targets (B, T) -> the mean loss, 0-d fp32: the model's fused head and loss (GPTImpl::loss), or
-// a checkpointing runner's (Runner::loss). What training and evaluation run: no logits of the whole batch.
-using LossFn = std::function<torch::Tensor(const torch::Tensor& idx, const torch::Tensor& targets)>;
+// idx (B, T), targets (B, T), positions (packed rows: data::Batch::positions on the device; else undefined)
+// -> the mean loss, 0-d fp32: the model's fused head and loss (GPTImpl::loss), or a checkpointing runner's
+// (Runner::loss). What training and evaluation run: no logits of the whole batch.
+using LossFn = std::function<torch::Tensor(const torch::Tensor& idx, const torch::Tensor& targets,
+                                           const torch::Tensor& positions)>;
 
 // How a step computes: the forward's autocast dtype (nullopt = fp32) and, for fp16, the loss scaler.
 struct StepPrecision {
