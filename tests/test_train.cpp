@@ -45,6 +45,7 @@
 #include "train/peak_flops.h"
 #include "train/schedule.h"
 #include "train/spike.h"
+#include "runs.h"
 #include "test_util.h"
 #include "train/run.h"
 #include "train/trainer.h"
@@ -1825,6 +1826,79 @@ TEST_CASE("train.cuda_graphs on CUDA: another thread waiting on a CUDA event dur
   CHECK(run.graphs.at("mode") == "graph");
   CHECK(run.graphs.at("captured") == true);
   CHECK(run.graphs.at("replays") == 30 * 4 - train::StepGraph::kWarmupMicroBatches);
+}
+
+}  // namespace SUBLINEAR_TEST_FILE
+
+namespace SUBLINEAR_TEST_FILE {
+
+// optim.in_backward against the ordinary step where the math is the same (no clipping, accumulation 1):
+// the same gradients meet the same AdamW arithmetic, so the losses and the final weights are bitwise
+// equal. The logged norm sums the same squares in float64 in another order and is not rounded to fp32:
+// within 2^-24 (the ordinary norm's fp32 rounding) + 1e-13 (a reordered float64 sum of < 10^3 pieces)
+// relative, < 2^-23. No gradient is held at the end of a step, and the peak falls by the model's
+// gradients less at most the one gradient in flight (the largest parameter's).
+TEST_CASE("optim.in_backward: losses and weights bitwise the ordinary step's, gpt2 none and llama full; no gradient "
+          "held; every setting it cannot hold exits 2 naming its key") {
+  test::TempDir dir("in-backward");
+  const std::string base = "--config configs/tiny.yaml --set train.grad_accum=1 --set train.micro_batch=4 "
+                           "--set train.grad_clip=0 --set train.steps=4 --set train.eval_interval=0 "
+                           "--set logging.save_model=true --set logging.progress=false";
+  const std::vector<std::pair<std::string, std::string>> shapes = {
+      {"gpt2-none", ""},
+      {"llama-full", "--set model.preset= --set model.arch=llama --set model.n_layer=4 --set checkpointing.mode=full"}};
+  for (const auto& [name, sets] : shapes) {
+    INFO(name);
+    std::map<bool, std::filesystem::path> runs;
+    for (const bool in_backward : {false, true}) {
+      runs[in_backward] = dir.path / (name + (in_backward ? "-ib" : "-ordinary"));
+      const auto r = test::trainer(fmt::format("{} {} --set optim.in_backward={} --set logging.dir={}", base, sets,
+                                               in_backward, runs[in_backward].string()));
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+    }
+    const auto a = test::step_records(runs[false] / "metrics.jsonl"), b = test::step_records(runs[true] / "metrics.jsonl");
+    REQUIRE(a.size() == 4);
+    REQUIRE(b.size() == 4);
+    for (size_t i = 0; i < a.size(); ++i) {
+      CHECK(a[i].loss == b[i].loss);
+      CHECK(std::abs(a[i].grad_norm - b[i].grad_norm) <= 0x1p-23 * a[i].grad_norm);
+    }
+    const auto pa = test::load_params(runs[false]), pb = test::load_params(runs[true]);
+    REQUIRE(pa.size() == pb.size());
+    int64_t params = 0, largest = 0;
+    for (const auto& [param, t] : pa) {
+      INFO(param);
+      CHECK(torch::equal(t, pb.at(param)));
+      params += t.numel(), largest = std::max<int64_t>(largest, t.numel());
+    }
+    const auto sa = json::parse(test::read_text(runs[false] / "summary.json"));
+    const auto sb = json::parse(test::read_text(runs[true] / "summary.json"));
+    CHECK(sb["memory_breakdown"]["grads_bytes"] == 0);
+    CHECK(sa["memory_breakdown"]["grads_bytes"] == 4 * params);
+    const int64_t fell = sa["peak_allocated_bytes"].get<int64_t>() - sb["peak_allocated_bytes"].get<int64_t>();
+    CHECK(fell >= 4 * (params - largest));
+    CHECK(fell <= 4 * params);
+  }
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"train.grad_accum", "--set train.grad_accum=2"},
+      {"train.grad_clip", "--set train.grad_clip=1.0"},
+      {"precision.compute", "--set precision.compute=fp16"},
+      {"parallel.sharding", "--set parallel.sharding=zero1"},
+      {"train.on_spike", "--set train.on_spike=skip"},
+      {"train.on_nonfinite", "--set train.on_nonfinite=skip"},
+      {"train.cuda_graphs", "--set train.cuda_graphs=on"},
+  };
+  for (const auto& [key, sets] : refused) {
+    INFO(key);
+    const auto run_dir = dir.path / ("refused-" + key);
+    const auto r = test::trainer(fmt::format("{} --set optim.in_backward=true {} --set logging.dir={}", base, sets,
+                                             run_dir.string()));
+    INFO(r.output);
+    CHECK(r.code == kExitConfig);
+    CHECK(r.output.find(key + ": cannot run with optim.in_backward") != std::string::npos);
+    CHECK_FALSE(std::filesystem::exists(run_dir));
+  }
 }
 
 }  // namespace SUBLINEAR_TEST_FILE

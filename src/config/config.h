@@ -192,6 +192,13 @@ struct LoggingConfig {
   bool tensorboard = false;  // TensorBoard event file in <run dir>/tensorboard/ beside metrics.jsonl
 };
 
+// How the optimizer runs (parallel/single.h).
+struct OptimConfig {
+  // Each parameter's AdamW update as soon as its gradient is complete, the gradient freed right after:
+  // gradients never exist for the whole model at once. One process, accumulation 1, no clipping, no fp16.
+  bool in_backward = false;
+};
+
 // Durable training state (src/state/): what is saved, how often, where.
 struct StateConfig {
   int64_t every = 0;      // save every N optimizer steps; 0 = only at the end and on a signal
@@ -211,6 +218,7 @@ struct RunConfig {
   ParallelConfig parallel;
   MemoryConfig memory;
   OffloadConfig offload;
+  OptimConfig optim;
   LoggingConfig logging;
   StateConfig state;
   std::string recipe_name = "run";

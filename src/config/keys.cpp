@@ -378,6 +378,17 @@ std::vector<Field> offload_fields() {
 }
 
 // The logging section's keys, in the order --help-config and the reference list them.
+std::vector<Field> optim_fields() {
+  using R = RunConfig;
+  return {
+      field(&R::optim, &OptimConfig::in_backward, "optim", "in_backward",
+            "run each parameter's AdamW update as soon as its gradient is complete during backward and free the "
+            "gradient then: the whole model's gradients never exist at once. Needs one process without sharding or "
+            "offload, train.grad_accum 1, train.grad_clip 0 (a global norm needs every gradient first), no fp16 "
+            "loss scaling, train.on_spike off or warn, train.on_nonfinite abort, train.cuda_graphs off or auto"),
+  };
+}
+
 std::vector<Field> logging_fields() {
   using R = RunConfig;
   return {
@@ -433,7 +444,7 @@ const std::vector<Field>& fields() {
   static const std::vector<Field> table = [] {
     std::vector<Field> all;
     for (auto section : {model_fields, data_fields, train_fields, checkpointing_fields, precision_fields,
-                         parallel_fields, memory_fields, offload_fields, logging_fields, state_fields})
+                         parallel_fields, memory_fields, offload_fields, optim_fields, logging_fields, state_fields})
       for (auto& f : section()) all.push_back(std::move(f));
     return all;
   }();

@@ -387,6 +387,38 @@ void validate_state(const RunConfig& c) {
 
 }  // namespace
 
+// optim.in_backward: what needs every gradient before any update, or more than one process, is refused.
+void validate_optim(const RunConfig& c) {
+  if (!c.optim.in_backward) return;
+  const auto refuse = [](const std::string& key, const std::string& why) {
+    fail(key, "cannot run with optim.in_backward: " + why);
+  };
+  const auto& t = c.train;
+  if (t.grad_accum != 1)
+    refuse("train.grad_accum", fmt::format("{} micro-batches would need each gradient kept until the last; set 1",
+                                           t.grad_accum));
+  if (t.grad_clip > 0.0)
+    refuse("train.grad_clip", fmt::format("{}: clipping scales by the global norm, known only once every gradient "
+                                          "is; set 0 (the norm is still logged)", t.grad_clip));
+  if (c.precision.compute == Dtype::kFp16)
+    refuse("precision.compute", "fp16's loss scaler skips a step whose gradients overflow, after the updates ran; "
+                                "use bf16 or fp32");
+  if (c.world_size > 1 || c.parallel.sequence > 1 || !c.parallel.sharding.replicated())
+    refuse("parallel.sharding", fmt::format("it runs in one process without sharding (world size {}, sharding {}, "
+                                            "sequence degree {})", c.world_size, c.parallel.sharding.name(),
+                                            c.parallel.sequence));
+  if (c.offload.any_state())
+    refuse("offload.optimizer", "offloaded model states are stepped by the data-parallel engine, after the backward");
+  if (t.on_spike == OnSpike::kSkip || t.on_spike == OnSpike::kStop)
+    refuse("train.on_spike", fmt::format("{} keeps the weights of a spiking step, which the backward has already "
+                                         "updated; use warn or off", t.on_spike.name()));
+  if (t.on_nonfinite == OnNonfinite::kSkip)
+    refuse("train.on_nonfinite", "skip keeps the weights of a step with a non-finite gradient, which the backward "
+                                 "has already updated; use abort");
+  if (t.cuda_graphs == CudaGraphs::kOn)
+    refuse("train.cuda_graphs", "a graph replays the updates with the step counts of its capture; use off or auto");
+}
+
 void validate(const RunConfig& c) {
   validate_model(c);
   validate_data(c);
@@ -397,6 +429,7 @@ void validate(const RunConfig& c) {
   validate_offload(c);
   validate_sequence(c);
   validate_state(c);
+  validate_optim(c);
 }
 
 }  // namespace sl::config

@@ -12,4 +12,8 @@ std::unique_ptr<torch::optim::AdamW> Strategy::make_optimizer(const config::Trai
 
 bool Strategy::writes_model_states(bool rank0) const { return rank0 || shards_states(); }
 
+void Strategy::step_in_backward(torch::optim::AdamW&) {
+  throw std::logic_error("optim.in_backward runs in one process without sharding or offloaded states");
+}
+
 }  // namespace sl::parallel

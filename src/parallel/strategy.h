@@ -121,6 +121,9 @@ class Strategy {
   virtual void check_reduction(const std::string& what) = 0;
   // The AdamW step over what this rank updates (and what must follow it: the ZeRO all-gather).
   virtual void optimizer_step(torch::optim::AdamW& opt) = 0;
+  // optim.in_backward: every later step updates each parameter in its backward (Single only; the recipe's
+  // validation refuses it with more than one process, sharding or offloaded states).
+  virtual void step_in_backward(torch::optim::AdamW& opt);
 
   // ---- memory ----
   virtual StateBytes state_bytes() const = 0;

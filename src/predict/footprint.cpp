@@ -207,6 +207,10 @@ PeakPrediction predict_states(const Scenario& sc) {
   const int64_t cp = sc.precision.param_dtype.bytes();
   p.params_bytes = sh.shards_params() ? P / N : cp < 4 ? P / N + cp * n : P;
   p.grads_bytes = sh.shards_grads() ? G / N : G;
+  // optim.in_backward frees each gradient once its parameter is updated, in its backward: none is held.
+  // The one in flight is the fresh weight gradient the activation model counts in each backward moment
+  // (Wg, predict/activations.h), which here becomes the parameter's gradient instead of being added to it.
+  if (sc.in_backward) p.grads_bytes = 0;
   p.optimizer_bytes = sh.shards_optimizer() ? O / N : O;
   place_transients(sc, p);
   p.batch_bytes = 2 * 8 * sc.local_tokens();  // this rank's positions (parallel.sequence)

@@ -24,6 +24,7 @@ Scenario Scenario::of(const config::RunConfig& cfg) {
   s.grad_accum = cfg.train.grad_accum;
   s.sequence = std::max<int64_t>(1, cfg.parallel.sequence);
   s.packing = cfg.data.packing;
+  s.in_backward = cfg.optim.in_backward;
   s.checkpointing = cfg.checkpointing;
   s.placement = {cfg.world_size, cfg.parallel.sharding, cfg.parallel.bucket_mb, cfg.offload};
   s.precision = cfg.precision;

@@ -28,6 +28,7 @@ struct Scenario {
   int64_t grad_accum = 1;                    // train.grad_accum
   int64_t sequence = 1;                      // parallel.sequence: each rank holds seq_len / sequence positions
   bool packing = false;                      // data.packing: packed rows, an attention mask per micro-batch
+  bool in_backward = false;                  // optim.in_backward: one parameter's gradient at a time
   config::CheckpointingConfig checkpointing;  // checkpointing.* (mode, its parameters, the budget)
   Placement placement;
   config::PrecisionConfig precision;         // compute, param_dtype, reduce_dtype

@@ -47,6 +47,9 @@ GraphEligibility graph_eligibility(const config::RunConfig& cfg, int64_t world, 
   if (cfg.model.dropout > 0.0)
     return eager("model.dropout > 0: a recompute restores the CUDA generator's state, which cannot be read under "
                  "capture, and a capture that fails part-way leaves the generator in capture mode");
+  if (cfg.optim.in_backward)
+    return eager("optim.in_backward: the updates in the backward advance step counts on the host, which a replay "
+                 "would not");
   if (cfg.checkpointing.check_recompute)
     return eager("checkpointing.check_recompute: it reads each recompute's checksum to the host");
   return {true, ""};

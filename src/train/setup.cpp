@@ -268,6 +268,7 @@ Learner build_learner(const config::RunConfig& cfg, const memory::Scenario& sc, 
   l.strategy->attach(*l.runner);
   meter.build_peak_bytes = std::max(model_peak, meter.tracker->read().peak_allocated_bytes) - before_build;
   l.opt = l.strategy->make_optimizer(cfg.train);
+  if (cfg.optim.in_backward) l.strategy->step_in_backward(*l.opt);
   l.scaler = std::make_unique<precision::LossScaler>(cfg.precision, proc.device);
   l.precision = {precision::compute_dtype(cfg.precision.compute), l.scaler.get()};
   l.forward = [runner = l.runner.get()](const torch::Tensor& idx) { return runner->forward(idx); };
