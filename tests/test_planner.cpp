@@ -665,6 +665,7 @@ TEST_CASE("packed rows (data.packing): the mask and positions are counted; peak 
     const int64_t c = cfg.precision.compute == config::Dtype::kBf16 ? 2 : 4;
     const int64_t tables = cfg.model.arch == config::Arch::kLlama ? 2 * 2 * 512 * (64 / 4 / 2) * 4 : 0;
     CHECK(e.packing_bytes == 2 * 512 * 512 * c + 8 * 2 * 512 + tables);
+    CHECK(s["predicted_peak_bytes"].get<int64_t>() > e.packing_bytes);
     CHECK(e.packing_bytes > s["peak_allocated_bytes"].get<double>() * 0.05);
   }
 }
@@ -692,6 +693,16 @@ TEST_CASE("optim.in_backward: no gradient counted; peak within 2%, gpt2 and llam
     const auto cfg = config::load((run_dir / "config.json").string(), {});
     CHECK(planner::predict_peak(memory::Scenario::of(cfg)).grads_bytes == 0);
   }
+  // trainer plan says so: the gradients' row and plan.json.
+  const auto out = dir.path / "plan.json";
+  const auto r = test::trainer("plan --config configs/tiny.yaml --set optim.in_backward=true --set train.grad_clip=0 "
+                               "--set train.grad_accum=1 --out " + out.string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("gradients (none held: optim.in_backward)") != std::string::npos);
+  const auto plan = json::parse(test::read_text(out));
+  CHECK(plan["optimizer_in_backward"] == true);
+  CHECK(plan["grads_bytes"] == 0);
 }
 
 TEST_CASE("parameter counts are closed formulas equal to the model's, gpt2 and llama, tied and untied") {

@@ -244,6 +244,8 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
             {"memory_bytes", memory_bytes > 0 ? Json(memory_bytes) : Json(nullptr)},
             {"params_bytes", base.params_bytes},
             {"grads_bytes", base.grads_bytes},
+            {"optimizer_in_backward", sc.in_backward},
+            {"packing_bytes", base.activations.packing_bytes},
             {"optimizer_state_bytes", base.optimizer_bytes},
             {"model_states_bytes", base.model_states_bytes()},
             {"batch_bytes", base.batch_bytes},
@@ -307,6 +309,13 @@ void add_sequence_row(const Json& j, std::vector<std::pair<std::string, std::str
 }
 
 // The breakdown of the model states, batch and buffers (the same for every mode).
+// The gradients' row: fp32, reduce-scattered in reduce_dtype, or none held (optim.in_backward).
+std::string gradients_label(const Json& j) {
+  if (j["optimizer_in_backward"].get<bool>()) return "gradients (none held: optim.in_backward)";
+  if (dtype_in(j, "reduce_dtype") == config::Dtype::kFp32) return "gradients (fp32)";
+  return fmt::format("gradients (fp32; reduce-scattered in {})", dtype_in(j, "reduce_dtype").name());
+}
+
 std::string breakdown_table(const Json& j) {
   std::vector<std::pair<std::string, std::string>> rows = {
       {"parameters", parameters_text(j)},
@@ -315,15 +324,13 @@ std::string breakdown_table(const Json& j) {
       {weights_label(dtype_in(j, "param_dtype"), j["sharding"].get<std::string>(),
                      j.contains("offload") && !j["offload"].is_null() && j["offload"]["optimizer"].get<bool>()),
        bytes(j["params_bytes"])},
-      {dtype_in(j, "reduce_dtype") == config::Dtype::kFp32
-           ? std::string("gradients (fp32)")
-           : fmt::format("gradients (fp32; reduce-scattered in {})", dtype_in(j, "reduce_dtype").name()),
-       bytes(j["grads_bytes"])},
+      {gradients_label(j), bytes(j["grads_bytes"])},
       {"AdamW moments (fp32)", bytes(j["optimizer_state_bytes"])},
       {j.contains("offload") ? "model states on the device (host part below)" : "model states",
        bytes(j["model_states_bytes"])},
       {"gathered parameters / unreduced gradients", bytes(j["sharding_transient_bytes"])},
       {"input batch", bytes(j["batch_bytes"])},
+      {"packed rows' attention mask and positions (in activations)", bytes(j["packing_bytes"])},
       {"fused LM head and loss, at its peak (in activations)", bytes(j["loss_bytes"])},
       {"optimizer step temporaries (after backward)", bytes(j["optimizer_step_temp_bytes"])},
       {"host staging of a save (GPU runs; host RAM)", bytes(j["host_staging_bytes"])},
