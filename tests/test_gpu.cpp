@@ -11,7 +11,8 @@
 //  d. two processes on one device over Gloo, DDP and every ZeRO stage, give world 1's losses, gradient
 //     norms and parameters within tests/test_parallel.cpp's bounds;
 //  e. fine-tuning data: packed rows (SDPA with their mask) under every checkpointing mode give mode none's
-//     training bitwise, fp32 and bf16, and the masked loss through a CUDA graph the eager run's.
+//     training bitwise, fp32 and bf16, and the masked loss through a CUDA graph the eager run's;
+//  f. optim.in_backward trains bitwise as the ordinary step, fp32 and bf16, holding no gradient.
 // Each is a function of the device. The [cuda] cases run it on cuda:0 (their own ctest entry,
 // gpu_cuda; skipped, reported, without CUDA; bench/gpu.sh runs them on a lent GPU). A hidden
 // [.cpu_mirror] case runs the same function on the CPU, where each property holds too (modes bitwise
@@ -477,6 +478,31 @@ void examples_on_device(const std::string& device) {
   if (device == "cuda") CHECK(test::summary(graphed).at("cuda_graphs").at("replays").get<int64_t>() > 0);
 }
 
+// ---- f. the optimizer step in the backward ----
+
+// optim.in_backward (a post-accumulate-grad hook: the device's AdamW, one parameter at a time, on autograd's
+// device thread there) against the ordinary step, no clipping, accumulation 1: the same gradients and the
+// same update arithmetic (one tensor's list in the fused AdamW instead of the group's), so the losses and
+// the final weights are bitwise equal, fp32 and bf16; the step's gradients are not held.
+void in_backward_on_device(const std::string& device) {
+  test::TempDir dir("gpu-in-backward-" + device);
+  const std::string args = kModesArgs + " --set train.device=" + device +
+                           " --set train.grad_accum=1 --set train.grad_clip=0 --set model.dropout=0.0";
+  for (const std::string prec : {"fp32", "bf16"}) {
+    INFO(prec);
+    const auto ordinary = run_ok(args + " --set precision.compute=" + prec, dir.path / ("ordinary-" + prec));
+    const auto ib = run_ok(args + " --set precision.compute=" + prec + " --set optim.in_backward=true",
+                           dir.path / ("in-backward-" + prec));
+    const auto a = test::step_records(ordinary / "metrics.jsonl"), b = test::step_records(ib / "metrics.jsonl");
+    REQUIRE(a.size() == 4);
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) CHECK(a[i].loss == b[i].loss);
+    CHECK(weights_diff(ordinary, ib) == "");
+    CHECK(test::summary(ib).at("memory_breakdown").at("grads_bytes") == 0);
+    check_device(ib, device);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("CUDA: dropout under every checkpointing mode gives none's losses, gradient norms and weights bitwise, fp32 and bf16",
@@ -564,6 +590,15 @@ TEST_CASE("CUDA: packed rows under every checkpointing mode give none's training
 TEST_CASE("CPU mirror: packed rows under every checkpointing mode give none's training bitwise; the masked loss with "
           "train.cuda_graphs auto (eager here) gives the eager run's", "[.cpu_mirror]") {
   examples_on_device("cpu");
+}
+
+TEST_CASE("CUDA: optim.in_backward trains bitwise as the ordinary step, fp32 and bf16, holding no gradient", "[cuda]") {
+  if (!torch::cuda::is_available()) SUBLINEAR_SKIP("no CUDA device here");
+  in_backward_on_device("cuda");
+}
+TEST_CASE("CPU mirror: optim.in_backward trains bitwise as the ordinary step, fp32 and bf16, holding no gradient",
+          "[.cpu_mirror]") {
+  in_backward_on_device("cpu");
 }
 
 TEST_CASE("CUDA: parallel.sequence 2 on one GPU over Gloo has degree 1's losses and gradient norms", "[cuda]") {
