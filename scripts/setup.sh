@@ -2,7 +2,7 @@
 # setup.sh: install what sublinear needs and build it into build/ (idempotent).
 #   1. Debian packages (apt-get, only when some are missing),
 #   2. LibTorch from the PyPI torch wheel (and matplotlib, for scripts/plot.py; safetensors,
-#      transformers, tokenizers and tensorboard: the references the tests check against; tokenizers also
+#      transformers, tokenizers, tensorboard and peft: the references the tests check against; tokenizers also
 #      tokenizes text in scripts/prepare_data.py) in a venv at
 #      ${SUBLINEAR_HOME:-~/.cache/sublinear}/venv,
 #   3. CMake configure (Ninja, Release; -DSUBLINEAR_WERROR=ON when CI=true) and build.
@@ -17,6 +17,7 @@ SAFETENSORS_VERSION=0.8.0  # the reference implementation tests/test_safetensors
 TRANSFORMERS_VERSION=5.23.0  # the reference GPT-2 / LLaMA tests/test_hf.cpp checks the model and its export against
 TOKENIZERS_VERSION=0.23.3    # Hugging Face tokenizers: scripts/prepare_data.py tokenizes with it; tests check ours against it
 TENSORBOARD_VERSION=2.21.0   # the reader tests/test_tensorboard checks logging.tensorboard's event files with
+PEFT_VERSION=0.22.0          # the LoRA adapter loader tests/test_hf checks trainer export's adapter directories with
 UV_VERSION=0.13.10           # the installer of the above (parallel downloads)
 PACKAGES=(cmake ninja-build g++ ccache libgloo-dev libyaml-cpp-dev libcli11-dev libspdlog-dev libfmt-dev
           nlohmann-json3-dev catch2 python3-venv zlib1g-dev libicu-dev libprotobuf-dev protobuf-compiler)
@@ -80,6 +81,7 @@ pin safetensors safetensors "$SAFETENSORS_VERSION"
 pin transformers transformers "$TRANSFORMERS_VERSION"
 pin tokenizers tokenizers "$TOKENIZERS_VERSION"
 pin tensorboard tensorboard "$TENSORBOARD_VERSION"
+pin peft peft "$PEFT_VERSION"
 if ((${#want[@]})); then
   [[ -x "$VENV/bin/uv" ]] || "$PY" -m pip install --quiet "uv==$UV_VERSION"
   say "uv pip install ${want[*]}"

@@ -149,6 +149,10 @@ void add_export_command(CLI::App& app, Cli& cli) {
   cli.export_cmd->add_option("--out", req.out, "a directory, or a .safetensors file with config.json beside it "
                                                "(default: <run>/hf-step-NNNNNNNN/)");
   cli.export_cmd->add_option("--dtype", cli.export_dtype, "fp32 (default) or bf16 (for inference tools)");
+  cli.export_cmd->add_flag("--merged", req.merged,
+                           "a model.lora run: the base with the adapters folded in, as plain Hugging Face weights "
+                           "(default for such a run: its PEFT adapter directory, adapter_config.json + "
+                           "adapter_model.safetensors)");
 }
 
 void add_commands(CLI::App& app, Cli& cli) {

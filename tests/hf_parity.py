@@ -17,6 +17,9 @@
       causal-LM loss takes them (it shifts them itself). Writes `loss` (the mean over every trained token
       of the batch) and `mean_of_means` (the mean of the examples' own means: what a mean of per-micro-batch
       means gives at micro-batch 1) to OUT.
+  hf_parity.py peft BASE ADAPTER TOKENS OUT
+      Loads the base DIR with from_pretrained, PEFT's PeftModel.from_pretrained(base, ADAPTER) over it, and
+      writes its `logits` and `loss` on TOKENS' tokens and `merged_logits`, those of merge_and_unload().
   hf_parity.py bad KIND SRC OUT
       Writes a broken copy of the checkpoint SRC (model.safetensors) to OUT (a file, no config.json):
       KIND = missing (first block's q/c_attn weight gone), extra (an unknown tensor added),
@@ -82,6 +85,23 @@ def logits(a):
     lg, loss = forward(model, tokens)
     save_file({"logits": lg, "loss": loss}, a.out)
     print(f"loss {loss.item():.6f}")
+
+
+def peft_logits(a):
+    """PEFT's LoRA over the transformers base: the logits of PeftModel.from_pretrained(base, adapter), and of
+    its merge_and_unload() (PEFT's own folding of B A into the weights)."""
+    import warnings
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(a.base, dtype=torch.float32, attn_implementation="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPT-2's Conv1D: PEFT notes fan_in_fan_out, which the adapter sets
+        model = PeftModel.from_pretrained(base, a.adapter)
+    tokens = load_file(a.tokens)["tokens"]
+    lg, loss = forward(model, tokens)
+    merged, _ = forward(model.merge_and_unload(), tokens)
+    save_file({"logits": lg, "loss": loss, "merged_logits": merged}, a.out)
+    print(f"peft loss {loss.item():.6f}")
 
 
 def read_examples(shard):
@@ -158,12 +178,17 @@ def main():
     mk.add_argument("dir")
     mk.add_argument("shard")
     mk.add_argument("out")
+    pf = sub.add_parser("peft")
+    pf.add_argument("base")
+    pf.add_argument("adapter")
+    pf.add_argument("tokens")
+    pf.add_argument("out")
     b = sub.add_parser("bad")
     b.add_argument("kind")
     b.add_argument("src")
     b.add_argument("out")
     a = p.parse_args()
-    {"make": make, "logits": logits, "masked": masked, "bad": bad}[a.cmd](a)
+    {"make": make, "logits": logits, "masked": masked, "peft": peft_logits, "bad": bad}[a.cmd](a)
 
 
 if __name__ == "__main__":

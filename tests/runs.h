@@ -14,15 +14,29 @@
 
 #include "config/config.h"
 #include "interop/hf.h"
+#include "interop/peft.h"
 #include "model/gpt.h"
 #include "train/schedule.h"
 #include "test_util.h"
 
 namespace sl::test {
 
-// A run's final weights (<run>/model/, Hugging Face layout), read back under this project's parameter names.
+// A run's final weights (<run>/model/, Hugging Face layout), read back under this project's parameter names;
+// of a model.lora run, what it trained: its adapters (<run>/adapter/, PEFT's layout).
 inline std::map<std::string, torch::Tensor> load_params(const std::filesystem::path& run_dir) {
   const auto cfg = config::load((run_dir / "config.json").string(), {"train.global_batch=0", "parallel.sequence=1"});
+  if (cfg.model.lora.enabled()) {
+    const interop::PeftAdapter adapter(run_dir / "adapter", cfg.model);
+    model::GPT shapes(cfg.model, torch::kMeta);
+    std::map<std::string, torch::Tensor> out;
+    for (const auto& item : shapes->named_parameters()) {
+      if (!item.value().requires_grad()) continue;
+      auto t = torch::empty(item.value().sizes());
+      adapter.read(item.key(), 0, t.numel(), t.view({-1}));
+      out[item.key()] = t;
+    }
+    return out;
+  }
   const interop::HfCheckpoint ckpt(run_dir / "model", cfg.model);
   model::GPT shapes(cfg.model, torch::kMeta);
   std::map<std::string, torch::Tensor> out;

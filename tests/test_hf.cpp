@@ -20,6 +20,7 @@
 
 #include "config/config.h"
 #include "interop/hf.h"
+#include "interop/peft.h"
 #include "model/gpt.h"
 #include "state/safetensors.h"
 #include "examples_data.h"
@@ -302,6 +303,89 @@ TEST_CASE("init_from: LLaMA from transformers goes through the trainer to its fi
   REQUIRE(r.code == 0);
   check_bitwise(dir.path / "run" / "model" / "model.safetensors", hf / "model.safetensors");
   check_bitwise(hf / "model.safetensors", dir.path / "run" / "model" / "model.safetensors");
+}
+
+namespace {
+
+// A model.lora model as the trainer runs it: the frozen weights from the base checkpoint, the adapters
+// (unmerged: x W^T + (alpha / r) B A x) from a PEFT adapter directory.
+model::GPT load_adapted(const config::ModelConfig& m, const fs::path& base, const fs::path& adapter) {
+  model::GPT model(m, torch::kCPU);
+  const interop::HfCheckpoint ckpt(base, interop::without_lora(m));
+  const interop::PeftAdapter peft(adapter, m);
+  torch::NoGradGuard no_grad;
+  for (const auto& item : model->named_parameters()) {
+    const auto v = item.value().view({-1});
+    if (item.value().requires_grad()) peft.read(item.key(), 0, v.numel(), v);
+    else ckpt.read(item.key(), 0, v.numel(), v);
+  }
+  model->eval();
+  return model;
+}
+
+}  // namespace
+
+// model.lora end to end against PEFT: the trainer's adapters, exported as PEFT's directory, give over
+// transformers' base the logits the trainer's own model gives (kLogitTol: the adapters add two small
+// products per projection to the operations its derivation counts, well inside its 3x margin); the merged
+// export is PEFT's merge_and_unload; a run started from the adapter directory holds its adapters exactly.
+TEST_CASE("LoRA: PEFT loads the exported adapter over transformers' base with the trainer's logits, --merged is "
+          "merge_and_unload's, and model.init_from continues from the adapter", "[numerics]") {
+  for (const std::string arch : {"gpt2", "llama"}) {
+    DYNAMIC_SECTION(arch) {
+      test::TempDir dir("hf-lora-" + arch);
+      const fs::path hf = make_hf(arch, dir.path / "hf");
+      const std::string lora = "--set 'model.lora={rank: 4, alpha: 8, targets: [all-linear]}'";
+      const std::string common = fmt::format(
+          "--config configs/tiny.yaml {} {} --set model.init_from={} --set train.micro_batch=4 --set train.grad_accum=1 "
+          "--set train.eval_interval=0 --set train.warmup_steps=1 --set logging.progress=false",
+          arch == "llama" ? kLlamaSets : "", lora, hf.string());
+      const fs::path run = dir.path / "run";
+      const auto r = test::trainer(common + " --set train.steps=4 --set train.lr=1e-2 --set logging.save_model=true "
+                                   "--set logging.dir=" + run.string());
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+      const auto ex = test::trainer("export --run " + run.string() + " --out " + (dir.path / "peft").string());
+      INFO(ex.output);
+      REQUIRE(ex.code == 0);
+      const auto mx = test::trainer("export --merged --run " + run.string() + " --out " + (dir.path / "merged").string());
+      INFO(mx.output);
+      REQUIRE(mx.code == 0);
+
+      const auto cfg = config::load_string(arch == "llama" ? kLlamaRecipe : kGpt2Recipe,
+                                           {"model.lora={rank: 4, alpha: 8, targets: [all-linear]}"});
+      auto ours = load_adapted(cfg.model, hf, dir.path / "peft");
+      const state::SafetensorsFile ref(hf / "ref.safetensors");
+      const auto mine = run_model(ours, ref.view("tokens")).logits;
+      // The adapters moved: the adapted model's logits are not the base's.
+      CHECK(max_abs(mine, ref.view("logits")) > 100 * kLogitTol);
+      const auto pr = parity(fmt::format("peft {} {} {} {}", hf.string(), (dir.path / "peft").string(),
+                                         (hf / "ref.safetensors").string(), (dir.path / "peft.safetensors").string()));
+      INFO(pr.output);
+      REQUIRE(pr.code == 0);
+      const state::SafetensorsFile theirs(dir.path / "peft.safetensors");
+      CHECK(max_abs(theirs.view("logits"), mine) <= kLogitTol);
+      CHECK(max_abs(theirs.view("merged_logits"), mine) <= kLogitTol);
+      // The merged export (from the state: the base from model.init_from) is the run's final merged weights,
+      // bitwise, and transformers runs it with the same logits.
+      check_bitwise(dir.path / "merged" / "model.safetensors", run / "model" / "model.safetensors");
+      const auto back = hf_logits(dir.path / "merged", hf / "ref.safetensors", dir.path / "back.safetensors");
+      CHECK(max_abs(back.view("logits"), mine) <= kLogitTol);
+      // The state holds the adapters (and their moments) only, not the frozen weights.
+      for (const auto& e : state::SafetensorsFile(run / "state" / "step-00000004" / "rank-00000.safetensors").entries())
+        if (e.name.rfind("param/", 0) == 0) CHECK(e.name.find(".lora_") != std::string::npos);
+
+      // Continuing from the adapter directory (its base_model_name_or_path is the base): a vanishing learning
+      // rate leaves the adapters bitwise the exported ones.
+      const fs::path again = dir.path / "again";
+      const auto r2 = test::trainer(fmt::format("{} --set model.init_from={} --set train.steps=1 --set train.lr=1e-30 "
+                                                "--set train.min_lr=0 --set logging.save_model=true --set logging.dir={}",
+                                                common, (dir.path / "peft").string(), again.string()));
+      INFO(r2.output);
+      REQUIRE(r2.code == 0);
+      check_bitwise(again / "adapter" / "adapter_model.safetensors", dir.path / "peft" / "adapter_model.safetensors");
+    }
+  }
 }
 
 // Fine-tuning's loss (data.source: examples): eight examples of 3 to 65 tokens, about a third of each a prompt

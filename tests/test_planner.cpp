@@ -705,6 +705,49 @@ TEST_CASE("optim.in_backward: no gradient counted; peak within 2%, gpt2 and llam
   CHECK(plan["grads_bytes"] == 0);
 }
 
+// model.lora: the frozen weights hold no gradient or optimizer state, their linears keep no input, the fused
+// loss makes no dW, and the adapters keep theirs (predict/activations.h, "LoRA"). 2 % as kStrategyBound on
+// shapes whose full-training prediction holds it (this tiny LLaMA's bf16 and recomputed-MLP moments are 2-4 %
+// under without adapters too: a gap of the base model, not of the adapters); leaving the frozen weights'
+// gradients and moments in would put these 15-40 % over, and the linears' inputs 10-25 %.
+TEST_CASE("model.lora: frozen weights without gradients or moments, adapters' activations counted; peak within 2%, "
+          "gpt2 (none, full, selective; fp32 and bf16) and llama (none, full; fp32)") {
+  test::TempDir dir("planner-lora");
+  const std::string all = "--set 'model.lora={rank: 8, targets: [all-linear]}'";
+  const std::string llama = " --set model.preset= --set model.arch=llama --set model.n_head=4";
+  const std::vector<std::pair<std::string, std::string>> shapes = {
+      {"gpt2 all-linear none", all},
+      {"gpt2 all-linear none bf16", all + " --set precision.compute=bf16"},
+      {"gpt2 all-linear full", all + " --set checkpointing.mode=full"},
+      {"gpt2 all-linear selective mlp", all + " --set checkpointing.mode=selective --set checkpointing.recompute=[mlp]"},
+      {"gpt2 all-linear selective attention norm bf16",
+       all + " --set checkpointing.mode=selective --set checkpointing.recompute=[attention,norm] --set precision.compute=bf16"},
+      {"gpt2 c_attn none", "--set 'model.lora={rank: 8}'"},
+      {"gpt2 all-linear none, frozen weights in bf16",
+       "--set 'model.lora={rank: 8, targets: [all-linear], base_dtype: bf16}' --set precision.compute=bf16"},
+      {"gpt2 c_attn full, frozen weights in bf16",
+       "--set 'model.lora={rank: 8, base_dtype: bf16}' --set precision.compute=bf16 --set checkpointing.mode=full"},
+      {"gpt2 c_attn full bf16", "--set 'model.lora={rank: 8}' --set checkpointing.mode=full --set precision.compute=bf16"},
+      {"llama all-linear none", all + llama},
+      {"llama all-linear full", all + llama + " --set checkpointing.mode=full"},
+      {"llama q v none", "--set 'model.lora={rank: 8}'" + llama},
+  };
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const auto& [name, sets] = shapes[i];
+    INFO(name);
+    const auto run_dir = dir.path / std::to_string(i);
+    const auto s = check_run_peak(
+        "--config configs/tiny.yaml --set train.steps=2 --set train.eval_interval=0 " + sets, run_dir);
+    const auto cfg = config::load((run_dir / "config.json").string(), {});
+    const auto p = planner::predict_peak(memory::Scenario::of(cfg));
+    const int64_t trained = config::Shape(cfg.model).trained_params();
+    CHECK(p.grads_bytes == 4 * trained);
+    CHECK(p.optimizer_bytes == 8 * trained);
+    CHECK(p.params_bytes == 4 * trained + config::Shape(cfg.model).frozen_bytes());
+    CHECK(s["model"]["trained_params"] == trained);
+  }
+}
+
 TEST_CASE("parameter counts are closed formulas equal to the model's, gpt2 and llama, tied and untied") {
   const std::vector<std::vector<std::string>> shapes = {
       {},
@@ -713,6 +756,8 @@ TEST_CASE("parameter counts are closed formulas equal to the model's, gpt2 and l
       {"model.arch=llama", "model.n_layer=3"},
       {"model.arch=llama", "model.tie_embeddings=false", "model.n_embd=96", "model.n_head=3"},
       {"model.arch=llama", "model.mlp_hidden=200", "model.bias=false"},
+      {"model.lora={rank: 4, targets: [all-linear]}", "model.mlp_hidden=300"},
+      {"model.arch=llama", "model.lora={rank: 3, targets: [q_proj, v_proj, down_proj]}", "model.n_layer=3"},
   };
   for (const auto& sets : shapes) {
     INFO(fmt::format("{}", fmt::join(sets, " ")));
@@ -726,6 +771,7 @@ TEST_CASE("parameter counts are closed formulas equal to the model's, gpt2 and l
     CHECK(config::Shape(m).total_params() == std::accumulate(units.begin(), units.end(), int64_t{0}));
     CHECK(config::Shape(m).largest_unit_params() == *std::max_element(units.begin(), units.end()));
     CHECK(config::Shape(m).largest_param() == largest);
+    CHECK(config::Shape(m).trained_params() == meta->num_trained_params());
   }
   // The shipped 7B recipe, without building it.
   const auto seven = config::load(test::kSourceDir + "/configs/7b_ckpt.yaml", {}).model;

@@ -38,6 +38,19 @@ struct LossScale {
   bool dynamic() const { return fixed == 0.0; }
 };
 
+// model.lora: low-rank adapters on the blocks' projections (model/lora.h); rank 0 = none. With adapters the
+// model's other parameters are frozen: no gradient, no optimizer state, not in the saved training state.
+struct LoraConfig {
+  int64_t rank = 0;
+  double alpha = 16.0;    // the update is (alpha / rank) B A
+  double dropout = 0.0;   // on the adapters' input, one mask per projection
+  // Hugging Face module names of model.arch (model/lora.h: lora_target_names); [] = PEFT's default for it
+  std::vector<std::string> targets = {};
+  // The frozen matrices' dtype: fp32, or bf16 (half the bytes; needs precision.compute bf16)
+  Dtype base_dtype = Dtype::kFp32;
+  bool enabled() const { return rank > 0; }
+};
+
 // Field docs live in the key table in keys.cpp (printed by `trainer --help-config`).
 struct ModelConfig {
   std::string preset = "";
@@ -58,6 +71,7 @@ struct ModelConfig {
   double init_std = 0.02;
   std::string init_from = "";  // Hugging Face safetensors weights to start from (src/interop/hf.h)
   int64_t loss_chunk = 0;  // positions per chunk of the fused LM head + loss (model/fused_loss.h); 0 = auto
+  LoraConfig lora = {};
 
   // Rows of the token embedding and of an untied LM head: vocab_size rounded up to a multiple of
   // vocab_multiple. The rows past vocab_size are zero and stay zero (no token selects them, no loss

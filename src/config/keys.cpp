@@ -114,6 +114,43 @@ Field micro_batch_field() {
   return f;
 }
 
+// model.lora is one key holding a map (rank, alpha, dropout, targets), as PEFT's LoraConfig groups them: a
+// map given in YAML or by --set 'model.lora={rank: 8}' replaces the keys it names and keeps the others.
+Field lora_field() {
+  Field f{"model", "lora", "map",
+          "LoRA adapters {rank, alpha, dropout, targets, base_dtype}: rank 0 = none; else every other parameter is "
+          "frozen (no gradient, no optimizer state, not in saved states) and each target projection learns "
+          "(alpha / rank) B A; targets are Hugging Face module names (gpt2: c_attn, attn.c_proj, c_fc, mlp.c_proj; "
+          "llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; all-linear; [] = PEFT's default: "
+          "c_attn / q_proj, v_proj); dropout is one mask per projection; base_dtype fp32 | bf16: the frozen "
+          "matrices' dtype (bf16 needs precision.compute: bf16)",
+          {}, {}};
+  f.set = [](RunConfig& c, const YAML::Node& n) {
+    if (!n.IsMap()) throw ConfigError("model.lora: expected a map {rank, alpha, dropout, targets}" + where(n));
+    auto& l = c.model.lora;
+    for (const auto& kv : n) {
+      const auto key = kv.first.as<std::string>();
+      const auto name = "model.lora." + key;
+      if (key == "rank") l.rank = convert<int64_t>(kv.second, name);
+      else if (key == "alpha") l.alpha = convert<double>(kv.second, name);
+      else if (key == "dropout") l.dropout = convert<double>(kv.second, name);
+      else if (key == "targets") l.targets = convert<std::vector<std::string>>(kv.second, name);
+      else if (key == "base_dtype") l.base_dtype = convert<Dtype>(kv.second, name);
+      else throw ConfigError(fmt::format("model.lora: unknown key '{}'{} (keys: rank, alpha, dropout, targets, "
+                                         "base_dtype)", key, where(kv.first)));
+    }
+  };
+  f.get = [](const RunConfig& c) {
+    const auto& l = c.model.lora;
+    return Json{{"rank", l.rank},
+                {"alpha", l.alpha},
+                {"dropout", l.dropout},
+                {"targets", l.targets},
+                {"base_dtype", l.base_dtype.name()}};
+  };
+  return f;
+}
+
 // The model section's keys, in the order --help-config and the reference list them.
 std::vector<Field> model_fields() {
   using R = RunConfig;
@@ -153,6 +190,7 @@ std::vector<Field> model_fields() {
             "positions per chunk of the LM head and loss, which run fused so the logits of the whole micro-batch never "
             "exist; 0 = auto (a chunk's fp32 logits <= 64 MiB); not part of the model: saved states and exports ignore "
             "it"),
+      lora_field(),
   };
 }
 

@@ -27,7 +27,8 @@ Shape::Shape(const ModelConfig& m)
       llama(m.arch == Arch::kLlama),
       bias(m.bias && m.arch != Arch::kLlama),
       tied(m.tie_embeddings),
-      layer_hidden_(m.layer_mlp_hidden) {
+      layer_hidden_(m.layer_mlp_hidden),
+      lora_(m.lora) {
   padding_params_ = sat_mul(sat_mul(tied ? 1 : 2, vocab_rows - m.vocab_size), n_embd);
   hidden_ = m.mlp_hidden > 0 ? m.mlp_hidden : llama ? round_up(2 * 4 * m.n_embd / 3, 256) : 4 * m.n_embd;
   for (int64_t l = 1; l < static_cast<int64_t>(layer_hidden_.size()); ++l)
@@ -53,6 +54,36 @@ int64_t Shape::block_params_of_width(int64_t H) const {
   n = sat_add(n, sat_mul((llama ? 3 : 2) * H, C));
   // ln1_b, ln2_b, b_qkv 3C, b_proj C, b_fc H, b_out C.
   if (bias) n = sat_add(n, 7 * C + H);
+  return sat_add(n, lora_params_of_width(arch, C, H, lora_));
+}
+
+int64_t Shape::lora_block_params(int64_t layer) const {
+  return lora_params_of_width(arch, n_embd, hidden(layer), lora_);
+}
+
+int64_t Shape::vector_params() const {
+  const int64_t C = n_embd;
+  int64_t n = bias ? 2 * C : C;  // lnf_w, lnf_b
+  for (int64_t l = 0; l < n_layer; ++l) {
+    n = sat_add(n, 2 * C + (bias ? 7 * C + hidden(l) : 0));  // ln1_w, ln2_w; the biases
+    if (uniform_) return sat_add(n, sat_mul(n_layer - 1, 2 * C + (bias ? 7 * C + hidden_ : 0)));
+  }
+  return n;
+}
+
+int64_t Shape::frozen_bytes() const {
+  if (!lora_.enabled()) return 0;
+  const int64_t frozen = total_params() - trained_params();
+  if (lora_.base_dtype != Dtype::kBf16) return 4 * frozen;  // frozen <= kMaxParams: no overflow
+  const int64_t vectors = vector_params();
+  return 4 * vectors + 2 * (frozen - vectors);
+}
+
+int64_t Shape::trained_params() const {
+  if (!lora_.enabled()) return total_params();
+  if (uniform_) return sat_mul(n_layer, lora_block_params(0));
+  int64_t n = 0;
+  for (int64_t l = 0; l < n_layer; ++l) n = sat_add(n, lora_block_params(l));
   return n;
 }
 
@@ -78,6 +109,16 @@ int64_t Shape::largest_param() const {
   const int64_t C = n_embd;
   return std::max({sat_mul(vocab_rows, C), llama ? 0 : sat_mul(max_seq_len, C), sat_mul(3 * C, C),
                    sat_mul((llama ? 2 : 1) * widest_, C)});
+}
+
+std::vector<LoraTarget> lora_targets(const ModelConfig& m, int64_t layer) {
+  return lora_targets_of_width(m.arch, m.n_embd, Shape(m).hidden(layer), m.lora);
+}
+
+std::vector<std::string> lora_target_names(const ModelConfig& m) {
+  std::vector<std::string> names;
+  for (const auto& t : lora_targets(m, 0)) names.push_back(t.name);
+  return names;
 }
 
 }  // namespace sl::config

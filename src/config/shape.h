@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "config/config.h"
+#include "config/lora.h"
 
 namespace sl::config {
 
@@ -40,7 +41,15 @@ struct Shape {
   // (token table, + position table for gpt2), block `layer`, the head (final norm, + LM head when
   // untied), the whole model (O(n_layer) only when the blocks differ).
   int64_t embedding_params() const;
-  int64_t block_params(int64_t layer) const { return block_params_of_width(hidden(layer)); }
+  int64_t block_params(int64_t layer) const { return block_params_of_width(hidden(layer)); }  // adapters included
+  // model.lora: the adapters' parameters of block `layer` (config/lora.h), and of the model: what trains
+  // (without adapters: total_params()).
+  int64_t lora_block_params(int64_t layer) const;
+  int64_t trained_params() const;
+  // The 1-D parameters (norm weights, biases): of the frozen ones under model.lora, the rest are matrices.
+  int64_t vector_params() const;
+  // The frozen weights' bytes under model.lora (0 without): 4 a parameter, 2 a matrix element with base_dtype bf16.
+  int64_t frozen_bytes() const;
   int64_t head_params() const;
   int64_t total_params() const;
   // Of total_params(), the vocabulary padding's rows (zero, never trained): vocab_rows - model.vocab_size
@@ -55,8 +64,15 @@ struct Shape {
  private:
   int64_t block_params_of_width(int64_t H) const;
   std::vector<int64_t> layer_hidden_;  // model.layer_mlp_hidden (0 = hidden()); empty = uniform
+  LoraConfig lora_;
   int64_t hidden_ = 0, widest_ = 0, padding_params_ = 0;
   bool uniform_ = true;
 };
+
+// model.lora.targets resolved for block `layer` (config/lora.h: lora_targets_of_width at its MLP width), in the
+// table's order (each once). Throws ConfigError naming model.lora for a name the arch does not have.
+std::vector<LoraTarget> lora_targets(const ModelConfig& m, int64_t layer);
+// The target names model.lora resolves to, in the table's order (what adapter_config.json lists).
+std::vector<std::string> lora_target_names(const ModelConfig& m);
 
 }  // namespace sl::config

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "config/lora.h"
 #include "config/shape.h"
 #include "errors.h"
 
@@ -85,6 +86,31 @@ void validate_layer_widths(const ModelConfig& m) {
       fail("model.layer_mlp_hidden", fmt::format("entry {} (block {}) is {}; sizes must be >= 0", i, i, w[i]));
 }
 
+// model.lora: the adapter's numbers and names, and the layouts whose frozen weights it cannot keep apart yet.
+void validate_lora(const RunConfig& c) {
+  const auto& l = c.model.lora;
+  if (l.rank < 0) fail("model.lora", fmt::format("rank must be >= 0 (0 = no adapters), got {}", l.rank));
+  if (!l.enabled()) return;
+  if (!(l.alpha > 0.0)) fail("model.lora", fmt::format("alpha must be > 0, got {}", l.alpha));
+  if (!(l.dropout >= 0.0 && l.dropout < 1.0))
+    fail("model.lora", fmt::format("dropout must be in [0, 1), got {}", l.dropout));
+  lora_targets(c.model, 0);  // names the arch lacks
+  if (l.base_dtype != Dtype::kFp32 && l.base_dtype != Dtype::kBf16)
+    fail("model.lora", fmt::format("base_dtype must be fp32 or bf16, got '{}'", l.base_dtype.name()));
+  if (l.base_dtype == Dtype::kBf16 && c.precision.compute != Dtype::kBf16)
+    fail("model.lora", fmt::format("base_dtype bf16 uses the frozen weights as they are held, in bf16: set "
+                                   "precision.compute: bf16 (it is '{}') or base_dtype: fp32",
+                                   c.precision.compute.name()));
+  if (c.precision.param_dtype != Dtype::kFp32)
+    fail("precision.param_dtype", "with model.lora only the adapters have fp32 masters and a compute copy: set "
+                                  "model.lora's base_dtype: bf16 to hold the frozen weights in bf16 instead");
+  if (c.parallel.sharding.shards_params())
+    fail("parallel.sharding",
+         "zero3 shards every parameter by block, and with model.lora the frozen weights would need gathering without "
+         "a gradient or an optimizer: use zero2 (or zero1 / none), which keep the frozen weights whole on every rank "
+         "and shard the adapters' optimizer states and gradients");
+}
+
 void validate_model(const RunConfig& c) {
   const auto& m = c.model;
   positive("model.n_layer", m.n_layer);
@@ -117,6 +143,7 @@ void validate_model(const RunConfig& c) {
   if (!(m.norm_eps > 0.0)) fail("model.norm_eps", "must be > 0");
   if (!(m.init_std > 0.0)) fail("model.init_std", "must be > 0");
   if (!(m.rope_theta > 0.0)) fail("model.rope_theta", "must be > 0");
+  validate_lora(c);
 }
 
 void validate_data(const RunConfig& c) {

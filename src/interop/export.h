@@ -7,6 +7,7 @@
 
 #include "config/config.h"
 #include "interop/hf.h"
+#include "interop/peft.h"
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -17,6 +18,9 @@ struct ExportRequest {
   std::filesystem::path run;  // a run directory (config.json, state/ and/or model/)
   std::filesystem::path out;  // a directory, or a *.safetensors file (config.json goes beside it); "" = <run>/hf-step-N
   config::Dtype dtype = config::Dtype::kFp32;  // fp32 | bf16
+  // A model.lora run: false writes its PEFT adapter directory (adapter_config.json, adapter_model.safetensors),
+  // true the base with the adapters folded in as plain Hugging Face weights.
+  bool merged = false;
 };
 
 struct ExportReport {
@@ -34,9 +38,12 @@ struct ExportReport {
 ExportReport export_run(const ExportRequest& req);
 
 // A run's newest weights: its final weights or its newest saved training state, whichever is newer.
+// A model.lora run's source has the adapters folded in (interop/peft.h; its model is without_lora(cfg.model))
+// and `adapters` reads them; the base comes from model.init_from, or is drawn again from train.seed.
 struct RunWeights {
   config::RunConfig cfg;  // the run's recipe (config.json)
   WeightsSource source;
+  ParamValues adapters;  // model.lora runs only
   std::string description;  // the file or state directory read
   int64_t step = 0;
 };

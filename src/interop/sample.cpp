@@ -52,7 +52,9 @@ Loaded load_folder(const fs::path& folder) {
 
 Loaded load_run(const fs::path& run) {
   auto w = run_weights(run, "sample");
-  Loaded l{w.cfg.model, std::move(w.source), fmt::format("{} (step {})", w.description, w.step), run_tokenizer(run)};
+  // A model.lora run's weights come with the adapters folded in (RunWeights): the model without them.
+  Loaded l{without_lora(w.cfg.model), std::move(w.source), fmt::format("{} (step {})", w.description, w.step),
+           run_tokenizer(run)};
   l.model.dropout = 0.0;
   return l;
 }

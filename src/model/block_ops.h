@@ -76,7 +76,7 @@ PendingNorm BlockOps<Block>::norm2(const torch::Tensor& h) const {
 
 template <class Block>
 torch::Tensor BlockOps<Block>::linear(const PendingNorm& n, const torch::Tensor& W, const torch::Tensor& b) const {
-  return linear_after_(n.part, n.norm, {n.x}, n.params, W, b);
+  return linear_after_(n.part, n.norm, {n.x}, n.params, W, b, b_.lora[static_cast<size_t>(n.part)]);
 }
 
 template <class Block>
@@ -85,7 +85,7 @@ Branch BlockOps<Block>::attention(const PendingNorm& n) const {
   const auto bias = residual_bias(n.x, b_.b_proj);  // the stream the branch is added to is the norm's input
   const auto core = [block = &b_, mask = rope_.mask](const auto& in) { return block->attention_core(in, mask); };
   const auto y = linear_after_(Part::attention_proj, core, b_.attention_inputs(qkv, rope_), {}, b_.w_proj,
-                               bias.defined() ? torch::Tensor() : b_.b_proj);
+                               bias.defined() ? torch::Tensor() : b_.b_proj, b_.lora[1]);
   return {y, bias};
 }
 
@@ -96,8 +96,8 @@ Branch BlockOps<Block>::mlp(const PendingNorm& n) const {
   const auto u = linear(n, b_.w_fc, act_bias.defined() ? torch::Tensor() : b_.b_fc);  // (B, T, H) or (B, T, 2H)
   const auto bias = residual_bias(n.x, b_.b_out);
   const auto act = [block = &b_, act_bias](const auto& in) { return block->mlp_act(in[0], act_bias); };  // (B, T, H)
-  const auto y =
-      linear_after_(Part::act_out, act, {u}, {act_bias}, b_.w_out, bias.defined() ? torch::Tensor() : b_.b_out);
+  const auto y = linear_after_(Part::act_out, act, {u}, {act_bias}, b_.w_out,
+                               bias.defined() ? torch::Tensor() : b_.b_out, b_.lora[3]);
   return {y, bias};
 }
 

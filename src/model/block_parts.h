@@ -7,6 +7,8 @@
 #include <functional>
 #include <vector>
 
+#include "model/lora.h"
+
 namespace sl::model {
 
 // What a block needs of the positions: RoPE rotation tables, (T, head_dim / 2) each, or for packed rows
@@ -23,11 +25,13 @@ struct Rope {
 // (and recomputing it in backward) is what saves memory.
 enum class Part { norm1_qkv, attention_proj, norm2_fc, act_out };
 
-// cheap(inputs) followed by linear(W, b). The block calls it once per Part; the default runs both
-// plainly, a checkpointing runner passes one that keeps only the cheap op's inputs.
+// cheap(inputs) followed by linear(W, b) and the projection's LoRA adapter (lora.add_to; empty: none). The
+// block calls it once per Part; the default runs them plainly, a checkpointing runner passes one that keeps
+// only the cheap op's inputs.
 using CheapFn = std::function<torch::Tensor(const std::vector<torch::Tensor>&)>;
 using LinearAfter = std::function<torch::Tensor(
     Part part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
-    const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W, const torch::Tensor& b)>;
+    const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W, const torch::Tensor& b,
+    const LoraAdapter& lora)>;
 
 }  // namespace sl::model

@@ -69,25 +69,26 @@ void run_chunk(const Matmuls& mm, const at::Tensor& hc, const at::Tensor& Wc, co
     sum = z.sub_(top).exp_().sum(1, /*keepdim=*/true);
     s.loss.add_((top + sum.log() - picked).masked_fill_(ignored, 0.0).sum());
   }
-  if (!s.dW.defined()) return;
+  if (!s.dh.defined()) return;
   z.div_(sum.masked_fill_(ignored, std::numeric_limits<float>::infinity()));
   z.scatter_add_(1, target, at::full({m, 1}, -1.0, z.options()).masked_fill_(ignored, 0.0));
   const auto d = mm.operand(z);
   z = at::Tensor();
   s.dh.narrow(0, row0, m).copy_(mm.product(d, Wc));
-  mm.accumulate(s.dW, d, hc);
+  if (s.dW.defined()) mm.accumulate(s.dW, d, hc);
 }
 
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& W, const at::Tensor& targets,
-                            int64_t chunk_rows, int64_t valid, int64_t dtype, bool widened, bool grads) {
+                            int64_t chunk_rows, int64_t valid, int64_t dtype, bool widened, bool grads, bool w_grad) {
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const Matmuls mm{static_cast<c10::ScalarType>(dtype), widened};
     const int64_t N = h.size(0);
     const auto hc = mm.operand(h), Wc = mm.operand(W);
     const auto f32 = h.options().dtype(at::kFloat);
     ChunkSums s{at::zeros({}, f32), {}, {}};
-    if (grads) s.dh = at::empty({N, h.size(1)}, f32), s.dW = at::zeros({W.size(0), W.size(1)}, f32);
+    if (grads) s.dh = at::empty({N, h.size(1)}, f32);
+    if (grads && w_grad) s.dW = at::zeros({W.size(0), W.size(1)}, f32);  // a frozen W (model.lora): none
     for (int64_t r = 0; r < N; r += chunk_rows) {
       const int64_t m = std::min(chunk_rows, N - r);
       run_chunk(mm, hc.narrow(0, r, m), Wc, targets.narrow(0, r, m), valid, r, s);
@@ -104,7 +105,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
 
   // dL/dh = g/N dh and dL/dW = g/N dW, scaled in place and handed on (so the node keeps nothing after).
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(8);
+    variable_list result(9);
     const auto& g = grads[0];
     if (!g.defined()) return result;
     if (!ctx->saved_data.count("dh"))
@@ -114,7 +115,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     auto dh = ctx->saved_data["dh"].toTensor(), dW = ctx->saved_data["dW"].toTensor();
     ctx->saved_data.erase("dh"), ctx->saved_data.erase("dW");
     result[0] = dh.mul_(scale).to(static_cast<c10::ScalarType>(ctx->saved_data["h_dtype"].toInt()));
-    result[1] = dW.mul_(scale).to(static_cast<c10::ScalarType>(ctx->saved_data["W_dtype"].toInt()));
+    if (dW.defined()) result[1] = dW.mul_(scale).to(static_cast<c10::ScalarType>(ctx->saved_data["W_dtype"].toInt()));
     return result;
   }
 };
@@ -139,7 +140,7 @@ at::Tensor linear_cross_entropy(const at::Tensor& h, const at::Tensor& W, const 
   const bool widened = widened_path(h.device(), dtype);
   const bool grads = at::GradMode::is_enabled() && (h.requires_grad() || W.requires_grad());
   return LinearCrossEntropyFunction::apply(h, W, targets, chunk_rows, valid_vocab, static_cast<int64_t>(dtype), widened,
-                                           grads);
+                                           grads, grads && W.requires_grad());
 }
 
 }  // namespace sl::model

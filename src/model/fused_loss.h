@@ -75,27 +75,30 @@ constexpr int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c 
 //         ((8 + c) m C); dW grows in place.
 //   Beside all of it, the whole chunk: its targets with the ignored ones set to 0 (int64) and which are
 //         ignored (bool), 9 m.
-constexpr int64_t fused_loss_chunk_bytes(int64_t m, int64_t C, int64_t V, int64_t c, bool widened, bool grads) {
+// w_grad: dW is made (W trains; a frozen W under model.lora: no dW and no d^T h product).
+constexpr int64_t fused_loss_chunk_bytes(int64_t m, int64_t C, int64_t V, int64_t c, bool widened, bool grads,
+                                         bool w_grad = true) {
   const int64_t loss = 4 * m * V + 24 * m, sums = 4 * m, targets = 9 * m;
   if (c == 4) return targets + max3(loss, grads ? 4 * m * V + sums + 4 * m * C : 0, 0);
   if (widened)
     return targets + max3(max3((8 + c) * m * V, loss, 0), grads ? (8 + c) * m * V + sums : 0,
                           grads ? 4 * m * V + sums + (8 + c) * m * C : 0);
   const int64_t made = max3((4 + c) * m * V, loss, grads ? (4 + c) * m * V + sums : 0);
-  return targets + (grads ? max3(made, c * m * V + sums + c * m * C, c * m * V + sums + c * V * C) : made);
+  return targets + (grads ? max3(made, c * m * V + sums + c * m * C, w_grad ? c * m * V + sums + c * V * C : 0) : made);
 }
 
 constexpr FusedLossBytes fused_loss_bytes(int64_t N, int64_t C, int64_t V, int64_t chunk, int64_t c, int64_t h_bytes,
-                                          int64_t w_bytes, bool widened, bool grads) {
+                                          int64_t w_bytes, bool widened, bool grads, bool w_grad = true) {
   FusedLossBytes b;
-  b.kept = 4 + (grads ? 4 * N * C + 4 * V * C : 0);
+  b.kept = 4 + (grads ? 4 * N * C + (w_grad ? 4 * V * C : 0) : 0);
   // The operands in the compute dtype: a copy where the input is in another dtype; on the widened path
   // fp32 tensors of compute-dtype values, each made through a compute-dtype copy.
   const int64_t h_op = widened ? 4 * N * C : (h_bytes != c ? c * N * C : 0);
   const int64_t w_op = widened ? 4 * V * C : (w_bytes != c ? c * V * C : 0);
   const int64_t making = h_op + w_op + (widened ? c * V * C : 0);
   b.peak =
-      max3(b.kept + h_op + w_op + fused_loss_chunk_bytes(chunk < N ? chunk : N, C, V, c, widened, grads), making, 0);
+      max3(b.kept + h_op + w_op + fused_loss_chunk_bytes(chunk < N ? chunk : N, C, V, c, widened, grads, w_grad),
+           making, 0);
   return b;
 }
 

@@ -28,14 +28,23 @@ torch::Tensor unbacked(const std::vector<int64_t>& shape, const torch::TensorOpt
   return torch::empty({0}, opts).set_(storage, 0, shape);
 }
 
+// model.lora.base_dtype bf16: a frozen matrix (not an adapter, not a norm weight or bias) is held in bf16.
+bool held_in_bf16(const config::ModelConfig& cfg, const std::string& name, const std::vector<int64_t>& shape) {
+  return cfg.lora.enabled() && cfg.lora.base_dtype == config::Dtype::kBf16 && shape.size() >= 2 &&
+         name.rfind("lora_", 0) != 0;
+}
+
 // A parameter of `shape`, initialized by init_parameter; deferred (or on the meta device): shape only,
-// nothing drawn from the generator.
+// nothing drawn from the generator. A frozen matrix held in bf16 (held_in_bf16) draws the fp32 values a
+// full model draws and keeps their rounding (one fp32 tensor at a time).
 torch::Tensor make_param(const config::ModelConfig& cfg, const std::string& name, const std::vector<int64_t>& shape,
                          const torch::TensorOptions& opts, bool defer) {
   if (defer && opts.device() != torch::kMeta) return unbacked(shape, opts);
+  const bool bf16 = held_in_bf16(cfg, name, shape);
+  if (opts.device() == torch::kMeta) return torch::empty(shape, bf16 ? opts.dtype(torch::kBFloat16) : opts);
   auto t = torch::empty(shape, opts);
-  if (!t.is_meta()) init_parameter(cfg, name, t);
-  return t;
+  init_parameter(cfg, name, t);
+  return bf16 ? t.to(torch::kBFloat16) : t;
 }
 
 // RMSNorm as one autograd node: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps). A composite of
@@ -97,7 +106,12 @@ void init_parameter(const config::ModelConfig& cfg, const std::string& name, tor
     t.narrow(0, cfg.vocab_size, t.size(0) - cfg.vocab_size).zero_();
     return;
   }
-  if (leaf == "w_proj" || leaf == "w_out") {  // residual projections: GPT-2's 1/sqrt(2 L) scaling
+  if (leaf.rfind("lora_A_", 0) == 0) {  // PEFT's kaiming_uniform_(a = sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    const double bound = 1.0 / std::sqrt(static_cast<double>(t.size(1)));
+    t.uniform_(-bound, bound);
+  } else if (leaf.rfind("lora_B_", 0) == 0) {  // zero: the adapted model starts as the base
+    t.zero_();
+  } else if (leaf == "w_proj" || leaf == "w_out") {  // residual projections: GPT-2's 1/sqrt(2 L) scaling
     t.normal_(0.0, cfg.init_std / std::sqrt(2.0 * static_cast<double>(cfg.n_layer)));
   } else if (leaf[0] == 'w' || leaf == "lm_head") {  // wte, wpe, w_qkv, w_fc
     t.normal_(0.0, cfg.init_std);
@@ -135,6 +149,27 @@ BlockImpl::BlockImpl(const config::ModelConfig& cfg, int64_t layer_index, torch:
     b_proj = param("b_proj", {C});
     b_fc = param("b_fc", {H});
     b_out = param("b_out", {C});
+  }
+  add_adapters(cfg, opts, defer_params);
+}
+
+void BlockImpl::add_adapters(const config::ModelConfig& cfg, const torch::TensorOptions& opts, bool defer_params) {
+  if (!cfg.lora.enabled()) return;
+  const std::array<int64_t, 4> out = {3 * n_embd, n_embd, llama ? 2 * hidden : hidden, n_embd};
+  const std::array<int64_t, 4> in = {n_embd, n_embd, n_embd, hidden};
+  const int64_t r = cfg.lora.rank;
+  for (const auto& t : config::lora_targets(cfg, layer)) {
+    auto& adapter = lora[static_cast<size_t>(t.projection)];
+    adapter.out_features = out[static_cast<size_t>(t.projection)];
+    adapter.scale = cfg.lora.alpha / static_cast<double>(r);
+    adapter.dropout = cfg.lora.dropout;
+    adapter.owner = this;
+    const auto a_name = config::lora_param_name(t, 'A'), b_name = config::lora_param_name(t, 'B');
+    LoraPiece piece{t.row0, t.rows, {}, {}};
+    piece.A = register_parameter(a_name, make_param(cfg, a_name, {r, in[static_cast<size_t>(t.projection)]}, opts,
+                                                    defer_params));
+    piece.B = register_parameter(b_name, make_param(cfg, b_name, {t.rows, r}, opts, defer_params));
+    adapter.pieces.push_back(piece);
   }
 }
 
@@ -209,7 +244,10 @@ torch::Tensor BlockImpl::forward_with(const torch::Tensor& x, const Rope& rope, 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {
   static const LinearAfter plain = [](Part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
                                       const std::vector<torch::Tensor>&, const torch::Tensor& W,
-                                      const torch::Tensor& b) { return model::linear(cheap(inputs), W, b); };
+                                      const torch::Tensor& b, const LoraAdapter& lora) {
+    const auto a = cheap(inputs);
+    return lora.add_to(model::linear(a, W, b), a);
+  };
   return forward_with(x, rope, plain);
 }
 
@@ -234,6 +272,12 @@ GPTImpl::GPTImpl(const config::ModelConfig& c, torch::Device device, bool defer_
     rope_cos = register_buffer("rope_cos", angles.cos());
     rope_sin = register_buffer("rope_sin", angles.sin());
   }
+  if (cfg.lora.enabled()) freeze_base();
+}
+
+void GPTImpl::freeze_base() {
+  for (auto& item : named_parameters())
+    if (item.key().find(".lora_") == std::string::npos) item.value().requires_grad_(false);
 }
 
 int64_t GPTImpl::first_position(int64_t T) const { return sequence ? sequence->rank() * T : 0; }
@@ -284,6 +328,8 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx, const torch::Tensor& posi
   const int64_t T = idx.size(1), first = first_position(T);
   if (wpe.defined())
     x = x + (positions.defined() ? at::embedding(wpe, positions.narrow(1, first, T)) : wpe.narrow(0, first, T));
+  // model.lora.base_dtype bf16: bf16 tables, an fp32 stream (the norms' weights' dtype)
+  if (x.scalar_type() != lnf_w.scalar_type()) x = x.to(lnf_w.scalar_type());
   return torch::dropout(x, cfg.dropout, is_training());
 }
 
@@ -356,6 +402,12 @@ std::vector<std::vector<NamedParam>> GPTImpl::units() const {
 int64_t GPTImpl::num_params() const {
   int64_t n = 0;
   for (const auto& p : parameters()) n += p.numel();
+  return n;
+}
+
+int64_t GPTImpl::num_trained_params() const {
+  int64_t n = 0;
+  for (const auto& p : parameters()) n += p.requires_grad() ? p.numel() : 0;
   return n;
 }
 

@@ -60,7 +60,13 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor w_proj, b_proj;              // (C, C), (C)
   torch::Tensor w_fc, b_fc;                  // (H, C) or (2H, C) [gate; up] for SwiGLU, (H)
   torch::Tensor w_out, b_out;                // (C, H), (C)
+  // model.lora's adapters of w_qkv, w_proj, w_fc and w_out (the order of Part), their A and B registered
+  // after the block's other parameters as lora_A_<target> / lora_B_<target> (config/lora.h).
+  std::array<LoraAdapter, 4> lora;
   std::shared_ptr<SequenceExchange> sequence;  // the sequence group's exchange; null: every position here
+
+ private:
+  void add_adapters(const config::ModelConfig& cfg, const torch::TensorOptions& opts, bool defer_params);
 };
 TORCH_MODULE(Block);
 
@@ -126,10 +132,14 @@ struct GPTImpl : torch::nn::Module {
   // reference the fused loss is checked against.
   static torch::Tensor loss_of_logits(const torch::Tensor& logits, const torch::Tensor& targets);
 
+  // model.lora: every parameter but the adapters' stops requiring a gradient (the constructor does it).
+  void freeze_base();
   // Parameters by unit (see kEmbeddingUnit): unit_count(cfg) lists, each in registration order.
   std::vector<std::vector<NamedParam>> units() const;
 
   int64_t num_params() const;  // every parameter counted once (tied weights once), the vocabulary padding's rows too
+  // Of num_params(), those that train (with model.lora the adapters only; the padding rows count, as above).
+  int64_t num_trained_params() const;
   // Of num_params(), the vocabulary padding's rows (model.vocab_multiple): zero, and never trained.
   int64_t num_padding_params() const;
   // Parameters that the matmuls touch per token (excludes the position table and, when untied,

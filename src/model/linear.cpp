@@ -129,7 +129,8 @@ struct WidenedLinearFunction : torch::autograd::Function<WidenedLinearFunction> 
     const NoAutocast no_autocast;
     const auto xc = x.to(static_cast<c10::ScalarType>(dtype));  // what autocast's linear would save
     const at::Tensor bias = b.value_or(at::Tensor());
-    ctx->save_for_backward({xc, W, bias});
+    // x only where W's gradient needs it (a frozen W under model.lora: its input's gradient needs W alone)
+    ctx->save_for_backward({W.requires_grad() ? xc : at::Tensor(), W, bias});
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->set_materialize_grads(false);
     return widened_forward(xc, W, bias);

@@ -370,7 +370,9 @@ void Engine::release_unit(int64_t unit) {
 }
 
 torch::Tensor Engine::param_values(const std::string& name) const {
-  const auto [gi, i] = where_.at(name);
+  const auto found = where_.find(name);
+  if (found == where_.end()) return model_->named_parameters()[name].detach().view({-1});  // frozen: whole here
+  const auto [gi, i] = found->second;
   const auto& g = *groups_[gi];
   const int64_t n = g.params[i].numel();
   if (low_precision_copy()) return g.master_full.narrow(0, g.offsets[i], n);

@@ -51,7 +51,7 @@ struct UpdateInBackward final : torch::autograd::PostAccumulateGradHook {
 void Single::step_in_backward(torch::optim::AdamW& opt) {
   in_backward_ = &opt;
   for (const auto& p : model_->parameters())
-    torch::autograd::impl::set_post_acc_grad_hooks(p, std::make_unique<UpdateInBackward>(this));
+    if (p.requires_grad()) torch::autograd::impl::set_post_acc_grad_hooks(p, std::make_unique<UpdateInBackward>(this));
 }
 
 void Single::update_in_backward(const torch::Tensor& p) {
@@ -80,7 +80,8 @@ StateBytes Single::state_bytes() const {
 std::vector<Span> Single::model_spans() const {
   std::vector<Span> out;
   for (const auto& item : model_->named_parameters())
-    out.push_back({item.key(), 0, item.value().numel(), item.value().detach().view({-1})});
+    if (item.value().requires_grad())  // model.lora's frozen weights are not part of the training state
+      out.push_back({item.key(), 0, item.value().numel(), item.value().detach().view({-1})});
   return out;
 }
 
@@ -94,7 +95,8 @@ torch::Tensor Single::param_values(const std::string& name) const {
 
 Strategy::Trainables Single::trainables() {
   Trainables t;
-  for (const auto& p : model_->parameters()) (p.dim() >= 2 ? t.decay : t.no_decay).push_back(p);
+  for (const auto& p : model_->parameters())
+    if (p.requires_grad()) (p.dim() >= 2 ? t.decay : t.no_decay).push_back(p);
   return t;
 }
 

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "config/lora.h"
+#include "config/shape.h"
 #include "model/fused_loss.h"
 #include "model/linear.h"
 
@@ -18,6 +20,7 @@ struct Sizes {
   double f = 4.0, c = 4.0;  // fp32, compute dtype
   double r = 4.0;           // the residual stream: fp32, or c with a low-precision compute copy of the parameters
   bool lowp_params = false;
+  bool frozen_bf16 = false;  // model.lora.base_dtype bf16
   double acc = 0;           // the emulated path's fp32 matmul accumulator, per output element
   bool widened = false;     // the widened linears (model/linear.h): no weight copies, fp32 transients
   double tok = 0;           // tokens per micro-batch (the widened linears' scratch depends on them)
@@ -33,7 +36,51 @@ struct Sizes {
   // around attention, in elements of xq bytes (the packed q, k, v) and xo bytes (the attention output).
   bool sequence = false;
   double xq = 4.0, xo = 4.0;
+  // model.lora (see "LoRA" in activations.h): the base is frozen, so a linear keeps its input only for its
+  // projection's adapter. Per projection (w_qkv, w_proj, w_fc, w_out): the adapter's width R (rank times
+  // its pieces; 0 = none), and the bytes per element of its input (the dropout's noise on the CPU).
+  bool lora = false;
+  std::array<double, 4> adapter_width{}, adapter_input{};
+  double adapter_noise = 0;  // bytes per input element of the adapter's dropout mask: 0 without dropout
 };
+
+// model.lora's adapter widths and input element sizes of block `layer` (z's other fields set).
+void set_adapters(const config::ModelConfig& m, int64_t layer, device::LowpMatmul, bool on_cuda, Sizes& z) {
+  z.lora = m.lora.enabled();
+  if (!z.lora) return;
+  const config::Shape shape(m);
+  for (const auto& t : config::lora_targets(m, layer))
+    z.adapter_width[static_cast<size_t>(t.projection)] += static_cast<double>(m.lora.rank);
+  // The norms' outputs: LLaMA's RMSNorm writes the stream's dtype, GPT-2's fused LayerNorm bf16 under bf16
+  // autocast (model/layernorm.h), ATen's the stream's; the attention's and the MLP's in the compute dtype.
+  const double norm_out = z.llama ? z.r : (z.c == 2.0 && m.arch == config::Arch::kGpt2 ? z.c : z.r);
+  z.adapter_input = {norm_out, z.c, norm_out, z.c};
+  if (m.lora.dropout > 0) z.adapter_noise = on_cuda ? 1.0 : -1.0;  // CUDA: a bool mask; CPU: the input's dtype
+}
+
+// The bytes per token a block's linear inputs and adapters keep beyond the plain model's S under
+// model.lora, for the projections whose pair is not recomputed (`recomputed`, in Part order): an
+// untargeted projection's input goes (nobody else keeps it), a targeted one keeps it and adds A's output
+// (c R) and its dropout's mask. The linear inputs: norm1's and norm2's outputs (c C), LLaMA's contiguous
+// copy of the attention output on SDPA's path (c C; GPT-2's and the fused kernel's output is the attention's
+// own), the activation's output (c H).
+double adapter_delta(const Sizes& z, const std::array<bool, 4>& recomputed) {
+  if (!z.lora) return 0.0;
+  const double C = z.C, c = z.c;
+  const std::array<double, 4> input = {c * C, z.llama && !z.fused_attention ? c * C : 0.0, c * C, c * z.H};
+  const std::array<double, 4> width = {C, C, C, z.H};
+  double d = 0;
+  for (size_t p = 0; p < 4; ++p) {
+    if (recomputed[p]) continue;
+    if (z.adapter_width[p] == 0) {
+      d -= input[p];
+      continue;
+    }
+    d += c * z.adapter_width[p];
+    if (z.adapter_noise != 0) d += (z.adapter_noise > 0 ? z.adapter_noise : z.adapter_input[p]) * width[p];
+  }
+  return d;
+}
 
 // Packed rows (data.packing), held by a micro-batch from its embedding to the end of its backward: the
 // attention mask over the whole rows, (B, 1, T, T) in the compute dtype (every rank of a sequence group
@@ -57,6 +104,8 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
   z.llama = m.arch == config::Arch::kLlama;
   z.c = lowp_on ? 2.0 : 4.0;
   z.lowp_params = sc.precision.param_dtype != config::Dtype::kFp32;
+  // model.lora.base_dtype bf16: the frozen matrices are bf16 themselves (no autocast copies), the stream fp32
+  z.frozen_bf16 = m.lora.enabled() && m.lora.base_dtype == config::Dtype::kBf16;
   z.r = z.lowp_params ? z.c : z.f;
   z.acc = lowp_on && lowp == device::LowpMatmul::emulated ? 4.0 : 0.0;
   z.widened = lowp_on && lowp == device::LowpMatmul::widened;
@@ -78,6 +127,7 @@ Sizes sizes_of(const Scenario& sc, device::LowpMatmul lowp, int64_t layer = 0) {
   const bool fp32_rotary = z.llama && z.c < z.f;
   z.xq = fp32_rotary ? z.f : z.c;
   z.xo = fp32_rotary && !sc.on_cuda() ? z.f : z.c;
+  set_adapters(m, layer, lowp, sc.on_cuda(), z);
   return z;
 }
 
@@ -125,7 +175,18 @@ double block_bytes(const Sizes& z, const SegmentCounts& seg) {
   if (!seg.attention && z.math_attention) S += math_attention_bytes(z) - flash_attention_bytes(z);
   // The two residual branches' dropout masks.
   if (z.dropout) S += 2 * C * z.mask;
-  return S;
+  return S + adapter_delta(z, {seg.norm, seg.attention, seg.norm, seg.mlp});
+}
+
+// model.lora, block 0 kept: its input (the frozen embeddings' output) needs no gradient, so norm1 keeps
+// neither it nor its statistics, and without an adapter on w_qkv nothing before the attention's output
+// needs one either: the attention keeps nothing. Per token, what block 0 keeps less than S.
+double first_block_saving(const Sizes& z, const SegmentCounts& seg) {
+  if (!z.lora) return 0.0;
+  double saving = z.r * z.C + z.f * (z.llama ? 1 : 2);
+  if (z.adapter_width[0] == 0 && !seg.attention && !z.math_attention)
+    saving += flash_attention_bytes(z) + z.c * z.C;  // qkv (llama's rotated q, k), the lse, the output
+  return saving;
 }
 
 // T: what a block's MLP backward holds beyond S at its worst point.
@@ -138,6 +199,11 @@ double backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   double mlp = 0;
   if (!z.llama) mlp = seg.mlp ? c * H + std::max(M, c) * H : (c + M) * H;
   else mlp = seg.mlp ? std::max((2 * c + M) * H, 5 * c * H) : c * H + std::max(M, c) * H;
+  // model.lora: without an adapter on w_out the activation's output was never kept, so making its gradient
+  // frees nothing beside da (the plain terms assume the output freed first); with one, da comes in two
+  // pieces (the linear's and the adapter's) that autograd sums into a third tensor, which GPT-2's plain
+  // moment (da alone) does not hold and LLaMA's (da and the product's two gradients) does.
+  if (z.lora && !seg.mlp && (!z.llama || z.adapter_width[3] == 0)) mlp += c * H;
   return residual_grad_bytes(z) + mlp;
 }
 
@@ -165,8 +231,10 @@ double widened_scratch(const Sizes& z, double K, double N) {
 // the tokens (the same size as da when B*T = C). The widened linears (model/linear.h) hold it in fp32
 // and, while da is computed, the weight rounded into fp32 (4CH each) and their scratch.
 double weight_grad_bytes(const Sizes& z) {
-  if (!z.widened) return z.c * z.C * z.H;
-  return 8 * z.C * z.H + widened_scratch(z, z.H, z.C);
+  // model.lora: the frozen weight has no gradient (its adapter's are r-sized); the widened path still
+  // rounds it into fp32 for da
+  if (!z.widened) return z.lora ? 0.0 : z.c * z.C * z.H;
+  return (z.lora ? 4 : 8) * z.C * z.H + widened_scratch(z, z.H, z.C);
 }
 
 // The MLP's backward moment for the micro-batch: Wg + tok T. On the widened path the output projection's
@@ -190,7 +258,7 @@ double widened_fc_backward_bytes(const Sizes& z, const SegmentCounts& seg) {
   if (!z.widened) return 0;
   const double C = z.C, H = z.H, c = z.c, N = z.llama ? 2 * H : H;
   const double mlp_kept = z.llama ? (seg.mlp ? 2 : 4) * c * H : (seg.mlp ? 1 : 2) * c * H;
-  return z.tok * (z.r * C + c * N + c * C - mlp_kept) + 8 * C * N + widened_scratch(z, C, N);
+  return z.tok * (z.r * C + c * N + c * C - mlp_kept) + (z.lora ? 4 : 8) * C * N + widened_scratch(z, C, N);
 }
 
 // The fused head and loss (model/fused_loss.h) over the micro-batch's rows: its bytes kept from
@@ -200,7 +268,7 @@ model::FusedLossBytes loss_bytes(const Scenario& sc, const Sizes& z) {
   const auto N = static_cast<int64_t>(z.tok), C = sc.model.n_embd, V = sc.model.padded_vocab();
   const auto c = static_cast<int64_t>(z.c);
   return model::fused_loss_bytes(N, C, V, model::loss_chunk_rows(N, V, sc.model.loss_chunk), c, c,
-                                 z.lowp_params ? c : 4, z.widened, true);
+                                 z.lowp_params || z.frozen_bf16 ? c : 4, z.widened, true, /*w_grad=*/!z.lora);
 }
 
 // E: the head's tensors per token at the start of backward, through the final norm's backward: the
@@ -263,7 +331,7 @@ double forward_block_bytes(const Sizes& z) {
 // where those are not fp32 (dh to the norm output's c; dW to W's compute-dtype copy).
 int64_t head_moment(const Scenario& sc, const Sizes& z, double start) {
   const double dh_cast = z.c < z.f ? z.tok * z.c * z.C : 0.0;
-  const double dW_cast = z.lowp_params ? z.c * static_cast<double>(sc.model.padded_vocab()) * z.C : 0.0;
+  const double dW_cast = z.lowp_params && !z.lora ? z.c * static_cast<double>(sc.model.padded_vocab()) * z.C : 0.0;
   return static_cast<int64_t>(start + dh_cast + dW_cast);
 }
 
@@ -272,7 +340,7 @@ int64_t head_moment(const Scenario& sc, const Sizes& z, double start) {
 double block_cast_bytes(const Sizes& z) {
   const double c = z.c;
   // the parameters are in the compute dtype, or nothing is cached
-  if (c >= 4.0 || z.lowp_params || z.widened) return 0;
+  if (c >= 4.0 || z.lowp_params || z.frozen_bf16 || z.widened) return 0;
   return c * (4 * z.C * z.C + (z.llama ? 3 : 2) * z.C * z.H);
 }
 
@@ -361,18 +429,22 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   const double Wb = block_cast_bytes(z);
   const double head_end = head_forward_bytes(sc, z), head_start = head_start_bytes(sc, z);
   e.loss_bytes = loss_bytes(sc, z).peak;
-  if (sc.model.tie_embeddings) e.tied_grad_bytes = 4 * sc.model.padded_vocab() * sc.model.n_embd;
+  if (sc.model.tie_embeddings && !z.lora) e.tied_grad_bytes = 4 * sc.model.padded_vocab() * sc.model.n_embd;
   const auto tied = static_cast<double>(e.tied_grad_bytes);
-  e.weight_cast_bytes = static_cast<int64_t>(L * Wb);
+  // Autocast caches the blocks' weight copies through the forward; model.lora's frozen weights are not
+  // cached (no gradient): only the kept blocks' linears keep theirs.
+  const double cached = z.lora ? kept * Wb : L * Wb;
+  e.weight_cast_bytes = static_cast<int64_t>(cached);
+  // model.lora: block 0 keeps less where it is kept (no checkpointed segment: none, selective).
+  const double kept_tok = tok * (fC * n + S * kept) - (n == 0 && kept > 0 ? tok * first_block_saving(z, seg) : 0.0);
   // F: end of the forward (the head, before its gradients) or a checkpointed block's first pass,
   // with every block's weight copies still cached.
-  e.moment_f =
-      always + L * Wb + std::max(tok * (fC * n + S * kept) + head_end, n > 0 ? tok * (fC * n + e.forward_bytes) : 0.0);
-  e.moment_a = always + kept * Wb + head_start + tok * (fC * n + S * kept);
+  e.moment_f = always + cached + std::max(kept_tok + head_end, n > 0 ? tok * (fC * n + e.forward_bytes) : 0.0);
+  e.moment_a = always + kept * Wb + head_start + kept_tok;
   // A block's backward: the MLP's moment (T and Wg), or the math attention's where it holds more.
   const double backward =
       std::max({mlp_backward_bytes(z, seg), tok * e.attention_backward_bytes, widened_fc_backward_bytes(z, seg)});
-  if (seg.kept_blocks > 0) e.moment_d = always + kept * Wb + tied + backward + tok * (fC * n + S * kept);
+  if (seg.kept_blocks > 0) e.moment_d = always + kept * Wb + tied + backward + kept_tok;
   // B also holds the recomputed segment's output: its backward starts from it.
   if (seg.checkpointed > 0) {
     e.moment_b = always + k * Wb + tied + backward + tok * (fC * n + S * k);
@@ -387,10 +459,10 @@ ActivationEstimate estimate_activation_peak(const Scenario& sc, const SegmentCou
   // The moments a sharded engine's buffers meet (predict/footprint.h): F's two parts (the end of the
   // forward; a block's forward: a first pass, or a kept block's end, with what the blocks before it
   // keep), A, H and the blocks' backward.
-  const double weights_now = always + L * Wb;
-  e.forward_end_peak_bytes = static_cast<int64_t>(weights_now + tok * (fC * n + S * kept) + head_end);
-  e.forward_block_peak_bytes =
-      static_cast<int64_t>(weights_now + tok * (fC * n + std::max(n > 0 ? e.forward_bytes : 0.0, S * kept)));
+  const double weights_now = always + cached;
+  e.forward_end_peak_bytes = static_cast<int64_t>(weights_now + kept_tok + head_end);
+  e.forward_block_peak_bytes = static_cast<int64_t>(
+      weights_now + std::max(n > 0 ? tok * (fC * n + e.forward_bytes) : 0.0, kept_tok));
   e.start_peak_bytes = static_cast<int64_t>(e.moment_a);
   e.head_backward_peak_bytes = head_moment(sc, z, e.moment_a);
   e.backward_peak_bytes = static_cast<int64_t>(std::max(e.moment_d, e.moment_b));
@@ -414,6 +486,12 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
           std::max({mlp_backward_bytes(zl, parts), tok * attention_backward_bytes(zl, parts),
                     widened_fc_backward_bytes(zl, parts)});
     }
+    if (layer == 0)  // model.lora: the first block's input needs no gradient
+      for (int b = 0; b < recompute::kPartSets; ++b) {
+        SegmentCounts parts;
+        parts.attention = (b & recompute::kPartAttention) != 0;
+        kept[static_cast<size_t>(b)] -= tok * first_block_saving(zl, parts);
+      }
     m.kept.push_back(kept);
     m.backward.push_back(backward);
     m.weights.push_back(block_cast_bytes(zl));
@@ -425,7 +503,9 @@ ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp) {
   m.input = tok * z.r * z.C;
   m.head = head_start_bytes(sc, z);
   m.head_forward = head_forward_bytes(sc, z);
-  if (sc.model.tie_embeddings) m.tied_grad = 4.0 * static_cast<double>(sc.model.padded_vocab() * sc.model.n_embd);
+  if (sc.model.tie_embeddings && !z.lora)
+    m.tied_grad = 4.0 * static_cast<double>(sc.model.padded_vocab() * sc.model.n_embd);
+  m.weights_cached = !z.lora;
   m.held = tok * z.embed_mask * z.C + z.packing;
   m.offload_inputs = sc.placement.offload.activations && !sc.checkpointing.mode.solved();  // budget: per segment
   return m;
@@ -455,15 +535,17 @@ double kept_block_exchange(const ChainModel& m, const recompute::Plan& plan, int
 // `kept_weights` as the kept blocks' weight copies.
 double forward_moments(const ChainModel& m, const recompute::Plan& plan, double& held, double& kept_weights,
                        double& host, PhasePeaks& phases) {
-  double all_weights = 0, passes = 0, blocks = 0;  // first passes; any block's forward (a bound, for phases)
-  for (double w : m.weights) all_weights += w;
+  double cached = 0, passes = 0, blocks = 0;  // first passes; any block's forward (a bound, for phases)
+  for (double w : m.weights) cached += w;
   held = kept_weights = host = 0;
+  // the weight copies alive: every block's (autocast's cache), or (model.lora) the kept blocks' so far
+  const auto all_weights = [&] { return m.weights_cached ? cached : kept_weights; };
   for (const auto& seg : plan.segments) {
     if (seg.checkpointed) {
       held += m.input;
       double kx = 0;  // the exchanges kept by the segment's blocks so far
       for (int64_t b = seg.begin; b < seg.end; ++b) {
-        passes = std::max(passes, all_weights + held + kx + m.forward[static_cast<size_t>(b)]);
+        passes = std::max(passes, all_weights() + held + kx + m.forward[static_cast<size_t>(b)]);
         kx += kept_exchange(m, plan, b);
       }
       held += kx;  // on the device, offloaded input or not
@@ -474,10 +556,10 @@ double forward_moments(const ChainModel& m, const recompute::Plan& plan, double&
     for (int64_t b = seg.begin; b < seg.end; ++b) {  // a kept block's forward, ended: what it keeps
       held += m.kept[static_cast<size_t>(b)][plan.parts_of(b)] + kept_block_exchange(m, plan, b);
       kept_weights += m.weights[static_cast<size_t>(b)];
-      blocks = std::max(blocks, all_weights + held);
+      blocks = std::max(blocks, all_weights() + held);
     }
   }
-  phases.forward_end = all_weights + held + m.head_forward;
+  phases.forward_end = all_weights() + held + m.head_forward;
   phases.forward_block = std::max(passes, blocks);
   phases.start = kept_weights + held + m.head;
   return std::max(passes, phases.forward_end);

@@ -116,6 +116,16 @@
 //     own tensors, counted in their S, and the recompute makes no exchange buffers (no Rx). A kept
 //     block with selective attention holds its Kx beside S from its forward through its backward (D).
 //     The O(1) moments above do not take Kx: a plan that keeps at N > 1 is walked (chain_peak).
+// LoRA (model.lora): the base's weights are frozen, so a linear keeps its input only for its adapter, whose
+//   own first product (d A^T, R = rank times its pieces per token) is kept too (in c); with the adapter's
+//   dropout its mask (CUDA: 1 byte, CPU: its noise in the input's dtype) per input element. Per projection
+//   whose pair is not recomputed: untargeted, S loses its linear input (norm1's and norm2's outputs c C,
+//   LLaMA's contiguous attention output c C on SDPA's path, the activation's output c H); targeted, S gains
+//   c R (+ the mask). No weight gradient: Wg = 0 (widened: the rounded fp32 weight stays, 4CH), the fused
+//   loss makes no dW (nor its d^T h product), G = 0, and autocast caches no frozen weight copy (moment F
+//   holds the kept blocks' W only). Block 0, when kept: its input needs no gradient, so norm1 keeps neither
+//   it (r C) nor its statistics, and without an adapter on w_qkv the attention keeps nothing. With
+//   base_dtype bf16 the frozen matrices are bf16 already: W = Wh = 0 (no autocast copies).
 // fp16 takes oneDNN only with native fp16 instructions (else aten). fp32 runs and CUDA devices take
 // M = 0 (CUDA is not measured here). ATen's own dispatch level (AVX2 / AVX512) changes no memory.
 // Measured against it: tests/test_planner.cpp, README "Activation memory".
@@ -204,6 +214,9 @@ struct ChainModel {
   // comes back for its backward, with the previous segment's prefetched (recompute/checkpoint.h).
   // Every checkpointed segment's (the uniform modes); a budget schedule marks its segments itself.
   bool offload_inputs = false;
+  // Autocast's weight copies are cached through the forward (every block's `weights` held); model.lora's
+  // frozen weights are not: only the kept blocks' stay, kept by their linears.
+  bool weights_cached = true;
 };
 ChainModel chain_model(const Scenario& sc, device::LowpMatmul lowp);
 // The activation peak of a plan by walking it: the forward (every checkpointed segment's first pass

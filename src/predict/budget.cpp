@@ -337,9 +337,10 @@ BlockCost time_block(model::Block& block, const torch::Tensor& x, const model::R
     double attention = 0, mlp = 0, norm = 0, output = 0;
     const model::LinearAfter timed_parts = [&](model::Part part, const model::CheapFn& cheap,
                                                const std::vector<torch::Tensor>& in, const std::vector<torch::Tensor>&,
-                                               const torch::Tensor& W, const torch::Tensor& b) {
+                                               const torch::Tensor& W, const torch::Tensor& b,
+                                               const model::LoraAdapter& lora) {
       auto [a, cheap_ms] = timed(device, [&] { return cheap(in); });
-      auto [y, linear_ms] = timed(device, [&] { return model::linear(a, W, b); });
+      auto [y, linear_ms] = timed(device, [&] { return lora.add_to(model::linear(a, W, b), a); });
       (part == model::Part::attention_proj ? attention : part == model::Part::act_out ? mlp : norm) += cheap_ms;
       if (part == model::Part::act_out) output = linear_ms;
       return y;

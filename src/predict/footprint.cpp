@@ -33,6 +33,7 @@ std::vector<std::vector<model::NamedParam>> engine_group_members(
   int64_t bytes = 0;
   for (auto u = units.rbegin(); u != units.rend(); ++u)
     for (auto it = u->rbegin(); it != u->rend(); ++it) {
+      if (!it->tensor.requires_grad()) continue;  // model.lora's frozen weights: held whole, outside the groups
       const auto b = static_cast<int64_t>(it->tensor.nbytes());
       if (groups.empty() || (bytes + b > cap_bytes && bytes > 0)) groups.emplace_back(), bytes = 0;
       groups.back().push_back(*it);
@@ -109,7 +110,7 @@ RankPart rank_part(const std::vector<EngineGroup>& groups, int64_t W, bool repli
 void place_host(const Scenario& sc, PeakPrediction& p) {
   const bool offload = sc.placement.offload.optimizer, snapshot = sc.async_snapshot;
   if (!offload && !snapshot) return;
-  const int64_t n = sc.shape().total_params(), W = std::max<int64_t>(1, sc.placement.world);
+  const int64_t n = sc.shape().trained_params(), W = std::max<int64_t>(1, sc.placement.world);
   const bool replicated = sc.placement.sharding.replicated();
   const bool need_groups = offload || (!replicated && W > 1);
   const auto groups = need_groups ? engine_groups(sc) : std::vector<EngineGroup>{};
@@ -159,7 +160,7 @@ void place_transients(const Scenario& sc, PeakPrediction& p) {
   const auto padded = [&](int64_t elems) { return shard_elems(elems, W) * W; };
   if (sh == config::Sharding::kZero2) {
     p.transient_backward_bytes = p.transient_head_bytes =
-        cr * padded(std::min(sc.shape().total_params(), bucket_cap_params(sc)));
+        cr * padded(std::min(sc.shape().trained_params(), bucket_cap_params(sc)));
   } else if (sh.shards_params()) {
     const config::Shape d(sc.model);
     const int64_t L = d.n_layer;
@@ -182,10 +183,11 @@ void place_transients(const Scenario& sc, PeakPrediction& p) {
 void place_offloaded(const Scenario& sc, PeakPrediction& p) {
   const auto& o = sc.placement.offload;
   if (!o.optimizer) return;
-  const int64_t n = sc.shape().total_params();
+  const int64_t n = sc.shape().trained_params(), frozen = sc.shape().frozen_bytes();
   const config::Sharding sh = sc.placement.sharding;
   const int64_t cp = sc.precision.param_dtype.bytes();
-  p.params_bytes = sh.shards_params() ? 0 : cp * n;  // zero1/2: the whole model in the compute dtype for the all-gather
+  // zero1/2: the whole model in the compute dtype for the all-gather
+  p.params_bytes = frozen + (sh.shards_params() ? 0 : cp * n);
   p.optimizer_bytes = 0;
   if (o.gradients) p.grads_bytes = 0;
   // The host AdamW is the fused CPU kernel (optim/optimizer.h): in place, no temporaries; the norm of
@@ -198,14 +200,16 @@ void place_offloaded(const Scenario& sc, PeakPrediction& p) {
 PeakPrediction predict_states(const Scenario& sc) {
   PeakPrediction p;
   const config::Shape shape(sc.model);
-  const int64_t n = shape.total_params();
+  // model.lora: n the parameters that train (the adapters), held as any model's are; the frozen rest whole
+  // in fp32 on every rank, outside the engine's groups (no gradient, no optimizer state).
+  const int64_t n = shape.trained_params(), frozen = shape.frozen_bytes();
   const int64_t N = std::max<int64_t>(1, sc.placement.world);
   const config::Sharding sh = sc.placement.sharding;
   const int64_t P = 4 * n, G = 4 * n, O = 8 * n;
   // A low-precision compute copy (precision.param_dtype): fp32 masters only in the shard; zero1/2 keep
   // the whole model in the compute dtype, zero3 gathers units in it (place_transients).
   const int64_t cp = sc.precision.param_dtype.bytes();
-  p.params_bytes = sh.shards_params() ? P / N : cp < 4 ? P / N + cp * n : P;
+  p.params_bytes = frozen + (sh.shards_params() ? P / N : cp < 4 ? P / N + cp * n : P);
   p.grads_bytes = sh.shards_grads() ? G / N : G;
   // optim.in_backward frees each gradient once its parameter is updated, in its backward: none is held.
   // The one in flight is the fresh weight gradient the activation model counts in each backward moment

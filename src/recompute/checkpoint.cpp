@@ -155,7 +155,8 @@ struct Saved : torch::CustomClassHolder {
   ForwardState state;
   size_t n_inputs = 0;
   std::vector<at::Tensor> params;  // the module's own parameters the piece uses (handles, not copies)
-  size_t n_linear = 0;             // recompute_then_linear(): 1 (W) or 2 (W, b) at the end of params
+  size_t n_linear = 0;             // recompute_then_linear(): 1 (W) or 2 (W, b) after the cheap op's params
+  model::LoraAdapter lora;         // recompute_then_linear(): the projection's adapter, its params last
   struct Meta {
     std::vector<int64_t> sizes;
     at::ScalarType dtype;
@@ -363,10 +364,31 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   }
 };
 
-// linear(cheap(inputs), W, b). Graph inputs: [state, inputs..., cheap_params..., W, b?].
+// The adapter's part of a selective piece's backward (`delta`: its output recomputed from the leaf `a`,
+// with a graph): the gradient of `a` (undefined when `a` needs none) and of each adapter parameter that
+// needs one, put in `result` at their slots (`first_slot`: the first adapter parameter's).
+at::Tensor adapter_backward(AutogradContext* ctx, const at::Tensor& delta, const at::Tensor& a, const at::Tensor& gy,
+                            const std::vector<at::Tensor>& lora_params, size_t first_slot, variable_list& result) {
+  if (!delta.defined() || !delta.requires_grad()) return {};
+  torch::autograd::edge_list outputs;
+  std::vector<size_t> slots;
+  if (a.requires_grad()) outputs.push_back(torch::autograd::impl::gradient_edge(a)), slots.push_back(0);
+  for (size_t j = 0; j < lora_params.size(); ++j)
+    if (ctx->needs_input_grad(first_slot - 1 + j))
+      outputs.push_back(torch::autograd::impl::gradient_edge(lora_params[j])), slots.push_back(first_slot + j);
+  if (outputs.empty()) return {};
+  auto grads = torch::autograd::Engine::get_default_engine().execute(
+      {torch::autograd::impl::gradient_edge(delta)}, {gy}, /*keep_graph=*/false, /*create_graph=*/false,
+      /*accumulate_grad=*/false, outputs);
+  at::Tensor da;
+  for (size_t i = 0; i < grads.size(); ++i) (slots[i] == 0 ? da : result[slots[i]]) = grads[i];
+  return da;
+}
+
+// linear(cheap(inputs), W, b) + lora.delta. Graph inputs: [state, inputs..., cheap_params..., W, b?, lora...].
 struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, SavedPtr saved, at::TensorList inputs, at::TensorList cheap_params,
-                            at::TensorList linear_params) {
+                            at::TensorList linear_params, at::TensorList lora_params) {
     std::vector<at::Tensor> in(inputs.begin(), inputs.end());
     saved->state = ForwardState::capture(saved->opts.preserve_rng, in);
     at::Tensor a;
@@ -376,10 +398,11 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     }
     if (saved->opts.check_recompute) saved->out_meta.push_back(meta_of(a));
     const auto& W = linear_params[0];
-    auto y = model::linear(a, W, linear_params.size() > 1 ? linear_params[1] : at::Tensor());
+    auto y = saved->lora.add_to(model::linear(a, W, linear_params.size() > 1 ? linear_params[1] : at::Tensor()), a);
     saved->params.assign(cheap_params.begin(), cheap_params.end());
     saved->params.insert(saved->params.end(), linear_params.begin(), linear_params.end());
     saved->n_linear = linear_params.size();
+    saved->params.insert(saved->params.end(), lora_params.begin(), lora_params.end());
     keep_for_backward(ctx, saved, in);
     return y;
   }
@@ -388,26 +411,36 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     auto saved = take_saved(ctx);
     const size_t n_in = saved->n_inputs, n_params = saved->params.size();
     const bool has_bias = saved->n_linear == 2;
-    const size_t n_cheap = n_params - saved->n_linear;
+    const auto lora_params = saved->lora.params();
+    const size_t n_cheap = n_params - saved->n_linear - lora_params.size();
     const at::Tensor& W = saved->params[n_cheap];
     variable_list result(1 + n_in + n_params);
     const auto& gy = grad_outputs[0];
     if (!gy.defined()) return result;
 
     auto inputs = restore_inputs(ctx, *saved);
-    at::Tensor a;
+    at::Tensor a, a_leaf, delta;
     {
       Replay replay(saved->state);
       const auto exchanges = saved->exchange_scope(/*recompute=*/true);
-      a = timed(*saved, cuda_device(inputs), [&] { return saved->cheap(inputs); });
+      a = timed(*saved, cuda_device(inputs), [&] {
+        auto out = saved->cheap(inputs);
+        if (!saved->lora.empty()) {  // the adapter after the cheap op, as in forward (its dropout draws next)
+          a_leaf = out.detach().requires_grad_(out.requires_grad());
+          delta = saved->lora.delta(a_leaf);
+        }
+        return out;
+      });
     }
     check_outputs(*saved, {a});
 
     const size_t w_at = n_in + n_cheap;  // W's input index (its slot is 1 + w_at), then b's
-    const auto lin = linear_param_grads(gy, a, W, has_bias ? saved->params.back() : at::Tensor(),
+    const auto lin = linear_param_grads(gy, a, W, has_bias ? saved->params[n_cheap + 1] : at::Tensor(),
                                         ctx->needs_input_grad(w_at), has_bias && ctx->needs_input_grad(w_at + 1));
     result[1 + w_at] = lin.dW;
     if (has_bias) result[1 + w_at + 1] = lin.db;
+    auto da_lora = adapter_backward(ctx, delta, a_leaf, gy, lora_params, 1 + w_at + saved->n_linear, result);
+    delta.reset(), a_leaf.reset();
 
     // Then the cheap op's backward. Its output's values are not needed any more, only its graph:
     // keep the graph edge and drop the tensor, so the recomputed output is freed before da and the
@@ -421,6 +454,7 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     a.reset();
     if (differentiable) {
       auto da = lin.da(W, a_sizes, a_dtype);
+      if (da_lora.defined()) da.add_(da_lora), da_lora.reset();  // the input's two consumers' sum (either order)
       torch::autograd::edge_list outputs;
       for (const auto& w : wrt) outputs.push_back(torch::autograd::impl::gradient_edge(w));
       auto grads = torch::autograd::Engine::get_default_engine().execute(
@@ -563,17 +597,20 @@ std::vector<at::Tensor> checkpoint(const std::string& name, const SegmentFn& fn,
 
 at::Tensor recompute_then_linear(const std::string& name, const CheapFn& cheap, const std::vector<at::Tensor>& inputs,
                                  const std::vector<at::Tensor>& cheap_params, const at::Tensor& W, const at::Tensor& b,
-                                 const Options& opts) {
-  if (!torch::GradMode::is_enabled())
-    return model::linear(cheap(inputs), W, b);
+                                 const model::LoraAdapter& lora, const Options& opts) {
+  if (!torch::GradMode::is_enabled()) {
+    const auto a = cheap(inputs);
+    return lora.add_to(model::linear(a, W, b), a);
+  }
   auto saved = c10::make_intrusive<Saved>();
   saved->name = name;
   saved->cheap = cheap;
   saved->opts = opts;
+  saved->lora = lora;
   std::vector<at::Tensor> linear_params = {W};
   if (b.defined()) linear_params.push_back(b);
   return RecomputeLinearFunction::apply(saved, at::TensorList(inputs), at::TensorList(defined_only(cheap_params)),
-                                        at::TensorList(linear_params));
+                                        at::TensorList(linear_params), at::TensorList(lora.params()));
 }
 
 at::Tensor linear_without_output(const at::Tensor& a, const at::Tensor& W, const at::Tensor& b) {

@@ -14,6 +14,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "model/lora.h"
+
 namespace c10 {
 struct Event;
 }
@@ -94,8 +96,11 @@ std::vector<at::Tensor> checkpoint(const std::string& name, const SegmentFn& fn,
 // matmul); backward gives da, dW, db with the kernels recompute_then_linear uses, which are autograd's.
 at::Tensor linear_without_output(const at::Tensor& a, const at::Tensor& W, const at::Tensor& b);
 
+// `lora`: the projection's adapter (model/lora.h; empty: none), added to the linear's output; its
+// backward runs delta() again from the recomputed input, inside the piece's RNG replay (its dropout
+// mask is the forward's), and its input gradient joins the linear's.
 at::Tensor recompute_then_linear(const std::string& name, const CheapFn& cheap, const std::vector<at::Tensor>& inputs,
                                  const std::vector<at::Tensor>& cheap_params, const at::Tensor& W, const at::Tensor& b,
-                                 const Options& opts);
+                                 const model::LoraAdapter& lora, const Options& opts);
 
 }  // namespace sl::recompute

@@ -45,15 +45,19 @@ model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Op
                                          (parts & kPartNorm) != 0, (parts & kPartMlp) != 0};
   return [recompute, layer, keep_exchange, o = &opts](
              model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
-             const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W, const torch::Tensor& b) {
+             const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W, const torch::Tensor& b,
+             const model::LoraAdapter& lora) {
     const auto i = static_cast<size_t>(part);
-    if (!recompute[i]) return model::linear(cheap(inputs), W, b);
+    if (!recompute[i]) {
+      const auto a = cheap(inputs);
+      return lora.add_to(model::linear(a, W, b), a);
+    }
     const auto name = fmt::format("block {} {}", layer, kPartNames[i]);
     if (part != model::Part::attention_proj || !keep_exchange)
-      return recompute_then_linear(name, cheap, inputs, cheap_params, W, b, *o);
+      return recompute_then_linear(name, cheap, inputs, cheap_params, W, b, lora, *o);
     Options keeping = *o;  // the attention's piece keeps its exchanges
     keeping.keep_exchange = true;
-    return recompute_then_linear(name, cheap, inputs, cheap_params, W, b, keeping);
+    return recompute_then_linear(name, cheap, inputs, cheap_params, W, b, lora, keeping);
   };
 }
 
@@ -100,9 +104,11 @@ torch::Tensor Runner::block_forward_unhooked(model::BlockImpl& block, const torc
                                              bool output_unread) {
   if (output_unread) {
     auto linear_after = [](model::Part part, const model::CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
-                           const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b) {
-      if (part == model::Part::act_out) return linear_without_output(cheap(inputs), W, b);
-      return model::linear(cheap(inputs), W, b);
+                           const std::vector<torch::Tensor>&, const torch::Tensor& W, const torch::Tensor& b,
+                           const model::LoraAdapter& lora) {
+      const auto a = cheap(inputs);
+      if (part == model::Part::act_out) return lora.add_to(linear_without_output(a, W, b), a);
+      return lora.add_to(model::linear(a, W, b), a);
     };
     return block.forward_with(x, rope, linear_after);
   }

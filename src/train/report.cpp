@@ -11,6 +11,7 @@
 #include "device/build_info.h"
 #include "device/host.h"
 #include "interop/hf.h"
+#include "interop/peft.h"
 #include "predict/planner.h"
 #include "train/run.h"
 
@@ -41,22 +42,27 @@ Json save_final_model(const config::ModelConfig& m, const Process& proc, paralle
                       const std::filesystem::path& tokenizer_path, log::RunLog& runlog, const LoopState& st,
                       Outcome& o) {
   if (!ranks_aligned(o.code) || o.code == kExitNonFinite || o.code == kExitIo) return nullptr;
-  interop::WeightsSource source;
+  const interop::ParamValues values = [&](const std::string& param, int64_t begin, int64_t end) {
+    return strategy.param_values(param).narrow(0, begin, end - begin);  // fp32: the masters of a compute copy
+  };
+  // model.lora: the weights with the adapters folded in (what sample reads), the adapters beside them (PEFT's).
+  interop::WeightsSource source =
+      m.lora.enabled() ? interop::merged_source(m, values, values) : interop::WeightsSource{};
   source.enter = [&](int64_t unit) { strategy.gather_unit(unit); };
   source.leave = [&](int64_t unit) { strategy.release_unit(unit); };
   strategy.take_transient_peak();  // from here on: what the export gathers
-  source.values = [&](const interop::HfTensor& t) {  // fp32: the masters under a low-precision compute copy
-    const auto flat = strategy.param_values(t.param);
-    return flat.narrow(0, t.begin(), t.end() - t.begin());  // on the run's device: the writer stages it to host
-  };
+  if (!m.lora.enabled())
+    source.values = [&](const interop::HfTensor& t) { return values(t.param, t.begin(), t.end()); };  // on the device
   try {
     // The run's copy of its tokenizer (record_tokenizer) beside the weights, so AutoTokenizer loads the folder too.
     const auto tokenizer = tokenizer_path.empty() ? std::filesystem::path() : runlog.dir() / "tokenizer.json";
     const auto eos =
         tokenizer.empty() || !proc.rank0() ? std::nullopt : text::inspect_tokenizer_file(tokenizer).end_of_text_id;
-    const auto w =
-        interop::write_hf(runlog.dir() / "model" / "model.safetensors", m, torch::kFloat, source, proc.rank0(),
-                          {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}}, eos);
+    const auto w = interop::write_hf(runlog.dir() / "model" / "model.safetensors", interop::without_lora(m),
+                                     torch::kFloat, source, proc.rank0(),
+                                     {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}}, eos);
+    if (proc.rank0() && m.lora.enabled())
+      interop::write_peft(runlog.dir() / "adapter", m, values, interop::base_checkpoint(m));
     if (proc.rank0() && !tokenizer.empty()) text::write_hf_tokenizer(runlog.dir() / "model", tokenizer, m.max_seq_len);
     return {{"path", w.file.string()}, {"step", st.steps_done}, {"bytes", w.digest.bytes}, {"tensors", w.tensors},
             {"gathered_peak_bytes", strategy.take_transient_peak()}};

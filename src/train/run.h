@@ -25,6 +25,7 @@
 #include "data/loader.h"
 #include "errors.h"
 #include "interop/hf.h"
+#include "interop/peft.h"
 #include "log/metrics.h"
 #include "log/run_dir.h"
 #include "predict/activations.h"
@@ -105,6 +106,7 @@ struct Meter {
 struct Start {
   state::Found resume_from;
   std::unique_ptr<interop::HfCheckpoint> init_from;
+  std::unique_ptr<interop::PeftAdapter> adapter;  // model.init_from an adapter directory: its adapters
 };
 
 struct LoopState;

@@ -9,12 +9,14 @@
 #include <functional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "config/shape.h"
 #include "predict/budget.h"
 #include "device/cpu_features.h"
 #include "device/device.h"
@@ -120,10 +122,17 @@ state::Found find_resume_point(config::RunConfig& cfg, const Process& proc, cons
 }
 
 // model.init_from: open and check the checkpoint before a run directory or a weight exists (a resumed
-// run takes its weights from the state instead).
+// run takes its weights from the state instead; with model.lora only the adapters, the frozen weights
+// still come from here).
+// A PEFT adapter directory (model.lora) brings its adapters and names the base they were trained on.
 void open_init_from(const config::ModelConfig& m, Start& start) {
-  if (m.init_from.empty() || start.resume_from.found()) return;
-  start.init_from = std::make_unique<interop::HfCheckpoint>(m.init_from, m);
+  if (m.init_from.empty() || (start.resume_from.found() && !m.lora.enabled())) return;
+  if (m.lora.enabled() && interop::PeftAdapter::is_adapter_dir(m.init_from)) {
+    start.adapter = std::make_unique<interop::PeftAdapter>(m.init_from, m);
+    start.init_from = std::make_unique<interop::HfCheckpoint>(start.adapter->base(), interop::without_lora(m));
+    return;
+  }
+  start.init_from = std::make_unique<interop::HfCheckpoint>(m.init_from, interop::without_lora(m));
 }
 
 // Tensor bytes at the peak of `load` above what was live before it (the tracker's peak is reset:
@@ -135,15 +144,25 @@ int64_t peak_during(memory::Tracker& tracker, const std::function<void()>& load)
   return tracker.read().peak_allocated_bytes - before;
 }
 
-// Copies the checkpoint into the parameter elements this rank holds (zero3: its shard only).
-void load_init_from(const Process& proc, Start& start, parallel::Strategy& strategy) {
+// Copies the checkpoint into the parameter elements this rank holds (zero3: its shard only). With
+// model.lora into the frozen weights only, whole on every rank: the adapters start as model/lora.h says.
+void load_init_from(const Process& proc, Start& start, const Learner& learn) {
   if (!start.init_from) return;
   const auto t0 = Clock::now();
   torch::NoGradGuard no_grad;
-  for (const auto& sp : strategy.held_spans()) start.init_from->read(sp.param, sp.begin, sp.end, sp.values);
-  strategy.params_loaded();
+  if (learn.model->cfg.lora.enabled()) {  // the frozen weights whole; the adapters (held_spans) from an adapter dir
+    for (const auto& item : learn.model->named_parameters())
+      if (!item.value().requires_grad())
+        start.init_from->read(item.key(), 0, item.value().numel(), item.value().detach().view({-1}));
+    if (start.adapter)
+      for (const auto& sp : learn.strategy->held_spans()) start.adapter->read(sp.param, sp.begin, sp.end, sp.values);
+  } else {
+    for (const auto& sp : learn.strategy->held_spans()) start.init_from->read(sp.param, sp.begin, sp.end, sp.values);
+  }
+  learn.strategy->params_loaded();
   if (proc.rank0()) spdlog::info("weights from {} in {:.0f} ms", start.init_from->describe(), ms_since(t0));
   start.init_from.reset();  // unmaps the files
+  start.adapter.reset();
 }
 
 // A torchrun restart (`--max-restarts`): TORCHELASTIC_RESTART_COUNT > 0, the attempt this process belongs to.
@@ -372,6 +391,7 @@ void describe(const Process& proc, const Learner& learn, const Meter& meter, Out
   out.model_info = {{"params", learn.model->num_params()},
                     {"padding_params", learn.model->num_padding_params()},
                     {"matmul_params", learn.model->num_matmul_params()},
+                    {"trained_params", learn.model->num_trained_params()},
                     {"flops_per_token", meter.flops_per_token},
                     {"recompute_flops_per_token", meter.recompute_flops_per_token},
                     {"peak_flops", meter.peak.flops()},
@@ -415,6 +435,13 @@ void print_settings(std::vector<std::pair<std::string, std::string>> rows, const
                                  : fmt::format("{} ({:.2f} M), of which {} the vocabulary padding's zero rows "
                                                "(model.vocab_multiple; {} without them)",
                                                params, static_cast<double>(params) / 1e6, padding, params - padding));
+  if (learn.model->cfg.lora.enabled()) {
+    const auto trained = learn.model->num_trained_params();
+    rows.emplace_back("trained parameters",
+                      fmt::format("{} ({:.2f}% of them: model.lora's adapters on {}; the rest frozen)", trained,
+                                  100.0 * static_cast<double>(trained) / static_cast<double>(params),
+                                  fmt::join(config::lora_target_names(learn.model->cfg), ", ")));
+  }
   rows.emplace_back("train data", in.splits.describe_train());
   rows.emplace_back("val data", in.splits.describe_val());
   rows.emplace_back("peak FLOP/s for MFU", fmt::format("{:.3g} ({})", meter.peak.flops(), meter.peak.source()));
@@ -498,7 +525,7 @@ std::unique_ptr<Session> setup(const config::RunConfig& recipe) {
   auto plan = budget::plan_for(sc);
   open_loaders(cfg.train, s->proc, s->data);
   s->learn = build_learner(cfg, sc, s->proc, meter, std::move(plan));
-  meter.load_peak_bytes = peak_during(*meter.tracker, [&] { load_init_from(s->proc, s->start, *s->learn.strategy); });
+  meter.load_peak_bytes = peak_during(*meter.tracker, [&] { load_init_from(s->proc, s->start, s->learn); });
   measure(sc, s->proc, s->learn, meter);
   describe(s->proc, s->learn, meter, s->out);
   open_run_log(cfg, s->proc, s->start, s->data, s->out);

@@ -167,8 +167,12 @@ int64_t optimizer_state_bytes(const torch::optim::AdamW& opt) {
 
 double flops_per_token(const model::GPTImpl& model, int64_t seq_len) {
   const auto& c = model.cfg;
-  return 6.0 * static_cast<double>(model.num_matmul_params()) +
-         12.0 * static_cast<double>(c.n_layer) * static_cast<double>(seq_len) * static_cast<double>(c.n_embd);
+  // model.lora: a frozen weight's gradient is never computed, 4 FLOPs per weight (forward and the input's
+  // gradient) where a trained one takes 6; the adapters (num_trained_params) take 6.
+  const double trained = static_cast<double>(model.num_trained_params());
+  const double matmul = static_cast<double>(model.num_matmul_params());
+  const double weights = c.lora.enabled() ? 4.0 * (matmul - trained) + 6.0 * trained : 6.0 * matmul;
+  return weights + 12.0 * static_cast<double>(c.n_layer) * static_cast<double>(seq_len) * static_cast<double>(c.n_embd);
 }
 
 namespace {
