@@ -377,6 +377,35 @@ TEST_CASE("configs/7b_24gb.yaml: the planner puts a 7B fine-tune under 22 GiB of
   CHECK(memory::predict_states(memory::Scenario::of(plain)).model_states_bytes() > 24 * gib);
 }
 
+// Llama-3-8B's shape (without GQA, 8.84e9 parameters) fine-tuned on one 24 GB GPU two ways: LoRA with the
+// frozen base in bf16 (no host memory) and a full fine-tune with the optimizer and gradients offloaded. Both
+// fit the 22.4 GiB the planner leaves of 24 GB at the peaks their headers state; each trains at a tiny shape
+// on the CPU with its own settings (the twin).
+TEST_CASE("configs/llama3_8b_{lora,full}_24gb.yaml fit one 24 GB GPU as their headers say, and their tiny twins train") {
+  const int64_t gib = int64_t{1} << 30;
+  struct Claim {
+    std::string recipe;
+    double peak_gib, host_gib;
+  };
+  for (const Claim& c : {Claim{"llama3_8b_lora_24gb", 20.3, 0.0}, Claim{"llama3_8b_full_24gb", 21.3, 131.7}}) {
+    INFO(c.recipe);
+    auto cfg = config::load(test::kSourceDir + "/configs/" + c.recipe + ".yaml", {});
+    const auto sc = memory::Scenario::of(cfg);
+    const auto p = memory::predict_peak(sc, budget::plan_for(sc));
+    CHECK(std::abs(static_cast<double>(p.peak_bytes()) / gib - c.peak_gib) < 0.05);
+    CHECK(std::abs(static_cast<double>(p.host_peak_bytes()) / gib - c.host_gib) < 0.05);
+    CHECK(p.peak_bytes() <= 24'000'000'000LL);  // 24 GB: 22.4 GiB
+    test::TempDir dir("twin-" + c.recipe);
+    const auto r = test::trainer(
+        "--config configs/" + c.recipe + ".yaml --set model.n_layer=2 --set model.n_head=4 --set model.n_embd=64 "
+        "--set model.mlp_hidden=160 --set model.vocab_size=256 --set model.max_seq_len=64 --set train.seq_len=32 "
+        "--set train.grad_accum=2 --set train.steps=2 --set train.device=cpu --set logging.peak_tflops=0 "
+        "--set logging.dir=" + (dir.path / "run").string());
+    INFO(r.output);
+    CHECK(r.code == 0);
+  }
+}
+
 // The planner's host peak is every tensor the run makes in host memory, to the byte, on the rank where it
 // is largest: the offloaded states of every engine group with its padding to the world size, the host
 // AdamW's piece index, and state.async's snapshot with its RNG state. A memory.host_limit equal to it is

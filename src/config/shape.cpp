@@ -61,6 +61,14 @@ int64_t Shape::lora_block_params(int64_t layer) const {
   return lora_params_of_width(arch, n_embd, hidden(layer), lora_);
 }
 
+int64_t Shape::largest_trained_param() const {
+  if (!lora_.enabled()) return largest_param();
+  int64_t n = 0;
+  for (const auto& t : lora_targets_of_width(arch, n_embd, widest_, lora_))
+    n = std::max(n, lora_.rank * std::max(t.rows, t.projection == 3 ? widest_ : n_embd));
+  return n;
+}
+
 int64_t Shape::vector_params() const {
   const int64_t C = n_embd;
   int64_t n = bias ? 2 * C : C;  // lnf_w, lnf_b

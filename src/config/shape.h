@@ -60,6 +60,8 @@ struct Shape {
   int64_t widest_block_params() const { return block_params_of_width(widest_); }
   int64_t largest_unit_params() const;
   int64_t largest_param() const;
+  // The largest parameter that trains: largest_param(), or under model.lora the largest adapter matrix.
+  int64_t largest_trained_param() const;
 
  private:
   int64_t block_params_of_width(int64_t H) const;

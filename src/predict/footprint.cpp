@@ -23,7 +23,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t bucket_cap_params(const Scenario& sc) {
   const auto cap = static_cast<int64_t>(sc.placement.bucket_mb * 1024 * 1024) / 4;
-  return std::max(cap, sc.shape().largest_param());  // a bigger single tensor gets its own bucket
+  return std::max(cap, sc.shape().largest_trained_param());  // a bigger single tensor gets its own bucket
 }
 
 std::vector<std::vector<model::NamedParam>> engine_group_members(
@@ -223,10 +223,11 @@ PeakPrediction predict_states(const Scenario& sc) {
   // AdamW updates the model's parameters (none) or this rank's shard of each group; the engine's
   // norm reads whole groups (none) or shards. World 1 without sharding has no engine.
   const int64_t group = largest_group_params(sc, n), shard = ceil_div(group, N);
-  if (!fused_cpu_adamw(sc)) p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? shape.largest_param() : shard);
+  if (!fused_cpu_adamw(sc)) p.adamw_temp_bytes = 2 * 4 * (sh.replicated() ? shape.largest_trained_param() : shard);
   if (sc.placement.uses_engine() && !engine_grads_on_cpu(sc))
     p.grad_norm_temp_bytes = 8 * std::min(kGradNormChunk, sh.replicated() ? group : shard);
-  p.host_staging_bytes = device::host_staging_bytes(4 * shape.largest_param());  // fp32 masters and moments
+  // fp32 masters and moments (model.lora: the adapters', the frozen weights are not saved)
+  p.host_staging_bytes = device::host_staging_bytes(4 * shape.largest_trained_param());
   place_offloaded(sc, p);
   place_host(sc, p);
   return p;

@@ -232,6 +232,8 @@ Json plan(const config::RunConfig& recipe, int64_t memory_bytes) {
   Json j = {{"recipe", recipe.recipe_name},
             {"params", sc.shape().total_params()},
             {"padding_params", sc.shape().padding_params()},
+            {"trained_params", sc.shape().trained_params()},
+            {"lora_base_dtype", sc.model.lora.enabled() ? Json(sc.model.lora.base_dtype) : Json(nullptr)},
             {"world_size", recipe.world_size},
             {"sharding", sc.placement.sharding},
             {"sharding_transient_bytes", base.transient_bytes},
@@ -275,8 +277,11 @@ config::Dtype dtype_in(const Json& j, const char* key) {
   return config::Dtype::parse(j.value(key, std::string())).value_or(config::Dtype::kFp32);
 }
 
-std::string weights_label(config::Dtype param_dtype, const std::string& sharding, bool masters_on_host) {
+std::string weights_label(config::Dtype param_dtype, const std::string& sharding, bool masters_on_host,
+                          const Json& lora_base) {
   const auto fp32 = config::Dtype::kFp32;
+  if (!lora_base.is_null())  // model.lora: the frozen base whole, the adapters as any model's weights
+    return fmt::format("weights (frozen base in {}; fp32 adapters)", lora_base.get<std::string>());
   if (masters_on_host)
     return param_dtype == fp32 ? "weights (fp32 copy; masters on the host)"
                                : fmt::format("weights ({} copy; fp32 masters on the host)", param_dtype.name());
@@ -295,7 +300,9 @@ std::string bytes(const Json& v) { return log::format_bytes(v.get<int64_t>()); }
 // "N (x B)", and the vocabulary padding's share of them when the model has one (model.vocab_multiple).
 std::string parameters_text(const Json& j) {
   const auto n = j["params"].get<int64_t>(), padding = j.value("padding_params", int64_t{0});
-  const std::string all = fmt::format("{} ({:.3g} B)", n, static_cast<double>(n) / 1e9);
+  std::string all = fmt::format("{} ({:.3g} B)", n, static_cast<double>(n) / 1e9);
+  const auto trained = j.value("trained_params", n);
+  if (trained < n) all += fmt::format(", {} of them trained (model.lora's adapters)", trained);
   return padding == 0 ? all : fmt::format("{}, {} of them the vocabulary padding's zero rows", all, padding);
 }
 
@@ -312,6 +319,7 @@ void add_sequence_row(const Json& j, std::vector<std::pair<std::string, std::str
 // The gradients' row: fp32, reduce-scattered in reduce_dtype, or none held (optim.in_backward).
 std::string gradients_label(const Json& j) {
   if (j["optimizer_in_backward"].get<bool>()) return "gradients (none held: optim.in_backward)";
+  if (!j.value("lora_base_dtype", Json()).is_null()) return "gradients (fp32; the adapters' only)";
   if (dtype_in(j, "reduce_dtype") == config::Dtype::kFp32) return "gradients (fp32)";
   return fmt::format("gradients (fp32; reduce-scattered in {})", dtype_in(j, "reduce_dtype").name());
 }
@@ -322,10 +330,13 @@ std::string breakdown_table(const Json& j) {
       {"ranks x sharding", fmt::format("{} x {} (figures below are per rank)", j["world_size"].get<int64_t>(),
                                        j["sharding"].get<std::string>())},
       {weights_label(dtype_in(j, "param_dtype"), j["sharding"].get<std::string>(),
-                     j.contains("offload") && !j["offload"].is_null() && j["offload"]["optimizer"].get<bool>()),
+                     j.contains("offload") && !j["offload"].is_null() && j["offload"]["optimizer"].get<bool>(),
+                     j.value("lora_base_dtype", Json())),
        bytes(j["params_bytes"])},
       {gradients_label(j), bytes(j["grads_bytes"])},
-      {"AdamW moments (fp32)", bytes(j["optimizer_state_bytes"])},
+      {j.value("lora_base_dtype", Json()).is_null() ? "AdamW moments (fp32)"
+                                                    : "AdamW moments (fp32; the adapters' only)",
+       bytes(j["optimizer_state_bytes"])},
       {j.contains("offload") ? "model states on the device (host part below)" : "model states",
        bytes(j["model_states_bytes"])},
       {"gathered parameters / unreduced gradients", bytes(j["sharding_transient_bytes"])},
