@@ -69,6 +69,10 @@ int64_t Shape::largest_trained_param() const {
   return n;
 }
 
+int64_t Shape::trained_widest_block_params() const {
+  return lora_.enabled() ? lora_params_of_width(arch, n_embd, widest_, lora_) : widest_block_params();
+}
+
 int64_t Shape::vector_params() const {
   const int64_t C = n_embd;
   int64_t n = bias ? 2 * C : C;  // lnf_w, lnf_b

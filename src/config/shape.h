@@ -62,6 +62,11 @@ struct Shape {
   int64_t largest_param() const;
   // The largest parameter that trains: largest_param(), or under model.lora the largest adapter matrix.
   int64_t largest_trained_param() const;
+  // The parameters that train of the embeddings, the widest block and the head (zero3's units): theirs, or
+  // under model.lora 0, the widest block's adapters and 0.
+  int64_t trained_embedding_params() const { return lora_.enabled() ? 0 : embedding_params(); }
+  int64_t trained_widest_block_params() const;
+  int64_t trained_head_params() const { return lora_.enabled() ? 0 : head_params(); }
 
  private:
   int64_t block_params_of_width(int64_t H) const;

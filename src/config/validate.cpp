@@ -104,11 +104,6 @@ void validate_lora(const RunConfig& c) {
   if (c.precision.param_dtype != Dtype::kFp32)
     fail("precision.param_dtype", "with model.lora only the adapters have fp32 masters and a compute copy: set "
                                   "model.lora's base_dtype: bf16 to hold the frozen weights in bf16 instead");
-  if (c.parallel.sharding.shards_params())
-    fail("parallel.sharding",
-         "zero3 shards every parameter by block, and with model.lora the frozen weights would need gathering without "
-         "a gradient or an optimizer: use zero2 (or zero1 / none), which keep the frozen weights whole on every rank "
-         "and shard the adapters' optimizer states and gradients");
 }
 
 void validate_model(const RunConfig& c) {

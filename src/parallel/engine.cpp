@@ -76,6 +76,15 @@ Engine::~Engine() {
 
 bool Engine::low_precision_copy() const { return param_dtype_ != at::kFloat; }
 
+namespace {
+// The name of a unit's first parameter that trains ("" when none does: model.lora's embeddings and head).
+std::string first_trained(const std::vector<model::NamedParam>& unit) {
+  for (const auto& p : unit)
+    if (p.tensor.requires_grad()) return p.name;
+  return "";
+}
+}  // namespace
+
 // Which parameters form which group: zero3 one group per unit, otherwise buckets of bucket_mb; both in
 // reverse unit order (the order gradients arrive in).
 Engine::Layout Engine::plan_groups(int64_t bucket_bytes,
@@ -84,13 +93,15 @@ Engine::Layout Engine::plan_groups(int64_t bucket_bytes,
   l.group_of_unit.assign(units.size(), -1);
   const bool per_unit = groups_per_unit();
   l.members = memory::engine_group_members(units, per_unit, bucket_bytes);
-  for (size_t g = 0; g < l.members.size(); ++g) {
-    if (!per_unit) {
-      l.names.push_back(fmt::format("bucket {}", g));
-      continue;
-    }
-    const size_t u = units.size() - 1 - g;  // the last unit first
-    l.group_of_unit[u] = static_cast<int64_t>(g);
+  if (!per_unit) {
+    for (size_t g = 0; g < l.members.size(); ++g) l.names.push_back(fmt::format("bucket {}", g));
+    return l;
+  }
+  size_t g = 0;  // the last unit first; a unit with nothing to train (model.lora) has no group
+  for (size_t k = 0; k < units.size(); ++k) {
+    const size_t u = units.size() - 1 - k;
+    if (g == l.members.size() || units[u].empty() || l.members[g].front().name != first_trained(units[u])) continue;
+    l.group_of_unit[u] = static_cast<int64_t>(g++);
     l.names.push_back(model::unit_name(model_->cfg, static_cast<int64_t>(u)));
   }
   return l;
@@ -158,16 +169,32 @@ void Engine::bind_values(Group&, torch::Tensor) {
 void Engine::materialize_units(const std::vector<std::vector<model::NamedParam>>& units,
                                const std::vector<int64_t>& group_of_unit) {
   for (size_t u = 0; u < units.size(); ++u) {
-    auto& g = *groups_[static_cast<size_t>(group_of_unit[u])];
-    auto flat = torch::zeros({g.padded}, fp32_options());
+    Group* g = group_of_unit[u] < 0 ? nullptr : groups_[static_cast<size_t>(group_of_unit[u])].get();
+    auto flat = g ? torch::zeros({g->padded}, fp32_options()) : torch::Tensor();
     for (const auto& np : units[u]) {
-      const auto i = static_cast<size_t>(std::find(g.names.begin(), g.names.end(), np.name) - g.names.begin());
+      if (!np.tensor.requires_grad()) {  // model.lora's frozen weight: whole on every rank, drawn in turn
+        materialize_frozen(np);
+        continue;
+      }
+      const auto i = static_cast<size_t>(std::find(g->names.begin(), g->names.end(), np.name) - g->names.begin());
       model::init_parameter(model_->cfg, np.name,
-                            flat.narrow(0, g.offsets[i], g.params[i].numel()).view(g.params[i].sizes()));
+                            flat.narrow(0, g->offsets[i], g->params[i].numel()).view(g->params[i].sizes()));
     }
+    if (!g) continue;
     init_sum_ += flat.sum().item<double>();  // fp32: a float64 sum would first make a float64 copy of the unit
-    bind_values(g, std::move(flat));
+    bind_values(*g, std::move(flat));
   }
+}
+
+// A frozen weight of a deferred model: its fp32 values drawn as a one-process build draws them, kept in the
+// dtype the model holds it in (model.lora.base_dtype: matrices in bf16), on the device.
+void Engine::materialize_frozen(const model::NamedParam& np) {
+  auto t = torch::empty(np.tensor.sizes(), fp32_options());
+  model::init_parameter(model_->cfg, np.name, t);
+  init_sum_ += t.sum().item<double>();
+  const bool bf16 = model_->cfg.lora.base_dtype == config::Dtype::kBf16 && np.tensor.dim() >= 2;
+  torch::Tensor param = np.tensor;
+  param.set_data(bf16 ? t.to(torch::kBFloat16) : t);
 }
 
 // unit -> the groups it needs gathered (a group per unit: its own, and the embeddings for a tied head;
@@ -176,8 +203,9 @@ void Engine::index_units(const std::vector<std::vector<model::NamedParam>>& unit
                          const std::vector<int64_t>& group_of_unit) {
   unit_groups_.assign(units.size(), {});
   if (groups_per_unit()) {
-    for (size_t u = 0; u < units.size(); ++u) unit_groups_[u].push_back(static_cast<size_t>(group_of_unit[u]));
-    if (model_->cfg.tie_embeddings)  // the head reads the token embedding
+    for (size_t u = 0; u < units.size(); ++u)
+      if (group_of_unit[u] >= 0) unit_groups_[u].push_back(static_cast<size_t>(group_of_unit[u]));
+    if (model_->cfg.tie_embeddings && group_of_unit[model::kEmbeddingUnit] >= 0)  // the head reads the token embedding
       unit_groups_[static_cast<size_t>(model::head_unit(model_->cfg))].push_back(
           static_cast<size_t>(group_of_unit[model::kEmbeddingUnit]));
   } else {

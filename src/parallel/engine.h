@@ -167,13 +167,14 @@ class Engine : public Strategy {
   struct Layout {  // which parameters make which group (plan_groups)
     std::vector<std::vector<model::NamedParam>> members;
     std::vector<std::string> names;
-    std::vector<int64_t> group_of_unit;
+    std::vector<int64_t> group_of_unit;  // -1: a unit with no group (model.lora: nothing of it trains)
   };
   void build_groups(int64_t bucket_bytes);  // parallel.bucket_mb in bytes (buckets only)
   Layout plan_groups(int64_t bucket_bytes, const std::vector<std::vector<model::NamedParam>>& units) const;
   std::unique_ptr<Group> make_group(const std::string& name, std::vector<model::NamedParam> named);
   void materialize_units(const std::vector<std::vector<model::NamedParam>>& units,
                          const std::vector<int64_t>& group_of_unit);
+  void materialize_frozen(const model::NamedParam& np);
   void index_units(const std::vector<std::vector<model::NamedParam>>& units, const std::vector<int64_t>& group_of_unit);
   void add_grad_hooks();
   void on_param_grad(size_t group, size_t index);

@@ -13,7 +13,10 @@ namespace {
 
 // The largest flat group the engine forms: a unit under zero3, else a gradient bucket.
 int64_t largest_group_params(const Scenario& sc, int64_t n) {
-  if (sc.placement.sharding.shards_params()) return sc.shape().largest_unit_params();
+  const auto& d = sc.shape();
+  if (sc.placement.sharding.shards_params())
+    return std::max({d.trained_embedding_params(), d.n_layer > 0 ? d.trained_widest_block_params() : 0,
+                     d.trained_head_params()});
   return std::min(n, bucket_cap_params(sc));
 }
 
@@ -28,8 +31,16 @@ int64_t bucket_cap_params(const Scenario& sc) {
 
 std::vector<std::vector<model::NamedParam>> engine_group_members(
     const std::vector<std::vector<model::NamedParam>>& units, bool per_unit, int64_t cap_bytes) {
-  if (per_unit) return {units.rbegin(), units.rend()};
   std::vector<std::vector<model::NamedParam>> groups;
+  if (per_unit) {
+    for (auto u = units.rbegin(); u != units.rend(); ++u) {
+      std::vector<model::NamedParam> trained;  // model.lora: the unit's adapters (none: no group)
+      for (const auto& p : *u)
+        if (p.tensor.requires_grad()) trained.push_back(p);
+      if (!trained.empty()) groups.push_back(std::move(trained));
+    }
+    return groups;
+  }
   int64_t bytes = 0;
   for (auto u = units.rbegin(); u != units.rend(); ++u)
     for (auto it = u->rbegin(); it != u->rend(); ++it) {
@@ -164,8 +175,9 @@ void place_transients(const Scenario& sc, PeakPrediction& p) {
   } else if (sh.shards_params()) {
     const config::Shape d(sc.model);
     const int64_t L = d.n_layer;
-    const int64_t ue = padded(d.embedding_params()), ub = L > 0 ? padded(d.widest_block_params()) : 0,
-                  uh = padded(d.head_params());
+    // model.lora: only the adapters are gathered (the frozen weights stay whole, in params_bytes)
+    const int64_t ue = padded(d.trained_embedding_params()), ub = L > 0 ? padded(d.trained_widest_block_params()) : 0,
+                  uh = padded(d.trained_head_params());
     const int64_t ut = uh + (d.tied ? ue : 0), second = L > 1 ? ub : 0;  // the head's gather; a second block
     const int64_t grad = cr * std::max(ub, uh);  // one unit's gradient buffer
     p.transient_forward_bytes = cp * std::max({ue + (L > 0 ? ub : ut), ub + second, ub + ut});

@@ -168,7 +168,8 @@ int64_t bucket_cap_params(const Scenario& sc);
 // Which parameters make which group of parallel::Engine (its plan_groups takes them from here, the host
 // terms below count them): with `per_unit` (zero3) one group per unit, the last unit first (backward's
 // order); otherwise buckets of at most `cap_bytes`, filled with the parameters from the last to the
-// first, a larger tensor in a bucket of its own.
+// first, a larger tensor in a bucket of its own. Only parameters that train: model.lora's frozen weights
+// are in no group (held whole), and a unit without adapters has no zero3 group.
 std::vector<std::vector<model::NamedParam>> engine_group_members(
     const std::vector<std::vector<model::NamedParam>>& units, bool per_unit, int64_t cap_bytes);
 // The recipe's engine groups (engine_group_members on a meta-device model): params, the group's

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <map>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -46,8 +47,16 @@ Json save_final_model(const config::ModelConfig& m, const Process& proc, paralle
     return strategy.param_values(param).narrow(0, begin, end - begin);  // fp32: the masters of a compute copy
   };
   // model.lora: the weights with the adapters folded in (what sample reads), the adapters beside them (PEFT's).
+  // The merged walk reads every adapter while its unit is gathered (zero3); a host copy of each is kept for
+  // the adapter file, written after the walk.
+  auto kept = std::make_shared<std::map<std::string, torch::Tensor>>();
+  const interop::ParamValues adapters = [&, kept](const std::string& param, int64_t begin, int64_t end) {
+    auto& t = (*kept)[param];
+    if (!t.defined()) t = strategy.param_values(param).to(torch::kCPU, torch::kFloat).clone();
+    return t.narrow(0, begin, end - begin);
+  };
   interop::WeightsSource source =
-      m.lora.enabled() ? interop::merged_source(m, values, values) : interop::WeightsSource{};
+      m.lora.enabled() ? interop::merged_source(m, values, adapters) : interop::WeightsSource{};
   source.enter = [&](int64_t unit) { strategy.gather_unit(unit); };
   source.leave = [&](int64_t unit) { strategy.release_unit(unit); };
   strategy.take_transient_peak();  // from here on: what the export gathers
@@ -62,7 +71,7 @@ Json save_final_model(const config::ModelConfig& m, const Process& proc, paralle
                                      torch::kFloat, source, proc.rank0(),
                                      {{"format", "pt"}, {"sublinear_step", std::to_string(st.steps_done)}}, eos);
     if (proc.rank0() && m.lora.enabled())
-      interop::write_peft(runlog.dir() / "adapter", m, values, interop::base_checkpoint(m));
+      interop::write_peft(runlog.dir() / "adapter", m, adapters, interop::base_checkpoint(m));
     if (proc.rank0() && !tokenizer.empty()) text::write_hf_tokenizer(runlog.dir() / "model", tokenizer, m.max_seq_len);
     return {{"path", w.file.string()}, {"step", st.steps_done}, {"bytes", w.digest.bytes}, {"tensors", w.tensors},
             {"gathered_peak_bytes", strategy.take_transient_peak()}};
