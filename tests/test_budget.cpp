@@ -418,8 +418,18 @@ Gradients gradients(const config::RunConfig& cfg, const recompute::Plan& plan) {
   parallel::Single single(m);
   out.loss = train::forward_backward([&](const torch::Tensor& idx, const torch::Tensor& y, const torch::Tensor& p) { return runner.loss(idx, y, p); }, {loader.next()},
                                      torch::kCPU, single).item<double>();
-  for (const auto& p : m->parameters()) out.grads.push_back(p.grad().clone());
+  for (const auto& p : m->parameters()) out.grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
   return out;
+}
+
+// Gradients equal bit for bit, parameter by parameter (model.lora's frozen weights: none on both sides).
+void require_same(const Gradients& a, const Gradients& b) {
+  REQUIRE(a.loss == b.loss);
+  REQUIRE(a.grads.size() == b.grads.size());
+  for (size_t i = 0; i < a.grads.size(); ++i) {
+    REQUIRE(a.grads[i].defined() == b.grads[i].defined());
+    if (a.grads[i].defined()) REQUIRE(torch::equal(a.grads[i], b.grads[i]));
+  }
 }
 
 bool uniform(const recompute::Plan& p) {
@@ -456,12 +466,36 @@ TEST_CASE("budget runs: measured activation peak within the budget (+5%), gradie
     auto dropout_cfg = six_layers({"model.dropout=0.1"});
     dropout_cfg.checkpointing = cfg.checkpointing;
     const auto with = gradients(dropout_cfg, plan);
-    REQUIRE(with.loss == none.loss);
-    REQUIRE(with.grads.size() == none.grads.size());
-    for (size_t i = 0; i < with.grads.size(); ++i) REQUIRE(torch::equal(with.grads[i], none.grads[i]));
+    require_same(with, none);
     mixed += uniform(plan) ? 0 : 1;
   }
   CHECK(mixed >= 2);  // between full and none the schedule is not one uniform choice
+}
+
+// model.lora: a budget schedule recomputes the adapters with their projections (segments and selective
+// pairs alike), so every budget between full and none gives none's adapter gradients, dropout on.
+TEST_CASE("model.lora: budget schedules between full and none give none's gradients bitwise, adapter dropout on") {
+  const std::vector<std::string> lora = {"model.lora={rank: 4, alpha: 8, dropout: 0.1, targets: [all-linear]}",
+                                         "model.dropout=0.1"};
+  const auto with_lora = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), lora.begin(), lora.end());
+    return six_layers(sets);
+  };
+  const auto none_cfg = with_lora({});
+  const auto none = gradients(none_cfg, budget::plan_for(memory::Scenario::of(none_cfg)));
+  const double none_peak = static_cast<double>(memory::estimate_activation_peak(memory::Scenario::of(none_cfg)).peak_bytes);
+  const double full_peak = static_cast<double>(
+      memory::estimate_activation_peak(memory::Scenario::of(with_lora({"checkpointing.mode=full"}))).peak_bytes);
+  int mixed = 0;
+  for (int k = 0; k <= 4; ++k) {
+    const auto budget = static_cast<int64_t>(full_peak + (none_peak - full_peak) * k / 4.0);
+    const auto cfg = with_lora({"checkpointing.mode=budget", fmt::format("checkpointing.budget={}B", budget)});
+    const auto plan = budget::plan_for(memory::Scenario::of(cfg));
+    INFO(fmt::format("budget {}: {}", budget, plan.describe()));
+    require_same(gradients(cfg, plan), none);
+    mixed += uniform(plan) ? 0 : 1;
+  }
+  CHECK(mixed >= 1);
 }
 
 TEST_CASE("a larger budget never costs more recompute, and the schedule a recipe gets is printed and logged") {
