@@ -37,7 +37,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k, c
 torch::Tensor block_step(BlockImpl& b, const torch::Tensor& x, int64_t pos, const Rope& rope, LayerCache& cache) {
   const int64_t t = x.size(1);
   const auto n1 = b.norm1(x);
-  auto qkv = b.lora[0].add_to(model::linear(n1, b.w_qkv, b.b_qkv), n1);
+  auto qkv = b.lora[0].linear(n1, b.w_qkv, b.b_qkv);
   auto [q, k, v] = b.heads(qkv, b.n_head);  // (1, nh, t, hd)
   if (b.llama) {
     const auto rotated = b.attention_inputs(qkv, rope);
@@ -48,11 +48,11 @@ torch::Tensor block_step(BlockImpl& b, const torch::Tensor& x, int64_t pos, cons
   cache.v.narrow(2, pos, t).copy_(v);
   auto y = cached_attention(q, cache.k.narrow(2, 0, pos + t), cache.v.narrow(2, 0, pos + t), pos);
   y = y.transpose(1, 2).reshape({x.size(0), t, b.n_embd});
-  auto h = x + b.lora[1].add_to(model::linear(y, b.w_proj, b.b_proj), y);
+  auto h = x + b.lora[1].linear(y, b.w_proj, b.b_proj);
   const auto n2 = b.norm2(h);
-  auto u = b.lora[2].add_to(model::linear(n2, b.w_fc, b.b_fc), n2);
+  auto u = b.lora[2].linear(n2, b.w_fc, b.b_fc);
   const auto act = b.mlp_act(u, torch::Tensor());
-  return h + b.lora[3].add_to(model::linear(act, b.w_out, b.b_out), act);
+  return h + b.lora[3].linear(act, b.w_out, b.b_out);
 }
 
 // The model on new ids (1, t) at offset pos with the caches: the last position's logits (V).

@@ -245,8 +245,7 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const Rope& rope) {
   static const LinearAfter plain = [](Part, const CheapFn& cheap, const std::vector<torch::Tensor>& inputs,
                                       const std::vector<torch::Tensor>&, const torch::Tensor& W,
                                       const torch::Tensor& b, const LoraAdapter& lora) {
-    const auto a = cheap(inputs);
-    return lora.add_to(model::linear(a, W, b), a);
+    return lora.linear(cheap(inputs), W, b);
   };
   return forward_with(x, rope, plain);
 }
@@ -405,9 +404,16 @@ int64_t GPTImpl::num_params() const {
   return n;
 }
 
+std::vector<torch::Tensor> GPTImpl::trained_parameters() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : parameters())
+    if (p.requires_grad()) out.push_back(p);
+  return out;
+}
+
 int64_t GPTImpl::num_trained_params() const {
   int64_t n = 0;
-  for (const auto& p : parameters()) n += p.requires_grad() ? p.numel() : 0;
+  for (const auto& p : trained_parameters()) n += p.numel();
   return n;
 }
 

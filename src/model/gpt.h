@@ -134,6 +134,9 @@ struct GPTImpl : torch::nn::Module {
 
   // model.lora: every parameter but the adapters' stops requiring a gradient (the constructor does it).
   void freeze_base();
+  // The parameters that train (requires_grad): all of them, or model.lora's adapters; what the optimizer
+  // updates and the strategies reduce.
+  std::vector<torch::Tensor> trained_parameters() const;
   // Parameters by unit (see kEmbeddingUnit): unit_count(cfg) lists, each in registration order.
   std::vector<std::vector<NamedParam>> units() const;
 

@@ -41,6 +41,10 @@ torch::Tensor LoraAdapter::delta(const torch::Tensor& x) const {
   return columns.size() == 1 ? columns[0] : at::cat(columns, -1);
 }
 
+torch::Tensor LoraAdapter::linear(const torch::Tensor& x, const torch::Tensor& W, const torch::Tensor& b) const {
+  return add_to(model::linear(x, W, b), x);
+}
+
 torch::Tensor LoraAdapter::weight_delta(int64_t in_features) const {
   auto w = at::zeros({out_features, in_features}, at::kFloat);
   for (const auto& p : pieces) {

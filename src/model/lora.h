@@ -35,6 +35,8 @@ struct LoraAdapter {
   torch::Tensor delta(const torch::Tensor& x) const;
   // y + delta(x), or y itself without pieces.
   torch::Tensor add_to(const torch::Tensor& y, const torch::Tensor& x) const { return empty() ? y : y + delta(x); }
+  // The adapted projection of x: model::linear(x, W, b) + delta(x).
+  torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& W, const torch::Tensor& b) const;
   // scale * B A of each piece, in W's rows: (N, K) fp32 on the host, zero outside the pieces (merging).
   torch::Tensor weight_delta(int64_t in_features) const;
 };

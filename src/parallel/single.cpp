@@ -50,8 +50,8 @@ struct UpdateInBackward final : torch::autograd::PostAccumulateGradHook {
 
 void Single::step_in_backward(torch::optim::AdamW& opt) {
   in_backward_ = &opt;
-  for (const auto& p : model_->parameters())
-    if (p.requires_grad()) torch::autograd::impl::set_post_acc_grad_hooks(p, std::make_unique<UpdateInBackward>(this));
+  for (const auto& p : model_->trained_parameters())
+    torch::autograd::impl::set_post_acc_grad_hooks(p, std::make_unique<UpdateInBackward>(this));
 }
 
 void Single::update_in_backward(const torch::Tensor& p) {
@@ -95,8 +95,7 @@ torch::Tensor Single::param_values(const std::string& name) const {
 
 Strategy::Trainables Single::trainables() {
   Trainables t;
-  for (const auto& p : model_->parameters())
-    if (p.requires_grad()) (p.dim() >= 2 ? t.decay : t.no_decay).push_back(p);
+  for (const auto& p : model_->trained_parameters()) (p.dim() >= 2 ? t.decay : t.no_decay).push_back(p);
   return t;
 }
 

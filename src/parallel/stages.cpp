@@ -20,8 +20,7 @@ torch::Tensor Ddp::grad_norm_sq_share() {
 Strategy::Trainables Ddp::trainables() {
   if (host_.masters_on_host()) return shard_pieces();
   Trainables t;
-  for (const auto& p : model_->parameters())
-    if (p.requires_grad()) (p.dim() >= 2 ? t.decay : t.no_decay).push_back(p);
+  for (const auto& p : model_->trained_parameters()) (p.dim() >= 2 ? t.decay : t.no_decay).push_back(p);
   return t;
 }
 

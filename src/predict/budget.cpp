@@ -340,7 +340,7 @@ BlockCost time_block(model::Block& block, const torch::Tensor& x, const model::R
                                                const torch::Tensor& W, const torch::Tensor& b,
                                                const model::LoraAdapter& lora) {
       auto [a, cheap_ms] = timed(device, [&] { return cheap(in); });
-      auto [y, linear_ms] = timed(device, [&] { return lora.add_to(model::linear(a, W, b), a); });
+      auto [y, linear_ms] = timed(device, [&] { return lora.linear(a, W, b); });
       (part == model::Part::attention_proj ? attention : part == model::Part::act_out ? mlp : norm) += cheap_ms;
       if (part == model::Part::act_out) output = linear_ms;
       return y;

@@ -398,7 +398,7 @@ struct RecomputeLinearFunction : torch::autograd::Function<RecomputeLinearFuncti
     }
     if (saved->opts.check_recompute) saved->out_meta.push_back(meta_of(a));
     const auto& W = linear_params[0];
-    auto y = saved->lora.add_to(model::linear(a, W, linear_params.size() > 1 ? linear_params[1] : at::Tensor()), a);
+    auto y = saved->lora.linear(a, W, linear_params.size() > 1 ? linear_params[1] : at::Tensor());
     saved->params.assign(cheap_params.begin(), cheap_params.end());
     saved->params.insert(saved->params.end(), linear_params.begin(), linear_params.end());
     saved->n_linear = linear_params.size();
@@ -599,8 +599,7 @@ at::Tensor recompute_then_linear(const std::string& name, const CheapFn& cheap, 
                                  const std::vector<at::Tensor>& cheap_params, const at::Tensor& W, const at::Tensor& b,
                                  const model::LoraAdapter& lora, const Options& opts) {
   if (!torch::GradMode::is_enabled()) {
-    const auto a = cheap(inputs);
-    return lora.add_to(model::linear(a, W, b), a);
+    return lora.linear(cheap(inputs), W, b);
   }
   auto saved = c10::make_intrusive<Saved>();
   saved->name = name;

@@ -48,10 +48,7 @@ model::LinearAfter selective_linear_after(uint8_t parts, int64_t layer, const Op
              const std::vector<torch::Tensor>& cheap_params, const torch::Tensor& W, const torch::Tensor& b,
              const model::LoraAdapter& lora) {
     const auto i = static_cast<size_t>(part);
-    if (!recompute[i]) {
-      const auto a = cheap(inputs);
-      return lora.add_to(model::linear(a, W, b), a);
-    }
+    if (!recompute[i]) return lora.linear(cheap(inputs), W, b);
     const auto name = fmt::format("block {} {}", layer, kPartNames[i]);
     if (part != model::Part::attention_proj || !keep_exchange)
       return recompute_then_linear(name, cheap, inputs, cheap_params, W, b, lora, *o);
@@ -108,7 +105,7 @@ torch::Tensor Runner::block_forward_unhooked(model::BlockImpl& block, const torc
                            const model::LoraAdapter& lora) {
       const auto a = cheap(inputs);
       if (part == model::Part::act_out) return lora.add_to(linear_without_output(a, W, b), a);
-      return lora.add_to(model::linear(a, W, b), a);
+      return lora.linear(a, W, b);
     };
     return block.forward_with(x, rope, linear_after);
   }
